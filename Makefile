@@ -1,0 +1,39 @@
+# Pagoda: `make serve` and `make test` install what they need first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Where no GPU is present, take the CPU build of torch (a local file on the CI
+# machines) instead of letting pip pull the multi-GB CUDA build.
+TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+ARGS ?=
+
+.PHONY: install serve test test-gpu lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m server $(ARGS)
+
+test: install
+	$(PY) -m pytest -q -ra $(ARGS)
+
+test-gpu: install
+	$(PY) -m pytest -q -ra -m gpu $(ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: install
+	$(PY) -m benchmarks.offline $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

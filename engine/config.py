@@ -1,0 +1,71 @@
+"""EngineConfig: the one object built from CLI flags and threaded down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local HF directory; None = the embedded demo model
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size from free memory
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own limit
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0  # seeds the engine generator used by unseeded requests
+    nvtx: bool = False  # NVTX ranges around step phases, for nsys
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+        """fp32 on CPU; on CUDA the checkpoint's half type (bf16 if it is fp32)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.torch_device.type == "cuda" and not self.enforce_eager
+
+    def max_blocks_per_seq(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Decode batch buckets: 1, 2, 4, 8, then every 8 up to max_num_seqs."""
+        sizes = [b for b in (1, 2, 4) if b < self.max_num_seqs]
+        sizes += list(range(8, self.max_num_seqs, 8))
+        return sizes + [self.max_num_seqs]

@@ -1,0 +1,124 @@
+"""KV block allocator with a prefix cache: ref-counted blocks, chained hashes, LRU.
+
+Only *full* blocks are ever shared (their tokens can no longer change), so a
+request never writes into a block another request reads: no copy-on-write.
+A freed block keeps its hash and stays findable until it is reused; the free
+list is ordered so that blocks without a hash are reused first, then cached
+blocks least-recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.request import Request
+
+
+def chain_hash(parent: int | None, tokens: list[int]) -> int:
+    # Python's hash of a tuple of ints is deterministic across processes.
+    return hash((parent, tuple(tokens)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks holding a prefix of req's tokens (nothing is claimed yet).
+
+        At least the last token is always left to compute (its logits are needed),
+        and whole blocks only, so the block it lands in is a fresh one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        tokens = req.all_token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        blocks: list[int] = []
+        parent = None
+        for i in range(max_blocks):
+            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(blocks) * bs
+        return blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give req blocks for num_new_tokens more tokens (after claiming cached_blocks).
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
+        num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
+        have = len(req.block_ids) + len(cached_blocks)
+        needed = self.blocks_needed(num_computed + num_new_tokens) - have
+        if max(needed, 0) + revived > self.num_free_blocks:
+            return False
+        for block in cached_blocks:
+            if self.ref_count[block] == 0:
+                del self.free_blocks[block]
+            self.ref_count[block] += 1
+            req.block_ids.append(block)
+        if cached_blocks:
+            req.block_hashes = [self.block_hash[b] for b in req.block_ids]
+            req.num_computed_tokens = num_computed
+            req.num_cached_tokens = num_computed
+        for _ in range(needed):
+            block, _ = self.free_blocks.popitem(last=False)
+            old_hash = self.block_hash[block]
+            if old_hash is not None:
+                if self.cached.get(old_hash) == block:
+                    del self.cached[old_hash]
+                self.block_hash[block] = None
+            self.ref_count[block] = 1
+            req.block_ids.append(block)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the blocks req has filled since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = req.num_computed_tokens // bs
+        tokens = req.all_token_ids
+        for i in range(len(req.block_hashes), num_full):
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            h = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
+            req.block_hashes.append(h)
+            block = req.block_ids[i]
+            if h not in self.cached:
+                self.cached[h] = block
+                self.block_hash[block] = h
+
+    def free(self, req: Request) -> None:
+        # Tail blocks first, so a shared prefix outlives the suffixes behind it.
+        for block in reversed(req.block_ids):
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_hash[block] is None:
+                    self.free_blocks.move_to_end(block, last=False)
+        req.block_ids = []
+        req.block_hashes = []

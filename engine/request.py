@@ -1,0 +1,116 @@
+"""A request's state inside the engine, and what the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one choice of a request: deltas, not totals."""
+
+    request_id: str
+    index: int  # which of the request's n choices
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None  # the stop token id or stop string that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    metrics: RequestMetrics
+
+
+class Request:
+    """One sequence being generated (a request with n > 1 becomes n of these)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        arrival_time: float | None = None,
+        wait_for: Request | None = None,
+    ) -> None:
+        self.request_id = request_id  # the client's id, shared by the n choices
+        self.index = index
+        self.key = f"{request_id}#{index}"  # unique inside the engine
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        # Generated ids; all_token_ids is what the model has seen or will see.
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed
+        self.slot: int = -1  # row of the persistent block table while running
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time or time.time())
+        # Choice i > 0 waits until choice 0 has prefilled the prompt, so it
+        # finds the prompt's full blocks in the prefix cache.
+        self.wait_for = wait_for
+        self.generator: torch.Generator | None = None
+        self.detokenizer = None  # set by the engine: engine.detokenizer.IncrementalDetokenizer
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.num_emitted_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.key}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, blocks={len(self.block_ids)})"
+        )

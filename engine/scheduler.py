@@ -1,0 +1,136 @@
+"""Who runs this step, and how many tokens each: continuous batching with chunked prefill.
+
+Each step has a token budget (max_num_batched_tokens). Running requests go
+first, in arrival order (decodes take one token, unfinished prefills a chunk);
+then waiting requests are admitted while budget, sequence slots and KV blocks
+last. When a running request cannot get a block, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the
+queue, to be recomputed later (its full blocks usually survive in the prefix
+cache, so recompute is cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token is computed, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that gained a slot this step or gained blocks, for the block table.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: everything after it is gone too
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+
+        now = time.time()
+        while self.waiting and budget > 0 and self.free_slots and not out.preempted:
+            req = self.waiting[0]
+            if req.wait_for is not None and not self._prefilled(req.wait_for):
+                break  # FIFO: nothing overtakes a request held for its sibling
+            cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_computed = len(cached) * self.blocks.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if not self.blocks.allocate(req, num_new, cached):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.slot = self.free_slots.pop()
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    @staticmethod
+    def _prefilled(req: Request) -> bool:
+        return req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Take req out of the queues for good and free its blocks and slot."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.metrics.finished_time = time.time()
