@@ -1,0 +1,368 @@
+"""Load test for OpenAI-compatible streaming servers: TTFT, ITL, TPOT, E2E, throughput.
+
+    python -m clients.loadtest --base-url http://127.0.0.1:8000 \\
+        --input-len-range 64 256 --output-len-range 64 128 \\
+        --request-rate 8 --num-requests 200 --result-file out.json --plot-dir plots/
+
+The same entry point backs `pagoda loadtest`: `build_parser()` and `main(argv)`.
+Metric definitions follow vLLM's benchmark_serving; see clients/metrics.py and
+docs/loadtest.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from clients.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
+from clients.report import format_table, write_plots
+from clients.stream import request_body, stream_request
+from clients.workload import DatasetWorkload, FixedWorkload, RandomWorkload, Workload
+
+DEFAULT_PROMPT = "Hello, my name is"
+
+Send = Callable[[int], Awaitable[RequestRecord]]
+
+
+class LoadTestError(Exception):
+    """The load test could not run at all (e.g. the server is unreachable)."""
+
+
+@dataclass
+class LoadTestResult:
+    model: str
+    started_at: str  # wall-clock ISO time of the benchmark start
+    t0: float  # perf_counter() at the benchmark start; record times are relative to it
+    records: list[RequestRecord]
+    warmup_records: list[RequestRecord]
+    metrics: BenchmarkMetrics
+    notes: list[str]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagoda loadtest",
+        description="Load-test an OpenAI-compatible streaming server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000")
+    target.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="/v1/completions or /v1/chat/completions",
+    )
+    target.add_argument("--model", help="model name (default: first of GET /v1/models)")
+    target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+
+    work = p.add_argument_group("workload (one of --prompt, --input-len-range, --dataset)")
+    source = work.add_mutually_exclusive_group()
+    source.add_argument(
+        "--prompt", help=f"fixed prompt for every request (default {DEFAULT_PROMPT!r})"
+    )
+    source.add_argument(
+        "--input-len-range",
+        nargs=2,
+        type=int,
+        metavar=("A", "B"),
+        help="random prompts of A..B words (about one token each); sends ignore_eos",
+    )
+    source.add_argument("--dataset", type=Path, help='JSONL: {"prompt": ..., "max_tokens": opt}')
+    work.add_argument(
+        "--output-len-range",
+        nargs=2,
+        type=int,
+        metavar=("A", "B"),
+        help="with --input-len-range: max_tokens uniform in A..B (default: --max-tokens)",
+    )
+    work.add_argument("--max-tokens", type=int, default=128, help="for --prompt and --dataset")
+    work.add_argument("--ignore-eos", action="store_true", help="for --prompt and --dataset")
+
+    arrival = p.add_argument_group("arrivals (one of --request-rate, --burst, --concurrency)")
+    mode = arrival.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="open loop: requests/s with gamma (Poisson by default) gaps; inf = all at once",
+    )
+    mode.add_argument("--burst", action="store_true", help="send every request at once")
+    mode.add_argument(
+        "--concurrency",
+        type=int,
+        help="closed loop: C requests in flight, each sent when one finishes",
+    )
+    arrival.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps at --request-rate: 1 = Poisson, <1 burstier, inf = evenly spaced",
+    )
+
+    bounds = p.add_argument_group("bounds")
+    bounds.add_argument(
+        "--num-requests", type=int, default=100, help="0 = no count bound (needs --duration)"
+    )
+    bounds.add_argument("--duration", type=float, help="stop sending new requests after S seconds")
+    bounds.add_argument("--warmup", type=int, default=0, help="requests sent first, not counted")
+    bounds.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
+    bounds.add_argument("--seed", type=int, default=0)
+
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="NAME:MS",
+        help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:5000",
+    )
+    out.add_argument("--result-file", type=Path, help="JSON with config, records and metrics")
+    out.add_argument("--plot-dir", type=Path, help="PNG plots (needs matplotlib)")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Reject combinations argparse cannot express; exits with status 2 like argparse."""
+    if args.output_len_range and not args.input_len_range:
+        parser.error("--output-len-range needs --input-len-range")
+    if args.burst:
+        args.request_rate = math.inf
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        parser.error("--request-rate and --burstiness must be > 0")
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency must be >= 1")
+    if args.num_requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.timeout <= 0:
+        parser.error("--num-requests/--warmup >= 0, --max-tokens >= 1, --timeout > 0")
+    if args.num_requests == 0:
+        if args.duration is None:
+            parser.error("--num-requests 0 needs --duration")
+        if args.concurrency is None and math.isinf(args.request_rate):
+            parser.error("--num-requests 0 needs --concurrency or a finite --request-rate")
+    try:
+        args.slos_ms = parse_goodput(args.goodput)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def make_workload(args: argparse.Namespace) -> Workload:
+    if args.input_len_range:
+        output_range = args.output_len_range or [args.max_tokens, args.max_tokens]
+        return RandomWorkload(tuple(args.input_len_range), tuple(output_range), args.seed)
+    if args.dataset:
+        return DatasetWorkload(args.dataset, args.max_tokens, args.ignore_eos)
+    return FixedWorkload(args.prompt or DEFAULT_PROMPT, args.max_tokens, args.ignore_eos)
+
+
+def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
+    """Seconds between consecutive sends, as in vLLM: gamma(shape=b, mean=1/rate)."""
+    rng = random.Random(seed)
+    while True:
+        if math.isinf(rate):
+            yield 0.0
+        elif math.isinf(burstiness):
+            yield 1.0 / rate
+        else:
+            yield rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+async def open_loop(
+    send: Send, gaps: Iterator[float], num_requests: int, duration: float | None
+) -> list[RequestRecord]:
+    """Send on a schedule regardless of completions; the schedule is absolute, so no drift."""
+    start = time.perf_counter()
+    tasks: list[asyncio.Task[RequestRecord]] = []
+    next_at = 0.0
+    for index in itertools.count():
+        if (num_requests and index >= num_requests) or (
+            duration is not None and next_at >= duration
+        ):
+            break
+        delay = start + next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(index)))
+        next_at += next(gaps)
+    return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(
+    send: Send, concurrency: int, num_requests: int, duration: float | None
+) -> list[RequestRecord]:
+    """`concurrency` workers, each sending its next request when the last one finishes."""
+    start = time.perf_counter()
+    indices = itertools.count()
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while True:
+            index = next(indices)
+            if num_requests and index >= num_requests:
+                return
+            if duration is not None and time.perf_counter() - start >= duration:
+                return
+            records.append(await send(index))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return sorted(records, key=lambda r: r.index)
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    try:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise LoadTestError(f"cannot get a model from GET /v1/models ({e!r}); pass --model") from e
+
+
+def result_notes(args: argparse.Namespace, records: list[RequestRecord]) -> list[str]:
+    notes = []
+    done = [r for r in records if r.ok]
+    missing = sum(not r.usage_reported for r in done)
+    if missing:
+        notes.append(
+            f"{missing}/{len(done)} completed requests had no usage chunk: their output tokens "
+            "are counted as content chunks and their prompt tokens as 0"
+        )
+    if args.input_len_range or args.ignore_eos:
+        short = sum(r.output_tokens < (r.requested_max_tokens or 0) for r in done)
+        if short:
+            notes.append(f"{short} requests sent ignore_eos but got fewer tokens than max_tokens")
+    return notes
+
+
+async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
+    """Run warmup then the measured requests; `args` as parsed and checked by main()."""
+    workload = make_workload(args)
+    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # No connection cap: a pool limit would queue requests inside the client and
+    # inflate TTFT with time the server never saw.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url,
+        headers=headers,
+        timeout=httpx.Timeout(args.timeout),
+        limits=limits,
+    ) as client:
+        model = args.model or await first_model(client)
+        total = args.num_requests or None
+        bar = tqdm(total=total, unit="req", disable=args.no_progress, file=sys.stderr)
+
+        async def send(index: int) -> RequestRecord:
+            spec = workload.request(index)
+            record = RequestRecord(index=index, requested_max_tokens=spec.max_tokens)
+            body = request_body(spec, model, chat)
+            try:
+                await asyncio.wait_for(
+                    stream_request(client, args.endpoint, body, record, chat), args.timeout
+                )
+            except asyncio.TimeoutError:
+                record.fail("timeout", f"no complete response within --timeout {args.timeout:g} s")
+            if index >= 0:
+                bar.update()
+            return record
+
+        warmup: list[RequestRecord] = []
+        if args.warmup:
+            # Negative indices: warmup prompts differ from the measured ones.
+            width = min(args.warmup, args.concurrency or args.warmup)
+            warmup = await closed_loop(lambda i: send(-1 - i), width, args.warmup, None)
+
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        t0 = time.perf_counter()
+        try:
+            if args.concurrency is not None:
+                records = await closed_loop(
+                    send, args.concurrency, args.num_requests, args.duration
+                )
+            else:
+                gaps = arrival_gaps(args.request_rate, args.burstiness, args.seed)
+                records = await open_loop(send, gaps, args.num_requests, args.duration)
+        finally:
+            bar.close()
+        duration = time.perf_counter() - t0
+
+    metrics = compute_metrics(records, duration, args.slos_ms)
+    return LoadTestResult(
+        model=model,
+        started_at=started_at,
+        t0=t0,
+        records=records,
+        warmup_records=warmup,
+        metrics=metrics,
+        notes=result_notes(args, records),
+    )
+
+
+def result_json(args: argparse.Namespace, result: LoadTestResult, argv: list[str]) -> dict:
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config.pop("api_key", None)  # never write secrets into result files
+    return {
+        "argv": argv,
+        "config": config,
+        "model": result.model,
+        "started_at": result.started_at,
+        "metrics": result.metrics.to_json(),
+        "notes": result.notes,
+        "records": [r.to_json(result.t0) for r in result.records],
+        "warmup_records": [r.to_json(result.t0) for r in result.warmup_records],
+    }
+
+
+def _json_safe(value: float) -> float | str:
+    # JSON has no Infinity; "inf" keeps the file readable by strict parsers.
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def write_result(path: Path, data: dict) -> None:
+    data["config"] = {k: _json_safe(v) for k, v in data["config"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def parse_checked(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_checked(argv)
+    try:
+        result = asyncio.run(run_loadtest(args))
+    except (LoadTestError, ValueError, OSError) as e:
+        print(f"loadtest: {e}", file=sys.stderr)
+        return 1
+
+    print(format_table(result.metrics, result.notes))
+    if args.result_file:
+        write_result(args.result_file, result_json(args, result, argv))
+        print(f"results: {args.result_file}")
+    if args.plot_dir:
+        paths = write_plots(result.records, result.t0, args.plot_dir)
+        if paths is None:
+            print("plots skipped: matplotlib is not installed (pip install matplotlib)")
+        else:
+            print("plots: " + ", ".join(str(p) for p in paths))
+    # A run where nothing succeeded measured nothing; say so in the exit status.
+    return 0 if result.metrics.completed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
