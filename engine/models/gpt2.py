@@ -1,0 +1,86 @@
+"""GPT-2, reading and writing the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.models.layers import ACTIVATIONS, AttentionMetadata, LMHead, PagedAttention
+
+# HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
+# so those weights are transposed into nn.Linear's [out, in] on load.
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old checkpoints
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d, heads = config.n_embd, config.n_head
+        inner = config.n_inner or 4 * d
+        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn = PagedAttention(heads, heads, d // heads, (d // heads) ** -0.5)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
+        self.c_fc = nn.Linear(d, inner)
+        self.mlp_proj = nn.Linear(inner, d)
+        self.act = ACTIVATIONS[config.activation_function]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
+        x = x + self.c_proj(self.attn(q, k, v, meta))
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+class GPT2ForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = config.n_positions
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = LMHead(config.vocab_size, config.n_embd)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, n_embd]
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, meta)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_seqs, vocab_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF tensors in; returns our parameter names that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("transformer.")
+            if name.endswith(IGNORED):
+                continue
+            if name.endswith(TRANSPOSED):
+                tensor = tensor.t()
+            ours = (
+                name.replace("attn.c_attn", "c_attn")
+                .replace("attn.c_proj", "c_proj")
+                .replace("mlp.c_fc", "c_fc")
+                .replace("mlp.c_proj", "mlp_proj")
+            )
+            if ours == "wte.weight":
+                self.lm_head.load(tensor)  # GPT-2 always ties its head
+                loaded.add("lm_head.weight")
+            if ours == "lm_head.weight":
+                self.lm_head.load(tensor)
+            elif ours in params:
+                params[ours].data.copy_(tensor)
+            else:
+                raise ValueError(f"unexpected weight {name!r} for GPT-2")
+            loaded.add(ours)
+        return loaded

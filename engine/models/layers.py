@@ -1,0 +1,197 @@
+"""Layers the model files are built from: paged attention, norms, rotary, vocab.
+
+Attention metadata is passed down as an argument (no global context), so one
+forward can be captured in a CUDA graph with static tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kv_store import kv_store_ref
+from kernels.paged_attention import paged_attention_decode_ref
+from kernels.prefill_attention import paged_prefill_attention_ref
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64; < 0 = padding, not stored
+    block_table: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length incl. the new tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    is_decode: bool  # every sequence has exactly one new token
+
+
+@dataclass
+class AttentionOps:
+    """The three cache kernels, chosen once per device (Triton on CUDA, torch elsewhere)."""
+
+    store: Callable
+    decode: Callable
+    prefill: Callable
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> AttentionOps:
+        if device.type != "cuda":
+            return cls(kv_store_ref, paged_attention_decode_ref, paged_prefill_attention_ref)
+        # Triton is imported only where it runs compiled.
+        from kernels.kv_store import kv_store
+        from kernels.paged_attention import paged_attention_decode
+        from kernels.prefill_attention import paged_prefill_attention
+
+        return cls(kv_store, paged_attention_decode, paged_prefill_attention)
+
+
+class PagedAttention(nn.Module):
+    """Stores the new K/V into this layer's cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Set by the model runner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.ops: AttentionOps | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        ops = self.ops
+        ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = ops.decode(
+                q, self.k_cache, self.v_cache, meta.block_table, meta.seq_lens, self.scale
+            )
+        else:
+            out = ops.prefill(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                meta.max_query_len,
+            )
+        return out.view(-1, self.num_heads * self.head_dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as HF Llama does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3's frequency-dependent scaling when asked."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rotary embedding with a cos/sin cache."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.cos_sin = torch.empty(0)
+
+    def build_cache(self, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2] each
+        return _rotate(q, cos, sin, self.head_dim), _rotate(k, cos, sin, self.head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    shape, dtype = x.shape, x.dtype
+    x = x.view(x.shape[0], -1, head_dim)  # [num_tokens, heads, head_dim]
+    cos, sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """The LM head's rows, padded so the GEMM runs on aligned tiles (GPT-2's 50257 is slow)."""
+    return -(-vocab_size // multiple) * multiple
+
+
+class LMHead(nn.Module):
+    """Projects hidden states to logits over the real vocabulary (padding rows sliced off)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(padded_vocab(vocab_size), hidden_size))
+        self.bias = nn.Parameter(torch.empty(padded_vocab(vocab_size))) if bias else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight, self.bias)[:, : self.vocab_size]
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Copy a [vocab, hidden] matrix in; the padding rows stay zero."""
+        self.weight.data.zero_()
+        self.weight.data[: weight.shape[0]].copy_(weight)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}

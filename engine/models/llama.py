@@ -1,0 +1,160 @@
+"""Llama family: Llama 2/3 (incl. llama3 rope scaling), Qwen2 (qkv bias, tied head), Mistral."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import (
+    AttentionMetadata,
+    LMHead,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+# HF projection -> (our fused parameter, shard index). q/k/v become one qkv_proj
+# and gate/up one gate_up_proj, so each layer runs two GEMMs fewer.
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(theta, scaling) from either transformers' old or new (5.x) config layout."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    theta = getattr(config, "rope_theta", None) or (params or {}).get("rope_theta", 10000.0)
+    return float(theta), params
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Qwen2 always has q/k/v biases; Llama only with attention_bias.
+        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary  # one cos/sin cache shared by every layer
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = config.max_position_embeddings
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_seqs, vocab_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "embed_tokens.weight" and self.tie_word_embeddings:
+                self.lm_head.load(tensor)
+                loaded.add("lm_head.weight")
+            if name == "lm_head.weight":
+                if not self.tie_word_embeddings:
+                    self.lm_head.load(tensor)
+                    loaded.add(name)
+                continue
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj in FUSED:
+                fused, shard = FUSED[proj]
+                ours = f"{parent}.{fused}.{leaf}"
+                if ours not in params:
+                    raise ValueError(f"unexpected weight {name!r}")
+                self._copy_shard(params[ours], tensor, proj, shard)
+                loaded.add(f"{ours}#{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        # A fused parameter is loaded when all its shards are.
+        for ours in {k.split("#")[0] for k in loaded if "#" in k}:
+            shards = 3 if ".qkv_proj." in ours else 2
+            if all(f"{ours}#{i}" in loaded for i in range(shards)):
+                loaded.add(ours)
+        return loaded
+
+    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, proj: str, shard: int) -> None:
+        attn = self.layers[0].self_attn
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [param.shape[0] // 2] * 2
+        start = sum(sizes[:shard])
+        param.data[start : start + sizes[shard]].copy_(tensor)

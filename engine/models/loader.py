@@ -1,0 +1,129 @@
+"""Build a model from a local Hugging Face directory: config, safetensors, tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.models.gpt2 import GPT2ForCausalLM
+from engine.models.layers import RotaryEmbedding
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "gpt2": GPT2ForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be served; the message names the file and the problem."""
+
+
+def load_config(model_dir: str) -> PretrainedConfig:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {model_dir!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path / 'config.json'}: missing (not a Hugging Face model directory?)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises several kinds here
+        raise ModelLoadError(f"{path / 'config.json'}: cannot be read: {e}") from e
+    if config.model_type not in MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path / 'config.json'}: unsupported architecture {config.model_type!r} "
+            f"({', '.join(getattr(config, 'architectures', None) or [])}); "
+            f"supported model types: {', '.join(sorted(MODEL_TYPES))}"
+        )
+    return config
+
+
+def max_model_len(config: PretrainedConfig) -> int:
+    """The longest context the model handles exactly."""
+    limit = getattr(config, "n_positions", None) or config.max_position_embeddings
+    # Sliding-window attention is not implemented: stay within the window.
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return limit
+
+
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{index}: names shard {f.name}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in safetensors_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, reader.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"{f}: cannot be read as safetensors: {e}") from e
+
+
+def load_model(
+    model_dir: str, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, PretrainedConfig]:
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = MODEL_TYPES[config.model_type](config)
+    # Materialise without running the random initialisers, then fill from disk.
+    model = model.to_empty(device=device).to(dtype)
+    try:
+        loaded = model.load_weights(iter_weights(model_dir))
+    except ModelLoadError:
+        raise
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{model_dir}: weights do not fit the config: {e}") from e
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ModelLoadError(
+            f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
+        )
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_cache(device)
+    return model.eval(), config
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {e}") from e
