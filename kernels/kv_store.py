@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import triton
+import triton.language as tl
 
 
 def kv_store_ref(
@@ -17,3 +21,78 @@ def kv_store_ref(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[valid].to(k_cache.dtype)
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(v_cache.dtype)
+
+
+@triton.jit
+def _kv_store_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token: all of its heads' K and V in one tile each.
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * row size can pass 2**31
+    if slot < 0:  # padding token
+        return
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    dims = tl.arange(0, HEAD_DIM_P2)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    cache_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+    cache_offs += heads * stride_ch + dims
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_store(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens] int; < 0 = padding
+) -> None:
+    """Triton version of `kv_store_ref`: one launch, no host sync."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert key.stride(2) == 1 and value.stride(2) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if num_tokens == 0:
+        return
+    _kv_store_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_P2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def kv_store_for(device: torch.device) -> Callable[..., None]:
+    """The KV append the engine uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return kv_store if device.type == "cuda" else kv_store_ref

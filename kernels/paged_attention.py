@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 
 
 def gather_kv(
@@ -37,3 +45,287 @@ def paged_attention_decode_ref(
         scores = torch.einsum("hd,thd->ht", query[i].float(), k) * scale
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would run as tf32 by default (~1e-3 error); keep them exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    context_lens_ptr,
+    out_ptr,
+    split_out_ptr,
+    split_lse_ptr,
+    qk_scale,  # softmax scale * LOG2E
+    num_splits,
+    stride_qs,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    stride_ss,
+    stride_sh,
+    stride_sp,
+    stride_ls,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program per (sequence, kv head, split): the whole query-head group of the kv head
+    # shares each K/V tile it loads. The group is padded to GROUP_PAD >= 16 rows for tl.dot.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    group_rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + group_rows
+    head_mask = group_rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    q = tl.load(
+        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=q_mask
+    )
+
+    # This split's share of the context, in BLOCK_N-token tiles; only here do context_lens
+    # values matter, so the launch grid stays graph-replayable.
+    context_len = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_P2], tl.float32)
+    head_offs = kv_head * stride_ch + dims[None, :]
+    for tile in range(tile_start, tile_end):
+        tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        token_mask = tokens < context_len  # never read past the context
+        blocks = tl.load(
+            block_table_ptr + seq * stride_bts + tokens // BLOCK_SIZE, mask=token_mask, other=0
+        )
+        kv_offs = (
+            blocks.to(tl.int64)[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co
+        )
+        kv_offs += head_offs
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        # Every tile holds >= 1 valid token, so m_new is finite and no NaN can arise.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (or an empty split) gives zeros
+    result = acc / l_safe[:, None]
+    if not IS_SPLIT:
+        out_offs = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        split_offs = (
+            seq * stride_ss + heads[:, None] * stride_sh + split * stride_sp + dims[None, :]
+        )
+        tl.store(split_out_ptr + split_offs, result, mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(split_lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    split_out_ptr,
+    split_lse_ptr,
+    out_ptr,
+    stride_ss,
+    stride_sh,
+    stride_sp,
+    stride_ls,
+    stride_lh,
+    stride_os,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+):
+    # One program per (sequence, query head): merge the splits' partial softmaxes.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    split_mask = splits < NUM_SPLITS
+    lse = tl.load(
+        split_lse_ptr + seq * stride_ls + head * stride_lh + splits,
+        mask=split_mask,
+        other=float("-inf"),
+    )
+    # Empty splits (lse = -inf) weigh exp2(-inf) = 0; a finite max keeps -inf - -inf away.
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))
+    part_offs = seq * stride_ss + head * stride_sh + splits[:, None] * stride_sp + dims[None, :]
+    part_mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    parts = tl.load(
+        split_out_ptr + part_offs, mask=part_mask, other=0.0
+    )  # [SPLITS_P2, HEAD_DIM_P2]
+    denom = tl.sum(weights, 0)
+    result = tl.sum(weights[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + dims,
+        result.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch config of the decode kernel; a function of shapes only (CUDA-graph safe)."""
+
+    num_splits: int  # KV splits per (sequence, kv head); 1 skips the reduce kernel
+    block_n: int = 64  # tokens per K/V tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # Triton interpreter
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_config(
+    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+) -> DecodeConfig:
+    """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
+    block_n = 64
+    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    # Split the context until the grid holds ~2 programs per SM, so a small batch still
+    # streams K/V from every SM; a full grid needs no split and no reduce.
+    num_splits = triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads)
+    return DecodeConfig(num_splits=max(1, min(num_splits, max_tiles, 128)), block_n=block_n)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, last dim contiguous
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    config: DecodeConfig | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,  # see decode_workspace
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
+
+    The launch depends only on shapes, and the launcher never syncs with the host, so a
+    CUDA graph can capture it and replay it with new context_lens and block tables.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert query.stride(2) == 1 and block_table.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if config is None:
+        config = decode_config(
+            num_seqs, num_kv_heads, block_table.shape[1], block_size, query.device
+        )
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if workspace is None:
+        workspace = decode_workspace(num_seqs, num_heads, head_dim, config.num_splits, query.device)
+    split_out, split_lse = workspace
+    group = num_heads // num_kv_heads
+    head_dim_p2 = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, config.num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        context_lens,
+        out,
+        split_out,
+        split_lse,
+        scale * LOG2E,
+        config.num_splits,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        IS_SPLIT=config.num_splits > 1,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if config.num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            split_out,
+            split_lse,
+            out,
+            split_out.stride(0),
+            split_out.stride(1),
+            split_out.stride(2),
+            split_lse.stride(0),
+            split_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=config.num_splits,
+            SPLITS_P2=triton.next_power_of_2(config.num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_P2=head_dim_p2,
+        )
+    return out
+
+
+def decode_workspace(
+    num_seqs: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials: each split's normalized output and its log2-sum-exp (fp32).
+
+    With one split they go unused, so they shrink to a single element.
+    """
+    if num_splits == 1:
+        num_seqs = num_heads = head_dim = 1
+    f32 = torch.float32
+    split_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=f32, device=device)
+    split_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=f32, device=device)
+    return split_out, split_lse
+
+
+def paged_attention_decode_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The decode attention the engine uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return paged_attention_decode if device.type == "cuda" else paged_attention_decode_ref

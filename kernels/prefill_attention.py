@@ -7,9 +7,13 @@ prefill and prefix-cache hits alike.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from kernels.paged_attention import gather_kv
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 
 
 def paged_prefill_attention_ref(
@@ -42,3 +46,145 @@ def paged_prefill_attention_ref(
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    qk_scale,  # softmax scale * LOG2E
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program per (BLOCK_M query tile, sequence, query head); the grid is sized by
+    # max_query_len, so tiles past a shorter sequence's queries exit at once.
+    q_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    q_pos = seq_len - query_len + rows  # absolute positions of this tile's queries
+    dims = tl.arange(0, HEAD_DIM_P2)
+    dim_mask = dims < HEAD_DIM
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    head_offs = (head // GROUP) * stride_ch + dims[None, :]
+    # Causality bounds the keys by the tile's last query position.
+    kv_end = tl.minimum(seq_len, seq_len - query_len + (q_tile + 1) * BLOCK_M)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        tokens = kv_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        blocks = tl.load(
+            block_table_ptr + seq * stride_bts + tokens // BLOCK_SIZE, mask=token_mask, other=0
+        )
+        kv_offs = (
+            blocks.to(tl.int64)[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co
+        )
+        kv_offs += head_offs
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        # Key 0 is visible to every row, so after the first tile each row max is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], last dim contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, last dim contiguous
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    max_query_len: int,
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
+
+    Writes the rows of tokens 0 .. query_start_loc[-1] - 1; the engine passes no others.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert query.stride(2) == 1 and block_table.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    block_m = 64 if max_query_len > 32 else 16
+    head_dim_p2 = triton.next_power_of_2(head_dim)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim_p2 <= 64 else 32,
+        DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+def paged_prefill_attention_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The prefill attention the engine uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return paged_prefill_attention if device.type == "cuda" else paged_prefill_attention_ref

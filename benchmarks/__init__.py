@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput and kernel timings, results as JSON under results/."""

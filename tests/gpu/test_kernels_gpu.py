@@ -1,0 +1,143 @@
+"""Triton kernels on CUDA against their torch references, at realistic sizes and dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kv_store import kv_store, kv_store_ref
+from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# (num_heads, num_kv_heads, head_dim): GPT-2, Qwen2.5-0.5B, Llama-3-8B, a head_dim of 80.
+SHAPES = [(12, 12, 64), (14, 2, 64), (32, 8, 128), (32, 32, 80)]
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # fp16/bf16 kernels round the softmax probabilities to the input dtype before P @ V.
+    return {
+        torch.float16: {"rtol": 1e-2, "atol": 2e-3},
+        torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2},
+        torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+    }[dtype]
+
+
+def paged_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, dtype=dtype, device="cuda"), torch.randn(
+        shape, dtype=dtype, device="cuda"
+    )
+
+
+def shuffled_block_table(num_seqs: int, max_blocks: int, num_blocks: int) -> torch.Tensor:
+    # [num_seqs, max_blocks] int32: distinct blocks, in no particular order.
+    blocks = torch.randperm(num_blocks, device="cuda")[: num_seqs * max_blocks]
+    return blocks.view(num_seqs, max_blocks).int()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize("num_seqs", [1, 37])
+def test_decode(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(num_seqs * 1000 + num_heads + head_dim)
+    block_size, max_blocks = 16, 160
+    k_cache, v_cache = paged_cache(num_seqs * max_blocks, block_size, num_kv_heads, head_dim, dtype)
+    block_table = shuffled_block_table(num_seqs, max_blocks, num_seqs * max_blocks)
+    context_lens = torch.randint(1, max_blocks * block_size + 1, (num_seqs,), device="cuda").int()
+    context_lens[0] = max_blocks * block_size
+    query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device="cuda")
+    args = (query, k_cache, v_cache, block_table, context_lens, head_dim**-0.5)
+    torch.testing.assert_close(
+        paged_attention_decode(*args), paged_attention_decode_ref(*args), **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("num_seqs", [1, 8, 64])
+def test_decode_replayed_in_cuda_graph(num_seqs: int) -> None:
+    torch.manual_seed(num_seqs)
+    num_heads, num_kv_heads, head_dim, block_size, max_blocks = 14, 2, 64, 16, 128
+    dtype = torch.float16
+    num_blocks = num_seqs * max_blocks
+    k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    # Static graph inputs, refilled in place before each replay.
+    query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device="cuda")
+    block_table = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    context_lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        paged_attention_decode(query, k_cache, v_cache, block_table, context_lens, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_decode(query, k_cache, v_cache, block_table, context_lens, scale)
+
+    max_len = max_blocks * block_size
+    for lens in ([1] * num_seqs, [max_len] * num_seqs, None, None):
+        if lens is None:  # ragged, with padded entries (context_len 0, block row of zeros)
+            lens = torch.randint(0, max_len + 1, (num_seqs,)).tolist()
+            lens[-1] = 0
+        context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        block_table.copy_(shuffled_block_table(num_seqs, max_blocks, num_blocks))
+        block_table[context_lens == 0] = 0
+        query.normal_()
+        graph.replay()
+        expected = paged_attention_decode_ref(
+            query, k_cache, v_cache, block_table, context_lens, scale
+        )
+        torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(num_heads + head_dim)
+    block_size, max_blocks = 16, 64
+    # (query_len, seq_len): a long prompt, chunked prefill, a prefix-cache hit, one new token.
+    chunks = [(1000, 1000), (256, 700), (37, 37 + 5 * block_size), (1, 513)]
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    num_seqs = len(chunks)
+    k_cache, v_cache = paged_cache(num_seqs * max_blocks, block_size, num_kv_heads, head_dim, dtype)
+    block_table = shuffled_block_table(num_seqs, max_blocks, num_seqs * max_blocks)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype, device="cuda")
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], device="cuda")
+    args = (
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc.int(),
+        torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        head_dim**-0.5,
+        max(query_lens),
+    )
+    torch.testing.assert_close(
+        paged_prefill_attention(*args), paged_prefill_attention_ref(*args), **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(12, 64), (2, 64), (8, 128), (32, 80)])
+def test_kv_store(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    num_tokens, num_blocks, block_size = 4096, 512, 16
+    k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    value = torch.randn_like(key)
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slot_mapping[::7] = -1  # padding
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    kv_store_ref(key, value, expected_k, expected_v, slot_mapping)
+    kv_store(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
