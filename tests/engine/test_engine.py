@@ -1,0 +1,118 @@
+"""Engine behaviour beyond exactness: validation, aborts, leaks, loader errors, demo."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.loader import ModelLoadError, load_model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gpt2_dir) -> LLM:
+    return LLM(tiny_gpt2_dir, device="cpu", max_model_len=64, block_size=4)
+
+
+def test_prompt_longer_than_max_model_len_is_rejected_before_work(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", [5] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not engine.has_unfinished_requests()  # the valid prompt was not started either
+
+
+def test_max_tokens_past_max_model_len_is_rejected(llm):
+    with pytest.raises(ValueError, match=r"plus max_tokens \(60\)"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=60), use_tqdm=False)
+
+
+def test_out_of_vocabulary_prompt_is_rejected(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.engine.check_request([10**6], SamplingParams())
+
+
+def test_no_block_leaks_after_finish_and_abort(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", [1, 2, 3, 4, 5, 6, i + 7], params)
+    engine.step()
+    engine.step()
+    engine.abort_request("r0")
+    engine.abort_request("r3")
+    engine.abort_request("missing")  # unknown ids are ignored
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.requests == {}
+
+
+def test_aborted_request_gets_no_more_outputs(llm):
+    engine = llm.engine
+    engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.step()
+    engine.abort_request("x")
+    while engine.has_unfinished_requests():
+        assert all(o.request_id != "x" for o in engine.step())
+    assert engine.step() == []
+
+
+def test_max_tokens_and_finish_reason(llm):
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    choice = out[0].outputs[0]
+    assert len(choice.token_ids) == 5 and choice.finish_reason == "length"
+    assert choice.text == llm.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+
+
+def test_unsupported_architecture_names_the_file(tmp_path, tiny_gpt2_dir):
+    shutil.copytree(tiny_gpt2_dir, tmp_path / "m", dirs_exist_ok=True)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["model_type"] = "bert"
+    config["architectures"] = ["BertModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"config\.json.*unsupported architecture 'bert'"):
+        load_model(str(tmp_path / "m"), torch.device("cpu"), torch.float32)
+
+
+def test_broken_directories_are_explained(tmp_path, tiny_gpt2_dir):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), torch.device("cpu"), torch.float32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json: missing"):
+        load_model(str(tmp_path / "empty"), torch.device("cpu"), torch.float32)
+    shutil.copytree(tiny_gpt2_dir, tmp_path / "noweights")
+    for f in (tmp_path / "noweights").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
+        load_model(str(tmp_path / "noweights"), torch.device("cpu"), torch.float32)
+    shutil.copytree(tiny_gpt2_dir, tmp_path / "sharded")
+    index = {"weight_map": {"wte.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="model-00001-of-00002.safetensors, which is missing"):
+        load_model(str(tmp_path / "sharded"), torch.device("cpu"), torch.float32)
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_llama_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours, _ = load_model(str(tmp_path / "sharded"), torch.device("cpu"), torch.float32)
+    ref, _ = load_model(tiny_llama_dir, torch.device("cpu"), torch.float32)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_demo_model_is_built_and_served():
+    llm = LLM(device="cpu", max_model_len=128)
+    assert llm.engine.model_name == "pagoda-demo"
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,0 +1,87 @@
+"""Block allocator and prefix cache: ref counts, chained hashes, LRU reuse."""
+
+from __future__ import annotations
+
+from engine.kv_cache import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def make(tokens: list[int]) -> Request:
+    return Request("r", tokens, SamplingParams())
+
+
+def admit(bm: BlockManager, req: Request) -> list[int]:
+    cached = bm.find_cached_prefix(req)
+    assert bm.allocate(req, req.num_tokens - len(cached) * bm.block_size, cached)
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_full_blocks(req)
+    return cached
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    req = make(list(range(10)))
+    admit(bm, req)
+    assert len(req.block_ids) == 3 and bm.num_free_blocks == 5
+    bm.free(req)
+    assert bm.num_free_blocks == 8 and req.block_ids == []
+
+
+def test_full_blocks_are_shared_and_refcounted():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    a, b = make(list(range(10))), make(list(range(8)) + [99, 98, 97])
+    admit(bm, a)
+    cached = admit(bm, b)
+    assert cached == a.block_ids[:2]  # two full blocks shared, the partial third not
+    assert b.num_cached_tokens == 8
+    assert bm.ref_count[a.block_ids[0]] == 2
+    bm.free(a)
+    assert bm.ref_count[b.block_ids[0]] == 1  # still held by b
+    bm.free(b)
+    assert bm.num_free_blocks == 8
+
+
+def test_last_token_is_always_recomputed():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    admit(bm, make(list(range(8))))
+    again = make(list(range(8)))
+    cached = admit(bm, again)
+    # Both blocks are cached, but the logits of token 8 need a forward pass,
+    # so only the first block is reused and the second is recomputed fresh.
+    assert len(cached) == 1 and again.num_cached_tokens == 4
+
+
+def test_chained_hash_depends_on_prefix():
+    bm = BlockManager(8, 4, enable_prefix_caching=True)
+    admit(bm, make([1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    other = make([0, 0, 0, 0, 5, 6, 7, 8, 9])  # same second block, different first
+    assert admit(bm, other) == []
+
+
+def test_freed_cached_blocks_survive_until_reused_lru():
+    bm = BlockManager(4, 2, enable_prefix_caching=True)
+    old = make([1, 2, 3, 4, 5])
+    admit(bm, old)
+    bm.free(old)
+    assert bm.num_free_blocks == 4  # free, yet still findable
+    hit = make([1, 2, 3, 4, 6])
+    assert len(admit(bm, hit)) == 2
+    bm.free(hit)
+    # Uncached free blocks go first; cached ones are evicted only when needed.
+    big = make(list(range(100, 108)))
+    admit(bm, big)
+    assert bm.find_cached_prefix(make([1, 2, 3, 4, 5])) == []  # evicted
+
+
+def test_allocate_fails_without_side_effects():
+    bm = BlockManager(2, 4, enable_prefix_caching=True)
+    req = make(list(range(12)))
+    assert not bm.allocate(req, 12)
+    assert req.block_ids == [] and bm.num_free_blocks == 2
+
+
+def test_prefix_caching_off_never_shares():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    admit(bm, make(list(range(9))))
+    assert admit(bm, make(list(range(9)))) == []

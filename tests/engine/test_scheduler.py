@@ -1,0 +1,102 @@
+"""Scheduler: token budget, chunked prefill, slots, preemption newest-first."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+def setup(num_blocks=64, block_size=4, **config) -> Scheduler:
+    config = EngineConfig(block_size=block_size, max_model_len=256, **config)
+    return Scheduler(config, BlockManager(num_blocks, block_size, True))
+
+
+def req(name: str, n: int) -> Request:
+    return Request(name, list(range(1, n + 1)), SamplingParams())
+
+
+def run_step(sched: Scheduler) -> dict[str, int]:
+    """Schedule, then pretend the model ran: mark tokens computed, sample token 7."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        completes = s.completes_prompt
+        s.request.num_computed_tokens += s.num_new_tokens
+        sched.blocks.cache_full_blocks(s.request)
+        if completes:
+            s.request.append_token(7)
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def test_budget_chunks_prefill_and_keeps_decodes_first():
+    sched = setup(max_num_batched_tokens=8)
+    sched.add(req("a", 3))
+    sched.add(req("b", 20))
+    assert run_step(sched) == {"a": 3, "b": 5}
+    assert run_step(sched) == {"a": 1, "b": 7}  # a decodes, b continues its prefill
+    assert run_step(sched) == {"a": 1, "b": 7}
+    assert run_step(sched) == {"a": 1, "b": 1}  # b's prefill finished last step: decoding
+
+
+def test_max_num_seqs_limits_running():
+    sched = setup(max_num_seqs=2)
+    for name in "abc":
+        sched.add(req(name, 2))
+    assert set(run_step(sched)) == {"a", "b"}
+    assert len(sched.waiting) == 1
+    sched.finish(sched.running[0], "stop")
+    assert "c" in run_step(sched)
+
+
+def test_slots_are_unique_and_recycled():
+    sched = setup(max_num_seqs=3)
+    for name in "abc":
+        sched.add(req(name, 2))
+    run_step(sched)
+    assert sorted(r.slot for r in sched.running) == [0, 1, 2]
+    freed = sched.running[1].slot
+    sched.finish(sched.running[1], "abort")
+    sched.add(req("d", 2))
+    run_step(sched)
+    assert sched.running[-1].slot == freed
+
+
+def test_preempts_newest_when_blocks_run_out():
+    # 4 blocks of 4 tokens; two requests of 8 tokens fill 2 blocks each.
+    sched = setup(num_blocks=4)
+    a, b = req("a", 8), req("b", 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)  # both prefill; each now has a 9th token to compute
+    run_step(sched)  # each needs a third block: b (newest) is preempted
+    assert b.status == RequestStatus.PREEMPTED and sched.waiting[0] is b
+    assert b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.output_token_ids == [7]  # generated tokens survive and are recomputed
+    assert sched.num_preemptions >= 1
+    assert a.status == RequestStatus.RUNNING
+
+
+def test_finish_frees_everything():
+    sched = setup(num_blocks=8)
+    r = req("a", 9)
+    sched.add(r)
+    run_step(sched)
+    sched.finish(r, "length")
+    assert sched.blocks.num_free_blocks == 8
+    assert sched.num_unfinished == 0 and r.slot == -1
+
+
+def test_sibling_waits_for_first_choice_prefill():
+    sched = setup(max_num_batched_tokens=4)
+    first = req("a", 8)
+    second = Request("a", list(range(1, 9)), SamplingParams(), index=1, wait_for=first)
+    sched.add(first)
+    sched.add(second)
+    assert run_step(sched) == {"a": 4}  # only the first choice's chunk
+    assert second.status == RequestStatus.WAITING
+    run_step(sched)  # first finishes its prefill
+    run_step(sched)
+    assert second.status == RequestStatus.RUNNING
+    assert second.num_cached_tokens == 4  # it found the prompt's full block
