@@ -228,8 +228,30 @@ async def first_model(client: httpx.AsyncClient) -> str:
         raise LoadTestError(f"cannot get a model from GET /v1/models ({e!r}); pass --model") from e
 
 
-def result_notes(args: argparse.Namespace, records: list[RequestRecord]) -> list[str]:
+def schedule_lag(args: argparse.Namespace, records: list[RequestRecord], t0: float) -> float:
+    """How far behind the open-loop arrival schedule the client actually sent (s).
+
+    The schedule is recomputed from the seed; a lagging client (CPU-bound on
+    parsing many streams) offers less load than asked, which the results should say.
+    """
+    if args.concurrency is not None:
+        return 0.0
+    gaps = arrival_gaps(args.request_rate, args.burstiness, args.seed)
+    lag, scheduled = 0.0, 0.0
+    for record in sorted(records, key=lambda r: r.index):
+        lag = max(lag, record.send_time - t0 - scheduled)
+        scheduled += next(gaps)
+    return lag
+
+
+def result_notes(args: argparse.Namespace, records: list[RequestRecord], t0: float) -> list[str]:
     notes = []
+    lag = schedule_lag(args, records, t0)
+    if lag > 0.01:
+        notes.append(
+            f"requests left the client up to {1000 * lag:.0f} ms behind the arrival schedule "
+            "(client busy?): the offered load was below --request-rate"
+        )
     done = [r for r in records if r.ok]
     missing = sum(not r.usage_reported for r in done)
     if missing:
@@ -304,7 +326,7 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
         records=records,
         warmup_records=warmup,
         metrics=metrics,
-        notes=result_notes(args, records),
+        notes=result_notes(args, records, t0),
     )
 
 

@@ -97,7 +97,8 @@ def write_plots(records: list[RequestRecord], t0: float, plot_dir: Path) -> list
     bin_s = 1.0 if span >= 20 else max(span / 20, 0.01)
     starts, rates = throughput_timeline(records, t0, bin_s=bin_s)
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.step(starts, rates, where="post")
+    if starts:  # close the last bin so it is drawn with its width
+        ax.step([*starts, starts[-1] + bin_s], [*rates, rates[-1]], where="post")
     ax.set_title(f"Output tokens/s over time ({bin_s:.3g} s bins)")
     ax.set_xlabel("seconds since benchmark start")
     ax.set_ylabel("tokens/s")

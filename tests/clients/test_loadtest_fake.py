@@ -228,3 +228,12 @@ def test_openai_sdk_example_runs(fake):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("tok tok tok") >= 4  # completion + chat, streamed and not
+
+
+def test_schedule_lag_is_reported():
+    args = loadtest.parse_checked(["--request-rate", "50", "--burstiness", "inf"])
+    late = [RequestRecord(i, 10.0 + t, [], 11.0, 1, 1) for i, t in enumerate([0, 0.02, 0.07])]
+    assert loadtest.schedule_lag(args, late, t0=10.0) == approx(0.03)
+    assert "behind the arrival schedule" in loadtest.result_notes(args, late, 10.0)[0]
+    on_time = [RequestRecord(i, 10.0 + 0.02 * i, [], 11.0, 1, 1) for i in range(3)]
+    assert loadtest.result_notes(args, on_time, 10.0) == []
