@@ -1,0 +1,49 @@
+"""Persistent block table: a device tensor with a pinned host mirror written through numpy.
+
+A running request owns one row (its slot) for its whole life. The host
+mirror changes only when a request gains blocks, and only the rows that
+changed travel, as one non-blocking copy of the span that holds them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class BlockTable:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.on_cuda = device.type == "cuda"
+        shape = (max_num_seqs, max_blocks_per_seq)
+        self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=self.on_cuda)
+        self.np = self.cpu.numpy()  # a view: writes land in the pinned buffer
+        self.gpu = (
+            torch.zeros(shape, dtype=torch.int32, device=device) if self.on_cuda else self.cpu
+        )
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)  # valid entries per row
+        self.dirty_lo = max_num_seqs  # span of rows changed since the last commit
+        self.dirty_hi = -1
+
+    def update_row(self, slot: int, block_ids: list[int]) -> None:
+        """Make row `slot` hold block_ids; writes only the entries it gained."""
+        have = int(self.num_blocks[slot])
+        if len(block_ids) <= have:
+            return
+        self.np[slot, have : len(block_ids)] = block_ids[have:]
+        self.num_blocks[slot] = len(block_ids)
+        self.dirty_lo = min(self.dirty_lo, slot)
+        self.dirty_hi = max(self.dirty_hi, slot)
+
+    def clear_row(self, slot: int) -> None:
+        # Stale entries are harmless: context lengths bound every read.
+        self.num_blocks[slot] = 0
+
+    def commit(self) -> None:
+        """Send the changed rows to the device (the caller keeps the pinned rows
+        untouched until this step's copies are done: see ModelRunner)."""
+        if self.dirty_hi < 0:
+            return
+        if self.on_cuda:
+            lo, hi = self.dirty_lo, self.dirty_hi + 1
+            self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
+        self.dirty_lo, self.dirty_hi = len(self.num_blocks), -1

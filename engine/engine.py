@@ -1,0 +1,240 @@
+"""The engine: add requests, step, read deltas. Single-threaded by design.
+
+step(): schedule → build inputs and run the model → sample → append tokens,
+detokenize, check stops, free what finished → one RequestOutput per choice
+that has news. The server drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import BlockManager
+from engine.model_runner import ModelRunner
+from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
+from engine.models.loader import (
+    checkpoint_dtype,
+    load_config,
+    load_model,
+    load_tokenizer,
+    max_model_len,
+)
+from engine.request import Request, RequestOutput, TokenLogprob
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative tokens looked up
+    prefix_cache_hits: int  # cumulative tokens found
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = config.model or ensure_demo_model()
+        self.model_name = Path(model_dir).name if config.model else DEMO_MODEL_NAME
+        hf_config = load_config(model_dir)
+        limit = max_model_len(hf_config)
+        if config.max_model_len is None:
+            config.max_model_len = limit
+        elif config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
+            )
+        device = config.torch_device
+        self.model, hf_config = load_model(
+            model_dir, device, config.torch_dtype(checkpoint_dtype(hf_config))
+        )
+        self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+
+        self.runner = ModelRunner(config, self.model, hf_config)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.blocks)
+        self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
+        self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
+
+    # -- requests ---------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject what can never run, before any work is done. Pure: safe from any thread."""
+        max_len = self.config.max_model_len
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        params.check_vocab(self.vocab_size)
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, but max_model_len is {max_len}: "
+                "no room to generate (shorten the prompt)"
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise ValueError(
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{num_prompt + params.max_tokens} tokens, more than max_model_len ({max_len})"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        arrival_time = arrival_time or time.time()
+        choices: list[Request] = []
+        for index in range(params.n):
+            choice_params = params
+            if index > 0 and params.seed is not None:
+                # Each choice draws its own stream, reproducibly.
+                choice_params = dataclasses.replace(params, seed=params.seed + index)
+            first = choices[0] if choices and self.config.enable_prefix_caching else None
+            req = Request(
+                request_id, prompt_token_ids, choice_params, index, arrival_time, wait_for=first
+            )
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, choice_params
+            )
+            choices.append(req)
+            self.scheduler.add(req)
+        self.requests[request_id] = choices
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self.requests.pop(request_id, []):
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.blocks.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
+        )
+
+    # -- the loop ---------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        with self._nvtx("schedule"):
+            batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        with self._nvtx("forward"):
+            logits = self.runner.execute(batch)
+        sampling = [s for s in batch.scheduled if s.completes_prompt]
+        with self._nvtx("sample"):
+            rows = [i for i, s in enumerate(batch.scheduled) if s.completes_prompt]
+            if len(rows) < len(batch.scheduled):
+                logits = logits[rows]
+            sampled = self.sampler(logits, [s.request for s in sampling]) if sampling else None
+        with self._nvtx("update"):
+            return self._update(batch.scheduled, sampled)
+
+    def _update(self, scheduled, sampled) -> list[RequestOutput]:
+        now = time.time()
+        outputs: list[RequestOutput] = []
+        k = 0
+        for s in scheduled:
+            req = s.request
+            completes = s.completes_prompt
+            req.num_computed_tokens += s.num_new_tokens
+            self.blocks.cache_full_blocks(req)
+            if not completes:
+                continue  # a prefill chunk: nothing to show yet
+            token_id = sampled.token_ids[k]
+            logprob = sampled.logprobs[k]
+            k += 1
+            req.append_token(token_id)
+            if logprob is not None:
+                req.pending_logprobs.append(logprob)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._check_stop(req, token_id)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: Request, token_id: int) -> None:
+        params = req.params
+        stop_string = req.detokenizer.update([token_id])
+        past_min = req.num_output_tokens >= params.min_tokens
+        if stop_string is not None:
+            self.scheduler.finish(req, "stop", stop_string)
+        elif past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+            self.scheduler.finish(req, "stop")
+        elif past_min and token_id in params.stop_token_ids:
+            self.scheduler.finish(req, "stop", token_id)
+        elif (
+            params.max_tokens is not None
+            and req.num_output_tokens >= params.max_tokens
+            or req.num_tokens >= self.config.max_model_len
+        ):
+            self.scheduler.finish(req, "length")
+        if req.is_finished:
+            siblings = self.requests.get(req.request_id, [])
+            if all(r.is_finished for r in siblings):
+                self.requests.pop(req.request_id, None)
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        req.num_emitted_tokens = req.num_output_tokens
+        logprobs: list[TokenLogprob] | None = None
+        if req.params.logprobs is not None:
+            logprobs, req.pending_logprobs = req.pending_logprobs, []
+        return RequestOutput(
+            request_id=req.request_id,
+            index=req.index,
+            new_token_ids=new_ids,
+            new_text=req.detokenizer.get_delta(req.is_finished),
+            new_logprobs=logprobs,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=req.metrics,
+        )
+
+    def _nvtx(self, name: str):
+        if self.config.nvtx and self.runner.device.type == "cuda":
+            return torch.cuda.nvtx.range(name)
+        return contextlib.nullcontext()
+
+
+def _eos_token_ids(hf_config, tokenizer) -> list[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted({i for i in ids if i is not None})

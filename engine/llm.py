@@ -1,0 +1,90 @@
+"""Offline API: LLM(model=...).generate(prompts, params) -> completed outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config) -> None:
+        self.engine = Engine(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+
+        # Validate everything first, so a bad prompt fails before any work is done.
+        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_ids, params):
+            self.engine.check_request(ids, p)
+
+        results: dict[str, GenerationOutput] = {}
+        for i, (prompt, ids, p) in enumerate(zip(prompts, token_ids, params)):
+            rid = str(i)
+            results[rid] = GenerationOutput(
+                rid,
+                prompt if isinstance(prompt, str) else None,
+                ids,
+                [CompletionOutput(j) for j in range(p.n)],
+            )
+            self.engine.add_request(rid, ids, p)
+
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    result = results[out.request_id]
+                    choice = result.outputs[out.index]
+                    choice.text += out.new_text
+                    choice.token_ids += out.new_token_ids
+                    if out.new_logprobs is not None:
+                        choice.logprobs = (choice.logprobs or []) + out.new_logprobs
+                    result.num_cached_tokens = out.num_cached_tokens
+                    if out.finished:
+                        choice.finish_reason, choice.stop_reason = (
+                            out.finish_reason,
+                            out.stop_reason,
+                        )
+                        if all(c.finish_reason for c in result.outputs):
+                            bar.update(1)
+        return [results[str(i)] for i in range(len(prompts))]

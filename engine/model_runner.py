@@ -1,0 +1,264 @@
+"""Tensors in, logits out: step inputs, the KV cache, and CUDA-graph decode.
+
+Per-step metadata is written with numpy into pinned host buffers and sent
+with one non-blocking copy each into static device tensors. Decode-only
+steps replay a CUDA graph captured for the next bucket up in batch size;
+padded entries have context length 0 and slot -1, so they read and write
+nothing. Everything else runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.block_table import BlockTable
+from engine.config import EngineConfig
+from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.scheduler import SchedulerOutput
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
+
+
+class StagedBuffer:
+    """A pinned host buffer with a numpy view, and its device twin (the same tensor on CPU)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(size, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.gpu = torch.zeros(size, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def send(self, n: int) -> torch.Tensor:
+        """Copy the first n entries to the device; returns the device view."""
+        if self.gpu is not self.cpu:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+        return self.gpu[:n]
+
+
+@dataclass
+class ModelInput:
+    """Device views of the staged buffers for one step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    slot_indices: torch.Tensor  # [num_seqs] block-table row of each sequence
+    logits_indices: torch.Tensor  # [num_seqs] row of each sequence's last new token
+    max_query_len: int
+    is_decode: bool
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, hf_config) -> None:
+        self.config = config
+        self.model = model
+        self.device = config.torch_device
+        self.dtype = next(model.parameters()).dtype
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
+
+        self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+
+        self.block_table = BlockTable(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.slot_owner: list[str | None] = [None] * self.max_num_seqs
+        max_tokens = max(config.max_num_batched_tokens, self.max_num_seqs)
+        self.input_ids = StagedBuffer(max_tokens, torch.int64, self.device)
+        self.positions = StagedBuffer(max_tokens, torch.int64, self.device)
+        self.slot_mapping = StagedBuffer(max_tokens, torch.int64, self.device)
+        self.seq_lens = StagedBuffer(self.max_num_seqs, torch.int32, self.device)
+        self.query_start_loc = StagedBuffer(self.max_num_seqs + 1, torch.int32, self.device)
+        self.slot_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
+        self.logits_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
+        # The step's copies must finish before the pinned buffers are rewritten.
+        self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}
+        if config.use_cuda_graphs:
+            self._capture_decode_graphs()
+
+    # -- KV cache ---------------------------------------------------------
+
+    def _bytes_per_block(self) -> int:
+        layer = self.attn_layers[0]
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self.attn_layers)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free)
+            budget -= self._activation_reserve()
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        useful = self.max_num_seqs * self.max_blocks_per_seq  # more could never be used
+        num_blocks = min(int(budget // self._bytes_per_block()), useful)
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"only {num_blocks} KV blocks fit in memory, fewer than one max_model_len sequence "
+                f"needs ({self.max_blocks_per_seq}); lower max_model_len or raise gpu_memory_utilization"
+            )
+        return num_blocks
+
+    def _activation_reserve(self) -> int:
+        """Bytes kept free for activations, logits and graph pools (a generous estimate)."""
+        hf = self.model.config
+        hidden = getattr(hf, "hidden_size", None) or hf.n_embd
+        inner = getattr(hf, "intermediate_size", None) or 4 * hidden
+        tokens = self.config.max_num_batched_tokens
+        activations = tokens * (4 * hidden + 3 * inner) * self.dtype.itemsize
+        logits = self.max_num_seqs * hf.vocab_size * 4 * 4  # fp32 logits and sampler temporaries
+        return int(2 * (activations + logits)) + (512 << 20)
+
+    def _allocate_kv_cache(self) -> None:
+        layer = self.attn_layers[0]
+        shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        ops = AttentionOps.for_device(self.device)
+        for layer in self.attn_layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.ops = ops
+
+    # -- inputs -----------------------------------------------------------
+
+    def _fill(self, batch: SchedulerOutput) -> tuple[int, int]:
+        """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
+        if self.copies_done is not None:
+            self.copies_done.synchronize()  # last step's copies have read the pinned buffers
+        scheduled = batch.scheduled
+        num_seqs = len(scheduled)
+        table = self.block_table
+        for s in scheduled:
+            req = s.request
+            if self.slot_owner[req.slot] != req.key:
+                table.clear_row(req.slot)
+                self.slot_owner[req.slot] = req.key
+            table.update_row(req.slot, req.block_ids)
+
+        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
+        num_computed = np.fromiter(
+            (s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs
+        )
+        slots = np.fromiter((s.request.slot for s in scheduled), np.int64, num_seqs)
+        num_tokens = int(num_new.sum())
+
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(num_new, out=qsl[1 : num_seqs + 1])
+        self.seq_lens.np[:num_seqs] = num_computed + num_new
+        self.slot_indices.np[:num_seqs] = slots
+        self.logits_indices.np[:num_seqs] = qsl[1 : num_seqs + 1] - 1
+
+        # Token i of sequence b sits at position num_computed[b] + (i - qsl[b]).
+        positions = self.positions.np[:num_tokens]
+        np.add(
+            np.repeat(num_computed - qsl[:num_seqs], num_new), np.arange(num_tokens), out=positions
+        )
+        blocks = table.np[np.repeat(slots, num_new), positions // self.block_size]
+        np.add(
+            blocks * self.block_size,
+            positions % self.block_size,
+            out=self.slot_mapping.np[:num_tokens],
+        )
+
+        ids = self.input_ids.np
+        if batch.is_decode_only:
+            ids[:num_seqs] = [s.request.all_token_ids[-1] for s in scheduled]
+        else:
+            pos = 0
+            for s in scheduled:
+                start = s.request.num_computed_tokens
+                ids[pos : pos + s.num_new_tokens] = s.request.all_token_ids[
+                    start : start + s.num_new_tokens
+                ]
+                pos += s.num_new_tokens
+        return num_tokens, int(num_new.max())
+
+    def _send(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, is_decode: bool
+    ) -> ModelInput:
+        """One non-blocking copy per buffer into the static device tensors."""
+        self.block_table.commit()
+        model_input = ModelInput(
+            input_ids=self.input_ids.send(num_tokens),
+            positions=self.positions.send(num_tokens),
+            slot_mapping=self.slot_mapping.send(num_tokens),
+            seq_lens=self.seq_lens.send(num_seqs),
+            query_start_loc=self.query_start_loc.send(num_seqs + 1),
+            slot_indices=self.slot_indices.send(num_seqs),
+            logits_indices=self.logits_indices.send(num_seqs),
+            max_query_len=max_query_len,
+            is_decode=is_decode,
+        )
+        if self.copies_done is not None:
+            self.copies_done.record()
+        return model_input
+
+    # -- forward ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Logits [num_seqs, vocab] at each scheduled sequence's last new token."""
+        num_seqs = len(batch.scheduled)
+        num_tokens, max_query_len = self._fill(batch)
+        if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
+            bucket = next(b for b in sorted(self.graphs) if b >= num_seqs)
+            self._pad_decode(num_seqs, bucket)
+            self._send(bucket, bucket, 1, True)
+            self.graphs[bucket].replay()
+            return self.graph_logits[bucket][:num_seqs]
+        inp = self._send(num_tokens, num_seqs, max_query_len, batch.is_decode_only)
+        return self._forward(inp)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=inp.slot_mapping,
+            # Gathered here so that a captured graph gathers on every replay.
+            block_table=self.block_table.gpu[inp.slot_indices],  # [num_seqs, max_blocks_per_seq]
+            seq_lens=inp.seq_lens,
+            query_start_loc=inp.query_start_loc,
+            max_query_len=inp.max_query_len,
+            is_decode=inp.is_decode,
+        )
+        hidden = self.model(inp.input_ids, inp.positions, meta)
+        return self.model.compute_logits(hidden[inp.logits_indices])
+
+    # -- CUDA graphs ------------------------------------------------------
+
+    def _pad_decode(self, start: int, end: int) -> None:
+        """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
+        self.input_ids.np[start:end] = 0
+        self.positions.np[start:end] = 0
+        self.slot_mapping.np[start:end] = -1
+        self.seq_lens.np[start:end] = 0
+        self.slot_indices.np[start:end] = 0
+        self.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        self.logits_indices.np[start:end] = np.arange(start, end)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        # Every replay's _send writes the same static storage the capture read.
+        pool = None
+        for bucket in reversed(self.config.cuda_graph_batch_sizes()):
+            self.query_start_loc.np[0] = 0
+            self._pad_decode(0, bucket)
+            inp = self._send(bucket, bucket, 1, True)
+            self._forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_logits[bucket] = self._forward(inp)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
