@@ -36,7 +36,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            # JSON object keys arrive as strings ("50256").
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -66,7 +70,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise bad(
+                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
@@ -91,7 +97,12 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the params name must exist in the model's vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias or {}),
+        ):
             for token_id in ids:
                 if token_id >= vocab_size:
-                    raise ValueError(f"{name} has token id {token_id} outside the vocabulary (size {vocab_size})")
+                    raise ValueError(
+                        f"{name} has token id {token_id} outside the vocabulary (size {vocab_size})"
+                    )

@@ -1,0 +1,278 @@
+"""Sampler: one batched pass from logits to next tokens (and their logprobs).
+
+Order of processing, per row, as vLLM does it:
+    logit_bias → repetition/frequency/presence penalties → min_tokens mask
+    → greedy rows take the argmax here
+    → temperature → top_k → top_p → min_p → exponential race.
+Logprobs are the raw log_softmax of the model's logits (vLLM's default
+"raw_logprobs"), untouched by any of the above.
+
+The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1).tolist()`:
+the CUDA decode path depends on that being one kernel and one copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.request import Request, TokenLogprob
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per request
+    logprobs: list[TokenLogprob | None]  # per request; None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(
+        self, vocab_size: int, device: torch.device, seed: int, eos_token_ids: list[int]
+    ) -> None:
+        # Token ids and ranks travel back packed in a float64 tensor (one copy).
+        assert vocab_size < 2**53
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        # Shared by every unseeded row; seeded rows own a generator each.
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        # logits: [num_requests, vocab_size], any float dtype
+        if all(self._argmax_only(req) for req in requests):
+            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(requests))
+
+        x = self.process_logits(logits, requests)  # [B, V] fp32
+
+        num_random = sum(not req.params.greedy for req in requests)
+        if num_random == 0:
+            token_ids = x.argmax(-1)  # [B]
+        elif num_random == len(requests):
+            token_ids = self._sample(x, requests)
+        else:
+            # Masks and temperature never move the argmax, so greedy rows can
+            # take it now and the random rows are sampled over the whole batch.
+            greedy_ids = x.argmax(-1)
+            is_greedy = torch.tensor(
+                [req.params.greedy for req in requests], device=self.device
+            )  # [B]
+            token_ids = torch.where(is_greedy, greedy_ids, self._sample(x, requests))
+
+        if all(req.params.logprobs is None for req in requests):
+            return SamplerOutput(token_ids.tolist(), [None] * len(requests))
+        return self._with_logprobs(logits, token_ids, requests)
+
+    def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """logit_bias, penalties and the min_tokens mask, on a new fp32 [B, V] tensor."""
+        # Our own copy: the steps below write into it in place.
+        x = logits.to(torch.float32, copy=True)  # [B, V]
+        self._apply_logit_bias(x, requests)
+        self._apply_penalties(x, requests)
+        self._apply_min_tokens(x, requests)
+        return x
+
+    def _argmax_only(self, req: Request) -> bool:
+        params = req.params
+        return (
+            params.greedy
+            and not params.has_penalties
+            and not params.logit_bias
+            and params.logprobs is None
+            and not self._min_tokens_active(req)
+        )
+
+    def _min_tokens_active(self, req: Request) -> bool:
+        params = req.params
+        return req.num_output_tokens < params.min_tokens and bool(
+            self.eos_token_ids or params.stop_token_ids
+        )
+
+    # ---- logits processing (in place on the fp32 copy) ----
+
+    def _apply_logit_bias(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows, cols, values = [], [], []
+        for i, req in enumerate(requests):
+            for token_id, bias in (req.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+        if rows:
+            index = torch.tensor([rows, cols], device=self.device)  # [2, num_biases]
+            bias = torch.tensor(values, dtype=x.dtype, device=self.device)
+            x.index_put_((index[0], index[1]), bias, accumulate=True)
+
+    def _apply_penalties(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows = [i for i, req in enumerate(requests) if req.params.has_penalties]
+        if not rows:
+            return
+        params = [requests[i].params for i in rows]
+        row_index = torch.tensor(rows, device=self.device)
+        sub = x[row_index]  # [P, V]
+        # [3, P] -> three [P, 1] columns, one host-to-device copy
+        penalties = torch.tensor(
+            [
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            ],
+            dtype=x.dtype,
+            device=self.device,
+        ).unsqueeze(-1)
+        repetition, frequency, presence = penalties
+
+        # How often each vocabulary entry was generated (OpenAI's penalties
+        # count output tokens only). Padding goes to an extra column V.
+        output_ids = self._padded([requests[i].output_token_ids for i in rows])  # [P, L]
+        counts = torch.zeros(len(rows), self.vocab_size + 1, dtype=x.dtype, device=self.device)
+        counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=x.dtype))
+        counts = counts[:, : self.vocab_size]  # [P, V]
+        generated = counts > 0
+
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # HF/vLLM: over prompt and output tokens, shrink the logit toward
+            # zero from either side (divide positive, multiply negative).
+            prompt_ids = self._padded([requests[i].prompt_token_ids for i in rows])
+            seen = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.bool, device=self.device)
+            seen.scatter_(1, prompt_ids, True)
+            seen = seen[:, : self.vocab_size] | generated  # [P, V]
+            penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+            sub = torch.where(seen, penalized, sub)
+        sub -= frequency * counts + presence * generated
+        x[row_index] = sub
+
+    def _padded(self, token_lists: list[list[int]]) -> torch.Tensor:
+        """Ragged token lists as one [len, max_len] int64 tensor, padded with vocab_size."""
+        width = max(1, max(len(ids) for ids in token_lists))
+        host = np.full((len(token_lists), width), self.vocab_size, dtype=np.int64)
+        for row, ids in enumerate(token_lists):
+            host[row, : len(ids)] = ids
+        return torch.from_numpy(host).to(self.device)
+
+    def _apply_min_tokens(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows, cols = [], []
+        for i, req in enumerate(requests):
+            if self._min_tokens_active(req):
+                # vLLM masks EOS here even with ignore_eos, and the stop ids too.
+                banned = set(self.eos_token_ids) | set(req.params.stop_token_ids)
+                rows += [i] * len(banned)
+                cols += sorted(banned)
+        if rows:
+            index = torch.tensor([rows, cols], device=self.device)  # [2, num_banned]
+            x[index[0], index[1]] = float("-inf")
+
+    # ---- sampling ----
+
+    def _sample(self, x: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
+
+        Scales and masks x in place.
+        """
+        params = [req.params for req in requests]
+        # One host-to-device copy for all per-row knobs; greedy rows get
+        # neutral values (temperature 1) so nothing divides by zero.
+        knobs = torch.tensor(
+            [
+                [1.0 if p.greedy else p.temperature for p in params],
+                [p.top_k or self.vocab_size for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ],
+            dtype=x.dtype,
+            device=self.device,
+        ).unsqueeze(-1)  # [4, B, 1]
+        temperature, top_k, top_p, min_p = knobs
+
+        x.div_(temperature)
+        use_top_k = any(0 < p.top_k < self.vocab_size for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_k or use_top_p:
+            x = _apply_top_k_top_p(x, top_k if use_top_k else None, top_p if use_top_p else None)
+        probs = x.softmax(-1)  # [B, V]
+        if any(p.min_p > 0.0 for p in params):
+            # Drop tokens less likely than min_p times the most likely one.
+            threshold = min_p * probs.amax(-1, keepdim=True)
+            probs.masked_fill_(probs < threshold, 0.0)
+
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with
+        # probability p_i, and needs no cumulative sum or host sync.
+        noise = torch.empty_like(probs)  # [B, V]
+        if any(p.seed is None and not p.greedy for p in params):
+            noise.exponential_(generator=self.generator)
+        for row, req in enumerate(requests):
+            if req.params.seed is not None and not req.params.greedy:
+                # A seeded row draws only from its own stream, so its tokens
+                # do not depend on what else shares the batch.
+                noise[row].exponential_(generator=self._generator_of(req))
+        return probs.div_(noise).argmax(-1)
+
+    def _generator_of(self, req: Request) -> torch.Generator:
+        if req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(req.params.seed)
+        return req.generator
+
+    # ---- logprobs ----
+
+    def _with_logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+    ) -> SamplerOutput:
+        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        num_top = max(requests[i].params.logprobs for i in rows)
+        row_index = torch.tensor(rows, device=self.device)
+        raw = logits[row_index].float().log_softmax(-1)  # [R, V]
+        sampled = token_ids[row_index].unsqueeze(-1)  # [R, 1]
+        sampled_logprob = raw.gather(1, sampled)  # [R, 1]
+        rank = (raw > sampled_logprob).sum(-1, keepdim=True) + 1  # [R, 1]
+        top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [R, K], best first
+
+        # Everything in one float64 tensor (exact for ids, ranks and fp32
+        # values) so the host waits on a single copy.
+        packed = torch.cat(
+            [
+                token_ids.double(),
+                torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1).double().flatten(),
+            ]
+        ).tolist()
+        batch_size = len(requests)
+        token_list = [int(t) for t in packed[:batch_size]]
+        logprobs: list[TokenLogprob | None] = [None] * batch_size
+        width = 2 + 2 * num_top
+        for r, i in enumerate(rows):
+            fields = packed[batch_size + r * width : batch_size + (r + 1) * width]
+            k = requests[i].params.logprobs
+            top_id_list = fields[2 : 2 + num_top]
+            top_lp_list = fields[2 + num_top :]
+            logprobs[i] = TokenLogprob(
+                token_id=token_list[i],
+                logprob=fields[0],
+                rank=int(fields[1]),
+                top=[(int(t), lp) for t, lp in zip(top_id_list[:k], top_lp_list[:k], strict=True)],
+            )
+        return SamplerOutput(token_list, logprobs)
+
+
+def _apply_top_k_top_p(
+    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask (to -inf) logits outside each row's top_k, then outside its top_p nucleus.
+
+    x: [B, V]; top_k, top_p: [B, 1] (top_k == V means off; top_p == 1 means off).
+    One ascending sort serves both: top_k keeps the last k columns, top_p drops
+    the leading columns whose cumulative mass stays within 1 - top_p.
+    """
+    sorted_logits, order = x.sort(dim=-1)  # [B, V] ascending
+    if top_k is not None:
+        kth_col = (x.size(1) - top_k).long()  # [B, 1]
+        kth_value = sorted_logits.gather(1, kth_col)
+        # Ties with the k-th value survive, as in vLLM.
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)  # [B, V]
+        outside = cumulative <= 1 - top_p
+        outside[:, -1] = False  # the most likely token always survives
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_logits)
