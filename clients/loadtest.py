@@ -19,7 +19,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -138,6 +138,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     """Reject combinations argparse cannot express; exits with status 2 like argparse."""
     if args.output_len_range and not args.input_len_range:
         parser.error("--output-len-range needs --input-len-range")
+    if not args.base_url.startswith(("http://", "https://")):
+        parser.error("--base-url must start with http:// or https://")
     if args.burst:
         args.request_rate = math.inf
     if args.request_rate <= 0 or args.burstiness <= 0:
@@ -244,8 +246,19 @@ def schedule_lag(args: argparse.Namespace, records: list[RequestRecord], t0: flo
     return lag
 
 
-def result_notes(args: argparse.Namespace, records: list[RequestRecord], t0: float) -> list[str]:
+def result_notes(
+    args: argparse.Namespace,
+    records: list[RequestRecord],
+    t0: float,
+    warmup: Sequence[RequestRecord] = (),
+) -> list[str]:
     notes = []
+    warmup_failed = [r for r in warmup if not r.ok]
+    if warmup_failed:
+        notes.append(
+            f"{len(warmup_failed)}/{len(warmup)} warmup requests failed, "
+            f"e.g. {warmup_failed[0].error}"
+        )
     lag = schedule_lag(args, records, t0)
     if lag > 0.01:
         notes.append(
@@ -326,7 +339,7 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
         records=records,
         warmup_records=warmup,
         metrics=metrics,
-        notes=result_notes(args, records, t0),
+        notes=result_notes(args, records, t0, warmup),
     )
 
 

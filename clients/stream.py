@@ -85,6 +85,9 @@ async def stream_request(
                     record.end_time = now
                     break
                 event = json.loads(data)
+                if not isinstance(event, dict):
+                    record.fail("protocol", f"stream event is not a JSON object: {data[:200]}")
+                    return
                 if "error" in event or event.get("object") == "error":
                     record.fail("stream", error_message(event))
                     return
@@ -103,6 +106,9 @@ async def stream_request(
         record.fail("timeout", f"{type(e).__name__}: {e}")
     except httpx.HTTPError as e:
         record.fail("connection", f"{type(e).__name__}: {e}")
+    except Exception as e:
+        # A malformed event (odd field types) fails this request, never the whole run.
+        record.fail("protocol", f"{type(e).__name__}: {e}")
     finally:
         # Also runs on cancellation (timeout), so a cut-off request has an end too.
         if record.end_time is None:

@@ -8,6 +8,8 @@ token " tok", sent `delay_s` apart; markers in the prompt pick failure modes:
     [slow]          waits 2 s before the first token (to trip client timeouts)
     [no-usage]      no usage chunk even when asked for one
     [no-done]       the stream ends without `data: [DONE]`
+    [bad-json]      a stream line that is not JSON
+    [bad-event]     a JSON event that is not an object, or has odd field types
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ def make_app(state: FakeServer) -> FastAPI:
         async def events() -> AsyncIterator[str]:
             if chat:  # role-only first chunk, as OpenAI sends: not content, not TTFT
                 yield _chunk(body, chat, None)
+            if "[bad-json]" in prompt:
+                yield "data: {not json\n\n"
+            if "[bad-event]" in prompt:
+                yield "data: [1, 2]\n\n" if "list" in prompt else 'data: {"choices": 5}\n\n'
             if "[slow]" in prompt:
                 await asyncio.sleep(2.0)
             for i in range(n):

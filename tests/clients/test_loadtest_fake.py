@@ -237,3 +237,24 @@ def test_schedule_lag_is_reported():
     assert "behind the arrival schedule" in loadtest.result_notes(args, late, 10.0)[0]
     on_time = [RequestRecord(i, 10.0 + 0.02 * i, [], 11.0, 1, 1) for i in range(3)]
     assert loadtest.result_notes(args, on_time, 10.0) == []
+
+
+def test_malformed_streams_fail_only_their_request(fake, tmp_path):
+    dataset = tmp_path / "bad.jsonl"
+    prompts = ["[bad-json]", "[bad-event] list", "[bad-event] dict", "fine"]
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    rc, result = run(fake, tmp_path, "--dataset", str(dataset), "--num-requests", "4")
+    assert rc == 0
+    m = result["metrics"]
+    assert (m["completed"], m["errors"]) == (1, {"protocol": 3})
+    errors = [r.error for r in records_of(result)[:3]]
+    assert "bad JSON" in errors[0] and "not a JSON object" in errors[1]
+    assert "TypeError" in errors[2]
+
+
+def test_failed_warmup_is_noted():
+    args = loadtest.parse_checked(["--concurrency", "1"])
+    warmup = [RequestRecord(-1, 0.0, [], 0.1, error="HTTP 503: loading", error_kind="http")]
+    assert loadtest.result_notes(args, [], 0.0, warmup) == [
+        "1/1 warmup requests failed, e.g. HTTP 503: loading"
+    ]
