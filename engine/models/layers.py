@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.kv_store import kv_store_ref
-from kernels.paged_attention import paged_attention_decode_ref
-from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.kv_store import kv_store_for
+from kernels.paged_attention import paged_attention_decode_for
+from kernels.prefill_attention import paged_prefill_attention_for
 
 
 @dataclass
@@ -39,14 +39,11 @@ class AttentionOps:
 
     @classmethod
     def for_device(cls, device: torch.device) -> AttentionOps:
-        if device.type != "cuda":
-            return cls(kv_store_ref, paged_attention_decode_ref, paged_prefill_attention_ref)
-        # Triton is imported only where it runs compiled.
-        from kernels.kv_store import kv_store
-        from kernels.paged_attention import paged_attention_decode
-        from kernels.prefill_attention import paged_prefill_attention
-
-        return cls(kv_store, paged_attention_decode, paged_prefill_attention)
+        return cls(
+            kv_store_for(device),
+            paged_attention_decode_for(device),
+            paged_prefill_attention_for(device),
+        )
 
 
 class PagedAttention(nn.Module):
