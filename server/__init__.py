@@ -1,0 +1,1 @@
+"""Pagoda's OpenAI-compatible HTTP server."""

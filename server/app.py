@@ -1,0 +1,161 @@
+"""The FastAPI app: thin routes over Serving, OpenAI-shaped errors everywhere."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import EngineConfig
+from server.async_engine import AsyncEngine
+from server.config import ServerConfig
+from server.errors import APIError, error_body
+from server.metrics import Metrics
+from server.middleware import ApiKeyAuth, BodySizeLimit
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.serving import Serving
+from server.serving_chat import create_chat_completion
+from server.serving_completions import create_completion
+
+logger = logging.getLogger("pagoda.server")
+
+
+def _build_engine(config: EngineConfig) -> Any:
+    from engine.engine import Engine  # heavy (torch, the model code): only when serving
+
+    return Engine(config)
+
+
+def create_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    engine_factory: Callable[[EngineConfig], Any] | None = None,
+) -> FastAPI:
+    """The whole server; `engine_factory` lets tests wrap the engine (fault injection)."""
+    metrics = Metrics()
+    async_engine = AsyncEngine(
+        engine_config, metrics, server_config.max_waiting_requests, engine_factory or _build_engine
+    )
+    metrics.watch_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await async_engine.start()  # builds the engine on its thread; a failure stops startup
+        serving = Serving(async_engine, server_config.served_model_name)
+        app.state.serving = serving
+        logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+            serving.close()
+
+    app = FastAPI(title="Pagoda", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    _add_routes(app, metrics)
+    _add_error_handlers(app)
+    # Starlette runs the last-added middleware first: CORS answers preflights before auth.
+    app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
+    if server_config.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=server_config.api_key)
+    if server_config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=server_config.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    return app
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def _add_routes(app: FastAPI, metrics: Metrics) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(_serving(request), body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(_serving(request), body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        return _serving(request).models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> ModelCard:
+        serving = _serving(request)
+        serving.check_model(model_id)
+        return serving.models().data[0]
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        return await _serving(request).tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        return await _serving(request).detokenize(body)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if not request.app.state.async_engine.is_alive:
+            return APIError("The engine is not running.", 503).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        # Never FastAPI's 422 shape: OpenAI answers malformed or mistyped input with 400.
+        errors = list(exc.errors())
+        if errors and errors[0].get("type") == "json_invalid":
+            return APIError("The request body is not valid JSON.", 400).response()
+        param = None
+        parts = []
+        for err in errors[:3]:
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            param = param or (loc[0] if loc else None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return APIError("Invalid request: " + "; ".join(parts), 400, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if exc.status_code != 404 else f"Not found: {request.url.path}"
+        return JSONResponse(
+            error_body(str(message), exc.status_code),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return JSONResponse(error_body(f"Internal server error: {exc}", 500), status_code=500)

@@ -1,0 +1,194 @@
+"""`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
+
+Engine flags map 1:1 to EngineConfig fields; the rest build a ServerConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.config import EngineConfig
+from server.config import ServerConfig
+
+_ENGINE = EngineConfig()
+_SERVER = ServerConfig()
+
+
+def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve a model over an OpenAI-compatible API."
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="local Hugging Face checkpoint directory (default: the embedded demo model)",
+    )
+    e.add_argument("--device", default=_ENGINE.device, help="auto | cpu | cuda[:N]")
+    e.add_argument(
+        "--dtype", default=_ENGINE.dtype, choices=["auto", "float32", "float16", "bfloat16"]
+    )
+    e.add_argument(
+        "--block-size", type=int, default=_ENGINE.block_size, help="tokens per KV-cache block"
+    )
+    e.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks (default: sized from free memory)",
+    )
+    e.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=_ENGINE.gpu_memory_utilization,
+        help="fraction of GPU memory the engine may use",
+    )
+    e.add_argument(
+        "--max-num-seqs", type=int, default=_ENGINE.max_num_seqs, help="most requests in one batch"
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_ENGINE.max_num_batched_tokens,
+        help="most tokens in one step",
+    )
+    e.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    e.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn the prefix cache off",
+    )
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument("--seed", type=int, default=_ENGINE.seed, help="seed for unseeded requests")
+    e.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=_SERVER.host)
+    s.add_argument("--port", type=int, default=_SERVER.port)
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name in the API (default: the model directory's name)",
+    )
+    s.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="enable CORS for these origins ('*' for any)",
+    )
+    s.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=_SERVER.max_waiting_requests,
+        help="queued requests past which new ones get 503",
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=_SERVER.max_request_body_bytes,
+        help="larger request bodies get 413",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_SERVER.shutdown_timeout,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    s.add_argument(
+        "--log-level",
+        default=_SERVER.log_level,
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    return p
+
+
+def parse_configs(
+    argv: list[str] | None, prog: str = "pagoda serve"
+) -> tuple[EngineConfig, ServerConfig]:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        engine_config = EngineConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+            nvtx=args.nvtx,
+        )
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            allowed_origins=args.allowed_origins,
+            max_waiting_requests=args.max_waiting_requests,
+            max_request_body_bytes=args.max_request_body_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
+    except ValueError as exc:
+        build_parser(prog).error(str(exc))
+    return engine_config, server_config
+
+
+def serve(argv: list[str] | None = None, prog: str = "pagoda serve") -> int:
+    import uvicorn  # imported here so `pagoda --help` stays quick
+
+    from server.app import create_app
+
+    engine_config, server_config = parse_configs(argv, prog)
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    app = create_app(engine_config, server_config)
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    server.run()  # handles SIGINT/SIGTERM: drains connections, then the lifespan stops the engine
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: pagoda {serve,loadtest} [flags]\n\n"
+            "  serve     run the OpenAI-compatible server (pagoda serve --help)\n"
+            "  loadtest  measure TTFT/ITL/TPOT/E2E against a running server"
+        )
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "loadtest":
+        from clients.loadtest import main as loadtest_main  # another package; only when asked
+
+        return loadtest_main(rest)
+    print(f"pagoda: unknown command {command!r} (expected serve or loadtest)", file=sys.stderr)
+    return 2

@@ -1,0 +1,26 @@
+"""ServerConfig: the HTTP side's settings (the engine's live in EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # None: no auth
+    allowed_origins: list[str] = field(default_factory=list)  # empty: CORS off
+    max_waiting_requests: int = 1024  # past this many queued requests, 503
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be non-negative")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be positive")

@@ -1,0 +1,76 @@
+"""Pure-ASGI guards that answer before any route runs: API key, body size."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_body
+
+# What --api-key protects; /health and /metrics stay open for probes and scrapers.
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
+class ApiKeyAuth:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = error_body("Incorrect API key provided.", 401, code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """413 for bodies over the cap: declared (Content-Length) or streamed (chunked)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+
+        received = 0
+        too_large = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise _TooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not too_large:  # the app may turn _TooLarge into its own 400: drop it
+                await send(message)
+
+        with contextlib.suppress(_TooLarge):
+            await self.app(scope, counting_receive, guarded_send)
+        if too_large:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = error_body(f"The request body is larger than {self.max_bytes} bytes.", 413)
+        await JSONResponse(body, status_code=413)(scope, receive, send)

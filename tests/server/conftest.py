@@ -1,0 +1,119 @@
+"""A live Pagoda server in-process: uvicorn in a thread on a free 127.0.0.1 port.
+
+Engine settings for the shared server: the tiny GPT-2 on CPU, max_model_len 256,
+and enough KV blocks (1024 × 16 tokens) for 64 full-length streams at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine.config import EngineConfig
+from server.app import create_app
+from server.config import ServerConfig
+
+MAX_MODEL_LEN = 256
+
+
+class LiveServer:
+    def __init__(self, app: Any, shutdown_timeout: float = 5.0) -> None:
+        self.app = app
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout: float = 60.0) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+    def metric(self, sample: str, default: float | None = None) -> float:
+        """One sample from /metrics, named with its labels: `name{label="value"}`."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
+        raise KeyError(sample)
+
+
+def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:
+    settings = dict(
+        model=model_dir,
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=1024,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+    )
+    return EngineConfig(**(settings | overrides))
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_gpt2_dir) -> Iterator[Callable[..., LiveServer]]:
+    """Factory: start a server with engine/server overrides; all stop at session end."""
+    started: list[LiveServer] = []
+
+    def start(
+        engine: dict | None = None, server: dict | None = None, engine_factory: Any = None
+    ) -> LiveServer:
+        app = create_app(
+            engine_config(tiny_gpt2_dir, **(engine or {})),
+            ServerConfig(**(server or {})),
+            engine_factory=engine_factory,
+        )
+        live = LiveServer(app).start()
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture(scope="session")
+def live(start_server) -> LiveServer:
+    return start_server()
+
+
+@pytest.fixture
+def client(live: LiveServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def oai(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model_name(tiny_gpt2_dir) -> str:
+    return tiny_gpt2_dir.rstrip("/").rsplit("/", 1)[-1]

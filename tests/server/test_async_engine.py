@@ -1,0 +1,82 @@
+"""The engine thread: a failing step costs only its requests; shutdown stops it cleanly."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from engine.engine import Engine
+from server.app import create_app
+from server.config import ServerConfig
+from tests.server.conftest import LiveServer, engine_config
+
+
+class FlakyEngine(Engine):
+    """Raises from step() when told to, once."""
+
+    fail_next_step = threading.Event()
+
+    def step(self):
+        if self.fail_next_step.is_set():
+            self.fail_next_step.clear()
+            raise RuntimeError("injected fault")
+        return super().step()
+
+
+@pytest.fixture(scope="module")
+def flaky(start_server):
+    return start_server(engine_factory=FlakyEngine)
+
+
+def test_step_failure_is_a_500_and_the_server_keeps_serving(flaky):
+    FlakyEngine.fail_next_step.set()
+    r = httpx.post(f"{flaky.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "injected fault" in error["message"]
+    r = httpx.post(f"{flaky.base_url}/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    assert r.status_code == 200
+    assert flaky.metric("pagoda:num_requests_running") == 0
+    assert flaky.metric("pagoda:kv_cache_usage_perc") == 0
+
+
+def test_step_failure_midstream_is_an_error_event_then_done(flaky):
+    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{flaky.base_url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+                if len(events) == 2:
+                    FlakyEngine.fail_next_step.set()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert len(events) < 50
+    assert httpx.get(f"{flaky.base_url}/health").status_code == 200
+
+
+def test_shutdown_aborts_in_flight_requests_and_stops_the_thread(tiny_gpt2_dir):
+    app = create_app(engine_config(tiny_gpt2_dir), ServerConfig())
+    live = LiveServer(app, shutdown_timeout=0.5).start()
+    async_engine = app.state.async_engine
+    body = {"prompt": "Hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    stopper = threading.Thread(target=live.stop)
+    with httpx.stream("POST", f"{live.base_url}/v1/completions", json=body, timeout=30) as r:
+        chunks = 0
+        try:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunks += 1
+                if chunks == 2:
+                    stopper.start()  # like SIGTERM: uvicorn drains, then the lifespan ends
+        except httpx.HTTPError:
+            pass  # the server may close the connection under us
+    stopper.join(timeout=30)
+    assert chunks < 240
+    assert not async_engine.is_alive
+    assert not async_engine.engine.has_unfinished_requests()
+    assert async_engine.engine.get_stats().kv_cache_usage == 0

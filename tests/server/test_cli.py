@@ -1,0 +1,75 @@
+"""Flags → EngineConfig/ServerConfig, and the `pagoda` subcommands."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import types
+
+import pytest
+
+from server import cli
+
+
+def test_defaults_match_the_design():
+    engine, server = cli.parse_configs([])
+    assert engine.model is None  # the embedded demo model
+    assert (server.host, server.port) == ("127.0.0.1", 8000)
+    assert engine.enable_prefix_caching and not engine.enforce_eager
+    assert server.api_key is None and server.allowed_origins == []
+
+
+def test_every_flag_maps_to_its_field():
+    argv = shlex.split(
+        "--model /m --host 0.0.0.0 --port 9001 --device cpu --dtype bfloat16 --block-size 32 "
+        "--num-kv-blocks 100 --gpu-memory-utilization 0.5 --max-num-seqs 8 "
+        "--max-num-batched-tokens 512 --max-model-len 1024 --served-model-name demo "
+        "--api-key k --enforce-eager --no-prefix-caching --seed 7 --nvtx "
+        "--allowed-origins http://a http://b --max-waiting-requests 5 "
+        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug"
+    )
+    engine, server = cli.parse_configs(argv)
+    assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
+        "/m",
+        "cpu",
+        "bfloat16",
+        32,
+    )
+    assert (engine.num_kv_blocks, engine.gpu_memory_utilization) == (100, 0.5)
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len) == (
+        8,
+        512,
+        1024,
+    )
+    assert engine.enforce_eager and not engine.enable_prefix_caching
+    assert (engine.seed, engine.nvtx) == (7, True)
+    assert (server.host, server.port, server.served_model_name, server.api_key) == (
+        "0.0.0.0",
+        9001,
+        "demo",
+        "k",
+    )
+    assert server.allowed_origins == ["http://a", "http://b"]
+    assert (server.max_waiting_requests, server.max_request_body_bytes) == (5, 1000)
+    assert (server.shutdown_timeout, server.log_level) == (2.0, "debug")
+
+
+def test_invalid_values_exit_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_configs(["--block-size", "3"])
+    assert exc.value.code == 2
+    assert "block_size" in capsys.readouterr().err
+
+
+def test_loadtest_delegates(monkeypatch):
+    seen = {}
+    fake = types.ModuleType("clients.loadtest")
+    fake.main = lambda argv: seen.setdefault("argv", argv) and 0
+    monkeypatch.setitem(sys.modules, "clients.loadtest", fake)
+    assert cli.main(["loadtest", "--num-requests", "3"]) == 0
+    assert seen["argv"] == ["--num-requests", "3"]
+
+
+def test_unknown_command(capsys):
+    assert cli.main(["frobnicate"]) == 2
+    assert cli.main([]) == 2
