@@ -90,6 +90,8 @@ def kv_store(
         HEADS_P2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
+        # Up to 8 elements (16 bytes at fp16) per thread; a 2 x 64 row needs only one warp.
+        num_warps=min(4, max(1, num_kv_heads * head_dim // 256)),
     )
 
 
