@@ -69,7 +69,6 @@ class ModelRunner:
         self._allocate_kv_cache()
 
         self.block_table = BlockTable(self.max_num_seqs, self.max_blocks_per_seq, self.device)
-        self.slot_owner: list[str | None] = [None] * self.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, self.max_num_seqs)
         self.input_ids = StagedBuffer(max_tokens, torch.int64, self.device)
         self.positions = StagedBuffer(max_tokens, torch.int64, self.device)
@@ -140,11 +139,9 @@ class ModelRunner:
         num_seqs = len(scheduled)
         table = self.block_table
         for s in scheduled:
-            req = s.request
-            if self.slot_owner[req.slot] != req.key:
-                table.clear_row(req.slot)
-                self.slot_owner[req.slot] = req.key
-            table.update_row(req.slot, req.block_ids)
+            if s.new_slot:
+                table.clear_row(s.request.slot)
+            table.update_row(s.request.slot, s.request.block_ids)
 
         num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
         num_computed = np.fromiter(

@@ -66,7 +66,6 @@ class Request:
     ) -> None:
         self.request_id = request_id  # the client's id, shared by the n choices
         self.index = index
-        self.key = f"{request_id}#{index}"  # unique inside the engine
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         # Generated ids; all_token_ids is what the model has seen or will see.
@@ -111,6 +110,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.key}, {self.status.value}, computed={self.num_computed_tokens}/"
+            f"Request({self.request_id}#{self.index}, {self.status.value}, computed={self.num_computed_tokens}/"
             f"{self.num_tokens}, blocks={len(self.block_ids)})"
         )

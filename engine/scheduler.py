@@ -24,6 +24,7 @@ from engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    new_slot: bool = False  # admitted this step: its block-table row starts empty
 
     @property
     def completes_prompt(self) -> bool:
@@ -34,7 +35,6 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that gained a slot this step or gained blocks, for the block table.
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -101,7 +101,7 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new, new_slot=True))
             budget -= num_new
         return out
 

@@ -116,3 +116,17 @@ def test_demo_model_is_built_and_served():
         "Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_slots_reused_across_calls_and_preemption_give_same_outputs(tiny_gpt2_dir):
+    # Request ids repeat across generate calls and preempted requests come back on
+    # recycled slots: each must start from an empty block-table row.
+    llm = LLM(tiny_gpt2_dir, device="cpu", block_size=4, num_kv_blocks=20, max_model_len=64)
+    prompts = ["Hello", "The quick brown fox", "1 2 3 4 5", "Once upon a time"]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)]
+    assert again == first[::-1]
+    alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert alone == first
