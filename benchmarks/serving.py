@@ -206,7 +206,7 @@ def run_loadtest(argv: list[str], out: Path) -> dict:
     print(f"\n$ python -m clients.loadtest {shlex.join(argv)}", flush=True)
     rc = loadtest.main(argv)
     if not result_file.exists():
-        raise RuntimeError(f"load test wrote no result (rc={rc})")
+        raise RuntimeError(f"load test failed before measuring (rc={rc}): see its output above")
     return json.loads(result_file.read_text())
 
 
@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError) as e:
         summary["error"] = str(e)
         print(f"benchmark failed: {e}", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit):
+        summary["error"] = "interrupted"  # the partial summary is still written below
+        raise
     finally:
         if server:
             server.stop()

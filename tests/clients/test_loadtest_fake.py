@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -258,3 +259,14 @@ def test_failed_warmup_is_noted():
     assert loadtest.result_notes(args, [], 0.0, warmup) == [
         "1/1 warmup requests failed, e.g. HTTP 503: loading"
     ]
+
+
+def test_curl_example_streams(fake):
+    script = ROOT / "clients" / "examples" / "curl_stream.sh"
+    env = {**os.environ, "BASE_URL": fake.base_url}
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert fake.bodies[-1]["stream"] is True and fake.bodies[-1]["model"] == "fake-model"
+    assert proc.stdout.count("data: ") == 32 + 3 and "data: [DONE]" in proc.stdout
