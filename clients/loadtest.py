@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
-import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,14 +25,13 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from clients.arrivals import arrival_gaps, closed_loop, open_loop
 from clients.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
 from clients.report import format_table, write_plots
 from clients.stream import request_body, stream_request
 from clients.workload import DatasetWorkload, FixedWorkload, RandomWorkload, Workload
 
 DEFAULT_PROMPT = "Hello, my name is"
-
-Send = Callable[[int], Awaitable[RequestRecord]]
 
 
 class LoadTestError(Exception):
@@ -166,59 +163,6 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.dataset:
         return DatasetWorkload(args.dataset, args.max_tokens, args.ignore_eos)
     return FixedWorkload(args.prompt or DEFAULT_PROMPT, args.max_tokens, args.ignore_eos)
-
-
-def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
-    """Seconds between consecutive sends, as in vLLM: gamma(shape=b, mean=1/rate)."""
-    rng = random.Random(seed)
-    while True:
-        if math.isinf(rate):
-            yield 0.0
-        elif math.isinf(burstiness):
-            yield 1.0 / rate
-        else:
-            yield rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-
-
-async def open_loop(
-    send: Send, gaps: Iterator[float], num_requests: int, duration: float | None
-) -> list[RequestRecord]:
-    """Send on a schedule regardless of completions; the schedule is absolute, so no drift."""
-    start = time.perf_counter()
-    tasks: list[asyncio.Task[RequestRecord]] = []
-    next_at = 0.0
-    for index in itertools.count():
-        if (num_requests and index >= num_requests) or (
-            duration is not None and next_at >= duration
-        ):
-            break
-        delay = start + next_at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(index)))
-        next_at += next(gaps)
-    return list(await asyncio.gather(*tasks))
-
-
-async def closed_loop(
-    send: Send, concurrency: int, num_requests: int, duration: float | None
-) -> list[RequestRecord]:
-    """`concurrency` workers, each sending its next request when the last one finishes."""
-    start = time.perf_counter()
-    indices = itertools.count()
-    records: list[RequestRecord] = []
-
-    async def worker() -> None:
-        while True:
-            index = next(indices)
-            if num_requests and index >= num_requests:
-                return
-            if duration is not None and time.perf_counter() - start >= duration:
-                return
-            records.append(await send(index))
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return sorted(records, key=lambda r: r.index)
 
 
 async def first_model(client: httpx.AsyncClient) -> str:

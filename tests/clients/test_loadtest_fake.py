@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from clients import loadtest
+from clients.arrivals import arrival_gaps
 from clients.metrics import RequestRecord, compute_metrics
 from clients.workload import RandomWorkload
 
@@ -141,12 +142,12 @@ def test_open_loop_follows_the_seeded_schedule(fake, tmp_path):
     sends = [r.send_time for r in records_of(result)]
     assert [b - a for a, b in pairwise(sends)] == approx([0.02] * 5, abs=0.01)
     # Poisson gaps are reproducible from the seed.
-    gaps = loadtest.arrival_gaps(10.0, 1.0, seed=3)
+    gaps = arrival_gaps(10.0, 1.0, seed=3)
     first = [next(gaps) for _ in range(200)]
-    again = loadtest.arrival_gaps(10.0, 1.0, seed=3)
+    again = arrival_gaps(10.0, 1.0, seed=3)
     assert first == [next(again) for _ in range(200)]
     assert sum(first) / 200 == approx(0.1, rel=0.25)
-    assert next(loadtest.arrival_gaps(math.inf, 1.0, 0)) == 0.0
+    assert next(arrival_gaps(math.inf, 1.0, 0)) == 0.0
 
 
 def test_duration_and_warmup_bound_the_run(fake, tmp_path):
