@@ -171,9 +171,13 @@ class AsyncEngine:
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
+        self._metrics.on_abort(stream.unfinished_choices)
+        self._forget(stream)
+
+    def _forget(self, stream: RequestStream) -> None:
+        """Stop routing to the stream and abort its engine requests (a no-op for finished ones)."""
         for rid in stream.request_ids:
             self._streams.pop(rid, None)
-        self._metrics.on_abort(stream.unfinished_choices)
         with self._cond:
             self._inbox.extend(_Abort(rid) for rid in stream.request_ids)
             self._cond.notify()
@@ -186,9 +190,9 @@ class AsyncEngine:
             if stream is None:  # aborted by the client meanwhile
                 continue
             if isinstance(item, APIError):
-                for other in stream.request_ids:
-                    self._streams.pop(other, None)
+                # One prompt failed: the client request fails, so its other prompts stop too.
                 stream._push(item)
+                self._forget(stream)
                 continue
             self._metrics.on_outputs(item, step_time, stream.last_token_time)
             per_stream.setdefault(id(stream), (stream, []))[1].extend(item)

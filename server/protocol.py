@@ -19,7 +19,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
     """Fields completions and chat share: OpenAI's, then vLLM's extensions."""
 
     model: str | None = None
@@ -44,7 +44,7 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
@@ -68,7 +68,7 @@ class ResponseFormat(_Request):
     type: str
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -24,10 +24,10 @@ from server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
-    _SamplingRequest,
 )
 
 logger = logging.getLogger("pagoda.server")
@@ -157,13 +157,17 @@ class Serving:
             raise from_value_error(exc) from exc
 
     def sampling_params(
-        self, req: _SamplingRequest, max_tokens: int | None, logprobs: int | None
+        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None
     ) -> SamplingParams:
         """OpenAI fields → SamplingParams; its ValueErrors become 400s naming the field."""
         if req.stream_options is not None and not req.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+            # The sampler seeds a torch.Generator, which takes 64 bits; past that the
+            # engine step itself would fail.
+            raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
         try:
             logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         except ValueError as exc:

@@ -30,6 +30,7 @@ CASES = [
     ("temperature", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("top_p", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_k", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("seed past 64 bits", "/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("n", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("logprobs", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     (
