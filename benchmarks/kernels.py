@@ -5,10 +5,12 @@
 Decode attention is memory bound: each step reads every cached K/V byte of the batch once.
 Its floor is that byte count over the bandwidth of a large device-to-device copy measured
 in the same run (also reported against the H100's nominal 3.35 TB/s). Kernels are timed as
-the engine runs them, replayed from a CUDA graph, so Python launch overhead (tens of us,
-more than the small cases' kernel time) is left out; triton.testing.do_bench flushes L2
-before every replay, so no case is served from cache. Times are medians. --sweep also
-times alternative launch configs (how docs/kernels.md picked them).
+the engine runs them: one launch per layer of the model, each layer on its own blocks,
+replayed from one CUDA graph, so Python launch overhead (tens of us, more than a small
+case's kernel time) and the graph's launch are left out or shared, as in the engine;
+triton.testing.do_bench flushes L2 before every replay, so no layer is served from cache.
+Times are medians per layer. Decode rows also time each split count; --sweep times
+alternative tile configs (how docs/kernels.md picked the defaults).
 """
 
 from __future__ import annotations
@@ -32,20 +34,22 @@ from kernels.paged_attention import DecodeConfig, decode_config, paged_attention
 
 NOMINAL_GBPS = 3350.0  # H100 SXM HBM3
 BLOCK_SIZE = 16
-# name -> (num_heads, num_kv_heads, head_dim)
-MODELS = {"gpt2": (12, 12, 64), "qwen2.5-0.5b": (14, 2, 64)}
+KV_BUDGET_BYTES = 4 * 2**30  # caps the layers a case allocates
+# name -> (num_heads, num_kv_heads, head_dim, num_layers)
+MODELS = {"gpt2": (12, 12, 64, 12), "qwen2.5-0.5b": (14, 2, 64, 24)}
 BATCH_SIZES = [1, 8, 64, 256]
 CONTEXT_LENS = [128, 512, 2048, 8192]
+SPLIT_COUNTS = [1, 2, 4, 8, 16, 32, 64]
 
 
-def graph_median_ms(fn: Callable[[], object], rep: int = 100) -> float:
+def graph_median_us(fn: Callable[[], object], rep: int = 50) -> float:
     """Median time of `fn` replayed from a CUDA graph, L2 flushed before each replay."""
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return do_bench(graph.replay, warmup=25, rep=rep, return_mode="median")
+    return 1e3 * do_bench(graph.replay, warmup=10, rep=rep, return_mode="median")
 
 
 def copy_bandwidth_gbps() -> float:
@@ -56,61 +60,83 @@ def copy_bandwidth_gbps() -> float:
     return 2 * src.nbytes / ms / 1e6
 
 
+def layers_within_budget(model: str, layer_bytes: int) -> int:
+    return max(1, min(MODELS[model][3], KV_BUDGET_BYTES // layer_bytes))
+
+
 class DecodeCase:
-    """Decode inputs for `num_seqs` sequences of `context_len` tokens, blocks shuffled."""
+    """One decode step's attention through a model's layers, as the engine's graph runs it.
+
+    `num_seqs` sequences of `context_len` tokens; each layer reads its own shuffled blocks,
+    as each layer reads its own cache, so no layer finds another's K/V in L2.
+    """
 
     def __init__(self, model: str, num_seqs: int, context_len: int, dtype: torch.dtype) -> None:
-        num_heads, num_kv_heads, head_dim = MODELS[model]
+        num_heads, num_kv_heads, head_dim, _ = MODELS[model]
         max_blocks = context_len // BLOCK_SIZE
-        num_blocks = num_seqs * max_blocks
-        shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+        blocks_per_layer = num_seqs * max_blocks
+        kv_bytes = 2 * blocks_per_layer * BLOCK_SIZE * num_kv_heads * head_dim * dtype.itemsize
+        self.num_layers = layers_within_budget(model, kv_bytes)
+        shape = (self.num_layers * blocks_per_layer, BLOCK_SIZE, num_kv_heads, head_dim)
         self.k_cache = torch.randn(shape, dtype=dtype, device="cuda")
         self.v_cache = torch.randn(shape, dtype=dtype, device="cuda")
-        self.block_table = (
-            torch.randperm(num_blocks, device="cuda").view(num_seqs, max_blocks).int()
-        )
+        blocks = torch.randperm(shape[0], device="cuda", dtype=torch.int32)
+        self.block_tables = blocks.view(self.num_layers, num_seqs, max_blocks)
         self.context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
-        self.query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device="cuda")
+        # [num_layers, num_seqs, num_heads, head_dim]
+        self.query = torch.randn(
+            self.num_layers, num_seqs, num_heads, head_dim, dtype=dtype, device="cuda"
+        )
         self.scale = head_dim**-0.5
         self.default_config = decode_config(
             num_seqs, num_kv_heads, max_blocks, BLOCK_SIZE, self.query.device
         )
-        # Bytes that must cross HBM: all K/V of the batch, queries, outputs, block table.
-        self.bytes = 2 * self.k_cache.nbytes + 2 * self.query.nbytes + self.block_table.nbytes
+        # Bytes one layer must move: its K/V, queries, outputs and block table.
+        q_bytes = self.query[0].nbytes
+        self.bytes = kv_bytes + 2 * q_bytes + self.block_tables[0].nbytes
 
-    def time_ms(self, config: DecodeConfig, rep: int = 100) -> float:
-        def run() -> None:
-            paged_attention_decode(
-                self.query,
-                self.k_cache,
-                self.v_cache,
-                self.block_table,
-                self.context_lens,
-                self.scale,
-                config=config,
-            )
+    def time_us(self, config: DecodeConfig, rep: int = 50) -> float:
+        """Median time per layer."""
 
-        return graph_median_ms(run, rep)
+        def step() -> None:
+            for layer in range(self.num_layers):
+                paged_attention_decode(
+                    self.query[layer],
+                    self.k_cache,
+                    self.v_cache,
+                    self.block_tables[layer],
+                    self.context_lens,
+                    self.scale,
+                    config=config,
+                )
+
+        return graph_median_us(step, rep) / self.num_layers
 
 
 def bench_decode(peak_gbps: float) -> list[dict]:
+    """Default configs, and the time of each split count beside them."""
     rows = []
     for model, num_seqs, context_len in itertools.product(MODELS, BATCH_SIZES, CONTEXT_LENS):
         case = DecodeCase(model, num_seqs, context_len, torch.float16)
-        ms = case.time_ms(case.default_config)
-        gbps = case.bytes / ms / 1e6
+        us = case.time_us(case.default_config)
+        gbps = case.bytes / us / 1e3
+        by_splits = {
+            n: case.time_us(replace(case.default_config, num_splits=n)) for n in SPLIT_COUNTS
+        }
         rows.append(
             {
                 "model": model,
                 "num_seqs": num_seqs,
                 "context_len": context_len,
+                "layers_timed": case.num_layers,
                 "config": asdict(case.default_config),
                 "bytes": case.bytes,
-                "median_us": round(ms * 1e3, 2),
+                "median_us": round(us, 2),
                 "floor_us": round(case.bytes / peak_gbps / 1e3, 2),
                 "gbps": round(gbps, 1),
                 "pct_of_copy_peak": round(100 * gbps / peak_gbps, 1),
                 "pct_of_nominal": round(100 * gbps / NOMINAL_GBPS, 1),
+                "median_us_by_num_splits": {n: round(t, 2) for n, t in by_splits.items()},
             }
         )
         print(json.dumps(rows[-1]), flush=True)
@@ -118,58 +144,66 @@ def bench_decode(peak_gbps: float) -> list[dict]:
     return rows
 
 
-def sweep_decode() -> list[dict]:
-    """Time alternative tile configs at the target shapes, and split counts at small batches."""
+def sweep_tiles() -> list[dict]:
+    """Time alternative tile configs (block_n, warps, stages) at the target shapes."""
     rows = []
-    tiles = list(itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4]))  # block_n, warps, stages
-    shapes = [("gpt2", 64, 512), ("gpt2", 64, 2048), ("qwen2.5-0.5b", 64, 512)]
-    shapes += [("qwen2.5-0.5b", 64, 2048), ("qwen2.5-0.5b", 8, 8192)]
-    for model, num_seqs, context_len in shapes:
-        case = DecodeCase(model, num_seqs, context_len, torch.float16)
-        for block_n, num_warps, num_stages in tiles:
+    tiles = itertools.product([32, 64, 128], [2, 4, 8], [2, 3])
+    shapes = [("gpt2", 64, 512), ("qwen2.5-0.5b", 64, 512), ("qwen2.5-0.5b", 8, 8192)]
+    cases = [DecodeCase(*shape, torch.float16) for shape in shapes]
+    for block_n, num_warps, num_stages in tiles:
+        for (model, num_seqs, context_len), case in zip(shapes, cases, strict=True):
             config = replace(
                 case.default_config, block_n=block_n, num_warps=num_warps, num_stages=num_stages
             )
-            rows.append(sweep_row(model, num_seqs, context_len, config, case.time_ms(config, 30)))
-        del case
-    for model, num_seqs, context_len in itertools.product(MODELS, [1, 8, 64], [512, 2048, 8192]):
-        case = DecodeCase(model, num_seqs, context_len, torch.float16)
-        for num_splits in [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128]:
-            config = replace(case.default_config, num_splits=num_splits)
-            rows.append(sweep_row(model, num_seqs, context_len, config, case.time_ms(config, 30)))
-        del case
+            row = {
+                "model": model,
+                "num_seqs": num_seqs,
+                "context_len": context_len,
+                **asdict(config),
+            }
+            row["median_us"] = round(case.time_us(config), 2)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
-def sweep_row(model: str, num_seqs: int, context_len: int, config: DecodeConfig, ms: float) -> dict:
-    row = {"model": model, "num_seqs": num_seqs, "context_len": context_len, **asdict(config)}
-    row["median_us"] = round(ms * 1e3, 2)
-    print(json.dumps(row), flush=True)
-    return row
+def store_every_layer(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+    slot_mapping: torch.Tensor,
+) -> None:
+    for k_cache, v_cache in caches:
+        kv_store(key, value, k_cache, v_cache, slot_mapping)
 
 
 def bench_kv_store(peak_gbps: float) -> list[dict]:
     rows = []
     for model, num_tokens in itertools.product(MODELS, [64, 512, 4096, 16384]):
-        _, num_kv_heads, head_dim = MODELS[model]
+        _, num_kv_heads, head_dim, _ = MODELS[model]
         num_blocks = 2 * num_tokens // BLOCK_SIZE
         shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-        k_cache = torch.zeros(shape, dtype=torch.float16, device="cuda")
-        v_cache = torch.zeros_like(k_cache)
         key = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=torch.float16, device="cuda")
         value = torch.randn_like(key)
-        slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
-        ms = graph_median_ms(
-            functools.partial(kv_store, key, value, k_cache, v_cache, slot_mapping)
-        )
         moved = 2 * (key.nbytes + value.nbytes)  # read from key/value, written to the caches
-        gbps = moved / ms / 1e6
+        # One cache pair per layer, as in the engine.
+        caches = [
+            (
+                torch.zeros(shape, dtype=key.dtype, device="cuda"),
+                torch.zeros(shape, dtype=key.dtype, device="cuda"),
+            )
+            for _ in range(layers_within_budget(model, 2 * moved))
+        ]
+        slot_mapping = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
+        step = functools.partial(store_every_layer, key, value, caches, slot_mapping)
+        us = graph_median_us(step) / len(caches)
+        gbps = moved / us / 1e3
         rows.append(
             {
                 "model": model,
                 "num_tokens": num_tokens,
                 "bytes_moved": moved,
-                "median_us": round(ms * 1e3, 2),
+                "median_us": round(us, 2),
                 "gbps": round(gbps, 1),
                 "pct_of_copy_peak": round(100 * gbps / peak_gbps, 1),
             }
@@ -211,7 +245,7 @@ def main() -> None:
         "kv_store_fp16": bench_kv_store(peak_gbps),
     }
     if args.sweep:
-        result["decode_sweep"] = sweep_decode()
+        result["decode_tile_sweep"] = sweep_tiles()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

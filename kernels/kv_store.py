@@ -72,6 +72,7 @@ def kv_store(
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     if num_tokens == 0:
         return
+    heads_p2, head_dim_p2 = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _kv_store_kernel[(num_tokens,)](
         key,
         value,
@@ -87,11 +88,11 @@ def kv_store(
         k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        HEADS_P2=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_P2=triton.next_power_of_2(head_dim),
+        HEADS_P2=heads_p2,
+        HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=k_cache.shape[1],
-        # Up to 8 elements (16 bytes at fp16) per thread; a 2 x 64 row needs only one warp.
-        num_warps=min(4, max(1, num_kv_heads * head_dim // 256)),
+        # Up to 8 elements (16 bytes at fp16) per thread; a 2 x 64 tile needs only one warp.
+        num_warps=min(4, max(1, heads_p2 * head_dim_p2 // 256)),
     )
 
 
