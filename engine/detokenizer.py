@@ -1,45 +1,42 @@
-"""Incremental detokenization with stop strings, as vLLM's detokenize_incrementally.
+"""Incremental detokenization with stop strings.
 
 Decoding token by token is wrong for byte-level BPE: a character may span
-tokens (emoji, CJK), and some tokenizers decode a token differently at the
-start of a text (leading-space handling). So each step decodes a short window
-of already-emitted tokens plus the new ones and keeps what the window adds:
-
-    tokens:  ... [prefix_offset ......... read_offset) [new tokens ...]
-                  └ prefix_text: decoded before ┘
-    new text = decode(tokens[prefix_offset:])[len(prefix_text):]
-
-While the new text ends in U+FFFD the last character is still incomplete:
-the offsets stay put and the next step decodes the same window, longer.
+tokens (emoji, CJK), and SentencePiece-style tokenizers decode a token
+differently at the start of a text (leading-space handling). tokenizers'
+DecodeStream solves both in Rust, about a microsecond a token: it returns a
+token's text once it is complete, None while a character is still partial
+(or for a skipped special token). Seeding it with the prompt's last tokens
+makes the first output token decode as it would inside the full text.
 """
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from engine.sampling_params import SamplingParams
 
-# Tokens of context decoded before the new ones (vLLM's value).
+# Prompt tokens of context decoded before the first output token.
 PREFIX_WINDOW = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: fast tokenizers only
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         self.params = params
         self.skip_special_tokens = params.skip_special_tokens
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
-        # The prompt's last tokens are context only; they never reach output_text.
-        self.tokens = self._to_tokens(prompt_token_ids[-(PREFIX_WINDOW + 2) :])
-        self.read_offset = len(self.tokens)
-        self.prefix_offset = max(self.read_offset - PREFIX_WINDOW, 0)
-        if self._decode(self.prefix_offset, self.read_offset).endswith(REPLACEMENT_CHAR):
-            # The prompt ends inside a character: the output's first bytes
-            # would complete it. Decode the output on its own instead.
-            self.tokens, self.prefix_offset, self.read_offset = [], 0, 0
+        context = [t for t in prompt_token_ids[-PREFIX_WINDOW:] if t < self.vocab_size]
+        if self.backend.decode(context, skip_special_tokens=False).endswith(REPLACEMENT_CHAR):
+            # The prompt ends inside a character: the output's first bytes would
+            # complete it. Decode the output on its own instead.
+            context = []
+        self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
 
-        self._text = ""  # decoded text of the output's tokens before read_offset
-        self._tail = ""  # decoded text after read_offset; ends in U+FFFD (incomplete)
+        self._text = ""  # decoded text of the output's complete characters
+        self._pending: list[int] = []  # ids since the last complete piece (a partial char)
         self._checked_len = 0  # chars of complete text already searched for stops
         self._stopped_text: str | None = None  # output_text once a stop string matched
         self._emitted_len = 0  # chars of output_text handed out by get_delta
@@ -51,24 +48,24 @@ class IncrementalDetokenizer:
         the full decode does."""
         if self._stopped_text is not None:
             return self._stopped_text
-        return self._text + self._tail
+        if not self._pending:
+            return self._text
+        tail = self.backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+        return self._text + tail
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Decode the new tokens; return the stop string they complete, if any."""
         if self._stopped_text is not None:
             return None
-        self.tokens += self._to_tokens(new_token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        window_text = self._decode(self.prefix_offset, len(self.tokens))
-        new_text = window_text[len(prefix_text) :]
-        if not new_text or new_text.endswith(REPLACEMENT_CHAR):
-            # Nothing new (a skipped special token) or an incomplete character:
-            # keep the window where it is and decode it again, longer, next time.
-            self._tail = new_text
-        else:
-            self._text += new_text
-            self._tail = ""
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        for token_id in new_token_ids:
+            if token_id >= self.vocab_size:
+                continue  # a padding row of the model's vocabulary: no text
+            piece = self.stream.step(self.backend, token_id)
+            if piece is None:
+                self._pending.append(token_id)
+            else:
+                self._text += piece
+                self._pending.clear()
         return self._check_stop()
 
     def get_delta(self, finished: bool) -> str:
@@ -90,8 +87,8 @@ class IncrementalDetokenizer:
     # ---- helpers ----
 
     def _complete_text(self) -> str:
-        """Output text without the trailing U+FFFD of an incomplete character."""
-        return self._text + self._tail.rstrip(REPLACEMENT_CHAR)
+        """Output text without an incomplete trailing character."""
+        return self._text
 
     def _check_stop(self) -> str | None:
         if not self.params.stop:
@@ -119,14 +116,3 @@ class IncrementalDetokenizer:
                     longest = n
                     break
         return longest
-
-    def _to_tokens(self, token_ids: list[int]) -> list[str]:
-        tokens = self.tokenizer.convert_ids_to_tokens(
-            list(token_ids), skip_special_tokens=self.skip_special_tokens
-        )
-        return [t if t is not None else "" for t in tokens]  # None: id outside the vocab
-
-    def _decode(self, start: int, end: int) -> str:
-        if start >= end:
-            return ""
-        return self.tokenizer.convert_tokens_to_string(self.tokens[start:end])

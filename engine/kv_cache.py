@@ -70,6 +70,11 @@ class BlockManager:
 
         Returns False, changing nothing, when there are not enough free blocks.
         """
+        if (
+            not cached_blocks
+            and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size
+        ):
+            return True  # most decode steps: the last block has room
         revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(req.block_ids) + len(cached_blocks)
@@ -102,6 +107,8 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = req.num_computed_tokens // bs
+        if num_full == len(req.block_hashes):
+            return  # no block filled up this step
         tokens = req.all_token_ids
         for i in range(len(req.block_hashes), num_full):
             parent = req.block_hashes[-1] if req.block_hashes else None

@@ -18,6 +18,7 @@ from torch import nn
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
@@ -77,6 +78,7 @@ class ModelRunner:
         self.query_start_loc = StagedBuffer(self.max_num_seqs + 1, torch.int32, self.device)
         self.slot_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
         self.logits_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
+        self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # The step's copies must finish before the pinned buffers are rewritten.
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
@@ -143,16 +145,18 @@ class ModelRunner:
                 table.clear_row(s.request.slot)
             table.update_row(s.request.slot, s.request.block_ids)
 
-        num_new = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
-        num_computed = np.fromiter(
-            (s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs
-        )
-        slots = np.fromiter((s.request.slot for s in scheduled), np.int64, num_seqs)
+        if batch.is_decode_only:
+            self._fill_decode([s.request for s in scheduled])
+            return num_seqs, 1
+
+        num_new = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
+        num_computed = np.array([s.request.num_computed_tokens for s in scheduled], dtype=np.int64)
+        slots = np.array([s.request.slot for s in scheduled], dtype=np.int64)
         num_tokens = int(num_new.sum())
 
         qsl = self.query_start_loc.np
         qsl[0] = 0
-        np.cumsum(num_new, out=qsl[1 : num_seqs + 1])
+        qsl[1 : num_seqs + 1] = np.cumsum(num_new)
         self.seq_lens.np[:num_seqs] = num_computed + num_new
         self.slot_indices.np[:num_seqs] = slots
         self.logits_indices.np[:num_seqs] = qsl[1 : num_seqs + 1] - 1
@@ -162,25 +166,39 @@ class ModelRunner:
         np.add(
             np.repeat(num_computed - qsl[:num_seqs], num_new), np.arange(num_tokens), out=positions
         )
-        blocks = table.np[np.repeat(slots, num_new), positions // self.block_size]
+        self._slot_mapping(np.repeat(slots, num_new), positions, num_tokens)
+
+        ids = self.input_ids.np
+        pos = 0
+        for s in scheduled:
+            start = s.request.num_computed_tokens
+            ids[pos : pos + s.num_new_tokens] = s.request.all_token_ids[
+                start : start + s.num_new_tokens
+            ]
+            pos += s.num_new_tokens
+        return num_tokens, int(num_new.max())
+
+    def _fill_decode(self, reqs: list[Request]) -> None:
+        """The hot path: one new token per sequence, so most metadata is an arange."""
+        n = len(reqs)
+        positions = self.positions.np[:n]
+        positions[:] = [r.num_computed_tokens for r in reqs]
+        slots = self.slot_indices.np[:n]
+        slots[:] = [r.slot for r in reqs]
+        self.input_ids.np[:n] = [r.all_token_ids[-1] for r in reqs]
+        self.seq_lens.np[:n] = positions + 1
+        self.query_start_loc.np[: n + 1] = self.arange[: n + 1]
+        self.logits_indices.np[:n] = self.arange[:n]
+        self._slot_mapping(slots, positions, n)
+
+    def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
+        """slot = block * block_size + offset, read off the block table's host mirror."""
+        blocks = self.block_table.np[seq_slots, positions // self.block_size]
         np.add(
             blocks * self.block_size,
             positions % self.block_size,
             out=self.slot_mapping.np[:num_tokens],
         )
-
-        ids = self.input_ids.np
-        if batch.is_decode_only:
-            ids[:num_seqs] = [s.request.all_token_ids[-1] for s in scheduled]
-        else:
-            pos = 0
-            for s in scheduled:
-                start = s.request.num_computed_tokens
-                ids[pos : pos + s.num_new_tokens] = s.request.all_token_ids[
-                    start : start + s.num_new_tokens
-                ]
-                pos += s.num_new_tokens
-        return num_tokens, int(num_new.max())
 
     def _send(
         self, num_tokens: int, num_seqs: int, max_query_len: int, is_decode: bool

@@ -77,6 +77,8 @@ class Sampler:
 
     def _argmax_only(self, req: Request) -> bool:
         params = req.params
+        if params.argmax_only:
+            return True
         return (
             params.greedy
             and not params.has_penalties

@@ -42,6 +42,14 @@ class SamplingParams:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
         self._validate()
+        # The hot decode path asks this of every request every step: answer once.
+        self.argmax_only = (
+            self.greedy
+            and not self.has_penalties
+            and not self.logit_bias
+            and self.logprobs is None
+            and self.min_tokens == 0
+        )
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:
