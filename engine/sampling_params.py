@@ -65,6 +65,8 @@ class SamplingParams:
             raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", f"must fit in 64 bits, got {self.seed}")
         if self.n < 1 or self.n > 128:
             raise bad("n", f"must be in [1, 128], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -50,6 +50,7 @@ def test_has_penalties(name):
         (dict(top_k=-2), "top_k"),
         (dict(min_p=-0.1), "min_p"),
         (dict(min_p=1.5), "min_p"),
+        (dict(seed=2**64), "seed"),
         (dict(n=0), "n"),
         (dict(n=129), "n"),
         (dict(presence_penalty=2.5), "presence_penalty"),
