@@ -1,0 +1,81 @@
+"""Random-weight checkpoints at real sizes, for benchmarks (speed does not depend on values).
+
+No model hub is reachable, so the tokenizer is synthetic too: a byte-level BPE
+whose merges are drawn deterministically until it has the model's vocabulary
+size. It encodes and decodes like a real one; its tokens just mean nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    tokens = list(alphabet)
+    merges: list[tuple[str, str]] = []
+    rng = random.Random(seed)
+    while len(vocab) < vocab_size - 1:
+        a, b = rng.choice(tokens), rng.choice(alphabet)
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+            tokens.append(a + b)
+    vocab[EOS] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+
+
+def gpt2_124m():
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+
+
+def qwen2_0_5b():
+    """Qwen2.5-0.5B's shape: 24 layers, 896 hidden, GQA 14/2, tied 151936-token head."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+
+
+CONFIGS = {"gpt2": gpt2_124m, "qwen2-0.5b": qwen2_0_5b}
+
+
+def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:
+    """Save a random checkpoint + tokenizer under path (skipped if already there)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return str(path)
+    config = CONFIGS[name]()
+    tokenizer = synthetic_tokenizer(min(config.vocab_size, 50257))
+    config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

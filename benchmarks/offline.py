@@ -1,0 +1,279 @@
+"""Offline throughput: Pagoda's engine vs transformers generate, same GPU, same run.
+
+    python -m benchmarks.offline --model gpt2 --num-requests 64 --output-len 512 --compare-hf
+    python -m benchmarks.offline --model qwen2-0.5b --workload nano-vllm
+
+The seeds' workload: N requests x M new tokens, prompt "Hello", EOS ignored,
+prefix cache off. The nano-vllm workload: 256 requests, input and output
+lengths uniform in [100, 1024], random prompt tokens, seed 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.checkpoints import build_checkpoint
+from engine import LLM, SamplingParams
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
+    if args.workload == "nano-vllm":
+        rng = random.Random(0)
+        vocab = min(len(tokenizer), 10000)
+        lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.num_requests)]
+        prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
+        return prompts, [o for _, o in lens]
+    ids = tokenizer.encode("Hello")
+    return [ids] * args.num_requests, [args.output_len] * args.num_requests
+
+
+def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    engine = llm.engine
+    for i, (ids, n) in enumerate(zip(prompts, output_lens)):
+        engine.add_request(
+            str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    done: dict[str, float] = {}
+    decode_steps: list[float] = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        batch_was_decode = len(engine.scheduler.waiting) == 0 and all(
+            r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
+        )
+        outs = engine.step()
+        now = time.perf_counter()
+        if batch_was_decode and outs:
+            decode_steps.append(now - t0)
+        for out in outs:
+            first_token.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+    total = time.perf_counter() - start
+    tokens = sum(output_lens)
+    ttft = [first_token[k] - start for k in first_token]
+    tpot = [
+        (done[k] - first_token[k]) / (n - 1)
+        for k, n in zip(map(str, range(len(prompts))), output_lens)
+    ]
+    decode_start = max(first_token.values())
+    return {
+        "total_s": total,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / total,
+        "decode_s": max(done.values()) - decode_start,
+        "ttft_ms": {"p50": 1e3 * statistics.median(ttft), "mean": 1e3 * statistics.mean(ttft)},
+        "tpot_ms": {"p50": 1e3 * statistics.median(tpot), "mean": 1e3 * statistics.mean(tpot)},
+        "decode_step_ms": {
+            "p50": 1e3 * statistics.median(decode_steps) if decode_steps else None,
+            "count": len(decode_steps),
+        },
+    }
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, prompt: list[int], n: int, output_len: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt] * n, device="cuda")
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(input_ids, max_new_tokens=8, **kwargs)  # warm up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs
+        )
+        torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    tokens = (out.shape[1] - len(prompt)) * n
+    del model
+    torch.cuda.empty_cache()
+    return {"total_s": total, "output_tokens": tokens, "tok_per_s": tokens / total}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus written."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - start)
+
+
+def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float) -> float:
+    """The fewest bytes a decode step must read (weights once, each sequence's KV once)."""
+    model = llm.engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = llm.engine.runner
+    kv_bytes_per_token = runner._bytes_per_block() / runner.block_size
+    return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
+
+
+def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 50) -> dict:
+    """Time each phase of a decode step, synchronising between phases (so the sum exceeds
+    a real step, where the GPU overlaps the host's next phases)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [1] * context, params)
+    while len(engine.scheduler.running) < batch or any(
+        r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running
+    ):
+        engine.step()
+    runner = engine.runner
+    phases = {
+        "schedule": [],
+        "prepare_cpu": [],
+        "h2d": [],
+        "graph_replay": [],
+        "sample_d2h": [],
+        "update": [],
+    }
+
+    def mark(name: str, t0: float) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        phases[name].append(1e6 * (t - t0))
+        return t
+
+    for _ in range(steps):
+        t = time.perf_counter()
+        sched = engine.scheduler.schedule()
+        t = mark("schedule", t)
+        n = len(sched.scheduled)
+        runner._fill(sched)
+        bucket = next(b for b in sorted(runner.graphs) if b >= n)
+        runner._pad_decode(n, bucket)
+        t = mark("prepare_cpu", t)
+        runner._send(bucket, bucket, 1, True)
+        t = mark("h2d", t)
+        runner.graphs[bucket].replay()
+        t = mark("graph_replay", t)
+        sampled = engine.sampler(
+            runner.graph_logits[bucket][:n], [s.request for s in sched.scheduled]
+        )
+        t = mark("sample_d2h", t)
+        engine._update(sched.scheduled, sampled)
+        mark("update", t)
+    for i in range(batch):
+        engine.abort_request(f"p{i}")
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="gpt2", help="gpt2 | qwen2-0.5b (random weights) or a model dir"
+    )
+    p.add_argument("--workload", default="seeds", choices=["seeds", "nano-vllm"])
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--dtype", default=None, help="default: float16 for gpt2, bfloat16 otherwise")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    p.add_argument("--profile", action="store_true", help="per-phase breakdown of a decode step")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = 256 if args.workload == "nano-vllm" else 64
+    dtype_name = args.dtype or ("float16" if args.model == "gpt2" else "bfloat16")
+    dtype = getattr(torch, dtype_name)
+
+    model_dir = args.model
+    if not Path(model_dir).is_dir():
+        model_dir = build_checkpoint(
+            args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
+        )
+    max_len = 2048 if args.workload == "nano-vllm" else 1024
+    llm = LLM(
+        model_dir,
+        dtype=dtype_name,
+        enable_prefix_caching=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(2048, max_len),
+        max_model_len=max_len,
+        enforce_eager=args.enforce_eager,
+    )
+    prompts, output_lens = workload(args, llm.tokenizer)
+    llm.generate(
+        [prompts[0]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False
+    )  # warm up
+
+    result = {
+        "benchmark": "offline",
+        "command": "python -m benchmarks.offline "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "dtype": dtype_name,
+        "workload": args.workload,
+        "num_requests": args.num_requests,
+        "output_len": args.output_len if args.workload == "seeds" else "uniform[100, 1024]",
+        "cuda_graphs": not args.enforce_eager,
+    }
+    result["pagoda"] = run_pagoda(llm, prompts, output_lens)
+    bandwidth = copy_bandwidth()
+    result["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    if args.workload == "seeds":
+        mean_ctx = len(prompts[0]) + args.output_len / 2
+        result["decode_step_floor_ms"] = decode_floor_ms(
+            llm, args.num_requests, mean_ctx, bandwidth
+        )
+    if args.profile and not args.enforce_eager:
+        result["decode_step_profile_us"] = profile_decode_step(llm, min(args.num_requests, 64), 256)
+    if args.compare_hf and args.workload == "seeds":
+        del llm
+        torch.cuda.empty_cache()
+        result["transformers"] = run_hf(
+            model_dir, dtype, prompts[0], args.num_requests, args.output_len
+        )
+        result["speedup_vs_transformers"] = (
+            result["pagoda"]["tok_per_s"] / result["transformers"]["tok_per_s"]
+        )
+
+    print(json.dumps(result, indent=2))
+    pg = result["pagoda"]
+    line = f"pagoda: {pg['tok_per_s']:,.0f} tok/s ({pg['output_tokens']} tokens in {pg['total_s']:.2f} s)"
+    if "transformers" in result:
+        line += f"; transformers: {result['transformers']['tok_per_s']:,.0f} tok/s"
+        line += f"; ratio {result['speedup_vs_transformers']:.1f}x"
+    print(line)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
