@@ -218,9 +218,10 @@ def decode_config(
     """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
     block_n = 64
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    # Split the context until the grid holds ~4 programs per SM, so a small batch still
-    # streams K/V from every SM; a full grid needs no split and no reduce.
-    num_splits = triton.cdiv(4 * _num_sms(device), num_seqs * num_kv_heads)
+    # A grid of >= 2 programs per SM already streams K/V from every SM: no split, no reduce.
+    # A smaller one splits the context until it holds ~4 programs per SM.
+    programs, num_sms = num_seqs * num_kv_heads, _num_sms(device)
+    num_splits = 1 if programs >= 2 * num_sms else triton.cdiv(4 * num_sms, programs)
     return DecodeConfig(num_splits=max(1, min(num_splits, max_tiles, 128)), block_n=block_n)
 
 
