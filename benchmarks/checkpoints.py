@@ -3,6 +3,9 @@
 No model hub is reachable, so the tokenizer is synthetic too: a byte-level BPE
 whose merges are drawn deterministically until it has the model's vocabulary
 size. It encodes and decodes like a real one; its tokens just mean nothing.
+Merges join printable ASCII only, so that, as in GPT-2's vocabulary, almost
+every token is whole text: random ids then decode to valid UTF-8 as a real
+model's output does, and detokenization costs what it costs in real use.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ def synthetic_tokenizer(vocab_size: int, seed: int = 0):
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
-    tokens = list(alphabet)
+    # ByteLevel shows printable ASCII as itself and the space as "Ġ".
+    text = [c for c in alphabet if c.isascii() and c.isprintable()] + ["Ġ"]
+    tokens = list(text)
     merges: list[tuple[str, str]] = []
     rng = random.Random(seed)
     while len(vocab) < vocab_size - 1:
-        a, b = rng.choice(tokens), rng.choice(alphabet)
+        a, b = rng.choice(tokens), rng.choice(text)
         if a + b not in vocab:
             vocab[a + b] = len(vocab)
             merges.append((a, b))

@@ -135,8 +135,13 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
 
 
 def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 50) -> dict:
-    """Time each phase of a decode step, synchronising between phases (so the sum exceeds
-    a real step, where the GPU overlaps the host's next phases)."""
+    """Time each phase of a decode step as Engine.step orders them, synchronising between
+    phases: the sum exceeds a real step, where the host's output building overlaps the
+    graph replay. Also the hottest host functions, from cProfile."""
+    import cProfile
+    import io
+    import pstats
+
     engine = llm.engine
     params = SamplingParams(max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -146,14 +151,9 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 50) -> 
     ):
         engine.step()
     runner = engine.runner
-    phases = {
-        "schedule": [],
-        "prepare_cpu": [],
-        "h2d": [],
-        "graph_replay": [],
-        "sample_d2h": [],
-        "update": [],
-    }
+    names = ["schedule", "prepare_cpu", "h2d", "graph_replay", "outputs", "sample_d2h", "update"]
+    phases: dict[str, list[float]] = {name: [] for name in names}
+    profiler = cProfile.Profile()
 
     def mark(name: str, t0: float) -> float:
         torch.cuda.synchronize()
@@ -174,15 +174,29 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 50) -> 
         t = mark("h2d", t)
         runner.graphs[bucket].replay()
         t = mark("graph_replay", t)
+        profiler.enable()
+        [engine._output(r) for r in engine.unreported]
+        engine.unreported = []
+        profiler.disable()
+        t = mark("outputs", t)
         sampled = engine.sampler(
             runner.graph_logits[bucket][:n], [s.request for s in sched.scheduled]
         )
         t = mark("sample_d2h", t)
+        profiler.enable()
         engine._update(sched.scheduled, sampled)
+        profiler.disable()
         mark("update", t)
     for i in range(batch):
         engine.abort_request(f"p{i}")
-    return {name: statistics.median(v) for name, v in phases.items()}
+    report = io.StringIO()
+    pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(12)
+    print(report.getvalue())
+    return {
+        "batch": batch,
+        "context": context,
+        **{k: statistics.median(v) for k, v in phases.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

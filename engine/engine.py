@@ -1,8 +1,9 @@
 """The engine: add requests, step, read deltas. Single-threaded by design.
 
-step(): schedule → build inputs and run the model → sample → append tokens,
-detokenize, check stops, free what finished → one RequestOutput per choice
-that has news. The server drives it from one background thread.
+step(): schedule → launch the forward → while the GPU runs, detokenize the
+previous step's tokens and build their RequestOutputs → sample → append
+tokens, apply token-level stops, free what finished. The server drives it
+from one background thread.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
+        self.unreported: list[Request] = []  # got a token last step; output not built yet
 
     # -- requests ---------------------------------------------------------
 
@@ -129,9 +131,11 @@ class Engine:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
+        # An aborted request's last news is not wanted, even if it had finished.
+        self.unreported = [r for r in self.unreported if r.request_id != request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.unreported)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -146,67 +150,87 @@ class Engine:
     # -- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; return the news of the previous one.
+
+        The forward pass is launched first; while the GPU runs it, the host
+        detokenizes the tokens sampled last step, matches stop strings and
+        builds their outputs. Only then does it wait for this step's tokens.
+        Token-level stops (EOS, stop ids, length) still finish a request at
+        once; a stop string found a step late makes its next token void.
+        """
         with self._nvtx("schedule"):
             batch = self.scheduler.schedule()
+        if batch:
+            with self._nvtx("forward"):
+                logits = self.runner.execute(batch)
+        with self._nvtx("outputs"):
+            outputs = [self._output(req) for req in self.unreported]
+            self.unreported = []
         if not batch:
-            return []
-        with self._nvtx("forward"):
-            logits = self.runner.execute(batch)
-        sampling = [s for s in batch.scheduled if s.completes_prompt]
+            return outputs
         with self._nvtx("sample"):
-            rows = [i for i, s in enumerate(batch.scheduled) if s.completes_prompt]
-            if len(rows) < len(batch.scheduled):
-                logits = logits[rows]
+            # A request a stop string ended above may still be in the batch: its token is void.
+            sampling = [s for s in batch.scheduled if s.completes_prompt]
+            if len(sampling) < len(batch.scheduled):
+                logits = logits[[i for i, s in enumerate(batch.scheduled) if s.completes_prompt]]
             sampled = self.sampler(logits, [s.request for s in sampling]) if sampling else None
         with self._nvtx("update"):
-            return self._update(batch.scheduled, sampled)
+            self._update(batch.scheduled, sampled)
+        return outputs
 
-    def _update(self, scheduled, sampled) -> list[RequestOutput]:
+    def _update(self, scheduled, sampled) -> None:
+        """Append the sampled tokens and apply the stops that need no text."""
         now = time.time()
-        outputs: list[RequestOutput] = []
         k = 0
         for s in scheduled:
             req = s.request
             completes = s.completes_prompt
+            if completes:
+                token_id, logprob = sampled.token_ids[k], sampled.logprobs[k]
+                k += 1
+            if req.is_finished:
+                continue  # stopped by a string found while this step ran: its work is void
             req.num_computed_tokens += s.num_new_tokens
             self.blocks.cache_full_blocks(req)
             if not completes:
                 continue  # a prefill chunk: nothing to show yet
-            token_id = sampled.token_ids[k]
-            logprob = sampled.logprobs[k]
-            k += 1
             req.append_token(token_id)
             if logprob is not None:
                 req.pending_logprobs.append(logprob)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._check_stop(req, token_id)
-            outputs.append(self._output(req))
-        return outputs
+            self._check_token_stop(req, token_id)
+            self.unreported.append(req)
 
-    def _check_stop(self, req: Request, token_id: int) -> None:
+    def _check_token_stop(self, req: Request, token_id: int) -> None:
         params = req.params
-        stop_string = req.detokenizer.update([token_id])
         past_min = req.num_output_tokens >= params.min_tokens
-        if stop_string is not None:
-            self.scheduler.finish(req, "stop", stop_string)
-        elif past_min and not params.ignore_eos and token_id in self.eos_token_ids:
-            self.scheduler.finish(req, "stop")
+        if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+            self._finish(req, "stop")
         elif past_min and token_id in params.stop_token_ids:
-            self.scheduler.finish(req, "stop", token_id)
+            self._finish(req, "stop", token_id)
         elif (
             params.max_tokens is not None
             and req.num_output_tokens >= params.max_tokens
             or req.num_tokens >= self.config.max_model_len
         ):
-            self.scheduler.finish(req, "length")
-        if req.is_finished:
-            siblings = self.requests.get(req.request_id, [])
-            if all(r.is_finished for r in siblings):
-                self.requests.pop(req.request_id, None)
+            self._finish(req, "length")
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        siblings = self.requests.get(req.request_id, [])
+        if all(r.is_finished for r in siblings):
+            self.requests.pop(req.request_id, None)
 
     def _output(self, req: Request) -> RequestOutput:
+        """Detokenize what req gained since its last output and match stop strings."""
         new_ids = req.output_token_ids[req.num_emitted_tokens :]
+        stop_string = req.detokenizer.update(new_ids)
+        if stop_string is not None:
+            if req.is_finished:  # a token-level stop came first, but the text stops earlier
+                req.finish_reason, req.stop_reason = "stop", stop_string
+            else:
+                self._finish(req, "stop", stop_string)
         req.num_emitted_tokens = req.num_output_tokens
         logprobs: list[TokenLogprob] | None = None
         if req.params.logprobs is not None:

@@ -1,7 +1,7 @@
 """Tensors in, logits out: step inputs, the KV cache, and CUDA-graph decode.
 
-Per-step metadata is written with numpy into pinned host buffers and sent
-with one non-blocking copy each into static device tensors. Decode-only
+Per-step metadata is written with numpy into two pinned host buffers and
+sent with one non-blocking copy each into static device tensors. Decode-only
 steps replay a CUDA graph captured for the next bucket up in batch size;
 padded entries have context length 0 and slot -1, so they read and write
 nothing. Everything else runs eagerly.
@@ -24,20 +24,30 @@ from engine.scheduler import SchedulerOutput
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
 
-class StagedBuffer:
-    """A pinned host buffer with a numpy view, and its device twin (the same tensor on CPU)."""
+class StagedFields:
+    """Named arrays packed in one pinned host buffer, with numpy views for writing, and
+    their device twin (the same tensor on CPU): a step's metadata travels in one copy.
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+    Offsets never change, so a CUDA graph captured on the device views sees every
+    later step's values."""
+
+    def __init__(self, sizes: dict[str, int], dtype: torch.dtype, device: torch.device) -> None:
         on_cuda = device.type == "cuda"
-        self.cpu = torch.zeros(size, dtype=dtype, pin_memory=on_cuda)
-        self.np = self.cpu.numpy()
-        self.gpu = torch.zeros(size, dtype=dtype, device=device) if on_cuda else self.cpu
+        total = sum(sizes.values())
+        self.host = torch.zeros(total, dtype=dtype, pin_memory=on_cuda)
+        self.device = torch.zeros(total, dtype=dtype, device=device) if on_cuda else self.host
+        host_np = self.host.numpy()
+        self.np: dict[str, np.ndarray] = {}
+        self.gpu: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self.np[name] = host_np[offset : offset + size]
+            self.gpu[name] = self.device[offset : offset + size]
+            offset += size
 
-    def send(self, n: int) -> torch.Tensor:
-        """Copy the first n entries to the device; returns the device view."""
-        if self.gpu is not self.cpu:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
+    def send(self) -> None:
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
 
 
 @dataclass
@@ -71,13 +81,19 @@ class ModelRunner:
 
         self.block_table = BlockTable(self.max_num_seqs, self.max_blocks_per_seq, self.device)
         max_tokens = max(config.max_num_batched_tokens, self.max_num_seqs)
-        self.input_ids = StagedBuffer(max_tokens, torch.int64, self.device)
-        self.positions = StagedBuffer(max_tokens, torch.int64, self.device)
-        self.slot_mapping = StagedBuffer(max_tokens, torch.int64, self.device)
-        self.seq_lens = StagedBuffer(self.max_num_seqs, torch.int32, self.device)
-        self.query_start_loc = StagedBuffer(self.max_num_seqs + 1, torch.int32, self.device)
-        self.slot_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
-        self.logits_indices = StagedBuffer(self.max_num_seqs, torch.int64, self.device)
+        seqs = self.max_num_seqs
+        tokens_fields = ("input_ids", "positions", "slot_mapping")
+        seq_fields = ("slot_indices", "logits_indices")
+        self.i64 = StagedFields(
+            {**dict.fromkeys(tokens_fields, max_tokens), **dict.fromkeys(seq_fields, seqs)},
+            torch.int64,
+            self.device,
+        )
+        self.i32 = StagedFields(
+            {"seq_lens": seqs, "query_start_loc": seqs + 1}, torch.int32, self.device
+        )
+        # Numpy views to write through, by field name.
+        self.buf = {**self.i64.np, **self.i32.np}
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # The step's copies must finish before the pinned buffers are rewritten.
         self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -154,21 +170,21 @@ class ModelRunner:
         slots = np.array([s.request.slot for s in scheduled], dtype=np.int64)
         num_tokens = int(num_new.sum())
 
-        qsl = self.query_start_loc.np
+        qsl = self.buf["query_start_loc"]
         qsl[0] = 0
         qsl[1 : num_seqs + 1] = np.cumsum(num_new)
-        self.seq_lens.np[:num_seqs] = num_computed + num_new
-        self.slot_indices.np[:num_seqs] = slots
-        self.logits_indices.np[:num_seqs] = qsl[1 : num_seqs + 1] - 1
+        self.buf["seq_lens"][:num_seqs] = num_computed + num_new
+        self.buf["slot_indices"][:num_seqs] = slots
+        self.buf["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
 
         # Token i of sequence b sits at position num_computed[b] + (i - qsl[b]).
-        positions = self.positions.np[:num_tokens]
+        positions = self.buf["positions"][:num_tokens]
         np.add(
             np.repeat(num_computed - qsl[:num_seqs], num_new), np.arange(num_tokens), out=positions
         )
         self._slot_mapping(np.repeat(slots, num_new), positions, num_tokens)
 
-        ids = self.input_ids.np
+        ids = self.buf["input_ids"]
         pos = 0
         for s in scheduled:
             start = s.request.num_computed_tokens
@@ -181,14 +197,14 @@ class ModelRunner:
     def _fill_decode(self, reqs: list[Request]) -> None:
         """The hot path: one new token per sequence, so most metadata is an arange."""
         n = len(reqs)
-        positions = self.positions.np[:n]
+        positions = self.buf["positions"][:n]
         positions[:] = [r.num_computed_tokens for r in reqs]
-        slots = self.slot_indices.np[:n]
+        slots = self.buf["slot_indices"][:n]
         slots[:] = [r.slot for r in reqs]
-        self.input_ids.np[:n] = [r.all_token_ids[-1] for r in reqs]
-        self.seq_lens.np[:n] = positions + 1
-        self.query_start_loc.np[: n + 1] = self.arange[: n + 1]
-        self.logits_indices.np[:n] = self.arange[:n]
+        self.buf["input_ids"][:n] = [r.all_token_ids[-1] for r in reqs]
+        self.buf["seq_lens"][:n] = positions + 1
+        self.buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
+        self.buf["logits_indices"][:n] = self.arange[:n]
         self._slot_mapping(slots, positions, n)
 
     def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
@@ -197,28 +213,30 @@ class ModelRunner:
         np.add(
             blocks * self.block_size,
             positions % self.block_size,
-            out=self.slot_mapping.np[:num_tokens],
+            out=self.buf["slot_mapping"][:num_tokens],
         )
 
     def _send(
         self, num_tokens: int, num_seqs: int, max_query_len: int, is_decode: bool
     ) -> ModelInput:
-        """One non-blocking copy per buffer into the static device tensors."""
+        """Two non-blocking copies (int64 and int32 fields) into the static device tensors."""
         self.block_table.commit()
-        model_input = ModelInput(
-            input_ids=self.input_ids.send(num_tokens),
-            positions=self.positions.send(num_tokens),
-            slot_mapping=self.slot_mapping.send(num_tokens),
-            seq_lens=self.seq_lens.send(num_seqs),
-            query_start_loc=self.query_start_loc.send(num_seqs + 1),
-            slot_indices=self.slot_indices.send(num_seqs),
-            logits_indices=self.logits_indices.send(num_seqs),
+        self.i64.send()
+        self.i32.send()
+        if self.copies_done is not None:
+            self.copies_done.record()
+        i64, i32 = self.i64.gpu, self.i32.gpu
+        return ModelInput(
+            input_ids=i64["input_ids"][:num_tokens],
+            positions=i64["positions"][:num_tokens],
+            slot_mapping=i64["slot_mapping"][:num_tokens],
+            seq_lens=i32["seq_lens"][:num_seqs],
+            query_start_loc=i32["query_start_loc"][: num_seqs + 1],
+            slot_indices=i64["slot_indices"][:num_seqs],
+            logits_indices=i64["logits_indices"][:num_seqs],
             max_query_len=max_query_len,
             is_decode=is_decode,
         )
-        if self.copies_done is not None:
-            self.copies_done.record()
-        return model_input
 
     # -- forward ----------------------------------------------------------
 
@@ -253,20 +271,20 @@ class ModelRunner:
 
     def _pad_decode(self, start: int, end: int) -> None:
         """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
-        self.input_ids.np[start:end] = 0
-        self.positions.np[start:end] = 0
-        self.slot_mapping.np[start:end] = -1
-        self.seq_lens.np[start:end] = 0
-        self.slot_indices.np[start:end] = 0
-        self.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
-        self.logits_indices.np[start:end] = np.arange(start, end)
+        self.buf["input_ids"][start:end] = 0
+        self.buf["positions"][start:end] = 0
+        self.buf["slot_mapping"][start:end] = -1
+        self.buf["seq_lens"][start:end] = 0
+        self.buf["slot_indices"][start:end] = 0
+        self.buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        self.buf["logits_indices"][start:end] = np.arange(start, end)
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
         # Every replay's _send writes the same static storage the capture read.
         pool = None
         for bucket in reversed(self.config.cuda_graph_batch_sizes()):
-            self.query_start_loc.np[0] = 0
+            self.buf["query_start_loc"][0] = 0
             self._pad_decode(0, bucket)
             inp = self._send(bucket, bucket, 1, True)
             self._forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
