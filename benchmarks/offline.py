@@ -40,6 +40,13 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
         lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(args.num_requests)]
         prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lens]
         return prompts, [o for _, o in lens]
+    if args.input_len:  # random prompts of a fixed length, as the serving sweep sends
+        rng = random.Random(0)
+        vocab = min(len(tokenizer), 10000)
+        prompts = [
+            [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.num_requests)
+        ]
+        return prompts, [args.output_len] * args.num_requests
     ids = tokenizer.encode("Hello")
     return [ids] * args.num_requests, [args.output_len] * args.num_requests
 
@@ -209,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", default="seeds", choices=["seeds", "nano-vllm"])
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--output-len", type=int, default=512)
+    p.add_argument(
+        "--input-len", type=int, default=0, help="random prompts of this length (default: 'Hello')"
+    )
     p.add_argument("--dtype", default=None, help="default: float16 for gpt2, bfloat16 otherwise")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
     if args.workload == "seeds":
-        mean_ctx = len(prompts[0]) + args.output_len / 2
+        mean_ctx = len(prompts[0]) + args.output_len / 2  # prompts share one length
         result["decode_step_floor_ms"] = decode_floor_ms(
             llm, args.num_requests, mean_ctx, bandwidth
         )
