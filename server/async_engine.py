@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from server.errors import APIError, from_value_error
 from server.metrics import Metrics
 
 logger = logging.getLogger("pagoda.server")
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 @dataclass
@@ -39,6 +42,27 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Merge consecutive deltas of the same choice into one (order of first appearance)."""
+    merged: dict[tuple[str, int], RequestOutput] = {}
+    for out in outputs:
+        key = (out.request_id, out.index)
+        prev = merged.get(key)
+        if prev is None:
+            merged[key] = out
+            continue
+        logprobs = None
+        if prev.new_logprobs is not None or out.new_logprobs is not None:
+            logprobs = (prev.new_logprobs or []) + (out.new_logprobs or [])
+        merged[key] = dataclasses.replace(
+            out,
+            new_token_ids=prev.new_token_ids + out.new_token_ids,
+            new_text=prev.new_text + out.new_text,
+            new_logprobs=logprobs,
+        )
+    return list(merged.values())
 
 
 class RequestStream:
@@ -55,17 +79,28 @@ class RequestStream:
         self._unfinished = {(rid, i) for rid in request_ids for i in range(n)}
         self.last_token_time: dict[tuple[str, int], float] = {}  # for inter-token latency
         self.finished = False
+        self._error: APIError | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> list[RequestOutput]:
+        if self._error is not None:
+            raise self._error
         if self.finished and self._queue.empty():
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, APIError):
             raise item
-        return item
+        # Under load the loop falls behind the engine: hand over all that is queued,
+        # merged per choice, so the client gets fewer, larger chunks, not a backlog.
+        while not self._queue.empty():
+            more = self._queue.get_nowait()
+            if isinstance(more, APIError):
+                self._error = more  # after the outputs that came before it
+                break
+            item = item + more
+        return coalesce(item)
 
     def abort(self) -> None:
         """Stop generating (the client went away); idempotent, a no-op once finished."""
@@ -117,6 +152,9 @@ class AsyncEngine:
     async def start(self) -> None:
         """Build the engine on its thread and wait until it is ready (or failed)."""
         self._loop = asyncio.get_running_loop()
+        # The engine thread lets go of the GIL at every device sync; by default the
+        # loop may then keep it for 5 ms, which would stretch every decode step.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="pagoda-engine", daemon=True
