@@ -64,6 +64,7 @@ class Engine:
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self.eos_set = frozenset(self.eos_token_ids)
 
         self.runner = ModelRunner(config, self.model, hf_config)
         self.blocks = BlockManager(
@@ -205,7 +206,7 @@ class Engine:
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         params = req.params
         past_min = req.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+        if past_min and not params.ignore_eos and token_id in self.eos_set:
             self._finish(req, "stop")
         elif past_min and token_id in params.stop_token_ids:
             self._finish(req, "stop", token_id)

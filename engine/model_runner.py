@@ -151,8 +151,10 @@ class ModelRunner:
 
     def _fill(self, batch: SchedulerOutput) -> tuple[int, int]:
         """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
-        if self.copies_done is not None:
-            self.copies_done.synchronize()  # last step's copies have read the pinned buffers
+        if self.copies_done is not None and not self.copies_done.query():
+            # Last step's copies have not read the pinned buffers yet. (query() first: a
+            # synchronize() would release the GIL even when there is nothing to wait for.)
+            self.copies_done.synchronize()
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
         table = self.block_table
