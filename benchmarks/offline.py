@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -28,9 +29,12 @@ from engine import LLM, SamplingParams
 
 def git_commit() -> str:
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # A copy of the tree without .git (e.g. on a GPU box): the caller may say.
+        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:

@@ -95,7 +95,8 @@ def git_commit() -> str | None:
             ["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        # A copy of the tree without .git (e.g. on a GPU box): the caller may say.
+        return os.environ.get("GIT_COMMIT")
     return sha + ("-dirty" if dirty else "")
 
 
