@@ -17,6 +17,9 @@ from engine.sampling_params import SamplingParams
 
 # Prompt tokens of context decoded before the first output token.
 PREFIX_WINDOW = 5
+# A UTF-8 character has at most 4 bytes and a byte-level token at least one: more
+# pending tokens than this can never complete a character.
+MAX_PENDING = 4
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -63,6 +66,8 @@ class IncrementalDetokenizer:
             piece = self.stream.step(self.backend, token_id)
             if piece is None:
                 self._pending.append(token_id)
+                if len(self._pending) > MAX_PENDING:
+                    self._settle_pending()
             else:
                 self._text += piece
                 self._pending.clear()
@@ -74,11 +79,12 @@ class IncrementalDetokenizer:
         Unless finished (or stopped), hold back an incomplete trailing character
         and any suffix that could be the start of a stop string.
         """
-        text = self.output_text
-        end = len(text)
-        if not finished and self._stopped_text is None:
-            end = len(self._complete_text())
-            end -= self._stop_prefix_len(text[:end])
+        if finished or self._stopped_text is not None:
+            text = self.output_text
+            end = len(text)
+        else:  # only complete characters: no need to decode the pending ones
+            text = self._text
+            end = len(text) - self._stop_prefix_len(text)
         end = max(end, self._emitted_len)
         delta = text[self._emitted_len : end]
         self._emitted_len = end
@@ -86,14 +92,20 @@ class IncrementalDetokenizer:
 
     # ---- helpers ----
 
-    def _complete_text(self) -> str:
-        """Output text without an incomplete trailing character."""
-        return self._text
+    def _settle_pending(self) -> None:
+        """Pending bytes that can no longer form a character are text as decode renders
+        them (U+FFFD); the stream restarts after them, so it never re-decodes a window
+        that only grows."""
+        self._text += self.backend.decode(
+            self._pending, skip_special_tokens=self.skip_special_tokens
+        )
+        self._pending.clear()
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def _check_stop(self) -> str | None:
         if not self.params.stop:
             return None
-        text = self._complete_text()
+        text = self._text
         # A new match must end in the text not searched yet.
         start = max(self._checked_len - self.max_stop_len + 1, 0)
         self._checked_len = len(text)

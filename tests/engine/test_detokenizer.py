@@ -243,3 +243,19 @@ def test_window_keeps_leading_spaces_of_metaspace_tokenizers():
     assert tokenizer.decode(ids[1:2]) == tokenizer.decode(ids[1:2]).lstrip()
     deltas, _ = stream(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids) == text
+
+
+def test_bytes_that_never_form_a_character_are_settled(tokenizer):
+    # Lone UTF-8 continuation bytes can never complete a character: after a few the
+    # detokenizer renders them as decode does and moves on, rather than holding them.
+    cont = tokenizer.convert_tokens_to_ids(["\u0122"])  # ByteLevel's symbol for byte 0x80
+    assert tokenizer.decode(cont) == "\ufffd"
+    ids = cont * 9 + tokenizer.encode("ok then", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    deltas = []
+    for i in ids:
+        detok.update([i])
+        deltas.append(detok.get_delta(finished=False))
+    deltas.append(detok.get_delta(finished=True))
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert len(detok._pending) == 0 and "".join(deltas[:9])  # released before the text came
