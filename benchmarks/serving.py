@@ -236,7 +236,7 @@ def summarize(result: dict, offline_tok_s: float | None) -> dict:
 
 def sweep(args: argparse.Namespace, base: list[str], out_dir: Path, offline: float | None) -> list:
     common = [
-        *base, "--input-len-range", str(args.input_len), str(args.input_len),
+        *base, "--input-len-range", str(args.input_len), str(args.input_len), "--prompt-token-ids",
         "--output-len-range", str(args.output_len), str(args.output_len),
         "--seed", str(args.seed), "--timeout", str(args.request_timeout), "--warmup", "4",
     ]  # fmt: skip

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("A", "B"),
         help="with --input-len-range: max_tokens uniform in A..B (default: --max-tokens)",
     )
+    work.add_argument(
+        "--prompt-token-ids",
+        action="store_true",
+        help="with --input-len-range: send random token ids, exactly A..B of them (completions only)",
+    )
     work.add_argument("--max-tokens", type=int, default=128, help="for --prompt and --dataset")
     work.add_argument("--ignore-eos", action="store_true", help="for --prompt and --dataset")
 
@@ -135,6 +140,10 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     """Reject combinations argparse cannot express; exits with status 2 like argparse."""
     if args.output_len_range and not args.input_len_range:
         parser.error("--output-len-range needs --input-len-range")
+    if args.prompt_token_ids and not args.input_len_range:
+        parser.error("--prompt-token-ids needs --input-len-range")
+    if args.prompt_token_ids and args.endpoint.rstrip("/").endswith("chat/completions"):
+        parser.error("--prompt-token-ids works with /v1/completions only")
     if not args.base_url.startswith(("http://", "https://")):
         parser.error("--base-url must start with http:// or https://")
     if args.burst:
@@ -159,7 +168,9 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 def make_workload(args: argparse.Namespace) -> Workload:
     if args.input_len_range:
         output_range = args.output_len_range or [args.max_tokens, args.max_tokens]
-        return RandomWorkload(tuple(args.input_len_range), tuple(output_range), args.seed)
+        return RandomWorkload(
+            tuple(args.input_len_range), tuple(output_range), args.seed, args.prompt_token_ids
+        )
     if args.dataset:
         return DatasetWorkload(args.dataset, args.max_tokens, args.ignore_eos)
     return FixedWorkload(args.prompt or DEFAULT_PROMPT, args.max_tokens, args.ignore_eos)

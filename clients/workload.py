@@ -31,7 +31,7 @@ WORDS = tuple(dict.fromkeys(_WORD_TEXT.split()))  # unique, in order
 
 @dataclass(frozen=True)
 class RequestSpec:
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (completions only)
     max_tokens: int
     ignore_eos: bool
 
@@ -52,7 +52,11 @@ class RandomWorkload:
     """Prompt and output lengths uniform in [lo, hi]; ignore_eos makes outputs hit max_tokens."""
 
     def __init__(
-        self, input_len_range: tuple[int, int], output_len_range: tuple[int, int], seed: int
+        self,
+        input_len_range: tuple[int, int],
+        output_len_range: tuple[int, int],
+        seed: int,
+        token_ids: bool = False,
     ):
         for lo, hi in (input_len_range, output_len_range):
             if not 1 <= lo <= hi:
@@ -60,13 +64,19 @@ class RandomWorkload:
         self.input_len_range = input_len_range
         self.output_len_range = output_len_range
         self.seed = seed
+        # Token ids give exact prompt lengths whatever the server's tokenizer is.
+        self.token_ids = token_ids
 
     def request(self, index: int) -> RequestSpec:
         # A string seed is hashed deterministically (unlike hash() of a tuple).
         rng = random.Random(f"{self.seed}:{index}")
         num_words = rng.randint(*self.input_len_range)
         max_tokens = rng.randint(*self.output_len_range)
-        return RequestSpec(random_prompt(rng, num_words), max_tokens, ignore_eos=True)
+        if self.token_ids:
+            prompt: str | list[int] = [rng.randrange(100, 10000) for _ in range(num_words)]
+        else:
+            prompt = random_prompt(rng, num_words)
+        return RequestSpec(prompt, max_tokens, ignore_eos=True)
 
 
 class DatasetWorkload:
