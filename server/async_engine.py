@@ -3,8 +3,9 @@
 The engine is not thread-safe, so one background thread owns it: it builds it,
 drains a locked inbox of new requests and aborts before every step, runs
 `Engine.step()` while there is work and sleeps on a condition variable when
-there is none. Each step's outputs travel back to the loop in one
-`call_soon_threadsafe`, which sorts them into per-request `RequestStream`s.
+there is none. Steps' outputs go into an outbox; one `call_soon_threadsafe`
+delivers all that has gathered when the loop gets to it, sorting them into
+per-request `RequestStream`s, so a busy loop is not woken once per step.
 The event loop never touches the engine and never waits on the device.
 """
 
@@ -143,6 +144,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
+        # Steps' outputs waiting for the loop; a delivery is scheduled iff it is non-empty.
+        self._outbox: list[tuple[dict, float]] = []
+        self._outbox_lock = threading.Lock()
         self._active: dict[str, int] = {}  # engine request id -> unfinished choices (thread side)
         self.stats: Any = None  # the engine's latest EngineStats, published by the thread
         self.engine: Any = None  # set once built; the loop reads only its immutable attributes
@@ -220,22 +224,27 @@ class AsyncEngine:
             self._inbox.extend(_Abort(rid) for rid in stream.request_ids)
             self._cond.notify()
 
-    def _deliver(self, batch: dict[str, list[RequestOutput] | APIError], step_time: float) -> None:
-        """Runs on the loop: one call per engine step, for every request it touched."""
+    def _deliver(self) -> None:
+        """Runs on the loop, at its own pace: everything the engine stepped out since the
+        last delivery, each stream pushed once (a busy loop gets fewer, fuller wakes)."""
+        with self._outbox_lock:
+            steps, self._outbox = self._outbox, []
         per_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
-        for rid, item in batch.items():
-            stream = self._streams.get(rid)
-            if stream is None:  # aborted by the client meanwhile
-                continue
-            if isinstance(item, APIError):
-                # One prompt failed: the client request fails, so its other prompts stop too.
-                stream._push(item)
-                self._forget(stream)
-                continue
-            self._metrics.on_outputs(item, step_time, stream.last_token_time)
-            per_stream.setdefault(id(stream), (stream, []))[1].extend(item)
+        for batch, step_time in steps:
+            for rid, item in batch.items():
+                stream = self._streams.get(rid)
+                if stream is None:  # aborted by the client meanwhile
+                    continue
+                if isinstance(item, APIError):
+                    # One prompt failed: the client request fails, so its other prompts stop too.
+                    per_stream.pop(id(stream), None)
+                    stream._push(item)
+                    self._forget(stream)
+                    continue
+                self._metrics.on_outputs(item, step_time, stream.last_token_time)
+                per_stream.setdefault(id(stream), (stream, []))[1].extend(item)
         for stream, outputs in per_stream.values():
-            if stream.finished:  # failed above, in this same step
+            if stream.finished:  # failed above, in this same delivery
                 continue
             stream._push(outputs)
             if stream.finished:
@@ -359,9 +368,13 @@ class AsyncEngine:
             self._in_transit -= num_added
 
     def _send(self, batch: dict, step_time: float) -> None:
+        with self._outbox_lock:
+            self._outbox.append((batch, step_time))
+            if len(self._outbox) > 1:
+                return  # a delivery is already scheduled and will take this too
         # RuntimeError: the loop has closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._deliver, batch, step_time)
+            self._loop.call_soon_threadsafe(self._deliver)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:
