@@ -20,7 +20,6 @@ import datetime
 import functools
 import itertools
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -29,6 +28,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from benchmarks.provenance import git_commit
 from kernels.kv_store import kv_store
 from kernels.paged_attention import DecodeConfig, decode_config, paged_attention_decode
 
@@ -210,15 +210,6 @@ def bench_kv_store(peak_gbps: float) -> list[dict]:
         )
         print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

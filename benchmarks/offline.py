@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,17 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
+from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        # A copy of the tree without .git (e.g. on a GPU box): the caller may say.
-        return os.environ.get("GIT_COMMIT", "unknown")
 
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.provenance import git_commit
 from clients import loadtest
 
 # The seeds' published figures for their streaming workload on GPT-2.
@@ -84,20 +85,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- environment
-
-
-def git_commit() -> str | None:
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        # A copy of the tree without .git (e.g. on a GPU box): the caller may say.
-        return os.environ.get("GIT_COMMIT")
-    return sha + ("-dirty" if dirty else "")
 
 
 def gpu_name() -> str | None:

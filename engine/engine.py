@@ -58,9 +58,8 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         device = config.torch_device
-        self.model, hf_config = load_model(
-            model_dir, device, config.torch_dtype(checkpoint_dtype(hf_config))
-        )
+        dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        self.model, _ = load_model(model_dir, device, dtype, hf_config)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)

@@ -97,9 +97,12 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: str, device: torch.device, dtype: torch.dtype
+    model_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: PretrainedConfig | None = None,  # already read by the caller
 ) -> tuple[nn.Module, PretrainedConfig]:
-    config = load_config(model_dir)
+    config = config or load_config(model_dir)
     with torch.device("meta"):
         model = MODEL_TYPES[config.model_type](config)
     # Materialise without running the random initialisers, then fill from disk.
