@@ -45,42 +45,39 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
 
 
 def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Drive the engine directly (final-only outputs, as LLM.generate does)."""
     engine = llm.engine
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
-        engine.add_request(
-            str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        )
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, final_only=True)
+        engine.add_request(str(i), ids, params)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    first_token: dict[str, float] = {}
-    done: dict[str, float] = {}
+    start_wall, start = time.time(), time.perf_counter()
+    finished = []
     decode_steps: list[float] = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         batch_was_decode = len(engine.scheduler.waiting) == 0 and all(
-            r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running
+            r.num_computed_tokens >= r.num_tokens for r in engine.scheduler.running
         )
-        outs = engine.step()
-        now = time.perf_counter()
-        if batch_was_decode and outs:
-            decode_steps.append(now - t0)
-        for out in outs:
-            first_token.setdefault(out.request_id, now)
-            if out.finished:
-                done[out.request_id] = now
+        finished += engine.step()
+        if batch_was_decode:
+            decode_steps.append(time.perf_counter() - t0)
     total = time.perf_counter() - start
     tokens = sum(output_lens)
-    ttft = [first_token[k] - start for k in first_token]
+    assert sum(out.num_output_tokens for out in finished) == tokens
+    metrics = [out.metrics for out in finished]
+    ttft = [m.first_token_time - start_wall for m in metrics]
     tpot = [
-        (done[k] - first_token[k]) / (n - 1)
-        for k, n in zip(map(str, range(len(prompts))), output_lens)
+        (m.finished_time - m.first_token_time) / (out.num_output_tokens - 1)
+        for m, out in zip(metrics, finished)
+        if out.num_output_tokens > 1
     ]
-    decode_start = max(first_token.values())
     return {
         "total_s": total,
         "output_tokens": tokens,
         "tok_per_s": tokens / total,
-        "decode_s": max(done.values()) - decode_start,
+        "decode_s": max(m.finished_time for m in metrics)
+        - max(m.first_token_time for m in metrics),
         "ttft_ms": {"p50": 1e3 * statistics.median(ttft), "mean": 1e3 * statistics.mean(ttft)},
         "tpot_ms": {"p50": 1e3 * statistics.median(tpot), "mean": 1e3 * statistics.mean(tpot)},
         "decode_step_ms": {
@@ -134,69 +131,77 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
 
 
-def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 50) -> dict:
-    """Time each phase of a decode step as Engine.step orders them, synchronising between
-    phases: the sum exceeds a real step, where the host's output building overlaps the
-    graph replay. Also the hottest host functions, from cProfile."""
-    import cProfile
-    import io
-    import pstats
+def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 100) -> dict:
+    """Where a steady decode step's time goes, at `batch` sequences of ~`context` tokens.
 
+    The engine's own phases are wrapped with timers (no syncs added), so what is
+    measured is the real step: the host schedules and launches step N, then reads
+    step N-1's ids and builds its outputs while the GPU runs N. `wait` is the time
+    the host sat blocked on the device; the rest is host work. `gpu_step` is the
+    device's share alone: the bucket's graph and the argmax, replayed back to back."""
     engine = llm.engine
+    runner = engine.runner
     params = SamplingParams(max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"p{i}", [1] * context, params)
     while len(engine.scheduler.running) < batch or any(
-        r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running
+        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
     ):
         engine.step()
-    runner = engine.runner
-    names = ["schedule", "prepare_cpu", "h2d", "graph_replay", "outputs", "sample_d2h", "update"]
-    phases: dict[str, list[float]] = {name: [] for name in names}
-    profiler = cProfile.Profile()
+    engine.step()
 
-    def mark(name: str, t0: float) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        phases[name].append(1e6 * (t - t0))
-        return t
-
+    totals = dict.fromkeys(["schedule", "prepare_launch", "sample_launch", "read_outputs"], 0.0)
+    wrapped = [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner, "execute", "prepare_launch"),
+        (engine.sampler, "sample", "sample_launch"),
+        (engine, "_process", "read_outputs"),
+    ]
+    for obj, attr, phase in wrapped:
+        setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
+    wait0 = runner.wait_s
+    start = time.perf_counter()
     for _ in range(steps):
-        t = time.perf_counter()
-        sched = engine.scheduler.schedule()
-        t = mark("schedule", t)
-        n = len(sched.scheduled)
-        runner._fill(sched)
-        bucket = next(b for b in sorted(runner.graphs) if b >= n)
-        runner._pad_decode(n, bucket)
-        t = mark("prepare_cpu", t)
-        runner._send(bucket, bucket, 1, True)
-        t = mark("h2d", t)
-        runner.graphs[bucket].replay()
-        t = mark("graph_replay", t)
-        profiler.enable()
-        [engine._output(r) for r in engine.unreported]
-        engine.unreported = []
-        profiler.disable()
-        t = mark("outputs", t)
-        sampled = engine.sampler(
-            runner.graph_logits[bucket][:n], [s.request for s in sched.scheduled]
-        )
-        t = mark("sample_d2h", t)
-        profiler.enable()
-        engine._update(sched.scheduled, sampled)
-        profiler.disable()
-        mark("update", t)
+        engine.step()
+    step_us = 1e6 * (time.perf_counter() - start) / steps
+    for obj, attr, _ in wrapped:
+        delattr(obj, attr)
+    wait_us = 1e6 * (runner.wait_s - wait0) / steps
     for i in range(batch):
         engine.abort_request(f"p{i}")
-    report = io.StringIO()
-    pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(12)
-    print(report.getvalue())
+
+    bucket = next(b for b in sorted(runner.graphs) if b >= batch)
+    graph, logits = runner.graphs[bucket], runner.graph_logits[bucket]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+        logits[:batch].argmax(-1)
+    torch.cuda.synchronize()
+    gpu_us = 1e6 * (time.perf_counter() - start) / steps
+    phases = {k: 1e6 * v / steps for k, v in totals.items()}
     return {
         "batch": batch,
         "context": context,
-        **{k: statistics.median(v) for k, v in phases.items()},
+        "step_us": step_us,
+        "gpu_step_us": gpu_us,
+        "host_work_us": step_us - wait_us,
+        "host_phases_us": phases,
+        "wait_us": wait_us,
+        "gpu_idle_us": max(step_us - gpu_us, 0.0),
     }
+
+
+def _timed(fn, totals: dict[str, float], phase: str, runner):
+    """fn, adding its time minus any device wait inside it to totals[phase]."""
+
+    def timed(*args, **kwargs):
+        wait0, start = runner.wait_s, time.perf_counter()
+        out = fn(*args, **kwargs)
+        totals[phase] += time.perf_counter() - start - (runner.wait_s - wait0)
+        return out
+
+    return timed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,6 @@ changed travel, as one non-blocking copy of the span that holds them.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -20,13 +19,13 @@ class BlockTable:
         self.gpu = (
             torch.zeros(shape, dtype=torch.int32, device=device) if self.on_cuda else self.cpu
         )
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)  # valid entries per row
+        self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per step)
         self.dirty_lo = max_num_seqs  # span of rows changed since the last commit
         self.dirty_hi = -1
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
-        have = int(self.num_blocks[slot])
+        have = self.num_blocks[slot]
         if len(block_ids) <= have:
             return
         self.np[slot, have : len(block_ids)] = block_ids[have:]

@@ -1,9 +1,8 @@
 """The engine: add requests, step, read deltas. Single-threaded by design.
 
-step(): schedule → launch the forward → while the GPU runs, detokenize the
-previous step's tokens and build their RequestOutputs → sample → append
-tokens, apply token-level stops, free what finished. The server drives it
-from one background thread.
+step(): schedule → launch the forward and the sampler → while the GPU runs,
+read the previous step's ids, append them, apply stops, detokenize and build
+the RequestOutputs. The server drives it from one background thread.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockManager
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, SampledIds
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import (
     checkpoint_dtype,
@@ -31,7 +30,17 @@ from engine.models.loader import (
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledRequest, Scheduler
+
+
+@dataclass
+class LaunchedStep:
+    """A step on its way: what ran, and its sampled ids (a host list, or a handle
+    whose tolist() waits for the device's copy)."""
+
+    scheduled: list[ScheduledRequest]
+    token_ids: list[int] | SampledIds | None  # None: no request sampled
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -72,7 +81,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
-        self.unreported: list[Request] = []  # got a token last step; output not built yet
+        self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
 
     # -- requests ---------------------------------------------------------
 
@@ -131,11 +140,13 @@ class Engine:
         for req in self.requests.pop(request_id, []):
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
-        # An aborted request's last news is not wanted, even if it had finished.
-        self.unreported = [r for r in self.unreported if r.request_id != request_id]
+        if self.inflight is not None and all(
+            s.request.is_finished for s in self.inflight.scheduled
+        ):
+            self.inflight = None  # nothing left to read: its device work is simply void
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.unreported)
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -150,69 +161,95 @@ class Engine:
     # -- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the news of the previous one.
+        """Run one step; return the news it brings (mostly the previous step's tokens).
 
-        The forward pass is launched first; while the GPU runs it, the host
-        detokenizes the tokens sampled last step, matches stop strings and
-        builds their outputs. Only then does it wait for this step's tokens.
-        Token-level stops (EOS, stop ids, length) still finish a request at
-        once; a stop string found a step late makes its next token void.
+        The host runs one step ahead of the device: it schedules and launches
+        step N (whose decodes read step N-1's sampled ids on the device), and
+        only then reads N-1's ids, appends them, matches stops and builds
+        outputs, while the GPU runs N. A request that stopped at N-1 wastes its
+        row in N; its token there is void. Penalties and logprobs need the ids
+        on the host, so a step with such a request reads N-1 before sampling
+        and its own ids at once.
         """
         with self._nvtx("schedule"):
             batch = self.scheduler.schedule()
+        prev, self.inflight = self.inflight, None
+        outputs: list[RequestOutput] = []
         if batch:
             with self._nvtx("forward"):
                 logits = self.runner.execute(batch)
-        with self._nvtx("outputs"):
-            outputs = [self._output(req) for req in self.unreported]
-            self.unreported = []
-        if not batch:
-            return outputs
-        with self._nvtx("sample"):
-            # A request a stop string ended above may still be in the batch: its token is void.
-            sampling = [s for s in batch.scheduled if s.completes_prompt]
-            if len(sampling) < len(batch.scheduled):
-                logits = logits[[i for i, s in enumerate(batch.scheduled) if s.completes_prompt]]
-            sampled = self.sampler(logits, [s.request for s in sampling]) if sampling else None
-        with self._nvtx("update"):
-            self._update(batch.scheduled, sampled)
+            sampling = [s for s in batch.scheduled if s.samples]
+            requests = [s.request for s in sampling]
+            sync = any(req.params.needs_sync for req in requests)
+            if sync and prev is not None:
+                outputs += self._process(prev)
+                prev = None
+            token_ids = None
+            if sampling:
+                with self._nvtx("sample"):
+                    if len(sampling) < len(batch.scheduled):
+                        rows = [i for i, s in enumerate(batch.scheduled) if s.samples]
+                        logits = logits[rows]
+                    token_ids = self.sampler.sample(logits, requests)
+                for req in requests:
+                    req.num_inflight += 1
+            if sync:
+                sampled = self.sampler.read(logits, token_ids, requests)
+                current = LaunchedStep(batch.scheduled, sampled.token_ids, sampled.logprobs)
+                outputs += self._process(current)
+            else:
+                ids = self.runner.keep_sampled(token_ids) if sampling else None
+                self.inflight = LaunchedStep(batch.scheduled, ids)
+        if prev is not None:
+            outputs = self._process(prev) + outputs
         return outputs
 
-    def _update(self, scheduled, sampled) -> None:
-        """Append the sampled tokens and apply the stops that need no text."""
-        now = time.time()
-        k = 0
-        for s in scheduled:
-            req = s.request
-            completes = s.completes_prompt
-            if completes:
-                token_id, logprob = sampled.token_ids[k], sampled.logprobs[k]
-                k += 1
-            if req.is_finished:
-                continue  # stopped by a string found while this step ran: its work is void
-            req.num_computed_tokens += s.num_new_tokens
-            self.blocks.cache_full_blocks(req)
-            if not completes:
-                continue  # a prefill chunk: nothing to show yet
-            req.append_token(token_id)
-            if logprob is not None:
-                req.pending_logprobs.append(logprob)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            self._check_token_stop(req, token_id)
-            self.unreported.append(req)
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's ids; append them, apply stops, build the outputs."""
+        with self._nvtx("update"):
+            token_ids = step.token_ids
+            if token_ids is not None and not isinstance(token_ids, list):
+                token_ids = token_ids.tolist()  # waits for the step's copy to the host
+            logprobs = step.logprobs
+            now = time.time()
+            updated: list[Request] = []
+            k = 0
+            for s in step.scheduled:
+                req = s.request
+                if s.samples:
+                    token_id = token_ids[k]
+                    logprob = logprobs[k] if logprobs is not None else None
+                    k += 1
+                    req.num_inflight -= 1
+                if req.is_finished:
+                    continue  # stopped or aborted while this step ran: its work is void
+                self.blocks.cache_full_blocks(req)
+                if not s.samples:
+                    continue  # a prefill chunk: nothing to show yet
+                req.append_token(token_id)
+                if logprob is not None:
+                    req.pending_logprobs.append(logprob)
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                self._check_token_stop(req, token_id)
+                if not req.params.final_only or req.is_finished or req.params.stop:
+                    updated.append(req)
+        with self._nvtx("outputs"):
+            outputs = [self._output(req) for req in updated]
+            return [out for out in outputs if out is not None]
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         params = req.params
-        past_min = req.num_output_tokens >= params.min_tokens
+        num_output = len(req.output_token_ids)
+        past_min = num_output >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in self.eos_set:
             self._finish(req, "stop")
         elif past_min and token_id in params.stop_token_ids:
             self._finish(req, "stop", token_id)
         elif (
             params.max_tokens is not None
-            and req.num_output_tokens >= params.max_tokens
-            or req.num_tokens >= self.config.max_model_len
+            and num_output >= params.max_tokens
+            or len(req.all_token_ids) >= self.config.max_model_len
         ):
             self._finish(req, "length")
 
@@ -222,15 +259,19 @@ class Engine:
         if all(r.is_finished for r in siblings):
             self.requests.pop(req.request_id, None)
 
-    def _output(self, req: Request) -> RequestOutput:
-        """Detokenize what req gained since its last output and match stop strings."""
-        new_ids = req.output_token_ids[req.num_emitted_tokens :]
-        stop_string = req.detokenizer.update(new_ids)
+    def _output(self, req: Request) -> RequestOutput | None:
+        """Detokenize what req gained since it was last seen here and match stop strings;
+        the news since its last output (None: a final-only request still running)."""
+        stop_string = req.detokenizer.update(req.output_token_ids[req.num_detokenized_tokens :])
+        req.num_detokenized_tokens = req.num_output_tokens
         if stop_string is not None:
             if req.is_finished:  # a token-level stop came first, but the text stops earlier
                 req.finish_reason, req.stop_reason = "stop", stop_string
             else:
                 self._finish(req, "stop", stop_string)
+        if req.params.final_only and not req.is_finished:
+            return None
+        new_ids = req.output_token_ids[req.num_emitted_tokens :]
         req.num_emitted_tokens = req.num_output_tokens
         logprobs: list[TokenLogprob] | None = None
         if req.params.logprobs is not None:

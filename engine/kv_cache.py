@@ -102,11 +102,15 @@ class BlockManager:
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the blocks req has filled since the last call."""
+        """Register the blocks req has filled since the last call.
+
+        Called once the host knows the step's tokens; the scheduler may already have
+        scheduled later ones, so only known tokens count. A block's KV may still be
+        being written by a launched step: any reader runs after it on the stream."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = req.num_computed_tokens // bs
+        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // bs
         if num_full == len(req.block_hashes):
             return  # no block filled up this step
         tokens = req.all_token_ids

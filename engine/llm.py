@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Only finished outputs are returned: the engine need not build per-step deltas.
+        params = [dataclasses.replace(p, final_only=True) for p in params]
 
         # Validate everything first, so a bad prompt fails before any work is done.
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

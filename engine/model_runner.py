@@ -1,7 +1,9 @@
 """Tensors in, logits out: step inputs, the KV cache, and CUDA-graph decode.
 
 Per-step metadata is written with numpy into two pinned host buffers and
-sent with one non-blocking copy each into static device tensors. Decode-only
+sent with one non-blocking copy each into static device tensors. Input ids
+are gathered on the device, from the host's ids or from the previous step's
+sampled ids, which never have to visit the host first. Decode-only
 steps replay a CUDA graph captured for the next bucket up in batch size;
 padded entries have context length 0 and slot -1, so they read and write
 nothing. Everything else runs eagerly.
@@ -9,6 +11,7 @@ nothing. Everything else runs eagerly.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +21,7 @@ from torch import nn
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
@@ -29,32 +31,56 @@ class StagedFields:
     their device twin (the same tensor on CPU): a step's metadata travels in one copy.
 
     Offsets never change, so a CUDA graph captured on the device views sees every
-    later step's values."""
+    later step's values. `device_only` fields follow the staged ones on the device
+    and are never overwritten by a send (on CPU they are simply more of the buffer)."""
 
-    def __init__(self, sizes: dict[str, int], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        sizes: dict[str, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        device_only: dict[str, int] | None = None,
+    ) -> None:
         on_cuda = device.type == "cuda"
-        total = sum(sizes.values())
-        self.host = torch.zeros(total, dtype=dtype, pin_memory=on_cuda)
+        staged = sum(sizes.values())
+        total = staged + sum((device_only or {}).values())
+        self.host = torch.zeros(staged if on_cuda else total, dtype=dtype, pin_memory=on_cuda)
         self.device = torch.zeros(total, dtype=dtype, device=device) if on_cuda else self.host
         host_np = self.host.numpy()
         self.np: dict[str, np.ndarray] = {}
         self.gpu: dict[str, torch.Tensor] = {}
+        self.offset: dict[str, int] = {}
         offset = 0
-        for name, size in sizes.items():
-            self.np[name] = host_np[offset : offset + size]
+        for name, size in {**sizes, **(device_only or {})}.items():
+            if name in sizes:
+                self.np[name] = host_np[offset : offset + size]
             self.gpu[name] = self.device[offset : offset + size]
+            self.offset[name] = offset
             offset += size
+        self.staged = self.device[:staged]
 
     def send(self) -> None:
         if self.device is not self.host:
-            self.device.copy_(self.host, non_blocking=True)
+            self.staged.copy_(self.host, non_blocking=True)
+
+
+class SampledIds:
+    """A step's sampled ids on their way to the host; tolist() waits for them."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None, runner: ModelRunner):
+        self.host, self.done, self.runner = host, done, runner
+
+    def tolist(self) -> list[int]:
+        if self.done is not None:
+            self.runner.wait(self.done)
+        return self.host.tolist()
 
 
 @dataclass
 class ModelInput:
     """Device views of the staged buffers for one step."""
 
-    input_ids: torch.Tensor  # [num_tokens]
+    input_gather: torch.Tensor  # [num_tokens] where in the i64 device buffer each id is
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
     seq_lens: torch.Tensor  # [num_seqs]
@@ -82,13 +108,18 @@ class ModelRunner:
         self.block_table = BlockTable(self.max_num_seqs, self.max_blocks_per_seq, self.device)
         max_tokens = max(config.max_num_batched_tokens, self.max_num_seqs)
         seqs = self.max_num_seqs
-        tokens_fields = ("input_ids", "positions", "slot_mapping")
+        tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
         seq_fields = ("slot_indices", "logits_indices")
+        # Input ids are gathered on the device from the host's ids and the last step's
+        # sampled ids (device-only), so a decode never waits for the host to read them.
         self.i64 = StagedFields(
             {**dict.fromkeys(tokens_fields, max_tokens), **dict.fromkeys(seq_fields, seqs)},
             torch.int64,
             self.device,
+            device_only={"sampled_ids": seqs},
         )
+        self.ids_offset = self.i64.offset["input_ids"]
+        self.sampled_offset = self.i64.offset["sampled_ids"]
         self.i32 = StagedFields(
             {"seq_lens": seqs, "query_start_loc": seqs + 1}, torch.int32, self.device
         )
@@ -96,7 +127,18 @@ class ModelRunner:
         self.buf = {**self.i64.np, **self.i32.np}
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # The step's copies must finish before the pinned buffers are rewritten.
-        self.copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        on_cuda = self.device.type == "cuda"
+        self.copies_done = torch.cuda.Event() if on_cuda else None
+        # Sampled ids come back through two pinned buffers: one is read on the host
+        # while the next step's copy fills the other.
+        self.sampled_host = (
+            [torch.zeros(seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            if on_cuda
+            else []
+        )
+        self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self.parity = 0
+        self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
@@ -151,24 +193,25 @@ class ModelRunner:
 
     def _fill(self, batch: SchedulerOutput) -> tuple[int, int]:
         """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
-        if self.copies_done is not None and not self.copies_done.query():
-            # Last step's copies have not read the pinned buffers yet. (query() first: a
-            # synchronize() would release the GIL even when there is nothing to wait for.)
-            self.copies_done.synchronize()
+        if self.copies_done is not None:
+            self.wait(self.copies_done)  # last step's copies must have read the buffers
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
         table = self.block_table
+        row_len = table.num_blocks
         for s in scheduled:
+            req = s.request
             if s.new_slot:
-                table.clear_row(s.request.slot)
-            table.update_row(s.request.slot, s.request.block_ids)
+                table.clear_row(req.slot)
+            if len(req.block_ids) > row_len[req.slot]:  # it gained a block
+                table.update_row(req.slot, req.block_ids)
 
         if batch.is_decode_only:
-            self._fill_decode([s.request for s in scheduled])
+            self._fill_decode(scheduled)
             return num_seqs, 1
 
         num_new = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        num_computed = np.array([s.request.num_computed_tokens for s in scheduled], dtype=np.int64)
+        num_computed = np.array([s.start for s in scheduled], dtype=np.int64)
         slots = np.array([s.request.slot for s in scheduled], dtype=np.int64)
         num_tokens = int(num_new.sum())
 
@@ -186,28 +229,47 @@ class ModelRunner:
         )
         self._slot_mapping(np.repeat(slots, num_new), positions, num_tokens)
 
-        ids = self.buf["input_ids"]
+        ids, gather = self.buf["input_ids"], self.buf["input_gather"]
+        gather[:num_tokens] = self.ids_offset + self.arange[:num_tokens]
         pos = 0
         for s in scheduled:
-            start = s.request.num_computed_tokens
-            ids[pos : pos + s.num_new_tokens] = s.request.all_token_ids[
-                start : start + s.num_new_tokens
-            ]
+            req, end = s.request, s.start + s.num_new_tokens
+            known = min(end, len(req.all_token_ids))
+            ids[pos : pos + known - s.start] = req.all_token_ids[s.start : known]
+            if known < end:  # the last token was sampled last step and is still on the device
+                gather[pos + s.num_new_tokens - 1] = self.sampled_offset + req.sample_row
             pos += s.num_new_tokens
+        self._assign_sample_rows(s.request for s in scheduled if s.samples)
         return num_tokens, int(num_new.max())
 
-    def _fill_decode(self, reqs: list[Request]) -> None:
+    def _fill_decode(self, scheduled: list[ScheduledRequest]) -> None:
         """The hot path: one new token per sequence, so most metadata is an arange."""
-        n = len(reqs)
+        n = len(scheduled)
+        reqs = [s.request for s in scheduled]
         positions = self.buf["positions"][:n]
-        positions[:] = [r.num_computed_tokens for r in reqs]
+        positions[:] = [s.start for s in scheduled]
         slots = self.buf["slot_indices"][:n]
         slots[:] = [r.slot for r in reqs]
-        self.buf["input_ids"][:n] = [r.all_token_ids[-1] for r in reqs]
+        # Usually every input is last step's sampled id, still on the device.
+        on_host = [i for i, s in enumerate(scheduled) if s.start < len(s.request.all_token_ids)]
+        gather = self.buf["input_gather"][:n]
+        gather[:] = [r.sample_row for r in reqs]
+        gather += self.sampled_offset
+        for i in on_host:
+            req = scheduled[i].request
+            self.buf["input_ids"][i] = req.all_token_ids[scheduled[i].start]
+            gather[i] = self.ids_offset + i
         self.buf["seq_lens"][:n] = positions + 1
         self.buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
         self.buf["logits_indices"][:n] = self.arange[:n]
         self._slot_mapping(slots, positions, n)
+        self._assign_sample_rows(reqs)
+
+    @staticmethod
+    def _assign_sample_rows(reqs) -> None:
+        """The engine samples the sampling requests in batch order: row k is the k-th."""
+        for k, req in enumerate(reqs):
+            req.sample_row = k
 
     def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
         """slot = block * block_size + offset, read off the block table's host mirror."""
@@ -229,7 +291,7 @@ class ModelRunner:
             self.copies_done.record()
         i64, i32 = self.i64.gpu, self.i32.gpu
         return ModelInput(
-            input_ids=i64["input_ids"][:num_tokens],
+            input_gather=i64["input_gather"][:num_tokens],
             positions=i64["positions"][:num_tokens],
             slot_mapping=i64["slot_mapping"][:num_tokens],
             seq_lens=i32["seq_lens"][:num_seqs],
@@ -266,14 +328,40 @@ class ModelRunner:
             max_query_len=inp.max_query_len,
             is_decode=inp.is_decode,
         )
-        hidden = self.model(inp.input_ids, inp.positions, meta)
+        input_ids = self.i64.device[inp.input_gather]
+        hidden = self.model(input_ids, inp.positions, meta)
         return self.model.compute_logits(hidden[inp.logits_indices])
+
+    # -- sampled ids --------------------------------------------------------
+
+    def keep_sampled(self, token_ids: torch.Tensor) -> SampledIds:
+        """Keep a step's sampled ids on the device for the next step's inputs, and
+        start their copy to the host."""
+        k = token_ids.numel()
+        sampled = self.i64.gpu["sampled_ids"][:k]
+        sampled.copy_(token_ids)
+        if self.copies_done is None:
+            return SampledIds(token_ids, None, self)  # CPU: a fresh tensor, nothing to wait for
+        host = self.sampled_host[self.parity][:k]
+        host.copy_(sampled, non_blocking=True)
+        done = self.sampled_done[self.parity]
+        done.record()
+        self.parity ^= 1
+        return SampledIds(host, done, self)
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        # query() first: synchronize() releases the GIL even when nothing is pending.
+        if not event.query():
+            start = time.perf_counter()
+            event.synchronize()
+            self.wait_s += time.perf_counter() - start
 
     # -- CUDA graphs ------------------------------------------------------
 
     def _pad_decode(self, start: int, end: int) -> None:
         """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
         self.buf["input_ids"][start:end] = 0
+        self.buf["input_gather"][start:end] = self.ids_offset + self.arange[start:end]
         self.buf["positions"][start:end] = 0
         self.buf["slot_mapping"][start:end] = -1
         self.buf["seq_lens"][start:end] = 0

@@ -72,7 +72,13 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
+        # Tokens whose KV is computed or scheduled: the scheduler advances it when it
+        # schedules them, before the step runs.
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids the host has not read yet (0 or 1,
+        # briefly 2): the next step takes them from the device.
+        self.num_inflight = 0
+        self.sample_row = -1  # row of its last sampled token in that step's output
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed
@@ -86,6 +92,7 @@ class Request:
         self.generator: torch.Generator | None = None
         self.detokenizer = None  # set by the engine: engine.detokenizer.IncrementalDetokenizer
         self.pending_logprobs: list[TokenLogprob] = []
+        self.num_detokenized_tokens = 0
         self.num_emitted_tokens = 0
 
     @property
@@ -99,6 +106,18 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens so far, counting those still on the device."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    def reached_length(self, max_model_len: int) -> bool:
+        """No more tokens may be generated (the last may still be on the device)."""
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and self.num_generated_tokens >= max_tokens) or len(
+            self.all_token_ids
+        ) + self.num_inflight >= max_model_len
 
     @property
     def is_finished(self) -> bool:

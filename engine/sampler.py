@@ -7,8 +7,9 @@ Order of processing, per row, as vLLM does it:
 Logprobs are the raw log_softmax of the model's logits (vLLM's default
 "raw_logprobs"), untouched by any of the above.
 
-The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1).tolist()`:
-the CUDA decode path depends on that being one kernel and one copy.
+The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1)`: the
+CUDA decode path depends on that being one kernel, its result left on the
+device for the next step (`sample`); `__call__` also reads it back.
 """
 
 from __future__ import annotations
@@ -42,9 +43,25 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        # logits: [num_requests, vocab_size], any float dtype
-        if all(self._argmax_only(req) for req in requests):
-            return SamplerOutput(logits.argmax(-1).tolist(), [None] * len(requests))
+        """Sample and read the results back (waits for the device)."""
+        return self.read(logits, self.sample(logits, requests), requests)
+
+    def read(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+    ) -> SamplerOutput:
+        """The sampled ids on the host, with the logprobs the requests asked for."""
+        if all(req.params.logprobs is None for req in requests):
+            return SamplerOutput(token_ids.tolist(), [None] * len(requests))
+        return self._with_logprobs(logits, token_ids, requests)
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Next token ids [num_requests] int64, left on the device (no sync).
+
+        logits: [num_requests, vocab_size], any float dtype."""
+        if all([req.params.argmax_only for req in requests]) or all(
+            self._argmax_only(req) for req in requests
+        ):
+            return logits.argmax(-1)
 
         x = self.process_logits(logits, requests)  # [B, V] fp32
 
@@ -61,10 +78,7 @@ class Sampler:
                 [req.params.greedy for req in requests], device=self.device
             )  # [B]
             token_ids = torch.where(is_greedy, greedy_ids, self._sample(x, requests))
-
-        if all(req.params.logprobs is None for req in requests):
-            return SamplerOutput(token_ids.tolist(), [None] * len(requests))
-        return self._with_logprobs(logits, token_ids, requests)
+        return token_ids
 
     def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """logit_bias, penalties and the min_tokens mask, on a new fp32 [B, V] tensor."""
@@ -89,7 +103,8 @@ class Sampler:
 
     def _min_tokens_active(self, req: Request) -> bool:
         params = req.params
-        return req.num_output_tokens < params.min_tokens and bool(
+        # Tokens still on the device count: the one sampled now comes after them.
+        return req.num_generated_tokens < params.min_tokens and bool(
             self.eos_token_ids or params.stop_token_ids
         )
 

@@ -27,6 +27,9 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Report only when finished, as one delta holding everything (vLLM's
+    # RequestOutputKind.FINAL_ONLY): no per-step outputs, text decoded once.
+    final_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +53,9 @@ class SamplingParams:
             and self.logprobs is None
             and self.min_tokens == 0
         )
+        # Penalties read every generated id, and logprobs are read back with the ids:
+        # such a request's step is sampled with the previous step's tokens on the host.
+        self.needs_sync = self.has_penalties or self.logprobs is not None
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:

@@ -7,6 +7,11 @@ last. When a running request cannot get a block, the newest running request
 is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed later (its full blocks usually survive in the prefix
 cache, so recompute is cheap).
+
+Scheduling runs one step ahead of the host's knowledge: a request's last
+sampled token may still be on the device (num_inflight), and is scheduled
+all the same; the model runner feeds it from the device. A request that has
+reached its length limit with a token in flight is not scheduled again.
 """
 
 from __future__ import annotations
@@ -20,16 +25,13 @@ from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    start: int  # tokens computed before this step: the first new token's position
+    samples: bool  # the step reaches the end of the request's tokens, so it samples one
     new_slot: bool = False  # admitted this step: its block-table row starts empty
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step every known token is computed, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -37,13 +39,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_tokens: int = 0
 
     @property
     def is_decode_only(self) -> bool:
-        return all(s.num_new_tokens == 1 for s in self.scheduled)
+        return self.num_tokens == len(self.scheduled)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -69,10 +69,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
+        max_model_len = self.config.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_inflight and req.reached_length(max_model_len):
+                i += 1  # its last token is on the device: it finishes when that is read
+                continue
+            num_new = len(req.all_token_ids) + req.num_inflight - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             while not self.blocks.allocate(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -81,13 +87,15 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: everything after it is gone too
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(self._advance(req, num_new))
             budget -= num_new
             i += 1
 
         now = time.time()
         while self.waiting and budget > 0 and self.free_slots and not out.preempted:
             req = self.waiting[0]
+            if req.num_inflight:
+                break  # preempted with a token in flight: recompute once its id is known
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 break  # FIFO: nothing overtakes a request held for its sibling
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
@@ -101,13 +109,22 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, new_slot=True))
+            out.scheduled.append(self._advance(req, num_new, new_slot=True))
             budget -= num_new
+        out.num_tokens = self.config.max_num_batched_tokens - budget
         return out
 
     @staticmethod
+    def _advance(req: Request, num_new: int, new_slot: bool = False) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        samples = req.num_computed_tokens == len(req.all_token_ids) + req.num_inflight
+        return ScheduledRequest(req, num_new, start, samples, new_slot)
+
+    @staticmethod
     def _prefilled(req: Request) -> bool:
-        return req.is_finished or req.num_computed_tokens >= req.num_prompt_tokens
+        """Its prompt's blocks are in the prefix cache: its first token has been read."""
+        return req.is_finished or req.num_output_tokens > 0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

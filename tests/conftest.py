@@ -111,8 +111,8 @@ def tiny_model_dir(request) -> str:
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation in fp32 on CPU, EOS ignored."""
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """transformers' greedy continuation in fp32 on CPU, EOS ignored (kwargs: to generate)."""
     from transformers import AutoModelForCausalLM
 
     model = _hf_models.get(model_dir)
@@ -128,6 +128,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **kwargs,
         )
     return out[0, len(prompt_ids) :].tolist()
 

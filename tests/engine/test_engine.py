@@ -130,3 +130,19 @@ def test_slots_reused_across_calls_and_preemption_give_same_outputs(tiny_gpt2_di
     assert again == first[::-1]
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert alone == first
+
+
+def test_final_only_reports_once_with_everything_deltas_would_give(llm):
+    engine = llm.engine
+    params = dict(max_tokens=12, temperature=0.0, ignore_eos=True, stop=["zz"])
+    engine.add_request("d", [7, 8, 9], SamplingParams(**params))
+    engine.add_request("f", [7, 8, 9], SamplingParams(**params, final_only=True))
+    outs: dict[str, list] = {"d": [], "f": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    (final,) = outs["f"]
+    assert final.finished and len(outs["d"]) > 1
+    assert final.new_token_ids == [t for o in outs["d"] for t in o.new_token_ids]
+    assert final.new_text == "".join(o.new_text for o in outs["d"])
+    assert final.finish_reason == outs["d"][-1].finish_reason == "length"

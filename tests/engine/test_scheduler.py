@@ -19,13 +19,11 @@ def req(name: str, n: int) -> Request:
 
 
 def run_step(sched: Scheduler) -> dict[str, int]:
-    """Schedule, then pretend the model ran: mark tokens computed, sample token 7."""
+    """Schedule, then pretend the model ran and its ids were read at once: token 7."""
     out = sched.schedule()
     for s in out.scheduled:
-        completes = s.completes_prompt
-        s.request.num_computed_tokens += s.num_new_tokens
         sched.blocks.cache_full_blocks(s.request)
-        if completes:
+        if s.samples:
             s.request.append_token(7)
     return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
 
@@ -100,3 +98,46 @@ def test_sibling_waits_for_first_choice_prefill():
     run_step(sched)
     assert second.status == RequestStatus.RUNNING
     assert second.num_cached_tokens == 4  # it found the prompt's full block
+
+
+def test_token_in_flight_is_scheduled_before_the_host_reads_it():
+    sched = setup()
+    a = req("a", 5)
+    sched.add(a)
+    first = sched.schedule().scheduled[0]
+    assert (first.start, first.num_new_tokens, first.samples) == (0, 5, True)
+    a.num_inflight = 1  # sampled on the device; the host has not read it
+    second = sched.schedule().scheduled[0]
+    # The unread token is the next input: position 5, one past the known tokens.
+    assert (second.start, second.num_new_tokens, second.samples) == (5, 1, True)
+    assert a.num_computed_tokens == 6 and a.num_tokens == 5
+
+
+def test_length_reached_in_flight_is_not_scheduled_again():
+    sched = setup()
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=1))
+    b = req("b", 3)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    a.num_inflight = b.num_inflight = 1
+    # a's only token is on the device: it finishes when read, so it gets no row.
+    assert [s.request for s in sched.schedule().scheduled] == [b]
+
+
+def test_preempted_request_waits_for_its_token_in_flight():
+    sched = setup(num_blocks=4)
+    a, b = req("a", 8), req("b", 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    b.num_inflight = 1  # b's next token is on the device when it is preempted
+    run_step(sched)
+    assert b.status == RequestStatus.PREEMPTED
+    sched.finish(a, "stop")  # room again, but b's last token is still unread
+    assert run_step(sched) == {}
+    b.num_inflight = 0
+    b.append_token(7)
+    # Its prompt's two full blocks are cached; the rest, the read token included, is recomputed.
+    assert run_step(sched) == {"b": 2}
+    assert b.num_computed_tokens == 10

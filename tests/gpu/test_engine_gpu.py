@@ -71,5 +71,19 @@ def test_pinned_buffers_are_not_rewritten_before_their_copy_ran(tiny_gpt2_dir):
     batch_b = engine.scheduler.schedule()
     runner._fill(batch_b)  # must block until step A's copies are done
     torch.cuda.synchronize()
-    assert inp.input_ids.tolist() == [11, 12, 13]
+    assert runner.i64.device[inp.input_gather].tolist() == [11, 12, 13]
     assert inp.positions.tolist() == [0, 1, 2]
+
+
+def test_sampled_ids_reach_the_host_while_later_steps_queue(tiny_gpt2_dir):
+    """Each step's ids come back through one of two pinned buffers: with the stream
+    held, the next step's copy must not land in the buffer the host reads."""
+    runner = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8).engine.runner
+    torch.cuda._sleep(200_000_000)
+    first = runner.keep_sampled(torch.tensor([1, 2, 3], device="cuda"))
+    second = runner.keep_sampled(torch.tensor([4, 5], device="cuda"))
+    assert first.tolist() == [1, 2, 3]  # waits for its own copy, not a later one
+    third = runner.keep_sampled(torch.tensor([6], device="cuda"))
+    assert second.tolist() == [4, 5] and third.tolist() == [6]
+    # The last ids stay on the device, where the next step's inputs are gathered from.
+    assert runner.i64.gpu["sampled_ids"][:1].tolist() == [6]
