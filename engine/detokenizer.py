@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
             # The prompt ends inside a character: the output's first bytes would
             # complete it. Decode the output on its own instead.
             context = []
+        self.context = context
         self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
 
         self._text = ""  # decoded text of the output's complete characters
@@ -72,6 +73,21 @@ class IncrementalDetokenizer:
                 self._text += piece
                 self._pending.clear()
         return self._check_stop()
+
+    def decode_all(self, token_ids: list[int]) -> None:
+        """Decode a whole output in one call: for a request that reports only when done
+        and has no stop strings to watch. The same text as update() token by token
+        (decode of the output, read after the prompt's context), a hundred times cheaper."""
+        assert not self._text and not self._pending, "decode_all replaces update, not follows it"
+        ids = [t for t in token_ids if t < self.vocab_size]
+        skip = self.skip_special_tokens
+        text = self.backend.decode(ids, skip_special_tokens=skip)
+        if self.context:
+            prefix = self.backend.decode(self.context, skip_special_tokens=skip)
+            full = self.backend.decode(self.context + ids, skip_special_tokens=skip)
+            if full.startswith(prefix):
+                text = full[len(prefix) :]
+        self._text = text
 
     def get_delta(self, finished: bool) -> str:
         """Text not handed out before that is safe to emit now.

@@ -262,7 +262,12 @@ class Engine:
     def _output(self, req: Request) -> RequestOutput | None:
         """Detokenize what req gained since it was last seen here and match stop strings;
         the news since its last output (None: a final-only request still running)."""
-        stop_string = req.detokenizer.update(req.output_token_ids[req.num_detokenized_tokens :])
+        new_ids = req.output_token_ids[req.num_detokenized_tokens :]
+        if req.params.final_only and not req.params.stop:
+            req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
+            stop_string = None
+        else:
+            stop_string = req.detokenizer.update(new_ids)
         req.num_detokenized_tokens = req.num_output_tokens
         if stop_string is not None:
             if req.is_finished:  # a token-level stop came first, but the text stops earlier

@@ -330,7 +330,9 @@ class ModelRunner:
         )
         input_ids = self.i64.device[inp.input_gather]
         hidden = self.model(input_ids, inp.positions, meta)
-        return self.model.compute_logits(hidden[inp.logits_indices])
+        if not inp.is_decode:  # a decode's rows are its sequences already
+            hidden = hidden[inp.logits_indices]
+        return self.model.compute_logits(hidden)
 
     # -- sampled ids --------------------------------------------------------
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.models.layers import ACTIVATIONS, AttentionMetadata, LMHead, PagedAttention
+from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHead, PagedAttention
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are transposed into nn.Linear's [out, in] on load.
@@ -20,19 +20,23 @@ class GPT2Block(nn.Module):
         super().__init__()
         d, heads = config.n_embd, config.n_head
         inner = config.n_inner or 4 * d
-        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(d, config.layer_norm_epsilon)
         self.c_attn = nn.Linear(d, 3 * d)
         self.attn = PagedAttention(heads, heads, d // heads, (d // heads) ** -0.5)
         self.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
+        self.ln_2 = LayerNorm(d, config.layer_norm_epsilon)
         self.c_fc = nn.Linear(d, inner)
         self.mlp_proj = nn.Linear(inner, d)
         self.act = ACTIVATIONS[config.activation_function]
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
-        x = x + self.c_proj(self.attn(q, k, v, meta))
-        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's output, not yet added to the residual stream."""
+        h, residual = self.ln_1(x, residual)
+        q, k, v = self.c_attn(h).chunk(3, dim=-1)
+        h, residual = self.ln_2(self.c_proj(self.attn(q, k, v, meta)), residual)
+        return self.mlp_proj(self.act(self.c_fc(h))), residual
 
 
 class GPT2ForCausalLM(nn.Module):
@@ -43,16 +47,17 @@ class GPT2ForCausalLM(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
         self.lm_head = LMHead(config.vocab_size, config.n_embd)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [num_tokens, n_embd]
-        x = self.wte(input_ids) + self.wpe(positions)
+        # The first norm adds the two embeddings.
+        x, residual = self.wte(input_ids), self.wpe(positions)
         for block in self.h:
-            x = block(x, meta)
-        return self.ln_f(x)
+            x, residual = block(x, residual, meta)
+        return self.ln_f(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_seqs, vocab_size]

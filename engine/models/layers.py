@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.kv_store import kv_store_for
+from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for
 
@@ -86,18 +87,34 @@ class PagedAttention(nn.Module):
         return out.view(-1, self.num_heads * self.head_dim)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+class AddNorm(nn.Module):
+    """Adds a sublayer's output to the residual stream and normalizes the sum, in one
+    kernel on CUDA: forward(x, residual) -> (norm(x + residual), x + residual).
+    With residual None, x is the residual stream itself."""
+
+    def __init__(self, dim: int, eps: float, rms: bool, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.eps = eps
+        self.rms = rms
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as HF Llama does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_norm_for(x.device)(x, residual, self.weight, self.bias, self.eps, self.rms)
+
+
+class LayerNorm(AddNorm):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps, rms=False, bias=True)
+
+
+class RMSNorm(AddNorm):
+    """HF Llama's: normalize in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps, rms=True, bias=False)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

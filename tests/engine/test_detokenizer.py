@@ -259,3 +259,37 @@ def test_bytes_that_never_form_a_character_are_settled(tokenizer):
     deltas.append(detok.get_delta(finished=True))
     assert "".join(deltas) == tokenizer.decode(ids)
     assert len(detok._pending) == 0 and "".join(deltas[:9])  # released before the text came
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("prompt", ["", "Prompt 你好 🙂 ", "ends mid 🚀"])
+def test_decode_all_equals_the_streamed_text(tokenizer, seed, prompt):
+    rng = random.Random(seed)
+    if seed < 2:
+        ids = encode(tokenizer, TEXTS[3 + seed])
+    else:  # arbitrary ids: invalid UTF-8 and special tokens included
+        ids = [rng.randrange(len(tokenizer)) for _ in range(80)]
+    prompt_ids = encode(tokenizer, prompt)
+    if prompt == "ends mid 🚀":
+        prompt_ids = prompt_ids[:-1]  # the prompt ends inside a character
+    for skip in (True, False):
+        params = SamplingParams(skip_special_tokens=skip)
+        deltas, _ = stream(tokenizer, ids, params, prompt=prompt_ids)
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+        detok.decode_all(ids)
+        assert detok.get_delta(finished=True) == "".join(deltas)
+
+
+def test_decode_all_keeps_leading_spaces_of_metaspace_tokenizers():
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace()
+    bpe.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
+    bpe.train_from_iterator(ENGLISH * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    ids = encode(tokenizer, "the lazy dog jumps over the quick fox")
+    detok = IncrementalDetokenizer(tokenizer, ids[:3], SamplingParams())
+    detok.decode_all(ids[3:])
+    assert detok.get_delta(finished=True) == "".join(stream(tokenizer, ids[3:], prompt=ids[:3])[0])
+    # Spaces at the seam survive: prompt text + output text is the whole text.
+    assert tokenizer.decode(ids[:3]) + detok.output_text == tokenizer.decode(ids)

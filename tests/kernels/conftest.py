@@ -29,6 +29,7 @@ JIT_MODULES = (
     "kernels.kv_store",
     "kernels.paged_attention",
     "kernels.prefill_attention",
+    "kernels.norms",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

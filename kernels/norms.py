@@ -1,0 +1,118 @@
+"""Residual add + normalization in one launch (LayerNorm for GPT-2, RMSNorm for Llama).
+
+Every sublayer's output is added to the residual stream and normalized for
+the next sublayer. At decode batch sizes both are tiny, launch-bound kernels,
+so they are fused, as vLLM fuses them. Rounding follows the unfused model:
+the sum is rounded to the activation dtype (as `x + residual` is) and the
+statistics are computed in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def add_norm_ref(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the residual stream
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor | None,  # [hidden]; LayerNorm only
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    if rms:  # as HF Llama: normalize in fp32, cast back, then scale
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype), x
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
+
+
+@triton.jit
+def _add_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    residual_out_ptr,
+    num_cols,
+    eps,
+    stride_x,
+    stride_residual,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per token: the whole hidden vector in one tile.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * num_cols + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if RMS:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * weight
+    else:
+        mean = tl.sum(x, axis=0) / num_cols
+        centered = tl.where(mask, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / num_cols + eps)
+        y = centered * rstd * weight
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * num_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `add_norm_ref` (rows with a contiguous last dim)."""
+    num_tokens, hidden = x.shape
+    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty_like(x)
+    residual_out = x if residual is None else torch.empty_like(x)
+    if num_tokens == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    _add_norm_kernel[(num_tokens,)](
+        x,
+        x if residual is None else residual,
+        weight,
+        weight if bias is None else bias,
+        out,
+        residual_out,
+        hidden,
+        eps,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        RMS=rms,
+        BLOCK=block,
+        # About 8 elements per thread: 768 or 896 wide rows take 4 warps.
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out, residual_out
+
+
+def add_norm_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The fused norm the model uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return add_norm if device.type == "cuda" else add_norm_ref
