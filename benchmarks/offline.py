@@ -138,10 +138,13 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 100) ->
     measured is the real step: the host schedules and launches step N, then reads
     step N-1's ids and builds its outputs while the GPU runs N. `wait` is the time
     the host sat blocked on the device; the rest is host work. `gpu_step` is the
-    device's share alone: the bucket's graph and the argmax, replayed back to back."""
+    device's share alone: the bucket's graph and the argmax, replayed back to back.
+    Requests are final-only, as in the run above."""
     engine = llm.engine
     runner = engine.runner
-    params = SamplingParams(max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True, final_only=True
+    )
     for i in range(batch):
         engine.add_request(f"p{i}", [1] * context, params)
     while len(engine.scheduler.running) < batch or any(
@@ -245,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager,
     )
     prompts, output_lens = workload(args, llm.tokenizer)
-    llm.generate(
-        [prompts[0]], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False
-    )  # warm up
+    # Warm up on the run's own batch, as transformers is warmed up below: the first
+    # launch at a new shape compiles Triton kernels.
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
 
     result = {
         "benchmark": "offline",

@@ -81,13 +81,12 @@ class IncrementalDetokenizer:
         assert not self._text and not self._pending, "decode_all replaces update, not follows it"
         ids = [t for t in token_ids if t < self.vocab_size]
         skip = self.skip_special_tokens
-        text = self.backend.decode(ids, skip_special_tokens=skip)
-        if self.context:
-            prefix = self.backend.decode(self.context, skip_special_tokens=skip)
-            full = self.backend.decode(self.context + ids, skip_special_tokens=skip)
-            if full.startswith(prefix):
-                text = full[len(prefix) :]
-        self._text = text
+        prefix = self.backend.decode(self.context, skip_special_tokens=skip)
+        text = self.backend.decode(self.context + ids, skip_special_tokens=skip)
+        if text.startswith(prefix):
+            self._text = text[len(prefix) :]
+        else:  # a decoder that rewrites across the seam: the output alone, as update() starts
+            self._text = self.backend.decode(ids, skip_special_tokens=skip)
 
     def get_delta(self, finished: bool) -> str:
         """Text not handed out before that is safe to emit now.
