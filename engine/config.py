@@ -22,6 +22,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
+    # --async-scheduling); off: every step's ids are read before the next is planned.
+    async_scheduling: bool = True
     seed: int = 0  # seeds the engine generator used by unseeded requests
     nvtx: bool = False  # NVTX ranges around step phases, for nsys
 

@@ -180,7 +180,9 @@ class Engine:
                 logits = self.runner.execute(batch)
             sampling = [s for s in batch.scheduled if s.samples]
             requests = [s.request for s in sampling]
-            sync = any(req.params.needs_sync for req in requests)
+            sync = not self.config.async_scheduling or any(
+                req.params.needs_sync for req in requests
+            )
             if sync and prev is not None:
                 outputs += self._process(prev)
                 prev = None

@@ -65,6 +65,12 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="turn the prefix cache off",
     )
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="read each step's sampled ids before planning the next",
+    )
     e.add_argument("--seed", type=int, default=_ENGINE.seed, help="seed for unseeded requests")
     e.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
     s = p.add_argument_group("server")
@@ -132,6 +138,7 @@ def parse_configs(
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,
         )

@@ -93,3 +93,18 @@ def test_penalties_read_every_earlier_token(tiny_gpt2_dir):
         want = hf_greedy(tiny_gpt2_dir, prompts[i], 16, repetition_penalty=1.8)
         assert outs[i].outputs[0].token_ids == want
     assert outs[1].outputs[0].token_ids == hf_greedy(tiny_gpt2_dir, prompts[1], 16)
+
+
+def test_without_async_scheduling_ids_are_read_every_step(tiny_gpt2_dir):
+    llm = LLM(tiny_gpt2_dir, device="cpu", async_scheduling=False)
+    engine = llm.engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    (out,) = engine.step()  # the prefill's token is read in the same step
+    assert len(out.new_token_ids) == 1 and engine.inflight is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    tokenizer = load_tokenizer(tiny_gpt2_dir)
+    ids = tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    (got,) = llm.generate([ids], params, use_tqdm=False)
+    assert got.outputs[0].token_ids == hf_greedy(tiny_gpt2_dir, ids, 10)
