@@ -1,0 +1,78 @@
+"""Per-kernel GPU time of one decode step, on random weights at a real size.
+
+    python -m benchmarks.profile_decode gpt2 64     # model (gpt2 | qwen2-0.5b), batch
+
+Brings `batch` sequences to a context of 256 tokens, times the decode CUDA graph
+replayed back to back, then prints torch.profiler's kernel table for the same
+forward run eagerly (the graph's kernels, one by one). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.checkpoints import build_checkpoint
+from engine import LLM, SamplingParams
+
+CONTEXT = 256
+
+
+def main(argv: list[str]) -> int:
+    name = argv[0] if argv else "gpt2"
+    batch = int(argv[1]) if len(argv) > 1 else 64
+    dtype = torch.float16 if name == "gpt2" else torch.bfloat16
+    model_dir = build_checkpoint(name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", dtype)
+    llm = LLM(
+        model_dir,
+        dtype=str(dtype).removeprefix("torch."),
+        enable_prefix_caching=False,
+        max_model_len=1024,
+    )
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, final_only=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [1] * CONTEXT, params)
+    # Prefill (chunked over several steps) until every sequence decodes.
+    while len(engine.scheduler.running) < batch or any(
+        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()
+
+    batch_out = engine.scheduler.schedule()
+    assert batch_out.is_decode_only and len(batch_out.scheduled) == batch
+    runner._fill(batch_out)
+    bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.scheduled))
+    runner._pad_decode(len(batch_out.scheduled), bucket)
+    inp = runner._send(bucket, bucket, 1, True)
+    graph = runner.graphs[bucket]
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    print(f"{name} B={batch}: graph replay {1e6 * (time.perf_counter() - start) / 200:.1f} us")
+
+    with torch.inference_mode():
+        for _ in range(5):
+            runner._forward(inp)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                runner._forward(inp)
+            torch.cuda.synchronize()
+    print("20 forwards:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
