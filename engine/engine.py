@@ -195,13 +195,15 @@ class Engine:
                     token_ids = self.sampler.sample(logits, requests)
                 for req in requests:
                     req.num_inflight += 1
-            if sync:
+            if not sync:
+                ids = self.runner.keep_sampled(token_ids) if sampling else None
+                self.inflight = LaunchedStep(batch.scheduled, ids)
+            elif sampling:
                 sampled = self.sampler.read(logits, token_ids, requests)
                 current = LaunchedStep(batch.scheduled, sampled.token_ids, sampled.logprobs)
                 outputs += self._process(current)
-            else:
-                ids = self.runner.keep_sampled(token_ids) if sampling else None
-                self.inflight = LaunchedStep(batch.scheduled, ids)
+            else:  # prefill chunks only: nothing to read, blocks to register
+                outputs += self._process(LaunchedStep(batch.scheduled, None))
         if prev is not None:
             outputs = self._process(prev) + outputs
         return outputs

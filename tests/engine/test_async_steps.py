@@ -96,7 +96,8 @@ def test_penalties_read_every_earlier_token(tiny_gpt2_dir):
 
 
 def test_without_async_scheduling_ids_are_read_every_step(tiny_gpt2_dir):
-    llm = LLM(tiny_gpt2_dir, device="cpu", async_scheduling=False)
+    # A budget of 7 tokens: prompts are prefilled in chunks, some steps sample nothing.
+    llm = LLM(tiny_gpt2_dir, device="cpu", async_scheduling=False, max_num_batched_tokens=7)
     engine = llm.engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
     (out,) = engine.step()  # the prefill's token is read in the same step
