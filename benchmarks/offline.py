@@ -131,6 +131,21 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
 
 
+def start_decoding(engine, batch: int, context: int, max_tokens: int) -> None:
+    """Add `batch` final-only greedy requests of `context` tokens ("p0", "p1", ...) and
+    step until every one decodes (prefill is chunked over several steps)."""
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, final_only=True
+    )
+    for i in range(batch):
+        engine.add_request(f"p{i}", [1] * context, params)
+    while len(engine.scheduler.running) < batch or any(
+        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()
+
+
 def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 100) -> dict:
     """Where a steady decode step's time goes, at `batch` sequences of ~`context` tokens.
 
@@ -142,16 +157,7 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 100) ->
     Requests are final-only, as in the run above."""
     engine = llm.engine
     runner = engine.runner
-    params = SamplingParams(
-        max_tokens=context + steps + 8, temperature=0.0, ignore_eos=True, final_only=True
-    )
-    for i in range(batch):
-        engine.add_request(f"p{i}", [1] * context, params)
-    while len(engine.scheduler.running) < batch or any(
-        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    engine.step()
+    start_decoding(engine, batch, context, max_tokens=context + steps + 8)
 
     totals = dict.fromkeys(["schedule", "prepare_launch", "sample_launch", "read_outputs"], 0.0)
     wrapped = [

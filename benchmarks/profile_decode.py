@@ -18,7 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.checkpoints import build_checkpoint
-from engine import LLM, SamplingParams
+from benchmarks.offline import start_decoding
+from engine import LLM
 
 CONTEXT = 256
 
@@ -35,15 +36,7 @@ def main(argv: list[str]) -> int:
         max_model_len=1024,
     )
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, final_only=True)
-    for i in range(batch):
-        engine.add_request(f"p{i}", [1] * CONTEXT, params)
-    # Prefill (chunked over several steps) until every sequence decodes.
-    while len(engine.scheduler.running) < batch or any(
-        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    engine.step()
+    start_decoding(engine, batch, CONTEXT, max_tokens=600)
 
     batch_out = engine.scheduler.schedule()
     assert batch_out.is_decode_only and len(batch_out.scheduled) == batch
