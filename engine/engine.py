@@ -3,6 +3,12 @@
 step(): schedule → launch the forward and the sampler → while the GPU runs,
 read the previous step's ids, append them, apply stops, detokenize and build
 the RequestOutputs. The server drives it from one background thread.
+
+Outputs are built when asked for, not per token: a step notes which requests
+have news, and `step(emit=True)` or `take_outputs()` turns all of it into one
+RequestOutput per choice. A consumer that falls behind (the server's event
+loop under load) asks less often and gets fewer, larger deltas, so the cost
+of detokenizing and building outputs follows its pace, not the token rate.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class Engine:
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
+        self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
 
     # -- requests ---------------------------------------------------------
 
@@ -138,6 +145,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         for req in self.requests.pop(request_id, []):
+            self.news.pop(req, None)  # nobody is waiting for it any more
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
         if self.inflight is not None and all(
@@ -160,8 +168,11 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: bool = True) -> list[RequestOutput]:
         """Run one step; return the news it brings (mostly the previous step's tokens).
+
+        emit=False keeps the news for a later step or take_outputs(), which then
+        report it together.
 
         The host runs one step ahead of the device: it schedules and launches
         step N (whose decodes read step N-1's sampled ids on the device), and
@@ -174,7 +185,6 @@ class Engine:
         with self._nvtx("schedule"):
             batch = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
-        outputs: list[RequestOutput] = []
         if batch:
             with self._nvtx("forward"):
                 logits = self.runner.execute(batch)
@@ -184,7 +194,7 @@ class Engine:
                 req.params.needs_sync for req in requests
             )
             if sync and prev is not None:
-                outputs += self._process(prev)
+                self._process(prev)
                 prev = None
             token_ids = None
             if sampling:
@@ -200,23 +210,28 @@ class Engine:
                 self.inflight = LaunchedStep(batch.scheduled, ids)
             elif sampling:
                 sampled = self.sampler.read(logits, token_ids, requests)
-                current = LaunchedStep(batch.scheduled, sampled.token_ids, sampled.logprobs)
-                outputs += self._process(current)
+                self._process(LaunchedStep(batch.scheduled, sampled.token_ids, sampled.logprobs))
             else:  # prefill chunks only: nothing to read, blocks to register
-                outputs += self._process(LaunchedStep(batch.scheduled, None))
+                self._process(LaunchedStep(batch.scheduled, None))
         if prev is not None:
-            outputs = self._process(prev) + outputs
-        return outputs
+            self._process(prev)
+        return self.take_outputs() if emit else []
 
-    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Read a launched step's ids; append them, apply stops, build the outputs."""
+    def take_outputs(self) -> list[RequestOutput]:
+        """One RequestOutput per choice with news since it was last reported."""
+        with self._nvtx("outputs"):
+            news, self.news = self.news, {}
+            outputs = [self._output(req) for req in news]
+            return [out for out in outputs if out is not None]
+
+    def _process(self, step: LaunchedStep) -> None:
+        """Read a launched step's ids; append them, apply stops, note the news."""
         with self._nvtx("update"):
             token_ids = step.token_ids
             if token_ids is not None and not isinstance(token_ids, list):
                 token_ids = token_ids.tolist()  # waits for the step's copy to the host
             logprobs = step.logprobs
             now = time.time()
-            updated: list[Request] = []
             k = 0
             for s in step.scheduled:
                 req = s.request
@@ -236,11 +251,10 @@ class Engine:
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                 self._check_token_stop(req, token_id)
-                if not req.params.final_only or req.is_finished or req.params.stop:
-                    updated.append(req)
-        with self._nvtx("outputs"):
-            outputs = [self._output(req) for req in updated]
-            return [out for out in outputs if out is not None]
+                if req.params.stop:
+                    self._detokenize(req)  # a stop string must end it now, not when asked
+                if not req.params.final_only or req.is_finished:
+                    self.news[req] = None
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         params = req.params
@@ -263,10 +277,11 @@ class Engine:
         if all(r.is_finished for r in siblings):
             self.requests.pop(req.request_id, None)
 
-    def _output(self, req: Request) -> RequestOutput | None:
-        """Detokenize what req gained since it was last seen here and match stop strings;
-        the news since its last output (None: a final-only request still running)."""
+    def _detokenize(self, req: Request) -> None:
+        """Decode what req gained since last time; finish it at a stop string."""
         new_ids = req.output_token_ids[req.num_detokenized_tokens :]
+        if not new_ids:
+            return
         if req.params.final_only and not req.params.stop:
             req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
             stop_string = None
@@ -278,6 +293,10 @@ class Engine:
                 req.finish_reason, req.stop_reason = "stop", stop_string
             else:
                 self._finish(req, "stop", stop_string)
+
+    def _output(self, req: Request) -> RequestOutput | None:
+        """The news since req's last output (None: a final-only request still running)."""
+        self._detokenize(req)
         if req.params.final_only and not req.is_finished:
             return None
         new_ids = req.output_token_ids[req.num_emitted_tokens :]

@@ -46,24 +46,27 @@ class _Abort:
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Merge consecutive deltas of the same choice into one (order of first appearance)."""
-    merged: dict[tuple[str, int], RequestOutput] = {}
+    """Merge the deltas of each choice into one (order of first appearance)."""
+    groups: dict[tuple[str, int], list[RequestOutput]] = {}
     for out in outputs:
-        key = (out.request_id, out.index)
-        prev = merged.get(key)
-        if prev is None:
-            merged[key] = out
+        groups.setdefault((out.request_id, out.index), []).append(out)
+    merged = []
+    for group in groups.values():
+        if len(group) == 1:
+            merged.append(group[0])
             continue
         logprobs = None
-        if prev.new_logprobs is not None or out.new_logprobs is not None:
-            logprobs = (prev.new_logprobs or []) + (out.new_logprobs or [])
-        merged[key] = dataclasses.replace(
-            out,
-            new_token_ids=prev.new_token_ids + out.new_token_ids,
-            new_text=prev.new_text + out.new_text,
-            new_logprobs=logprobs,
+        if any(out.new_logprobs is not None for out in group):
+            logprobs = [lp for out in group for lp in out.new_logprobs or []]
+        merged.append(
+            dataclasses.replace(
+                group[-1],
+                new_token_ids=[t for out in group for t in out.new_token_ids],
+                new_text="".join(out.new_text for out in group),
+                new_logprobs=logprobs,
+            )
         )
-    return list(merged.values())
+    return merged
 
 
 class RequestStream:
@@ -316,8 +319,14 @@ class AsyncEngine:
         return num_added
 
     def _step(self, batch: dict) -> None:
+        engine = self.engine
         try:
-            outputs = self.engine.step()
+            # While the loop has not yet taken the last delivery, tokens wait in the
+            # engine, and the loop's next delivery gets one output per choice for
+            # all of them: under load, per-token work shrinks to per-chunk work.
+            outputs = engine.step(emit=not self._outbox)
+            if engine.news and not engine.has_unfinished_requests():
+                outputs = engine.take_outputs()  # no next step to report it: now
         except Exception as exc:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.

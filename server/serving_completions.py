@@ -41,8 +41,9 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         ids = [s.encode(p) if isinstance(p, str) else p for p in prompts]
         for one in ids:
             s.check_prompt(one, params, "prompt")
-        echoes = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
-        return ids, echoes if req.echo else [""] * len(prompts)
+        if not req.echo:
+            return ids, [""] * len(prompts)
+        return ids, [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
 
     prompt_ids, echoes = await s.run(prepare)
     request_id = f"cmpl-{uuid.uuid4().hex}"

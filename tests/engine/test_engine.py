@@ -146,3 +146,53 @@ def test_final_only_reports_once_with_everything_deltas_would_give(llm):
     assert final.new_token_ids == [t for o in outs["d"] for t in o.new_token_ids]
     assert final.new_text == "".join(o.new_text for o in outs["d"])
     assert final.finish_reason == outs["d"][-1].finish_reason == "length"
+
+
+def test_deferred_outputs_report_the_same_news_once(llm):
+    """step(emit=False) keeps the news; take_outputs() gives one output per choice with
+    all of it, and a stop string still ends its request at the token it ends in."""
+    engine = llm.engine
+    probe = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=16, temperature=0.0), False)
+    text = probe[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # ends the request midway
+    prompts = {"plain": ([7, 8, 9], []), "stops": ([7, 8, 9], [stop]), "other": ([3, 4], [])}
+
+    def run(emit: bool) -> dict[str, list]:
+        outs: dict[str, list] = {rid: [] for rid in prompts}
+        for rid, (prompt, stops) in prompts.items():
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=stops)
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step(emit=emit):
+                outs[out.request_id].append(out)
+        for out in engine.take_outputs():
+            outs[out.request_id].append(out)
+        return outs
+
+    every_step, deferred = run(emit=True), run(emit=False)
+    for rid in prompts:
+        (once,) = deferred[rid]
+        steps = every_step[rid]
+        assert len(steps) > 1 and once.finished
+        assert once.new_token_ids == [t for o in steps for t in o.new_token_ids]
+        assert once.new_text == "".join(o.new_text for o in steps)
+        assert (once.finish_reason, once.stop_reason) == (
+            steps[-1].finish_reason,
+            steps[-1].stop_reason,
+        )
+        assert once.num_output_tokens == steps[-1].num_output_tokens
+    assert deferred["stops"][0].stop_reason == stop
+    assert deferred["stops"][0].num_output_tokens < 16
+    assert engine.take_outputs() == []
+
+
+def test_aborted_request_drops_its_untaken_news(llm):
+    engine = llm.engine
+    engine.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.add_request("kept", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(4):
+        engine.step(emit=False)
+    engine.abort_request("gone")
+    while engine.has_unfinished_requests():
+        engine.step(emit=False)
+    assert [out.request_id for out in engine.take_outputs()] == ["kept"]

@@ -19,11 +19,11 @@ class FlakyEngine(Engine):
 
     fail_next_step = threading.Event()
 
-    def step(self):
+    def step(self, emit: bool = True):
         if self.fail_next_step.is_set():
             self.fail_next_step.clear()
             raise RuntimeError("injected fault")
-        return super().step()
+        return super().step(emit)
 
 
 @pytest.fixture(scope="module")
