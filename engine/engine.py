@@ -63,6 +63,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = config.model or ensure_demo_model()
+        self.model_dir = model_dir
         self.model_name = Path(model_dir).name if config.model else DEMO_MODEL_NAME
         hf_config = load_config(model_dir)
         limit = max_model_len(hf_config)
@@ -94,26 +95,7 @@ class Engine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
-        max_len = self.config.max_model_len
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-            )
-        params.check_vocab(self.vocab_size)
-        if num_prompt >= max_len:
-            raise ValueError(
-                f"the prompt has {num_prompt} tokens, but max_model_len is {max_len}: "
-                "no room to generate (shorten the prompt)"
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
-            raise ValueError(
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{num_prompt + params.max_tokens} tokens, more than max_model_len ({max_len})"
-            )
+        check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
 
     def add_request(
         self,
@@ -323,6 +305,29 @@ class Engine:
         if self.config.nvtx and self.runner.device.type == "cuda":
             return torch.cuda.nvtx.range(name)
         return contextlib.nullcontext()
+
+
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int
+) -> None:
+    """Raise ValueError for a request that can never run (any thread, any process)."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    params.check_vocab(vocab_size)
+    if num_prompt >= max_len:
+        raise ValueError(
+            f"the prompt has {num_prompt} tokens, but max_model_len is {max_len}: "
+            "no room to generate (shorten the prompt)"
+        )
+    if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+        raise ValueError(
+            f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) is "
+            f"{num_prompt + params.max_tokens} tokens, more than max_model_len ({max_len})"
+        )
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

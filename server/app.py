@@ -51,13 +51,17 @@ def create_app(
     """The whole server; `engine_factory` lets tests wrap the engine (fault injection)."""
     metrics = Metrics()
     async_engine = AsyncEngine(
-        engine_config, metrics, server_config.max_waiting_requests, engine_factory or _build_engine
+        engine_config,
+        metrics,
+        server_config.max_waiting_requests,
+        engine_factory or _build_engine,
+        engine_process=server_config.engine_process,
     )
     metrics.watch_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await async_engine.start()  # builds the engine on its thread; a failure stops startup
+        await async_engine.start()  # builds the engine; a failure stops startup
         serving = Serving(async_engine, server_config.served_model_name)
         app.state.serving = serving
         logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)

@@ -1,12 +1,13 @@
-"""AsyncEngine: the bridge between the event loop and the one engine thread.
+"""AsyncEngine: the bridge between the event loop and the engine.
 
-The engine is not thread-safe, so one background thread owns it: it builds it,
-drains a locked inbox of new requests and aborts before every step, runs
-`Engine.step()` while there is work and sleeps on a condition variable when
-there is none. Steps' outputs go into an outbox; one `call_soon_threadsafe`
-delivers all that has gathered when the loop gets to it, sorting them into
-per-request `RequestStream`s, so a busy loop is not woken once per step.
-The event loop never touches the engine and never waits on the device.
+The engine side is an EngineLoop (server/engine_loop.py): by default on a
+background thread of this process, with `--engine-process` in a process of its
+own (server/engine_process.py). Either way, steps' reports go into an outbox;
+one `call_soon_threadsafe` delivers all that has gathered when the loop gets
+to it, sorting them into per-request `RequestStream`s, so a busy loop is not
+woken once per step, and each delivery acks the engine side, which builds
+outputs only when acked. The event loop never touches the engine and never
+waits on the device.
 """
 
 from __future__ import annotations
@@ -19,30 +20,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from server.errors import APIError, from_value_error
+from server.engine_loop import Abort, Add, Batch, EngineLoop
+from server.engine_process import EngineProcess
+from server.errors import APIError
 from server.metrics import Metrics
 
 logger = logging.getLogger("pagoda.server")
 GIL_SWITCH_INTERVAL_S = 1e-4
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-
-
-@dataclass
-class _Abort:
-    request_id: str
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -135,55 +124,79 @@ class AsyncEngine:
         metrics: Metrics,
         max_waiting_requests: int,
         engine_factory: Callable[[EngineConfig], Any],
+        engine_process: bool = False,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._max_waiting = max_waiting_requests
         self._factory = engine_factory
-        self._cond = threading.Condition()
-        self._inbox: list[_Add | _Abort] = []
+        self._use_process = engine_process
+        self._backend: EngineLoop | EngineProcess | None = None
+        self._thread: threading.Thread | None = None  # the engine thread (not with a process)
+        self._lock = threading.Lock()  # stats and _in_transit
         self._in_transit = 0  # submitted, not yet counted in a published stats snapshot
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
         # Steps' outputs waiting for the loop; a delivery is scheduled iff it is non-empty.
-        self._outbox: list[tuple[dict, float]] = []
+        self._outbox: list[tuple[Batch, float]] = []
         self._outbox_lock = threading.Lock()
-        self._active: dict[str, int] = {}  # engine request id -> unfinished choices (thread side)
-        self.stats: Any = None  # the engine's latest EngineStats, published by the thread
-        self.engine: Any = None  # set once built; the loop reads only its immutable attributes
+        self.stats: Any = None  # the engine's latest EngineStats
+        # The engine once built (an EngineInfo with --engine-process); the loop reads
+        # only its immutable attributes.
+        self.engine: Any = None
 
     # ------------------------------------------------------------ loop side
 
     async def start(self) -> None:
-        """Build the engine on its thread and wait until it is ready (or failed)."""
+        """Build the engine (on its thread or in its process); wait until it is ready."""
         self._loop = asyncio.get_running_loop()
-        # The engine thread lets go of the GIL at every device sync; by default the
-        # loop may then keep it for 5 ms, which would stretch every decode step.
+        # A thread that waits for the GIL gets it after this long at most; by default
+        # (5 ms) a busy loop would stretch every decode step.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if self._use_process:
+            from engine.models.loader import load_tokenizer
+
+            process = EngineProcess(
+                self._config, self._factory, self._report, self._engine_exited,
+                GIL_SWITCH_INTERVAL_S,
+            )  # fmt: skip
+            self._backend = process
+            info = await process.start()
+            info.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
+            self.engine = info
+            return
         ready: asyncio.Future[None] = self._loop.create_future()
+        self._backend = EngineLoop(self._config, self._factory, self._report)
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="pagoda-engine", daemon=True
         )
         self._thread.start()
         await ready
+        self.engine = self._backend.engine
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is in flight and join the thread."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
+        """Abort whatever is in flight and stop the engine side."""
+        self._stopping = True
+        if self._backend is None:
+            return
+        self._backend.stop()
+        if isinstance(self._backend, EngineProcess):
+            await asyncio.to_thread(self._backend.join, timeout)
+        elif self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        if self._stopping or self._backend is None:
+            return False
+        if isinstance(self._backend, EngineProcess):
+            return self._backend.is_alive
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def num_waiting(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._in_transit + (self.stats.num_waiting if self.stats else 0)
 
     def submit(
@@ -197,7 +210,7 @@ class AsyncEngine:
         ]
         stream = RequestStream(self, ids, params.n)
         now = time.time()
-        with self._cond:
+        with self._lock:
             waiting = self._in_transit + (self.stats.num_waiting if self.stats else 0)
             if waiting >= self._max_waiting:
                 raise APIError(
@@ -207,12 +220,9 @@ class AsyncEngine:
                     code="server_overloaded",
                 )
             self._in_transit += len(prompts)
-            self._inbox.extend(
-                _Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)
-            )
-            self._cond.notify()
         for rid in ids:
             self._streams[rid] = stream
+        self._backend.put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
@@ -223,15 +233,14 @@ class AsyncEngine:
         """Stop routing to the stream and abort its engine requests (a no-op for finished ones)."""
         for rid in stream.request_ids:
             self._streams.pop(rid, None)
-        with self._cond:
-            self._inbox.extend(_Abort(rid) for rid in stream.request_ids)
-            self._cond.notify()
+        self._backend.put([Abort(rid) for rid in stream.request_ids])
 
     def _deliver(self) -> None:
         """Runs on the loop, at its own pace: everything the engine stepped out since the
         last delivery, each stream pushed once (a busy loop gets fewer, fuller wakes)."""
         with self._outbox_lock:
             steps, self._outbox = self._outbox, []
+        self._backend.ack()
         per_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
         for batch, step_time in steps:
             for rid, item in batch.items():
@@ -254,129 +263,34 @@ class AsyncEngine:
                 for rid in stream.request_ids:
                     self._streams.pop(rid, None)
 
-    # ------------------------------------------------------------ engine thread
+    def _fail_streams(self, error: APIError) -> None:
+        """The engine side is gone: every open stream ends with the error."""
+        self._stopping = True
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream._push(error)
+        self._streams.clear()
+
+    # ------------------------------------------------------------ engine side's threads
 
     def _run(self, ready: asyncio.Future[None]) -> None:
-        assert self._loop is not None
+        """The engine thread (without --engine-process)."""
+        assert self._loop is not None and isinstance(self._backend, EngineLoop)
         try:
-            self.engine = self._factory(self._config)
-            self._publish_stats(0)
+            self._backend.build()
         except BaseException as exc:  # surfaces in start(): the server does not come up
             self._loop.call_soon_threadsafe(_set_exception, ready, exc)
             return
         self._loop.call_soon_threadsafe(_set_result, ready)
-        try:
-            self._serve()
-        except BaseException:
-            logger.exception("engine thread died")
-            self._fail_all(APIError("The engine thread died.", 500))
-            with self._cond:
-                self._stopping = True
+        self._backend.serve()
+        self._stopping = True
 
-    def _serve(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cond:
-                while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
-                    self._cond.wait()
-                inbox, self._inbox = self._inbox, []
-                stopping = self._stopping
-            batch: dict[str, list[RequestOutput] | APIError] = {}
-            num_added = self._drain(inbox, batch)
-            if stopping:
-                self._publish_stats(num_added)
-                self._fail_all(APIError("The server is shutting down.", 503))
-                return
-            step_time = time.time()
-            if engine.has_unfinished_requests():
-                self._step(batch)
-                step_time = time.time()
-            self._publish_stats(num_added)
-            if batch:
-                self._send(batch, step_time)
-
-    def _drain(self, inbox: list[_Add | _Abort], batch: dict) -> int:
-        num_added = 0
-        for item in inbox:
-            if isinstance(item, _Abort):
-                if self._active.pop(item.request_id, None) is not None:
-                    self._abort_in_engine(item.request_id)
-                batch.pop(item.request_id, None)
-                continue
-            num_added += 1
-            try:
-                self.engine.add_request(
-                    item.request_id, item.prompt_token_ids, item.params, item.arrival_time
-                )
-                self._active[item.request_id] = item.params.n
-            except ValueError as exc:
-                batch[item.request_id] = from_value_error(exc)
-            except Exception as exc:
-                logger.exception("add_request failed for %s", item.request_id)
-                batch[item.request_id] = APIError(
-                    f"The engine failed to add the request: {exc}", 500
-                )
-        return num_added
-
-    def _step(self, batch: dict) -> None:
-        engine = self.engine
-        try:
-            # While the loop has not yet taken the last delivery, tokens wait in the
-            # engine, and the loop's next delivery gets one output per choice for
-            # all of them: under load, per-token work shrinks to per-chunk work.
-            outputs = engine.step(emit=not self._outbox)
-            if engine.news and not engine.has_unfinished_requests():
-                outputs = engine.take_outputs()  # no next step to report it: now
-        except Exception as exc:
-            # Fail what the step touched (all running requests, unless the engine says
-            # which) and keep serving the rest.
-            logger.exception("engine step failed")
-            touched = getattr(exc, "request_ids", None) or list(self._active)
-            error = APIError(f"The engine failed while generating: {exc}", 500)
-            for rid in touched:
-                if self._active.pop(rid, None) is not None:
-                    self._abort_in_engine(rid)
-                batch[rid] = error
-            return
-        for out in outputs:
-            if out.request_id not in self._active:
-                continue
-            entry = batch.setdefault(out.request_id, [])
-            if isinstance(entry, list):
-                entry.append(out)
-            if out.finished:
-                self._active[out.request_id] -= 1
-                if self._active[out.request_id] == 0:
-                    del self._active[out.request_id]
-
-    def _abort_in_engine(self, request_id: str) -> None:
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:
-            logger.exception("abort_request failed for %s", request_id)
-
-    def _fail_all(self, error: APIError) -> None:
-        batch: dict[str, list[RequestOutput] | APIError] = {}
-        for rid in list(self._active):
-            self._abort_in_engine(rid)
-            batch[rid] = error
-        self._active.clear()
-        with self._cond:  # requests still in the inbox fail too
-            for item in self._inbox:
-                if isinstance(item, _Add):
-                    batch[item.request_id] = error
-            self._inbox.clear()
-            self._in_transit = 0
-        if batch:
-            self._send(batch, time.time())
-
-    def _publish_stats(self, num_added: int) -> None:
-        stats = self.engine.get_stats()
-        with self._cond:
+    def _report(self, batch: Batch, step_time: float, stats: Any, num_added: int) -> None:
+        """A step's report, from the engine thread or the engine process's reader."""
+        with self._lock:
             self.stats = stats
             self._in_transit -= num_added
-
-    def _send(self, batch: dict, step_time: float) -> None:
+        if not batch:
+            return
         with self._outbox_lock:
             self._outbox.append((batch, step_time))
             if len(self._outbox) > 1:
@@ -384,6 +298,15 @@ class AsyncEngine:
         # RuntimeError: the loop has closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._deliver)
+
+    def _engine_exited(self) -> None:
+        """The engine process is gone; if it was not asked to stop, it died."""
+        if self._stopping or self._loop is None:
+            return
+        logger.error("the engine process exited unexpectedly")
+        error = APIError("The engine process died.", 500)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._fail_streams, error)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

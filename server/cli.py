@@ -114,6 +114,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     s.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own, not a thread (no GIL shared with HTTP)",
+    )
+    s.add_argument(
         "--log-level",
         default=_SERVER.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -152,6 +157,7 @@ def parse_configs(
             max_request_body_bytes=args.max_request_body_bytes,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
+            engine_process=args.engine_process,
         )
     except ValueError as exc:
         build_parser(prog).error(str(exc))

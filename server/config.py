@@ -16,6 +16,9 @@ class ServerConfig:
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
+    # The engine in its own process instead of a thread of this one: the event loop
+    # and the engine's host work stop sharing one GIL (vLLM's layout).
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -18,6 +18,7 @@ def test_defaults_match_the_design():
     assert engine.enable_prefix_caching and not engine.enforce_eager
     assert engine.async_scheduling
     assert server.api_key is None and server.allowed_origins == []
+    assert not server.engine_process  # the engine thread, as the design says
 
 
 def test_every_flag_maps_to_its_field():
@@ -27,7 +28,7 @@ def test_every_flag_maps_to_its_field():
         "--max-num-batched-tokens 512 --max-model-len 1024 --served-model-name demo "
         "--api-key k --enforce-eager --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
-        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug"
+        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -54,6 +55,7 @@ def test_every_flag_maps_to_its_field():
     assert server.allowed_origins == ["http://a", "http://b"]
     assert (server.max_waiting_requests, server.max_request_body_bytes) == (5, 1000)
     assert (server.shutdown_timeout, server.log_level) == (2.0, "debug")
+    assert server.engine_process
 
 
 def test_invalid_values_exit_with_a_usage_error(capsys):

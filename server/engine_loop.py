@@ -1,0 +1,192 @@
+"""EngineLoop: the side of the server that owns the engine.
+
+The engine is not thread-safe, so one thread owns it: it builds it, drains a
+locked inbox of new requests and aborts before every step, runs
+`Engine.step()` while there is work and sleeps on a condition variable when
+there is none. After every step it reports (outputs, step time, stats) to
+whoever listens: the event loop of the same process (AsyncEngine's engine
+thread), or the API server process over a pipe (server/engine_process.py).
+
+Outputs are built only while the listener has credit: a report spends it and
+the listener's ack() returns it once it has taken the report in. Until then
+tokens wait inside the engine, so a listener that falls behind gets fewer,
+larger deltas instead of a backlog of one-token ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, from_value_error
+
+logger = logging.getLogger("pagoda.server")
+
+# engine request id -> that step's outputs for it, or the error that ends it
+Batch = dict[str, "list[RequestOutput] | APIError"]
+# (outputs or {}, step time, the engine's EngineStats, requests taken from the inbox)
+Report = Callable[[Batch, float, Any, int], None]
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(
+        self, config: EngineConfig, factory: Callable[[EngineConfig], Any], report: Report
+    ) -> None:
+        self._config = config
+        self._factory = factory
+        self._report = report
+        self._cond = threading.Condition()
+        self._inbox: list[Add | Abort] = []
+        self._stopping = False
+        self._credit = True  # the listener has taken the last report in
+        self._active: dict[str, int] = {}  # engine request id -> unfinished choices
+        self.engine: Any = None
+
+    # ------------------------------------------------------------ any thread
+
+    def put(self, items: list[Add | Abort]) -> None:
+        with self._cond:
+            self._inbox.extend(items)
+            self._cond.notify()
+
+    def ack(self) -> None:
+        """The listener took the last report in: the next step may build outputs."""
+        self._credit = True
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    # ------------------------------------------------------------ the owning thread
+
+    def build(self) -> Any:
+        self.engine = self._factory(self._config)
+        self._report({}, time.time(), self.engine.get_stats(), 0)
+        return self.engine
+
+    def serve(self) -> None:
+        """Step until stopped; if the loop dies, every request fails with a 500."""
+        try:
+            self._serve()
+        except BaseException:
+            logger.exception("engine loop died")
+            self._fail_all(APIError("The engine thread died.", 500))
+            with self._cond:
+                self._stopping = True
+
+    def _serve(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, []
+                stopping = self._stopping
+            batch: Batch = {}
+            num_added = self._drain(inbox, batch)
+            if stopping:
+                self._report({}, time.time(), engine.get_stats(), num_added)
+                self._fail_all(APIError("The server is shutting down.", 503))
+                return
+            if engine.has_unfinished_requests():
+                self._step(batch)
+            if batch:
+                self._credit = False
+            self._report(batch, time.time(), engine.get_stats(), num_added)
+
+    def _drain(self, inbox: list[Add | Abort], batch: Batch) -> int:
+        num_added = 0
+        for item in inbox:
+            if isinstance(item, Abort):
+                if self._active.pop(item.request_id, None) is not None:
+                    self._abort_in_engine(item.request_id)
+                batch.pop(item.request_id, None)
+                continue
+            num_added += 1
+            try:
+                self.engine.add_request(
+                    item.request_id, item.prompt_token_ids, item.params, item.arrival_time
+                )
+                self._active[item.request_id] = item.params.n
+            except ValueError as exc:
+                batch[item.request_id] = from_value_error(exc)
+            except Exception as exc:
+                logger.exception("add_request failed for %s", item.request_id)
+                batch[item.request_id] = APIError(
+                    f"The engine failed to add the request: {exc}", 500
+                )
+        return num_added
+
+    def _step(self, batch: Batch) -> None:
+        engine = self.engine
+        try:
+            # Without credit, tokens wait in the engine, and the listener's next
+            # report gets one output per choice for all of them: under load,
+            # per-token output work becomes per-chunk work.
+            outputs = engine.step(emit=self._credit)
+            if engine.news and not engine.has_unfinished_requests():
+                outputs = engine.take_outputs()  # no next step to report it: now
+        except Exception as exc:
+            # Fail what the step touched (all running requests, unless the engine says
+            # which) and keep serving the rest.
+            logger.exception("engine step failed")
+            touched = getattr(exc, "request_ids", None) or list(self._active)
+            error = APIError(f"The engine failed while generating: {exc}", 500)
+            for rid in touched:
+                if self._active.pop(rid, None) is not None:
+                    self._abort_in_engine(rid)
+                batch[rid] = error
+            return
+        for out in outputs:
+            if out.request_id not in self._active:
+                continue
+            entry = batch.setdefault(out.request_id, [])
+            if isinstance(entry, list):
+                entry.append(out)
+            if out.finished:
+                self._active[out.request_id] -= 1
+                if self._active[out.request_id] == 0:
+                    del self._active[out.request_id]
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort_request failed for %s", request_id)
+
+    def _fail_all(self, error: APIError) -> None:
+        batch: Batch = {}
+        for rid in list(self._active):
+            self._abort_in_engine(rid)
+            batch[rid] = error
+        self._active.clear()
+        with self._cond:  # requests still in the inbox fail too
+            num_added = 0
+            for item in self._inbox:
+                if isinstance(item, Add):
+                    batch[item.request_id] = error
+                    num_added += 1
+            self._inbox.clear()
+        if batch or num_added:
+            self._report(batch, time.time(), self.engine.get_stats(), num_added)

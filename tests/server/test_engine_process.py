@@ -1,0 +1,127 @@
+"""--engine-process: the same answers as the engine thread, from a child process;
+its stats, aborts and 4xx checks cross the pipe; its death and shutdown are clean."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from server.app import create_app
+from server.config import ServerConfig
+from tests.server.conftest import LiveServer, engine_config
+from tests.server.test_concurrency import drop_after
+
+
+def completion(base_url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
+
+
+async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:
+    text, usage = "", {}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            else:
+                usage = chunk["usage"]
+    return text, usage
+
+
+@pytest.fixture(scope="module")
+def proc(start_server) -> LiveServer:
+    return start_server(server={"engine_process": True})
+
+
+def engine_pid(server: LiveServer) -> int:
+    return server.app.state.async_engine._backend._process.pid
+
+
+def test_engine_runs_in_another_process(proc):
+    assert engine_pid(proc) != os.getpid()
+    assert httpx.get(f"{proc.base_url}/health").status_code == 200
+    models = httpx.get(f"{proc.base_url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [proc.app.state.serving.model_name]
+
+
+async def test_streams_match_the_thread_engine(proc, live):
+    bodies = [
+        {
+            "prompt": f"Stream {i} says",
+            "max_tokens": 12 + i,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(16)
+    ]
+    async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as client:
+        streamed = await asyncio.gather(*(stream_text(client, b) for b in bodies))
+    for body, (text, usage) in zip(bodies, streamed, strict=True):
+        plain = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        expected = completion(live.base_url, plain).json()
+        assert text == expected["choices"][0]["text"]
+        assert usage == expected["usage"]
+
+
+def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
+    r = completion(proc.base_url, {"prompt": [5] * 300, "max_tokens": 4})
+    assert r.status_code == 400 and "context length is 256" in r.json()["error"]["message"]
+    r = completion(proc.base_url, {"prompt": [10**7], "max_tokens": 4})
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"]
+    # The engine's own check (EngineInfo.check_request), without the engine at hand.
+    r = completion(proc.base_url, {"prompt": "Hi", "logit_bias": {"999999": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+async def test_dropped_streams_free_the_engine_process_blocks(proc):
+    async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
+        await asyncio.gather(*(drop_after(client, i, 3) for i in range(8)))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # stats come back over the pipe after the aborts
+        if proc.metric("pagoda:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert proc.metric("pagoda:num_requests_running") == 0
+    assert proc.metric("pagoda:kv_cache_usage_perc") == 0
+
+
+def test_a_killed_engine_process_fails_streams_and_health(tiny_gpt2_dir):
+    app = create_app(engine_config(tiny_gpt2_dir), ServerConfig(engine_process=True))
+    server = LiveServer(app).start()
+    try:
+        body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        events = []
+        url = f"{server.base_url}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    if len(events) == 2:
+                        os.kill(engine_pid(server), signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "server_error"
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        assert completion(server.base_url, {"prompt": "Hi", "max_tokens": 2}).status_code == 503
+    finally:
+        server.stop()
+
+
+def test_shutdown_stops_the_engine_process(tiny_gpt2_dir):
+    app = create_app(engine_config(tiny_gpt2_dir), ServerConfig(engine_process=True))
+    server = LiveServer(app).start()
+    process = app.state.async_engine._backend._process
+    assert completion(server.base_url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+    server.stop()
+    assert not process.is_alive() and process.exitcode == 0
