@@ -6,6 +6,7 @@ Engine flags map 1:1 to EngineConfig fields; the rest build a ServerConfig.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -183,7 +184,10 @@ def serve(argv: list[str] | None = None, prog: str = "pagoda serve") -> int:
         timeout_graceful_shutdown=server_config.shutdown_timeout,
     )
     server = uvicorn.Server(config)
-    server.run()  # handles SIGINT/SIGTERM: drains connections, then the lifespan stops the engine
+    # Handles SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
+    # Afterwards uvicorn re-raises the signal; uvicorn.run swallows that Ctrl-C too.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     return 0 if server.started else 1
 
 

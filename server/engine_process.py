@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -155,6 +156,9 @@ def _child_main(
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over an ack
+    # Ctrl-C reaches the whole process group: the API process drains its connections
+    # and then stops this one through the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     state: dict[str, Any] = {"stats": None, "ready": False}
 
     def report(batch: dict, step_time: float, stats: Any, num_added: int) -> None:
