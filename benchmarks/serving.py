@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--max-requests", type=int, default=600, help="also the inf run's count")
     sweep.add_argument("--request-timeout", type=float, default=300.0)
     sweep.add_argument("--seed", type=int, default=0)
+    sweep.add_argument(
+        "--client-workers",
+        type=int,
+        default=4,
+        help="load-test client processes (one saturates near ~200 streaming req/s)",
+    )
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--skip-seeds", action="store_true")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/serving"))
@@ -338,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["server_command"] = shlex.join(server.command)
             server.start(args.startup_timeout)
         base = ["--base-url", args.base_url or server.base_url, "--no-progress"]
+        base += ["--workers", str(args.client_workers)]
         if not args.skip_sweep:
             summary["sweep"] = sweep(args, base, args.out_dir, offline)
         if not args.skip_seeds:

@@ -28,10 +28,19 @@ def arrival_gaps(rate: float, burstiness: float, seed: int) -> Iterator[float]:
 
 
 async def open_loop(
-    send: Send, gaps: Iterator[float], num_requests: int, duration: float | None
+    send: Send,
+    gaps: Iterator[float],
+    num_requests: int,
+    duration: float | None,
+    start: float | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> list[RequestRecord]:
-    """Send on a schedule regardless of completions; the schedule is absolute, so no drift."""
-    start = time.perf_counter()
+    """Send on a schedule regardless of completions; the schedule is absolute, so no drift.
+
+    share=(w, n): this is client process w of n; it sends the requests whose
+    index is w mod n, at their times in the one schedule, from a common start."""
+    start = time.perf_counter() if start is None else start
+    worker, workers = share
     tasks: list[asyncio.Task[RequestRecord]] = []
     next_at = 0.0
     for index in itertools.count():
@@ -39,20 +48,27 @@ async def open_loop(
             duration is not None and next_at >= duration
         ):
             break
-        delay = start + next_at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(index)))
+        if index % workers == worker:
+            delay = start + next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(index)))
         next_at += next(gaps)
     return list(await asyncio.gather(*tasks))
 
 
 async def closed_loop(
-    send: Send, concurrency: int, num_requests: int, duration: float | None
+    send: Send,
+    concurrency: int,
+    num_requests: int,
+    duration: float | None,
+    start: float | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> list[RequestRecord]:
-    """`concurrency` workers, each sending its next request when the last one finishes."""
-    start = time.perf_counter()
-    indices = itertools.count()
+    """`concurrency` workers, each sending its next request when the last one finishes
+    (with share=(w, n): of the indices w mod n)."""
+    start = time.perf_counter() if start is None else start
+    indices = itertools.count(*share)
     records: list[RequestRecord] = []
 
     async def worker() -> None:

@@ -15,17 +15,19 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from queue import Empty
 
 import httpx
 from tqdm import tqdm
 
-from clients.arrivals import arrival_gaps, closed_loop, open_loop
+from clients.arrivals import Send, arrival_gaps, closed_loop, open_loop
 from clients.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
 from clients.report import format_table, write_plots
 from clients.stream import request_body, stream_request
@@ -122,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--warmup", type=int, default=0, help="requests sent first, not counted")
     bounds.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
     bounds.add_argument("--seed", type=int, default=0)
+    bounds.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="client processes sharing the schedule; one saturates near ~200 streaming req/s",
+    )
 
     out = p.add_argument_group("output")
     out.add_argument(
@@ -152,6 +160,8 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error("--request-rate and --burstiness must be > 0")
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
+    if args.workers < 1 or (args.concurrency is not None and args.workers > args.concurrency):
+        parser.error("--workers must be >= 1 (and at most --concurrency)")
     if args.num_requests < 0 or args.warmup < 0 or args.max_tokens < 1 or args.timeout <= 0:
         parser.error("--num-requests/--warmup >= 0, --max-tokens >= 1, --timeout > 0")
     if args.num_requests == 0:
@@ -234,37 +244,65 @@ def result_notes(
     return notes
 
 
-async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
-    """Run warmup then the measured requests; `args` as parsed and checked by main()."""
-    workload = make_workload(args)
-    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+def _client(args: argparse.Namespace) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # No connection cap: a pool limit would queue requests inside the client and
     # inflate TTFT with time the server never saw.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
+    return httpx.AsyncClient(
         base_url=args.base_url,
         headers=headers,
         timeout=httpx.Timeout(args.timeout),
         limits=limits,
-    ) as client:
+    )
+
+
+def _sender(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    model: str,
+    workload: Workload,
+    on_done: Callable[[], None],
+) -> Send:
+    chat = args.endpoint.rstrip("/").endswith("chat/completions")
+
+    async def send(index: int) -> RequestRecord:
+        spec = workload.request(index)
+        record = RequestRecord(index=index, requested_max_tokens=spec.max_tokens)
+        body = request_body(spec, model, chat)
+        try:
+            await asyncio.wait_for(
+                stream_request(client, args.endpoint, body, record, chat), args.timeout
+            )
+        except asyncio.TimeoutError:
+            record.fail("timeout", f"no complete response within --timeout {args.timeout:g} s")
+        if index >= 0:
+            on_done()
+        return record
+
+    return send
+
+
+async def _measured(
+    args: argparse.Namespace, send: Send, start: float, share: tuple[int, int] = (0, 1)
+) -> list[RequestRecord]:
+    """The measured requests of this client process (share: which of how many)."""
+    if args.concurrency is not None:
+        worker, workers = share
+        width = args.concurrency // workers + (worker < args.concurrency % workers)
+        return await closed_loop(send, width, args.num_requests, args.duration, start, share)
+    gaps = arrival_gaps(args.request_rate, args.burstiness, args.seed)
+    return await open_loop(send, gaps, args.num_requests, args.duration, start, share)
+
+
+async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
+    """Run warmup then the measured requests; `args` as parsed and checked by main()."""
+    workload = make_workload(args)
+    async with _client(args) as client:
         model = args.model or await first_model(client)
         total = args.num_requests or None
         bar = tqdm(total=total, unit="req", disable=args.no_progress, file=sys.stderr)
-
-        async def send(index: int) -> RequestRecord:
-            spec = workload.request(index)
-            record = RequestRecord(index=index, requested_max_tokens=spec.max_tokens)
-            body = request_body(spec, model, chat)
-            try:
-                await asyncio.wait_for(
-                    stream_request(client, args.endpoint, body, record, chat), args.timeout
-                )
-            except asyncio.TimeoutError:
-                record.fail("timeout", f"no complete response within --timeout {args.timeout:g} s")
-            if index >= 0:
-                bar.update()
-            return record
+        send = _sender(client, args, model, workload, bar.update)
 
         warmup: list[RequestRecord] = []
         if args.warmup:
@@ -273,15 +311,12 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
             warmup = await closed_loop(lambda i: send(-1 - i), width, args.warmup, None)
 
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        t0 = time.perf_counter()
         try:
-            if args.concurrency is not None:
-                records = await closed_loop(
-                    send, args.concurrency, args.num_requests, args.duration
-                )
+            if args.workers > 1:
+                t0, records = await asyncio.to_thread(_run_workers, args, model, bar)
             else:
-                gaps = arrival_gaps(args.request_rate, args.burstiness, args.seed)
-                records = await open_loop(send, gaps, args.num_requests, args.duration)
+                t0 = time.perf_counter()
+                records = await _measured(args, send, t0)
         finally:
             bar.close()
         duration = time.perf_counter() - t0
@@ -296,6 +331,81 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
         metrics=metrics,
         notes=result_notes(args, records, t0, warmup),
     )
+
+
+# ---------------------------------------------------------------- client processes
+# One Python process saturates its core near a couple of hundred streaming
+# requests a second (HTTP, SSE parsing, JSON): past that a fast server would be
+# measured at the client's speed. --workers N splits the one arrival schedule
+# across N spawned processes, each with its own event loop and connections, all
+# timed on the machine's one monotonic clock (perf_counter).
+
+
+def _run_workers(
+    args: argparse.Namespace, model: str, bar: tqdm
+) -> tuple[float, list[RequestRecord]]:
+    ctx = multiprocessing.get_context("spawn")
+    n = args.workers
+    ready, ticks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    go, start = ctx.Event(), ctx.Value("d", 0.0)
+    procs = [
+        ctx.Process(
+            target=_worker_main,
+            args=(args, model, (w, n), ready, go, start, ticks, results),
+            name=f"loadtest-{w}",
+            daemon=True,
+        )
+        for w in range(n)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in range(n):  # every process has its client before the clock starts
+            _get(ready, procs, "a client process died while starting")
+        start.value = time.perf_counter() + 0.01
+        go.set()
+        records: list[RequestRecord] = []
+        for _ in range(n):
+            records += _get(results, procs, "a client process died", ticks, bar)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+    return start.value, sorted(records, key=lambda r: r.index)
+
+
+def _get(queue, procs, died: str, ticks=None, bar: tqdm | None = None):
+    """Next item of queue, moving progress ticks along; raise if a worker failed or died."""
+    while True:
+        while ticks is not None and not ticks.empty():
+            bar.update(ticks.get())
+        try:
+            item = queue.get(timeout=0.1)
+        except Empty:
+            if not all(proc.is_alive() for proc in procs) and queue.empty():
+                raise LoadTestError(died) from None
+            continue
+        if isinstance(item, str):
+            raise LoadTestError(f"client process failed: {item}")
+        return item
+
+
+def _worker_main(args, model, share, ready, go, start, ticks, results) -> None:
+    try:
+        records = asyncio.run(_worker_run(args, model, share, ready, go, start, ticks))
+        results.put(records)
+    except BaseException as exc:  # the parent turns it into a LoadTestError
+        ready.put(f"{type(exc).__name__}: {exc}")
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+async def _worker_run(args, model, share, ready, go, start, ticks) -> list[RequestRecord]:
+    async with _client(args) as client:
+        send = _sender(client, args, model, make_workload(args), lambda: ticks.put(1))
+        ready.put(share[0])
+        await asyncio.to_thread(go.wait)
+        return await _measured(args, send, start.value, share)
 
 
 def result_json(args: argparse.Namespace, result: LoadTestResult, argv: list[str]) -> dict:

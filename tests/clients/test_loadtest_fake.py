@@ -271,3 +271,39 @@ def test_curl_example_streams(fake):
     assert proc.returncode == 0, proc.stderr
     assert fake.bodies[-1]["stream"] is True and fake.bodies[-1]["model"] == "fake-model"
     assert proc.stdout.count("data: ") == 32 + 3 and "data: [DONE]" in proc.stdout
+
+
+def test_client_processes_share_one_schedule(fake, tmp_path):
+    """--workers: each process sends its share of the one seeded schedule, on one clock;
+    the records come back whole and the metrics are computed from them as usual."""
+    fake.delay_s = 0.002
+    rc, result = run(
+        fake, tmp_path, "--workers", "3", "--request-rate", "40", "--burstiness", "inf",
+        "--num-requests", "9", "--max-tokens", "4", "--ignore-eos", "--input-len-range", "2", "4",
+    )  # fmt: skip
+    assert rc == 0
+    records = records_of(result)
+    assert [r.index for r in records] == list(range(9)) and all(r.ok for r in records)
+    # Never before its time in the shared schedule; late only by scheduling noise.
+    lateness = [r.send_time - i * 0.025 for i, r in enumerate(records)]
+    assert all(-0.002 < late < 0.2 for late in lateness), lateness
+    assert all(r.send_time < r.chunk_times[0] <= r.end_time for r in records)
+    m = result["metrics"]
+    assert_close(compute_metrics(records, m["duration_s"], {}).to_json(), m)
+    assert m["total_output_tokens"] == 36
+    # The same prompts as one process would send: the workload is seeded per index.
+    want = [RandomWorkload((2, 4), (4, 4), seed=0).request(i).prompt for i in range(9)]
+    assert sorted(b["prompt"] for b in fake.bodies) == sorted(want)
+
+    rc, result = run(
+        fake, tmp_path, "--workers", "2", "--concurrency", "3", "--num-requests", "7",
+        "--max-tokens", "2",
+    )  # fmt: skip
+    assert rc == 0
+    assert [r.index for r in records_of(result)] == list(range(7))
+
+
+def test_workers_beyond_concurrency_are_refused():
+    with pytest.raises(SystemExit) as e:
+        loadtest.main(["--workers", "3", "--concurrency", "2", "--no-progress"])
+    assert e.value.code == 2
