@@ -361,12 +361,15 @@ def _run_workers(
         proc.start()
     try:
         for _ in range(n):  # every process has its client before the clock starts
-            _get(ready, procs, "a client process died while starting")
+            _get(ready, procs, set(), "a client process died while starting")
         start.value = time.perf_counter() + 0.01
         go.set()
         records: list[RequestRecord] = []
+        done: set[int] = set()
         for _ in range(n):
-            records += _get(results, procs, "a client process died", ticks, bar)
+            worker, part = _get(results, procs, done, "a client process died", ticks, bar)
+            done.add(worker)
+            records += part
     finally:
         for proc in procs:
             proc.join(timeout=5)
@@ -375,15 +378,17 @@ def _run_workers(
     return start.value, sorted(records, key=lambda r: r.index)
 
 
-def _get(queue, procs, died: str, ticks=None, bar: tqdm | None = None):
-    """Next item of queue, moving progress ticks along; raise if a worker failed or died."""
+def _get(queue, procs, done: set[int], died: str, ticks=None, bar: tqdm | None = None):
+    """Next item of queue, moving progress ticks along; raise if a worker failed, or
+    exited without delivering (done: the workers that have delivered)."""
     while True:
         while ticks is not None and not ticks.empty():
             bar.update(ticks.get())
         try:
             item = queue.get(timeout=0.1)
         except Empty:
-            if not all(proc.is_alive() for proc in procs) and queue.empty():
+            gone = [w for w, proc in enumerate(procs) if not proc.is_alive() and w not in done]
+            if gone and queue.empty():
                 raise LoadTestError(died) from None
             continue
         if isinstance(item, str):
@@ -394,7 +399,7 @@ def _get(queue, procs, died: str, ticks=None, bar: tqdm | None = None):
 def _worker_main(args, model, share, ready, go, start, ticks, results) -> None:
     try:
         records = asyncio.run(_worker_run(args, model, share, ready, go, start, ticks))
-        results.put(records)
+        results.put((share[0], records))
     except BaseException as exc:  # the parent turns it into a LoadTestError
         ready.put(f"{type(exc).__name__}: {exc}")
         results.put(f"{type(exc).__name__}: {exc}")

@@ -295,12 +295,14 @@ def test_client_processes_share_one_schedule(fake, tmp_path):
     want = [RandomWorkload((2, 4), (4, 4), seed=0).request(i).prompt for i in range(9)]
     assert sorted(b["prompt"] for b in fake.bodies) == sorted(want)
 
+    # Closed loop: worker 1 gets index 1 only and exits long before worker 0 is done.
+    fake.delay_s = 0.01
     rc, result = run(
-        fake, tmp_path, "--workers", "2", "--concurrency", "3", "--num-requests", "7",
-        "--max-tokens", "2",
+        fake, tmp_path, "--workers", "2", "--concurrency", "2", "--num-requests", "3",
+        "--max-tokens", "20", "--ignore-eos",
     )  # fmt: skip
     assert rc == 0
-    assert [r.index for r in records_of(result)] == list(range(7))
+    assert [r.index for r in records_of(result)] == [0, 1, 2]
 
 
 def test_workers_beyond_concurrency_are_refused():
