@@ -141,6 +141,9 @@ class AsyncEngine:
         # Steps' outputs waiting for the loop; a delivery is scheduled iff it is non-empty.
         self._outbox: list[tuple[Batch, float]] = []
         self._outbox_lock = threading.Lock()
+        # Adds and aborts of this loop iteration, handed over in one put (one pipe
+        # write with --engine-process) instead of one per request.
+        self._puts: list[Add | Abort] = []
         self.stats: Any = None  # the engine's latest EngineStats
         # The engine once built (an EngineInfo with --engine-process); the loop reads
         # only its immutable attributes.
@@ -180,6 +183,7 @@ class AsyncEngine:
         self._stopping = True
         if self._backend is None:
             return
+        self._flush_puts()  # requests submitted just now fail with the rest, not hang
         self._backend.stop()
         if isinstance(self._backend, EngineProcess):
             await asyncio.to_thread(self._backend.join, timeout)
@@ -222,7 +226,7 @@ class AsyncEngine:
             self._in_transit += len(prompts)
         for rid in ids:
             self._streams[rid] = stream
-        self._backend.put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
+        self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
@@ -233,7 +237,17 @@ class AsyncEngine:
         """Stop routing to the stream and abort its engine requests (a no-op for finished ones)."""
         for rid in stream.request_ids:
             self._streams.pop(rid, None)
-        self._backend.put([Abort(rid) for rid in stream.request_ids])
+        self._put([Abort(rid) for rid in stream.request_ids])
+
+    def _put(self, items: list[Add | Abort]) -> None:
+        if not self._puts:
+            self._loop.call_soon(self._flush_puts)
+        self._puts += items
+
+    def _flush_puts(self) -> None:
+        items, self._puts = self._puts, []
+        if items:
+            self._backend.put(items)
 
     def _deliver(self) -> None:
         """Runs on the loop, at its own pace: everything the engine stepped out since the

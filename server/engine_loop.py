@@ -7,8 +7,8 @@ there is none. After every step it reports (outputs, step time, stats) to
 whoever listens: the event loop of the same process (AsyncEngine's engine
 thread), or the API server process over a pipe (server/engine_process.py).
 
-Outputs are built only while the listener has credit: a report spends it and
-the listener's ack() returns it once it has taken the report in. Until then
+Outputs are built only while the listener has credit: a report with outputs
+spends it and the listener's ack() returns it once it has taken the report in. Until then
 tokens wait inside the engine, so a listener that falls behind gets fewer,
 larger deltas instead of a backlog of one-token ones.
 """
@@ -48,9 +48,21 @@ class Abort:
     request_id: str
 
 
+class Flag:
+    """Credit: 1 while the listener has taken the last report in. In the engine
+    process it is a shared-memory byte the API process sets, not a message."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
 class EngineLoop:
     def __init__(
-        self, config: EngineConfig, factory: Callable[[EngineConfig], Any], report: Report
+        self,
+        config: EngineConfig,
+        factory: Callable[[EngineConfig], Any],
+        report: Report,
+        credit: Any = None,  # anything with an int .value (Flag, multiprocessing.RawValue)
     ) -> None:
         self._config = config
         self._factory = factory
@@ -58,7 +70,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[Add | Abort] = []
         self._stopping = False
-        self._credit = True  # the listener has taken the last report in
+        self._credit = Flag() if credit is None else credit
         self._active: dict[str, int] = {}  # engine request id -> unfinished choices
         self.engine: Any = None
 
@@ -71,7 +83,7 @@ class EngineLoop:
 
     def ack(self) -> None:
         """The listener took the last report in: the next step may build outputs."""
-        self._credit = True
+        self._credit.value = 1
 
     def stop(self) -> None:
         with self._cond:
@@ -112,7 +124,7 @@ class EngineLoop:
             if engine.has_unfinished_requests():
                 self._step(batch)
             if batch:
-                self._credit = False
+                self._credit.value = 0  # before the report: the ack it brings must win
             self._report(batch, time.time(), engine.get_stats(), num_added)
 
     def _drain(self, inbox: list[Add | Abort], batch: Batch) -> int:
@@ -144,7 +156,7 @@ class EngineLoop:
             # Without credit, tokens wait in the engine, and the listener's next
             # report gets one output per choice for all of them: under load,
             # per-token output work becomes per-chunk work.
-            outputs = engine.step(emit=self._credit)
+            outputs = engine.step(emit=bool(self._credit.value))
             if engine.news and not engine.has_unfinished_requests():
                 outputs = engine.take_outputs()  # no next step to report it: now
         except Exception as exc:

@@ -7,10 +7,12 @@ needs most of a core. Here the engine runs an EngineLoop in a child process
 with its own interpreter; the API server keeps the loop to itself.
 
 The two talk over two pipes of pickled messages:
-  API → engine   ("put", [Add | Abort, ...]), ("ack",), ("stop",)
+  API → engine   ("put", [Add | Abort, ...]), ("stop",)
   engine → API   ("ready", EngineInfo, stats), ("failed", message),
                  ("report", batch, step_time, stats, num_added)
-A reader thread on each side turns messages into calls. The child is spawned,
+A reader thread on each side turns messages into calls. The credit the API
+side returns after each delivery is a shared-memory byte, not a message: it
+is returned hundreds of times a second, and a pipe write costs a syscall. The child is spawned,
 never forked: CUDA cannot be initialised in a forked child.
 """
 
@@ -71,15 +73,24 @@ class EngineProcess:
         self._to_child: Connection | None = None
         self._from_child: Connection | None = None
         self._reader: threading.Thread | None = None
+        self._credit: Any = None
 
     async def start(self) -> EngineInfo:
         """Spawn the child and wait until its engine is built (or raise why not)."""
         ctx = multiprocessing.get_context("spawn")
         from_child, child_out = ctx.Pipe(duplex=False)
         child_in, to_child = ctx.Pipe(duplex=False)
+        self._credit = ctx.RawValue("b", 1)
         self._process = ctx.Process(
             target=_child_main,
-            args=(child_in, child_out, self._config, self._factory, self._switch_interval),
+            args=(
+                child_in,
+                child_out,
+                self._credit,
+                self._config,
+                self._factory,
+                self._switch_interval,
+            ),  # fmt: skip
             name="pagoda-engine",
             daemon=True,
         )
@@ -124,7 +135,7 @@ class EngineProcess:
         self._send(("put", items))
 
     def ack(self) -> None:
-        self._send(("ack",))
+        self._credit.value = 1
 
     def stop(self) -> None:
         self._send(("stop",))
@@ -147,6 +158,7 @@ class EngineProcess:
 def _child_main(
     from_parent: Connection,
     to_parent: Connection,
+    credit: Any,
     config: EngineConfig,
     factory: Callable[[EngineConfig], Any],
     switch_interval: float,
@@ -155,7 +167,7 @@ def _child_main(
         level=logging.getLogger("pagoda.server").getEffectiveLevel(),
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
-    sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over an ack
+    sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
     # Ctrl-C reaches the whole process group: the API process drains its connections
     # and then stops this one through the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -166,7 +178,7 @@ def _child_main(
             to_parent.send(("report", batch, step_time, stats, num_added))
         state["stats"] = stats
 
-    loop = EngineLoop(config, factory, report)
+    loop = EngineLoop(config, factory, report, credit)
     try:
         engine = loop.build()
     except BaseException as exc:
@@ -182,8 +194,6 @@ def _child_main(
                 kind, *rest = from_parent.recv()
                 if kind == "put":
                     loop.put(rest[0])
-                elif kind == "ack":
-                    loop.ack()
                 elif kind == "stop":
                     break
         except (EOFError, OSError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,7 +46,10 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             return ids, [""] * len(prompts)
         return ids, [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
 
-    prompt_ids, echoes = await s.run(prepare)
+    # Token-id prompts need no tokenizer: checking them inline saves the executor's
+    # round trip (a thread wake and two GIL hand-offs) per request.
+    needs_tokenizer = req.echo or any(isinstance(p, str) for p in prompts)
+    prompt_ids, echoes = await s.run(prepare) if needs_tokenizer else prepare()
     request_id = f"cmpl-{uuid.uuid4().hex}"
     stream = s.async_engine.submit(request_id, prompt_ids, params)
     # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
@@ -101,6 +105,8 @@ async def _chunks(
             id=request_id, created=created, model=s.model_name, choices=choices
         ).model_dump_json()
 
+    text_chunk = TextChunks(request_id, created, s.model_name)
+
     # text_offset runs on across chunks, from the end of the echoed prompt.
     offsets = {(rid, i): len(echoes[p]) for rid, p in position.items() for i in range(req.n)}
     for p in position.values():
@@ -118,6 +124,14 @@ async def _chunks(
                 offsets[key] = _extend_logprobs(s, logprobs, out.new_logprobs or [], offsets[key])
             if not (out.new_text or out.finished or logprobs and logprobs.tokens):
                 continue  # e.g. a token held back until its UTF-8 character completes
+            if logprobs is None:
+                yield text_chunk(
+                    position[out.request_id] * req.n + out.index,
+                    out.new_text,
+                    out.finish_reason if out.finished else None,
+                    out.stop_reason if out.finished else None,
+                )
+                continue
             yield chunk(
                 [
                     CompletionChoice(
@@ -133,6 +147,33 @@ async def _chunks(
         yield CompletionResponse(
             id=request_id, created=created, model=s.model_name, choices=[], usage=usage.info()
         ).model_dump_json()
+
+
+class TextChunks:
+    """The common chunk (one choice, no logprobs) as CompletionResponse.model_dump_json()
+    writes it, from a template: built once per token batch per stream, it is the
+    server's hottest path, and two pydantic models per chunk cost several times more."""
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        empty = CompletionResponse(
+            id=request_id, created=created, model=model, choices=[]
+        ).model_dump_json()
+        cut = empty.index('"choices":[]') + len('"choices":[')
+        self._head, self._tail = empty[:cut], empty[cut:]
+
+    def __call__(
+        self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None
+    ) -> str:
+        return (
+            f'{self._head}{{"index":{index},"text":{_json(text)},"logprobs":null,'
+            f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}}}'
+            f"{self._tail}"
+        )
+
+
+def _json(value: str | int | None) -> str:
+    # As pydantic writes it: UTF-8 kept as is, not \u-escaped.
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -78,3 +78,21 @@ def test_echo_streams_the_prompt_first(client):
     with client.stream("POST", "/v1/completions", json=request) as response:
         chunks = [json.loads(e) for e in read_events(response)[:-1]]
     assert chunks[0]["choices"][0]["text"] == "Hello"
+
+
+@pytest.mark.parametrize(
+    "text", ["hi", 'q"uote\\back', "nl\n\t\r", "\x00\x1f\x7f", "é中😀\ufffd", "\u2028</s>", ""]
+)
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason"), [(None, None), ("stop", "é\n"), ("stop", 50256)]
+)
+def test_text_chunk_template_writes_what_pydantic_writes(text, finish_reason, stop_reason):
+    from server.protocol import CompletionChoice, CompletionResponse
+    from server.serving_completions import TextChunks
+
+    choice = CompletionChoice(
+        index=3, text=text, finish_reason=finish_reason, stop_reason=stop_reason
+    )
+    want = CompletionResponse(id="cmpl-1", created=5, model='m"x', choices=[choice])
+    got = TextChunks("cmpl-1", 5, 'm"x')(3, text, finish_reason, stop_reason)
+    assert got == want.model_dump_json()
