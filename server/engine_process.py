@@ -90,7 +90,8 @@ class EngineProcess:
                 self._config,
                 self._factory,
                 self._switch_interval,
-            ),  # fmt: skip
+                logger.getEffectiveLevel(),  # a spawned child starts with logging unset
+            ),
             name="pagoda-engine",
             daemon=True,
         )
@@ -162,9 +163,10 @@ def _child_main(
     config: EngineConfig,
     factory: Callable[[EngineConfig], Any],
     switch_interval: float,
+    log_level: int,
 ) -> None:
     logging.basicConfig(
-        level=logging.getLogger("pagoda.server").getEffectiveLevel(),
+        level=log_level,
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
