@@ -10,15 +10,9 @@ import time
 import httpx
 
 
-async def stream_completion(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[str, int]:
-    body = {
-        "prompt": f"Request number {i}:",
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    text, usage = "", None
+async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:
+    """One streamed completion: its text, and its usage chunk ({} if none came)."""
+    text, usage = "", {}
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
@@ -30,6 +24,18 @@ async def stream_completion(client: httpx.AsyncClient, i: int, max_tokens: int) 
                 text += chunk["choices"][0]["text"]
             else:
                 usage = chunk["usage"]
+    return text, usage
+
+
+async def stream_completion(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[str, int]:
+    body = {
+        "prompt": f"Request number {i}:",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text, usage = await stream_text(client, body)
     return text, usage["completion_tokens"]
 
 

@@ -15,27 +15,11 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from tests.server.conftest import LiveServer, engine_config
-from tests.server.test_concurrency import drop_after
+from tests.server.test_concurrency import drop_after, stream_text
 
 
 def completion(base_url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/completions", json=body, timeout=120)
-
-
-async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:
-    text, usage = "", {}
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            assert "error" not in chunk, chunk
-            if chunk["choices"]:
-                text += chunk["choices"][0]["text"]
-            else:
-                usage = chunk["usage"]
-    return text, usage
 
 
 @pytest.fixture(scope="module")
