@@ -33,7 +33,7 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.request import Request, RequestOutput, TokenLogprob, out_of_vocab
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
@@ -314,9 +314,9 @@ def check_request(
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    bad = out_of_vocab(prompt_token_ids, vocab_size)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
     params.check_vocab(vocab_size)
     if num_prompt >= max_len:
         raise ValueError(

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.request import RequestOutput, TokenLogprob
+from engine.request import RequestOutput, TokenLogprob, out_of_vocab
 from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, error_body, from_value_error
@@ -132,7 +132,7 @@ class Serving:
         limit = self.max_model_len
         if not ids:
             raise APIError("The prompt is empty.", param=param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = out_of_vocab(ids, self.vocab_size)
         if bad is not None:
             raise APIError(
                 f"Token id {bad} is out of vocabulary (vocabulary size {self.vocab_size}).",

@@ -10,6 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.loader import ModelLoadError, load_model
+from engine.request import out_of_vocab
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,12 @@ def test_max_tokens_past_max_model_len_is_rejected(llm):
 def test_out_of_vocabulary_prompt_is_rejected(llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.engine.check_request([10**6], SamplingParams())
+
+
+def test_out_of_vocab_names_the_first_bad_id():
+    assert out_of_vocab([0, 5, 9], 10) is None
+    assert out_of_vocab([3, 10, -1], 10) == 10
+    assert out_of_vocab([3, -1, 10], 10) == -1
 
 
 def test_no_block_leaks_after_finish_and_abort(llm):
