@@ -7,11 +7,21 @@ DecodeStream solves both in Rust, about a microsecond a token: it returns a
 token's text once it is complete, None while a character is still partial
 (or for a skipped special token). Seeding it with the prompt's last tokens
 makes the first output token decode as it would inside the full text.
+
+Byte-level BPE (GPT-2, Qwen2, Llama 3) has a faster road: every token is a
+fixed byte string, so a step's tokens are a join of table entries and one
+incremental UTF-8 decode, both in C, ~10x cheaper than DecodeStream. The
+table is built once per tokenizer and checked against the tokenizer's own
+decode of every id; any disagreement keeps DecodeStream.
 """
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
+import codecs
+import weakref
+from dataclasses import dataclass
+
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from engine.sampling_params import SamplingParams
 
@@ -23,6 +33,60 @@ MAX_PENDING = 4
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def _byte_symbols() -> dict[str, int]:
+    """ByteLevel's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    symbols, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            symbols[chr(byte)] = byte
+        else:
+            symbols[chr(256 + shifted)] = byte
+            shifted += 1
+    return symbols
+
+
+@dataclass
+class ByteTable:
+    """Each id's bytes as a ByteLevel decoder renders it."""
+
+    keep: list[bytes]  # special tokens as their text
+    skip: list[bytes]  # special tokens as nothing (skip_special_tokens)
+
+
+_BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer) -> ByteTable | None:
+    """The tokenizer's ByteTable, or None when it does not decode byte-level (cached)."""
+    if tokenizer not in _BYTE_TABLES:
+        _BYTE_TABLES[tokenizer] = _build_byte_table(tokenizer.backend_tokenizer)
+    return _BYTE_TABLES[tokenizer]
+
+
+def _build_byte_table(backend) -> ByteTable | None:
+    if not isinstance(backend.decoder, ByteLevel):
+        return None
+    symbols = _byte_symbols()
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    keep: list[bytes] = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(i) or ""
+        try:  # as ByteLevel's decoder: byte symbols if all are, else the text itself
+            keep.append(bytes(symbols[c] for c in token))
+        except KeyError:
+            keep.append(token.encode())
+    skip = [b"" if i in special else raw for i, raw in enumerate(keep)]
+    # Every id, both ways, against the tokenizer's own decode (one batched call each).
+    single = [[i] for i in range(len(keep))]
+    for table, skip_special in ((keep, False), (skip, True)):
+        expected = backend.decode_batch(single, skip_special_tokens=skip_special)
+        if expected != [raw.decode("utf-8", "replace") for raw in table]:
+            return None
+    return ByteTable(keep, skip)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.backend = tokenizer.backend_tokenizer  # the Rust tokenizer: fast tokenizers only
@@ -31,10 +95,19 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
+        table = byte_table(tokenizer)
+        # Byte-level: ids to bytes by table, bytes to text by a C UTF-8 decoder.
+        self.table = (
+            None if table is None else table.skip if params.skip_special_tokens else table.keep
+        )
+        self._partial = b""  # byte-level: the bytes of an incomplete trailing character
         context = [t for t in prompt_token_ids[-PREFIX_WINDOW:] if t < self.vocab_size]
-        if self.backend.decode(context, skip_special_tokens=False).endswith(REPLACEMENT_CHAR):
-            # The prompt ends inside a character: the output's first bytes would
-            # complete it. Decode the output on its own instead.
+        if self.table is not None or self.backend.decode(
+            context, skip_special_tokens=False
+        ).endswith(REPLACEMENT_CHAR):
+            # Byte-level output text does not depend on the prompt's; and a prompt that
+            # ends inside a character would have the output's first bytes complete it.
+            # Either way, decode the output on its own.
             context = []
         self.context = context
         self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
@@ -52,6 +125,9 @@ class IncrementalDetokenizer:
         the full decode does."""
         if self._stopped_text is not None:
             return self._stopped_text
+        if self.table is not None:
+            tail = self._partial.decode("utf-8", "replace") if self._partial else ""
+            return self._text + tail
         if not self._pending:
             return self._text
         tail = self.backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
@@ -61,6 +137,12 @@ class IncrementalDetokenizer:
         """Decode the new tokens; return the stop string they complete, if any."""
         if self._stopped_text is not None:
             return None
+        if self.table is not None:
+            data = self._partial + self._bytes(new_token_ids)
+            text, used = codecs.utf_8_decode(data, "replace", False)
+            self._partial = data[used:]
+            self._text += text
+            return self._check_stop() if self.params.stop else None
         for token_id in new_token_ids:
             if token_id >= self.vocab_size:
                 continue  # a padding row of the model's vocabulary: no text
@@ -79,6 +161,9 @@ class IncrementalDetokenizer:
         and has no stop strings to watch. The same text as update() token by token
         (decode of the output, read after the prompt's context), a hundred times cheaper."""
         assert not self._text and not self._pending, "decode_all replaces update, not follows it"
+        if self.table is not None:
+            self._text = self._bytes(token_ids).decode("utf-8", "replace")
+            return
         ids = [t for t in token_ids if t < self.vocab_size]
         skip = self.skip_special_tokens
         prefix = self.backend.decode(self.context, skip_special_tokens=skip)
@@ -106,6 +191,13 @@ class IncrementalDetokenizer:
         return delta
 
     # ---- helpers ----
+
+    def _bytes(self, token_ids: list[int]) -> bytes:
+        table = self.table
+        try:
+            return b"".join([table[t] for t in token_ids])
+        except IndexError:  # a padding row of the model's vocabulary: no text
+            return b"".join([table[t] for t in token_ids if t < len(table)])
 
     def _settle_pending(self) -> None:
         """Pending bytes that can no longer form a character are text as decode renders

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import _BYTE_TABLES, IncrementalDetokenizer, byte_table
 from engine.sampling_params import SamplingParams
 
 EOS = "<|endoftext|>"
@@ -37,9 +37,12 @@ def corpus() -> list[str]:
     return lines
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A ~400-entry byte-level BPE: too small to hold whole emoji or CJK characters."""
+@pytest.fixture(scope="module", params=["byte-table", "decode-stream"])
+def tokenizer(request) -> PreTrainedTokenizerFast:
+    """A ~400-entry byte-level BPE: too small to hold whole emoji or CJK characters.
+
+    Every test runs on both roads: the byte table, and DecodeStream (which
+    tokenizers that do not decode byte-level take)."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -50,7 +53,11 @@ def tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     bpe.train_from_iterator(corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS)
+    assert byte_table(tokenizer) is not None
+    if request.param == "decode-stream":
+        _BYTE_TABLES[tokenizer] = None
+    return tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -287,6 +294,7 @@ def test_decode_all_keeps_leading_spaces_of_metaspace_tokenizers():
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"], show_progress=False)
     bpe.train_from_iterator(ENGLISH * 20, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>")
+    assert byte_table(tokenizer) is None  # not byte-level: DecodeStream
     ids = encode(tokenizer, "the lazy dog jumps over the quick fox")
     detok = IncrementalDetokenizer(tokenizer, ids[:3], SamplingParams())
     detok.decode_all(ids[3:])
