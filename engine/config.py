@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+PIECEWISE_MAX_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -22,6 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # Steps with prefill tokens replay CUDA graphs cut at each attention (engine.piecewise);
+    # off: they run eagerly (decode-only steps still replay whole-forward graphs).
+    piecewise_graphs: bool = True
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
     # --async-scheduling); off: every step's ids are read before the next is planned.
     async_scheduling: bool = True
@@ -64,6 +68,10 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and not self.enforce_eager
 
+    @property
+    def use_piecewise_graphs(self) -> bool:
+        return self.use_cuda_graphs and self.piecewise_graphs
+
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
 
@@ -72,3 +80,10 @@ class EngineConfig:
         sizes = [b for b in (1, 2, 4) if b < self.max_num_seqs]
         sizes += list(range(8, self.max_num_seqs, 8))
         return sizes + [self.max_num_seqs]
+
+    def piecewise_token_sizes(self) -> list[int]:
+        """Token buckets for steps with prefill: 16 to 256 doubling, then every 256, up to
+        max_num_batched_tokens or 2048 (past that a step is GPU-bound: it runs eagerly)."""
+        top = min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+        sizes = [s for s in (16, 32, 64, 128, 256) if s < top] + list(range(512, top, 256))
+        return sizes + [top]

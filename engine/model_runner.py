@@ -6,11 +6,13 @@ are gathered on the device, from the host's ids or from the previous step's
 sampled ids, which never have to visit the host first. Decode-only
 steps replay a CUDA graph captured for the next bucket up in batch size;
 padded entries have context length 0 and slot -1, so they read and write
-nothing. Everything else runs eagerly.
+nothing. Steps with prefill tokens replay piecewise graphs (engine.piecewise)
+up to 2048 tokens; larger ones, and everything under --enforce-eager, run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from torch import nn
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.piecewise import PiecewiseGraphs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
@@ -144,6 +147,9 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}
         if config.use_cuda_graphs:
             self._capture_decode_graphs()
+        self.piecewise: PiecewiseGraphs | None = None
+        if config.use_piecewise_graphs:
+            self._capture_piecewise_graphs()
 
     # -- KV cache ---------------------------------------------------------
 
@@ -315,11 +321,17 @@ class ModelRunner:
             self._send(bucket, bucket, 1, True)
             self.graphs[bucket].replay()
             return self.graph_logits[bucket][:num_seqs]
+        bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
+        if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
+            self._pad_tokens(num_tokens, bucket)
+            inp = self._send(bucket, num_seqs, max_query_len, False)
+            hidden = self.piecewise.replay(bucket, self._meta(inp))
+            return self.model.compute_logits(hidden[inp.logits_indices])
         inp = self._send(num_tokens, num_seqs, max_query_len, batch.is_decode_only)
         return self._forward(inp)
 
-    def _forward(self, inp: ModelInput) -> torch.Tensor:
-        meta = AttentionMetadata(
+    def _meta(self, inp: ModelInput) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=inp.slot_mapping,
             # Gathered here so that a captured graph gathers on every replay.
             block_table=self.block_table.gpu[inp.slot_indices],  # [num_seqs, max_blocks_per_seq]
@@ -328,8 +340,13 @@ class ModelRunner:
             max_query_len=inp.max_query_len,
             is_decode=inp.is_decode,
         )
-        input_ids = self.i64.device[inp.input_gather]
-        hidden = self.model(input_ids, inp.positions, meta)
+
+    def _hidden(self, inp: ModelInput, meta: AttentionMetadata) -> torch.Tensor:
+        input_ids = self.i64.device[inp.input_gather]  # in the graph: gathered every replay
+        return self.model(input_ids, inp.positions, meta)
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        hidden = self._hidden(inp, self._meta(inp))
         if not inp.is_decode:  # a decode's rows are its sequences already
             hidden = hidden[inp.logits_indices]
         return self.model.compute_logits(hidden)
@@ -370,6 +387,23 @@ class ModelRunner:
         self.buf["slot_indices"][start:end] = 0
         self.buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
         self.buf["logits_indices"][start:end] = np.arange(start, end)
+
+    def _pad_tokens(self, start: int, end: int) -> None:
+        """Padded tokens of a piecewise step: id 0 at position 0, stored nowhere, and
+        past the last sequence's query, so attention leaves their rows alone."""
+        self.buf["input_ids"][start:end] = 0
+        self.buf["input_gather"][start:end] = self.ids_offset + self.arange[start:end]
+        self.buf["positions"][start:end] = 0
+        self.buf["slot_mapping"][start:end] = -1
+
+    @torch.inference_mode()
+    def _capture_piecewise_graphs(self) -> None:
+        sizes = self.config.piecewise_token_sizes()
+        self.piecewise = PiecewiseGraphs(self.attn_layers, sizes[-1], self.dtype, self.device)
+        for bucket in reversed(sizes):
+            self._pad_tokens(0, bucket)
+            inp = self._send(bucket, 1, 1, False)  # attention is not run: one dummy sequence
+            self.piecewise.capture(bucket, functools.partial(self._hidden, inp, self._meta(inp)))
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:

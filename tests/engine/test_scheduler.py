@@ -141,3 +141,10 @@ def test_preempted_request_waits_for_its_token_in_flight():
     # Its prompt's two full blocks are cached; the rest, the read token included, is recomputed.
     assert run_step(sched) == {"b": 2}
     assert b.num_computed_tokens == 10
+
+
+def test_piecewise_token_buckets_double_then_step_by_256_to_the_budget():
+    sizes = EngineConfig(max_num_batched_tokens=2048).piecewise_token_sizes()
+    assert sizes == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert EngineConfig(max_num_batched_tokens=40).piecewise_token_sizes() == [16, 32, 40]
+    assert EngineConfig(max_num_batched_tokens=8192).piecewise_token_sizes()[-1] == 2048
