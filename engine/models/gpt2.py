@@ -12,6 +12,7 @@ from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHe
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are transposed into nn.Linear's [out, in] on load.
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old checkpoints
 
 
@@ -28,6 +29,7 @@ class GPT2Block(nn.Module):
         self.c_fc = nn.Linear(d, inner)
         self.mlp_proj = nn.Linear(inner, d)
         self.act = ACTIVATIONS[config.activation_function]
+        self.tanh_gelu = config.activation_function in TANH_GELU
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
@@ -36,7 +38,14 @@ class GPT2Block(nn.Module):
         h, residual = self.ln_1(x, residual)
         q, k, v = self.c_attn(h).chunk(3, dim=-1)
         h, residual = self.ln_2(self.c_proj(self.attn(q, k, v, meta)), residual)
-        return self.mlp_proj(self.act(self.c_fc(h))), residual
+        return self.mlp_proj(self.mlp_in(h)), residual
+
+    def mlp_in(self, h: torch.Tensor) -> torch.Tensor:
+        if self.tanh_gelu and h.is_cuda:
+            # cuBLASLt's GELU epilogue is the tanh form: GEMM, bias and GELU in one
+            # kernel (on CPU the same call computes erf GELU, hence CUDA only).
+            return torch._addmm_activation(self.c_fc.bias, h, self.c_fc.weight.t(), use_gelu=True)
+        return self.act(self.c_fc(h))
 
 
 class GPT2ForCausalLM(nn.Module):

@@ -112,3 +112,18 @@ def test_sampled_ids_reach_the_host_while_later_steps_queue(tiny_gpt2_dir):
     assert second.tolist() == [4, 5] and third.tolist() == [6]
     # The last ids stay on the device, where the next step's inputs are gathered from.
     assert runner.i64.gpu["sampled_ids"][:1].tolist() == [6]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_fused_gelu_matches_linear_then_tanh_gelu(dtype, num_tokens):
+    from transformers import GPT2Config
+
+    from engine.models.gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    block = GPT2Block(GPT2Config(n_embd=64, n_head=4)).to("cuda", dtype)
+    h = torch.randn(num_tokens, 64, device="cuda", dtype=dtype)
+    want = torch.nn.functional.gelu(block.c_fc(h), approximate="tanh")
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(block.mlp_in(h), want, atol=tol, rtol=tol)
