@@ -110,7 +110,11 @@ class IncrementalDetokenizer:
             # Either way, decode the output on its own.
             context = []
         self.context = context
-        self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
+        self.stream = (
+            DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
+            if self.table is None
+            else None
+        )
 
         self._text = ""  # decoded text of the output's complete characters
         self._pending: list[int] = []  # ids since the last complete piece (a partial char)
