@@ -160,7 +160,10 @@ def test_duration_and_warmup_bound_the_run(fake, tmp_path):
     assert len(result["warmup_records"]) == 2
     assert all(d["index"] < 0 for d in result["warmup_records"])
     assert 2 <= len(records) < 100
-    assert all(r.send_time < 0.3 for r in records)
+    # The loop decides before 0.3 s; send_time is stamped as the HTTP request starts, a
+    # moment later (milliseconds on a busy 2-core CI box). Unbounded, sends would go on.
+    assert all(r.send_time < 0.3 + 0.1 for r in records)
+    assert sum(r.send_time >= 0.3 for r in records) <= 2  # at most one per worker
     assert len(fake.bodies) == len(records) + 2
 
 
