@@ -17,8 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import EngineConfig
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
+from server.engine_process import EngineEndpoint
 from server.errors import APIError, error_body
-from server.metrics import Metrics
+from server.metrics import Metrics, MetricsShare
 from server.middleware import ApiKeyAuth, BodySizeLimit
 from server.protocol import (
     ChatCompletionRequest,
@@ -37,7 +38,7 @@ from server.serving_completions import create_completion
 logger = logging.getLogger("pagoda.server")
 
 
-def _build_engine(config: EngineConfig) -> Any:
+def build_engine(config: EngineConfig) -> Any:
     from engine.engine import Engine  # heavy (torch, the model code): only when serving
 
     return Engine(config)
@@ -47,15 +48,21 @@ def create_app(
     engine_config: EngineConfig,
     server_config: ServerConfig,
     engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_endpoint: EngineEndpoint | None = None,
+    metrics_share: MetricsShare | None = None,
 ) -> FastAPI:
-    """The whole server; `engine_factory` lets tests wrap the engine (fault injection)."""
-    metrics = Metrics()
+    """The whole server; `engine_factory` lets tests wrap the engine (fault injection).
+
+    One of several API processes (server/api_servers.py) gets its link to the
+    shared engine process and its row of the shared metrics."""
+    metrics = Metrics(metrics_share)
     async_engine = AsyncEngine(
         engine_config,
         metrics,
         server_config.max_waiting_requests,
-        engine_factory or _build_engine,
+        engine_factory or build_engine,
         engine_process=server_config.engine_process,
+        engine_endpoint=engine_endpoint,
     )
     metrics.watch_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting)
 

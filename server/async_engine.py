@@ -2,7 +2,8 @@
 
 The engine side is an EngineLoop (server/engine_loop.py): by default on a
 background thread of this process, with `--engine-process` in a process of its
-own (server/engine_process.py). Either way, steps' reports go into an outbox;
+own (server/engine_process.py), which with `--api-server-count` several API
+processes share (server/api_servers.py). Either way, steps' reports go into an outbox;
 one `call_soon_threadsafe` delivers all that has gathered when the loop gets
 to it, sorting them into per-request `RequestStream`s, so a busy loop is not
 woken once per step, and each delivery acks the engine side, which builds
@@ -25,8 +26,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from server.engine_loop import Abort, Add, Batch, EngineLoop
-from server.engine_process import EngineProcess
+from server.engine_loop import Abort, Add, Batch, EngineLoop, Flag
+from server.engine_process import EngineEndpoint, EngineProcess
 from server.errors import APIError
 from server.metrics import Metrics
 
@@ -125,12 +126,16 @@ class AsyncEngine:
         max_waiting_requests: int,
         engine_factory: Callable[[EngineConfig], Any],
         engine_process: bool = False,
+        engine_endpoint: EngineEndpoint | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
         self._max_waiting = max_waiting_requests
         self._factory = engine_factory
-        self._use_process = engine_process
+        # With an endpoint, the engine process is someone else's and already started.
+        self._use_process = engine_process or engine_endpoint is not None
+        self._endpoint = engine_endpoint
+        self._credit = Flag()  # the engine thread's (an engine process keeps its own)
         self._backend: EngineLoop | EngineProcess | None = None
         self._thread: threading.Thread | None = None  # the engine thread (not with a process)
         self._lock = threading.Lock()  # stats and _in_transit
@@ -162,7 +167,7 @@ class AsyncEngine:
 
             process = EngineProcess(
                 self._config, self._factory, self._report, self._engine_exited,
-                GIL_SWITCH_INTERVAL_S,
+                GIL_SWITCH_INTERVAL_S, self._endpoint,
             )  # fmt: skip
             self._backend = process
             info = await process.start()
@@ -170,7 +175,7 @@ class AsyncEngine:
             self.engine = info
             return
         ready: asyncio.Future[None] = self._loop.create_future()
-        self._backend = EngineLoop(self._config, self._factory, self._report)
+        self._backend = EngineLoop(self._config, self._factory, self._report_local, self._credit)
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="pagoda-engine", daemon=True
         )
@@ -200,8 +205,9 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
+        """Waiting in the engine, or on the way there from any API process."""
         with self._lock:
-            return self._in_transit + (self.stats.num_waiting if self.stats else 0)
+            return self._metrics.in_transit() + (self.stats.num_waiting if self.stats else 0)
 
     def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
@@ -215,7 +221,7 @@ class AsyncEngine:
         stream = RequestStream(self, ids, params.n)
         now = time.time()
         with self._lock:
-            waiting = self._in_transit + (self.stats.num_waiting if self.stats else 0)
+            waiting = self._metrics.in_transit() + (self.stats.num_waiting if self.stats else 0)
             if waiting >= self._max_waiting:
                 raise APIError(
                     f"The server is overloaded: {waiting} requests are waiting "
@@ -224,6 +230,7 @@ class AsyncEngine:
                     code="server_overloaded",
                 )
             self._in_transit += len(prompts)
+            self._metrics.set_in_transit(self._in_transit)
         for rid in ids:
             self._streams[rid] = stream
         self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
@@ -298,11 +305,18 @@ class AsyncEngine:
         self._backend.serve()
         self._stopping = True
 
+    def _report_local(self, batch: Batch, step_time: float, stats: Any, added: list[str]) -> None:
+        """The engine thread's report: it spends the credit that _deliver's ack returns."""
+        if batch:
+            self._credit.value = 0  # before the delivery: the ack it brings must win
+        self._report(batch, step_time, stats, len(added))
+
     def _report(self, batch: Batch, step_time: float, stats: Any, num_added: int) -> None:
         """A step's report, from the engine thread or the engine process's reader."""
         with self._lock:
             self.stats = stats
             self._in_transit -= num_added
+            self._metrics.set_in_transit(self._in_transit)
         if not batch:
             return
         with self._outbox_lock:

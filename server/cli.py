@@ -126,6 +126,14 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="run the engine in a process of its own, not a thread (no GIL shared with HTTP)",
     )
     s.add_argument(
+        "--api-server-count",
+        type=int,
+        default=_SERVER.api_server_count,
+        metavar="N",
+        help="serve HTTP from N processes sharing the port and one engine process "
+        "(N > 1 implies --engine-process)",
+    )
+    s.add_argument(
         "--log-level",
         default=_SERVER.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -166,6 +174,7 @@ def parse_configs(
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
             engine_process=args.engine_process,
+            api_server_count=args.api_server_count,
         )
     except ValueError as exc:
         build_parser(prog).error(str(exc))
@@ -182,6 +191,10 @@ def serve(argv: list[str] | None = None, prog: str = "pagoda serve") -> int:
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if server_config.api_server_count > 1:
+        from server.api_servers import run_api_servers
+
+        return run_api_servers(engine_config, server_config)
     app = create_app(engine_config, server_config)
     config = uvicorn.Config(
         app,

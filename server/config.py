@@ -19,8 +19,15 @@ class ServerConfig:
     # The engine in its own process instead of a thread of this one: the event loop
     # and the engine's host work stop sharing one GIL (vLLM's layout).
     engine_process: bool = False
+    # HTTP served by this many processes sharing one listening socket and one
+    # engine process (vLLM's --api-server-count); more than 1 implies engine_process.
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
+        if self.api_server_count > 1:
+            self.engine_process = True
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 0:

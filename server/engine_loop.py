@@ -7,10 +7,10 @@ there is none. After every step it reports (outputs, step time, stats) to
 whoever listens: the event loop of the same process (AsyncEngine's engine
 thread), or the API server process over a pipe (server/engine_process.py).
 
-Outputs are built only while the listener has credit: a report with outputs
-spends it and the listener's ack() returns it once it has taken the report in. Until then
-tokens wait inside the engine, so a listener that falls behind gets fewer,
-larger deltas instead of a backlog of one-token ones.
+Outputs are built only while the listener has credit: whoever delivers a
+report with outputs spends it, and the listener's ack() returns it once it has
+taken the report in. Until then tokens wait inside the engine, so a listener
+that falls behind gets fewer, larger deltas instead of a backlog of one-token ones.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ logger = logging.getLogger("pagoda.server")
 
 # engine request id -> that step's outputs for it, or the error that ends it
 Batch = dict[str, "list[RequestOutput] | APIError"]
-# (outputs or {}, step time, the engine's EngineStats, requests taken from the inbox)
-Report = Callable[[Batch, float, Any, int], None]
+# (outputs or {}, step time, the engine's EngineStats, ids of the requests taken
+# from the inbox)
+Report = Callable[[Batch, float, Any, list[str]], None]
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Abort:
 
 class Flag:
     """Credit: 1 while the listener has taken the last report in. In the engine
-    process it is a shared-memory byte the API process sets, not a message."""
+    process it is a shared-memory byte per API process, set there, not a message."""
 
     def __init__(self) -> None:
         self.value = 1
@@ -62,7 +63,7 @@ class EngineLoop:
         config: EngineConfig,
         factory: Callable[[EngineConfig], Any],
         report: Report,
-        credit: Any = None,  # anything with an int .value (Flag, multiprocessing.RawValue)
+        credit: Any = None,  # anything with an int .value (Flag, engine_process.Clients)
     ) -> None:
         self._config = config
         self._factory = factory
@@ -70,15 +71,19 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[Add | Abort] = []
         self._stopping = False
+        self._woken = False
         self._credit = Flag() if credit is None else credit
         self._active: dict[str, int] = {}  # engine request id -> unfinished choices
         self.engine: Any = None
 
     # ------------------------------------------------------------ any thread
 
-    def put(self, items: list[Add | Abort]) -> None:
+    def put(self, items: list[Add | Abort], wake: bool = False) -> None:
+        """Queue items for the next step; wake: run an iteration (and report) even
+        if there are none and nothing else to do."""
         with self._cond:
             self._inbox.extend(items)
+            self._woken |= wake
             self._cond.notify()
 
     def ack(self) -> None:
@@ -94,7 +99,7 @@ class EngineLoop:
 
     def build(self) -> Any:
         self.engine = self._factory(self._config)
-        self._report({}, time.time(), self.engine.get_stats(), 0)
+        self._report({}, time.time(), self.engine.get_stats(), [])
         return self.engine
 
     def serve(self) -> None:
@@ -111,31 +116,35 @@ class EngineLoop:
         engine = self.engine
         while True:
             with self._cond:
-                while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                while not (
+                    self._inbox or self._stopping or self._woken or engine.has_unfinished_requests()
+                ):
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
-                stopping = self._stopping
+                stopping, self._woken = self._stopping, False
             batch: Batch = {}
-            num_added = self._drain(inbox, batch)
+            added = self._drain(inbox, batch)
             if stopping:
-                self._report({}, time.time(), engine.get_stats(), num_added)
+                self._report({}, time.time(), engine.get_stats(), added)
                 self._fail_all(APIError("The server is shutting down.", 503))
                 return
             if engine.has_unfinished_requests():
                 self._step(batch)
-            if batch:
-                self._credit.value = 0  # before the report: the ack it brings must win
-            self._report(batch, time.time(), engine.get_stats(), num_added)
+            self._report(batch, time.time(), engine.get_stats(), added)
 
-    def _drain(self, inbox: list[Add | Abort], batch: Batch) -> int:
-        num_added = 0
+    def is_active(self, request_id: str) -> bool:
+        """Added and not yet finished, failed or aborted (the owning thread's view)."""
+        return request_id in self._active
+
+    def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
+        added = []
         for item in inbox:
             if isinstance(item, Abort):
                 if self._active.pop(item.request_id, None) is not None:
                     self._abort_in_engine(item.request_id)
                 batch.pop(item.request_id, None)
                 continue
-            num_added += 1
+            added.append(item.request_id)
             try:
                 self.engine.add_request(
                     item.request_id, item.prompt_token_ids, item.params, item.arrival_time
@@ -148,7 +157,7 @@ class EngineLoop:
                 batch[item.request_id] = APIError(
                     f"The engine failed to add the request: {exc}", 500
                 )
-        return num_added
+        return added
 
     def _step(self, batch: Batch) -> None:
         engine = self.engine
@@ -194,11 +203,11 @@ class EngineLoop:
             batch[rid] = error
         self._active.clear()
         with self._cond:  # requests still in the inbox fail too
-            num_added = 0
+            added = []
             for item in self._inbox:
                 if isinstance(item, Add):
                     batch[item.request_id] = error
-                    num_added += 1
+                    added.append(item.request_id)
             self._inbox.clear()
-        if batch or num_added:
-            self._report(batch, time.time(), self.engine.get_stats(), num_added)
+        if batch or added:
+            self._report(batch, time.time(), self.engine.get_stats(), added)

@@ -6,14 +6,18 @@ prepare, read, detokenize) does not get, and at large batches the engine alone
 needs most of a core. Here the engine runs an EngineLoop in a child process
 with its own interpreter; the API server keeps the loop to itself.
 
-The two talk over two pipes of pickled messages:
+The engine process serves one or more API processes (`--api-server-count`),
+each over its own two pipes of pickled messages:
   API → engine   ("put", [Add | Abort, ...]), ("stop",)
   engine → API   ("ready", EngineInfo, stats), ("failed", message),
                  ("report", batch, step_time, stats, num_added)
-A reader thread on each side turns messages into calls. The credit the API
-side returns after each delivery is a shared-memory byte, not a message: it
-is returned hundreds of times a second, and a pipe write costs a syscall. The child is spawned,
-never forked: CUDA cannot be initialised in a forked child.
+A reader thread on each side turns messages into calls. The engine remembers
+which API process added each request and sends each its own outputs; stats go
+to all. The credit an API process returns after each delivery is a
+shared-memory byte, not a message: it is returned hundreds of times a second,
+and a pipe write costs a syscall. The engine builds outputs while every API
+process has credit. The child is spawned, never forked: CUDA cannot be
+initialised in a forked child.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from server.engine_loop import Abort, Add, EngineLoop, Report
+from server.engine_loop import Abort, Add, Batch, EngineLoop, Report
+from server.errors import APIError
 
 logger = logging.getLogger("pagoda.server")
 
@@ -53,8 +58,58 @@ class EngineInfo:
         check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
 
 
+@dataclass
+class EngineEndpoint:
+    """One API process's ends of its link to the engine process (picklable, so a
+    spawned API process can be handed one)."""
+
+    to_engine: Connection
+    from_engine: Connection
+    credit: Any  # multiprocessing.RawValue("b"): 1 while this side has taken its reports in
+
+
+def spawn_engine(
+    config: EngineConfig,
+    factory: Callable[[EngineConfig], Any],
+    switch_interval: float,
+    num_clients: int = 1,
+) -> tuple[Any, list[EngineEndpoint]]:
+    """Start the engine process for `num_clients` API processes; returns it and their
+    endpoints. It has not built its engine yet: each endpoint gets "ready" when it has."""
+    ctx = multiprocessing.get_context("spawn")
+    endpoints, inboxes, outboxes = [], [], []
+    for _ in range(num_clients):
+        from_engine, outbox = ctx.Pipe(duplex=False)
+        inbox, to_engine = ctx.Pipe(duplex=False)
+        endpoints.append(EngineEndpoint(to_engine, from_engine, ctx.RawValue("b", 1)))
+        inboxes.append(inbox)
+        outboxes.append(outbox)
+    process = ctx.Process(
+        target=_child_main,
+        args=(
+            inboxes,
+            outboxes,
+            [e.credit for e in endpoints],
+            config,
+            factory,
+            switch_interval,
+            logger.getEffectiveLevel(),  # a spawned child starts with logging unset
+        ),
+        name="pagoda-engine",
+        daemon=True,
+    )
+    process.start()
+    for conn in inboxes + outboxes:
+        conn.close()  # the child's ends: EOF reaches each side when the other goes
+    return process, endpoints
+
+
 class EngineProcess:
-    """The API side's handle: start, put, ack, stop, join; reports arrive on a thread."""
+    """The API side's handle: start, put, ack, stop, join; reports arrive on a thread.
+
+    Without an endpoint it spawns an engine process of its own; with one, it joins
+    an engine process started elsewhere (server/api_servers.py), shared with
+    other API processes."""
 
     def __init__(
         self,
@@ -63,44 +118,25 @@ class EngineProcess:
         report: Report,
         on_exit: Callable[[], None],
         switch_interval: float,
+        endpoint: EngineEndpoint | None = None,
     ) -> None:
         self._config = config
         self._factory = factory
         self._report = report
-        self._on_exit = on_exit  # the child is gone (stopped or died); from the reader
+        self._on_exit = on_exit  # the link is gone (stopped, or the engine died); from the reader
         self._switch_interval = switch_interval
-        self._process: Any = None
-        self._to_child: Connection | None = None
-        self._from_child: Connection | None = None
+        self._endpoint = endpoint
+        self._process: Any = None  # only when this side spawned it
         self._reader: threading.Thread | None = None
-        self._credit: Any = None
 
     async def start(self) -> EngineInfo:
-        """Spawn the child and wait until its engine is built (or raise why not)."""
-        ctx = multiprocessing.get_context("spawn")
-        from_child, child_out = ctx.Pipe(duplex=False)
-        child_in, to_child = ctx.Pipe(duplex=False)
-        self._credit = ctx.RawValue("b", 1)
-        self._process = ctx.Process(
-            target=_child_main,
-            args=(
-                child_in,
-                child_out,
-                self._credit,
-                self._config,
-                self._factory,
-                self._switch_interval,
-                logger.getEffectiveLevel(),  # a spawned child starts with logging unset
-            ),
-            name="pagoda-engine",
-            daemon=True,
-        )
-        self._process.start()
-        child_in.close()
-        child_out.close()
-        self._to_child, self._from_child = to_child, from_child
+        """Spawn the child (unless shared) and wait until its engine is built (or raise why not)."""
+        if self._endpoint is None:
+            self._process, (self._endpoint,) = spawn_engine(
+                self._config, self._factory, self._switch_interval
+            )
         try:
-            kind, *rest = await asyncio.to_thread(from_child.recv)
+            kind, *rest = await asyncio.to_thread(self._endpoint.from_engine.recv)
         except EOFError:
             raise RuntimeError("the engine process exited while starting") from None
         if kind == "failed":
@@ -112,10 +148,10 @@ class EngineProcess:
         return info
 
     def _read(self) -> None:
-        assert self._from_child is not None
+        assert self._endpoint is not None
         try:
             while True:
-                _, batch, step_time, stats, num_added = self._from_child.recv()
+                _, batch, step_time, stats, num_added = self._endpoint.from_engine.recv()
                 self._report(batch, step_time, stats, num_added)
         except (EOFError, OSError):
             pass
@@ -124,10 +160,14 @@ class EngineProcess:
         self._on_exit()
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
     def is_alive(self) -> bool:
+        # A shared engine's death closes the pipe, which ends the reader.
         return (
-            self._process is not None
-            and self._process.is_alive()
+            (self._process is None or self._process.is_alive())
             and self._reader is not None
             and self._reader.is_alive()
         )
@@ -136,17 +176,22 @@ class EngineProcess:
         self._send(("put", items))
 
     def ack(self) -> None:
-        self._credit.value = 1
+        self._endpoint.credit.value = 1
 
     def stop(self) -> None:
+        """This side is leaving: the engine fails its open requests (503) and, when
+        no API process is left, stops."""
         self._send(("stop",))
 
     def _send(self, message: tuple) -> None:
         # The child is gone (or never came up): the reader reports that.
         with contextlib.suppress(OSError, AttributeError):
-            self._to_child.send(message)
+            self._endpoint.to_engine.send(message)
 
     def join(self, timeout: float) -> None:
+        """Wait until the engine has let this side go (its process too, if it is ours)."""
+        if self._reader is not None:
+            self._reader.join(timeout)
         if self._process is None:
             return
         self._process.join(timeout)
@@ -156,10 +201,114 @@ class EngineProcess:
             self._process.join()
 
 
+class Clients:
+    """The engine process's side of its API processes: who added which request,
+    whose credit is spent, and one outgoing pipe each. Reports are sent from the
+    engine thread only; the reader threads record ownership and departures."""
+
+    def __init__(self, outboxes: list[Connection], credits: list[Any]) -> None:
+        self._outboxes: list[Connection | None] = list(outboxes)
+        self._credits = credits
+        self._lock = threading.Lock()  # _owner and _leaving, shared with the readers
+        self._owner: dict[str, int] = {}  # engine request id -> client
+        self._aborted: list[str] = []  # ids clients aborted: forgotten at the next report
+        self._leaving: set[int] = set()  # said stop (or went away); not yet let go
+        self._stats: Any = None
+
+    @property
+    def value(self) -> int:
+        """Credit for the EngineLoop: every client still here has taken its reports in."""
+        return int(
+            all(c.value for i, c in enumerate(self._credits) if self._outboxes[i] is not None)
+        )
+
+    @property
+    def num_open(self) -> int:
+        return sum(out is not None for out in self._outboxes)
+
+    def send_all(self, message: tuple) -> None:
+        for i in range(len(self._outboxes)):
+            self._send(i, message)
+
+    def ready(self, info: EngineInfo, stats: Any) -> None:
+        self.send_all(("ready", info, stats))
+        self._stats = stats
+
+    def own(self, client: int, items: list[Add | Abort]) -> None:
+        with self._lock:
+            for item in items:
+                if isinstance(item, Add):
+                    self._owner[item.request_id] = client
+                else:  # forgotten only after its add has been counted in a report
+                    self._aborted.append(item.request_id)
+
+    def leave(self, client: int) -> list[Abort]:
+        """Client is going: the aborts that free its requests' work in the engine."""
+        with self._lock:
+            self._leaving.add(client)
+            return [Abort(rid) for rid, owner in self._owner.items() if owner == client]
+
+    def report(
+        self, loop: EngineLoop, batch: Batch, step_time: float, stats: Any, added: list[str]
+    ) -> None:
+        """Split a step's report by client; let leaving clients go; stop the loop
+        when none is left."""
+        n = len(self._outboxes)
+        batches: list[Batch] = [{} for _ in range(n)]
+        num_added = [0] * n
+        with self._lock:
+            owner = self._owner
+            for rid in added:
+                client = owner.get(rid)
+                if client is not None:
+                    num_added[client] += 1
+            for rid, item in batch.items():
+                client = owner.get(rid)
+                if client is not None:
+                    batches[client][rid] = item
+                if not loop.is_active(rid):
+                    owner.pop(rid, None)
+            aborted, self._aborted = self._aborted, []
+            for rid in aborted:
+                owner.pop(rid, None)
+            leaving, self._leaving = self._leaving, set()
+            for client in leaving:  # its requests were aborted in this step's drain
+                gone = [rid for rid, c in owner.items() if c == client]
+                error = APIError("The server is shutting down.", 503)
+                for rid in gone:
+                    del owner[rid]
+                    batches[client][rid] = error
+        changed = stats != self._stats
+        self._stats = stats
+        for i in range(n):
+            if batches[i] or num_added[i] or changed or i in leaving:
+                if batches[i]:
+                    self._credits[i].value = 0  # before the report: the ack it brings must win
+                self._send(i, ("report", batches[i], step_time, stats, num_added[i]))
+        for client in leaving:
+            self._close(client)
+        if leaving and not self.num_open:
+            loop.stop()
+
+    def _send(self, client: int, message: tuple) -> None:
+        out = self._outboxes[client]
+        if out is None:
+            return
+        try:
+            out.send(message)
+        except OSError:  # its process is gone; its reader thread notices the EOF too
+            self._close(client)
+
+    def _close(self, client: int) -> None:
+        out, self._outboxes[client] = self._outboxes[client], None
+        if out is not None:
+            out.close()
+
+
 def _child_main(
-    from_parent: Connection,
-    to_parent: Connection,
-    credit: Any,
+    inboxes: list[Connection],
+    outboxes: list[Connection],
+    credits: list[Any],
     config: EngineConfig,
     factory: Callable[[EngineConfig], Any],
     switch_interval: float,
@@ -170,37 +319,40 @@ def _child_main(
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
-    # Ctrl-C reaches the whole process group: the API process drains its connections
-    # and then stops this one through the pipe.
+    # Ctrl-C reaches the whole process group: the API processes drain their
+    # connections and then let this one go through the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    state: dict[str, Any] = {"stats": None, "ready": False}
+    clients = Clients(outboxes, credits)
+    ready = threading.Event()
 
-    def report(batch: dict, step_time: float, stats: Any, num_added: int) -> None:
-        if state["ready"] and (batch or num_added or stats != state["stats"]):
-            to_parent.send(("report", batch, step_time, stats, num_added))
-        state["stats"] = stats
+    def report(batch: Batch, step_time: float, stats: Any, added: list[str]) -> None:
+        if ready.is_set():
+            clients.report(loop, batch, step_time, stats, added)
 
-    loop = EngineLoop(config, factory, report, credit)
+    loop = EngineLoop(config, factory, report, clients)
     try:
         engine = loop.build()
     except BaseException as exc:
-        to_parent.send(("failed", f"{type(exc).__name__}: {exc}"))
+        clients.send_all(("failed", f"{type(exc).__name__}: {exc}"))
         return
     info = EngineInfo(engine.model_name, engine.model_dir, engine.config, engine.vocab_size)
-    to_parent.send(("ready", info, state["stats"]))
-    state["ready"] = True
+    clients.ready(info, engine.get_stats())
+    ready.set()
 
-    def read() -> None:
+    def read(client: int, inbox: Connection) -> None:
         try:
             while True:
-                kind, *rest = from_parent.recv()
+                kind, *rest = inbox.recv()
                 if kind == "put":
+                    clients.own(client, rest[0])
                     loop.put(rest[0])
                 elif kind == "stop":
                     break
         except (EOFError, OSError):
-            pass  # the API process is gone: stop too
-        loop.stop()
+            pass  # the API process is gone: let it go too
+        loop.put(clients.leave(client), wake=True)  # wake: the next report lets it go
 
-    threading.Thread(target=read, name="pagoda-engine-inbox", daemon=True).start()
+    for i, inbox in enumerate(inboxes):
+        name = f"pagoda-engine-inbox-{i}"
+        threading.Thread(target=read, args=(i, inbox), name=name, daemon=True).start()
     loop.serve()

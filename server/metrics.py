@@ -3,13 +3,16 @@
 Each app owns a CollectorRegistry (tests build several apps in one process).
 Gauges and the engine's cumulative counters are read at scrape time from the
 stats snapshot the engine thread publishes after every step; latencies and
-token counts are observed on the event loop as outputs arrive.
+token counts are observed on the event loop as outputs arrive. With several
+API processes, those numbers live in shared memory, a row per process, and
+every scrape sums the rows.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -67,6 +70,7 @@ _ITL_BUCKETS = (
     1.0,
     2.5,
 )
+FINISH_REASONS = ("stop", "length", "abort")
 _REQUEST_BUCKETS = (
     0.3,
     0.5,
@@ -130,6 +134,42 @@ class _EngineStatsCollector(Collector):
         )
 
 
+class Slots:
+    """Hands out float64 slots; once every metric has taken its share, bind() gives
+    the numbers their storage: one row per API process, of which this process
+    writes only its own, on its event loop (no lock), while reads sum all rows,
+    so any API process answers /metrics for all of them."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.own: memoryview = memoryview(b"")  # this process's row
+        self.rows: list[memoryview] = []  # every process's row, this one included
+
+    def take(self, n: int) -> int:
+        self.size += n
+        return self.size - n
+
+    def bind(self, share: MetricsShare | None) -> None:
+        if share is None:
+            share = MetricsShare(bytearray(8 * self.size), 0, 1)
+        flat = memoryview(share.buffer).cast("B").cast("d")
+        self.rows = [flat[i * self.size : (i + 1) * self.size] for i in range(share.count)]
+        self.own = self.rows[share.index]
+
+    def total(self, slot: int) -> float:
+        return sum(row[slot] for row in self.rows)
+
+
+@dataclass
+class MetricsShare:
+    """Where API process `index` of `count` keeps its numbers: a shared float64
+    buffer of count * Metrics.num_slots() (a multiprocessing RawArray)."""
+
+    buffer: Any
+    index: int
+    count: int
+
+
 class LoopHistogram:
     """A histogram fed only from the event loop: plain counts, no lock.
 
@@ -137,43 +177,59 @@ class LoopHistogram:
     observations per token per stream that was over a third of the loop's time
     under load. Scrapes run on the same loop, so nothing here needs a lock."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], slots: Slots
+    ) -> None:
         self.name, self.documentation = name, documentation
         self.bounds = list(buckets)
-        self.counts = [0] * (len(buckets) + 1)  # the last bucket is +Inf
-        self.sum = 0.0
+        self.slots = slots
+        self.base = slots.take(len(buckets) + 2)  # counts (the last bucket is +Inf), sum
+        self.sum_slot = self.base + len(buckets) + 1
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+        row = self.slots.own
+        row[self.base + bisect.bisect_left(self.bounds, value)] += 1
+        row[self.sum_slot] += value
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation)
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            cumulative += count
+        cumulative, buckets = 0.0, []
+        for i, bound in enumerate([*map(str, self.bounds), "+Inf"]):
+            cumulative += self.slots.total(self.base + i)
             buckets.append((bound, cumulative))
-        family.add_metric([], buckets, self.sum)
+        family.add_metric([], buckets, self.slots.total(self.sum_slot))
         return family
 
 
 class LoopCounter:
-    """A counter fed only from the event loop (see LoopHistogram), optionally by one label."""
+    """A counter fed only from the event loop (see LoopHistogram), optionally by one
+    label whose values are known up front (a label value not yet counted is not shown)."""
 
-    def __init__(self, name: str, documentation: str, label: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        slots: Slots,
+        label: str | None = None,
+        label_values: tuple[str, ...] = ("",),
+    ) -> None:
         self.name, self.documentation, self.label = name, documentation, label
-        self.values: dict[str, float] = {}
+        self.slots = slots
+        self.base = slots.take(len(label_values))
+        self.index = {value: self.base + i for i, value in enumerate(label_values)}
 
     def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        self.values[label_value] = self.values.get(label_value, 0.0) + amount
+        self.slots.own[self.index[label_value]] += amount
 
     def family(self) -> Metric:
         labels = [self.label] if self.label else []
         family = CounterMetricFamily(self.name, self.documentation, labels=labels)
-        for value, total in self.values.items():
-            family.add_metric([value] if self.label else [], total)
-        if not self.values and not self.label:
-            family.add_metric([], 0.0)
+        for value, slot in self.index.items():
+            total = self.slots.total(slot)
+            if self.label is None:
+                family.add_metric([], total)
+            elif total:
+                family.add_metric([value], total)
         return family
 
 
@@ -187,27 +243,42 @@ class _LoopMetricsCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, share: MetricsShare | None = None) -> None:
         self.registry = CollectorRegistry()
+        slots = self._slots = Slots()
         self.ttft = LoopHistogram(
-            "pagoda:time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
+            "pagoda:time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            _TTFT_BUCKETS,
+            slots,
         )
         self.itl = LoopHistogram(
             "pagoda:inter_token_latency_seconds",
             "Between consecutive generated tokens of a choice.",
             _ITL_BUCKETS,
+            slots,
         )
         self.e2e = LoopHistogram(
-            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS
+            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS, slots
         )
         self.queue_time = LoopHistogram(
-            "pagoda:request_queue_time_seconds", "Arrival to first scheduled.", _REQUEST_BUCKETS
+            "pagoda:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            _REQUEST_BUCKETS,
+            slots,
         )
-        self.prompt_tokens = LoopCounter("pagoda:prompt_tokens", "Prefilled prompt tokens.")
-        self.generation_tokens = LoopCounter("pagoda:generation_tokens", "Generated tokens.")
+        self.prompt_tokens = LoopCounter("pagoda:prompt_tokens", "Prefilled prompt tokens.", slots)
+        self.generation_tokens = LoopCounter("pagoda:generation_tokens", "Generated tokens.", slots)
         self.request_success = LoopCounter(
-            "pagoda:request_success", "Finished choices, by finish reason.", "finished_reason"
+            "pagoda:request_success",
+            "Finished choices, by finish reason.",
+            slots,
+            "finished_reason",
+            FINISH_REASONS,
         )
+        # Requests submitted to the engine and not yet in its stats (a gauge's part).
+        self._in_transit_slot = slots.take(1)
+        slots.bind(share)
         self.registry.register(
             _LoopMetricsCollector(
                 [
@@ -221,6 +292,18 @@ class Metrics:
                 ]
             )
         )
+
+    @staticmethod
+    def num_slots() -> int:
+        """Floats one API process's numbers take (see MetricsShare)."""
+        return Metrics()._slots.size
+
+    def set_in_transit(self, n: int) -> None:
+        self._slots.own[self._in_transit_slot] = n
+
+    def in_transit(self) -> int:
+        """Requests on their way to the engine from every API process."""
+        return int(self._slots.total(self._in_transit_slot))
 
     def watch_engine(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
         self.registry.register(_EngineStatsCollector(read_stats, read_waiting))

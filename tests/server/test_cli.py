@@ -19,6 +19,7 @@ def test_defaults_match_the_design():
     assert engine.async_scheduling and engine.piecewise_graphs
     assert server.api_key is None and server.allowed_origins == []
     assert not server.engine_process  # the engine thread, as the design says
+    assert server.api_server_count == 1
 
 
 def test_every_flag_maps_to_its_field():
@@ -28,7 +29,7 @@ def test_every_flag_maps_to_its_field():
         "--max-num-batched-tokens 512 --max-model-len 1024 --served-model-name demo "
         "--api-key k --enforce-eager --no-piecewise-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
-        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process"
+        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -55,6 +56,11 @@ def test_every_flag_maps_to_its_field():
     assert server.allowed_origins == ["http://a", "http://b"]
     assert (server.max_waiting_requests, server.max_request_body_bytes) == (5, 1000)
     assert (server.shutdown_timeout, server.log_level) == (2.0, "debug")
+    assert server.engine_process and server.api_server_count == 3
+
+
+def test_several_api_servers_imply_the_engine_process():
+    _, server = cli.parse_configs(["--api-server-count", "2"])
     assert server.engine_process
 
 
@@ -63,6 +69,9 @@ def test_invalid_values_exit_with_a_usage_error(capsys):
         cli.parse_configs(["--block-size", "3"])
     assert exc.value.code == 2
     assert "block_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_configs(["--api-server-count", "0"])
+    assert "api_server_count must be at least 1" in capsys.readouterr().err
 
 
 def test_loadtest_delegates(monkeypatch):

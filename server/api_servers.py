@@ -1,0 +1,144 @@
+"""`--api-server-count N`: N API processes, one port, one engine process (vLLM's layout).
+
+With `--engine-process` the engine has a core of its own, and the single API
+process becomes the limit: HTTP parsing, SSE chunks and metrics for every
+stream run on one event loop, one core. Here a supervisor binds the listening
+socket once and spawns the engine process and N API processes; each API
+process accepts from the shared socket (the kernel hands every connection to
+one of them), talks to the engine over its own pair of pipes
+(server/engine_process.py), and keeps its metrics in its row of a shared
+buffer, so /metrics from any of them covers all of them.
+
+Shutdown: SIGINT or SIGTERM to the supervisor reaches every API process as
+SIGTERM; each drains its connections (up to --shutdown-timeout), fails what is
+left with 503 and lets the engine go; the engine stops when the last one has.
+If any process dies on its own, the supervisor stops the rest and exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from engine.config import EngineConfig
+from server.async_engine import GIL_SWITCH_INTERVAL_S
+from server.config import ServerConfig
+from server.engine_process import EngineEndpoint, spawn_engine
+from server.metrics import Metrics, MetricsShare
+
+logger = logging.getLogger("pagoda.server")
+
+
+def run_api_servers(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    engine_factory: Callable[[EngineConfig], Any] | None = None,
+) -> int:
+    """Serve until told to stop; 0 after a requested shutdown, 1 if a process died."""
+    import uvicorn
+
+    from server.app import build_engine
+
+    count = server_config.api_server_count
+    ctx = multiprocessing.get_context("spawn")
+    bind_config = uvicorn.Config(
+        "server.app:create_app",  # never loaded: only binds, as uvicorn's own workers do
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+    )
+    sock = bind_config.bind_socket()  # exits at once if the port is taken
+    engine, endpoints = spawn_engine(
+        engine_config, engine_factory or build_engine, GIL_SWITCH_INTERVAL_S, count
+    )
+    share = ctx.RawArray("d", count * Metrics.num_slots())
+    servers = []
+    for i, endpoint in enumerate(endpoints):
+        process = ctx.Process(
+            target=_api_server_main,
+            args=(engine_config, server_config, endpoint, MetricsShare(share, i, count), sock),
+            name=f"pagoda-api-{i}",
+            daemon=True,
+        )
+        process.start()
+        servers.append(process)
+    sock.close()  # the API processes hold their own copies
+    for endpoint in endpoints:  # theirs too: EOF must reach the engine when one goes
+        endpoint.to_engine.close()
+        endpoint.from_engine.close()
+    logger.info(
+        "%d API processes (pids %s), engine pid %d", count, [p.pid for p in servers], engine.pid
+    )
+    return _supervise(servers, engine, server_config.shutdown_timeout)
+
+
+def _supervise(servers: list[Any], engine: Any, shutdown_timeout: float) -> int:
+    state = {"stopping": False, "failed": False}
+
+    def stop_servers() -> None:
+        state["stopping"] = True
+        for process in servers:
+            if process.is_alive():
+                process.terminate()  # SIGTERM: uvicorn drains, then the lifespan lets go
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if not state["stopping"]:
+            logger.info("%s: shutting down", signal.Signals(signum).name)
+        stop_servers()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while any(p.is_alive() for p in servers):
+        alive = [p.sentinel for p in [*servers, engine] if p.is_alive()]
+        multiprocessing.connection.wait(alive, timeout=1.0)
+        if state["stopping"]:
+            continue
+        gone = [p for p in [*servers, engine] if not p.is_alive()]
+        if gone:
+            for process in gone:
+                logger.error("%s exited unexpectedly (code %s)", process.name, process.exitcode)
+            state["failed"] = True
+            stop_servers()
+    # The engine stops once every API process has let it go (or died, closing its pipes).
+    engine.join(shutdown_timeout + 10)
+    if engine.is_alive():
+        logger.warning("the engine process did not stop; killing it")
+        engine.kill()
+        engine.join()
+    return 1 if state["failed"] else 0
+
+
+def _api_server_main(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    endpoint: EngineEndpoint,
+    share: MetricsShare,
+    sock: socket.socket,
+) -> None:
+    import uvicorn
+
+    from server.app import create_app
+
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s (api {share.index}): %(message)s",
+    )
+    app = create_app(engine_config, server_config, engine_endpoint=endpoint, metrics_share=share)
+    config = uvicorn.Config(
+        app,
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal it stopped on: SIGTERM then ends this process as
+    # SIGTERM would have, which the supervisor expects while stopping.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    sys.exit(0 if server.started else 1)

@@ -1,0 +1,290 @@
+"""--api-server-count: several API processes, one engine process. Each API
+process gets only its own requests' outputs and the stats; leaving fails only
+its own requests; the supervisor shares one port and merges /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.sampling_params import SamplingParams
+from server.app import build_engine
+from server.async_engine import AsyncEngine
+from server.engine_loop import Abort, Add
+from server.engine_process import Clients, spawn_engine
+from server.errors import APIError
+from server.metrics import Metrics, MetricsShare
+from tests.server.conftest import MAX_MODEL_LEN, engine_config
+from tests.server.test_concurrency import stream_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeLoop:
+    def __init__(self, active: set[str]) -> None:
+        self.active = active
+        self.stopped = False
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self.active
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_clients_route_outputs_count_adds_and_let_go():
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (reader, writer)
+    credits = [ctx.RawValue("b", 1) for _ in range(2)]
+    clients = Clients([w for _, w in pipes], credits)
+    params = SamplingParams(max_tokens=4)
+    clients.own(0, [Add("a", [1], params, 0.0)])
+    clients.own(1, [Add("b", [1], params, 0.0), Add("c", [1], params, 0.0)])
+    loop = FakeLoop({"a", "b", "c"})
+    clients.report(loop, {"a": ["a1"], "b": ["b1"]}, 1.0, "stats1", ["a", "b", "c"])
+    assert pipes[0][0].recv() == ("report", {"a": ["a1"]}, 1.0, "stats1", 1)
+    assert pipes[1][0].recv() == ("report", {"b": ["b1"]}, 1.0, "stats1", 2)
+    assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
+    credits[0].value = 1
+    assert clients.value == 0  # the engine builds outputs only once both took theirs in
+    credits[1].value = 1
+    assert clients.value == 1
+
+    # Same stats, news for client 1 only: client 0 hears nothing.
+    loop.active.discard("b")  # finished: forgotten after this report
+    clients.report(loop, {"b": ["b2"]}, 2.0, "stats1", [])
+    assert pipes[1][0].recv() == ("report", {"b": ["b2"]}, 2.0, "stats1", 0)
+    assert not pipes[0][0].poll() and credits[0].value == 1
+
+    # Client 1 leaves with "c" still running: "c" is aborted in the engine and
+    # fails with a 503 for client 1, whose pipe then closes; client 0 carries on.
+    assert clients.leave(1) == [Abort("c")]
+    clients.report(loop, {}, 3.0, "stats2", [])
+    _, batch, *_ = pipes[1][0].recv()
+    assert isinstance(batch["c"], APIError) and batch["c"].status == 503
+    with pytest.raises(EOFError):
+        pipes[1][0].recv()
+    assert pipes[0][0].recv() == ("report", {}, 3.0, "stats2", 0)  # new stats reach everyone
+    assert clients.num_open == 1 and not loop.stopped
+    credits[1].value = 0
+    assert clients.value == 1  # a client that left holds nothing back
+
+    clients.own(0, [Abort("a")])  # aborted by its client: forgotten, never routed again
+    clients.report(loop, {"a": ["late"]}, 4.0, "stats2", [])
+    assert clients.leave(0) == []
+    clients.report(loop, {}, 5.0, "stats2", [])
+    assert loop.stopped  # the last one left
+
+
+def test_metric_rows_sum_across_processes():
+    buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
+    first, second = (Metrics(MetricsShare(buffer, i, 2)) for i in range(2))
+    first.itl.observe(0.003)
+    second.itl.observe(0.2)
+    second.request_success.inc(2, "length")
+    first.set_in_transit(3)
+    second.set_in_transit(1)
+    for m in (first, second):
+        assert m.itl.family().samples[-2].value == 2  # _count
+        assert m.request_success.family().samples[0].value == 2
+        assert m.in_transit() == 4
+
+
+async def collect(stream) -> tuple[list[int], str | None, APIError | None]:
+    ids: list[int] = []
+    reason = None
+    try:
+        async for outputs in stream:
+            for out in outputs:
+                ids += out.new_token_ids
+                reason = out.finish_reason or reason
+    except APIError as exc:
+        return ids, reason, exc
+    return ids, reason, None
+
+
+async def test_two_api_processes_share_one_engine_process(tiny_gpt2_dir):
+    config = engine_config(tiny_gpt2_dir)
+    process, endpoints = spawn_engine(config, build_engine, 1e-4, num_clients=2)
+    buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
+    engines = [
+        AsyncEngine(config, Metrics(MetricsShare(buffer, i, 2)), 1024, build_engine,
+                    engine_endpoint=endpoint)
+        for i, endpoint in enumerate(endpoints)
+    ]  # fmt: skip
+    await asyncio.gather(*(e.start() for e in engines))
+    try:
+        prompts = [[5 + i, 17, 42 + i] for i in range(6)]
+        streams = [
+            engine.submit(
+                f"r{k}-{i}",
+                [prompt],
+                SamplingParams(max_tokens=5 + i, temperature=0.0, ignore_eos=True),
+            )
+            for k, engine in enumerate(engines)
+            for i, prompt in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        first, second = results[: len(prompts)], results[len(prompts) :]
+        for i, ((ids_a, reason_a, err_a), (ids_b, _, err_b)) in enumerate(zip(first, second)):
+            assert err_a is None and err_b is None
+            assert len(ids_a) == 5 + i and reason_a == "length"
+            assert ids_a == ids_b  # the same prompt, greedy: the same tokens, whoever asked
+        assert all(e.num_waiting == 0 for e in engines)
+
+        # The first API process leaves mid-request: only its request fails (503).
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        leaving = engines[0].submit("leaving", [[7, 8, 9]], long)
+        staying = engines[1].submit("staying", [[7, 8, 9]], long)
+        await leaving.__anext__()
+        await engines[0].shutdown(timeout=30)
+        assert (await collect(leaving))[2].status == 503
+        ids, reason, error = await collect(staying)
+        assert error is None and reason == "length" and len(ids) >= 199
+        assert process.is_alive()
+    finally:
+        for engine in engines:
+            await engine.shutdown(timeout=30)
+    process.join(30)
+    assert process.exitcode == 0  # stopped because the last API process left
+
+
+# -- the supervisor, end to end -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    def __init__(self, model_dir: str, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp_path / "serve.log"
+        args = [
+            "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--port", str(self.port),
+            "--api-server-count", "2", "--shutdown-timeout", "5",
+        ]  # fmt: skip
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server", *args], cwd=ROOT, stdout=log, stderr=log
+            )
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not come up:\n" + self.log.read_text())
+
+    def pids(self) -> tuple[int, list[int]]:
+        """(engine pid, API process pids), from the supervisor's log."""
+        m = re.search(
+            r"API processes \(pids \[([\d, ]+)\]\), engine pid (\d+)", self.log.read_text()
+        )
+        assert m, self.log.read_text()
+        return int(m.group(2)), [int(p) for p in m.group(1).split(", ")]
+
+    def metric(self, sample: str) -> float:
+        # A new connection each time: any of the API processes may answer.
+        text = httpx.get(f"{self.base_url}/metrics", headers={"Connection": "close"}).text
+        line = next(line for line in text.splitlines() if line.startswith(sample + " "))
+        return float(line.rsplit(" ", 1)[1])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def supervisor(tiny_gpt2_dir, tmp_path_factory):
+    sup = Supervisor(tiny_gpt2_dir, tmp_path_factory.mktemp("api-servers"))
+    try:
+        sup.wait_ready()
+        yield sup
+    finally:
+        sup.stop(signal.SIGKILL)
+
+
+async def test_streams_from_either_api_process_match_the_thread_engine(supervisor, live):
+    bodies = [
+        {
+            "prompt": f"Process {i} says",
+            "max_tokens": 8 + i,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(16)
+    ]
+
+    # Separate clients, so the connections spread over the API processes.
+    async def one(body: dict) -> tuple[str, dict]:
+        async with httpx.AsyncClient(base_url=supervisor.base_url, timeout=120) as client:
+            return await stream_text(client, body)
+
+    streamed = await asyncio.gather(*(one(b) for b in bodies))
+    for body, (text, usage) in zip(bodies, streamed, strict=True):
+        plain = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        expected = httpx.post(f"{live.base_url}/v1/completions", json=plain, timeout=120).json()
+        assert text == expected["choices"][0]["text"]
+        assert usage == expected["usage"]
+    # Every API process's /metrics counts every request.
+    total = sum(8 + i for i in range(16))
+    for _ in range(6):
+        assert supervisor.metric('pagoda:request_success_total{finished_reason="length"}') == 16
+        assert supervisor.metric("pagoda:generation_tokens_total") == total
+        assert supervisor.metric("pagoda:num_requests_waiting") == 0
+
+
+def test_sigterm_stops_every_process(supervisor):
+    engine, servers = supervisor.pids()
+    assert all(alive(pid) for pid in [engine, *servers])
+    assert supervisor.stop(signal.SIGTERM) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in [engine, *servers]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in [engine, *servers])
+
+
+def test_a_dead_engine_stops_the_supervisor(tiny_gpt2_dir, tmp_path):
+    sup = Supervisor(tiny_gpt2_dir, tmp_path)
+    try:
+        sup.wait_ready()
+        engine, servers = sup.pids()
+        os.kill(engine, signal.SIGKILL)
+        assert sup.proc.wait(60) == 1
+        assert "pagoda-engine exited unexpectedly" in sup.log.read_text()
+        assert not any(alive(pid) for pid in servers)
+    finally:
+        sup.stop(signal.SIGKILL)
