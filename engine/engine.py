@@ -33,7 +33,7 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
-from engine.request import Request, RequestOutput, TokenLogprob, out_of_vocab
+from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob, out_of_vocab
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler
@@ -121,6 +121,8 @@ class Engine:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, choice_params
             )
+            eos = frozenset() if choice_params.ignore_eos else self.eos_set
+            req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
             choices.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = choices
@@ -214,7 +216,12 @@ class Engine:
                 token_ids = token_ids.tolist()  # waits for the step's copy to the host
             logprobs = step.logprobs
             now = time.time()
+            caching = self.blocks.enable_prefix_caching
+            block_size = self.blocks.block_size
+            news = self.news
             k = 0
+            # The hot loop (every scheduled request, every step): the common case
+            # is a token that neither fills a block nor can end the request.
             for s in step.scheduled:
                 req = s.request
                 if s.samples:
@@ -222,35 +229,38 @@ class Engine:
                     logprob = logprobs[k] if logprobs is not None else None
                     k += 1
                     req.num_inflight -= 1
-                if req.is_finished:
+                if req.status is RequestStatus.FINISHED:
                     continue  # stopped or aborted while this step ran: its work is void
-                self.blocks.cache_full_blocks(req)
+                all_ids = req.all_token_ids
+                if caching and min(req.num_computed_tokens, len(all_ids)) // block_size > len(
+                    req.block_hashes
+                ):
+                    self.blocks.cache_full_blocks(req)
                 if not s.samples:
                     continue  # a prefill chunk: nothing to show yet
-                req.append_token(token_id)
+                req.output_token_ids.append(token_id)
+                all_ids.append(token_id)
                 if logprob is not None:
                     req.pending_logprobs.append(logprob)
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
-                self._check_token_stop(req, token_id)
-                if req.params.stop:
+                if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
+                    self._check_token_stop(req, token_id)
+                params = req.params
+                if params.stop:
                     self._detokenize(req)  # a stop string must end it now, not when asked
-                if not req.params.final_only or req.is_finished:
-                    self.news[req] = None
+                if not params.final_only or req.status is RequestStatus.FINISHED:
+                    news[req] = None
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
+        """req just sampled token_id, one of its stop ids, or reached its length limit."""
         params = req.params
-        num_output = len(req.output_token_ids)
-        past_min = num_output >= params.min_tokens
+        past_min = len(req.output_token_ids) >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in self.eos_set:
             self._finish(req, "stop")
         elif past_min and token_id in params.stop_token_ids:
             self._finish(req, "stop", token_id)
-        elif (
-            params.max_tokens is not None
-            and num_output >= params.max_tokens
-            or len(req.all_token_ids) >= self.config.max_model_len
-        ):
+        elif len(req.all_token_ids) >= req.max_num_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

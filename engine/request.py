@@ -68,6 +68,12 @@ class Request:
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        # Tokens it may reach, prompt included: the scheduler caps it at max_model_len.
+        self.max_num_tokens = (
+            len(prompt_token_ids) + params.max_tokens if params.max_tokens is not None else 1 << 62
+        )
+        # Sampled ids that end it (EOS unless ignored, stop_token_ids): set by the engine.
+        self.stop_ids: frozenset[int] = frozenset()
         # Generated ids; all_token_ids is what the model has seen or will see.
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -111,13 +117,6 @@ class Request:
     def num_generated_tokens(self) -> int:
         """Output tokens so far, counting those still on the device."""
         return len(self.output_token_ids) + self.num_inflight
-
-    def reached_length(self, max_model_len: int) -> bool:
-        """No more tokens may be generated (the last may still be on the device)."""
-        max_tokens = self.params.max_tokens
-        return (max_tokens is not None and self.num_generated_tokens >= max_tokens) or len(
-            self.all_token_ids
-        ) + self.num_inflight >= max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -59,6 +59,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        req.max_num_tokens = min(req.max_num_tokens, self.config.max_model_len)
         self.waiting.append(req)
 
     @property
@@ -69,25 +70,32 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        max_model_len = self.config.max_model_len
+        # The hot loop (every running request, every step): locals, no calls
+        # in the common case of a decode whose last block has room.
+        block_size = self.blocks.block_size
+        running, scheduled = self.running, out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.num_inflight and req.reached_length(max_model_len):
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.all_token_ids) + req.num_inflight
+            if req.num_inflight and num_tokens >= req.max_num_tokens:
                 i += 1  # its last token is on the device: it finishes when that is read
                 continue
-            num_new = len(req.all_token_ids) + req.num_inflight - req.num_computed_tokens
+            start = req.num_computed_tokens
+            num_new = num_tokens - start
             if num_new > budget:
                 num_new = budget
-            while not self.blocks.allocate(req, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break  # req preempted itself: everything after it is gone too
-            out.scheduled.append(self._advance(req, num_new))
+            if start + num_new > len(req.block_ids) * block_size:  # it needs a block
+                while not self.blocks.allocate(req, num_new):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    break  # req preempted itself: everything after it is gone too
+            req.num_computed_tokens = start + num_new
+            scheduled.append(ScheduledRequest(req, num_new, start, start + num_new == num_tokens))
             budget -= num_new
             i += 1
 

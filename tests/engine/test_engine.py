@@ -76,6 +76,15 @@ def test_max_tokens_and_finish_reason(llm):
     assert choice.text == llm.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
 
 
+def test_without_max_tokens_the_context_length_ends_it(llm):
+    prompts = [[7] * 10, [7] * 63]  # 54 tokens to go; 1 (the prefill samples it)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        choice = out.outputs[0]
+        assert len(prompt) + len(choice.token_ids) == 64 and choice.finish_reason == "length"
+
+
 def test_unsupported_architecture_names_the_file(tmp_path, tiny_gpt2_dir):
     shutil.copytree(tiny_gpt2_dir, tmp_path / "m", dirs_exist_ok=True)
     config = json.loads((tmp_path / "m" / "config.json").read_text())

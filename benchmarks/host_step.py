@@ -1,0 +1,85 @@
+"""The host's work in a steady decode step, on any machine: the forward is stubbed out.
+
+    python -m benchmarks.host_step            # batch 64, the demo model, on the CPU
+    python -m benchmarks.host_step --batch 128 --repeats 9
+
+What the engine does in Python around each forward (schedule, write the step's
+metadata, sample, read the ids and apply stops) costs the same whatever the
+model, so it can be measured without a GPU: the forward returns a zero logits
+tensor, everything else is the real engine. Figures hold for the machine
+they were taken on; compare commits side by side in one run. On CUDA the
+copies, graph replay and sampler launch add their own host time: see
+`benchmarks.offline --profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from benchmarks.offline import _timed, start_decoding
+from engine import LLM
+
+PHASES = ["schedule", "fill", "execute", "sample", "process"]
+
+
+def measure(batch: int, context: int, steps: int, repeats: int) -> dict:
+    llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + steps * repeats + 64)
+    engine, runner = llm.engine, llm.engine.runner
+    start_decoding(engine, batch, context, max_tokens=steps * repeats + 32)
+    logits = torch.zeros(batch, engine.vocab_size)
+
+    def execute(step_batch):  # the runner's work without the model
+        num_seqs = len(step_batch.scheduled)
+        runner._fill(step_batch)
+        runner._send(num_seqs, num_seqs, 1, True)
+        return logits[:num_seqs]
+
+    runner.execute = execute
+    totals = dict.fromkeys(PHASES, 0.0)
+    wrapped = [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner, "_fill", "fill"),
+        (runner, "execute", "execute"),
+        (engine.sampler, "sample", "sample"),
+        (engine, "_process", "process"),
+    ]
+    for obj, attr, phase in wrapped:
+        setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
+    runs = []
+    for _ in range(repeats):
+        totals.update(dict.fromkeys(PHASES, 0.0))
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+        assert len(engine.scheduler.running) == batch, "requests finished during the run"
+        runs.append({"step": elapsed, **totals})
+    median = {k: 1e6 * statistics.median(r[k] for r in runs) / steps for k in runs[0]}
+    # fill runs inside execute; "other" is step() itself: lists, outputs, bookkeeping.
+    median["other"] = median["step"] - sum(median[k] for k in PHASES if k != "fill")
+    return {"batch": batch, "context": context, "steps": steps, "repeats": repeats} | {
+        f"{k}_us": round(v, 1) for k, v in median.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=100, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=150, help="decode steps per repeat")
+    p.add_argument("--repeats", type=int, default=5, help="the median repeat is reported")
+    args = p.parse_args(argv)
+    print(json.dumps(measure(args.batch, args.context, args.steps, args.repeats)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
