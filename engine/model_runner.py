@@ -204,13 +204,10 @@ class ModelRunner:
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
         table = self.block_table
-        row_len = table.num_blocks
-        for s in scheduled:
-            req = s.request
+        for s in batch.grown:
             if s.new_slot:
-                table.clear_row(req.slot)
-            if len(req.block_ids) > row_len[req.slot]:  # it gained a block
-                table.update_row(req.slot, req.block_ids)
+                table.clear_row(s.request.slot)
+            table.update_row(s.request.slot, s.request.block_ids)
 
         if batch.is_decode_only:
             self._fill_decode(scheduled)

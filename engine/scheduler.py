@@ -38,6 +38,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # The scheduled requests that gained blocks (the admitted ones among them): only
+    # their block-table rows change this step.
+    grown: list[ScheduledRequest] = field(default_factory=list)
 
     num_tokens: int = 0
 
@@ -85,7 +88,8 @@ class Scheduler:
             num_new = num_tokens - start
             if num_new > budget:
                 num_new = budget
-            if start + num_new > len(req.block_ids) * block_size:  # it needs a block
+            grows = start + num_new > len(req.block_ids) * block_size
+            if grows:
                 while not self.blocks.allocate(req, num_new):
                     victim = running[-1]
                     self._preempt(victim)
@@ -95,7 +99,10 @@ class Scheduler:
                 if req.status != RequestStatus.RUNNING:
                     break  # req preempted itself: everything after it is gone too
             req.num_computed_tokens = start + num_new
-            scheduled.append(ScheduledRequest(req, num_new, start, start + num_new == num_tokens))
+            entry = ScheduledRequest(req, num_new, start, start + num_new == num_tokens)
+            scheduled.append(entry)
+            if grows:
+                out.grown.append(entry)
             budget -= num_new
             i += 1
 
@@ -117,7 +124,9 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
-            out.scheduled.append(self._advance(req, num_new, new_slot=True))
+            entry = self._advance(req, num_new, new_slot=True)
+            out.scheduled.append(entry)
+            out.grown.append(entry)
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
         return out

@@ -148,3 +148,20 @@ def test_piecewise_token_buckets_double_then_step_by_256_to_the_budget():
     assert sizes == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert EngineConfig(max_num_batched_tokens=40).piecewise_token_sizes() == [16, 32, 40]
     assert EngineConfig(max_num_batched_tokens=8192).piecewise_token_sizes()[-1] == 2048
+
+
+def test_only_requests_that_gained_blocks_are_grown():
+    sched = setup(block_size=4)
+    sched.add(req("a", 3))
+    sched.add(req("b", 4))
+    out = sched.schedule()  # both admitted: both rows start fresh
+    assert [(s.request.request_id, s.new_slot) for s in out.grown] == [("a", True), ("b", True)]
+    grown = []
+    for _ in range(5):
+        for s in out.scheduled:
+            s.request.append_token(7)
+        out = sched.schedule()
+        grown.append(sorted(s.request.request_id for s in out.grown))
+    # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
+    assert grown == [["b"], ["a"], [], [], ["b"]]
+    assert all(not s.new_slot for s in out.grown)
