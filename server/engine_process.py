@@ -160,10 +160,6 @@ class EngineProcess:
         self._on_exit()
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
     def is_alive(self) -> bool:
         # A shared engine's death closes the pipe, which ends the reader.
         return (
