@@ -26,7 +26,7 @@ from server.engine_process import Clients, spawn_engine
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from tests.server.conftest import MAX_MODEL_LEN, engine_config
-from tests.server.test_concurrency import stream_text
+from tests.server.test_concurrency import assert_streams_match, greedy_stream_bodies, stream_text
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -236,17 +236,7 @@ def supervisor(tiny_gpt2_dir, tmp_path_factory):
 
 
 async def test_streams_from_either_api_process_match_the_thread_engine(supervisor, live):
-    bodies = [
-        {
-            "prompt": f"Process {i} says",
-            "max_tokens": 8 + i,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for i in range(16)
-    ]
+    bodies = greedy_stream_bodies("Process", 16, 8)
 
     # Separate clients, so the connections spread over the API processes.
     async def one(body: dict) -> tuple[str, dict]:
@@ -254,11 +244,7 @@ async def test_streams_from_either_api_process_match_the_thread_engine(superviso
             return await stream_text(client, body)
 
     streamed = await asyncio.gather(*(one(b) for b in bodies))
-    for body, (text, usage) in zip(bodies, streamed, strict=True):
-        plain = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-        expected = httpx.post(f"{live.base_url}/v1/completions", json=plain, timeout=120).json()
-        assert text == expected["choices"][0]["text"]
-        assert usage == expected["usage"]
+    assert_streams_match(live.base_url, bodies, streamed)
     # Every API process's /metrics counts every request.
     total = sum(8 + i for i in range(16))
     for _ in range(6):

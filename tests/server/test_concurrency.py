@@ -27,6 +27,30 @@ async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]
     return text, usage
 
 
+def greedy_stream_bodies(prompt: str, count: int, first_max_tokens: int) -> list[dict]:
+    """`count` greedy streamed completions of growing length, each with a usage chunk."""
+    return [
+        {
+            "prompt": f"{prompt} {i} says",
+            "max_tokens": first_max_tokens + i,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(count)
+    ]
+
+
+def assert_streams_match(base_url: str, bodies: list[dict], streamed: list) -> None:
+    """Each stream's text and usage equal the server at base_url's plain answer."""
+    for body, (text, usage) in zip(bodies, streamed, strict=True):
+        plain = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        expected = httpx.post(f"{base_url}/v1/completions", json=plain, timeout=120).json()
+        assert text == expected["choices"][0]["text"]
+        assert usage == expected["usage"]
+
+
 async def stream_completion(client: httpx.AsyncClient, i: int, max_tokens: int) -> tuple[str, int]:
     body = {
         "prompt": f"Request number {i}:",

@@ -15,7 +15,12 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from tests.server.conftest import LiveServer, engine_config
-from tests.server.test_concurrency import drop_after, stream_text
+from tests.server.test_concurrency import (
+    assert_streams_match,
+    drop_after,
+    greedy_stream_bodies,
+    stream_text,
+)
 
 
 def completion(base_url: str, body: dict) -> httpx.Response:
@@ -39,24 +44,10 @@ def test_engine_runs_in_another_process(proc):
 
 
 async def test_streams_match_the_thread_engine(proc, live):
-    bodies = [
-        {
-            "prompt": f"Stream {i} says",
-            "max_tokens": 12 + i,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for i in range(16)
-    ]
+    bodies = greedy_stream_bodies("Stream", 16, 12)
     async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as client:
         streamed = await asyncio.gather(*(stream_text(client, b) for b in bodies))
-    for body, (text, usage) in zip(bodies, streamed, strict=True):
-        plain = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
-        expected = completion(live.base_url, plain).json()
-        assert text == expected["choices"][0]["text"]
-        assert usage == expected["usage"]
+    assert_streams_match(live.base_url, bodies, streamed)
 
 
 def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
