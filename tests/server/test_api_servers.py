@@ -215,6 +215,13 @@ class Supervisor:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
+    def close(self) -> None:
+        """After a test, pass or fail: SIGTERM first, so no API process outlives it."""
+        try:
+            self.stop(signal.SIGTERM, timeout=30)
+        except subprocess.TimeoutExpired:
+            self.stop(signal.SIGKILL)
+
 
 def alive(pid: int) -> bool:
     """Running (a zombie, exited but not yet reaped, is not)."""
@@ -232,7 +239,7 @@ def supervisor(tiny_gpt2_dir, tmp_path_factory):
         sup.wait_ready()
         yield sup
     finally:
-        sup.stop(signal.SIGKILL)
+        sup.close()
 
 
 async def test_streams_from_either_api_process_match_the_thread_engine(supervisor, live):
@@ -273,4 +280,4 @@ def test_a_dead_engine_stops_the_supervisor(tiny_gpt2_dir, tmp_path):
         assert "pagoda-engine exited unexpectedly" in sup.log.read_text()
         assert not any(alive(pid) for pid in servers)
     finally:
-        sup.stop(signal.SIGKILL)
+        sup.close()
