@@ -39,10 +39,10 @@ def main(argv: list[str]) -> int:
     start_decoding(engine, batch, CONTEXT, max_tokens=600)
 
     batch_out = engine.scheduler.schedule()
-    assert batch_out.is_decode_only and len(batch_out.scheduled) == batch
+    assert batch_out.is_decode_only and len(batch_out.requests) == batch
     runner._fill(batch_out)
-    bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.scheduled))
-    runner._pad_decode(len(batch_out.scheduled), bucket)
+    bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.requests))
+    runner._pad_decode(len(batch_out.requests), bucket)
     inp = runner._send(bucket, bucket, 1, True)
     graph = runner.graphs[bucket]
     for _ in range(10):

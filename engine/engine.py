@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,15 +37,16 @@ from engine.models.loader import (
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob, out_of_vocab
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass
 class LaunchedStep:
-    """A step on its way: what ran, and its sampled ids (a host list, or a handle
-    whose tolist() waits for the device's copy)."""
+    """A step on its way: what ran, which of it sampled, and the sampled ids (a host
+    list, or a handle whose tolist() waits for the device's copy)."""
 
-    scheduled: list[ScheduledRequest]
+    batch: SchedulerOutput
+    sampling: list[Request]
     token_ids: list[int] | SampledIds | None  # None: no request sampled
     logprobs: list[TokenLogprob | None] | None = None
 
@@ -133,7 +135,7 @@ class Engine:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
         if self.inflight is not None and all(
-            s.request.is_finished for s in self.inflight.scheduled
+            req.is_finished for req in self.inflight.batch.requests
         ):
             self.inflight = None  # nothing left to read: its device work is simply void
 
@@ -172,10 +174,9 @@ class Engine:
         if batch:
             with self._nvtx("forward"):
                 logits = self.runner.execute(batch)
-            sampling = [s for s in batch.scheduled if s.samples]
-            requests = [s.request for s in sampling]
+            sampling = batch.sampling()
             sync = not self.config.async_scheduling or any(
-                req.params.needs_sync for req in requests
+                req.params.needs_sync for req in sampling
             )
             if sync and prev is not None:
                 self._process(prev)
@@ -183,20 +184,21 @@ class Engine:
             token_ids = None
             if sampling:
                 with self._nvtx("sample"):
-                    if len(sampling) < len(batch.scheduled):
-                        rows = [i for i, s in enumerate(batch.scheduled) if s.samples]
+                    if batch.chunked:
+                        chunked = set(batch.chunked)
+                        rows = [i for i in range(len(batch.requests)) if i not in chunked]
                         logits = logits[rows]
-                    token_ids = self.sampler.sample(logits, requests)
-                for req in requests:
+                    token_ids = self.sampler.sample(logits, sampling)
+                for req in sampling:
                     req.num_inflight += 1
             if not sync:
                 ids = self.runner.keep_sampled(token_ids) if sampling else None
-                self.inflight = LaunchedStep(batch.scheduled, ids)
+                self.inflight = LaunchedStep(batch, sampling, ids)
             elif sampling:
-                sampled = self.sampler.read(logits, token_ids, requests)
-                self._process(LaunchedStep(batch.scheduled, sampled.token_ids, sampled.logprobs))
+                sampled = self.sampler.read(logits, token_ids, sampling)
+                self._process(LaunchedStep(batch, sampling, sampled.token_ids, sampled.logprobs))
             else:  # prefill chunks only: nothing to read, blocks to register
-                self._process(LaunchedStep(batch.scheduled, None))
+                self._process(LaunchedStep(batch, sampling, None))
         if prev is not None:
             self._process(prev)
         return self.take_outputs() if emit else []
@@ -214,36 +216,31 @@ class Engine:
             token_ids = step.token_ids
             if token_ids is not None and not isinstance(token_ids, list):
                 token_ids = token_ids.tolist()  # waits for the step's copy to the host
-            logprobs = step.logprobs
-            now = time.time()
+            if not step.sampling:
+                return  # prefill chunks only: the scheduler registers their full blocks
             caching = self.blocks.enable_prefix_caching
-            block_size = self.blocks.block_size
+            logprobs = step.logprobs or itertools.repeat(None)
+            now = time.time()
             news = self.news
-            k = 0
-            # The hot loop (every scheduled request, every step): the common case
-            # is a token that neither fills a block nor can end the request.
-            for s in step.scheduled:
-                req = s.request
-                if s.samples:
-                    token_id = token_ids[k]
-                    logprob = logprobs[k] if logprobs is not None else None
-                    k += 1
-                    req.num_inflight -= 1
+            # The hot loop (every sampling request, every step): as few operations as
+            # the common case allows. Full blocks are registered for the prefix cache
+            # here only at the first token (a sibling choice waits for the prompt's
+            # blocks); later ones when the scheduler opens the next block, and when
+            # the blocks are freed.
+            for req, token_id, logprob in zip(step.sampling, token_ids, logprobs):
+                req.num_inflight -= 1
                 if req.status is RequestStatus.FINISHED:
                     continue  # stopped or aborted while this step ran: its work is void
+                out_ids = req.output_token_ids
+                if not out_ids:
+                    req.metrics.first_token_time = now
+                    if caching:
+                        self.blocks.cache_full_blocks(req)
                 all_ids = req.all_token_ids
-                if caching and min(req.num_computed_tokens, len(all_ids)) // block_size > len(
-                    req.block_hashes
-                ):
-                    self.blocks.cache_full_blocks(req)
-                if not s.samples:
-                    continue  # a prefill chunk: nothing to show yet
-                req.output_token_ids.append(token_id)
+                out_ids.append(token_id)
                 all_ids.append(token_id)
                 if logprob is not None:
                     req.pending_logprobs.append(logprob)
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
                 if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
                     self._check_token_stop(req, token_id)
                 params = req.params

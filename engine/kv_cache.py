@@ -124,6 +124,7 @@ class BlockManager:
                 self.block_hash[block] = h
 
     def free(self, req: Request) -> None:
+        self.cache_full_blocks(req)  # what it filled since it last opened a block
         # Tail blocks first, so a shared prefix outlives the suffixes behind it.
         for block in reversed(req.block_ids):
             self.ref_count[block] -= 1

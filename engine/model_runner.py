@@ -24,7 +24,7 @@ from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.piecewise import PiecewiseGraphs
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
@@ -141,6 +141,7 @@ class ModelRunner:
         )
         self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self.parity = 0
+        self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -201,21 +202,22 @@ class ModelRunner:
         """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
         if self.copies_done is not None:
             self.wait(self.copies_done)  # last step's copies must have read the buffers
-        scheduled = batch.scheduled
-        num_seqs = len(scheduled)
+        requests = batch.requests
+        num_seqs = len(requests)
         table = self.block_table
-        for s in batch.grown:
-            if s.new_slot:
-                table.clear_row(s.request.slot)
-            table.update_row(s.request.slot, s.request.block_ids)
+        for i in batch.grown:
+            req = requests[i]
+            if i >= batch.first_admitted:
+                table.clear_row(req.slot)
+            table.update_row(req.slot, req.block_ids)
 
         if batch.is_decode_only:
-            self._fill_decode(scheduled)
+            self._fill_decode(batch)
             return num_seqs, 1
 
-        num_new = np.array([s.num_new_tokens for s in scheduled], dtype=np.int64)
-        num_computed = np.array([s.start for s in scheduled], dtype=np.int64)
-        slots = np.array([s.request.slot for s in scheduled], dtype=np.int64)
+        num_new = np.array(batch.num_new_tokens, dtype=np.int64)
+        num_computed = np.array(batch.starts, dtype=np.int64)
+        slots = np.array([req.slot for req in requests], dtype=np.int64)
         num_tokens = int(num_new.sum())
 
         qsl = self.buf["query_start_loc"]
@@ -235,44 +237,47 @@ class ModelRunner:
         ids, gather = self.buf["input_ids"], self.buf["input_gather"]
         gather[:num_tokens] = self.ids_offset + self.arange[:num_tokens]
         pos = 0
-        for s in scheduled:
-            req, end = s.request, s.start + s.num_new_tokens
+        for req, start, n in zip(requests, batch.starts, batch.num_new_tokens):
+            end = start + n
             known = min(end, len(req.all_token_ids))
-            ids[pos : pos + known - s.start] = req.all_token_ids[s.start : known]
+            ids[pos : pos + known - start] = req.all_token_ids[start:known]
             if known < end:  # the last token was sampled last step and is still on the device
-                gather[pos + s.num_new_tokens - 1] = self.sampled_offset + req.sample_row
-            pos += s.num_new_tokens
-        self._assign_sample_rows(s.request for s in scheduled if s.samples)
+                gather[pos + n - 1] = self.sampled_offset + req.sample_row
+            pos += n
+        self._assign_sample_rows(batch.sampling())
         return num_tokens, int(num_new.max())
 
-    def _fill_decode(self, scheduled: list[ScheduledRequest]) -> None:
+    def _fill_decode(self, batch: SchedulerOutput) -> None:
         """The hot path: one new token per sequence, so most metadata is an arange."""
-        n = len(scheduled)
-        reqs = [s.request for s in scheduled]
+        reqs = batch.requests
+        n = len(reqs)
+        arange = self.arange[:n]
         positions = self.buf["positions"][:n]
-        positions[:] = [s.start for s in scheduled]
+        positions[:] = batch.starts
         slots = self.buf["slot_indices"][:n]
-        slots[:] = [r.slot for r in reqs]
-        # Usually every input is last step's sampled id, still on the device.
-        on_host = [i for i, s in enumerate(scheduled) if s.start < len(s.request.all_token_ids)]
+        slots[:] = [req.slot for req in reqs]
         gather = self.buf["input_gather"][:n]
-        gather[:] = [r.sample_row for r in reqs]
+        if reqs == self.sampled_for:  # the same batch as last step: row i sampled sequence i
+            gather[:] = arange
+        else:
+            gather[:] = [req.sample_row for req in reqs]
+            self._assign_sample_rows(reqs)
         gather += self.sampled_offset
-        for i in on_host:
-            req = scheduled[i].request
-            self.buf["input_ids"][i] = req.all_token_ids[scheduled[i].start]
+        # Usually every input is last step's sampled id, still on the device; one the
+        # host has read already (num_inflight 0) is taken from the host's ids.
+        for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
+            self.buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
             gather[i] = self.ids_offset + i
         self.buf["seq_lens"][:n] = positions + 1
         self.buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
-        self.buf["logits_indices"][:n] = self.arange[:n]
+        self.buf["logits_indices"][:n] = arange
         self._slot_mapping(slots, positions, n)
-        self._assign_sample_rows(reqs)
 
-    @staticmethod
-    def _assign_sample_rows(reqs) -> None:
+    def _assign_sample_rows(self, reqs: list) -> None:
         """The engine samples the sampling requests in batch order: row k is the k-th."""
         for k, req in enumerate(reqs):
             req.sample_row = k
+        self.sampled_for = reqs
 
     def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
         """slot = block * block_size + offset, read off the block table's host mirror."""
@@ -286,12 +291,8 @@ class ModelRunner:
     def _send(
         self, num_tokens: int, num_seqs: int, max_query_len: int, is_decode: bool
     ) -> ModelInput:
-        """Two non-blocking copies (int64 and int32 fields) into the static device tensors."""
-        self.block_table.commit()
-        self.i64.send()
-        self.i32.send()
-        if self.copies_done is not None:
-            self.copies_done.record()
+        """The step's copies, and device views of what they fill."""
+        self._copy()
         i64, i32 = self.i64.gpu, self.i32.gpu
         return ModelInput(
             input_gather=i64["input_gather"][:num_tokens],
@@ -305,17 +306,26 @@ class ModelRunner:
             is_decode=is_decode,
         )
 
+    def _copy(self) -> None:
+        """Two non-blocking copies (int64 and int32 fields) into the static device
+        tensors, plus the block-table rows that changed."""
+        self.block_table.commit()
+        self.i64.send()
+        self.i32.send()
+        if self.copies_done is not None:
+            self.copies_done.record()
+
     # -- forward ----------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
         """Logits [num_seqs, vocab] at each scheduled sequence's last new token."""
-        num_seqs = len(batch.scheduled)
+        num_seqs = len(batch.requests)
         num_tokens, max_query_len = self._fill(batch)
         if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
             bucket = next(b for b in sorted(self.graphs) if b >= num_seqs)
             self._pad_decode(num_seqs, bucket)
-            self._send(bucket, bucket, 1, True)
+            self._copy()  # the graph reads the static tensors: no views to build
             self.graphs[bucket].replay()
             return self.graph_logits[bucket][:num_seqs]
         bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None

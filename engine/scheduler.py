@@ -25,31 +25,38 @@ from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    start: int  # tokens computed before this step: the first new token's position
-    samples: bool  # the step reaches the end of the request's tokens, so it samples one
-    new_slot: bool = False  # admitted this step: its block-table row starts empty
-
-
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """One step, in batch order (running requests, then those admitted), as parallel
+    lists: a decode costs three appends, not an object."""
+
+    requests: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # tokens computed before: first new position
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Batch indices of prefill chunks that stop short of the request's tokens: they
+    # sample nothing. Every other entry samples one token.
+    chunked: list[int] = field(default_factory=list)
+    # Batch indices of the requests that gained blocks: only their block-table rows
+    # change. Those from first_admitted on were admitted now: their rows start empty.
+    grown: list[int] = field(default_factory=list)
+    first_admitted: int = 0
     preempted: list[Request] = field(default_factory=list)
-    # The scheduled requests that gained blocks (the admitted ones among them): only
-    # their block-table rows change this step.
-    grown: list[ScheduledRequest] = field(default_factory=list)
 
     num_tokens: int = 0
 
     @property
     def is_decode_only(self) -> bool:
-        return self.num_tokens == len(self.scheduled)
+        return self.num_tokens == len(self.requests)
+
+    def sampling(self) -> list[Request]:
+        """The requests that sample this step, in batch order."""
+        if not self.chunked:
+            return self.requests
+        chunked = set(self.chunked)
+        return [req for i, req in enumerate(self.requests) if i not in chunked]
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.requests)
 
 
 class Scheduler:
@@ -73,21 +80,35 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
-        # The hot loop (every running request, every step): locals, no calls
-        # in the common case of a decode whose last block has room.
+        # The hot loop (every running request, every step): locals and no calls for
+        # the common case, a decode whose token lands in a block it already has.
         block_size = self.blocks.block_size
-        running, scheduled = self.running, out.scheduled
+        running, requests, starts, num_new_tokens = (
+            self.running,
+            out.requests,
+            out.starts,
+            out.num_new_tokens,
+        )
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_tokens = len(req.all_token_ids) + req.num_inflight
-            if req.num_inflight and num_tokens >= req.max_num_tokens:
-                i += 1  # its last token is on the device: it finishes when that is read
-                continue
+            i += 1
             start = req.num_computed_tokens
-            num_new = num_tokens - start
-            if num_new > budget:
-                num_new = budget
+            num_tokens = len(req.all_token_ids) + req.num_inflight
+            # start % block_size != 0: position start shares a block with start - 1.
+            if num_tokens == start + 1 and start % block_size and num_tokens < req.max_num_tokens:
+                req.num_computed_tokens = num_tokens
+                requests.append(req)
+                starts.append(start)
+                num_new_tokens.append(1)
+                budget -= 1
+                continue
+            if req.num_inflight and num_tokens >= req.max_num_tokens:
+                continue  # its last token is on the device: it finishes when that is read
+            # A block may have filled since req was last here: the fast path above
+            # never crosses a block boundary.
+            self.blocks.cache_full_blocks(req)
+            num_new = min(num_tokens - start, budget)
             grows = start + num_new > len(req.block_ids) * block_size
             if grows:
                 while not self.blocks.allocate(req, num_new):
@@ -98,14 +119,10 @@ class Scheduler:
                         break
                 if req.status != RequestStatus.RUNNING:
                     break  # req preempted itself: everything after it is gone too
-            req.num_computed_tokens = start + num_new
-            entry = ScheduledRequest(req, num_new, start, start + num_new == num_tokens)
-            scheduled.append(entry)
-            if grows:
-                out.grown.append(entry)
+            self._add(out, req, num_new, grows)
             budget -= num_new
-            i += 1
 
+        out.first_admitted = len(requests)
         now = time.time()
         while self.waiting and budget > 0 and self.free_slots and not out.preempted:
             req = self.waiting[0]
@@ -124,19 +141,24 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
-            entry = self._advance(req, num_new, new_slot=True)
-            out.scheduled.append(entry)
-            out.grown.append(entry)
+            self._add(out, req, num_new, grown=True)
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
         return out
 
     @staticmethod
-    def _advance(req: Request, num_new: int, new_slot: bool = False) -> ScheduledRequest:
+    def _add(out: SchedulerOutput, req: Request, num_new: int, grown: bool) -> None:
+        """Schedule num_new more of req's tokens (the hot loop inlines the decode case)."""
+        index = len(out.requests)
         start = req.num_computed_tokens
-        req.num_computed_tokens += num_new
-        samples = req.num_computed_tokens == len(req.all_token_ids) + req.num_inflight
-        return ScheduledRequest(req, num_new, start, samples, new_slot)
+        req.num_computed_tokens = start + num_new
+        out.requests.append(req)
+        out.starts.append(start)
+        out.num_new_tokens.append(num_new)
+        if start + num_new < len(req.all_token_ids) + req.num_inflight:
+            out.chunked.append(index)
+        if grown:
+            out.grown.append(index)
 
     @staticmethod
     def _prefilled(req: Request) -> bool:

@@ -22,8 +22,8 @@ def count_rows(engine) -> dict[str, int]:
     execute = engine.runner.execute
 
     def counting(batch):
-        for s in batch.scheduled:
-            rows[s.request.request_id] = rows.get(s.request.request_id, 0) + 1
+        for req in batch.requests:
+            rows[req.request_id] = rows.get(req.request_id, 0) + 1
         return execute(batch)
 
     engine.runner.execute = counting

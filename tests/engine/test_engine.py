@@ -212,3 +212,41 @@ def test_aborted_request_drops_its_untaken_news(llm):
     while engine.has_unfinished_requests():
         engine.step(emit=False)
     assert [out.request_id for out in engine.take_outputs()] == ["kept"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("max_tokens", [5, 6, 7])
+def test_a_follow_up_prompt_finds_every_computed_full_block(
+    tiny_gpt2_dir, max_tokens, async_scheduling
+):
+    # A chat's next turn repeats the last answer: every block whose KV was computed
+    # (all but the last sampled token) must be in the prefix cache, including one
+    # that filled on the answer's final computed token (6 + 7 - 1 = 12).
+    llm = LLM(
+        tiny_gpt2_dir,
+        device="cpu",
+        block_size=4,
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+    )
+    prompt = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    (first,) = llm.generate(prompt, params, use_tqdm=False)
+    answer = first.outputs[0].token_ids
+    (second,) = llm.generate(prompt + answer + [11, 12, 13, 14, 15], params, use_tqdm=False)
+    computed = len(prompt) + max_tokens - 1
+    assert second.num_cached_tokens == computed // 4 * 4
+
+
+def test_a_running_request_shares_the_blocks_it_has_filled(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("long", [5, 6, 7, 8, 9, 10], params)
+    a = engine.requests["long"][0]
+    while len(a.output_token_ids) < 8:  # positions 0-11 computed: three full blocks
+        engine.step()
+    engine.add_request("b", a.all_token_ids[:12] + [11], SamplingParams(max_tokens=1))
+    engine.step()
+    assert engine.requests["b"][0].num_cached_tokens == 12
+    while engine.has_unfinished_requests():
+        engine.step()

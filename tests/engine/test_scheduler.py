@@ -21,11 +21,16 @@ def req(name: str, n: int) -> Request:
 def run_step(sched: Scheduler) -> dict[str, int]:
     """Schedule, then pretend the model ran and its ids were read at once: token 7."""
     out = sched.schedule()
-    for s in out.scheduled:
-        sched.blocks.cache_full_blocks(s.request)
-        if s.samples:
-            s.request.append_token(7)
-    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+    for r in out.requests:
+        sched.blocks.cache_full_blocks(r)
+    for r in out.sampling():
+        r.append_token(7)
+    return {r.request_id: n for r, n in zip(out.requests, out.num_new_tokens, strict=True)}
+
+
+def entry(out, i: int = 0) -> tuple[int, int, bool]:
+    """(start, num_new_tokens, samples) of the i-th scheduled request."""
+    return out.starts[i], out.num_new_tokens[i], i not in out.chunked
 
 
 def test_budget_chunks_prefill_and_keeps_decodes_first():
@@ -104,12 +109,10 @@ def test_token_in_flight_is_scheduled_before_the_host_reads_it():
     sched = setup()
     a = req("a", 5)
     sched.add(a)
-    first = sched.schedule().scheduled[0]
-    assert (first.start, first.num_new_tokens, first.samples) == (0, 5, True)
+    assert entry(sched.schedule()) == (0, 5, True)
     a.num_inflight = 1  # sampled on the device; the host has not read it
-    second = sched.schedule().scheduled[0]
     # The unread token is the next input: position 5, one past the known tokens.
-    assert (second.start, second.num_new_tokens, second.samples) == (5, 1, True)
+    assert entry(sched.schedule()) == (5, 1, True)
     assert a.num_computed_tokens == 6 and a.num_tokens == 5
 
 
@@ -122,7 +125,7 @@ def test_length_reached_in_flight_is_not_scheduled_again():
     sched.schedule()
     a.num_inflight = b.num_inflight = 1
     # a's only token is on the device: it finishes when read, so it gets no row.
-    assert [s.request for s in sched.schedule().scheduled] == [b]
+    assert sched.schedule().requests == [b]
 
 
 def test_preempted_request_waits_for_its_token_in_flight():
@@ -155,13 +158,13 @@ def test_only_requests_that_gained_blocks_are_grown():
     sched.add(req("a", 3))
     sched.add(req("b", 4))
     out = sched.schedule()  # both admitted: both rows start fresh
-    assert [(s.request.request_id, s.new_slot) for s in out.grown] == [("a", True), ("b", True)]
+    assert (out.grown, out.first_admitted) == ([0, 1], 0)
     grown = []
     for _ in range(5):
-        for s in out.scheduled:
-            s.request.append_token(7)
+        for r in out.requests:
+            r.append_token(7)
         out = sched.schedule()
-        grown.append(sorted(s.request.request_id for s in out.grown))
+        assert out.first_admitted == 2  # nobody admitted: no row starts fresh
+        grown.append(sorted(out.requests[i].request_id for i in out.grown))
     # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
     assert grown == [["b"], ["a"], [], [], ["b"]]
-    assert all(not s.new_slot for s in out.grown)
