@@ -28,19 +28,27 @@ from engine import LLM
 PHASES = ["schedule", "fill", "execute", "sample", "process"]
 
 
+def stub_forward(engine) -> None:
+    """Replace the engine's forward with fixed logits (every row picks the token for
+    "a", so a stream shows text); the runner still writes and copies each step's
+    metadata, as before a graph replay."""
+    runner = engine.runner
+    logits = torch.zeros(runner.max_num_seqs, engine.vocab_size, device=runner.device)
+    logits[:, engine.tokenizer.encode("a")[-1]] = 1.0
+
+    def execute(step_batch):  # the runner's work without the model
+        runner._fill(step_batch)
+        runner._copy()
+        return logits[: len(step_batch.requests)]
+
+    runner.execute = execute
+
+
 def measure(batch: int, context: int, steps: int, repeats: int) -> dict:
     llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + steps * repeats + 64)
     engine, runner = llm.engine, llm.engine.runner
     start_decoding(engine, batch, context, max_tokens=steps * repeats + 32)
-    logits = torch.zeros(batch, engine.vocab_size)
-
-    def execute(step_batch):  # the runner's work without the model
-        num_seqs = len(step_batch.requests)
-        runner._fill(step_batch)
-        runner._copy()  # as before a graph replay
-        return logits[:num_seqs]
-
-    runner.execute = execute
+    stub_forward(engine)
     totals = dict.fromkeys(PHASES, 0.0)
     wrapped = [
         (engine.scheduler, "schedule", "schedule"),

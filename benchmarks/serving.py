@@ -142,10 +142,12 @@ def offline_throughput(args: argparse.Namespace, out_dir: Path) -> dict:
 class Server:
     """`python -m server` in its own process group, killed on any exit."""
 
-    def __init__(self, args: argparse.Namespace, out_dir: Path):
+    def __init__(
+        self, args: argparse.Namespace, out_dir: Path, launcher: tuple[str, ...] = ("-m", "server")
+    ):
         self.port = args.port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "server", "--host", "127.0.0.1"]
+        self.command = [sys.executable, *launcher, "--host", "127.0.0.1"]
         self.command += ["--port", str(self.port)]
         self.command += ["--model", args.model] if args.model else []
         self.command += ["--enforce-eager"] if args.enforce_eager else []

@@ -125,18 +125,14 @@ def _api_server_main(
     import uvicorn
 
     from server.app import create_app
+    from server.cli import uvicorn_config
 
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s (api {share.index}): %(message)s",
     )
     app = create_app(engine_config, server_config, engine_endpoint=endpoint, metrics_share=share)
-    config = uvicorn.Config(
-        app,
-        log_level=server_config.log_level,
-        timeout_graceful_shutdown=server_config.shutdown_timeout,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, server_config))  # host and port unused: sock
     # uvicorn re-raises the signal it stopped on: SIGTERM then ends this process as
     # SIGTERM would have, which the supervisor expects while stopping.
     with contextlib.suppress(KeyboardInterrupt):

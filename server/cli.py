@@ -9,6 +9,8 @@ import argparse
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from engine.config import EngineConfig
 from server.config import ServerConfig
@@ -138,6 +140,12 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         default=_SERVER.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
     )
+    s.add_argument(
+        "--disable-uvicorn-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no log line per HTTP request (a few %% of the API process's CPU under load)",
+    )
     return p
 
 
@@ -173,6 +181,7 @@ def parse_configs(
             max_request_body_bytes=args.max_request_body_bytes,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
+            access_log=args.access_log,
             engine_process=args.engine_process,
             api_server_count=args.api_server_count,
         )
@@ -181,7 +190,27 @@ def parse_configs(
     return engine_config, server_config
 
 
-def serve(argv: list[str] | None = None, prog: str = "pagoda serve") -> int:
+def uvicorn_config(app: Any, server_config: ServerConfig) -> Any:
+    """uvicorn's settings for serving `app` (one API process's, when there are several)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        access_log=server_config.access_log,
+        timeout_graceful_shutdown=server_config.shutdown_timeout,
+    )
+
+
+def serve(
+    argv: list[str] | None = None,
+    prog: str = "pagoda serve",
+    engine_factory: Callable[[EngineConfig], Any] | None = None,
+) -> int:
+    """Run the server; `engine_factory` (picklable: the engine process may be spawned)
+    stands in for the real engine, as benchmarks.api_cost does."""
     import uvicorn  # imported here so `pagoda --help` stays quick
 
     from server.app import create_app
@@ -194,16 +223,9 @@ def serve(argv: list[str] | None = None, prog: str = "pagoda serve") -> int:
     if server_config.api_server_count > 1:
         from server.api_servers import run_api_servers
 
-        return run_api_servers(engine_config, server_config)
-    app = create_app(engine_config, server_config)
-    config = uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-        timeout_graceful_shutdown=server_config.shutdown_timeout,
-    )
-    server = uvicorn.Server(config)
+        return run_api_servers(engine_config, server_config, engine_factory)
+    app = create_app(engine_config, server_config, engine_factory)
+    server = uvicorn.Server(uvicorn_config(app, server_config))
     # Handles SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
     # Afterwards uvicorn re-raises the signal; uvicorn.run swallows that Ctrl-C too.
     with contextlib.suppress(KeyboardInterrupt):

@@ -20,6 +20,7 @@ def test_defaults_match_the_design():
     assert server.api_key is None and server.allowed_origins == []
     assert not server.engine_process  # the engine thread, as the design says
     assert server.api_server_count == 1
+    assert server.access_log  # uvicorn's default, as vLLM keeps it
 
 
 def test_every_flag_maps_to_its_field():
@@ -29,7 +30,8 @@ def test_every_flag_maps_to_its_field():
         "--max-num-batched-tokens 512 --max-model-len 1024 --served-model-name demo "
         "--api-key k --enforce-eager --no-piecewise-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
-        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3"
+        "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
+        "--disable-uvicorn-access-log"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -57,6 +59,15 @@ def test_every_flag_maps_to_its_field():
     assert (server.max_waiting_requests, server.max_request_body_bytes) == (5, 1000)
     assert (server.shutdown_timeout, server.log_level) == (2.0, "debug")
     assert server.engine_process and server.api_server_count == 3
+    assert not server.access_log
+
+
+def test_uvicorn_gets_the_server_settings():
+    _, server = cli.parse_configs(shlex.split("--port 9002 --shutdown-timeout 3"))
+    config = cli.uvicorn_config(object(), server)
+    assert (config.port, config.timeout_graceful_shutdown, config.access_log) == (9002, 3.0, True)
+    _, quiet = cli.parse_configs(["--disable-uvicorn-access-log"])
+    assert cli.uvicorn_config(object(), quiet).access_log is False
 
 
 def test_several_api_servers_imply_the_engine_process():
