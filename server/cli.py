@@ -144,7 +144,7 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "--disable-uvicorn-access-log",
         dest="access_log",
         action="store_false",
-        help="no log line per HTTP request (a few %% of the API process's CPU under load)",
+        help="no log line per HTTP request (vLLM's flag of the same name)",
     )
     return p
 

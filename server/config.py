@@ -16,7 +16,7 @@ class ServerConfig:
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     log_level: str = "info"
-    # uvicorn's line per request is ~7% of an API process's event-loop time under
+    # uvicorn's line per request is ~7% of an API process's event-loop samples under
     # load (py-spy on benchmarks.api_cost); vLLM's flag of the same name turns it off.
     access_log: bool = True
     # The engine in its own process instead of a thread of this one: the event loop
