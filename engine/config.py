@@ -81,6 +81,12 @@ class EngineConfig:
         sizes += list(range(8, self.max_num_seqs, 8))
         return sizes + [self.max_num_seqs]
 
+    def cuda_graph_bucket_table(self) -> list[int]:
+        """Entry n: the decode bucket a batch of n sequences replays (the smallest that
+        holds it), looked up per step instead of searched."""
+        sizes = self.cuda_graph_batch_sizes()
+        return [min(b for b in sizes if b >= n) for n in range(self.max_num_seqs + 1)]
+
     def piecewise_token_sizes(self) -> list[int]:
         """Token buckets for steps with prefill: 16 to 256 doubling, then every 256, up to
         max_num_batched_tokens or 2048 (past that a step is GPU-bound: it runs eagerly)."""

@@ -148,6 +148,7 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}
         if config.use_cuda_graphs:
             self._capture_decode_graphs()
+        self.decode_bucket = config.cuda_graph_bucket_table()
         self.piecewise: PiecewiseGraphs | None = None
         if config.use_piecewise_graphs:
             self._capture_piecewise_graphs()
@@ -323,8 +324,9 @@ class ModelRunner:
         num_seqs = len(batch.requests)
         num_tokens, max_query_len = self._fill(batch)
         if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
-            bucket = next(b for b in sorted(self.graphs) if b >= num_seqs)
-            self._pad_decode(num_seqs, bucket)
+            bucket = self.decode_bucket[num_seqs]
+            if bucket > num_seqs:
+                self._pad_decode(num_seqs, bucket)
             self._copy()  # the graph reads the static tensors: no views to build
             self.graphs[bucket].replay()
             return self.graph_logits[bucket][:num_seqs]
@@ -392,8 +394,8 @@ class ModelRunner:
         self.buf["slot_mapping"][start:end] = -1
         self.buf["seq_lens"][start:end] = 0
         self.buf["slot_indices"][start:end] = 0
-        self.buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
-        self.buf["logits_indices"][start:end] = np.arange(start, end)
+        self.buf["query_start_loc"][start + 1 : end + 1] = self.arange[start + 1 : end + 1]
+        self.buf["logits_indices"][start:end] = self.arange[start:end]
 
     def _pad_tokens(self, start: int, end: int) -> None:
         """Padded tokens of a piecewise step: id 0 at position 0, stored nowhere, and

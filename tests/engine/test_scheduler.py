@@ -146,6 +146,13 @@ def test_preempted_request_waits_for_its_token_in_flight():
     assert b.num_computed_tokens == 10
 
 
+def test_a_decode_batch_replays_the_smallest_bucket_that_holds_it():
+    config = EngineConfig(max_num_seqs=20)
+    assert config.cuda_graph_batch_sizes() == [1, 2, 4, 8, 16, 20]
+    table = config.cuda_graph_bucket_table()
+    assert table[1:] == [1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20]
+
+
 def test_piecewise_token_buckets_double_then_step_by_256_to_the_budget():
     sizes = EngineConfig(max_num_batched_tokens=2048).piecewise_token_sizes()
     assert sizes == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
