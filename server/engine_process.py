@@ -24,22 +24,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
+import operator
 import signal
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, Batch, EngineLoop, Report
 from server.errors import APIError
 
 logger = logging.getLogger("pagoda.server")
+
+
+def _positional(cls: type) -> Callable[[Any], tuple]:
+    """Pickle a dataclass as its constructor's arguments: no per-object dict of
+    field names. Half the pickling and a third of the unpickling of a report."""
+    fields = operator.attrgetter(*[f.name for f in dataclasses.fields(cls)])
+    return lambda obj: (cls, fields(obj))
+
+
+# Every step's report carries one of these per request with news.
+for _cls in (RequestOutput, RequestMetrics, TokenLogprob):
+    ForkingPickler.register(_cls, _positional(_cls))
 
 
 @dataclass

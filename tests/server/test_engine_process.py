@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from server.app import create_app
 from server.config import ServerConfig
 from tests.server.conftest import LiveServer, engine_config
@@ -100,3 +101,19 @@ def test_shutdown_stops_the_engine_process(tiny_gpt2_dir):
     assert completion(server.base_url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
     server.stop()
     assert not process.is_alive() and process.exitcode == 0
+
+
+def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import server.engine_process  # noqa: F401  (registers the reducers)
+
+    logprob = TokenLogprob(17, -0.25, 1, [(17, -0.25), (3, -2.0)])
+    out = RequestOutput(
+        "cmpl-1-0", 0, [17, 18], "ab", [logprob], True, "stop", 18, 9, 2, 4,
+        RequestMetrics(1.0, 2.0, 3.0, 4.0),
+    )  # fmt: skip
+    wire = bytes(ForkingPickler.dumps({"cmpl-1-0": [out]}))
+    assert pickle.loads(wire) == {"cmpl-1-0": [out]}
+    assert b"new_token_ids" not in wire and b"first_token_time" not in wire
