@@ -70,7 +70,10 @@ def descendants(pid: int) -> list[int]:
 
 def server_processes(root: int, engine_pid: int) -> dict[str, int]:
     """Role -> pid: the engine, and the API process(es) (the root itself unless it
-    is a supervisor of several). multiprocessing's resource tracker is left out."""
+    is a supervisor of several). multiprocessing's resource tracker is left out.
+    Without --engine-process the engine is a thread of the one server process."""
+    if engine_pid == root:
+        return {"api+engine": root}
     roles = {"engine": engine_pid}
     apis = []
     for pid in descendants(root):
@@ -92,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--server-args",
         default="--engine-process",
-        help="server flags (the demo model, on the CPU; the forward is stubbed)",
+        help="server flags (the demo model, on the CPU; the forward is stubbed); without "
+        "--engine-process the engine is a thread and one figure covers both",
     )
     p.add_argument("--num-requests", type=int, default=400)
     p.add_argument("--concurrency", type=int, default=64)
@@ -128,22 +132,22 @@ def serve(argv: list[str], profile: str | None) -> int:
 
 def measure(args: argparse.Namespace, out_dir: Path) -> dict:
     pid_file = out_dir / "engine.pid"
-    os.environ[ENGINE_PID_FILE] = str(pid_file)  # the server's processes inherit it
+    env = os.environ | {ENGINE_PID_FILE: str(pid_file)}  # the server's processes inherit it
     if args.profile:
-        os.environ[PROFILE_FILE] = str(args.profile.resolve())
+        env[PROFILE_FILE] = str(args.profile.resolve())
     server_args = f"--device cpu {args.server_args}"
     server = Server(
         argparse.Namespace(port=None, model=None, enforce_eager=False, server_args=server_args),
         out_dir,
         launcher=("-m", "benchmarks.api_cost", "--serve"),
     )
-    server.start(timeout=300)
+    server.start(timeout=300, env=env)
     try:
         deadline = time.monotonic() + 60
         while not pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         if not pid_file.exists():
-            raise RuntimeError("the engine never recorded its pid: not an --engine-process server?")
+            raise RuntimeError("the engine never recorded its pid")
         roles = server_processes(server.proc.pid, int(pid_file.read_text()))
         base = [
             "--base-url", server.base_url, "--input-len-range", str(args.input_len), str(args.input_len),

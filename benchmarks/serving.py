@@ -155,11 +155,15 @@ class Server:
         self.log_path = out_dir / "server.log"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float) -> None:
+    def start(self, timeout: float, env: dict[str, str] | None = None) -> None:
         print(f"server: {shlex.join(self.command)}", flush=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
             )
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout
