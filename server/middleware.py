@@ -45,8 +45,11 @@ class BodySizeLimit:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(scope, receive, send)
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._reject(scope, receive, send)
+            else:  # the server reads no more than declared: no wrappers on every chunk sent
+                await self.app(scope, receive, send)
             return
 
         received = 0
