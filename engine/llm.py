@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.heap import freeze_startup_heap
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
         self.engine = Engine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
+        freeze_startup_heap()  # no full collection pauses a long generate() on the model's objects
 
     def generate(
         self,

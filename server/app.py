@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
+from engine.heap import freeze_startup_heap
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.engine_process import EngineEndpoint
@@ -72,6 +73,7 @@ def create_app(
         serving = Serving(async_engine, server_config.served_model_name)
         app.state.serving = serving
         logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)
+        freeze_startup_heap()  # startup is over: what is alive now lives until shutdown
         try:
             yield
         finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
@@ -99,6 +100,7 @@ class EngineLoop:
 
     def build(self) -> Any:
         self.engine = self._factory(self._config)
+        freeze_startup_heap()  # the engine and its model live as long as the loop
         self._report({}, time.time(), self.engine.get_stats(), [])
         return self.engine
 

@@ -8,6 +8,7 @@ winners and never hinges on a rounding-level tie.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,19 @@ PROMPTS = [
     "Emoji: 😀 🚀",
     "A paged KV cache stores keys and values in fixed-size blocks",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap():
+    """Servers and LLMs freeze the heap once started (engine/heap.py). In this one
+    long-lived process that would keep every finished test's engine alive."""
+    yield
+    gc.unfreeze()
+
+
+def is_frozen(obj) -> bool:
+    """Tracked by the collector but in none of its generations: frozen."""
+    return gc.is_tracked(obj) and all(o is not obj for o in gc.get_objects())
 
 
 @pytest.fixture(scope="session")

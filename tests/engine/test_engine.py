@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 
@@ -11,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.loader import ModelLoadError, load_model
 from engine.request import out_of_vocab
+from tests.conftest import is_frozen
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,15 @@ def test_demo_model_is_built_and_served():
         "Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_an_llm_keeps_the_collector_off_its_startup_heap(tiny_gpt2_dir):
+    gc.unfreeze()
+    llm = LLM(tiny_gpt2_dir, device="cpu", max_model_len=64)
+    assert is_frozen(llm.engine) and is_frozen(llm.engine.scheduler)
+    # What a request allocates later is still collected.
+    [out] = llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not is_frozen(out)
 
 
 def test_slots_reused_across_calls_and_preemption_give_same_outputs(tiny_gpt2_dir):

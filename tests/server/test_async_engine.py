@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 
@@ -11,6 +12,7 @@ import pytest
 from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
+from tests.conftest import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 
 
@@ -80,3 +82,14 @@ def test_shutdown_aborts_in_flight_requests_and_stops_the_thread(tiny_gpt2_dir):
     assert not async_engine.is_alive
     assert not async_engine.engine.has_unfinished_requests()
     assert async_engine.engine.get_stats().kv_cache_usage == 0
+
+
+def test_startup_keeps_the_collector_off_the_engine_and_the_app(tiny_gpt2_dir):
+    gc.unfreeze()
+    app = create_app(engine_config(tiny_gpt2_dir), ServerConfig())
+    live = LiveServer(app).start()
+    try:
+        assert is_frozen(app.state.async_engine.engine)  # built on the engine thread
+        assert is_frozen(app.state.serving)  # built by the lifespan, after the engine
+    finally:
+        live.stop()

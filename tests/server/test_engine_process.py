@@ -4,6 +4,7 @@ its stats, aborts and 4xx checks cross the pipe; its death and shutdown are clea
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ import pytest
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from server.app import create_app
 from server.config import ServerConfig
+from server.engine_loop import EngineLoop
+from tests.conftest import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 from tests.server.test_concurrency import (
     assert_streams_match,
@@ -101,6 +104,29 @@ def test_shutdown_stops_the_engine_process(tiny_gpt2_dir):
     assert completion(server.base_url, {"prompt": "Hi", "max_tokens": 2}).status_code == 200
     server.stop()
     assert not process.is_alive() and process.exitcode == 0
+
+
+class StubEngine:
+    def get_stats(self) -> dict:
+        return {}
+
+
+def test_the_engine_loop_keeps_the_collector_off_what_its_factory_built():
+    # The engine process's first act (_child_main) is EngineLoop.build().
+    gc.unfreeze()
+    loop = EngineLoop(None, lambda config: StubEngine(), lambda *report: None)
+    assert is_frozen(loop.build())
+
+
+def test_the_api_process_keeps_the_collector_off_its_startup_heap(tiny_gpt2_dir):
+    gc.unfreeze()
+    app = create_app(engine_config(tiny_gpt2_dir), ServerConfig(engine_process=True))
+    server = LiveServer(app).start()
+    try:
+        assert is_frozen(app.state.async_engine.engine.tokenizer)  # loaded after the engine
+        assert is_frozen(app.state.serving)
+    finally:
+        server.stop()
 
 
 def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
