@@ -331,9 +331,11 @@ def _child_main(
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
-    # Ctrl-C reaches the whole process group: the API processes drain their
-    # connections and then let this one go through the pipe.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and systemd or `kill -- -PGID` send
+    # SIGTERM to it: the API processes drain their streams, which need this one,
+    # and then let it go through the pipe.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     clients = Clients(outboxes, credits)
     ready = threading.Event()
 

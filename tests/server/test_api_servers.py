@@ -5,6 +5,7 @@ its own requests; the supervisor shares one port and merges /metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import re
@@ -181,7 +182,11 @@ class Supervisor:
         ]  # fmt: skip
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server", *args], cwd=ROOT, stdout=log, stderr=log
+                [sys.executable, "-m", "server", *args],
+                cwd=ROOT,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # a group of its own, which a test may signal
             )
 
     def wait_ready(self, timeout: float = 120) -> None:
@@ -268,6 +273,27 @@ def test_sigterm_stops_every_process(supervisor):
     while any(alive(pid) for pid in [engine, *servers]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in [engine, *servers])
+
+
+def test_sigterm_to_the_whole_group_lets_streams_finish(tiny_gpt2_dir, tmp_path):
+    # As systemd stops a service: every process gets SIGTERM at once. The engine
+    # must outlive the API processes' drain, not cut the streams it feeds.
+    sup = Supervisor(tiny_gpt2_dir, tmp_path)
+    try:
+        sup.wait_ready()
+        body = {"prompt": "Hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{sup.base_url}/v1/completions", json=body, timeout=60) as r:
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            chunks = [next(events)]
+            os.killpg(sup.proc.pid, signal.SIGTERM)
+            chunks += list(events)
+        assert chunks[-1] == "data: [DONE]"
+        last = json.loads(chunks[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert sup.proc.wait(60) == 0
+        assert "exited unexpectedly" not in sup.log.read_text()
+    finally:
+        sup.close()
 
 
 def test_a_dead_engine_stops_the_supervisor(tiny_gpt2_dir, tmp_path):
