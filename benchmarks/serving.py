@@ -9,8 +9,12 @@
    `--base-url` benchmarks an already running server instead (Pagoda or any
    OpenAI-compatible one) and starts nothing.
 3. A sweep of Poisson request rates, stopping once output throughput stops
-   growing, then `inf` (everything at once): throughput vs the offline figure,
-   TTFT/ITL/TPOT percentiles per rate.
+   growing, then `inf` (everything at once), then closed loops at each
+   `--concurrency` (a new request as soon as one finishes): throughput vs the
+   offline figure, TTFT/ITL/TPOT percentiles per run. `inf` pays for the burst
+   (thousands of connections opened at once, an idle GPU meanwhile) within a
+   run of a few seconds; a closed loop holds the server at saturation from the
+   first request to the last, which is what the offline figure measures.
 4. The seeds' streaming workload (64 requests 20 ms apart, prompt "Hello", 128
    tokens each, ignore_eos; published on GPT-2) beside the published figures.
 
@@ -76,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seconds-per-rate", type=float, default=30.0, help="requests = rate * S")
     sweep.add_argument("--min-requests", type=int, default=32)
     sweep.add_argument("--max-requests", type=int, default=600, help="also the inf run's count")
+    sweep.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        help="closed-loop runs of --max-requests at these in-flight counts",
+    )
     sweep.add_argument("--request-timeout", type=float, default=300.0)
     sweep.add_argument("--seed", type=int, default=0)
     sweep.add_argument(
@@ -257,8 +268,14 @@ def sweep(args: argparse.Namespace, base: list[str], out_dir: Path, offline: flo
             print(f"saturated at {rate:g} req/s: output throughput stopped growing", flush=True)
             break
         best = max(best, rows[-1]["output_throughput"])
-    # Everything at once: the server's best throughput, to set beside the offline figure.
+    # Everything at once, then held at saturation: to set beside the offline figure.
     rows.append(run_rate(math.inf))
+    for c in args.concurrency:
+        argv = [*common, "--concurrency", str(c), "--num-requests", str(args.max_requests)]
+        # Overrides base's --workers: a client process holds at least one request.
+        argv += ["--workers", str(min(args.client_workers, c))]
+        result = run_loadtest(argv, out_dir / f"concurrency_{c}")
+        rows.append({"rate": f"c{c}", "concurrency": c, **summarize(result, offline)})
     return rows
 
 
@@ -302,7 +319,7 @@ def plot_sweep(rows: list[dict], offline: float | None, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    finite = [r for r in rows if r["rate"] != "inf"]
+    finite = [r for r in rows if "concurrency" not in r and r["rate"] != "inf"]
     if not finite:
         return False
     rates = [float(r["rate"]) for r in finite]
@@ -311,6 +328,9 @@ def plot_sweep(rows: list[dict], offline: float | None, path: Path) -> bool:
     for r in rows:
         if r["rate"] == "inf":
             ax1.axhline(r["output_throughput"], color="C1", ls="--", label="all at once")
+        elif "concurrency" in r:
+            label = f"{r['concurrency']} in flight"
+            ax1.axhline(r["output_throughput"], color="C3", ls="-.", label=label)
     if offline:
         ax1.axhline(offline, color="C2", ls=":", label="offline engine")
     ax1.set(xscale="log", xlabel="request rate (req/s)", ylabel="tokens/s", title="Throughput")
