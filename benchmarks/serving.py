@@ -236,6 +236,7 @@ def summarize(result: dict, offline_tok_s: float | None) -> dict:
         "output_throughput": m["output_throughput"],
         "total_token_throughput": m["total_token_throughput"],
         "output_vs_offline": m["output_throughput"] / offline_tok_s if offline_tok_s else None,
+        "client_busy_max": max(result.get("client_busy") or [0.0]),
         **{
             f"{name}_{q}_ms": pick(m[name], q)
             for name in ("ttft", "itl", "tpot", "e2el")

@@ -19,7 +19,7 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from queue import Empty
@@ -34,6 +34,7 @@ from clients.stream import request_body, stream_request
 from clients.workload import DatasetWorkload, FixedWorkload, RandomWorkload, Workload
 
 DEFAULT_PROMPT = "Hello, my name is"
+CLIENT_BUSY = 0.9  # a client process on the CPU more than this share of a run is a suspect
 
 
 class LoadTestError(Exception):
@@ -49,6 +50,9 @@ class LoadTestResult:
     warmup_records: list[RequestRecord]
     metrics: BenchmarkMetrics
     notes: list[str]
+    # CPU time / run time of each client process over the measured requests: near 1
+    # means the client, not the server, may have set the pace.
+    client_busy: list[float] = field(default_factory=list)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,6 +220,7 @@ def result_notes(
     records: list[RequestRecord],
     t0: float,
     warmup: Sequence[RequestRecord] = (),
+    client_busy: Sequence[float] = (),
 ) -> list[str]:
     notes = []
     warmup_failed = [r for r in warmup if not r.ok]
@@ -229,6 +234,11 @@ def result_notes(
         notes.append(
             f"requests left the client up to {1000 * lag:.0f} ms behind the arrival schedule "
             "(client busy?): the offered load was below --request-rate"
+        )
+    if client_busy and max(client_busy) > CLIENT_BUSY:
+        notes.append(
+            f"a client process was on the CPU {100 * max(client_busy):.0f}% of the run: "
+            "the server may have been measured at the client's pace (raise --workers)"
         )
     done = [r for r in records if r.ok]
     missing = sum(not r.usage_reported for r in done)
@@ -313,15 +323,17 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         try:
             if args.workers > 1:
-                t0, records = await asyncio.to_thread(_run_workers, args, model, bar)
+                t0, records, cpu = await asyncio.to_thread(_run_workers, args, model, bar)
             else:
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 records = await _measured(args, send, t0)
+                cpu = [time.process_time() - cpu0]
         finally:
             bar.close()
         duration = time.perf_counter() - t0
 
     metrics = compute_metrics(records, duration, args.slos_ms)
+    busy = [c / duration for c in cpu] if duration > 0 else []
     return LoadTestResult(
         model=model,
         started_at=started_at,
@@ -329,7 +341,8 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
         records=records,
         warmup_records=warmup,
         metrics=metrics,
-        notes=result_notes(args, records, t0, warmup),
+        notes=result_notes(args, records, t0, warmup, busy),
+        client_busy=busy,
     )
 
 
@@ -343,7 +356,7 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
 
 def _run_workers(
     args: argparse.Namespace, model: str, bar: tqdm
-) -> tuple[float, list[RequestRecord]]:
+) -> tuple[float, list[RequestRecord], list[float]]:
     ctx = multiprocessing.get_context("spawn")
     n = args.workers
     ready, ticks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -365,9 +378,12 @@ def _run_workers(
         start.value = time.perf_counter() + 0.01
         go.set()
         records: list[RequestRecord] = []
+        cpu = [0.0] * n
         done: set[int] = set()
         for _ in range(n):
-            worker, part = _get(results, procs, done, "a client process died", ticks, bar)
+            worker, part, cpu[worker] = _get(
+                results, procs, done, "a client process died", ticks, bar
+            )
             done.add(worker)
             records += part
     finally:
@@ -375,7 +391,7 @@ def _run_workers(
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
-    return start.value, sorted(records, key=lambda r: r.index)
+    return start.value, sorted(records, key=lambda r: r.index), cpu
 
 
 def _get(queue, procs, done: set[int], died: str, ticks=None, bar: tqdm | None = None):
@@ -398,19 +414,24 @@ def _get(queue, procs, done: set[int], died: str, ticks=None, bar: tqdm | None =
 
 def _worker_main(args, model, share, ready, go, start, ticks, results) -> None:
     try:
-        records = asyncio.run(_worker_run(args, model, share, ready, go, start, ticks))
-        results.put((share[0], records))
+        records, cpu = asyncio.run(_worker_run(args, model, share, ready, go, start, ticks))
+        results.put((share[0], records, cpu))
     except BaseException as exc:  # the parent turns it into a LoadTestError
         ready.put(f"{type(exc).__name__}: {exc}")
         results.put(f"{type(exc).__name__}: {exc}")
 
 
-async def _worker_run(args, model, share, ready, go, start, ticks) -> list[RequestRecord]:
+async def _worker_run(
+    args, model, share, ready, go, start, ticks
+) -> tuple[list[RequestRecord], float]:
+    """This process's records and the CPU time it spent on them."""
     async with _client(args) as client:
         send = _sender(client, args, model, make_workload(args), lambda: ticks.put(1))
         ready.put(share[0])
         await asyncio.to_thread(go.wait)
-        return await _measured(args, send, start.value, share)
+        cpu0 = time.process_time()
+        records = await _measured(args, send, start.value, share)
+        return records, time.process_time() - cpu0
 
 
 def result_json(args: argparse.Namespace, result: LoadTestResult, argv: list[str]) -> dict:
@@ -423,6 +444,7 @@ def result_json(args: argparse.Namespace, result: LoadTestResult, argv: list[str
         "started_at": result.started_at,
         "metrics": result.metrics.to_json(),
         "notes": result.notes,
+        "client_busy": result.client_busy,
         "records": [r.to_json(result.t0) for r in result.records],
         "warmup_records": [r.to_json(result.t0) for r in result.warmup_records],
     }

@@ -244,6 +244,13 @@ def test_schedule_lag_is_reported():
     assert loadtest.result_notes(args, on_time, 10.0) == []
 
 
+def test_a_busy_client_is_reported():
+    args = loadtest.parse_checked(["--concurrency", "2"])
+    assert loadtest.result_notes(args, [], 0.0, client_busy=[0.4, 0.7]) == []
+    [note] = loadtest.result_notes(args, [], 0.0, client_busy=[0.4, 0.97])
+    assert "on the CPU 97% of the run" in note and "--workers" in note
+
+
 def test_malformed_streams_fail_only_their_request(fake, tmp_path):
     dataset = tmp_path / "bad.jsonl"
     prompts = ["[bad-json]", "[bad-event] list", "[bad-event] dict", "fine"]
@@ -306,6 +313,8 @@ def test_client_processes_share_one_schedule(fake, tmp_path):
     )  # fmt: skip
     assert rc == 0
     assert [r.index for r in records_of(result)] == [0, 1, 2]
+    # Each process's CPU share of the run: a fraction of it here (mostly waiting).
+    assert len(result["client_busy"]) == 2 and all(0 < b < 1 for b in result["client_busy"])
 
 
 def test_workers_beyond_concurrency_are_refused():
