@@ -288,6 +288,7 @@ class Engine:
         self._detokenize(req)
         if req.params.final_only and not req.is_finished:
             return None
+        first = req.num_emitted_tokens == 0
         new_ids = req.output_token_ids[req.num_emitted_tokens :]
         req.num_emitted_tokens = req.num_output_tokens
         logprobs: list[TokenLogprob] | None = None
@@ -305,7 +306,7 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics,
+            metrics=req.metrics if first or req.is_finished else None,
         )
 
     def _nvtx(self, name: str):

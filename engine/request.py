@@ -49,7 +49,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     num_cached_tokens: int  # prompt tokens served by the prefix cache
-    metrics: RequestMetrics
+    # On a choice's outputs up to its first token, and on its last: what the latency
+    # metrics read (TTFT, queue time, E2E). None in between, so that the engine
+    # process's reports do not pickle it again every step (half of their bytes).
+    metrics: RequestMetrics | None
 
 
 class Request:

@@ -69,6 +69,20 @@ def test_aborted_request_gets_no_more_outputs(llm):
     assert engine.step() == []
 
 
+def test_latency_metrics_ride_on_the_first_and_last_outputs_only(llm):
+    engine = llm.engine
+    engine.add_request("m", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    with_tokens = [o for o in outs if o.new_token_ids]
+    assert len(with_tokens) >= 3  # streamed: first, middle, last
+    first, last = with_tokens[0], outs[-1]
+    assert first.metrics.first_token_time >= first.metrics.first_scheduled_time
+    assert last.finished and last.metrics.finished_time >= first.metrics.first_token_time
+    assert all(o.metrics is None for o in with_tokens[1:-1])
+
+
 def test_max_tokens_and_finish_reason(llm):
     out = llm.generate(
         "Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False
