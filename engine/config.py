@@ -31,6 +31,9 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0  # seeds the engine generator used by unseeded requests
     nvtx: bool = False  # NVTX ranges around step phases, for nsys
+    # Seconds between the server's engine stats lines (server/stat_log.py); 0: none.
+    # vLLM's --disable-log-stats is an engine argument too.
+    log_stats_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -47,6 +50,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
+        if self.log_stats_interval < 0:
+            raise ValueError("log_stats_interval must be non-negative")
 
     @property
     def torch_device(self) -> torch.device:

@@ -92,6 +92,7 @@ class Engine:
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
+        self.num_sampled = 0  # sampled rows, cumulative (void ones included)
 
     # -- requests ---------------------------------------------------------
 
@@ -191,6 +192,7 @@ class Engine:
                     token_ids = self.sampler.sample(logits, sampling)
                 for req in sampling:
                     req.num_inflight += 1
+                self.num_sampled += len(sampling)
             if not sync:
                 ids = self.runner.keep_sampled(token_ids) if sampling else None
                 self.inflight = LaunchedStep(batch, sampling, ids)

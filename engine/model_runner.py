@@ -29,6 +29,9 @@ from engine.scheduler import SchedulerOutput
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
 
+STEP_PATHS = ("graph", "piecewise", "eager")
+
+
 class StagedFields:
     """Named arrays packed in one pinned host buffer, with numpy views for writing, and
     their device twin (the same tensor on CPU): a step's metadata travels in one copy.
@@ -143,6 +146,9 @@ class ModelRunner:
         self.parity = 0
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
+        # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
+        # prefill tokens), or eagerly. Read by the server's periodic stats line.
+        self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
@@ -329,14 +335,17 @@ class ModelRunner:
                 self._pad_decode(num_seqs, bucket)
             self._copy()  # the graph reads the static tensors: no views to build
             self.graphs[bucket].replay()
+            self.steps_by_path["graph"] += 1
             return self.graph_logits[bucket][:num_seqs]
         bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
         if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
             self._pad_tokens(num_tokens, bucket)
             inp = self._send(bucket, num_seqs, max_query_len, False)
             hidden = self.piecewise.replay(bucket, self._meta(inp))
+            self.steps_by_path["piecewise"] += 1
             return self.model.compute_logits(hidden[inp.logits_indices])
         inp = self._send(num_tokens, num_seqs, max_query_len, batch.is_decode_only)
+        self.steps_by_path["eager"] += 1
         return self._forward(inp)
 
     def _meta(self, inp: ModelInput) -> AttentionMetadata:

@@ -82,6 +82,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     e.add_argument("--seed", type=int, default=_ENGINE.seed, help="seed for unseeded requests")
     e.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
+    e.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help=f"no engine stats line every {_ENGINE.log_stats_interval:g} s under load",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default=_SERVER.host)
     s.add_argument("--port", type=int, default=_SERVER.port)
@@ -170,6 +175,7 @@ def parse_configs(
             async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,
+            log_stats_interval=0.0 if args.disable_log_stats else _ENGINE.log_stats_interval,
         )
         server_config = ServerConfig(
             host=args.host,

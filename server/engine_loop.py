@@ -27,6 +27,7 @@ from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
+from server.stat_log import StatLog
 
 logger = logging.getLogger("pagoda.server")
 
@@ -75,6 +76,7 @@ class EngineLoop:
         self._woken = False
         self._credit = Flag() if credit is None else credit
         self._active: dict[str, int] = {}  # engine request id -> unfinished choices
+        self._stat_log: StatLog | None = None
         self.engine: Any = None
 
     # ------------------------------------------------------------ any thread
@@ -100,6 +102,8 @@ class EngineLoop:
 
     def build(self) -> Any:
         self.engine = self._factory(self._config)
+        if self._config.log_stats_interval > 0:  # its first interval starts now, not at startup
+            self._stat_log = StatLog(self._config.log_stats_interval)
         freeze_startup_heap()  # the engine and its model live as long as the loop
         self._report({}, time.time(), self.engine.get_stats(), [])
         return self.engine
@@ -121,7 +125,10 @@ class EngineLoop:
                 while not (
                     self._inbox or self._stopping or self._woken or engine.has_unfinished_requests()
                 ):
+                    slept = time.monotonic()
                     self._cond.wait()
+                    if self._stat_log is not None:
+                        self._stat_log.idle(time.monotonic() - slept)
                 inbox, self._inbox = self._inbox, []
                 stopping, self._woken = self._stopping, False
             batch: Batch = {}
@@ -132,6 +139,8 @@ class EngineLoop:
                 return
             if engine.has_unfinished_requests():
                 self._step(batch)
+                if self._stat_log is not None:
+                    self._stat_log.maybe_log(engine)
             self._report(batch, time.time(), engine.get_stats(), added)
 
     def is_active(self, request_id: str) -> bool:

@@ -21,6 +21,7 @@ def test_defaults_match_the_design():
     assert not server.engine_process  # the engine thread, as the design says
     assert server.api_server_count == 1
     assert server.access_log  # uvicorn's default, as vLLM keeps it
+    assert engine.log_stats_interval == 10.0
 
 
 def test_every_flag_maps_to_its_field():
@@ -31,7 +32,7 @@ def test_every_flag_maps_to_its_field():
         "--api-key k --enforce-eager --no-piecewise-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
-        "--disable-uvicorn-access-log"
+        "--disable-uvicorn-access-log --disable-log-stats"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -48,7 +49,7 @@ def test_every_flag_maps_to_its_field():
     )
     assert engine.enforce_eager and not engine.enable_prefix_caching
     assert not engine.async_scheduling and not engine.piecewise_graphs
-    assert (engine.seed, engine.nvtx) == (7, True)
+    assert (engine.seed, engine.nvtx, engine.log_stats_interval) == (7, True, 0.0)
     assert (server.host, server.port, server.served_model_name, server.api_key) == (
         "0.0.0.0",
         9001,

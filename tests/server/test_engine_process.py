@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from engine.config import EngineConfig
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from server.app import create_app
 from server.config import ServerConfig
@@ -114,7 +115,7 @@ class StubEngine:
 def test_the_engine_loop_keeps_the_collector_off_what_its_factory_built():
     # The engine process's first act (_child_main) is EngineLoop.build().
     gc.unfreeze()
-    loop = EngineLoop(None, lambda config: StubEngine(), lambda *report: None)
+    loop = EngineLoop(EngineConfig(), lambda config: StubEngine(), lambda *report: None)
     assert is_frozen(loop.build())
 
 
