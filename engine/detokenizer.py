@@ -188,7 +188,7 @@ class IncrementalDetokenizer:
             end = len(text)
         else:  # only complete characters: no need to decode the pending ones
             text = self._text
-            end = len(text) - self._stop_prefix_len(text)
+            end = len(text) - self._stop_prefix_len(text) if self.params.stop else len(text)
         end = max(end, self._emitted_len)
         delta = text[self._emitted_len : end]
         self._emitted_len = end

@@ -270,15 +270,16 @@ class Engine:
 
     def _detokenize(self, req: Request) -> None:
         """Decode what req gained since last time; finish it at a stop string."""
-        new_ids = req.output_token_ids[req.num_detokenized_tokens :]
-        if not new_ids:
+        out_ids = req.output_token_ids
+        if req.num_detokenized_tokens == len(out_ids):
             return
-        if req.params.final_only and not req.params.stop:
+        new_ids = out_ids[req.num_detokenized_tokens :]
+        req.num_detokenized_tokens = len(out_ids)
+        params = req.params
+        if params.final_only and not params.stop:
             req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
-            stop_string = None
-        else:
-            stop_string = req.detokenizer.update(new_ids)
-        req.num_detokenized_tokens = req.num_output_tokens
+            return
+        stop_string = req.detokenizer.update(new_ids)
         if stop_string is not None:
             if req.is_finished:  # a token-level stop came first, but the text stops earlier
                 req.finish_reason, req.stop_reason = "stop", stop_string
@@ -286,29 +287,34 @@ class Engine:
                 self._finish(req, "stop", stop_string)
 
     def _output(self, req: Request) -> RequestOutput | None:
-        """The news since req's last output (None: a final-only request still running)."""
+        """The news since req's last output (None: a final-only request still running).
+
+        Runs for every streamed choice on every step that reports: attributes are
+        read once, and the output is built positionally."""
         self._detokenize(req)
-        if req.params.final_only and not req.is_finished:
+        finished = req.status is RequestStatus.FINISHED
+        params = req.params
+        if params.final_only and not finished:
             return None
-        first = req.num_emitted_tokens == 0
-        new_ids = req.output_token_ids[req.num_emitted_tokens :]
-        req.num_emitted_tokens = req.num_output_tokens
+        out_ids = req.output_token_ids
+        emitted = req.num_emitted_tokens
+        req.num_emitted_tokens = len(out_ids)
         logprobs: list[TokenLogprob] | None = None
-        if req.params.logprobs is not None:
+        if params.logprobs is not None:
             logprobs, req.pending_logprobs = req.pending_logprobs, []
         return RequestOutput(
-            request_id=req.request_id,
-            index=req.index,
-            new_token_ids=new_ids,
-            new_text=req.detokenizer.get_delta(req.is_finished),
-            new_logprobs=logprobs,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens,
-            metrics=req.metrics if first or req.is_finished else None,
+            req.request_id,
+            req.index,
+            out_ids[emitted:],
+            req.detokenizer.get_delta(finished),
+            logprobs,
+            finished,
+            req.finish_reason,
+            req.stop_reason,
+            len(req.prompt_token_ids),
+            len(out_ids),
+            req.num_cached_tokens,
+            req.metrics if emitted == 0 or finished else None,
         )
 
     def _nvtx(self, name: str):
