@@ -7,7 +7,9 @@ host, under serving load, each such pause took 200-370 ms, in the engine
 process (no GPU step is launched meanwhile) and in every API process (none of
 its streams moves). Frozen objects are never walked again, so a full
 collection costs what the requests in flight have allocated. vLLM freezes its
-startup heap the same way.
+startup heap the same way. The cost: what is frozen is never collected, so a
+process that builds engine after engine (a test suite) should `gc.unfreeze()`
+between them, as tests/conftest.py does.
 """
 
 from __future__ import annotations
