@@ -121,9 +121,10 @@ class Engine:
             req = Request(
                 request_id, prompt_token_ids, choice_params, index, arrival_time, wait_for=first
             )
-            req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, choice_params
-            )
+            if choice_params.detokenize:
+                req.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, choice_params
+                )
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
             choices.append(req)
@@ -291,9 +292,10 @@ class Engine:
 
         Runs for every streamed choice on every step that reports: attributes are
         read once, and the output is built positionally."""
-        self._detokenize(req)
-        finished = req.status is RequestStatus.FINISHED
         params = req.params
+        if params.detokenize:
+            self._detokenize(req)
+        finished = req.status is RequestStatus.FINISHED
         if params.final_only and not finished:
             return None
         out_ids = req.output_token_ids
@@ -306,7 +308,7 @@ class Engine:
             req.request_id,
             req.index,
             out_ids[emitted:],
-            req.detokenizer.get_delta(finished),
+            req.detokenizer.get_delta(finished) if params.detokenize else "",
             logprobs,
             finished,
             req.finish_reason,

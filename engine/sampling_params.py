@@ -30,6 +30,9 @@ class SamplingParams:
     # Report only when finished, as one delta holding everything (vLLM's
     # RequestOutputKind.FINAL_ONLY): no per-step outputs, text decoded once.
     final_only: bool = False
+    # False: outputs carry token ids and no text (vLLM's SamplingParams.detokenize).
+    # The server's API processes decode such streams themselves, off the engine.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +94,8 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "needs detokenize: a stop string is matched in the text")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative token ids")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, byte_table
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, Batch, EngineLoop, Flag
@@ -66,9 +67,17 @@ class RequestStream:
     this client request; an APIError ends it when the engine fails or shuts down.
     """
 
-    def __init__(self, owner: AsyncEngine, request_ids: list[str], n: int) -> None:
+    def __init__(
+        self,
+        owner: AsyncEngine,
+        request_ids: list[str],
+        n: int,
+        detokenizers: dict[tuple[str, int], IncrementalDetokenizer] | None = None,
+    ) -> None:
         self.request_ids = request_ids
         self._owner = owner
+        # (engine request id, choice) -> its decoder, when the engine sends ids only.
+        self._detokenizers = detokenizers
         self._queue: asyncio.Queue[list[RequestOutput] | APIError] = asyncio.Queue()
         self._unfinished = {(rid, i) for rid in request_ids for i in range(n)}
         self.last_token_time: dict[tuple[str, int], float] = {}  # for inter-token latency
@@ -107,6 +116,11 @@ class RequestStream:
             self.finished = True
             self._unfinished.clear()
         else:
+            if self._detokenizers is not None:
+                for out in item:  # in step order, as the engine would have decoded them
+                    decoder = self._detokenizers[out.request_id, out.index]
+                    decoder.update(out.new_token_ids)
+                    out.new_text = decoder.get_delta(out.finished)
             for out in item:
                 if out.finished:
                     self._unfinished.discard((out.request_id, out.index))
@@ -172,6 +186,7 @@ class AsyncEngine:
             self._backend = process
             info = await process.start()
             info.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
+            await asyncio.to_thread(byte_table, info.tokenizer)  # built once, before a request
             self.engine = info
             return
         ready: asyncio.Future[None] = self._loop.create_future()
@@ -218,7 +233,20 @@ class AsyncEngine:
         ids = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
-        stream = RequestStream(self, ids, params.n)
+        detokenizers = None
+        if self._use_process and params.detokenize and not params.stop:
+            # Decoded here, not in the engine process: at saturation the engine's host
+            # side is the limit and the API processes have cores to spare (vLLM decodes
+            # in its front-end too). Stop strings must end a request at the right token,
+            # so such requests are still decoded in the engine.
+            tokenizer = self.engine.tokenizer
+            detokenizers = {
+                (rid, i): IncrementalDetokenizer(tokenizer, prompt, params)
+                for rid, prompt in zip(ids, prompts, strict=True)
+                for i in range(params.n)
+            }
+            params = dataclasses.replace(params, detokenize=False)
+        stream = RequestStream(self, ids, params.n, detokenizers)
         now = time.time()
         with self._lock:
             waiting = self._metrics.in_transit() + (self.stats.num_waiting if self.stats else 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import shutil
@@ -81,6 +82,27 @@ def test_latency_metrics_ride_on_the_first_and_last_outputs_only(llm):
     assert first.metrics.first_token_time >= first.metrics.first_scheduled_time
     assert last.finished and last.metrics.finished_time >= first.metrics.first_token_time
     assert all(o.metrics is None for o in with_tokens[1:-1])
+
+
+def test_without_detokenize_outputs_carry_ids_and_no_text(llm):
+    engine = llm.engine
+    texts = {}
+    for detokenize in (True, False):
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request(
+            str(detokenize), [1, 2, 3], dataclasses.replace(params, detokenize=detokenize)
+        )
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        texts[detokenize] = (
+            [t for o in outs for t in o.new_token_ids],
+            "".join(o.new_text for o in outs),
+        )
+    assert texts[False][0] == texts[True][0] and texts[True][1]
+    assert texts[False][1] == ""
+    with pytest.raises(ValueError, match="stop needs detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
 
 
 def test_max_tokens_and_finish_reason(llm):

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from server.app import create_app
 from server.config import ServerConfig
-from server.engine_loop import EngineLoop
+from server.engine_loop import Add, EngineLoop
 from tests.conftest import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 from tests.server.test_concurrency import (
@@ -53,6 +53,40 @@ async def test_streams_match_the_thread_engine(proc, live):
     async with httpx.AsyncClient(base_url=proc.base_url, timeout=120) as client:
         streamed = await asyncio.gather(*(stream_text(client, b) for b in bodies))
     assert_streams_match(live.base_url, bodies, streamed)
+
+
+async def choice_texts(base_url: str, body: dict) -> dict[int, str]:
+    """Each choice's text, streamed."""
+    texts: dict[int, str] = {}
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+async def test_the_api_process_decodes_what_needs_no_stop_string(proc, live, monkeypatch):
+    # The engine process sends ids only; a stream with stop strings it still decodes
+    # itself, to end it at the right token. Either way the text is the thread engine's.
+    backend = proc.app.state.async_engine._backend
+    sent: list = []
+    put = backend.put
+    monkeypatch.setattr(backend, "put", lambda items: (sent.extend(items), put(items)))
+    common = {"max_tokens": 60, "temperature": 0.9, "seed": 3, "n": 2, "stream": True}
+    bodies = [
+        {"prompt": "Emoji: 😀 🚀 中文", **common},
+        {"prompt": "Emoji: 😀 🚀 中文", "stop": ["e"], **common},
+    ]
+    for body in bodies:
+        texts = await choice_texts(proc.base_url, body)
+        assert texts == await choice_texts(live.base_url, body)
+        assert texts[0] and texts[0] != texts[1]
+    adds = [item for item in sent if isinstance(item, Add)]
+    assert [add.params.detokenize for add in adds] == [False, True]
 
 
 def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
