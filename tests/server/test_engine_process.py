@@ -85,8 +85,10 @@ async def test_the_api_process_decodes_what_needs_no_stop_string(proc, live, mon
         texts = await choice_texts(proc.base_url, body)
         assert texts == await choice_texts(live.base_url, body)
         assert texts[0] and texts[0] != texts[1]
+        plain = completion(proc.base_url, body | {"stream": False}).json()["choices"]
+        assert {c["index"]: c["text"] for c in plain} == texts
     adds = [item for item in sent if isinstance(item, Add)]
-    assert [add.params.detokenize for add in adds] == [False, True]
+    assert [add.params.detokenize for add in adds] == [False, False, True, True]
 
 
 def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
