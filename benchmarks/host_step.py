@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_step            # batch 64, the demo model, on the CPU
     python -m benchmarks.host_step --batch 128 --repeats 9
+    python -m benchmarks.host_step --batch 256 --stream [--no-detokenize]
 
 What the engine does in Python around each forward (schedule, write the step's
 metadata, sample, read the ids and apply stops) costs the same whatever the
@@ -10,6 +11,10 @@ tensor, everything else is the real engine. Figures hold for the machine
 they were taken on; compare commits side by side in one run. On CUDA the
 copies, graph replay and sampler launch add their own host time: see
 `benchmarks.offline --profile`.
+
+`--stream` makes the requests stream as a server's do (an output per request
+every step, phase "outputs"); `--no-detokenize` sends ids without text, as
+the engine process does for requests the API process decodes.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import time
 import torch
 
 from benchmarks.offline import _timed, start_decoding
-from engine import LLM
+from engine import LLM, SamplingParams
 
-PHASES = ["schedule", "fill", "execute", "sample", "process"]
+PHASES = ["schedule", "fill", "execute", "sample", "process", "outputs"]
 
 
 def stub_forward(engine) -> None:
@@ -44,10 +49,25 @@ def stub_forward(engine) -> None:
     runner.execute = execute
 
 
-def measure(batch: int, context: int, steps: int, repeats: int) -> dict:
+def measure(
+    batch: int,
+    context: int,
+    steps: int,
+    repeats: int,
+    stream: bool = False,
+    detokenize: bool = True,
+) -> dict:
     llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + steps * repeats + 64)
     engine, runner = llm.engine, llm.engine.runner
-    start_decoding(engine, batch, context, max_tokens=steps * repeats + 32)
+    max_tokens = steps * repeats + 32
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        final_only=not stream,
+        detokenize=detokenize,
+    )
+    start_decoding(engine, batch, context, max_tokens, params)
     stub_forward(engine)
     totals = dict.fromkeys(PHASES, 0.0)
     wrapped = [
@@ -56,6 +76,7 @@ def measure(batch: int, context: int, steps: int, repeats: int) -> dict:
         (runner, "execute", "execute"),
         (engine.sampler, "sample", "sample"),
         (engine, "_process", "process"),
+        (engine, "take_outputs", "outputs"),
     ]
     for obj, attr, phase in wrapped:
         setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
@@ -69,11 +90,11 @@ def measure(batch: int, context: int, steps: int, repeats: int) -> dict:
         assert len(engine.scheduler.running) == batch, "requests finished during the run"
         runs.append({"step": elapsed, **totals})
     median = {k: 1e6 * statistics.median(r[k] for r in runs) / steps for k in runs[0]}
-    # fill runs inside execute; "other" is step() itself: lists, outputs, bookkeeping.
+    # fill runs inside execute; "other" is step() itself: lists and bookkeeping.
     median["other"] = median["step"] - sum(median[k] for k in PHASES if k != "fill")
-    return {"batch": batch, "context": context, "steps": steps, "repeats": repeats} | {
-        f"{k}_us": round(v, 1) for k, v in median.items()
-    }
+    setup = {"batch": batch, "context": context, "steps": steps, "repeats": repeats}
+    setup |= {"stream": stream, "detokenize": detokenize}
+    return setup | {f"{k}_us": round(v, 1) for k, v in median.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=100, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=150, help="decode steps per repeat")
     p.add_argument("--repeats", type=int, default=5, help="the median repeat is reported")
+    p.add_argument("--stream", action="store_true", help="an output per request every step")
+    p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
     args = p.parse_args(argv)
-    print(json.dumps(measure(args.batch, args.context, args.steps, args.repeats)))
+    figures = measure(
+        args.batch, args.context, args.steps, args.repeats, args.stream, args.detokenize
+    )
+    print(json.dumps(figures))
     return 0
 
 

@@ -131,10 +131,13 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
 
 
-def start_decoding(engine, batch: int, context: int, max_tokens: int) -> None:
-    """Add `batch` final-only greedy requests of `context` tokens ("p0", "p1", ...) and
-    step until every one decodes (prefill is chunked over several steps)."""
-    params = SamplingParams(
+def start_decoding(
+    engine, batch: int, context: int, max_tokens: int, params: SamplingParams | None = None
+) -> None:
+    """Add `batch` greedy requests of `context` tokens ("p0", "p1", ...), final-only
+    unless `params` says otherwise, and step until every one decodes (prefill is
+    chunked over several steps)."""
+    params = params or SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, final_only=True
     )
     for i in range(batch):
