@@ -1,8 +1,10 @@
 """The engine's periodic stats line (vLLM's LoggingStatLogger), from the loop that owns it.
 
-    engine: 412 steps/s (graph 71%, piecewise 29%, eager 0%), 98304 sampled tok/s,
-    running 256, waiting 180, KV cache 41.2%; host: working 93%, waiting on the
-    device 4%, idle 3%
+    engine: 311 steps/s (graph 84%, piecewise 16%, eager 0%), 78907 sampled tok/s,
+    running 256, waiting 109, KV cache 14.3%; host: working 100%, waiting on the
+    device 0%, idle 0%
+
+(GPT-2 on the H100, 512 requests in flight: benchmarks/results/serving-h100-stats-line.json.)
 
 Under load it says which side sets the pace: a host working ~100% of the time
 is the limit (the device waits for it); a host waiting on the device is not.

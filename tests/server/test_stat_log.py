@@ -9,7 +9,10 @@ import httpx
 
 from engine.engine import EngineStats
 from server import stat_log
+from server.app import create_app
+from server.config import ServerConfig
 from server.stat_log import StatLog
+from tests.server.conftest import LiveServer, engine_config
 
 
 class FakeEngine:
@@ -54,13 +57,18 @@ def test_the_line_splits_steps_by_path_and_time_by_what_the_host_did(monkeypatch
     assert len(caplog.records) == 2
 
 
-def test_a_server_under_load_logs_the_line_and_the_flag_silences_it(start_server, caplog):
+def test_a_server_under_load_logs_the_line_and_the_flag_silences_it(tiny_gpt2_dir, caplog):
     caplog.set_level(logging.INFO, logger="pagoda.server")
     for interval, expect in ((0.05, True), (0.0, False)):
         caplog.clear()
-        live = start_server(engine={"log_stats_interval": interval})
+        config = engine_config(tiny_gpt2_dir, log_stats_interval=interval)
+        live = LiveServer(create_app(config, ServerConfig())).start()
         body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
-        assert httpx.post(f"{live.base_url}/v1/completions", json=body, timeout=60).is_success
+        try:
+            r = httpx.post(f"{live.base_url}/v1/completions", json=body, timeout=60)
+        finally:
+            live.stop()
+        assert r.is_success
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
         assert bool(lines) == expect
         if expect:  # the CPU runs every step eagerly
