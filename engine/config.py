@@ -34,6 +34,10 @@ class EngineConfig:
     # Seconds between the server's engine stats lines (server/stat_log.py); 0: none.
     # vLLM's --disable-log-stats is an engine argument too.
     log_stats_interval: float = 10.0
+    # A streaming choice's output is built every this many tokens (its first and
+    # last at once), SGLang's --stream-interval: fewer, larger deltas for less host
+    # work per token, where the engine's host side is the limit.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -52,6 +56,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be positive")
         if self.log_stats_interval < 0:
             raise ValueError("log_stats_interval must be non-negative")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
     @property
     def torch_device(self) -> torch.device:

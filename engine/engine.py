@@ -222,6 +222,7 @@ class Engine:
             if not step.sampling:
                 return  # prefill chunks only: the scheduler registers their full blocks
             caching = self.blocks.enable_prefix_caching
+            interval = self.config.stream_interval
             logprobs = step.logprobs or itertools.repeat(None)
             now = time.time()
             news = self.news
@@ -249,7 +250,13 @@ class Engine:
                 params = req.params
                 if params.stop:
                     self._detokenize(req)  # a stop string must end it now, not when asked
-                if not params.final_only or req.status is RequestStatus.FINISHED:
+                # Streamed: every `interval` tokens, the first at once. Always: the last.
+                streams = not params.final_only and (
+                    interval == 1
+                    or not req.num_emitted_tokens
+                    or len(out_ids) - req.num_emitted_tokens >= interval
+                )
+                if streams or req.status is RequestStatus.FINISHED:
                     news[req] = None
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:

@@ -83,6 +83,13 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=_ENGINE.seed, help="seed for unseeded requests")
     e.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
     e.add_argument(
+        "--stream-interval",
+        type=int,
+        default=_ENGINE.stream_interval,
+        metavar="N",
+        help="stream every N tokens (the first at once): less host work per token, coarser chunks",
+    )
+    e.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"no engine stats line every {_ENGINE.log_stats_interval:g} s under load",
@@ -175,6 +182,7 @@ def parse_configs(
             async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,
+            stream_interval=args.stream_interval,
             log_stats_interval=0.0 if args.disable_log_stats else _ENGINE.log_stats_interval,
         )
         server_config = ServerConfig(

@@ -143,9 +143,11 @@ class EngineLoop:
                     self._stat_log.maybe_log(engine)
             self._report(batch, time.time(), engine.get_stats(), added)
 
-    def is_active(self, request_id: str) -> bool:
-        """Added and not yet finished, failed or aborted (the owning thread's view)."""
-        return request_id in self._active
+    @property
+    def active(self) -> dict[str, int]:
+        """Ids added and not yet finished, failed or aborted (the owning thread's
+        view; a dict, so that a report can test each of its ids without a call)."""
+        return self._active
 
     def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
         added = []

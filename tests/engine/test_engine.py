@@ -249,6 +249,41 @@ def test_deferred_outputs_report_the_same_news_once(llm):
     assert engine.take_outputs() == []
 
 
+def test_stream_interval_sends_every_nth_token_with_the_first_and_last_at_once(llm):
+    """The same tokens, text and ending as streaming every token, in deltas of
+    1, N, N, ..., rest; a stop string still ends its request at the same token."""
+    engine = llm.engine
+    probe = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=11, temperature=0.0), False)
+    text = probe[0].outputs[0].text
+    stop = text[-3:-1]  # ends "stops" a token or two before its length limit
+    cases = {"plain": [], "stops": [stop]}
+
+    def run(interval: int) -> dict[str, list]:
+        engine.config.stream_interval = interval
+        outs: dict[str, list] = {rid: [] for rid in cases}
+        try:
+            for rid, stops in cases.items():
+                params = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, stop=stops)
+                engine.add_request(rid, [7, 8, 9], params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    outs[out.request_id].append(out)
+        finally:
+            engine.config.stream_interval = 1
+        return outs
+
+    every, fours = run(1), run(4)
+    assert [len(o.new_token_ids) for o in every["plain"]] == [1] * 11
+    assert [len(o.new_token_ids) for o in fours["plain"]] == [1, 4, 4, 2]
+    for rid in cases:
+        a, b = every[rid], fours[rid]
+        assert [t for o in b for t in o.new_token_ids] == [t for o in a for t in o.new_token_ids]
+        assert "".join(o.new_text for o in b) == "".join(o.new_text for o in a)
+        assert [o.finished for o in b] == [False] * (len(b) - 1) + [True]
+        assert (b[-1].finish_reason, b[-1].stop_reason) == (a[-1].finish_reason, a[-1].stop_reason)
+    assert fours["stops"][-1].stop_reason == stop
+
+
 def test_aborted_request_drops_its_untaken_news(llm):
     engine = llm.engine
     engine.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -14,11 +14,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.app import build_engine
 from server.async_engine import AsyncEngine
@@ -37,11 +39,13 @@ class FakeLoop:
         self.active = active
         self.stopped = False
 
-    def is_active(self, request_id: str) -> bool:
-        return request_id in self.active
-
     def stop(self) -> None:
         self.stopped = True
+
+
+def output(rid: str, index: int, ids: list[int], finished: bool = False) -> RequestOutput:
+    reason = "length" if finished else None
+    return RequestOutput(rid, index, ids, "", None, finished, reason, None, 1, len(ids), 0, None)
 
 
 def test_clients_route_outputs_count_adds_and_let_go():
@@ -53,9 +57,11 @@ def test_clients_route_outputs_count_adds_and_let_go():
     clients.own(0, [Add("a", [1], params, 0.0)])
     clients.own(1, [Add("b", [1], params, 0.0), Add("c", [1], params, 0.0)])
     loop = FakeLoop({"a", "b", "c"})
-    clients.report(loop, {"a": ["a1"], "b": ["b1"]}, 1.0, "stats1", ["a", "b", "c"])
-    assert pipes[0][0].recv() == ("report", {"a": ["a1"]}, 1.0, "stats1", 1)
-    assert pipes[1][0].recv() == ("report", {"b": ["b1"]}, 1.0, "stats1", 2)
+    a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
+    clients.report(loop, {"a": [a1], "b": [b1, b2]}, 1.0, "stats1", ["a", "b", "c"])
+    # Outputs travel as tuples of their fields, in order.
+    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, 1.0, "stats1", 1)
+    assert pipes[1][0].recv() == ("report", [astuple(b1), astuple(b2)], {}, 1.0, "stats1", 2)
     assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
     credits[0].value = 1
     assert clients.value == 0  # the engine builds outputs only once both took theirs in
@@ -64,25 +70,26 @@ def test_clients_route_outputs_count_adds_and_let_go():
 
     # Same stats, news for client 1 only: client 0 hears nothing.
     loop.active.discard("b")  # finished: forgotten after this report
-    clients.report(loop, {"b": ["b2"]}, 2.0, "stats1", [])
-    assert pipes[1][0].recv() == ("report", {"b": ["b2"]}, 2.0, "stats1", 0)
+    b3 = output("b", 0, [10], finished=True)
+    clients.report(loop, {"b": [b3]}, 2.0, "stats1", [])
+    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, 2.0, "stats1", 0)
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
     # fails with a 503 for client 1, whose pipe then closes; client 0 carries on.
     assert clients.leave(1) == [Abort("c")]
     clients.report(loop, {}, 3.0, "stats2", [])
-    _, batch, *_ = pipes[1][0].recv()
-    assert isinstance(batch["c"], APIError) and batch["c"].status == 503
+    _, rows, errors, *_ = pipes[1][0].recv()
+    assert rows == [] and isinstance(errors["c"], APIError) and errors["c"].status == 503
     with pytest.raises(EOFError):
         pipes[1][0].recv()
-    assert pipes[0][0].recv() == ("report", {}, 3.0, "stats2", 0)  # new stats reach everyone
+    assert pipes[0][0].recv() == ("report", [], {}, 3.0, "stats2", 0)  # new stats reach everyone
     assert clients.num_open == 1 and not loop.stopped
     credits[1].value = 0
     assert clients.value == 1  # a client that left holds nothing back
 
     clients.own(0, [Abort("a")])  # aborted by its client: forgotten, never routed again
-    clients.report(loop, {"a": ["late"]}, 4.0, "stats2", [])
+    clients.report(loop, {"a": [output("a", 0, [11])]}, 4.0, "stats2", [])
     assert clients.leave(0) == []
     clients.report(loop, {}, 5.0, "stats2", [])
     assert loop.stopped  # the last one left

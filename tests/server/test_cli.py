@@ -22,6 +22,7 @@ def test_defaults_match_the_design():
     assert server.api_server_count == 1
     assert server.access_log  # uvicorn's default, as vLLM keeps it
     assert engine.log_stats_interval == 10.0
+    assert engine.stream_interval == 1  # every token, as vLLM and SGLang stream
 
 
 def test_every_flag_maps_to_its_field():
@@ -32,7 +33,7 @@ def test_every_flag_maps_to_its_field():
         "--api-key k --enforce-eager --no-piecewise-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
-        "--disable-uvicorn-access-log --disable-log-stats"
+        "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -50,6 +51,7 @@ def test_every_flag_maps_to_its_field():
     assert engine.enforce_eager and not engine.enable_prefix_caching
     assert not engine.async_scheduling and not engine.piecewise_graphs
     assert (engine.seed, engine.nvtx, engine.log_stats_interval) == (7, True, 0.0)
+    assert engine.stream_interval == 4
     assert (server.host, server.port, server.served_model_name, server.api_key) == (
         "0.0.0.0",
         9001,
@@ -84,6 +86,9 @@ def test_invalid_values_exit_with_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         cli.parse_configs(["--api-server-count", "0"])
     assert "api_server_count must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.parse_configs(["--stream-interval", "0"])
+    assert "stream_interval must be at least 1" in capsys.readouterr().err
 
 
 def test_loadtest_delegates(monkeypatch):

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import os
+import pickle
 import signal
 import time
 
@@ -15,9 +16,11 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
 from server.engine_loop import Add, EngineLoop
+from server.errors import APIError
 from tests.conftest import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 from tests.server.test_concurrency import (
@@ -167,16 +170,29 @@ def test_the_api_process_keeps_the_collector_off_its_startup_heap(tiny_gpt2_dir)
 
 
 def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
-    import pickle
-    from multiprocessing.reduction import ForkingPickler
+    import multiprocessing
 
-    import server.engine_process  # noqa: F401  (registers the reducers)
+    from server.engine_process import Clients, unpack_batch
+
+    class Loop:
+        active = {"cmpl-1": 2, "cmpl-2": 1}
 
     logprob = TokenLogprob(17, -0.25, 1, [(17, -0.25), (3, -2.0)])
-    out = RequestOutput(
-        "cmpl-1-0", 0, [17, 18], "ab", [logprob], True, "stop", 18, 9, 2, 4,
+    first = RequestOutput(
+        "cmpl-1", 0, [17, 18], "ab", [logprob], True, "stop", 18, 9, 2, 4,
         RequestMetrics(1.0, 2.0, 3.0, 4.0),
     )  # fmt: skip
-    wire = bytes(ForkingPickler.dumps({"cmpl-1-0": [out]}))
-    assert pickle.loads(wire) == {"cmpl-1-0": [out]}
+    second = RequestOutput("cmpl-1", 1, [5], "", None, False, None, None, 9, 1, 0, None)
+    other = RequestOutput("cmpl-2", 0, [6], "c", None, False, None, None, 3, 7, 0, None)
+    batch = {"cmpl-1": [first, second], "cmpl-2": [other], "cmpl-3": APIError("boom", 500)}
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    clients = Clients([writer], [multiprocessing.RawValue("b", 1)])
+    clients.own(0, [Add(rid, [1], SamplingParams(), 0.0) for rid in batch])
+    clients.report(Loop(), batch, 1.0, None, [])
+    wire = reader.recv_bytes()
+    _, rows, errors, *_ = pickle.loads(wire)
+    got = unpack_batch(rows, errors)
+    error = got.pop("cmpl-3")
+    assert (error.message, error.status) == ("boom", 500)
+    assert got == {"cmpl-1": [first, second], "cmpl-2": [other]}
     assert b"new_token_ids" not in wire and b"first_token_time" not in wire
