@@ -152,8 +152,12 @@ class AsyncEngine:
         self._credit = Flag()  # the engine thread's (an engine process keeps its own)
         self._backend: EngineLoop | EngineProcess | None = None
         self._thread: threading.Thread | None = None  # the engine thread (not with a process)
-        self._lock = threading.Lock()  # stats and _in_transit
-        self._in_transit = 0  # submitted, not yet counted in a published stats snapshot
+        self._lock = threading.Lock()  # stats, _taken_in and _submitted
+        self._submitted = 0  # engine requests this process has submitted, ever
+        # How many requests the engine had taken in (from every API process) when it
+        # made self.stats: the two come in one report, so they always agree.
+        self._taken_in = 0
+        self._num_taken_in = 0  # the engine thread's running count (no engine process)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
@@ -222,7 +226,14 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Waiting in the engine, or on the way there from any API process."""
         with self._lock:
-            return self._metrics.in_transit() + (self.stats.num_waiting if self.stats else 0)
+            return self._num_waiting()
+
+    def _num_waiting(self) -> int:
+        # Every process's submissions, less those the engine had taken in by its
+        # stats snapshot, plus those it counted waiting in it: a request is counted
+        # once, whichever API process hears of its arrival first (holds _lock).
+        in_transit = self._metrics.submitted() - self._taken_in
+        return in_transit + (self.stats.num_waiting if self.stats else 0)
 
     def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
@@ -249,7 +260,7 @@ class AsyncEngine:
         stream = RequestStream(self, ids, params.n, detokenizers)
         now = time.time()
         with self._lock:
-            waiting = self._metrics.in_transit() + (self.stats.num_waiting if self.stats else 0)
+            waiting = self._num_waiting()
             if waiting >= self._max_waiting:
                 raise APIError(
                     f"The server is overloaded: {waiting} requests are waiting "
@@ -257,8 +268,8 @@ class AsyncEngine:
                     503,
                     code="server_overloaded",
                 )
-            self._in_transit += len(prompts)
-            self._metrics.set_in_transit(self._in_transit)
+            self._submitted += len(prompts)  # before the put: never behind the engine
+            self._metrics.set_submitted(self._submitted)
         for rid in ids:
             self._streams[rid] = stream
         self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
@@ -337,14 +348,15 @@ class AsyncEngine:
         """The engine thread's report: it spends the credit that _deliver's ack returns."""
         if batch:
             self._credit.value = 0  # before the delivery: the ack it brings must win
-        self._report(batch, step_time, stats, len(added))
+        self._num_taken_in += len(added)  # the engine thread's own count
+        self._report(batch, step_time, stats, self._num_taken_in)
 
-    def _report(self, batch: Batch, step_time: float, stats: Any, num_added: int) -> None:
-        """A step's report, from the engine thread or the engine process's reader."""
+    def _report(self, batch: Batch, step_time: float, stats: Any, taken_in: int) -> None:
+        """A step's report, from the engine thread or the engine process's reader:
+        its outputs, the engine's stats and how many requests it has taken in, ever."""
         with self._lock:
             self.stats = stats
-            self._in_transit -= num_added
-            self._metrics.set_in_transit(self._in_transit)
+            self._taken_in = taken_in
         if not batch:
             return
         with self._outbox_lock:

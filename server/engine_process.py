@@ -10,9 +10,12 @@ The engine process serves one or more API processes (`--api-server-count`),
 each over its own two pipes of pickled messages:
   API → engine   ("put", [Add | Abort, ...]), ("stop",)
   engine → API   ("ready", EngineInfo, stats), ("failed", message),
-                 ("report", rows, errors, step_time, stats, num_added)
+                 ("report", rows, errors, step_time, stats, taken_in)
 where rows are the step's RequestOutputs as tuples of their fields (see
-_output_row) and errors map a request id to the APIError that ended it.
+_output_row), errors map a request id to the APIError that ended it, and
+taken_in counts the requests the engine has taken in from all API processes,
+ever: with the stats it came with, each API process counts those still on
+their way (AsyncEngine.num_waiting) without counting one twice.
 A reader thread on each side turns messages into calls. The engine remembers
 which API process added each request and sends each its own outputs; stats go
 to all. The credit an API process returns after each delivery is a
@@ -189,8 +192,8 @@ class EngineProcess:
         assert self._endpoint is not None
         try:
             while True:
-                _, rows, errors, step_time, stats, num_added = self._endpoint.from_engine.recv()
-                self._report(unpack_batch(rows, errors), step_time, stats, num_added)
+                _, rows, errors, step_time, stats, taken_in = self._endpoint.from_engine.recv()
+                self._report(unpack_batch(rows, errors), step_time, stats, taken_in)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -248,6 +251,7 @@ class Clients:
         self._aborted: list[str] = []  # ids clients aborted: forgotten at the next report
         self._leaving: set[int] = set()  # said stop (or went away); not yet let go
         self._stats: Any = None
+        self._taken_in = 0  # requests the loop has taken from its inbox, ever
 
     @property
     def value(self) -> int:
@@ -290,14 +294,9 @@ class Clients:
         n = len(self._outboxes)
         rows: list[list[tuple]] = [[] for _ in range(n)]
         errors: list[dict[str, APIError]] = [{} for _ in range(n)]
-        num_added = [0] * n
         active = loop.active
         with self._lock:
             owner = self._owner
-            for rid in added:
-                client = owner.get(rid)
-                if client is not None:
-                    num_added[client] += 1
             for rid, item in batch.items():
                 client = owner.get(rid)
                 if client is not None:
@@ -317,14 +316,17 @@ class Clients:
                 for rid in gone:
                     del owner[rid]
                     errors[client][rid] = error
-        changed = stats != self._stats
+        # Every API process hears of new stats and of every request taken in (whoever
+        # sent it): its admission check counts waiting requests by the two together.
+        changed = stats != self._stats or bool(added)
         self._stats = stats
+        self._taken_in += len(added)
         for i in range(n):
             news = rows[i] or errors[i]
-            if news or num_added[i] or changed or i in leaving:
+            if news or changed or i in leaving:
                 if news:
                     self._credits[i].value = 0  # before the report: the ack it brings must win
-                self._send(i, ("report", rows[i], errors[i], step_time, stats, num_added[i]))
+                self._send(i, ("report", rows[i], errors[i], step_time, stats, self._taken_in))
         for client in leaving:
             self._close(client)
         if leaving and not self.num_open:

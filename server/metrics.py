@@ -276,8 +276,10 @@ class Metrics:
             "finished_reason",
             FINISH_REASONS,
         )
-        # Requests submitted to the engine and not yet in its stats (a gauge's part).
-        self._in_transit_slot = slots.take(1)
+        # Requests this API process has submitted to the engine, ever: summed over
+        # the processes and less the engine's count of those it has taken in, the
+        # ones on their way (see AsyncEngine.num_waiting).
+        self._submitted_slot = slots.take(1)
         slots.bind(share)
         self.registry.register(
             _LoopMetricsCollector(
@@ -298,12 +300,12 @@ class Metrics:
         """Floats one API process's numbers take (see MetricsShare)."""
         return Metrics()._slots.size
 
-    def set_in_transit(self, n: int) -> None:
-        self._slots.own[self._in_transit_slot] = n
+    def set_submitted(self, n: int) -> None:
+        self._slots.own[self._submitted_slot] = n
 
-    def in_transit(self) -> int:
-        """Requests on their way to the engine from every API process."""
-        return int(self._slots.total(self._in_transit_slot))
+    def submitted(self) -> int:
+        """Requests submitted to the engine by every API process, ever."""
+        return int(self._slots.total(self._submitted_slot))
 
     def watch_engine(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
         self.registry.register(_EngineStatsCollector(read_stats, read_waiting))

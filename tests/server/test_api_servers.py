@@ -16,10 +16,12 @@ import sys
 import time
 from dataclasses import astuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from engine.config import EngineConfig
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from server.app import build_engine
@@ -60,8 +62,9 @@ def test_clients_route_outputs_count_adds_and_let_go():
     a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
     clients.report(loop, {"a": [a1], "b": [b1, b2]}, 1.0, "stats1", ["a", "b", "c"])
     # Outputs travel as tuples of their fields, in order.
-    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, 1.0, "stats1", 1)
-    assert pipes[1][0].recv() == ("report", [astuple(b1), astuple(b2)], {}, 1.0, "stats1", 2)
+    # Outputs go to their own client; both hear that the engine took in 3 requests.
+    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, 1.0, "stats1", 3)
+    assert pipes[1][0].recv() == ("report", [astuple(b1), astuple(b2)], {}, 1.0, "stats1", 3)
     assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
     credits[0].value = 1
     assert clients.value == 0  # the engine builds outputs only once both took theirs in
@@ -72,7 +75,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
     loop.active.discard("b")  # finished: forgotten after this report
     b3 = output("b", 0, [10], finished=True)
     clients.report(loop, {"b": [b3]}, 2.0, "stats1", [])
-    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, 2.0, "stats1", 0)
+    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, 2.0, "stats1", 3)
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
@@ -83,7 +86,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
     assert rows == [] and isinstance(errors["c"], APIError) and errors["c"].status == 503
     with pytest.raises(EOFError):
         pipes[1][0].recv()
-    assert pipes[0][0].recv() == ("report", [], {}, 3.0, "stats2", 0)  # new stats reach everyone
+    assert pipes[0][0].recv() == ("report", [], {}, 3.0, "stats2", 3)  # new stats reach everyone
     assert clients.num_open == 1 and not loop.stopped
     credits[1].value = 0
     assert clients.value == 1  # a client that left holds nothing back
@@ -101,12 +104,48 @@ def test_metric_rows_sum_across_processes():
     first.itl.observe(0.003)
     second.itl.observe(0.2)
     second.request_success.inc(2, "length")
-    first.set_in_transit(3)
-    second.set_in_transit(1)
+    first.set_submitted(3)
+    second.set_submitted(1)
     for m in (first, second):
         assert m.itl.family().samples[-2].value == 2  # _count
         assert m.request_success.family().samples[0].value == 2
-        assert m.in_transit() == 4
+        assert m.submitted() == 4
+
+
+def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(monkeypatch):
+    """Two API processes share the waiting limit. A request the engine has taken in
+    is in the stats of the report that says so; until then, in its process's
+    submissions. The process that did not send it may hear first: it must not
+    count it in both (it did, and turned requests away below the limit)."""
+    monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: True))
+    buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
+    a, b = (
+        AsyncEngine(EngineConfig(), Metrics(MetricsShare(buffer, i, 2)), 5, build_engine)
+        for i in range(2)
+    )
+    sent: list = []
+    a._put = b._put = sent.extend  # no engine: the puts just collect
+
+    def report(api: AsyncEngine, waiting: int, taken_in: int) -> None:
+        api._report({}, 0.0, SimpleNamespace(num_waiting=waiting), taken_in)
+
+    for api in (a, b):
+        report(api, 0, 0)  # "ready"
+    for i in range(3):
+        b.submit(f"b{i}", [[1, 2]], SamplingParams(max_tokens=2))
+    assert a.num_waiting == b.num_waiting == 3  # on their way
+    report(a, 3, 3)  # the engine took them in; a hears it before b
+    assert a.num_waiting == b.num_waiting == 3
+    report(b, 3, 3)
+    assert a.num_waiting == b.num_waiting == 3
+    report(a, 1, 3)  # two of them started running
+    a.submit("a0", [[1, 2]], SamplingParams(max_tokens=2))
+    assert a.num_waiting == 2
+    for i in range(1, 4):
+        a.submit(f"a{i}", [[1, 2]], SamplingParams(max_tokens=2))
+    with pytest.raises(APIError, match="5 requests are waiting") as exc:
+        a.submit("a4", [[1, 2]], SamplingParams(max_tokens=2))
+    assert exc.value.status == 503 and len(sent) == 7
 
 
 async def collect(stream) -> tuple[list[int], str | None, APIError | None]:
