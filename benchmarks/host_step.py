@@ -14,23 +14,31 @@ copies, graph replay and sampler launch add their own host time: see
 
 `--stream` makes the requests stream as a server's do (an output per request
 every step, phase "outputs"); `--no-detokenize` sends ids without text, as
-the engine process does for requests the API process decodes.
+the engine process does for requests the API process decodes; `--report`
+also sends each step's outputs the way the engine process reports them to an
+API process (`Clients.report`, pickled down a pipe that a thread drains:
+phase "report").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.offline import _timed, start_decoding
 from engine import LLM, SamplingParams
+from server.engine_loop import Add
+from server.engine_process import Clients
 
-PHASES = ["schedule", "fill", "execute", "sample", "process", "outputs"]
+PHASES = ["schedule", "fill", "execute", "sample", "process", "outputs", "report"]
 
 
 def stub_forward(engine) -> None:
@@ -49,6 +57,45 @@ def stub_forward(engine) -> None:
     runner.execute = execute
 
 
+class _Loop:
+    """What Clients.report asks of the engine loop: every request still active."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.active = dict.fromkeys(request_ids, 1)
+
+    def is_active(self, request_id: str) -> bool:  # the name before 57c21db (for A/B runs)
+        return request_id in self.active
+
+    def stop(self) -> None:
+        pass
+
+
+def reporter(engine, params: SamplingParams) -> tuple[Callable[[list], None], Callable[[], None]]:
+    """A report function for each step's outputs, as the engine process sends them to
+    one API process, and a function that closes its pipe."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    clients = Clients([writer], [multiprocessing.RawValue("b", 1)])
+    clients.own(0, [Add(rid, [], params, 0.0) for rid in engine.requests])
+    loop = _Loop(list(engine.requests))
+
+    def drain() -> None:
+        try:
+            while True:
+                reader.recv_bytes()
+        except (EOFError, OSError):
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+
+    def report(outputs: list) -> None:
+        batch: dict[str, list] = {}
+        for out in outputs:  # grouped by request, as EngineLoop._step does
+            batch.setdefault(out.request_id, []).append(out)
+        clients.report(loop, batch, time.time(), engine.get_stats(), [])
+
+    return report, writer.close
+
+
 def measure(
     batch: int,
     context: int,
@@ -56,6 +103,7 @@ def measure(
     repeats: int,
     stream: bool = False,
     detokenize: bool = True,
+    report: bool = False,
 ) -> dict:
     llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + steps * repeats + 64)
     engine, runner = llm.engine, llm.engine.runner
@@ -80,20 +128,27 @@ def measure(
     ]
     for obj, attr, phase in wrapped:
         setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
+    send, close = reporter(engine, params) if report else (None, None)
+    if send is not None:
+        send = _timed(send, totals, "report", runner)
     runs = []
     for _ in range(repeats):
         totals.update(dict.fromkeys(PHASES, 0.0))
         start = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            outputs = engine.step()
+            if send is not None:
+                send(outputs)
         elapsed = time.perf_counter() - start
         assert len(engine.scheduler.running) == batch, "requests finished during the run"
         runs.append({"step": elapsed, **totals})
+    if close is not None:
+        close()
     median = {k: 1e6 * statistics.median(r[k] for r in runs) / steps for k in runs[0]}
     # fill runs inside execute; "other" is step() itself: lists and bookkeeping.
     median["other"] = median["step"] - sum(median[k] for k in PHASES if k != "fill")
     setup = {"batch": batch, "context": context, "steps": steps, "repeats": repeats}
-    setup |= {"stream": stream, "detokenize": detokenize}
+    setup |= {"stream": stream, "detokenize": detokenize, "report": report}
     return setup | {f"{k}_us": round(v, 1) for k, v in median.items()}
 
 
@@ -107,9 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="the median repeat is reported")
     p.add_argument("--stream", action="store_true", help="an output per request every step")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
+    p.add_argument("--report", action="store_true", help="send outputs as the engine process does")
     args = p.parse_args(argv)
+    if args.report and not args.stream:
+        p.error("--report needs --stream (final-only requests report nothing per step)")
     figures = measure(
-        args.batch, args.context, args.steps, args.repeats, args.stream, args.detokenize
+        args.batch,
+        args.context,
+        args.steps,
+        args.repeats,
+        args.stream,
+        args.detokenize,
+        args.report,
     )
     print(json.dumps(figures))
     return 0

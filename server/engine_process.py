@@ -63,10 +63,10 @@ for _cls in (RequestMetrics, TokenLogprob):
     ForkingPickler.register(_cls, _positional(_cls))
 
 # The RequestOutputs themselves travel as plain tuples of their fields: one C call
-# each to take apart, and a list of tuples pickles in a fifth of the time that even
-# positional objects take (a registered reducer is a Python call per object). With
+# each to take apart, where a registered reducer is a Python call per object. With
 # one output per running choice per step, pickling them was 8% of the engine
-# process's time at 512 requests in flight on the H100.
+# process's time at 512 requests in flight on the H100; the whole report of 256
+# outputs costs ~13% less this way (benchmarks/results/host-step-cpu-report.json).
 _output_row = operator.attrgetter(*[f.name for f in dataclasses.fields(RequestOutput)])
 
 

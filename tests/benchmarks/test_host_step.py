@@ -8,7 +8,9 @@ from benchmarks.host_step import PHASES, measure
 def test_host_step_reports_every_phase():
     result = measure(batch=4, context=8, steps=5, repeats=1)
     assert result["batch"] == 4
-    assert all(result[f"{phase}_us"] > 0 for phase in [*PHASES, "step"])
+    engine_phases = [phase for phase in PHASES if phase != "report"]
+    assert all(result[f"{phase}_us"] > 0 for phase in [*engine_phases, "step"])
+    assert result["report_us"] == 0  # nothing is sent without --report
     assert result["step_us"] >= result["schedule_us"] + result["process_us"]
 
 
@@ -17,3 +19,9 @@ def test_host_step_measures_streamed_outputs_with_and_without_text():
         result = measure(batch=4, context=8, steps=5, repeats=1, stream=True, detokenize=detokenize)
         assert (result["stream"], result["detokenize"]) == (True, detokenize)
         assert result["outputs_us"] > 0
+
+
+def test_host_step_measures_the_engine_process_report():
+    result = measure(batch=4, context=8, steps=5, repeats=1, stream=True, report=True)
+    assert result["report"] and result["report_us"] > 0
+    assert result["step_us"] > result["report_us"] + result["outputs_us"]
