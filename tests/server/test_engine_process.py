@@ -196,3 +196,38 @@ def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
     assert (error.message, error.status) == ("boom", 500)
     assert got == {"cmpl-1": [first, second], "cmpl-2": [other]}
     assert b"new_token_ids" not in wire and b"first_token_time" not in wire
+
+
+async def test_a_stream_interval_sends_the_same_text_in_fewer_chunks(start_server, live):
+    """--stream-interval 3, engine process: each choice's text and logprobs are the
+    thread engine's, streamed every token; a choice's chunks carry 3 tokens at a
+    time after the first (coalescing under load may only make them larger)."""
+    server = start_server(engine={"stream_interval": 3}, server={"engine_process": True})
+    common = {"max_tokens": 20, "temperature": 0.9, "seed": 5, "n": 2, "stream": True}
+    bodies = [
+        {"prompt": "Interval", "logprobs": 1, **common},
+        {"prompt": "Interval", "stop": ["e"], **common},
+    ]
+    for body in bodies:
+        chunks: dict[str, dict[int, list]] = {}
+        for name, base_url in (("interval", server.base_url), ("every", live.base_url)):
+            async with (
+                httpx.AsyncClient(base_url=base_url, timeout=120) as client,
+                client.stream("POST", "/v1/completions", json=body) as response,
+            ):
+                per_choice: dict[int, list] = {}
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[len("data: ") :])["choices"]:
+                            per_choice.setdefault(c["index"], []).append(c)
+            chunks[name] = per_choice
+        for index in (0, 1):
+            a, b = chunks["interval"][index], chunks["every"][index]
+            assert "".join(c["text"] for c in a) == "".join(c["text"] for c in b)
+            assert a[-1]["finish_reason"] == b[-1]["finish_reason"]
+            if "logprobs" in body:
+                tokens = [t for c in a for t in c["logprobs"]["tokens"]]
+                assert tokens == [t for c in b for t in c["logprobs"]["tokens"]]
+                sizes = [len(c["logprobs"]["tokens"]) for c in a if c["logprobs"]]
+                assert all(n >= 3 for n in sizes[1:-1]), sizes  # every token: mostly 1s
+                assert len(a) < len(b)
