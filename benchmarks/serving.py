@@ -19,7 +19,11 @@
    tokens each, ignore_eos; published on GPT-2) beside the published figures.
 
 Writes summary.json (GPU, date, git commit, exact command, every figure), each
-load test's own JSON and PNGs, a sweep plot, and server.log to --out-dir.
+load test's own JSON and PNGs, a sweep plot, and server.log to --out-dir. A
+server it starts logs its engine stats line every second (`--log-stats-interval
+1`, before --server-args so they can override it); each sweep row then says
+how busy the engine's host side was during that run (`engine`), which tells a
+server-bound row from one the GPU or the client paced.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ SEEDS_ARGS = [
     "--request-rate", "50", "--burstiness", "inf",  # evenly spaced: one every 20 ms
 ]  # fmt: skip
 SATURATION_GAIN = 1.05  # a rate step that adds < 5% output throughput means saturated
+STATS_INTERVAL_S = 1.0  # the started server's engine stats line, read back per run
+# "2026-11-23 18:25:45,224 INFO pagoda.server (engine process): engine: 368 steps/s
+# (graph 84%, ...), ...; host: working 99%, waiting on the device 1%, idle 0%"
+STATS_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*engine: (\d+) steps/s \(graph (\d+)%.*"
+    r"host: working (\d+)%, waiting on the device (\d+)%, idle (\d+)%"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +173,7 @@ class Server:
         self.command += ["--port", str(self.port)]
         self.command += ["--model", args.model] if args.model else []
         self.command += ["--enforce-eager"] if args.enforce_eager else []
+        self.command += ["--log-stats-interval", str(STATS_INTERVAL_S)]
         self.command += shlex.split(args.server_args)
         self.log_path = out_dir / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -245,7 +257,35 @@ def summarize(result: dict, offline_tok_s: float | None) -> dict:
     }
 
 
-def sweep(args: argparse.Namespace, base: list[str], out_dir: Path, offline: float | None) -> list:
+def engine_window(log_path: Path | None, start: float, end: float) -> dict | None:
+    """The engine's stats lines logged for [start, end] (epoch seconds), averaged:
+    None without a log of ours or a line in the window."""
+    if log_path is None or not log_path.exists():
+        return None
+    rows = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = STATS_LINE.match(line)
+        if m is None:
+            continue
+        t = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # local, as logged
+        # A line covers the interval that ends at it: most of it must lie in the run.
+        if start + STATS_INTERVAL_S / 2 <= t <= end + STATS_INTERVAL_S / 2:
+            rows.append([float(x) for x in m.groups()[1:]])
+    if not rows:
+        return None
+    keys = ["steps_per_s", "graph_pct", "host_working_pct", "host_waiting_pct", "host_idle_pct"]
+    return {"lines": len(rows)} | {
+        k: round(sum(r[i] for r in rows) / len(rows), 1) for i, k in enumerate(keys)
+    }
+
+
+def sweep(
+    args: argparse.Namespace,
+    base: list[str],
+    out_dir: Path,
+    offline: float | None,
+    server_log: Path | None = None,
+) -> list:
     common = [
         *base, "--input-len-range", str(args.input_len), str(args.input_len), "--prompt-token-ids",
         "--output-len-range", str(args.output_len), str(args.output_len),
@@ -259,7 +299,13 @@ def sweep(args: argparse.Namespace, base: list[str], out_dir: Path, offline: flo
             n = min(max(args.min_requests, int(rate * args.seconds_per_rate)), args.max_requests)
         name = "inf" if math.isinf(rate) else f"{rate:g}"
         argv = [*common, "--request-rate", name, "--num-requests", str(n)]
-        return {"rate": name, **summarize(run_loadtest(argv, out_dir / f"rate_{name}"), offline)}
+        return {"rate": name, **measured(argv, out_dir / f"rate_{name}")}
+
+    def measured(argv: list[str], out: Path) -> dict:
+        start = time.time()
+        row = summarize(run_loadtest(argv, out), offline)
+        row["engine"] = engine_window(server_log, start, time.time())
+        return row
 
     rows: list[dict] = []
     best = 0.0
@@ -275,8 +321,9 @@ def sweep(args: argparse.Namespace, base: list[str], out_dir: Path, offline: flo
         argv = [*common, "--concurrency", str(c), "--num-requests", str(args.max_requests)]
         # Overrides base's --workers: a client process holds at least one request.
         argv += ["--workers", str(min(args.client_workers, c))]
-        result = run_loadtest(argv, out_dir / f"concurrency_{c}")
-        rows.append({"rate": f"c{c}", "concurrency": c, **summarize(result, offline)})
+        rows.append(
+            {"rate": f"c{c}", "concurrency": c, **measured(argv, out_dir / f"concurrency_{c}")}
+        )
     return rows
 
 
@@ -287,7 +334,7 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
 def print_sweep(rows: list[dict], offline: float | None) -> None:
     print(f"\nRate sweep (offline engine: {fmt(offline)} tok/s)")
     head = ("rate", "req/s", "out tok/s", "vs offl", "TTFT p50", "TTFT p99", "ITL p50",
-            "ITL p99", "TPOT p50", "failed")  # fmt: skip
+            "ITL p99", "TPOT p50", "failed", "eng host")  # fmt: skip
     print("".join(f"{h:>10}" for h in head))
     for r in rows:
         cells = (
@@ -295,8 +342,11 @@ def print_sweep(rows: list[dict], offline: float | None) -> None:
             "-" if r["output_vs_offline"] is None else f"{100 * r['output_vs_offline']:.0f}%",
             fmt(r["ttft_p50_ms"]), fmt(r["ttft_p99_ms"]), fmt(r["itl_p50_ms"]),
             fmt(r["itl_p99_ms"]), fmt(r["tpot_p50_ms"]), r["failed"],
+            "-" if not r.get("engine") else f"{r['engine']['host_working_pct']:.0f}%",
         )  # fmt: skip
         print("".join(f"{c:>10}" for c in cells))
+    if any(r.get("engine") for r in rows):
+        print("eng host: the share of the run the engine's host side was working (its stats line)")
 
 
 def seeds_workload(base: list[str], out_dir: Path, model: str | None) -> dict:
@@ -373,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         base = ["--base-url", args.base_url or server.base_url, "--no-progress"]
         base += ["--workers", str(args.client_workers)]
         if not args.skip_sweep:
-            summary["sweep"] = sweep(args, base, args.out_dir, offline)
+            log = server.log_path if server else None
+            summary["sweep"] = sweep(args, base, args.out_dir, offline, log)
         if not args.skip_seeds:
             summary["seeds"] = seeds_workload(base, args.out_dir, args.model)
     except (RuntimeError, OSError) as e:

@@ -94,6 +94,13 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         action="store_true",
         help=f"no engine stats line every {_ENGINE.log_stats_interval:g} s under load",
     )
+    e.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=_ENGINE.log_stats_interval,
+        metavar="S",
+        help="seconds between engine stats lines (vLLM's VLLM_LOG_STATS_INTERVAL)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default=_SERVER.host)
     s.add_argument("--port", type=int, default=_SERVER.port)
@@ -183,7 +190,7 @@ def parse_configs(
             seed=args.seed,
             nvtx=args.nvtx,
             stream_interval=args.stream_interval,
-            log_stats_interval=0.0 if args.disable_log_stats else _ENGINE.log_stats_interval,
+            log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         )
         server_config = ServerConfig(
             host=args.host,

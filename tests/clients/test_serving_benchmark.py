@@ -1,8 +1,16 @@
 """benchmarks/serving.py against the fake server (--base-url: no server to start)."""
 
+import argparse
 import json
+import logging
+import threading
+from datetime import datetime, timedelta
+
+import pytest
 
 from benchmarks import serving
+from server.stat_log import StatLog
+from tests.server.test_stat_log import FakeEngine
 
 
 def test_sweep_and_seeds_workload(fake, tmp_path, capsys):
@@ -51,3 +59,88 @@ def test_unreachable_server_fails_cleanly(tmp_path):
     )
     assert rc == 1
     assert "error" in json.loads((tmp_path / "summary.json").read_text())
+
+
+def stats_line(when: datetime, steps: int, waiting: int, idle: int) -> str:
+    """A server.log line with StatLog's own message (so the parser follows its format);
+    the host worked the rest of the second."""
+    engine, log = FakeEngine(), StatLog(interval_s=0.0)
+    elapsed = 1.0
+    log._start -= elapsed
+    engine.runner.steps_by_path["graph"] = steps * elapsed
+    engine.runner.wait_s = waiting / 100 * elapsed
+    log.idle(idle / 100 * elapsed)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("pagoda.server")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        log.maybe_log(engine)
+    finally:
+        logger.removeHandler(handler)
+        logger.level = level
+    stamp = when.strftime("%Y-%m-%d %H:%M:%S,") + f"{when.microsecond // 1000:03d}"
+    return f"{stamp} INFO pagoda.server (engine process): {records[0].getMessage()}"
+
+
+def test_engine_window_averages_the_stats_lines_logged_during_a_run(tmp_path):
+    t = datetime(2026, 11, 23, 10, 0, 1)
+    log = tmp_path / "server.log"
+    log.write_text(
+        "\n".join(
+            [
+                stats_line(t - timedelta(seconds=0.5), 50, 0, 90),  # before the run
+                f"{t:%Y-%m-%d %H:%M:%S},000 INFO uvicorn.error: something else",
+                stats_line(t + timedelta(seconds=0.9), 300, 5, 5),
+                stats_line(t + timedelta(seconds=1.9), 500, 0, 0),
+                stats_line(t + timedelta(seconds=8), 40, 0, 95),  # after it
+            ]
+        )
+    )
+    start = t.timestamp()  # local time, as logged
+    window = serving.engine_window(log, start, start + 2.0)
+    assert window is not None and window["lines"] == 2
+    assert (window["steps_per_s"], window["graph_pct"]) == (400.0, 100.0)
+    assert window["host_working_pct"] == pytest.approx(95.0, abs=1)
+    assert serving.engine_window(log, start + 100, start + 101) is None
+    assert serving.engine_window(None, start, start + 2.0) is None
+
+
+def test_a_started_server_logs_stats_every_second_unless_told_otherwise(tmp_path):
+    args = argparse.Namespace(
+        port=None, model=None, enforce_eager=False, server_args="--log-stats-interval 5"
+    )
+    command = serving.Server(args, tmp_path).command
+    # Its own flag first: the server's argparse takes the last one given.
+    assert command[-4:] == ["--log-stats-interval", "1.0", "--log-stats-interval", "5"]
+
+
+def test_each_sweep_row_reads_the_engine_lines_logged_during_it(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "STATS_INTERVAL_S", 0.0)  # a line covers [start, end] only
+    log = tmp_path / "server.log"
+    stop = threading.Event()
+
+    def server_logging() -> None:  # a line every 50 ms, as a busy engine would each second
+        with log.open("a") as f:
+            while not stop.wait(0.05):
+                f.write(stats_line(datetime.now(), 100, 10, 10) + "\n")
+                f.flush()
+
+    writer = threading.Thread(target=server_logging)
+    writer.start()
+    args = serving.build_parser().parse_args(
+        ["--rates", "40", "--seconds-per-rate", "0.5", "--min-requests", "4",
+         "--max-requests", "8", "--input-len", "4", "--output-len", "4", "--concurrency", "2"]
+    )  # fmt: skip
+    try:
+        base = ["--base-url", fake.base_url, "--no-progress", "--workers", "1"]
+        rows = serving.sweep(args, base, tmp_path, 1000.0, log)
+    finally:
+        stop.set()
+        writer.join()
+    assert [r["rate"] for r in rows] == ["40", "inf", "c2"]
+    for row in rows:
+        assert row["engine"]["lines"] >= 1
+        assert row["engine"]["host_working_pct"] == pytest.approx(80.0, abs=1)

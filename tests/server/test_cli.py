@@ -65,6 +65,13 @@ def test_every_flag_maps_to_its_field():
     assert not server.access_log
 
 
+def test_the_stats_line_interval_is_a_flag_and_disabling_wins():
+    engine, _ = cli.parse_configs(["--log-stats-interval", "2.5"])
+    assert engine.log_stats_interval == 2.5
+    engine, _ = cli.parse_configs(["--log-stats-interval", "2.5", "--disable-log-stats"])
+    assert engine.log_stats_interval == 0.0
+
+
 def test_uvicorn_gets_the_server_settings():
     _, server = cli.parse_configs(shlex.split("--port 9002 --shutdown-timeout 3"))
     config = cli.uvicorn_config(object(), server)
