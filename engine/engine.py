@@ -190,7 +190,7 @@ class Engine:
                         chunked = set(batch.chunked)
                         rows = [i for i in range(len(batch.requests)) if i not in chunked]
                         logits = logits[rows]
-                    token_ids = self.sampler.sample(logits, sampling)
+                    token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
                 for req in sampling:
                     req.num_inflight += 1
                 self.num_sampled += len(sampling)

@@ -1,12 +1,14 @@
 """Tensors in, logits out: step inputs, the KV cache, and CUDA-graph decode.
 
-Per-step metadata is written with numpy into two pinned host buffers and
-sent with one non-blocking copy each into static device tensors. Input ids
+Per-step metadata is written with numpy into one pinned host buffer and
+sent with one non-blocking copy into static device tensors. Input ids
 are gathered on the device, from the host's ids or from the previous step's
 sampled ids, which never have to visit the host first. Decode-only
 steps replay a CUDA graph captured for the next bucket up in batch size;
 padded entries have context length 0 and slot -1, so they read and write
-nothing. Steps with prefill tokens replay piecewise graphs (engine.piecewise)
+nothing. The graph also takes every row's argmax into the device buffer the next
+step's inputs are gathered from: an all-greedy batch (the common case) then
+launches nothing after the replay but the ids' copy to the host. Steps with prefill tokens replay piecewise graphs (engine.piecewise)
 up to 2048 tokens; larger ones, and everything under --enforce-eager, run eagerly.
 """
 
@@ -33,36 +35,48 @@ STEP_PATHS = ("graph", "piecewise", "eager")
 
 
 class StagedFields:
-    """Named arrays packed in one pinned host buffer, with numpy views for writing, and
-    their device twin (the same tensor on CPU): a step's metadata travels in one copy.
+    """Named integer arrays (int64 or int32) packed in one pinned host buffer, with numpy
+    views for writing, and their device twin (the same tensor on CPU): a step's
+    metadata travels in one copy, whatever the fields' dtypes.
 
     Offsets never change, so a CUDA graph captured on the device views sees every
     later step's values. `device_only` fields follow the staged ones on the device
     and are never overwritten by a send (on CPU they are simply more of the buffer)."""
 
+    ALIGN = 16  # bytes: every field starts where any integer view of it may start
+
     def __init__(
         self,
-        sizes: dict[str, int],
-        dtype: torch.dtype,
+        fields: dict[str, tuple[int, torch.dtype]],  # name -> (size, dtype)
         device: torch.device,
-        device_only: dict[str, int] | None = None,
+        device_only: dict[str, tuple[int, torch.dtype]] | None = None,
     ) -> None:
         on_cuda = device.type == "cuda"
-        staged = sum(sizes.values())
-        total = staged + sum((device_only or {}).values())
-        self.host = torch.zeros(staged if on_cuda else total, dtype=dtype, pin_memory=on_cuda)
-        self.device = torch.zeros(total, dtype=dtype, device=device) if on_cuda else self.host
+        layout: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (byte offset, size, dtype)
+        offset = staged = 0
+        for name, (size, dtype) in {**fields, **(device_only or {})}.items():
+            layout[name] = (offset, size, dtype)
+            offset += -(-size * dtype.itemsize // self.ALIGN) * self.ALIGN
+            if name in fields:
+                staged = offset
+        self.host = torch.zeros(
+            staged if on_cuda else offset, dtype=torch.uint8, pin_memory=on_cuda
+        )
+        self.device = (
+            torch.zeros(offset, dtype=torch.uint8, device=device) if on_cuda else self.host
+        )
+        # The whole buffer as int64: int64 fields are addressed by `offset` in it.
+        self.words = self.device.view(torch.int64)
         host_np = self.host.numpy()
         self.np: dict[str, np.ndarray] = {}
         self.gpu: dict[str, torch.Tensor] = {}
-        self.offset: dict[str, int] = {}
-        offset = 0
-        for name, size in {**sizes, **(device_only or {})}.items():
-            if name in sizes:
-                self.np[name] = host_np[offset : offset + size]
-            self.gpu[name] = self.device[offset : offset + size]
-            self.offset[name] = offset
-            offset += size
+        self.offset: dict[str, int] = {}  # in elements of the field's dtype
+        for name, (start, size, dtype) in layout.items():
+            end = start + size * dtype.itemsize
+            if name in fields:
+                self.np[name] = host_np[start:end].view(torch.empty(0, dtype=dtype).numpy().dtype)
+            self.gpu[name] = self.device[start:end].view(dtype)
+            self.offset[name] = start // dtype.itemsize
         self.staged = self.device[:staged]
 
     def send(self) -> None:
@@ -86,7 +100,7 @@ class SampledIds:
 class ModelInput:
     """Device views of the staged buffers for one step."""
 
-    input_gather: torch.Tensor  # [num_tokens] where in the i64 device buffer each id is
+    input_gather: torch.Tensor  # [num_tokens] where in StagedFields.words each id is
     positions: torch.Tensor  # [num_tokens]
     slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
     seq_lens: torch.Tensor  # [num_seqs]
@@ -115,22 +129,23 @@ class ModelRunner:
         max_tokens = max(config.max_num_batched_tokens, self.max_num_seqs)
         seqs = self.max_num_seqs
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
-        seq_fields = ("slot_indices", "logits_indices")
+        i64, i32 = torch.int64, torch.int32
         # Input ids are gathered on the device from the host's ids and the last step's
         # sampled ids (device-only), so a decode never waits for the host to read them.
-        self.i64 = StagedFields(
-            {**dict.fromkeys(tokens_fields, max_tokens), **dict.fromkeys(seq_fields, seqs)},
-            torch.int64,
+        self.staged = StagedFields(
+            {
+                **dict.fromkeys(tokens_fields, (max_tokens, i64)),
+                "slot_indices": (seqs, i64),
+                "logits_indices": (seqs, i64),
+                "seq_lens": (seqs, i32),
+                "query_start_loc": (seqs + 1, i32),
+            },
             self.device,
-            device_only={"sampled_ids": seqs},
+            device_only={"sampled_ids": (seqs, i64)},
         )
-        self.ids_offset = self.i64.offset["input_ids"]
-        self.sampled_offset = self.i64.offset["sampled_ids"]
-        self.i32 = StagedFields(
-            {"seq_lens": seqs, "query_start_loc": seqs + 1}, torch.int32, self.device
-        )
-        # Numpy views to write through, by field name.
-        self.buf = {**self.i64.np, **self.i32.np}
+        self.ids_offset = self.staged.offset["input_ids"]
+        self.sampled_offset = self.staged.offset["sampled_ids"]
+        self.buf = self.staged.np  # numpy views to write through, by field name
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # The step's copies must finish before the pinned buffers are rewritten.
         on_cuda = self.device.type == "cuda"
@@ -144,6 +159,7 @@ class ModelRunner:
         )
         self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self.parity = 0
+        self.argmax: torch.Tensor | None = None  # the decode graph's greedy ids: see execute()
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
         # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
@@ -300,25 +316,24 @@ class ModelRunner:
     ) -> ModelInput:
         """The step's copies, and device views of what they fill."""
         self._copy()
-        i64, i32 = self.i64.gpu, self.i32.gpu
+        gpu = self.staged.gpu
         return ModelInput(
-            input_gather=i64["input_gather"][:num_tokens],
-            positions=i64["positions"][:num_tokens],
-            slot_mapping=i64["slot_mapping"][:num_tokens],
-            seq_lens=i32["seq_lens"][:num_seqs],
-            query_start_loc=i32["query_start_loc"][: num_seqs + 1],
-            slot_indices=i64["slot_indices"][:num_seqs],
-            logits_indices=i64["logits_indices"][:num_seqs],
+            input_gather=gpu["input_gather"][:num_tokens],
+            positions=gpu["positions"][:num_tokens],
+            slot_mapping=gpu["slot_mapping"][:num_tokens],
+            seq_lens=gpu["seq_lens"][:num_seqs],
+            query_start_loc=gpu["query_start_loc"][: num_seqs + 1],
+            slot_indices=gpu["slot_indices"][:num_seqs],
+            logits_indices=gpu["logits_indices"][:num_seqs],
             max_query_len=max_query_len,
             is_decode=is_decode,
         )
 
     def _copy(self) -> None:
-        """Two non-blocking copies (int64 and int32 fields) into the static device
-        tensors, plus the block-table rows that changed."""
+        """One non-blocking copy of the staged fields into the static device tensors,
+        plus the block-table rows that changed."""
         self.block_table.commit()
-        self.i64.send()
-        self.i32.send()
+        self.staged.send()
         if self.copies_done is not None:
             self.copies_done.record()
 
@@ -326,9 +341,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Logits [num_seqs, vocab] at each scheduled sequence's last new token."""
+        """Logits [num_seqs, vocab] at each scheduled sequence's last new token.
+
+        After a decode graph, `argmax` holds their argmax ids [num_seqs] on the device
+        (None after any other step)."""
         num_seqs = len(batch.requests)
         num_tokens, max_query_len = self._fill(batch)
+        self.argmax = None
         if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
             bucket = self.decode_bucket[num_seqs]
             if bucket > num_seqs:
@@ -336,6 +355,7 @@ class ModelRunner:
             self._copy()  # the graph reads the static tensors: no views to build
             self.graphs[bucket].replay()
             self.steps_by_path["graph"] += 1
+            self.argmax = self.staged.gpu["sampled_ids"][:num_seqs]
             return self.graph_logits[bucket][:num_seqs]
         bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
         if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
@@ -360,7 +380,7 @@ class ModelRunner:
         )
 
     def _hidden(self, inp: ModelInput, meta: AttentionMetadata) -> torch.Tensor:
-        input_ids = self.i64.device[inp.input_gather]  # in the graph: gathered every replay
+        input_ids = self.staged.words[inp.input_gather]  # in the graph: gathered every replay
         return self.model(input_ids, inp.positions, meta)
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
@@ -375,8 +395,9 @@ class ModelRunner:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         k = token_ids.numel()
-        sampled = self.i64.gpu["sampled_ids"][:k]
-        sampled.copy_(token_ids)
+        sampled = self.staged.gpu["sampled_ids"][:k]
+        if token_ids.data_ptr() != sampled.data_ptr():  # the decode graph's argmax is there already
+            sampled.copy_(token_ids)
         if self.copies_done is None:
             return SampledIds(token_ids, None, self)  # CPU: a fresh tensor, nothing to wait for
         host = self.sampled_host[self.parity][:k]
@@ -435,7 +456,10 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.graph_logits[bucket] = self._forward(inp)
+                logits = self.graph_logits[bucket] = self._forward(inp)
+                # Greedy ids, where keep_sampled would copy them: a batch that needs the
+                # sampler overwrites them after the replay (~3 us of GPU time wasted then).
+                torch.argmax(logits, dim=-1, out=self.staged.gpu["sampled_ids"][:bucket])
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)

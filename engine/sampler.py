@@ -7,8 +7,8 @@ Order of processing, per row, as vLLM does it:
 Logprobs are the raw log_softmax of the model's logits (vLLM's default
 "raw_logprobs"), untouched by any of the above.
 
-The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1)`: the
-CUDA decode path depends on that being one kernel, its result left on the
+The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1)`, which
+the CUDA decode graph has taken already (`argmax`): its result stays on the
 device for the next step (`sample`); `__call__` also reads it back.
 """
 
@@ -54,14 +54,20 @@ class Sampler:
             return SamplerOutput(token_ids.tolist(), [None] * len(requests))
         return self._with_logprobs(logits, token_ids, requests)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        argmax: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Next token ids [num_requests] int64, left on the device (no sync).
 
-        logits: [num_requests, vocab_size], any float dtype."""
+        logits: [num_requests, vocab_size], any float dtype; argmax: their argmax ids,
+        if already taken (returned as is when nothing else applies)."""
         if all([req.params.argmax_only for req in requests]) or all(
             self._argmax_only(req) for req in requests
         ):
-            return logits.argmax(-1)
+            return logits.argmax(-1) if argmax is None else argmax
 
         x = self.process_logits(logits, requests)  # [B, V] fp32
 
