@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import kv_store_ref
+
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 
 
@@ -31,7 +33,14 @@ def paged_attention_decode_ref(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, tokens to attend to (incl. this one)
     scale: float,
+    *,
+    new_k: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], this step's K
+    new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding, not stored
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
+    """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
+    if slot_mapping is not None:
+        kv_store_ref(new_k, new_v, k_cache, v_cache, slot_mapping)
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
     for i, context_len in enumerate(context_lens.tolist()):
@@ -59,6 +68,9 @@ def _decode_kernel(
     v_cache_ptr,
     block_table_ptr,
     context_lens_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    slot_mapping_ptr,
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
@@ -66,6 +78,10 @@ def _decode_kernel(
     num_splits,
     stride_qs,
     stride_qh,
+    stride_nks,
+    stride_nkh,
+    stride_nvs,
+    stride_nvh,
     stride_cb,
     stride_co,
     stride_ch,
@@ -84,6 +100,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
+    STORE_NEW: tl.constexpr,  # store this step's K/V (new_k, new_v) at slot_mapping first
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head, split): the whole query-head group of the kv head
@@ -108,6 +125,27 @@ def _decode_kernel(
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+
+    if STORE_NEW:
+        # The new token is the context's last, so only the split whose tiles hold position
+        # context_len - 1 reads it: that split stores it, once per (sequence, kv head).
+        # The clamps give context_len 0 an owner too (split 0), so a slot is never skipped.
+        owner = tl.maximum(num_tiles - 1, 0) // tl.maximum(tiles_per_split, 1)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)  # int64: slot * row size can pass 2**31
+        if (slot >= 0) & (split == owner):
+            new_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+            new_offs += kv_head * stride_ch + dims
+            new_k = tl.load(
+                new_k_ptr + seq * stride_nks + kv_head * stride_nkh + dims, mask=dim_mask
+            )
+            new_v = tl.load(
+                new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
+            )
+            tl.store(k_cache_ptr + new_offs, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
+            tl.store(v_cache_ptr + new_offs, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
+        # The tile loop loads that row with other threads than stored it: a CTA barrier
+        # (bar.sync, which orders global memory within the CTA) makes the stores visible.
+        tl.debug_barrier()
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
@@ -236,16 +274,25 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     config: DecodeConfig | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,  # see decode_workspace
+    new_k: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], last dim contiguous
+    new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], last dim contiguous
+    slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
     The launch depends only on shapes, and the launcher never syncs with the host, so a
     CUDA graph can capture it and replay it with new context_lens and block tables.
+    Given new_k/new_v/slot_mapping, the kernel stores them itself: no kv_store launch.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert query.stride(2) == 1 and block_table.stride(1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    store_new = slot_mapping is not None
+    if store_new:
+        assert new_k.stride(2) == 1 and new_v.stride(2) == 1
+    else:  # placeholders the kernel never reads (STORE_NEW=False compiles the store out)
+        new_k, new_v, slot_mapping = query, query, context_lens
     if config is None:
         config = decode_config(
             num_seqs, num_kv_heads, block_table.shape[1], block_size, query.device
@@ -263,6 +310,9 @@ def paged_attention_decode(
         v_cache,
         block_table,
         context_lens,
+        new_k,
+        new_v,
+        slot_mapping,
         out,
         split_out,
         split_lse,
@@ -270,6 +320,10 @@ def paged_attention_decode(
         config.num_splits,
         query.stride(0),
         query.stride(1),
+        new_k.stride(0),
+        new_k.stride(1),
+        new_v.stride(0),
+        new_v.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -288,6 +342,7 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         IS_SPLIT=config.num_splits > 1,
+        STORE_NEW=store_new,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

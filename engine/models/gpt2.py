@@ -7,7 +7,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHead, PagedAttention
+from engine.models.layers import (
+    ACTIVATIONS,
+    AttentionMetadata,
+    DownProjection,
+    LayerNorm,
+    LMHead,
+    PagedAttention,
+)
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are transposed into nn.Linear's [out, in] on load.
@@ -27,7 +34,7 @@ class GPT2Block(nn.Module):
         self.c_proj = nn.Linear(d, d)
         self.ln_2 = LayerNorm(d, config.layer_norm_epsilon)
         self.c_fc = nn.Linear(d, inner)
-        self.mlp_proj = nn.Linear(inner, d)
+        self.mlp_proj = DownProjection(inner, d)
         self.act = ACTIVATIONS[config.activation_function]
         self.tanh_gelu = config.activation_function in TANH_GELU
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.kv_store import kv_store_for
+from kernels.linear import SplitKWorkspace, splitk_linear, splitk_pays
 from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for
@@ -70,8 +71,22 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.split(self, q) if self.split is not None else self.attend(q, meta)
+        if meta.is_decode and self.split is None:
+            # The decode kernel stores the new K/V itself: one launch per layer fewer.
+            out = self.ops.decode(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                self.scale,
+                new_k=k,
+                new_v=v,
+                slot_mapping=meta.slot_mapping,
+            )
+        else:
+            self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = self.split(self, q) if self.split is not None else self.attend(q, meta)
         return out.view(-1, self.num_heads * self.head_dim)
 
     def attend(
@@ -218,3 +233,22 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
+
+
+class DownProjection(nn.Linear):
+    """nn.Linear for projections with K >> N (MLP down): at decode batch sizes on CUDA, the
+    split-K Triton GEMM, which sums its K splits in one launch where cuBLAS takes two."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        # Allocated on first use on CUDA: the model is built on the meta device, so the
+        # device is known only then (the model runner runs each graph's forward once
+        # before capturing it, so this never allocates inside a capture).
+        self.workspace: SplitKWorkspace | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not splitk_pays(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        if self.workspace is None or self.workspace.counters.device != x.device:
+            self.workspace = SplitKWorkspace(self.out_features, x.device)
+        return splitk_linear(x, self.weight, self.bias, self.workspace)

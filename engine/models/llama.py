@@ -10,6 +10,7 @@ from torch import nn
 
 from engine.models.layers import (
     AttentionMetadata,
+    DownProjection,
     LMHead,
     PagedAttention,
     RMSNorm,
@@ -63,7 +64,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -71,6 +71,44 @@ def test_graphs_are_replayed_for_decode(tiny_gpt2_dir):
     assert replays and set(replays) <= {4}  # three sequences decode in the 4-bucket
 
 
+def test_decode_graph_takes_the_greedy_ids_that_the_sampler_would(tiny_gpt2_dir):
+    """The graph's argmax lands in the buffer next step's inputs are gathered from; an
+    all-greedy decode uses it as the step's ids, and it is the logits' argmax."""
+    llm = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8)
+    runner = llm.engine.runner
+    checked = []
+    execute = runner.execute
+
+    def checking(batch):
+        logits = execute(batch)
+        if runner.argmax is not None:
+            checked.append(runner.argmax.tolist() == logits.argmax(-1).tolist())
+        return logits
+
+    runner.execute = checking
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert len(checked) >= 4 and all(checked)  # the decode steps after the prefill
+
+
+def test_sampled_and_greedy_rows_in_one_decode_graph_match_eager(tiny_model_dir):
+    """Random rows overwrite the graph's argmax with the sampler's ids; greedy rows
+    keep theirs. Seeded, so graphs on and off must agree token for token."""
+    params = [
+        SamplingParams(max_tokens=12, ignore_eos=True, **kw)
+        for kw in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7}, {"top_k": 5, "seed": 3})
+    ]
+
+    def run(**config) -> list[list[int]]:
+        llm = LLM(tiny_model_dir, device="cuda", dtype="float32", max_num_seqs=8, **config)
+        outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    graphs = run()
+    assert graphs == run(enforce_eager=True)
+    assert graphs[1] != graphs[0] or graphs[2] != graphs[0]  # the sampler did run
+
+
 def test_half_precision_runs_with_cuda_graphs(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cuda", dtype="bfloat16", max_num_seqs=8)
     outs = llm.generate(
@@ -96,7 +134,7 @@ def test_pinned_buffers_are_not_rewritten_before_their_copy_ran(tiny_gpt2_dir):
     batch_b = engine.scheduler.schedule()
     runner._fill(batch_b)  # must block until step A's copies are done
     torch.cuda.synchronize()
-    assert runner.i64.device[inp.input_gather].tolist() == [11, 12, 13]
+    assert runner.staged.words[inp.input_gather].tolist() == [11, 12, 13]
     assert inp.positions.tolist() == [0, 1, 2]
 
 
@@ -111,7 +149,7 @@ def test_sampled_ids_reach_the_host_while_later_steps_queue(tiny_gpt2_dir):
     third = runner.keep_sampled(torch.tensor([6], device="cuda"))
     assert second.tolist() == [4, 5] and third.tolist() == [6]
     # The last ids stay on the device, where the next step's inputs are gathered from.
-    assert runner.i64.gpu["sampled_ids"][:1].tolist() == [6]
+    assert runner.staged.gpu["sampled_ids"][:1].tolist() == [6]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.kv_store import kv_store, kv_store_ref
+from kernels.linear import SplitKWorkspace, linear_ref, splitk_linear
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -141,3 +142,38 @@ def test_kv_store(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     kv_store_ref(key, value, expected_k, expected_v, slot_mapping)
     kv_store(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+# (K, N, bias, dtype): GPT-2's MLP down projection, Qwen2.5-0.5B's down_proj.
+DOWN_SHAPES = [(3072, 768, True, torch.float16), (4864, 896, False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("k", "n", "with_bias", "dtype"), DOWN_SHAPES)
+@pytest.mark.parametrize("m", [1, 37, 64])
+def test_splitk_linear_replayed_in_cuda_graph(
+    m: int, k: int, n: int, with_bias: bool, dtype: torch.dtype
+) -> None:
+    # Replays with new inputs and no memset between them: each must find its counters at 0
+    # and read every split's partial only after all of them are stored.
+    torch.manual_seed(m + k)
+    x = torch.randn(m, k, dtype=dtype, device="cuda")  # static graph input
+    weight = 0.02 * torch.randn(n, k, dtype=dtype, device="cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
+    workspace = SplitKWorkspace(n, x.device)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        splitk_linear(x, weight, bias, workspace)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [splitk_linear(x, weight, bias, workspace) for _ in range(8)]  # back to back
+
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+        expected = linear_ref(x.float(), weight.float(), None if bias is None else bias.float())
+        for out in outs:
+            torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
+    assert not workspace.counters.any()

@@ -28,6 +28,7 @@ JIT_MODULES = (
     "triton.language",
     "kernels.kv_store",
     "kernels.paged_attention",
+    "kernels.linear",
     "kernels.prefill_attention",
     "kernels.norms",
 )

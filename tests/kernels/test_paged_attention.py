@@ -75,6 +75,83 @@ def test_decode_matches_reference(
     assert not result[0].any()  # context_len 0 gives zeros
 
 
+# The same factors for the fused store, pairwise covered in five cases: MHA and GQA 4,
+# head_dim 64 and 80, block sizes 16 and 32, 1 and 3 splits.
+STORE_CASES = [
+    (12, 12, 64, 16, 1),
+    (12, 12, 80, 32, 3),
+    (8, 2, 64, 32, 3),
+    (8, 2, 80, 16, 3),
+    (8, 2, 80, 32, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "num_splits"), STORE_CASES
+)
+def test_decode_stores_new_kv_then_attends(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
+) -> None:
+    # A padding row (context 0, slot -1), a new token opening the first block, ending a
+    # block, opening the second, and in contexts whose last tile falls in split 1 of 3
+    # (3 * block_size + 5 at block 32: tiles 0-1, 2-3, none) and in the last split (200).
+    context_lens = [0, 1, block_size, block_size + 1, 3 * block_size + 5, 200]
+    k_cache, v_cache, block_table = paged_kv(
+        context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq=16
+    )
+    num_seqs = len(context_lens)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    positions = (lens - 1).clamp(min=0).long()  # the new tokens'
+    blocks = block_table.long().gather(1, (positions // block_size)[:, None])[:, 0]
+    slots = blocks * block_size + positions % block_size  # [num_seqs] int64, as the engine's
+    slots[0] = -1  # the padding row
+    # As the model passes them: views of one fused QKV projection, rows strided.
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_seqs, q_size + 2 * kv_size, generator=rng).to(device)
+    query, new_k, new_v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    query = query.view(-1, num_heads, head_dim)  # [num_seqs, num_heads, head_dim]
+    new_k = new_k.view(-1, num_kv_heads, head_dim)  # [num_seqs, num_kv_heads, head_dim]
+    new_v = new_v.view(-1, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    # NaN in the new slots: attending to them before (or without) the store shows.
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slots[1:]] = float("nan")
+    # After the call: the new rows at their slots, every other element as it was.
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, num_kv_heads, head_dim)[slots[1:]] = new_k[1:]
+    want_v.view(-1, num_kv_heads, head_dim)[slots[1:]] = new_v[1:]
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = paged_attention_decode_ref(
+        query, ref_k, ref_v, block_table, lens, scale, new_k=new_k, new_v=new_v, slot_mapping=slots
+    )
+    out = torch.full_like(query, float("nan"))
+    result = paged_attention_decode(
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        lens,
+        scale,
+        out=out,
+        config=DecodeConfig(num_splits=num_splits, block_n=32),
+        new_k=new_k,
+        new_v=new_v,
+        slot_mapping=slots,
+    )
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert not result[0].any()  # the padding row reads nothing
+    for cache, want in ((k_cache, want_k), (v_cache, want_v), (ref_k, want_k), (ref_v, want_v)):
+        torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
+
+
 def test_decode_default_config_and_strided_query(
     rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:

@@ -1,0 +1,196 @@
+"""Split-K GEMM for the decode step's down projections: x @ W^T (+ bias), K >> N, few rows.
+
+At decode batch sizes (M <= 64) a projection with K much larger than N has too few output
+tiles to fill the GPU, so cuBLAS splits K and sums the splits in a second launch
+(`splitKreduce_kernel`). Here the splits are summed inside the same launch: the program
+that finishes a column tile's K splits last adds them up, so the reduce costs no launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import dot_precision
+
+# Rows a workspace holds: the batch at which the kernel was measured to beat cuBLAS.
+SPLITK_MAX_M = 64
+
+
+def linear_ref(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K], as nn.Linear stores it
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _splitk_linear_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    partials_ptr,
+    counters_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_ps,
+    stride_pm,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program per (BLOCK_N output columns, K split): all M rows (padded to BLOCK_M >= 16
+    # for tl.dot) times its columns of W, over its share of K, accumulated in fp32.
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per_split = tl.cdiv(K, NUM_SPLITS * BLOCK_K) * BLOCK_K
+    k_start = split * k_per_split
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :],
+            mask=(rows[:, None] < M) & (ks[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w = tl.load(
+            weight_ptr + cols[None, :] * stride_wn + ks[:, None],
+            mask=(cols[None, :] < N) & (ks[:, None] < K),
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
+
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if NUM_SPLITS > 1:
+        part_offs = rows[:, None] * stride_pm + cols[None, :]
+        tl.store(partials_ptr + split * stride_ps + part_offs, acc, mask=mask)
+        # Memory ordering, as CUTLASS's split-K semaphore: the CTA barrier makes every
+        # thread's partial stores precede the atomic, whose release (gpu scope, cumulative)
+        # publishes them to other SMs. The program that counts last acquires them through
+        # the same atomic; the second barrier keeps all its threads' loads after that acquire.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived != NUM_SPLITS - 1:
+            return
+        tl.debug_barrier()
+        # Summed in split order, not arrival order, so the result is deterministic.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            acc += tl.load(partials_ptr + s * stride_ps + part_offs, mask=mask, other=0.0)
+        # Every split of this tile has arrived: reset for the next launch (graph replays
+        # need no memset).
+        tl.store(counters_ptr + pid_n, 0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Launch config; the default is the best measured at M=64 on an H100 (GPT-2's MLP
+    down projection, Qwen2.5-0.5B's down_proj)."""
+
+    num_splits: int = 4
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+class SplitKWorkspace:
+    """The splits' fp32 partials and the per-column-tile arrival counters, allocated once
+    for up to `max_m` rows of an N-column output (CUDA graphs: no per-call allocation).
+
+    The counters start at zero and every launch leaves them at zero. One workspace serves
+    one launch at a time: launches on one stream run one after another.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        device: torch.device,
+        max_m: int = SPLITK_MAX_M,
+        config: SplitKConfig = SplitKConfig(),
+    ) -> None:
+        self.n = n
+        self.max_m = max_m
+        self.config = config
+        # [num_splits, max_m, n]; unused with one split, so it shrinks to one element.
+        shape = (config.num_splits, max_m, n) if config.num_splits > 1 else (1, 1, 1)
+        self.partials = torch.empty(shape, dtype=torch.float32, device=device)
+        num_col_tiles = triton.cdiv(n, config.block_n)
+        self.counters = torch.zeros(num_col_tiles, dtype=torch.int32, device=device)
+
+
+def splitk_linear(
+    x: torch.Tensor,  # [M, K], last dim contiguous
+    weight: torch.Tensor,  # [N, K], last dim contiguous
+    bias: torch.Tensor | None,  # [N]
+    workspace: SplitKWorkspace,
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync."""
+    (m, k), n = x.shape, weight.shape[0]
+    assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+    assert weight.numel() < 2**31  # int32 offsets
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config, partials = workspace.config, workspace.partials
+    grid = (triton.cdiv(n, config.block_n), config.num_splits)
+    _splitk_linear_kernel[grid](
+        x,
+        weight,
+        weight if bias is None else bias,
+        out,
+        partials,
+        workspace.counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        partials.stride(0),
+        partials.stride(1),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        NUM_SPLITS=config.num_splits,
+        DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `splitk_linear` should replace cuBLAS for this call: the dispatch the other
+    kernels make once per device (`*_for(device)`), made per call since M changes per step.
+    Measured at M = 64 only, on GPT-2's and Qwen2.5-0.5B's down projections
+    (docs/kernels.md); smaller M and other K >= 2N shapes are assumed to pay too."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.shape[0] <= SPLITK_MAX_M
+        and weight.shape[1] >= 2 * weight.shape[0]
+    )

@@ -1,0 +1,77 @@
+"""splitk_linear (Triton, split-K reduced in one launch) against linear_ref, and DownProjection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.layers import DownProjection
+from kernels.linear import SplitKConfig, SplitKWorkspace, linear_ref, splitk_linear, splitk_pays
+
+# K = 300 is no multiple of block_k * num_splits (each split ends on a partial tile) and
+# N = 72 no multiple of block_n; small tiles keep the interpreter quick.
+K, N = 300, 72
+
+
+def poisoned_workspace(n: int, config: SplitKConfig, device: torch.device) -> SplitKWorkspace:
+    # NaN partials prove each split writes its whole share before the last one reads it.
+    workspace = SplitKWorkspace(n, device, config=config)
+    workspace.partials.fill_(float("nan"))
+    return workspace
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 16, 64])
+def test_splitk_linear_matches_reference_fp32(m, with_bias, num_splits, rng, device):
+    x = torch.randn(m, K, generator=rng)
+    weight = 0.1 * torch.randn(N, K, generator=rng)
+    bias = torch.randn(N, generator=rng) if with_bias else None
+    want = linear_ref(x, weight, bias)
+
+    config = SplitKConfig(num_splits=num_splits, block_n=32, block_k=32)
+    workspace = poisoned_workspace(N, config, device)
+    on = [t if t is None else t.to(device) for t in (x, weight, bias)]
+    got = splitk_linear(*on, workspace)
+    assert got.shape == (m, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+    # The last split of each column tile put its counter back: a replay needs no memset.
+    assert not workspace.counters.any()
+    again = splitk_linear(*on, workspace)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("m", [5, 64])
+def test_splitk_linear_matches_reference_fp16_default_config(m, rng, device):
+    # The default config (block_k 128, 4 splits) over K = 600: the last split gets no K at
+    # all (splits take 256 each) and must still count itself in with a zero partial.
+    k, n = 600, 200
+    x = torch.randn(m, k, generator=rng).half().to(device)
+    weight = (0.05 * torch.randn(n, k, generator=rng)).half().to(device)
+    bias = torch.randn(n, generator=rng).half().to(device)
+    workspace = poisoned_workspace(n, SplitKConfig(), device)
+    got = splitk_linear(x, weight, bias, workspace)
+    assert got.dtype == torch.float16
+    want = linear_ref(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(splitk_linear(x, weight, bias, workspace), got)
+
+
+def test_splitk_linear_reads_strided_rows(rng, device):
+    # x may be a row-strided view; the workspace may hold more rows than the call.
+    wide = torch.randn(3, K + 20, generator=rng).to(device)
+    x, weight = wide[:, :K], torch.randn(N, K, generator=rng).to(device)
+    workspace = SplitKWorkspace(N, device, config=SplitKConfig(num_splits=2, block_k=64))
+    got = splitk_linear(x, weight, None, workspace)
+    torch.testing.assert_close(got, linear_ref(x, weight, None), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_down_projection_on_cpu_is_f_linear(bias, rng):
+    layer = DownProjection(K, N, bias=bias)
+    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"][: 1 + bias]
+    x = torch.randn(4, K, generator=rng)
+    assert not splitk_pays(x, layer.weight)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer.workspace is None  # nothing allocated off CUDA
