@@ -8,8 +8,9 @@ steps replay a CUDA graph captured for the next bucket up in batch size;
 padded entries have context length 0 and slot -1, so they read and write
 nothing. The graph also takes every row's argmax into the device buffer the next
 step's inputs are gathered from: an all-greedy batch (the common case) then
-launches nothing after the replay but the ids' copy to the host. Steps with prefill tokens replay piecewise graphs (engine.piecewise)
-up to 2048 tokens; larger ones, and everything under --enforce-eager, run eagerly.
+launches nothing after the replay but the ids' copy to the host. Steps with
+prefill tokens replay piecewise graphs (engine.piecewise) up to 2048 tokens;
+larger ones, and everything under --enforce-eager, run eagerly.
 """
 
 from __future__ import annotations

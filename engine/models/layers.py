@@ -71,7 +71,7 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if meta.is_decode and self.split is None:
+        if meta.is_decode:  # (piecewise graphs, which set `split`, are never decode steps)
             # The decode kernel stores the new K/V itself: one launch per layer fewer.
             out = self.ops.decode(
                 q,
@@ -92,13 +92,9 @@ class PagedAttention(nn.Module):
     def attend(
         self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Attention over the cache (the new tokens' K/V already stored); `out` is CUDA only."""
-        ops = self.ops
-        if meta.is_decode:
-            return ops.decode(
-                q, self.k_cache, self.v_cache, meta.block_table, meta.seq_lens, self.scale
-            )
-        return ops.prefill(
+        """A step with prefill tokens: attention over the cache (the new tokens' K/V
+        already stored); `out` is CUDA only."""
+        return self.ops.prefill(
             q,
             self.k_cache,
             self.v_cache,
