@@ -93,6 +93,7 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
+        self.sync_for: tuple[list[Request] | None, bool] = (None, False)  # (sampling, sync)
 
     # -- requests ---------------------------------------------------------
 
@@ -177,9 +178,12 @@ class Engine:
             with self._nvtx("forward"):
                 logits = self.runner.execute(batch)
             sampling = batch.sampling()
-            sync = not self.config.async_scheduling or any(
-                [req.params.needs_sync for req in sampling]  # a list: faster than a generator
-            )
+            if sampling is not self.sync_for[0]:  # the steady state repeats one list
+                sync = not self.config.async_scheduling or any(
+                    [req.params.needs_sync for req in sampling]  # a list: faster than a generator
+                )
+                self.sync_for = (sampling, sync)
+            sync = self.sync_for[1]
             if sync and prev is not None:
                 self._process(prev)
                 prev = None
@@ -245,9 +249,11 @@ class Engine:
                 all_ids.append(token_id)
                 if logprob is not None:
                     req.pending_logprobs.append(logprob)
+                params = req.params
                 if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
                     self._check_token_stop(req, token_id)
-                params = req.params
+                elif params.quiet:
+                    continue  # the common offline case: nothing to report yet
                 if params.stop:
                     self._detokenize(req)  # a stop string must end it now, not when asked
                 # Streamed: every `interval` tokens, the first at once. Always: the last.

@@ -148,9 +148,12 @@ class ModelRunner:
         self.sampled_offset = self.staged.offset["sampled_ids"]
         self.buf = self.staged.np  # numpy views to write through, by field name
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
+        self.sampled_gather = self.arange[: seqs + 1] + self.sampled_offset  # row i's last id
         # The step's copies must finish before the pinned buffers are rewritten.
         on_cuda = self.device.type == "cuda"
         self.copies_done = torch.cuda.Event() if on_cuda else None
+        # Recording on a stream object kept here skips building one per call (~5 us).
+        self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
         # Sampled ids come back through two pinned buffers: one is read on the host
         # while the next step's copy fills the other.
         self.sampled_host = (
@@ -160,8 +163,15 @@ class ModelRunner:
         )
         self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self.parity = 0
+        # Views by row count, made once: slicing a tensor costs ~2 us of host time, and
+        # the decode step would slice four every step.
+        self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
+        self.sampled_host_rows = [[host[:k] for k in range(seqs + 1)] for host in self.sampled_host]
         self.argmax: torch.Tensor | None = None  # the decode graph's greedy ids: see execute()
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
+        # The batch the last decode fill wrote (None after any other write): when the
+        # next is the same list, its slots and row layout are in the buffers already.
+        self.decode_filled: list | None = None
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
         # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
         # prefill tokens), or eagerly. Read by the server's periodic stats line.
@@ -169,9 +179,13 @@ class ModelRunner:
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
+        self.decode_bucket = config.cuda_graph_bucket_table()
+        self.graph_logit_rows: list[torch.Tensor] = []  # by batch size: its bucket's logits
         if config.use_cuda_graphs:
             self._capture_decode_graphs()
-        self.decode_bucket = config.cuda_graph_bucket_table()
+            self.graph_logit_rows = [
+                self.graph_logits[self.decode_bucket[n]][:n] if n else None for n in range(seqs + 1)
+            ]
         self.piecewise: PiecewiseGraphs | None = None
         if config.use_piecewise_graphs:
             self._capture_piecewise_graphs()
@@ -239,6 +253,7 @@ class ModelRunner:
             self._fill_decode(batch)
             return num_seqs, 1
 
+        self.decode_filled = None
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
         num_computed = np.array(batch.starts, dtype=np.int64)
         slots = np.array([req.slot for req in requests], dtype=np.int64)
@@ -272,29 +287,35 @@ class ModelRunner:
         return num_tokens, int(num_new.max())
 
     def _fill_decode(self, batch: SchedulerOutput) -> None:
-        """The hot path: one new token per sequence, so most metadata is an arange."""
+        """The hot path: one new token per sequence, so most metadata is an arange.
+
+        The same batch as last step (the steady state: the scheduler hands over the same
+        list) has its slots, query starts and logits rows in place already."""
         reqs = batch.requests
         n = len(reqs)
-        arange = self.arange[:n]
-        positions = self.buf["positions"][:n]
+        buf = self.buf
+        positions = buf["positions"][:n]
         positions[:] = batch.starts
-        slots = self.buf["slot_indices"][:n]
-        slots[:] = [req.slot for req in reqs]
-        gather = self.buf["input_gather"][:n]
-        if reqs == self.sampled_for:  # the same batch as last step: row i sampled sequence i
-            gather[:] = arange
+        slots = buf["slot_indices"][:n]
+        gather = buf["input_gather"][:n]
+        same = reqs is self.decode_filled
+        if same or reqs == self.sampled_for:  # row i sampled sequence i last step
+            gather[:] = self.sampled_gather[:n]
         else:
             gather[:] = [req.sample_row for req in reqs]
+            gather += self.sampled_offset
             self._assign_sample_rows(reqs)
-        gather += self.sampled_offset
+        if not same:
+            slots[:] = [req.slot for req in reqs]
+            buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
+            buf["logits_indices"][:n] = self.arange[:n]
+            self.decode_filled = reqs
         # Usually every input is last step's sampled id, still on the device; one the
         # host has read already (num_inflight 0) is taken from the host's ids.
         for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
-            self.buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
+            buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
             gather[i] = self.ids_offset + i
-        self.buf["seq_lens"][:n] = positions + 1
-        self.buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
-        self.buf["logits_indices"][:n] = arange
+        np.add(positions, 1, out=buf["seq_lens"][:n])
         self._slot_mapping(slots, positions, n)
 
     def _assign_sample_rows(self, reqs: list) -> None:
@@ -336,7 +357,7 @@ class ModelRunner:
         self.block_table.commit()
         self.staged.send()
         if self.copies_done is not None:
-            self.copies_done.record()
+            self.copies_done.record(self.stream)
 
     # -- forward ----------------------------------------------------------
 
@@ -356,8 +377,8 @@ class ModelRunner:
             self._copy()  # the graph reads the static tensors: no views to build
             self.graphs[bucket].replay()
             self.steps_by_path["graph"] += 1
-            self.argmax = self.staged.gpu["sampled_ids"][:num_seqs]
-            return self.graph_logits[bucket][:num_seqs]
+            self.argmax = self.sampled_rows[num_seqs]
+            return self.graph_logit_rows[num_seqs]
         bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
         if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
             self._pad_tokens(num_tokens, bucket)
@@ -396,15 +417,16 @@ class ModelRunner:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         k = token_ids.numel()
-        sampled = self.staged.gpu["sampled_ids"][:k]
-        if token_ids.data_ptr() != sampled.data_ptr():  # the decode graph's argmax is there already
+        sampled = self.sampled_rows[k]
+        # The decode graph's argmax is there already (the very view, or another of it).
+        if token_ids is not sampled and token_ids.data_ptr() != sampled.data_ptr():
             sampled.copy_(token_ids)
         if self.copies_done is None:
             return SampledIds(token_ids, None, self)  # CPU: a fresh tensor, nothing to wait for
-        host = self.sampled_host[self.parity][:k]
+        host = self.sampled_host_rows[self.parity][k]
         host.copy_(sampled, non_blocking=True)
         done = self.sampled_done[self.parity]
-        done.record()
+        done.record(self.stream)
         self.parity ^= 1
         return SampledIds(host, done, self)
 

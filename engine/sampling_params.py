@@ -59,6 +59,9 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
+        # Nothing to report until it finishes, and no text to match each step: the
+        # engine only appends such a request's ids and checks its stop ids.
+        self.quiet = self.final_only and not self.stop
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:

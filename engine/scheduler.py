@@ -12,6 +12,11 @@ Scheduling runs one step ahead of the host's knowledge: a request's last
 sampled token may still be on the device (num_inflight), and is scheduled
 all the same; the model runner feeds it from the device. A request that has
 reached its length limit with a token in flight is not scheduled again.
+
+The steady state (every running request decoding, nobody admitted, finished or
+preempted since the last step) repeats the last batch one position on: its
+starts are advanced with numpy, and only the requests that open a new block
+this step are touched one by one. Anything else takes the general path.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
@@ -31,7 +38,8 @@ class SchedulerOutput:
     lists: a decode costs three appends, not an object."""
 
     requests: list[Request] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # tokens computed before: first new position
+    # Tokens computed before: first new position (an int64 array in the steady state).
+    starts: list[int] | np.ndarray = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     # Batch indices of prefill chunks that stop short of the request's tokens: they
     # sample nothing. Every other entry samples one token.
@@ -59,6 +67,23 @@ class SchedulerOutput:
         return bool(self.requests)
 
 
+class Steady:
+    """The steady state's bookkeeping, so that a step costs O(1) besides its batch:
+    every start moves one on per step, so the first limit is `headroom` steps away,
+    and the requests that open a block at step t are those whose start was
+    -t mod block_size when it began."""
+
+    def __init__(self, out: SchedulerOutput, requests: list[Request], block_size: int) -> None:
+        starts = np.array(out.starts, dtype=np.int64)
+        maxes = np.array([req.max_num_tokens for req in requests], dtype=np.int64)
+        out.starts = starts
+        self.out = out
+        self.headroom = int((maxes - starts).min())  # min(max_num_tokens - start)
+        self.steps = 0
+        phase = starts % block_size
+        self.phases = [np.flatnonzero(phase == p).tolist() for p in range(block_size)]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -67,6 +92,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
+        # Set when the last batch was all of `running`, decoding; cleared whenever
+        # `running` changes.
+        self._steady: Steady | None = None
 
     def add(self, req: Request) -> None:
         req.max_num_tokens = min(req.max_num_tokens, self.config.max_model_len)
@@ -77,6 +105,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        if self._steady is not None and not (self.waiting and self.free_slots):
+            out = self._advance(self._steady)
+            if out is not None:
+                return out
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -144,6 +176,42 @@ class Scheduler:
             self._add(out, req, num_new, grown=True)
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
+        self._steady = None
+        if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
+            self._steady = Steady(out, requests, block_size)
+        return out
+
+    def _advance(self, steady: Steady) -> SchedulerOutput | None:
+        """The steady state's next batch: the last one, every request one token on.
+
+        Each request's token count is one past its start (it sampled last step, and
+        nothing since has finished, preempted or admitted anyone), so only block
+        boundaries and length limits can differ from the last step; None when the
+        general path must decide (a limit reached, or too few free blocks)."""
+        steady.headroom -= 1
+        if steady.headroom <= 1:
+            return None  # a request reaches its limit: it is not scheduled again
+        steady.steps += 1
+        opening = steady.phases[-steady.steps % self.blocks.block_size]
+        if len(opening) > self.blocks.num_free_blocks:
+            return None  # someone may have to be preempted
+        last = steady.out
+        requests = last.requests
+        for i in opening:
+            req = requests[i]
+            self.blocks.cache_full_blocks(req)  # the block it leaves is full now
+            self.blocks.allocate(req, 1)
+        for req in requests:
+            req.num_computed_tokens += 1
+        out = SchedulerOutput(
+            requests,
+            last.starts + 1,
+            last.num_new_tokens,
+            grown=opening,
+            first_admitted=len(requests),
+        )
+        out.num_tokens = len(requests)
+        steady.out = out
         return out
 
     @staticmethod
@@ -167,6 +235,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._steady = None
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -183,6 +252,7 @@ class Scheduler:
         """Take req out of the queues for good and free its blocks and slot."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._steady = None
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self._release(req)
