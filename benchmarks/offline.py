@@ -183,7 +183,7 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 100) ->
         engine.abort_request(f"p{i}")
 
     bucket = next(b for b in sorted(runner.graphs) if b >= batch)
-    graph = runner.graphs[bucket]
+    graph = runner.graphs[bucket][0]
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):

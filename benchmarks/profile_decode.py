@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.requests))
     runner._pad_decode(len(batch_out.requests), bucket)
     inp = runner._send(bucket, bucket, 1, True)
-    graph = runner.graphs[bucket]
+    graph = runner.graphs[bucket][0]
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()

@@ -37,12 +37,13 @@ class BlockTable:
         # Stale entries are harmless: context lengths bound every read.
         self.num_blocks[slot] = 0
 
-    def commit(self) -> None:
-        """Send the changed rows to the device (the caller keeps the pinned rows
-        untouched until this step's copies are done: see ModelRunner)."""
+    def commit(self) -> bool:
+        """Send the changed rows to the device; True if a copy was queued (the caller
+        keeps the pinned rows untouched until it has run: see ModelRunner)."""
         if self.dirty_hi < 0:
-            return
+            return False
         if self.on_cuda:
             lo, hi = self.dirty_lo, self.dirty_hi + 1
             self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
         self.dirty_lo, self.dirty_hi = len(self.num_blocks), -1
+        return self.on_cuda

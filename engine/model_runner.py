@@ -42,7 +42,9 @@ class StagedFields:
 
     Offsets never change, so a CUDA graph captured on the device views sees every
     later step's values. `device_only` fields follow the staged ones on the device
-    and are never overwritten by a send (on CPU they are simply more of the buffer)."""
+    and are never overwritten by a send (on CPU they are simply more of the buffer).
+    On CUDA there are `copies` host buffers (`np[i]` writes buffer i, `send(i)` sends
+    it), so a step can be written while the last one's copy is still queued."""
 
     ALIGN = 16  # bytes: every field starts where any integer view of it may start
 
@@ -51,6 +53,7 @@ class StagedFields:
         fields: dict[str, tuple[int, torch.dtype]],  # name -> (size, dtype)
         device: torch.device,
         device_only: dict[str, tuple[int, torch.dtype]] | None = None,
+        copies: int = 1,
     ) -> None:
         on_cuda = device.type == "cuda"
         layout: dict[str, tuple[int, int, torch.dtype]] = {}  # name -> (byte offset, size, dtype)
@@ -60,29 +63,33 @@ class StagedFields:
             offset += -(-size * dtype.itemsize // self.ALIGN) * self.ALIGN
             if name in fields:
                 staged = offset
-        self.host = torch.zeros(
-            staged if on_cuda else offset, dtype=torch.uint8, pin_memory=on_cuda
-        )
+        self.hosts = [
+            torch.zeros(staged if on_cuda else offset, dtype=torch.uint8, pin_memory=on_cuda)
+            for _ in range(copies if on_cuda else 1)
+        ]
+        self.host = self.hosts[0]
         self.device = (
             torch.zeros(offset, dtype=torch.uint8, device=device) if on_cuda else self.host
         )
         # The whole buffer as int64: int64 fields are addressed by `offset` in it.
         self.words = self.device.view(torch.int64)
-        host_np = self.host.numpy()
-        self.np: dict[str, np.ndarray] = {}
+        self.nps: list[dict[str, np.ndarray]] = [{} for _ in self.hosts]
         self.gpu: dict[str, torch.Tensor] = {}
         self.offset: dict[str, int] = {}  # in elements of the field's dtype
         for name, (start, size, dtype) in layout.items():
             end = start + size * dtype.itemsize
             if name in fields:
-                self.np[name] = host_np[start:end].view(torch.empty(0, dtype=dtype).numpy().dtype)
+                np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+                for host, views in zip(self.hosts, self.nps):
+                    views[name] = host.numpy()[start:end].view(np_dtype)
             self.gpu[name] = self.device[start:end].view(dtype)
             self.offset[name] = start // dtype.itemsize
+        self.np = self.nps[0]
         self.staged = self.device[:staged]
 
-    def send(self) -> None:
+    def send(self, copy: int = 0) -> None:
         if self.device is not self.host:
-            self.staged.copy_(self.host, non_blocking=True)
+            self.staged.copy_(self.hosts[copy], non_blocking=True)
 
 
 class SampledIds:
@@ -131,6 +138,11 @@ class ModelRunner:
         seqs = self.max_num_seqs
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
         i64, i32 = torch.int64, torch.int32
+        on_cuda = self.device.type == "cuda"
+        # On CUDA every host buffer comes twice, used by alternate steps: a step is
+        # written while the last one's copies may still be queued, and the ids of one
+        # are read while the next one's are on their way.
+        self.num_buffers = 2 if on_cuda else 1
         # Input ids are gathered on the device from the host's ids and the last step's
         # sampled ids (device-only), so a decode never waits for the host to read them.
         self.staged = StagedFields(
@@ -143,48 +155,57 @@ class ModelRunner:
             },
             self.device,
             device_only={"sampled_ids": (seqs, i64)},
+            copies=self.num_buffers,
         )
         self.ids_offset = self.staged.offset["input_ids"]
         self.sampled_offset = self.staged.offset["sampled_ids"]
+        self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         self.sampled_gather = self.arange[: seqs + 1] + self.sampled_offset  # row i's last id
-        # The step's copies must finish before the pinned buffers are rewritten.
-        on_cuda = self.device.type == "cuda"
-        self.copies_done = torch.cuda.Event() if on_cuda else None
+        # A pinned buffer is rewritten only once the last copy out of it has run: each
+        # staging buffer's event follows its last copy (a send, or the decode graph
+        # that copies it in), the block table's its last commit.
+        self.staged_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self.table_sent = torch.cuda.Event() if on_cuda else None
         # Recording on a stream object kept here skips building one per call (~5 us).
         self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
-        # Sampled ids come back through two pinned buffers: one is read on the host
-        # while the next step's copy fills the other.
+        # Sampled ids come back through the step's pinned buffer (the decode graph
+        # copies its argmax there itself); done[i] follows the copy into buffer i.
         self.sampled_host = (
             [torch.zeros(seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             if on_cuda
             else []
         )
         self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
-        self.parity = 0
         # Views by row count, made once: slicing a tensor costs ~2 us of host time, and
         # the decode step would slice four every step.
         self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
         self.sampled_host_rows = [[host[:k] for k in range(seqs + 1)] for host in self.sampled_host]
         self.argmax: torch.Tensor | None = None  # the decode graph's greedy ids: see execute()
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
-        # The batch the last decode fill wrote (None after any other write): when the
-        # next is the same list, its slots and row layout are in the buffers already.
-        self.decode_filled: list | None = None
+        # The batch the last decode fill of each buffer wrote (None after any other
+        # write): when the next is the same list, its slots and row layout are there.
+        self.decode_filled: list[list | None] = [None] * self.num_buffers
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
         # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
         # prefill tokens), or eagerly. Read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
 
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.graph_logits: dict[int, torch.Tensor] = {}
+        # Decode graphs by bucket: one per staging buffer, each copying it in.
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.graph_logits: dict[int, list[torch.Tensor]] = {}
         self.decode_bucket = config.cuda_graph_bucket_table()
-        self.graph_logit_rows: list[torch.Tensor] = []  # by batch size: its bucket's logits
+        # By buffer, then batch size: the logits rows of its bucket's graph.
+        self.graph_logit_rows: list[list[torch.Tensor | None]] = []
         if config.use_cuda_graphs:
             self._capture_decode_graphs()
             self.graph_logit_rows = [
-                self.graph_logits[self.decode_bucket[n]][:n] if n else None for n in range(seqs + 1)
+                [
+                    self.graph_logits[self.decode_bucket[n]][i][:n] if n else None
+                    for n in range(seqs + 1)
+                ]
+                for i in range(self.num_buffers)
             ]
         self.piecewise: PiecewiseGraphs | None = None
         if config.use_piecewise_graphs:
@@ -238,11 +259,12 @@ class ModelRunner:
 
     def _fill(self, batch: SchedulerOutput) -> tuple[int, int]:
         """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
-        if self.copies_done is not None:
-            self.wait(self.copies_done)  # last step's copies must have read the buffers
+        self._next_buffers()
         requests = batch.requests
         num_seqs = len(requests)
         table = self.block_table
+        if batch.grown and self.table_sent is not None:
+            self.wait(self.table_sent)  # the last commit has read the rows
         for i in batch.grown:
             req = requests[i]
             if i >= batch.first_admitted:
@@ -253,7 +275,7 @@ class ModelRunner:
             self._fill_decode(batch)
             return num_seqs, 1
 
-        self.decode_filled = None
+        self.decode_filled[self.parity] = None
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
         num_computed = np.array(batch.starts, dtype=np.int64)
         slots = np.array([req.slot for req in requests], dtype=np.int64)
@@ -298,7 +320,7 @@ class ModelRunner:
         positions[:] = batch.starts
         slots = buf["slot_indices"][:n]
         gather = buf["input_gather"][:n]
-        same = reqs is self.decode_filled
+        same = reqs is self.decode_filled[self.parity]
         if same or reqs == self.sampled_for:  # row i sampled sequence i last step
             gather[:] = self.sampled_gather[:n]
         else:
@@ -309,7 +331,7 @@ class ModelRunner:
             slots[:] = [req.slot for req in reqs]
             buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
             buf["logits_indices"][:n] = self.arange[:n]
-            self.decode_filled = reqs
+            self.decode_filled[self.parity] = reqs
         # Usually every input is last step's sampled id, still on the device; one the
         # host has read already (num_inflight 0) is taken from the host's ids.
         for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
@@ -317,6 +339,14 @@ class ModelRunner:
             gather[i] = self.ids_offset + i
         np.add(positions, 1, out=buf["seq_lens"][:n])
         self._slot_mapping(slots, positions, n)
+
+    def _next_buffers(self) -> None:
+        """Move to the other host buffers (the step's), once the last copy out of its
+        staging buffer has run (two steps back: done long ago, as a rule)."""
+        self.parity = (self.parity + 1) % self.num_buffers
+        self.buf = self.staged.nps[self.parity]
+        if self.staged_sent:
+            self.wait(self.staged_sent[self.parity])
 
     def _assign_sample_rows(self, reqs: list) -> None:
         """The engine samples the sampling requests in batch order: row k is the k-th."""
@@ -354,10 +384,14 @@ class ModelRunner:
     def _copy(self) -> None:
         """One non-blocking copy of the staged fields into the static device tensors,
         plus the block-table rows that changed."""
-        self.block_table.commit()
-        self.staged.send()
-        if self.copies_done is not None:
-            self.copies_done.record(self.stream)
+        self._commit_table()
+        self.staged.send(self.parity)
+        if self.staged_sent:
+            self.staged_sent[self.parity].record(self.stream)
+
+    def _commit_table(self) -> None:
+        if self.block_table.commit() and self.table_sent is not None:
+            self.table_sent.record(self.stream)
 
     # -- forward ----------------------------------------------------------
 
@@ -374,11 +408,13 @@ class ModelRunner:
             bucket = self.decode_bucket[num_seqs]
             if bucket > num_seqs:
                 self._pad_decode(num_seqs, bucket)
-            self._copy()  # the graph reads the static tensors: no views to build
-            self.graphs[bucket].replay()
+            self._commit_table()
+            # The graph copies the step's staging buffer in and the argmax out.
+            self.graphs[bucket][self.parity].replay()
+            self.staged_sent[self.parity].record(self.stream)
             self.steps_by_path["graph"] += 1
             self.argmax = self.sampled_rows[num_seqs]
-            return self.graph_logit_rows[num_seqs]
+            return self.graph_logit_rows[self.parity][num_seqs]
         bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
         if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
             self._pad_tokens(num_tokens, bucket)
@@ -417,17 +453,19 @@ class ModelRunner:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         k = token_ids.numel()
+        if token_ids is self.argmax:  # the decode graph's ids: it copied them to the host too
+            return SampledIds(
+                self.sampled_host_rows[self.parity][k], self.staged_sent[self.parity], self
+            )
         sampled = self.sampled_rows[k]
-        # The decode graph's argmax is there already (the very view, or another of it).
-        if token_ids is not sampled and token_ids.data_ptr() != sampled.data_ptr():
+        if token_ids.data_ptr() != sampled.data_ptr():
             sampled.copy_(token_ids)
-        if self.copies_done is None:
+        if not self.sampled_host:
             return SampledIds(token_ids, None, self)  # CPU: a fresh tensor, nothing to wait for
         host = self.sampled_host_rows[self.parity][k]
         host.copy_(sampled, non_blocking=True)
         done = self.sampled_done[self.parity]
         done.record(self.stream)
-        self.parity ^= 1
         return SampledIds(host, done, self)
 
     def wait(self, event: torch.cuda.Event) -> None:
@@ -469,20 +507,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
-        # Every replay's _send writes the same static storage the capture read.
+        # Every replay's fill writes the same static storage the capture read. Each
+        # bucket has a graph per staging buffer: it copies that buffer in first, and
+        # its greedy ids out to the same step's sampled-ids buffer last.
         pool = None
+        sampled = self.staged.gpu["sampled_ids"]
         for bucket in reversed(self.config.cuda_graph_batch_sizes()):
             self.buf["query_start_loc"][0] = 0
             self._pad_decode(0, bucket)
             inp = self._send(bucket, bucket, 1, True)
             self._forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.graph_logits[bucket] = self._forward(inp)
-                # Greedy ids, where keep_sampled would copy them: a batch that needs the
-                # sampler overwrites them after the replay (~3 us of GPU time wasted then).
-                torch.argmax(logits, dim=-1, out=self.staged.gpu["sampled_ids"][:bucket])
-            pool = graph.pool()
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.graph_logits[bucket] = [], []
+            for i in range(self.num_buffers):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.staged.staged.copy_(self.staged.hosts[i], non_blocking=True)
+                    logits = self._forward(inp)
+                    # Greedy ids, where keep_sampled would put them: a batch that needs
+                    # the sampler overwrites them after the replay (~3 us of GPU time
+                    # wasted then), and copies its own to the host again.
+                    torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                    self.sampled_host[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
+                pool = graph.pool()
+                self.graphs[bucket].append(graph)
+                self.graph_logits[bucket].append(logits)
         torch.cuda.synchronize(self.device)

@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
+from engine.scheduler import SchedulerOutput
 from tests.conftest import PROMPTS, hf_greedy
 
 pytestmark = [
@@ -64,9 +65,11 @@ def test_graphs_are_replayed_for_decode(tiny_gpt2_dir):
     runner = llm.engine.runner
     assert sorted(runner.graphs) == [1, 2, 4, 8]
     replays = []
-    for bucket, graph in runner.graphs.items():
-        original = graph.replay
-        graph.replay = lambda b=bucket, f=original: (replays.append(b), f())[1]
+    for bucket, graphs in runner.graphs.items():
+        assert len(graphs) == 2  # one per staging buffer
+        for graph in graphs:
+            original = graph.replay
+            graph.replay = lambda b=bucket, f=original: (replays.append(b), f())[1]
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert replays and set(replays) <= {4}  # three sequences decode in the 4-bucket
 
@@ -118,34 +121,50 @@ def test_half_precision_runs_with_cuda_graphs(tiny_llama_dir):
 
 
 def test_pinned_buffers_are_not_rewritten_before_their_copy_ran(tiny_gpt2_dir):
-    """Hold the stream with a long sleep so the non-blocking H2D copies of step A are
-    still queued; filling step B must wait for them, or step A's device tensors
-    would receive step B's values."""
+    """Hold the stream with a long sleep so the non-blocking H2D copy of step A is
+    still queued. Step B writes the other staging buffer; step C, back in A's, must
+    wait for A's copy, or A's device tensors would receive C's values."""
     llm = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8, enforce_eager=True)
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request("a", [11, 12, 13], params)
-    batch_a = engine.scheduler.schedule()
-    num_tokens, max_q = runner._fill(batch_a)
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies
-    inp = runner._send(num_tokens, 1, max_q, False)
-    engine.abort_request("a")
-    engine.add_request("b", [21, 22, 23, 24, 25], params)
-    batch_b = engine.scheduler.schedule()
-    runner._fill(batch_b)  # must block until step A's copies are done
+    prompts = {"a": [11, 12, 13], "b": [21, 22, 23, 24, 25], "c": [31, 32]}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # admitted, block-table rows sent: the steps below grow nothing
     torch.cuda.synchronize()
-    assert runner.staged.words[inp.input_gather].tolist() == [11, 12, 13]
-    assert inp.positions.tolist() == [0, 1, 2]
+
+    def step(rid: str):
+        # The prompt again, as one prefill chunk of this request alone.
+        req = engine.requests[rid][0]
+        n = len(prompts[rid])
+        batch = SchedulerOutput([req], [0], [n], num_tokens=n)
+        num_tokens, max_q = runner._fill(batch)
+        inp = runner._send(num_tokens, 1, max_q, False)
+        # What the step's device tensors hold once its copy has run (queued after it).
+        seen = (runner.staged.words[inp.input_gather].clone(), inp.positions.clone())
+        return runner.parity, seen
+
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies
+    parity_a, (ids_a, pos_a) = step("a")
+    parity_b, (ids_b, _) = step("b")
+    parity_c, (ids_c, _) = step("c")  # must block until A's copy has run
+    torch.cuda.synchronize()
+    assert parity_a == parity_c != parity_b
+    assert ids_a.tolist() == [11, 12, 13] and pos_a.tolist() == [0, 1, 2]
+    assert ids_b.tolist() == [21, 22, 23, 24, 25] and ids_c.tolist() == [31, 32]
 
 
 def test_sampled_ids_reach_the_host_while_later_steps_queue(tiny_gpt2_dir):
-    """Each step's ids come back through one of two pinned buffers: with the stream
-    held, the next step's copy must not land in the buffer the host reads."""
+    """Each step's ids come back through its own pinned buffer (two, used by alternate
+    steps): with the stream held, the next step's copy must not land in the buffer
+    the host reads."""
     runner = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8).engine.runner
     torch.cuda._sleep(200_000_000)
+    runner._next_buffers()  # each step's fill moves to its buffers
     first = runner.keep_sampled(torch.tensor([1, 2, 3], device="cuda"))
+    runner._next_buffers()
     second = runner.keep_sampled(torch.tensor([4, 5], device="cuda"))
     assert first.tolist() == [1, 2, 3]  # waits for its own copy, not a later one
+    runner._next_buffers()
     third = runner.keep_sampled(torch.tensor([6], device="cuda"))
     assert second.tolist() == [4, 5] and third.tolist() == [6]
     # The last ids stay on the device, where the next step's inputs are gathered from.

@@ -1,0 +1,75 @@
+"""The client reads SSE from raw reads: events cut anywhere between reads must come
+out whole, one timestamp per read that completed them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from clients.metrics import RequestRecord
+from clients.stream import stream_request
+
+
+def event(text: str, usage: dict | None = None) -> bytes:
+    body: dict = {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+    if usage:
+        body["usage"] = usage
+    return f"data: {json.dumps(body)}\r\n\r\n".encode()
+
+
+class Reads(httpx.AsyncByteStream):
+    """A body delivered in the given pieces, one network read each."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def __aiter__(self):
+        for piece in self.pieces:
+            await asyncio.sleep(0.002)  # each read at its own time
+            yield piece
+
+
+def run(pieces: list[bytes]) -> RequestRecord:
+    def handler(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=Reads(pieces))
+
+    async def go() -> RequestRecord:
+        record = RequestRecord(index=0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await stream_request(client, "http://x/v1/completions", {}, record, chat=False)
+        return record
+
+    return asyncio.run(go())
+
+
+def test_events_split_across_reads_come_out_whole():
+    body = (
+        event(" a")
+        + b": ping\r\n\r\n"
+        + event(" b")
+        + event(" c")
+        + event("", {"prompt_tokens": 3, "completion_tokens": 3})
+        + b"data: [DONE]\r\n\r\n"
+    )
+    first = len(event(" a")) // 2  # mid-JSON
+    second = body.index(b" c") + 1  # inside the third event, after " b" is whole
+    record = run([body[:first], body[first:second], body[second:]])
+    assert record.ok, record.error
+    assert record.text == " a b c"
+    assert (record.prompt_tokens, record.completion_tokens) == (3, 3)
+    # " a" and " b" were completed by the second read, " c" by the third.
+    t = record.chunk_times
+    assert len(t) == 3 and t[0] == t[1] < t[2] and record.end_time == t[2]
+
+
+@pytest.mark.parametrize(
+    "tail, kind",
+    [(b"", "protocol"), (b"data: {not json\n\n", "protocol"), (b"data: [1, 2]\n\n", "protocol")],
+)
+def test_a_broken_stream_fails_the_request(tail, kind):
+    record = run([event(" a"), tail] if tail else [event(" a")])
+    assert record.error_kind == kind and record.text == " a"
