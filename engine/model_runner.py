@@ -166,7 +166,7 @@ class ModelRunner:
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's event follows its last copy (a send, or the decode graph
         # that copies it in), the block table's its last commit.
-        self.staged_sent = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self.staged_sent = [torch.cuda.Event() for _ in range(self.num_buffers)] if on_cuda else []
         self.table_sent = torch.cuda.Event() if on_cuda else None
         # Recording on a stream object kept here skips building one per call (~5 us).
         self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
@@ -321,7 +321,7 @@ class ModelRunner:
         slots = buf["slot_indices"][:n]
         gather = buf["input_gather"][:n]
         same = reqs is self.decode_filled[self.parity]
-        if same or reqs == self.sampled_for:  # row i sampled sequence i last step
+        if reqs is self.sampled_for or reqs == self.sampled_for:  # row i sampled sequence i
             gather[:] = self.sampled_gather[:n]
         else:
             gather[:] = [req.sample_row for req in reqs]
