@@ -73,9 +73,9 @@ class Steady:
     and the requests that open a block at step t are those whose start was
     -t mod block_size when it began."""
 
-    def __init__(self, out: SchedulerOutput, requests: list[Request], block_size: int) -> None:
+    def __init__(self, out: SchedulerOutput, block_size: int) -> None:
         starts = np.array(out.starts, dtype=np.int64)
-        maxes = np.array([req.max_num_tokens for req in requests], dtype=np.int64)
+        maxes = np.array([req.max_num_tokens for req in out.requests], dtype=np.int64)
         out.starts = starts
         self.out = out
         self.headroom = int((maxes - starts).min())  # min(max_num_tokens - start)
@@ -178,7 +178,7 @@ class Scheduler:
         out.num_tokens = self.config.max_num_batched_tokens - budget
         self._steady = None
         if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
-            self._steady = Steady(out, requests, block_size)
+            self._steady = Steady(out, block_size)
         return out
 
     def _advance(self, steady: Steady) -> SchedulerOutput | None:

@@ -10,6 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.scheduler import Scheduler
+from tests.engine.test_async_steps import count_rows
 
 
 def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict, int]:
@@ -106,15 +107,7 @@ def test_a_limit_inside_the_steady_state_costs_no_extra_row(tiny_gpt2_dir, max_t
             [5, 6, 7, 8][: i + 2],
             SamplingParams(max_tokens=max_tokens + 4 * i, ignore_eos=True),
         )
-    rows: dict[str, int] = {}
-    execute = engine.runner.execute
-
-    def counting(batch):
-        for req in batch.requests:
-            rows[req.request_id] = rows.get(req.request_id, 0) + 1
-        return execute(batch)
-
-    engine.runner.execute = counting
+    rows = count_rows(engine)
     while engine.has_unfinished_requests():
         engine.step()
     assert rows == {f"r{i}": max_tokens + 4 * i for i in range(3)}
