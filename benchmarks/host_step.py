@@ -49,8 +49,8 @@ def stub_forward(engine) -> None:
     logits = torch.zeros(runner.max_num_seqs, engine.vocab_size, device=runner.device)
     logits[:, engine.tokenizer.encode("a")[-1]] = 1.0
 
-    def execute(step_batch):  # the runner's work without the model
-        runner._fill(step_batch)
+    def execute(step_batch, on_device=False):  # the runner's work without the model
+        runner._fill(step_batch, on_device)
         runner._copy()
         return logits[: len(step_batch.requests)]
 

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
 
     batch_out = engine.scheduler.schedule()
     assert batch_out.is_decode_only and len(batch_out.requests) == batch
-    runner._fill(batch_out)
+    runner._fill(batch_out, on_device=True)  # the last step sampled them: ids on the device
     bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.requests))
     runner._pad_decode(len(batch_out.requests), bucket)
     inp = runner._send(bucket, bucket, 1, True)

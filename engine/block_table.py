@@ -28,7 +28,10 @@ class BlockTable:
         have = self.num_blocks[slot]
         if len(block_ids) <= have:
             return
-        self.np[slot, have : len(block_ids)] = block_ids[have:]
+        if len(block_ids) == have + 1:  # a decode opening a block: a scalar write is ~5x faster
+            self.np[slot, have] = block_ids[have]
+        else:
+            self.np[slot, have : len(block_ids)] = block_ids[have:]
         self.num_blocks[slot] = len(block_ids)
         self.dirty_lo = min(self.dirty_lo, slot)
         self.dirty_hi = max(self.dirty_hi, slot)

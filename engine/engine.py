@@ -27,6 +27,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner, SampledIds
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
+from engine.quiet_run import QuietRun, stop_table
 from engine.models.loader import (
     checkpoint_dtype,
     load_config,
@@ -49,6 +50,7 @@ class LaunchedStep:
     sampling: list[Request]
     token_ids: list[int] | SampledIds | None  # None: no request sampled
     logprobs: list[TokenLogprob | None] | None = None
+    run: QuietRun | None = None  # its ids are booked by this run (if it is still on)
 
 
 @dataclass
@@ -93,7 +95,11 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
-        self.sync_for: tuple[list[Request] | None, bool] = (None, False)  # (sampling, sync)
+        # (sampling list, must it sync, can its steps be a quiet run), for the last list.
+        self.sampling_for: tuple[list[Request] | None, bool, bool] = (None, False, False)
+        self.run: QuietRun | None = None  # see engine.quiet_run
+        self.scheduler.on_leave_steady = self._settle
+        self.no_nvtx = contextlib.nullcontext()
 
     # -- requests ---------------------------------------------------------
 
@@ -172,22 +178,29 @@ class Engine:
         and its own ids at once.
         """
         with self._nvtx("schedule"):
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule()  # leaving the steady state settles the run
         prev, self.inflight = self.inflight, None
         if batch:
+            # The last step sampled this very list, and its ids are still unread: every
+            # input is on the device, and no request's count needs to be looked at.
+            on_device = prev is not None and prev.sampling is batch.requests
+            assert self.run is None or on_device  # a run lasts as long as the steady state
             with self._nvtx("forward"):
-                logits = self.runner.execute(batch)
+                logits = self.runner.execute(batch, on_device)
             sampling = batch.sampling()
-            if sampling is not self.sync_for[0]:  # the steady state repeats one list
-                sync = not self.config.async_scheduling or any(
-                    [req.params.needs_sync for req in sampling]  # a list: faster than a generator
-                )
-                self.sync_for = (sampling, sync)
-            sync = self.sync_for[1]
+            if sampling is not self.sampling_for[0]:  # the steady state repeats one list
+                params = [req.params for req in sampling]  # lists: faster than generators
+                sync = not self.config.async_scheduling or any([p.needs_sync for p in params])
+                # A quiet run books ids without counting them: min_tokens' mask reads
+                # the count every step.
+                quiet = all([p.quiet and not p.min_tokens for p in params])
+                self.sampling_for = (sampling, sync, quiet)
+            _, sync, quiet = self.sampling_for
             if sync and prev is not None:
                 self._process(prev)
                 prev = None
             token_ids = None
+            run = None
             if sampling:
                 with self._nvtx("sample"):
                     if batch.chunked:
@@ -195,12 +208,18 @@ class Engine:
                         rows = [i for i in range(len(batch.requests)) if i not in chunked]
                         logits = logits[rows]
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
-                for req in sampling:
-                    req.num_inflight += 1
+                if quiet and batch.steady and on_device and not sync:
+                    if self.run is None:
+                        self.run = QuietRun(sampling, stop_table(sampling, self.vocab_size))
+                    run = self.run
+                    run.unread += 1
+                else:
+                    for req in sampling:
+                        req.num_inflight += 1
                 self.num_sampled += len(sampling)
             if not sync:
                 ids = self.runner.keep_sampled(token_ids) if sampling else None
-                self.inflight = LaunchedStep(batch, sampling, ids)
+                self.inflight = LaunchedStep(batch, sampling, ids, run=run)
             elif sampling:
                 sampled = self.sampler.read(logits, token_ids, sampling)
                 self._process(LaunchedStep(batch, sampling, sampled.token_ids, sampled.logprobs))
@@ -212,6 +231,8 @@ class Engine:
 
     def take_outputs(self) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported."""
+        if not self.news:
+            return []  # most steps of final-only requests
         with self._nvtx("outputs"):
             news, self.news = self.news, {}
             outputs = [self._output(req) for req in news]
@@ -221,6 +242,10 @@ class Engine:
         """Read a launched step's ids; append them, apply stops, note the news."""
         with self._nvtx("update"):
             token_ids = step.token_ids
+            if step.run is not None and step.run is self.run:
+                if self.run.read(token_ids.numpy()):  # waits for the step's copy
+                    return
+                self._settle()  # a stop id: this step is read as an ordinary one
             if token_ids is not None and not isinstance(token_ids, list):
                 token_ids = token_ids.tolist()  # waits for the step's copy to the host
             if not step.sampling:
@@ -264,6 +289,20 @@ class Engine:
                 )
                 if streams or req.status is RequestStatus.FINISHED:
                     news[req] = None
+
+    def _settle(self) -> None:
+        """End the quiet run: append the ids it booked, and count its unread steps in
+        flight (they are read as ordinary steps)."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        run.append()
+        if run.unread:
+            for req in run.requests:
+                req.num_inflight += run.unread
+        if self.blocks.enable_prefix_caching:  # blocks filled during the run
+            for req in run.requests:
+                self.blocks.cache_full_blocks(req)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         """req just sampled token_id, one of its stop ids, or reached its length limit."""
@@ -335,7 +374,7 @@ class Engine:
     def _nvtx(self, name: str):
         if self.config.nvtx and self.runner.device.type == "cuda":
             return torch.cuda.nvtx.range(name)
-        return contextlib.nullcontext()
+        return self.no_nvtx
 
 
 def check_request(

@@ -75,7 +75,7 @@ class BlockManager:
             and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size
         ):
             return True  # most decode steps: the last block has room
-        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
+        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0) if cached_blocks else 0
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(req.block_ids) + len(cached_blocks)
         needed = self.blocks_needed(num_computed + num_new_tokens) - have

@@ -93,15 +93,27 @@ class StagedFields:
 
 
 class SampledIds:
-    """A step's sampled ids on their way to the host; tolist() waits for them."""
+    """A step's sampled ids on their way to the host; tolist() and numpy() wait for them."""
 
-    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None, runner: ModelRunner):
-        self.host, self.done, self.runner = host, done, runner
+    def __init__(
+        self,
+        host: torch.Tensor,
+        done: torch.cuda.Event | None,
+        runner: ModelRunner,
+        array: np.ndarray | None = None,  # host's numpy view, if made already
+    ):
+        self.host, self.done, self.runner, self.array = host, done, runner, array
 
     def tolist(self) -> list[int]:
         if self.done is not None:
             self.runner.wait(self.done)
         return self.host.tolist()
+
+    def numpy(self) -> np.ndarray:
+        """A view of the ids (the buffer is reused two steps on: copy what is kept)."""
+        if self.done is not None:
+            self.runner.wait(self.done)
+        return self.host.numpy() if self.array is None else self.array
 
 
 @dataclass
@@ -182,6 +194,7 @@ class ModelRunner:
         # the decode step would slice four every step.
         self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
         self.sampled_host_rows = [[host[:k] for k in range(seqs + 1)] for host in self.sampled_host]
+        self.sampled_host_np = [host.numpy() for host in self.sampled_host]
         self.argmax: torch.Tensor | None = None  # the decode graph's greedy ids: see execute()
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         # The batch the last decode fill of each buffer wrote (None after any other
@@ -257,8 +270,10 @@ class ModelRunner:
 
     # -- inputs -----------------------------------------------------------
 
-    def _fill(self, batch: SchedulerOutput) -> tuple[int, int]:
-        """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len)."""
+    def _fill(self, batch: SchedulerOutput, on_device: bool = False) -> tuple[int, int]:
+        """Write the step's metadata into the pinned buffers; returns (num_tokens, max_query_len).
+
+        on_device: every input id is the last step's sampled id, still on the device."""
         self._next_buffers()
         requests = batch.requests
         num_seqs = len(requests)
@@ -272,7 +287,7 @@ class ModelRunner:
             table.update_row(req.slot, req.block_ids)
 
         if batch.is_decode_only:
-            self._fill_decode(batch)
+            self._fill_decode(batch, on_device)
             return num_seqs, 1
 
         self.decode_filled[self.parity] = None
@@ -308,7 +323,7 @@ class ModelRunner:
         self._assign_sample_rows(batch.sampling())
         return num_tokens, int(num_new.max())
 
-    def _fill_decode(self, batch: SchedulerOutput) -> None:
+    def _fill_decode(self, batch: SchedulerOutput, on_device: bool) -> None:
         """The hot path: one new token per sequence, so most metadata is an arange.
 
         The same batch as last step (the steady state: the scheduler hands over the same
@@ -334,9 +349,10 @@ class ModelRunner:
             self.decode_filled[self.parity] = reqs
         # Usually every input is last step's sampled id, still on the device; one the
         # host has read already (num_inflight 0) is taken from the host's ids.
-        for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
-            buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
-            gather[i] = self.ids_offset + i
+        if not on_device:
+            for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
+                buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
+                gather[i] = self.ids_offset + i
         np.add(positions, 1, out=buf["seq_lens"][:n])
         self._slot_mapping(slots, positions, n)
 
@@ -396,13 +412,13 @@ class ModelRunner:
     # -- forward ----------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> torch.Tensor:
+    def execute(self, batch: SchedulerOutput, on_device: bool = False) -> torch.Tensor:
         """Logits [num_seqs, vocab] at each scheduled sequence's last new token.
 
         After a decode graph, `argmax` holds their argmax ids [num_seqs] on the device
-        (None after any other step)."""
+        (None after any other step). on_device: see _fill."""
         num_seqs = len(batch.requests)
-        num_tokens, max_query_len = self._fill(batch)
+        num_tokens, max_query_len = self._fill(batch, on_device)
         self.argmax = None
         if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
             bucket = self.decode_bucket[num_seqs]
@@ -454,8 +470,12 @@ class ModelRunner:
         start their copy to the host."""
         k = token_ids.numel()
         if token_ids is self.argmax:  # the decode graph's ids: it copied them to the host too
+            parity = self.parity
             return SampledIds(
-                self.sampled_host_rows[self.parity][k], self.staged_sent[self.parity], self
+                self.sampled_host_rows[parity][k],
+                self.staged_sent[parity],
+                self,
+                self.sampled_host_np[parity][:k],
             )
         sampled = self.sampled_rows[k]
         if token_ids.data_ptr() != sampled.data_ptr():

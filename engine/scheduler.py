@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,7 @@ class SchedulerOutput:
     grown: list[int] = field(default_factory=list)
     first_admitted: int = 0
     preempted: list[Request] = field(default_factory=list)
+    steady: bool = False  # the last batch (the same list), every request one token on
 
     num_tokens: int = 0
 
@@ -95,6 +97,9 @@ class Scheduler:
         # Set when the last batch was all of `running`, decoding; cleared whenever
         # `running` changes.
         self._steady: Steady | None = None
+        # Called when the steady state ends, before anything reads a request's token
+        # counts: the engine's quiet runs defer them (engine.quiet_run).
+        self.on_leave_steady: Callable[[], None] | None = None
 
     def add(self, req: Request) -> None:
         req.max_num_tokens = min(req.max_num_tokens, self.config.max_model_len)
@@ -109,6 +114,7 @@ class Scheduler:
             out = self._advance(self._steady)
             if out is not None:
                 return out
+        self._leave_steady()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -176,7 +182,6 @@ class Scheduler:
             self._add(out, req, num_new, grown=True)
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
-        self._steady = None
         if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
             self._steady = Steady(out, block_size)
         return out
@@ -209,6 +214,7 @@ class Scheduler:
             last.num_new_tokens,
             grown=opening,
             first_admitted=len(requests),
+            steady=True,
         )
         out.num_tokens = len(requests)
         steady.out = out
@@ -233,9 +239,14 @@ class Scheduler:
         """Its prompt's blocks are in the prefix cache: its first token has been read."""
         return req.is_finished or req.num_output_tokens > 0
 
+    def _leave_steady(self) -> None:
+        if self._steady is not None:
+            self._steady = None
+            if self.on_leave_steady is not None:
+                self.on_leave_steady()
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._steady = None
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -251,8 +262,8 @@ class Scheduler:
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Take req out of the queues for good and free its blocks and slot."""
         if req.status == RequestStatus.RUNNING:
+            self._leave_steady()
             self.running.remove(req)
-            self._steady = None
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self._release(req)

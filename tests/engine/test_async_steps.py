@@ -21,10 +21,10 @@ def count_rows(engine) -> dict[str, int]:
     rows: dict[str, int] = {}
     execute = engine.runner.execute
 
-    def counting(batch):
+    def counting(batch, on_device=False):
         for req in batch.requests:
             rows[req.request_id] = rows.get(req.request_id, 0) + 1
-        return execute(batch)
+        return execute(batch, on_device)
 
     engine.runner.execute = counting
     return rows

@@ -82,8 +82,8 @@ def test_decode_graph_takes_the_greedy_ids_that_the_sampler_would(tiny_gpt2_dir)
     checked = []
     execute = runner.execute
 
-    def checking(batch):
-        logits = execute(batch)
+    def checking(batch, on_device=False):
+        logits = execute(batch, on_device)
         if runner.argmax is not None:
             checked.append(runner.argmax.tolist() == logits.argmax(-1).tolist())
         return logits
