@@ -27,7 +27,6 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner, SampledIds
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
-from engine.quiet_run import QuietRun, stop_table
 from engine.models.loader import (
     checkpoint_dtype,
     load_config,
@@ -35,6 +34,7 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
+from engine.quiet_run import QuietRun, stop_table
 from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob, out_of_vocab
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams

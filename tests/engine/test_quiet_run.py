@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine import LLM, SamplingParams
-from engine import quiet_run
+from engine import LLM, SamplingParams, quiet_run
 from engine.quiet_run import QuietRun
 
 
@@ -66,7 +65,9 @@ def run_workload(model_dir: str, final_only: bool, stop_id: int | None) -> tuple
     while todo or engine.has_unfinished_requests():
         if todo and step % 11 == 0:
             prompt, params = todo.pop(0)
-            engine.add_request(f"r{step}", prompt, dataclasses.replace(params, final_only=final_only))
+            engine.add_request(
+                f"r{step}", prompt, dataclasses.replace(params, final_only=final_only)
+            )
         if step == 95:
             engine.abort_request("r66")
         for out in engine.step():
