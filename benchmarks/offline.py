@@ -164,7 +164,7 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     engine = llm.engine
     runner = engine.runner
     warmup = 16
-    start_decoding(engine, batch, context, max_tokens=context + warmup + 2 * steps + 8)
+    start_decoding(engine, batch, context, max_tokens=warmup + 2 * steps + 8)
     for _ in range(warmup):
         engine.step()
 

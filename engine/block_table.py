@@ -2,7 +2,10 @@
 
 A running request owns one row (its slot) for its whole life. The host
 mirror changes only when a request gains blocks, and only the rows that
-changed travel, as one non-blocking copy of the span that holds them.
+changed travel, as one non-blocking copy of the span that holds them; or,
+in a decode graph step, as (entry, block) pairs in the step's staging buffer,
+which the graph writes into the table itself (`take_changes`): no copy of its
+own, and a decode opens at most one block per sequence.
 """
 
 from __future__ import annotations
@@ -16,10 +19,17 @@ class BlockTable:
         shape = (max_num_seqs, max_blocks_per_seq)
         self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=self.on_cuda)
         self.np = self.cpu.numpy()  # a view: writes land in the pinned buffer
+        self.width = max_blocks_per_seq
+        # On the device, a spare last row: the entry that padded pairs write (PAD).
         self.gpu = (
-            torch.zeros(shape, dtype=torch.int32, device=device) if self.on_cuda else self.cpu
+            torch.zeros((max_num_seqs + 1, max_blocks_per_seq), dtype=torch.int32, device=device)
+            if self.on_cuda
+            else self.cpu
         )
+        self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
+        self.flat = self.np.reshape(-1)  # a view
         self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per step)
+        self.changed: list[int] = []  # flat indices of the entries written since the last send
         self.dirty_lo = max_num_seqs  # span of rows changed since the last commit
         self.dirty_hi = -1
 
@@ -28,10 +38,13 @@ class BlockTable:
         have = self.num_blocks[slot]
         if len(block_ids) <= have:
             return
+        at = slot * self.width
         if len(block_ids) == have + 1:  # a decode opening a block: a scalar write is ~5x faster
-            self.np[slot, have] = block_ids[have]
+            self.flat[at + have] = block_ids[have]
+            self.changed.append(at + have)
         else:
             self.np[slot, have : len(block_ids)] = block_ids[have:]
+            self.changed += range(at + have, at + len(block_ids))
         self.num_blocks[slot] = len(block_ids)
         self.dirty_lo = min(self.dirty_lo, slot)
         self.dirty_hi = max(self.dirty_hi, slot)
@@ -48,5 +61,18 @@ class BlockTable:
         if self.on_cuda:
             lo, hi = self.dirty_lo, self.dirty_hi + 1
             self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
-        self.dirty_lo, self.dirty_hi = len(self.num_blocks), -1
+        self._sent()
         return self.on_cuda
+
+    def take_changes(self, limit: int) -> list[int] | None:
+        """The flat indices of the entries written since the last send, which the
+        caller sends itself (their values are `flat[...]`); None if more than limit."""
+        changed = self.changed
+        if len(changed) > limit:
+            return None
+        self._sent()
+        return changed
+
+    def _sent(self) -> None:
+        self.dirty_lo, self.dirty_hi = len(self.num_blocks), -1
+        self.changed = []

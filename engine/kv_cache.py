@@ -91,15 +91,20 @@ class BlockManager:
             req.num_computed_tokens = num_computed
             req.num_cached_tokens = num_computed
         for _ in range(needed):
-            block, _ = self.free_blocks.popitem(last=False)
-            old_hash = self.block_hash[block]
-            if old_hash is not None:
-                if self.cached.get(old_hash) == block:
-                    del self.cached[old_hash]
-                self.block_hash[block] = None
-            self.ref_count[block] = 1
-            req.block_ids.append(block)
+            self.append_block(req)
         return True
+
+    def append_block(self, req: Request) -> None:
+        """Give req the next free block (the caller knows one is free): what a decode
+        that opens a block needs, without allocate's accounting."""
+        block, _ = self.free_blocks.popitem(last=False)
+        old_hash = self.block_hash[block]
+        if old_hash is not None:
+            if self.cached.get(old_hash) == block:
+                del self.cached[old_hash]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        req.block_ids.append(block)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks req has filled since the last call.

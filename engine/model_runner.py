@@ -92,13 +92,26 @@ class StagedFields:
             self.staged.copy_(self.hosts[copy], non_blocking=True)
 
 
+class Fence:
+    """A CUDA event that remembers being seen complete since it was last recorded,
+    so that waiting on it again costs nothing (a query is a driver call, ~2 us)."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event()
+        self.pending = False
+
+    def record(self, stream: torch.cuda.Stream) -> None:
+        self.event.record(stream)
+        self.pending = True
+
+
 class SampledIds:
     """A step's sampled ids on their way to the host; tolist() and numpy() wait for them."""
 
     def __init__(
         self,
         host: torch.Tensor,
-        done: torch.cuda.Event | None,
+        done: Fence | None,
         runner: ModelRunner,
         array: np.ndarray | None = None,  # host's numpy view, if made already
     ):
@@ -164,11 +177,17 @@ class ModelRunner:
                 "logits_indices": (seqs, i64),
                 "seq_lens": (seqs, i32),
                 "query_start_loc": (seqs + 1, i32),
+                # Block-table entries a decode graph writes (BlockTable.take_changes).
+                "table_index": (seqs, i64),
+                "table_value": (seqs, i32),
             },
             self.device,
             device_only={"sampled_ids": (seqs, i64)},
             copies=self.num_buffers,
         )
+        for views in self.staged.nps:  # unused pairs write the table's spare row
+            views["table_index"][:] = self.block_table.pad
+        self.table_pairs = [0] * self.num_buffers  # pairs in use in each host buffer
         self.ids_offset = self.staged.offset["input_ids"]
         self.sampled_offset = self.staged.offset["sampled_ids"]
         self.parity = 0  # which of the host buffers this step uses
@@ -178,8 +197,8 @@ class ModelRunner:
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's event follows its last copy (a send, or the decode graph
         # that copies it in), the block table's its last commit.
-        self.staged_sent = [torch.cuda.Event() for _ in range(self.num_buffers)] if on_cuda else []
-        self.table_sent = torch.cuda.Event() if on_cuda else None
+        self.staged_sent = [Fence() for _ in range(self.num_buffers)] if on_cuda else []
+        self.table_sent = Fence() if on_cuda else None
         # Recording on a stream object kept here skips building one per call (~5 us).
         self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
         # Sampled ids come back through the step's pinned buffer (the decode graph
@@ -189,7 +208,7 @@ class ModelRunner:
             if on_cuda
             else []
         )
-        self.sampled_done = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self.sampled_done = [Fence() for _ in range(2)] if on_cuda else []
         # Views by row count, made once: slicing a tensor costs ~2 us of host time, and
         # the decode step would slice four every step.
         self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
@@ -409,6 +428,23 @@ class ModelRunner:
         if self.block_table.commit() and self.table_sent is not None:
             self.table_sent.record(self.stream)
 
+    def _stage_table_changes(self, bucket: int) -> None:
+        """Put the block-table entries written since the last send into the staging
+        buffer, as (flat index, block) pairs the decode graph writes: a decode opens
+        at most one block per sequence, so they fit (else the rows are copied)."""
+        table = self.block_table
+        changed = table.take_changes(bucket)
+        if changed is None:
+            self._commit_table()
+            changed = []
+        k, held = len(changed), self.table_pairs[self.parity]
+        if k:
+            self.buf["table_index"][:k] = changed
+            self.buf["table_value"][:k] = table.flat[changed]
+        if held > k:
+            self.buf["table_index"][k:held] = table.pad
+        self.table_pairs[self.parity] = k
+
     # -- forward ----------------------------------------------------------
 
     @torch.inference_mode()
@@ -424,8 +460,9 @@ class ModelRunner:
             bucket = self.decode_bucket[num_seqs]
             if bucket > num_seqs:
                 self._pad_decode(num_seqs, bucket)
-            self._commit_table()
-            # The graph copies the step's staging buffer in and the argmax out.
+            self._stage_table_changes(bucket)
+            # The graph copies the step's staging buffer in (and writes the block-table
+            # entries it carries), and the argmax out.
             self.graphs[bucket][self.parity].replay()
             self.staged_sent[self.parity].record(self.stream)
             self.steps_by_path["graph"] += 1
@@ -488,12 +525,15 @@ class ModelRunner:
         done.record(self.stream)
         return SampledIds(host, done, self)
 
-    def wait(self, event: torch.cuda.Event) -> None:
+    def wait(self, fence: Fence) -> None:
+        if not fence.pending:
+            return
         # query() first: synchronize() releases the GIL even when nothing is pending.
-        if not event.query():
+        if not fence.event.query():
             start = time.perf_counter()
-            event.synchronize()
+            fence.event.synchronize()
             self.wait_s += time.perf_counter() - start
+        fence.pending = False
 
     # -- CUDA graphs ------------------------------------------------------
 
@@ -532,6 +572,8 @@ class ModelRunner:
         # its greedy ids out to the same step's sampled-ids buffer last.
         pool = None
         sampled = self.staged.gpu["sampled_ids"]
+        table = self.block_table.gpu.view(-1)
+        table_index, table_value = self.staged.gpu["table_index"], self.staged.gpu["table_value"]
         for bucket in reversed(self.config.cuda_graph_batch_sizes()):
             self.buf["query_start_loc"][0] = 0
             self._pad_decode(0, bucket)
@@ -543,6 +585,7 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.staged.staged.copy_(self.staged.hosts[i], non_blocking=True)
+                    table.index_copy_(0, table_index[:bucket], table_value[:bucket])
                     logits = self._forward(inp)
                     # Greedy ids, where keep_sampled would put them: a batch that needs
                     # the sampler overwrites them after the replay (~3 us of GPU time

@@ -205,7 +205,7 @@ class Scheduler:
         for i in opening:
             req = requests[i]
             self.blocks.cache_full_blocks(req)  # the block it leaves is full now
-            self.blocks.allocate(req, 1)
+            self.blocks.append_block(req)  # checked above: there are enough free ones
         for req in requests:
             req.num_computed_tokens += 1
         out = SchedulerOutput(
