@@ -160,7 +160,8 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     phases wrapped with timers (no syncs added), gives the phases: the timers add a
     few us per step of their own, so the phases' sum runs above the plain host work.
     `gpu_step` is the device's share alone: the bucket's graph and the argmax,
-    replayed back to back. Requests are final-only, as in the run above."""
+    replayed back to back with the batch at the timing pass's mean context.
+    Requests are final-only, as in the run above."""
     engine = llm.engine
     runner = engine.runner
     warmup = 16
@@ -191,14 +192,19 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     for i in range(batch):
         engine.abort_request(f"p{i}")
 
-    bucket = next(b for b in sorted(runner.graphs) if b >= batch)
-    graph = runner.graphs[bucket][0]
+    # Replays read the last decode step's metadata: decode a batch that is at the
+    # mean context of the timing pass, then replay its graph.
+    start_decoding(engine, batch, context + warmup + steps // 2, max_tokens=64)
+    bucket = runner.decode_bucket[batch]
+    graph = runner.graphs[bucket][runner.parity]
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         graph.replay()  # the greedy argmax is inside it
     torch.cuda.synchronize()
     gpu_us = 1e6 * (time.perf_counter() - start) / steps
+    for i in range(batch):
+        engine.abort_request(f"p{i}")
     phases = {k: 1e6 * v / steps for k, v in totals.items()}
     return {
         "batch": batch,
