@@ -160,7 +160,9 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     phases wrapped with timers (no syncs added), gives the phases: the timers add a
     few us per step of their own, so the phases' sum runs above the plain host work.
     `gpu_step` is the device's share alone: the bucket's graph and the argmax,
-    replayed back to back with the batch at the timing pass's mean context.
+    replayed back to back with the batch at the timing pass's mean context. The
+    graph's first node copies the step's staging buffer in (H2D) and its last the
+    sampled ids out (D2H): `h2d`/`d2h` time those copies alone on the device.
     Requests are final-only, as in the run above."""
     engine = llm.engine
     runner = engine.runner
@@ -203,6 +205,9 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         graph.replay()  # the greedy argmax is inside it
     torch.cuda.synchronize()
     gpu_us = 1e6 * (time.perf_counter() - start) / steps
+    staged, host_ids = runner.staged, runner.sampled_host[0][:batch]
+    h2d_us = _device_us(lambda: staged.staged.copy_(staged.hosts[0], non_blocking=True))
+    d2h_us = _device_us(lambda: host_ids.copy_(runner.sampled_rows[batch], non_blocking=True))
     for i in range(batch):
         engine.abort_request(f"p{i}")
     phases = {k: 1e6 * v / steps for k, v in totals.items()}
@@ -211,11 +216,28 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         "context": context,
         "step_us": step_us,
         "gpu_step_us": gpu_us,
+        "h2d_us": h2d_us,  # inside gpu_step
+        "h2d_bytes": staged.hosts[0].numel(),
+        "d2h_us": d2h_us,  # inside gpu_step
         "host_work_us": step_us - wait_us,
         "host_phases_us": phases,
         "wait_us": wait_us,
         "gpu_idle_us": max(step_us - gpu_us, 0.0),
     }
+
+
+def _device_us(fn, n: int = 32) -> float:
+    """Device time of one call of fn (a copy), from events around n calls queued
+    behind a sleep, so that no host launch gap lands between the events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: the host queues everything first
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / n
 
 
 def _timed(fn, totals: dict[str, float], phase: str, runner):

@@ -219,6 +219,10 @@ class ModelRunner:
         # The batch the last decode fill of each buffer wrote (None after any other
         # write): when the next is the same list, its slots and row layout are there.
         self.decode_filled: list[list | None] = [None] * self.num_buffers
+        # The last decode step's slot mapping and its batch: in the steady state every
+        # slot is one on, but for a sequence that opens a block (no table lookups).
+        self.last_slots = np.zeros(seqs, dtype=np.int64)
+        self.last_slots_for: list | None = None
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
         # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
         # prefill tokens), or eagerly. Read by the server's periodic stats line.
@@ -310,6 +314,7 @@ class ModelRunner:
             return num_seqs, 1
 
         self.decode_filled[self.parity] = None
+        self.last_slots_for = None
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
         num_computed = np.array(batch.starts, dtype=np.int64)
         slots = np.array([req.slot for req in requests], dtype=np.int64)
@@ -373,7 +378,16 @@ class ModelRunner:
                 buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
                 gather[i] = self.ids_offset + i
         np.add(positions, 1, out=buf["seq_lens"][:n])
-        self._slot_mapping(slots, positions, n)
+        last = self.last_slots[:n]
+        if batch.steady and reqs is self.last_slots_for:
+            last += 1
+            for i in batch.grown:  # its position starts a block: the block's first slot
+                last[i] = reqs[i].block_ids[-1] * self.block_size
+            buf["slot_mapping"][:n] = last
+        else:
+            self._slot_mapping(slots, positions, n)
+            last[:] = buf["slot_mapping"][:n]
+            self.last_slots_for = reqs
 
     def _next_buffers(self) -> None:
         """Move to the other host buffers (the step's), once the last copy out of its

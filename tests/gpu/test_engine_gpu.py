@@ -60,6 +60,32 @@ def test_piecewise_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
     assert replays == [32]  # the three prompts' 31 tokens in one step; then decodes
 
 
+def test_decode_graphs_write_the_block_table_entries_they_open(tiny_model_dir):
+    """Block size 4: sequences open blocks on most decode steps, and the decode graph
+    writes those entries into the device table from the staging buffer (no copy).
+    Outputs must match transformers, and the device table the host mirror."""
+    prompts = PROMPTS[:5]
+    tokenizer = load_tokenizer(tiny_model_dir)
+    want = [hf_greedy(tiny_model_dir, tokenizer.encode(p), 40) for p in prompts]
+    llm = LLM(tiny_model_dir, device="cuda", dtype="float32", max_num_seqs=8, block_size=4)
+    runner = llm.engine.runner
+    table = runner.block_table
+    carried = []
+    stage = runner._stage_table_changes
+
+    def counting(bucket):
+        carried.append(len(table.changed))
+        stage(bucket)
+
+    runner._stage_table_changes = counting
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sum(n > 0 for n in carried) >= 20 and max(carried) > 1
+    torch.cuda.synchronize()
+    assert torch.equal(table.gpu[: runner.max_num_seqs].cpu(), table.cpu)
+
+
 def test_graphs_are_replayed_for_decode(tiny_gpt2_dir):
     llm = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8)
     runner = llm.engine.runner
