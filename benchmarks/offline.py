@@ -156,7 +156,7 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     step N-1's ids and builds its outputs while the GPU runs N. `wait` is the time
     the host sat blocked on the device; the rest is host work. It is timed over
     `steps` plain steps (16 block cycles at the default block size), after a few
-    that reach the steady state. The same number of steps again, with the engine's
+    that reach the steady state: the mean, and the median and p90 of the steps. The same number of steps again, with the engine's
     phases wrapped with timers (no syncs added), gives the phases: the timers add a
     few us per step of their own, so the phases' sum runs above the plain host work.
     `gpu_step` is the device's share alone: the bucket's graph and the argmax,
@@ -172,9 +172,14 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         engine.step()
 
     wait0 = runner.wait_s
-    start = time.perf_counter()
+    host: list[float] = []  # per step: its time less its wait
+    start = last = time.perf_counter()
     for _ in range(steps):
+        waited = runner.wait_s
         engine.step()
+        now = time.perf_counter()
+        host.append(now - last - (runner.wait_s - waited))
+        last = now
     step_us = 1e6 * (time.perf_counter() - start) / steps
     wait_us = 1e6 * (runner.wait_s - wait0) / steps
 
@@ -219,7 +224,9 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         "h2d_us": h2d_us,  # inside gpu_step
         "h2d_bytes": staged.hosts[0].numel(),
         "d2h_us": d2h_us,  # inside gpu_step
-        "host_work_us": step_us - wait_us,
+        "host_work_us": step_us - wait_us,  # the mean: rare stalls (GC, the OS) count
+        "host_work_p50_us": 1e6 * statistics.median(host),
+        "host_work_p90_us": 1e6 * statistics.quantiles(host, n=10)[-1],
         "host_phases_us": phases,
         "wait_us": wait_us,
         "gpu_idle_us": max(step_us - gpu_us, 0.0),
