@@ -20,7 +20,7 @@ class BlockTable:
         self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=self.on_cuda)
         self.np = self.cpu.numpy()  # a view: writes land in the pinned buffer
         self.width = max_blocks_per_seq
-        # On the device, a spare last row: the entry that padded pairs write (PAD).
+        # On the device, a spare last row: where the decode graph's unused pairs write.
         self.gpu = (
             torch.zeros((max_num_seqs + 1, max_blocks_per_seq), dtype=torch.int32, device=device)
             if self.on_cuda

@@ -2,7 +2,9 @@
 
 step(): schedule → launch the forward and the sampler → while the GPU runs,
 read the previous step's ids, append them, apply stops, detokenize and build
-the RequestOutputs. The server drives it from one background thread.
+the RequestOutputs. The server drives it from one background thread. In the
+scheduler's steady state, final-only requests skip the per-request part: their
+ids are booked as numpy rows and appended when the state ends (engine.quiet_run).
 
 Outputs are built when asked for, not per token: a step notes which requests
 have news, and `step(emit=True)` or `take_outputs()` turns all of it into one

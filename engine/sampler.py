@@ -41,7 +41,8 @@ class Sampler:
         # Shared by every unseeded row; seeded rows own a generator each.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # (requests, are they all argmax_only) for the last list sampled.
+        # (requests, are they all argmax_only) for the last list sampled: the engine
+        # never changes a list once scheduled, and the steady state repeats one.
         self.argmax_for: tuple[Sequence[Request] | None, bool] = (None, False)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
@@ -66,7 +67,7 @@ class Sampler:
 
         logits: [num_requests, vocab_size], any float dtype; argmax: their argmax ids,
         if already taken (returned as is when nothing else applies)."""
-        if requests is not self.argmax_for[0]:  # the steady state repeats one list
+        if requests is not self.argmax_for[0]:
             self.argmax_for = (requests, all([req.params.argmax_only for req in requests]))
         if self.argmax_for[1] or all(self._argmax_only(req) for req in requests):
             return logits.argmax(-1) if argmax is None else argmax
