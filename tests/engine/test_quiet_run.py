@@ -10,6 +10,7 @@ import dataclasses
 
 from engine import LLM, SamplingParams, quiet_run
 from engine.quiet_run import QuietRun
+from tests.engine.test_steady_state import trace_batches
 
 
 def plans(stop_id: int | None) -> list[tuple[list[int], SamplingParams]]:
@@ -40,25 +41,9 @@ def run_workload(model_dir: str, final_only: bool, stop_id: int | None) -> tuple
         enable_prefix_caching=True,
     )
     engine = llm.engine
-    batches = []
-    schedule = engine.scheduler.schedule
-
-    def traced():
-        out = schedule()
-        batches.append(
-            (
-                [(r.request_id, r.index) for r in out.requests],
-                [int(s) for s in out.starts],
-                list(out.num_new_tokens),
-                list(out.chunked),
-                list(out.grown),
-                [r.request_id for r in out.preempted],
-                [list(r.block_ids) for r in out.requests],
-            )
-        )
-        return out
-
-    engine.scheduler.schedule = traced
+    # Without registered hashes: a run registers the blocks it filled when it ends,
+    # the ordinary path at the next block a request opens.
+    batches = trace_batches(engine, hashes=False)
     todo = plans(stop_id)
     results: dict = {}
     step = 0

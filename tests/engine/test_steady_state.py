@@ -13,6 +13,32 @@ from engine.scheduler import Scheduler
 from tests.engine.test_async_steps import count_rows
 
 
+def trace_batches(engine, hashes: bool) -> list[tuple]:
+    """Wrap the scheduler to record every batch it hands out as plain values (with
+    hashes: how many full blocks each request has registered, too)."""
+    batches: list[tuple] = []
+    schedule = engine.scheduler.schedule
+
+    def traced():
+        out = schedule()
+        batch = (
+            [(r.request_id, r.index) for r in out.requests],
+            [int(s) for s in out.starts],
+            list(out.num_new_tokens),
+            list(out.chunked),
+            list(out.grown),
+            [r.request_id for r in out.preempted],
+            [list(r.block_ids) for r in out.requests],
+        )
+        if hashes:
+            batch += ([len(r.block_hashes) for r in out.requests],)
+        batches.append(batch)
+        return out
+
+    engine.scheduler.schedule = traced
+    return batches
+
+
 def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict, int]:
     """(every batch as scheduled, every choice's tokens and finish, steady batches)."""
     llm = LLM(
@@ -36,26 +62,7 @@ def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict,
         return out
 
     monkeypatch.setattr(Scheduler, "_advance", counted)
-    batches = []
-    schedule = engine.scheduler.schedule
-
-    def traced():
-        out = schedule()
-        batches.append(
-            (
-                [(r.request_id, r.index) for r in out.requests],
-                [int(s) for s in out.starts],
-                list(out.num_new_tokens),
-                list(out.chunked),
-                list(out.grown),
-                [r.request_id for r in out.preempted],
-                [list(r.block_ids) for r in out.requests],
-                [len(r.block_hashes) for r in out.requests],  # full blocks registered
-            )
-        )
-        return out
-
-    engine.scheduler.schedule = traced
+    batches = trace_batches(engine, hashes=True)
     plans = [
         ([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)),
         ([9] * 11, SamplingParams(max_tokens=23, ignore_eos=True)),
