@@ -10,7 +10,7 @@ import dataclasses
 
 from engine import LLM, SamplingParams, quiet_run
 from engine.quiet_run import QuietRun
-from tests.engine.test_steady_state import trace_batches
+from tests.engine.test_steady_state import drive, trace_batches
 
 
 def plans(stop_id: int | None) -> list[tuple[list[int], SamplingParams]]:
@@ -44,24 +44,8 @@ def run_workload(model_dir: str, final_only: bool, stop_id: int | None) -> tuple
     # Without registered hashes: a run registers the blocks it filled when it ends,
     # the ordinary path at the next block a request opens.
     batches = trace_batches(engine, hashes=False)
-    todo = plans(stop_id)
-    results: dict = {}
-    step = 0
-    while todo or engine.has_unfinished_requests():
-        if todo and step % 11 == 0:
-            prompt, params = todo.pop(0)
-            engine.add_request(
-                f"r{step}", prompt, dataclasses.replace(params, final_only=final_only)
-            )
-        if step == 95:
-            engine.abort_request("r66")
-        for out in engine.step():
-            got = results.setdefault((out.request_id, out.index), [[], None])
-            got[0] += out.new_token_ids
-            if out.finished:
-                got[1] = out.finish_reason
-        step += 1
-        assert step < 3000
+    todo = [(prompt, dataclasses.replace(p, final_only=final_only)) for prompt, p in plans(stop_id)]
+    results = drive(engine, todo, every=11, abort=(95, "r66"))
     assert engine.run is None  # everything booked was appended
     return batches, results
 

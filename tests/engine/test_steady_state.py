@@ -39,6 +39,29 @@ def trace_batches(engine, hashes: bool) -> list[tuple]:
     return batches
 
 
+def drive(engine, plans: list, every: int, abort: tuple[int, str]) -> dict:
+    """Add the next plan as request f"r{step}" every `every` steps and abort one at a
+    step; step until done. Returns each choice's [tokens, finish reason]."""
+    plans = list(plans)
+    abort_step, abort_id = abort
+    results: dict = {}
+    step = 0
+    while plans or engine.has_unfinished_requests():
+        if plans and step % every == 0:
+            prompt, params = plans.pop(0)
+            engine.add_request(f"r{step}", prompt, params)
+        if step == abort_step:
+            engine.abort_request(abort_id)
+        for out in engine.step():
+            got = results.setdefault((out.request_id, out.index), [[], None])
+            got[0] += out.new_token_ids
+            if out.finished:
+                got[1] = out.finish_reason
+        step += 1
+        assert step < 3000
+    return results
+
+
 def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict, int]:
     """(every batch as scheduled, every choice's tokens and finish, steady batches)."""
     llm = LLM(
@@ -73,21 +96,7 @@ def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict,
         ([6, 5, 4, 3, 2, 1], SamplingParams(max_tokens=50, ignore_eos=True, logprobs=2)),
         ([1] * 3, SamplingParams(max_tokens=70, ignore_eos=True)),
     ]
-    results: dict = {}
-    step = 0
-    while plans or engine.has_unfinished_requests():
-        if plans and step % 9 == 0:
-            prompt, params = plans.pop(0)
-            engine.add_request(f"r{step}", prompt, params)
-        if step == 90:
-            engine.abort_request("r63")
-        for out in engine.step():
-            got = results.setdefault((out.request_id, out.index), [[], None])
-            got[0] += out.new_token_ids
-            if out.finished:
-                got[1] = out.finish_reason
-        step += 1
-        assert step < 2000
+    results = drive(engine, plans, every=9, abort=(90, "r63"))
     return batches, results, taken
 
 
