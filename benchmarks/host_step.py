@@ -17,7 +17,8 @@ every step, phase "outputs"); `--no-detokenize` sends ids without text, as
 the engine process does for requests the API process decodes; `--report`
 also sends each step's outputs the way the engine process reports them to an
 API process (`Clients.report`, pickled down a pipe that a thread drains:
-phase "report").
+phase "report"), and has the engine put one-token outputs of id-only streams
+in columns (TokenDeltas) as the engine process does.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from benchmarks.offline import _timed, start_decoding
 from engine import LLM, SamplingParams
+from engine.request import TokenDeltas
 from server.engine_loop import Add
 from server.engine_process import Clients
 
@@ -70,7 +72,9 @@ class _Loop:
         pass
 
 
-def reporter(engine, params: SamplingParams) -> tuple[Callable[[list], None], Callable[[], None]]:
+def reporter(
+    engine, params: SamplingParams
+) -> tuple[Callable[[list, TokenDeltas], None], Callable[[], None]]:
     """A report function for each step's outputs, as the engine process sends them to
     one API process, and a function that closes its pipe."""
     reader, writer = multiprocessing.Pipe(duplex=False)
@@ -87,11 +91,11 @@ def reporter(engine, params: SamplingParams) -> tuple[Callable[[list], None], Ca
 
     threading.Thread(target=drain, daemon=True).start()
 
-    def report(outputs: list) -> None:
+    def report(outputs: list, deltas: TokenDeltas) -> None:
         batch: dict[str, list] = {}
         for out in outputs:  # grouped by request, as EngineLoop._step does
             batch.setdefault(out.request_id, []).append(out)
-        clients.report(loop, batch, time.time(), engine.get_stats(), [])
+        clients.report(loop, batch, deltas, time.time(), engine.get_stats(), [])
 
     return report, writer.close
 
@@ -136,9 +140,11 @@ def measure(
         totals.update(dict.fromkeys(PHASES, 0.0))
         start = time.perf_counter()
         for _ in range(steps):
-            outputs = engine.step()
-            if send is not None:
-                send(outputs)
+            if send is None:
+                engine.step()
+            else:  # one-token outputs of id-only streams in columns, as the engine process asks
+                deltas = TokenDeltas()
+                send(engine.step(deltas=deltas), deltas)
         elapsed = time.perf_counter() - start
         assert len(engine.scheduler.running) == batch, "requests finished during the run"
         runs.append({"step": elapsed, **totals})

@@ -37,7 +37,14 @@ from engine.models.loader import (
     max_model_len,
 )
 from engine.quiet_run import QuietRun, stop_table
-from engine.request import Request, RequestOutput, RequestStatus, TokenLogprob, out_of_vocab
+from engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TokenDeltas,
+    TokenLogprob,
+    out_of_vocab,
+)
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -165,11 +172,12 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------
 
-    def step(self, emit: bool = True) -> list[RequestOutput]:
+    def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """Run one step; return the news it brings (mostly the previous step's tokens).
 
         emit=False keeps the news for a later step or take_outputs(), which then
-        report it together.
+        report it together. With deltas, one-token outputs of plain streams go
+        there instead (see take_outputs).
 
         The host runs one step ahead of the device: it schedules and launches
         step N (whose decodes read step N-1's sampled ids on the device), and
@@ -229,16 +237,39 @@ class Engine:
                 self._process(LaunchedStep(batch, sampling, None))
         if prev is not None:
             self._process(prev)
-        return self.take_outputs() if emit else []
+        return self.take_outputs(deltas) if emit else []
 
-    def take_outputs(self) -> list[RequestOutput]:
-        """One RequestOutput per choice with news since it was last reported."""
+    def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
+        """One RequestOutput per choice with news since it was last reported; with
+        deltas, the news of a plain stream (ids only, no logprobs) that is one token
+        and neither its first output nor its last is added there instead."""
         if not self.news:
             return []  # most steps of final-only requests
         with self._nvtx("outputs"):
             news, self.news = self.news, {}
-            outputs = [self._output(req) for req in news]
-            return [out for out in outputs if out is not None]
+            if deltas is None:
+                outputs = [self._output(req) for req in news]
+                return [out for out in outputs if out is not None]
+            request_ids, indices, token_ids = deltas.request_ids, deltas.indices, deltas.token_ids
+            outputs = []
+            for req in news:
+                out_ids = req.output_token_ids
+                emitted = req.num_emitted_tokens
+                if (
+                    req.params.plain
+                    and emitted
+                    and len(out_ids) == emitted + 1
+                    and req.status is not RequestStatus.FINISHED
+                ):
+                    req.num_emitted_tokens = emitted + 1
+                    request_ids.append(req.request_id)
+                    indices.append(req.index)
+                    token_ids.append(out_ids[-1])
+                else:
+                    out = self._output(req)
+                    if out is not None:
+                        outputs.append(out)
+            return outputs
 
     def _process(self, step: LaunchedStep) -> None:
         """Read a launched step's ids; append them, apply stops, note the news."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +53,44 @@ class RequestOutput:
     # metrics read (TTFT, queue time, E2E). None in between, so that the engine
     # process's reports do not pickle it again every step (half of their bytes).
     metrics: RequestMetrics | None
+
+
+@dataclass
+class TokenDeltas:
+    """Outputs of one token each, in columns: the per-step news of choices that stream
+    token ids without text, between their first output and their last.
+
+    Such a choice's RequestOutput differs from its last one only in its new id and
+    count, so the engine process reports it as three list entries, not an object
+    whose fields are pickled and rebuilt: at 256 streams that was two thirds of the
+    engine's per-step host work. The API process rebuilds each from the choice's
+    previous output (`follow`).
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+def follow(prev: RequestOutput, token_id: int) -> RequestOutput:
+    """The output that follows prev with one token (a TokenDeltas entry of its choice)."""
+    return RequestOutput(
+        prev.request_id,
+        prev.index,
+        [token_id],
+        "",
+        None,
+        False,
+        None,
+        None,
+        prev.num_prompt_tokens,
+        prev.num_output_tokens + 1,
+        prev.num_cached_tokens,
+        None,
+    )
 
 
 class Request:

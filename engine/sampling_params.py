@@ -62,6 +62,9 @@ class SamplingParams:
         # Nothing to report until it finishes, and no text to match each step: the
         # engine only appends such a request's ids and checks its stop ids.
         self.quiet = self.final_only and not self.stop
+        # Streamed as bare ids: a one-token output between its first and last can
+        # travel as a TokenDeltas entry.
+        self.plain = not self.final_only and not self.detokenize and self.logprobs is None
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> ValueError:

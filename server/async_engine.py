@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_table
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenDeltas, follow
 from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, Batch, EngineLoop, Flag
 from server.engine_process import EngineEndpoint, EngineProcess
@@ -81,6 +81,8 @@ class RequestStream:
         self._queue: asyncio.Queue[list[RequestOutput] | APIError] = asyncio.Queue()
         self._unfinished = {(rid, i) for rid in request_ids for i in range(n)}
         self.last_token_time: dict[tuple[str, int], float] = {}  # for inter-token latency
+        # Each choice's latest output, which the next TokenDeltas entry follows.
+        self.last_output: dict[tuple[str, int], RequestOutput] = {}
         self.finished = False
         self._error: APIError | None = None
 
@@ -162,7 +164,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
         # Steps' outputs waiting for the loop; a delivery is scheduled iff it is non-empty.
-        self._outbox: list[tuple[Batch, float]] = []
+        self._outbox: list[tuple[Batch, TokenDeltas, float]] = []
         self._outbox_lock = threading.Lock()
         # Adds and aborts of this loop iteration, handed over in one put (one pipe
         # write with --engine-process) instead of one per request.
@@ -302,9 +304,10 @@ class AsyncEngine:
             steps, self._outbox = self._outbox, []
         self._backend.ack()
         per_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
-        for batch, step_time in steps:
+        streams = self._streams
+        for batch, deltas, step_time in steps:
             for rid, item in batch.items():
-                stream = self._streams.get(rid)
+                stream = streams.get(rid)
                 if stream is None:  # aborted by the client meanwhile
                     continue
                 if isinstance(item, APIError):
@@ -313,8 +316,18 @@ class AsyncEngine:
                     stream._push(item)
                     self._forget(stream)
                     continue
+                for out in item:
+                    stream.last_output[rid, out.index] = out
                 self._metrics.on_outputs(item, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(item)
+            for rid, index, token_id in zip(deltas.request_ids, deltas.indices, deltas.token_ids):
+                stream = streams.get(rid)
+                if stream is None:
+                    continue
+                key = rid, index
+                out = stream.last_output[key] = follow(stream.last_output[key], token_id)
+                self._metrics.on_outputs([out], step_time, stream.last_token_time)
+                per_stream.setdefault(id(stream), (stream, []))[1].append(out)
         for stream, outputs in per_stream.values():
             if stream.finished:  # failed above, in this same delivery
                 continue
@@ -344,23 +357,27 @@ class AsyncEngine:
         self._backend.serve()
         self._stopping = True
 
-    def _report_local(self, batch: Batch, step_time: float, stats: Any, added: list[str]) -> None:
+    def _report_local(
+        self, batch: Batch, deltas: TokenDeltas, step_time: float, stats: Any, added: list[str]
+    ) -> None:
         """The engine thread's report: it spends the credit that _deliver's ack returns."""
-        if batch:
+        if batch or deltas:
             self._credit.value = 0  # before the delivery: the ack it brings must win
         self._num_taken_in += len(added)  # the engine thread's own count
-        self._report(batch, step_time, stats, self._num_taken_in)
+        self._report(batch, deltas, step_time, stats, self._num_taken_in)
 
-    def _report(self, batch: Batch, step_time: float, stats: Any, taken_in: int) -> None:
+    def _report(
+        self, batch: Batch, deltas: TokenDeltas, step_time: float, stats: Any, taken_in: int
+    ) -> None:
         """A step's report, from the engine thread or the engine process's reader:
         its outputs, the engine's stats and how many requests it has taken in, ever."""
         with self._lock:
             self.stats = stats
             self._taken_in = taken_in
-        if not batch:
+        if not batch and not deltas:
             return
         with self._outbox_lock:
-            self._outbox.append((batch, step_time))
+            self._outbox.append((batch, deltas, step_time))
             if len(self._outbox) > 1:
                 return  # a delivery is already scheduled and will take this too
         # RuntimeError: the loop has closed, so nobody is listening any more.

@@ -3,7 +3,7 @@
 The engine is not thread-safe, so one thread owns it: it builds it, drains a
 locked inbox of new requests and aborts before every step, runs
 `Engine.step()` while there is work and sleeps on a condition variable when
-there is none. After every step it reports (outputs, step time, stats) to
+there is none. After every step it reports (outputs, token deltas, step time, stats) to
 whoever listens: the event loop of the same process (AsyncEngine's engine
 thread), or the API server process over a pipe (server/engine_process.py).
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
 from server.stat_log import StatLog
@@ -33,9 +33,9 @@ logger = logging.getLogger("pagoda.server")
 
 # engine request id -> that step's outputs for it, or the error that ends it
 Batch = dict[str, "list[RequestOutput] | APIError"]
-# (outputs or {}, step time, the engine's EngineStats, ids of the requests taken
-# from the inbox)
-Report = Callable[[Batch, float, Any, list[str]], None]
+# (outputs or {}, one-token outputs of plain streams (engine.request.TokenDeltas),
+# step time, the engine's EngineStats, ids of the requests taken from the inbox)
+Report = Callable[[Batch, TokenDeltas, float, Any, list[str]], None]
 
 
 @dataclass
@@ -105,7 +105,7 @@ class EngineLoop:
         if self._config.log_stats_interval > 0:  # its first interval starts now, not at startup
             self._stat_log = StatLog(self._config.log_stats_interval)
         freeze_startup_heap()  # the engine and its model live as long as the loop
-        self._report({}, time.time(), self.engine.get_stats(), [])
+        self._report({}, TokenDeltas(), time.time(), self.engine.get_stats(), [])
         return self.engine
 
     def serve(self) -> None:
@@ -132,16 +132,17 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
                 stopping, self._woken = self._stopping, False
             batch: Batch = {}
+            deltas = TokenDeltas()
             added = self._drain(inbox, batch)
             if stopping:
-                self._report({}, time.time(), engine.get_stats(), added)
+                self._report({}, deltas, time.time(), engine.get_stats(), added)
                 self._fail_all(APIError("The server is shutting down.", 503))
                 return
             if engine.has_unfinished_requests():
-                self._step(batch)
+                self._step(batch, deltas)
                 if self._stat_log is not None:
                     self._stat_log.maybe_log(engine)
-            self._report(batch, time.time(), engine.get_stats(), added)
+            self._report(batch, deltas, time.time(), engine.get_stats(), added)
 
     @property
     def active(self) -> dict[str, int]:
@@ -172,15 +173,15 @@ class EngineLoop:
                 )
         return added
 
-    def _step(self, batch: Batch) -> None:
+    def _step(self, batch: Batch, deltas: TokenDeltas) -> None:
         engine = self.engine
         try:
             # Without credit, tokens wait in the engine, and the listener's next
             # report gets one output per choice for all of them: under load,
             # per-token output work becomes per-chunk work.
-            outputs = engine.step(emit=bool(self._credit.value))
+            outputs = engine.step(emit=bool(self._credit.value), deltas=deltas)
             if engine.news and not engine.has_unfinished_requests():
-                outputs = engine.take_outputs()  # no next step to report it: now
+                outputs = engine.take_outputs(deltas)  # no next step to report it: now
         except Exception as exc:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.
@@ -223,4 +224,4 @@ class EngineLoop:
                     added.append(item.request_id)
             self._inbox.clear()
         if batch or added:
-            self._report(batch, time.time(), self.engine.get_stats(), added)
+            self._report(batch, TokenDeltas(), time.time(), self.engine.get_stats(), added)

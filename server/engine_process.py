@@ -10,9 +10,10 @@ The engine process serves one or more API processes (`--api-server-count`),
 each over its own two pipes of pickled messages:
   API → engine   ("put", [Add | Abort, ...]), ("stop",)
   engine → API   ("ready", EngineInfo, stats), ("failed", message),
-                 ("report", rows, errors, step_time, stats, taken_in)
+                 ("report", rows, errors, deltas, step_time, stats, taken_in)
 where rows are the step's RequestOutputs as tuples of their fields (see
-_output_row), errors map a request id to the APIError that ended it, and
+_output_row), errors map a request id to the APIError that ended it, deltas
+are the step's TokenDeltas as a tuple of their three lists, and
 taken_in counts the requests the engine has taken in from all API processes,
 ever: with the stats it came with, each API process counts those still on
 their way (AsyncEngine.num_waiting) without counting one twice.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import operator
@@ -43,7 +45,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.request import RequestMetrics, RequestOutput, TokenLogprob
+from engine.request import RequestMetrics, RequestOutput, TokenDeltas, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, Batch, EngineLoop, Report
 from server.errors import APIError
@@ -184,7 +186,7 @@ class EngineProcess:
         if kind == "failed":
             raise RuntimeError(f"the engine process failed to start: {rest[0]}")
         info, stats = rest
-        self._report({}, 0.0, stats, 0)
+        self._report({}, TokenDeltas(), 0.0, stats, 0)
         self._reader = threading.Thread(target=self._read, name="pagoda-engine-reader", daemon=True)
         self._reader.start()
         return info
@@ -193,8 +195,11 @@ class EngineProcess:
         assert self._endpoint is not None
         try:
             while True:
-                _, rows, errors, step_time, stats, taken_in = self._endpoint.from_engine.recv()
-                self._report(unpack_batch(rows, errors), step_time, stats, taken_in)
+                _, rows, errors, deltas, step_time, stats, taken_in = (
+                    self._endpoint.from_engine.recv()
+                )
+                batch = unpack_batch(rows, errors)
+                self._report(batch, TokenDeltas(*deltas), step_time, stats, taken_in)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -288,7 +293,13 @@ class Clients:
             return [Abort(rid) for rid, owner in self._owner.items() if owner == client]
 
     def report(
-        self, loop: EngineLoop, batch: Batch, step_time: float, stats: Any, added: list[str]
+        self,
+        loop: EngineLoop,
+        batch: Batch,
+        deltas: TokenDeltas,
+        step_time: float,
+        stats: Any,
+        added: list[str],
     ) -> None:
         """Split a step's report by client; let leaving clients go; stop the loop
         when none is left."""
@@ -298,6 +309,7 @@ class Clients:
         active = loop.active
         with self._lock:
             owner = self._owner
+            columns = _split(deltas, list(map(owner.get, deltas.request_ids)), n)
             for rid, item in batch.items():
                 client = owner.get(rid)
                 if client is not None:
@@ -323,11 +335,20 @@ class Clients:
         self._stats = stats
         self._taken_in += len(added)
         for i in range(n):
-            news = rows[i] or errors[i]
+            news = rows[i] or errors[i] or columns[i][0]
             if news or changed or i in leaving:
                 if news:
                     self._credits[i].value = 0  # before the report: the ack it brings must win
-                self._send(i, ("report", rows[i], errors[i], step_time, stats, self._taken_in))
+                report = (
+                    "report",
+                    rows[i],
+                    errors[i],
+                    columns[i],
+                    step_time,
+                    stats,
+                    self._taken_in,
+                )
+                self._send(i, report)
         for client in leaving:
             self._close(client)
         if leaving and not self.num_open:
@@ -346,6 +367,25 @@ class Clients:
         out, self._outboxes[client] = self._outboxes[client], None
         if out is not None:
             out.close()
+
+
+def _split(deltas: TokenDeltas, owners: list[int | None], n: int) -> list[tuple[list, ...]]:
+    """Each client's share of the deltas, as a tuple of its three lists; entries of
+    requests no client owns any more (aborted) are dropped."""
+    columns = (deltas.request_ids, deltas.indices, deltas.token_ids)
+    empty: tuple[list, ...] = ([], [], [])
+    if not owners:
+        return [empty] * n
+    first = owners[0]
+    if first is not None and owners.count(first) == len(owners):  # one client: no copies
+        return [columns if i == first else empty for i in range(n)]
+    split = []
+    for i in range(n):
+        mine = [owner == i for owner in owners]
+        split.append(
+            tuple(list(itertools.compress(c, mine)) for c in columns) if any(mine) else empty
+        )
+    return split
 
 
 def _child_main(
@@ -370,9 +410,11 @@ def _child_main(
     clients = Clients(outboxes, credits)
     ready = threading.Event()
 
-    def report(batch: Batch, step_time: float, stats: Any, added: list[str]) -> None:
+    def report(
+        batch: Batch, deltas: TokenDeltas, step_time: float, stats: Any, added: list[str]
+    ) -> None:
         if ready.is_set():
-            clients.report(loop, batch, step_time, stats, added)
+            clients.report(loop, batch, deltas, step_time, stats, added)
 
     loop = EngineLoop(config, factory, report, clients)
     try:

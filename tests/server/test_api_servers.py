@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.request import RequestOutput
+from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
 from server.app import build_engine
 from server.async_engine import AsyncEngine
@@ -60,11 +60,19 @@ def test_clients_route_outputs_count_adds_and_let_go():
     clients.own(1, [Add("b", [1], params, 0.0), Add("c", [1], params, 0.0)])
     loop = FakeLoop({"a", "b", "c"})
     a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
-    clients.report(loop, {"a": [a1], "b": [b1, b2]}, 1.0, "stats1", ["a", "b", "c"])
+    clients.report(loop, {"a": [a1], "b": [b1, b2]}, TokenDeltas(), 1.0, "stats1", ["a", "b", "c"])
     # Outputs travel as tuples of their fields, in order.
     # Outputs go to their own client; both hear that the engine took in 3 requests.
-    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, 1.0, "stats1", 3)
-    assert pipes[1][0].recv() == ("report", [astuple(b1), astuple(b2)], {}, 1.0, "stats1", 3)
+    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, ([], [], []), 1.0, "stats1", 3)
+    assert pipes[1][0].recv() == (
+        "report",
+        [astuple(b1), astuple(b2)],
+        {},
+        ([], [], []),
+        1.0,
+        "stats1",
+        3,
+    )
     assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
     credits[0].value = 1
     assert clients.value == 0  # the engine builds outputs only once both took theirs in
@@ -74,28 +82,62 @@ def test_clients_route_outputs_count_adds_and_let_go():
     # Same stats, news for client 1 only: client 0 hears nothing.
     loop.active.discard("b")  # finished: forgotten after this report
     b3 = output("b", 0, [10], finished=True)
-    clients.report(loop, {"b": [b3]}, 2.0, "stats1", [])
-    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, 2.0, "stats1", 3)
+    clients.report(loop, {"b": [b3]}, TokenDeltas(), 2.0, "stats1", [])
+    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, ([], [], []), 2.0, "stats1", 3)
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
     # fails with a 503 for client 1, whose pipe then closes; client 0 carries on.
     assert clients.leave(1) == [Abort("c")]
-    clients.report(loop, {}, 3.0, "stats2", [])
+    clients.report(loop, {}, TokenDeltas(), 3.0, "stats2", [])
     _, rows, errors, *_ = pipes[1][0].recv()
     assert rows == [] and isinstance(errors["c"], APIError) and errors["c"].status == 503
     with pytest.raises(EOFError):
         pipes[1][0].recv()
-    assert pipes[0][0].recv() == ("report", [], {}, 3.0, "stats2", 3)  # new stats reach everyone
+    assert pipes[0][0].recv() == (
+        "report",
+        [],
+        {},
+        ([], [], []),
+        3.0,
+        "stats2",
+        3,
+    )  # new stats reach everyone
     assert clients.num_open == 1 and not loop.stopped
     credits[1].value = 0
     assert clients.value == 1  # a client that left holds nothing back
 
     clients.own(0, [Abort("a")])  # aborted by its client: forgotten, never routed again
-    clients.report(loop, {"a": [output("a", 0, [11])]}, 4.0, "stats2", [])
+    clients.report(loop, {"a": [output("a", 0, [11])]}, TokenDeltas(), 4.0, "stats2", [])
     assert clients.leave(0) == []
-    clients.report(loop, {}, 5.0, "stats2", [])
+    clients.report(loop, {}, TokenDeltas(), 5.0, "stats2", [])
     assert loop.stopped  # the last one left
+
+
+def test_clients_split_token_deltas_by_owner():
+    """One-token outputs travel as columns: each client gets its own entries, in
+    step order, and its credit is spent; entries of requests nobody owns are dropped."""
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(3)]  # (reader, writer)
+    credits = [ctx.RawValue("b", 1) for _ in range(3)]
+    clients = Clients([w for _, w in pipes], credits)
+    params = SamplingParams(max_tokens=4)
+    clients.own(0, [Add("a", [1], params, 0.0), Add("c", [1], params, 0.0)])
+    clients.own(1, [Add("b", [1], params, 0.0)])
+    loop = FakeLoop({"a", "b", "c"})
+    deltas = TokenDeltas(["a", "b", "x", "c", "b"], [0, 0, 0, 0, 1], [7, 8, 9, 10, 11])
+    clients.report(loop, {}, deltas, 1.0, "stats", ["a", "b", "c"])
+    assert pipes[0][0].recv()[3] == (["a", "c"], [0, 0], [7, 10])
+    assert pipes[1][0].recv()[3] == (["b", "b"], [0, 1], [8, 11])
+    assert pipes[2][0].recv()[3] == ([], [], [])  # new stats only
+    assert [c.value for c in credits] == [0, 0, 1]
+
+    # All of a step's entries are one client's: they go as they are, to it alone.
+    credits[0].value = credits[1].value = 1
+    clients.report(loop, {}, TokenDeltas(["c", "a"], [0, 0], [12, 13]), 2.0, "stats", [])
+    assert pipes[0][0].recv()[3] == (["c", "a"], [0, 0], [12, 13])
+    assert not pipes[1][0].poll() and not pipes[2][0].poll()
+    assert [c.value for c in credits] == [0, 1, 1]
 
 
 def test_metric_rows_sum_across_processes():
@@ -127,7 +169,7 @@ def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(mon
     a._put = b._put = sent.extend  # no engine: the puts just collect
 
     def report(api: AsyncEngine, waiting: int, taken_in: int) -> None:
-        api._report({}, 0.0, SimpleNamespace(num_waiting=waiting), taken_in)
+        api._report({}, TokenDeltas(), 0.0, SimpleNamespace(num_waiting=waiting), taken_in)
 
     for api in (a, b):
         report(api, 0, 0)  # "ready"

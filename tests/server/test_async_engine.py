@@ -21,11 +21,11 @@ class FlakyEngine(Engine):
 
     fail_next_step = threading.Event()
 
-    def step(self, emit: bool = True):
+    def step(self, emit: bool = True, deltas=None):
         if self.fail_next_step.is_set():
             self.fail_next_step.clear()
             raise RuntimeError("injected fault")
-        return super().step(emit)
+        return super().step(emit, deltas)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.request import RequestMetrics, RequestOutput, TokenLogprob
+from engine.request import RequestMetrics, RequestOutput, TokenDeltas, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
@@ -188,7 +188,7 @@ def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
     reader, writer = multiprocessing.Pipe(duplex=False)
     clients = Clients([writer], [multiprocessing.RawValue("b", 1)])
     clients.own(0, [Add(rid, [1], SamplingParams(), 0.0) for rid in batch])
-    clients.report(Loop(), batch, 1.0, None, [])
+    clients.report(Loop(), batch, TokenDeltas(), 1.0, None, [])
     wire = reader.recv_bytes()
     _, rows, errors, *_ = pickle.loads(wire)
     got = unpack_batch(rows, errors)
