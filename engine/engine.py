@@ -241,8 +241,8 @@ class Engine:
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with
-        deltas, the news of a plain stream (ids only, no logprobs) that is one token
-        and neither its first output nor its last is added there instead."""
+        deltas, the news of a plain stream (ids only, no logprobs) that is neither its
+        first output nor its last is added there instead."""
         if not self.news:
             return []  # most steps of final-only requests
         with self._nvtx("outputs"):
@@ -250,21 +250,18 @@ class Engine:
             if deltas is None:
                 outputs = [self._output(req) for req in news]
                 return [out for out in outputs if out is not None]
-            request_ids, indices, token_ids = deltas.request_ids, deltas.indices, deltas.token_ids
+            request_ids, indices = deltas.request_ids, deltas.indices
+            num_tokens, token_ids = deltas.num_tokens, deltas.token_ids
             outputs = []
             for req in news:
-                out_ids = req.output_token_ids
                 emitted = req.num_emitted_tokens
-                if (
-                    req.params.plain
-                    and emitted
-                    and len(out_ids) == emitted + 1
-                    and req.status is not RequestStatus.FINISHED
-                ):
-                    req.num_emitted_tokens = emitted + 1
+                if req.params.plain and emitted and req.status is not RequestStatus.FINISHED:
+                    out_ids = req.output_token_ids
+                    req.num_emitted_tokens = len(out_ids)
                     request_ids.append(req.request_id)
                     indices.append(req.index)
-                    token_ids.append(out_ids[-1])
+                    num_tokens.append(len(out_ids) - emitted)
+                    token_ids += out_ids[emitted:]
                 else:
                     out = self._output(req)
                     if out is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -57,37 +58,45 @@ class RequestOutput:
 
 @dataclass
 class TokenDeltas:
-    """Outputs of one token each, in columns: the per-step news of choices that stream
-    token ids without text, between their first output and their last.
+    """Outputs that are token ids and nothing else, in columns: the news of choices
+    that stream ids without text or logprobs, between their first output and their last.
 
-    Such a choice's RequestOutput differs from its last one only in its new id and
-    count, so the engine process reports it as three list entries, not an object
-    whose fields are pickled and rebuilt: at 256 streams that was two thirds of the
-    engine's per-step host work. The API process rebuilds each from the choice's
-    previous output (`follow`).
+    Such a choice's RequestOutput differs from its previous one only in its new ids
+    and count, so the engine process reports it as list entries, not an object whose
+    fields are pickled and rebuilt. The API process rebuilds each output from the
+    choice's previous one (`follow`).
     """
 
     request_ids: list[str] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # each entry's share of token_ids
+    token_ids: list[int] = field(default_factory=list)  # every entry's new ids, in order
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def entries(self) -> Iterator[tuple[str, int, list[int]]]:
+        """(request id, choice, new ids) of each entry."""
+        start = 0
+        ids = self.token_ids
+        for request_id, index, n in zip(self.request_ids, self.indices, self.num_tokens):
+            yield request_id, index, ids[start : start + n]
+            start += n
 
-def follow(prev: RequestOutput, token_id: int) -> RequestOutput:
-    """The output that follows prev with one token (a TokenDeltas entry of its choice)."""
+
+def follow(prev: RequestOutput, token_ids: list[int]) -> RequestOutput:
+    """The output that follows prev with token_ids (a TokenDeltas entry of its choice)."""
     return RequestOutput(
         prev.request_id,
         prev.index,
-        [token_id],
+        token_ids,
         "",
         None,
         False,
         None,
         None,
         prev.num_prompt_tokens,
-        prev.num_output_tokens + 1,
+        prev.num_output_tokens + len(token_ids),
         prev.num_cached_tokens,
         None,
     )

@@ -62,8 +62,8 @@ class SamplingParams:
         # Nothing to report until it finishes, and no text to match each step: the
         # engine only appends such a request's ids and checks its stop ids.
         self.quiet = self.final_only and not self.stop
-        # Streamed as bare ids: a one-token output between its first and last can
-        # travel as a TokenDeltas entry.
+        # Streamed as bare ids: its outputs between the first and the last can travel
+        # as TokenDeltas entries.
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None
 
     def _validate(self) -> None:

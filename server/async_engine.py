@@ -320,12 +320,12 @@ class AsyncEngine:
                     stream.last_output[rid, out.index] = out
                 self._metrics.on_outputs(item, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(item)
-            for rid, index, token_id in zip(deltas.request_ids, deltas.indices, deltas.token_ids):
+            for rid, index, token_ids in deltas.entries():
                 stream = streams.get(rid)
                 if stream is None:
                     continue
                 key = rid, index
-                out = stream.last_output[key] = follow(stream.last_output[key], token_id)
+                out = stream.last_output[key] = follow(stream.last_output[key], token_ids)
                 self._metrics.on_outputs([out], step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].append(out)
         for stream, outputs in per_stream.values():

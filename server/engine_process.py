@@ -13,7 +13,7 @@ each over its own two pipes of pickled messages:
                  ("report", rows, errors, deltas, step_time, stats, taken_in)
 where rows are the step's RequestOutputs as tuples of their fields (see
 _output_row), errors map a request id to the APIError that ended it, deltas
-are the step's TokenDeltas as a tuple of their three lists, and
+are the step's TokenDeltas as a tuple of their four lists, and
 taken_in counts the requests the engine has taken in from all API processes,
 ever: with the stats it came with, each API process counts those still on
 their way (AsyncEngine.num_waiting) without counting one twice.
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import multiprocessing
 import operator
@@ -370,21 +369,23 @@ class Clients:
 
 
 def _split(deltas: TokenDeltas, owners: list[int | None], n: int) -> list[tuple[list, ...]]:
-    """Each client's share of the deltas, as a tuple of its three lists; entries of
+    """Each client's share of the deltas, as a tuple of its four lists; entries of
     requests no client owns any more (aborted) are dropped."""
-    columns = (deltas.request_ids, deltas.indices, deltas.token_ids)
-    empty: tuple[list, ...] = ([], [], [])
+    columns = (deltas.request_ids, deltas.indices, deltas.num_tokens, deltas.token_ids)
+    empty: tuple[list, ...] = ([], [], [], [])
     if not owners:
         return [empty] * n
     first = owners[0]
     if first is not None and owners.count(first) == len(owners):  # one client: no copies
         return [columns if i == first else empty for i in range(n)]
-    split = []
-    for i in range(n):
-        mine = [owner == i for owner in owners]
-        split.append(
-            tuple(list(itertools.compress(c, mine)) for c in columns) if any(mine) else empty
-        )
+    split = [([], [], [], []) for _ in range(n)]
+    for (request_id, index, ids), owner in zip(deltas.entries(), owners):
+        if owner is not None:
+            mine = split[owner]
+            mine[0].append(request_id)
+            mine[1].append(index)
+            mine[2].append(len(ids))
+            mine[3].extend(ids)
     return split
 
 

@@ -1,8 +1,9 @@
-"""TokenDeltas: with columns to fill, the engine reports a plain stream's one-token
-news as three list entries. Rebuilt with `follow` from each choice's previous output,
+"""TokenDeltas: with columns to fill, the engine reports a plain stream's news as
+list entries. Rebuilt with `follow` from each choice's previous output,
 every step's outputs must be the ones the engine builds without columns, on a mix of
-requests where most news may not go in columns (text, logprobs, final-only, first and
-last outputs, several tokens after steps without emitting, an abort)."""
+requests where much of the news may not go in columns (text, logprobs, final-only,
+first and last outputs, an abort), with steps that do not emit, after which an
+entry holds several tokens."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ def fields(out: RequestOutput) -> tuple:
     return dataclasses.astuple(dataclasses.replace(out, metrics=None)) + (out.metrics is None,)
 
 
-def run(model_dir: str, columns: bool) -> tuple[list[list[tuple]], int]:
-    """Every step's outputs (rebuilt from columns when asked), and the column entries."""
+def run(model_dir: str, columns: bool) -> tuple[list[list[tuple]], list[int]]:
+    """Every step's outputs (rebuilt from columns when asked), and each column entry's
+    number of tokens."""
     llm = LLM(model_dir, device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
     engine = llm.engine
     plans = list(PLANS)
     last: dict[tuple[str, int], RequestOutput] = {}
-    steps, num_entries, step = [], 0, 0
+    steps, entries, step = [], [], 0
     while plans or engine.has_unfinished_requests():
         if plans and step % 3 == 0:
             engine.add_request(f"r{step}", *plans.pop(0))
@@ -45,19 +47,19 @@ def run(model_dir: str, columns: bool) -> tuple[list[list[tuple]], int]:
         for out in outputs:
             last[out.request_id, out.index] = out
         rebuilt = []
-        for rid, index, token_id in zip(*dataclasses.astuple(deltas or TokenDeltas())):
-            out = last[rid, index] = follow(last[rid, index], token_id)
+        for rid, index, token_ids in (deltas or TokenDeltas()).entries():
+            out = last[rid, index] = follow(last[rid, index], token_ids)
             rebuilt.append(out)
-        num_entries += len(rebuilt)
+        entries += [len(out.new_token_ids) for out in rebuilt]
         steps.append(sorted(map(fields, outputs + rebuilt), key=lambda f: (f[0], f[1])))
         step += 1
         assert step < 500
-    return steps, num_entries
+    return steps, entries
 
 
 def test_columns_rebuild_to_the_outputs_the_engine_builds(tiny_gpt2_dir):
     expected, none = run(tiny_gpt2_dir, columns=False)
-    got, num_entries = run(tiny_gpt2_dir, columns=True)
-    assert none == 0
-    assert num_entries >= 60  # most of the plain streams' tokens went in columns
+    got, entries = run(tiny_gpt2_dir, columns=True)
+    assert not none
+    assert len(entries) >= 50 and entries.count(2) >= 5  # after steps that did not emit
     assert got == expected
