@@ -13,13 +13,14 @@ each over its own two pipes of pickled messages:
                  ("report", rows, errors, deltas, step_time, stats, taken_in)
 where rows are the step's RequestOutputs as tuples of their fields (see
 _output_row), errors map a request id to the APIError that ended it, deltas
-are the step's TokenDeltas as a tuple of their four lists, and
+are the step's TokenDeltas, pickled once for all API processes (b"" if none), and
 taken_in counts the requests the engine has taken in from all API processes,
 ever: with the stats it came with, each API process counts those still on
 their way (AsyncEngine.num_waiting) without counting one twice.
 A reader thread on each side turns messages into calls. The engine remembers
-which API process added each request and sends each its own outputs; stats go
-to all. The credit an API process returns after each delivery is a
+which API process added each request and sends each its own outputs; stats and
+token deltas go to all (an API process skips the ids it does not know: one
+pickling of a step's columns costs the engine less than splitting them). The credit an API process returns after each delivery is a
 shared-memory byte, not a message: it is returned hundreds of times a second,
 and a pipe write costs a syscall. The engine builds outputs while every API
 process has credit. The child is spawned, never forked: CUDA cannot be
@@ -34,6 +35,7 @@ import dataclasses
 import logging
 import multiprocessing
 import operator
+import pickle
 import signal
 import sys
 import threading
@@ -198,7 +200,8 @@ class EngineProcess:
                     self._endpoint.from_engine.recv()
                 )
                 batch = unpack_batch(rows, errors)
-                self._report(batch, TokenDeltas(*deltas), step_time, stats, taken_in)
+                columns = TokenDeltas(*pickle.loads(deltas)) if deltas else TokenDeltas()
+                self._report(batch, columns, step_time, stats, taken_in)
         except (EOFError, OSError):
             pass
         except Exception:
@@ -308,7 +311,6 @@ class Clients:
         active = loop.active
         with self._lock:
             owner = self._owner
-            columns = _split(deltas, list(map(owner.get, deltas.request_ids)), n)
             for rid, item in batch.items():
                 client = owner.get(rid)
                 if client is not None:
@@ -333,20 +335,16 @@ class Clients:
         changed = stats != self._stats or bool(added)
         self._stats = stats
         self._taken_in += len(added)
+        columns = b""
+        if deltas:
+            fields = (deltas.request_ids, deltas.indices, deltas.num_tokens, deltas.token_ids)
+            columns = pickle.dumps(fields, pickle.HIGHEST_PROTOCOL)
         for i in range(n):
-            news = rows[i] or errors[i] or columns[i][0]
+            news = rows[i] or errors[i] or columns
             if news or changed or i in leaving:
                 if news:
                     self._credits[i].value = 0  # before the report: the ack it brings must win
-                report = (
-                    "report",
-                    rows[i],
-                    errors[i],
-                    columns[i],
-                    step_time,
-                    stats,
-                    self._taken_in,
-                )
+                report = ("report", rows[i], errors[i], columns, step_time, stats, self._taken_in)
                 self._send(i, report)
         for client in leaving:
             self._close(client)
@@ -366,27 +364,6 @@ class Clients:
         out, self._outboxes[client] = self._outboxes[client], None
         if out is not None:
             out.close()
-
-
-def _split(deltas: TokenDeltas, owners: list[int | None], n: int) -> list[tuple[list, ...]]:
-    """Each client's share of the deltas, as a tuple of its four lists; entries of
-    requests no client owns any more (aborted) are dropped."""
-    columns = (deltas.request_ids, deltas.indices, deltas.num_tokens, deltas.token_ids)
-    empty: tuple[list, ...] = ([], [], [], [])
-    if not owners:
-        return [empty] * n
-    first = owners[0]
-    if first is not None and owners.count(first) == len(owners):  # one client: no copies
-        return [columns if i == first else empty for i in range(n)]
-    split = [([], [], [], []) for _ in range(n)]
-    for (request_id, index, ids), owner in zip(deltas.entries(), owners):
-        if owner is not None:
-            mine = split[owner]
-            mine[0].append(request_id)
-            mine[1].append(index)
-            mine[2].append(len(ids))
-            mine[3].extend(ids)
-    return split
 
 
 def _child_main(

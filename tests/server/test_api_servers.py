@@ -8,6 +8,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import socket
@@ -63,12 +64,12 @@ def test_clients_route_outputs_count_adds_and_let_go():
     clients.report(loop, {"a": [a1], "b": [b1, b2]}, TokenDeltas(), 1.0, "stats1", ["a", "b", "c"])
     # Outputs travel as tuples of their fields, in order.
     # Outputs go to their own client; both hear that the engine took in 3 requests.
-    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, ([], [], [], []), 1.0, "stats1", 3)
+    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, b"", 1.0, "stats1", 3)
     assert pipes[1][0].recv() == (
         "report",
         [astuple(b1), astuple(b2)],
         {},
-        ([], [], [], []),
+        b"",
         1.0,
         "stats1",
         3,
@@ -83,7 +84,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
     loop.active.discard("b")  # finished: forgotten after this report
     b3 = output("b", 0, [10], finished=True)
     clients.report(loop, {"b": [b3]}, TokenDeltas(), 2.0, "stats1", [])
-    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, ([], [], [], []), 2.0, "stats1", 3)
+    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, b"", 2.0, "stats1", 3)
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
@@ -98,7 +99,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
         "report",
         [],
         {},
-        ([], [], [], []),
+        b"",
         3.0,
         "stats2",
         3,
@@ -114,37 +115,31 @@ def test_clients_route_outputs_count_adds_and_let_go():
     assert loop.stopped  # the last one left
 
 
-def test_clients_split_token_deltas_by_owner():
-    """Outputs that are ids only travel as columns: each client gets its own entries,
-    in step order, and its credit is spent; entries of requests nobody owns are dropped."""
+def test_clients_send_token_deltas_to_every_client_once_pickled():
+    """Outputs that are ids only travel as columns, pickled once for every client (each
+    skips the ids it does not know), and spend the credit of each."""
     ctx = multiprocessing.get_context("spawn")
-    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(3)]  # (reader, writer)
-    credits = [ctx.RawValue("b", 1) for _ in range(3)]
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (reader, writer)
+    credits = [ctx.RawValue("b", 1) for _ in range(2)]
     clients = Clients([w for _, w in pipes], credits)
     params = SamplingParams(max_tokens=4)
-    clients.own(0, [Add("a", [1], params, 0.0), Add("c", [1], params, 0.0)])
+    clients.own(0, [Add("a", [1], params, 0.0)])
     clients.own(1, [Add("b", [1], params, 0.0)])
-    loop = FakeLoop({"a", "b", "c"})
-    deltas = TokenDeltas(
-        ["a", "b", "x", "c", "b"],
-        [0, 0, 0, 0, 1],
-        [1, 2, 1, 1, 3],
-        [7, 8, 80, 9, 10, 11, 12, 13, 14],
-    )
-    clients.report(loop, {}, deltas, 1.0, "stats", ["a", "b", "c"])
-    assert pipes[0][0].recv()[3] == (["a", "c"], [0, 0], [1, 1], [7, 10])
-    assert pipes[1][0].recv()[3] == (["b", "b"], [0, 1], [2, 3], [8, 80, 11, 12, 13])
-    assert pipes[2][0].recv()[3] == ([], [], [], [])  # new stats only
-    assert [c.value for c in credits] == [0, 0, 1]
+    loop = FakeLoop({"a", "b"})
+    clients.report(loop, {}, TokenDeltas(), 1.0, "stats", ["a", "b"])
+    assert [pipes[i][0].recv()[3] for i in range(2)] == [b"", b""]  # new stats, no deltas
+    assert [c.value for c in credits] == [1, 1]
 
-    # All of a step's entries are one client's: they go as they are, to it alone.
-    credits[0].value = credits[1].value = 1
-    clients.report(
-        loop, {}, TokenDeltas(["c", "a"], [0, 0], [1, 2], [15, 16, 17]), 2.0, "stats", []
-    )
-    assert pipes[0][0].recv()[3] == (["c", "a"], [0, 0], [1, 2], [15, 16, 17])
-    assert not pipes[1][0].poll() and not pipes[2][0].poll()
-    assert [c.value for c in credits] == [0, 1, 1]
+    deltas = TokenDeltas(["a", "b", "b"], [0, 0, 1], [1, 2, 3], [7, 8, 80, 9, 10, 11])
+    clients.report(loop, {}, deltas, 2.0, "stats", [])
+    for reader, _ in pipes:
+        columns = pickle.loads(reader.recv()[3])
+        assert list(TokenDeltas(*columns).entries()) == [
+            ("a", 0, [7]),
+            ("b", 0, [8, 80]),
+            ("b", 1, [9, 10, 11]),
+        ]
+    assert [c.value for c in credits] == [0, 0]
 
 
 def test_metric_rows_sum_across_processes():
