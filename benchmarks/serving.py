@@ -96,7 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         nargs="*",
         default=[],
-        help="closed-loop runs of --max-requests at these in-flight counts",
+        help="closed-loop runs at these in-flight counts",
+    )
+    sweep.add_argument(
+        "--concurrency-requests",
+        type=int,
+        help="requests per closed-loop run (default: --max-requests); a run of a few"
+        " seconds is mostly its ramp up and drain, so match the offline run's count",
     )
     sweep.add_argument("--request-timeout", type=float, default=300.0)
     sweep.add_argument("--seed", type=int, default=0)
@@ -318,7 +324,8 @@ def sweep(
     # Everything at once, then held at saturation: to set beside the offline figure.
     rows.append(run_rate(math.inf))
     for c in args.concurrency:
-        argv = [*common, "--concurrency", str(c), "--num-requests", str(args.max_requests)]
+        n = args.concurrency_requests or args.max_requests
+        argv = [*common, "--concurrency", str(c), "--num-requests", str(n)]
         # Overrides base's --workers: a client process holds at least one request.
         argv += ["--workers", str(min(args.client_workers, c))]
         rows.append(

@@ -21,7 +21,7 @@ def test_sweep_and_seeds_workload(fake, tmp_path, capsys):
             "--base-url", fake.base_url, "--rates", "20", "40", "--seconds-per-rate", "0.2",
             "--min-requests", "4", "--max-requests", "8", "--input-len", "4",
             "--output-len", "4", "--offline-tok-s", "1000", "--concurrency", "3",
-            "--out-dir", str(out),
+            "--concurrency-requests", "10", "--out-dir", str(out),
         ]
     )  # fmt: skip
     assert rc == 0
@@ -33,7 +33,8 @@ def test_sweep_and_seeds_workload(fake, tmp_path, capsys):
     assert rates[-2:] == ["inf", "c3"] and set(rates[:-2]) <= {"20", "40"}
     assert summary["sweep"][-1]["concurrency"] == 3
     closed = json.loads((out / "concurrency_3.json").read_text())
-    assert closed["config"]["concurrency"] == 3 and len(closed["records"]) == 8
+    assert closed["config"]["concurrency"] == 3 and len(closed["records"]) == 10
+    assert json.loads((out / "rate_inf.json").read_text())["config"]["num_requests"] == 8
     for row in summary["sweep"]:
         assert row["failed"] == 0 and row["completed"] >= 4
         assert row["output_vs_offline"] == row["output_throughput"] / 1000.0
