@@ -176,8 +176,8 @@ class Engine:
         """Run one step; return the news it brings (mostly the previous step's tokens).
 
         emit=False keeps the news for a later step or take_outputs(), which then
-        report it together. With deltas, one-token outputs of plain streams go
-        there instead (see take_outputs).
+        report it together. With deltas, the outputs of plain streams between
+        their first and last go there instead (see take_outputs).
 
         The host runs one step ahead of the device: it schedules and launches
         step N (whose decodes read step N-1's sampled ids on the device), and

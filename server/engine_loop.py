@@ -3,9 +3,9 @@
 The engine is not thread-safe, so one thread owns it: it builds it, drains a
 locked inbox of new requests and aborts before every step, runs
 `Engine.step()` while there is work and sleeps on a condition variable when
-there is none. After every step it reports (outputs, token deltas, step time, stats) to
-whoever listens: the event loop of the same process (AsyncEngine's engine
-thread), or the API server process over a pipe (server/engine_process.py).
+there is none. After every step it reports (outputs, token deltas, step time,
+stats) to whoever listens: the event loop of the same process (AsyncEngine's
+engine thread), or the API server process over a pipe (server/engine_process.py).
 
 Outputs are built only while the listener has credit: whoever delivers a
 report with outputs spends it, and the listener's ack() returns it once it has
@@ -33,7 +33,7 @@ logger = logging.getLogger("pagoda.server")
 
 # engine request id -> that step's outputs for it, or the error that ends it
 Batch = dict[str, "list[RequestOutput] | APIError"]
-# (outputs or {}, one-token outputs of plain streams (engine.request.TokenDeltas),
+# (outputs or {}, the id-only outputs of plain streams (engine.request.TokenDeltas),
 # step time, the engine's EngineStats, ids of the requests taken from the inbox)
 Report = Callable[[Batch, TokenDeltas, float, Any, list[str]], None]
 

@@ -13,14 +13,15 @@ each over its own two pipes of pickled messages:
                  ("report", rows, errors, deltas, step_time, stats, taken_in)
 where rows are the step's RequestOutputs as tuples of their fields (see
 _output_row), errors map a request id to the APIError that ended it, deltas
-are the step's TokenDeltas, pickled once for all API processes (b"" if none), and
-taken_in counts the requests the engine has taken in from all API processes,
-ever: with the stats it came with, each API process counts those still on
-their way (AsyncEngine.num_waiting) without counting one twice.
+are the step's TokenDeltas pickled once for all API processes (b"" if none),
+and taken_in counts the requests the engine has taken in from all API
+processes, ever: with the stats it came with, each API process counts those
+still on their way (AsyncEngine.num_waiting) without counting one twice.
 A reader thread on each side turns messages into calls. The engine remembers
 which API process added each request and sends each its own outputs; stats and
 token deltas go to all (an API process skips the ids it does not know: one
-pickling of a step's columns costs the engine less than splitting them). The credit an API process returns after each delivery is a
+pickling of a step's columns costs the engine less than splitting them). The
+credit an API process returns after each delivery is a
 shared-memory byte, not a message: it is returned hundreds of times a second,
 and a pipe write costs a syscall. The engine builds outputs while every API
 process has credit. The child is spawned, never forked: CUDA cannot be
