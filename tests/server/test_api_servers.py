@@ -51,14 +51,21 @@ def output(rid: str, index: int, ids: list[int], finished: bool = False) -> Requ
     return RequestOutput(rid, index, ids, "", None, finished, reason, None, 1, len(ids), 0, None)
 
 
-def test_clients_route_outputs_count_adds_and_let_go():
+def two_clients(owned: list[list[str]]) -> tuple[Clients, list, list]:
+    """Clients for two API processes, each owning its request ids; with their pipes
+    (reader, writer) and credits."""
     ctx = multiprocessing.get_context("spawn")
-    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (reader, writer)
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
     credits = [ctx.RawValue("b", 1) for _ in range(2)]
     clients = Clients([w for _, w in pipes], credits)
     params = SamplingParams(max_tokens=4)
-    clients.own(0, [Add("a", [1], params, 0.0)])
-    clients.own(1, [Add("b", [1], params, 0.0), Add("c", [1], params, 0.0)])
+    for client, ids in enumerate(owned):
+        clients.own(client, [Add(rid, [1], params, 0.0) for rid in ids])
+    return clients, pipes, credits
+
+
+def test_clients_route_outputs_count_adds_and_let_go():
+    clients, pipes, credits = two_clients([["a"], ["b", "c"]])
     loop = FakeLoop({"a", "b", "c"})
     a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
     clients.report(loop, {"a": [a1], "b": [b1, b2]}, TokenDeltas(), 1.0, "stats1", ["a", "b", "c"])
@@ -118,13 +125,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
 def test_clients_send_token_deltas_to_every_client_once_pickled():
     """Outputs that are ids only travel as columns, pickled once for every client (each
     skips the ids it does not know), and spend the credit of each."""
-    ctx = multiprocessing.get_context("spawn")
-    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (reader, writer)
-    credits = [ctx.RawValue("b", 1) for _ in range(2)]
-    clients = Clients([w for _, w in pipes], credits)
-    params = SamplingParams(max_tokens=4)
-    clients.own(0, [Add("a", [1], params, 0.0)])
-    clients.own(1, [Add("b", [1], params, 0.0)])
+    clients, pipes, credits = two_clients([["a"], ["b"]])
     loop = FakeLoop({"a", "b"})
     clients.report(loop, {}, TokenDeltas(), 1.0, "stats", ["a", "b"])
     assert [pipes[i][0].recv()[3] for i in range(2)] == [b"", b""]  # new stats, no deltas
