@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-PIECEWISE_MAX_TOKENS = 2048
+PREFILL_GRAPH_MAX_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -23,9 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # Steps with prefill tokens replay CUDA graphs cut at each attention (engine.piecewise);
-    # off: they run eagerly (decode-only steps still replay whole-forward graphs).
-    piecewise_graphs: bool = True
+    # Steps with prefill tokens replay a CUDA graph per token bucket (engine.model_runner);
+    # off: they run eagerly (decode-only steps still replay their graphs).
+    prefill_graphs: bool = True
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
     # --async-scheduling); off: every step's ids are read before the next is planned.
     async_scheduling: bool = True
@@ -80,8 +80,8 @@ class EngineConfig:
         return self.torch_device.type == "cuda" and not self.enforce_eager
 
     @property
-    def use_piecewise_graphs(self) -> bool:
-        return self.use_cuda_graphs and self.piecewise_graphs
+    def use_prefill_graphs(self) -> bool:
+        return self.use_cuda_graphs and self.prefill_graphs
 
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -98,9 +98,9 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes()
         return [min(b for b in sizes if b >= n) for n in range(self.max_num_seqs + 1)]
 
-    def piecewise_token_sizes(self) -> list[int]:
+    def prefill_graph_sizes(self) -> list[int]:
         """Token buckets for steps with prefill: 16 to 256 doubling, then every 256, up to
         max_num_batched_tokens or 2048 (past that a step is GPU-bound: it runs eagerly)."""
-        top = min(self.max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
+        top = min(self.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)
         sizes = [s for s in (16, 32, 64, 128, 256) if s < top] + list(range(512, top, 256))
         return sizes + [top]

@@ -9,13 +9,15 @@ padded entries have context length 0 and slot -1, so they read and write
 nothing. The graph also takes every row's argmax into the device buffer the next
 step's inputs are gathered from: an all-greedy batch (the common case) then
 launches nothing after the replay but the ids' copy to the host. Steps with
-prefill tokens replay piecewise graphs (engine.piecewise) up to 2048 tokens;
-larger ones, and everything under --enforce-eager, run eagerly.
+prefill tokens replay a whole-forward graph too, captured per token bucket up
+to 2048 tokens for max_num_seqs sequences: the prefill attention's grid depends
+on those two counts only (kernels.prefill_attention), so padded tokens (slot -1)
+and empty padded sequences make any such step fit. Larger steps, and everything
+under --enforce-eager, run eagerly.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 
@@ -26,13 +28,12 @@ from torch import nn
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
-from engine.piecewise import PiecewiseGraphs
 from engine.scheduler import SchedulerOutput
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
 
-STEP_PATHS = ("graph", "piecewise", "eager")
+STEP_PATHS = ("graph", "prefill graph", "eager")
 
 
 class StagedFields:
@@ -224,7 +225,7 @@ class ModelRunner:
         self.last_slots = np.zeros(seqs, dtype=np.int64)
         self.last_slots_for: list | None = None
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
-        # Steps by how they ran: a decode CUDA graph, piecewise graphs (a step with
+        # Steps by how they ran: a decode CUDA graph, a prefill graph (a step with
         # prefill tokens), or eagerly. Read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
 
@@ -243,9 +244,12 @@ class ModelRunner:
                 ]
                 for i in range(self.num_buffers)
             ]
-        self.piecewise: PiecewiseGraphs | None = None
-        if config.use_piecewise_graphs:
-            self._capture_piecewise_graphs()
+        # Steps with prefill tokens: (graph, its hidden states [bucket, hidden]) by
+        # token bucket, and the bucket of each token count they cover.
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_bucket: list[int] = []
+        if config.use_prefill_graphs:
+            self._capture_prefill_graphs()
 
     # -- KV cache ---------------------------------------------------------
 
@@ -334,16 +338,20 @@ class ModelRunner:
         )
         self._slot_mapping(np.repeat(slots, num_new), positions, num_tokens)
 
+        # Most rows of a step with prefill are decodes whose one input is still on the
+        # device: only the rows with ids on the host are visited one by one.
         ids, gather = self.buf["input_ids"], self.buf["input_gather"]
         gather[:num_tokens] = self.ids_offset + self.arange[:num_tokens]
-        pos = 0
-        for req, start, n in zip(requests, batch.starts, batch.num_new_tokens):
-            end = start + n
-            known = min(end, len(req.all_token_ids))
-            ids[pos : pos + known - start] = req.all_token_ids[start:known]
-            if known < end:  # the last token was sampled last step and is still on the device
-                gather[pos + n - 1] = self.sampled_offset + req.sample_row
-            pos += n
+        ends = num_computed + num_new
+        known = np.minimum(ends, [len(req.all_token_ids) for req in requests])
+        for i in np.flatnonzero(known > num_computed).tolist():
+            start, pos = batch.starts[i], int(qsl[i])
+            ids[pos : pos + int(known[i]) - start] = requests[i].all_token_ids[start : known[i]]
+        # A row's last token sampled last step and not read yet: gathered from its row there.
+        waiting = np.flatnonzero(known < ends)
+        if len(waiting):
+            rows = [requests[i].sample_row for i in waiting.tolist()]
+            gather[qsl[waiting + 1] - 1] = np.add(rows, self.sampled_offset)
         self._assign_sample_rows(batch.sampling())
         return num_tokens, int(num_new.max())
 
@@ -487,13 +495,16 @@ class ModelRunner:
 
     def _run_ungraphed(self, batch: SchedulerOutput, num_tokens: int, max_query_len: int):
         num_seqs = len(batch.requests)
-        bucket = self.piecewise.bucket_for(num_tokens) if self.piecewise is not None else None
-        if bucket is not None:  # a step with prefill tokens (decode-only ones took a graph)
+        if num_tokens < len(self.prefill_bucket):  # prefill tokens (decodes took a graph)
+            bucket = self.prefill_bucket[num_tokens]
             self._pad_tokens(num_tokens, bucket)
-            inp = self._send(bucket, num_seqs, max_query_len, False)
-            hidden = self.piecewise.replay(bucket, self._meta(inp))
-            self.steps_by_path["piecewise"] += 1
-            return self.model.compute_logits(hidden[inp.logits_indices])
+            self._pad_seqs(num_seqs, num_tokens)
+            self._copy()
+            graph, hidden = self.prefill_graphs[bucket]
+            graph.replay()
+            self.steps_by_path["prefill graph"] += 1
+            rows = self.staged.gpu["logits_indices"][:num_seqs]
+            return self.model.compute_logits(hidden[rows])
         inp = self._send(num_tokens, num_seqs, max_query_len, batch.is_decode_only)
         self.steps_by_path["eager"] += 1
         return self._forward(inp)
@@ -568,21 +579,43 @@ class ModelRunner:
         self.buf["logits_indices"][start:end] = self.arange[start:end]
 
     def _pad_tokens(self, start: int, end: int) -> None:
-        """Padded tokens of a piecewise step: id 0 at position 0, stored nowhere, and
-        past the last sequence's query, so attention leaves their rows alone."""
+        """Padded tokens of a prefill graph's step: id 0 at position 0, stored nowhere,
+        and past the last sequence's query, so attention leaves their rows alone."""
         self.buf["input_ids"][start:end] = 0
         self.buf["input_gather"][start:end] = self.ids_offset + self.arange[start:end]
         self.buf["positions"][start:end] = 0
         self.buf["slot_mapping"][start:end] = -1
 
+    def _pad_seqs(self, start: int, num_tokens: int) -> None:
+        """Sequences start.. up to max_num_seqs, for a prefill graph: no query (their
+        query starts all sit at the end), no context, block-table row 0."""
+        end = self.max_num_seqs
+        self.buf["query_start_loc"][start + 1 : end + 1] = num_tokens
+        self.buf["seq_lens"][start:end] = 0
+        self.buf["slot_indices"][start:end] = 0
+
     @torch.inference_mode()
-    def _capture_piecewise_graphs(self) -> None:
-        sizes = self.config.piecewise_token_sizes()
-        self.piecewise = PiecewiseGraphs(self.attn_layers, sizes[-1], self.dtype, self.device)
+    def _capture_prefill_graphs(self) -> None:
+        """One graph per token bucket for max_num_seqs sequences, the largest first, in
+        one memory pool (they never run at once). The bound on query lengths (it
+        picks the attention's tile height) is the bucket's size or max_model_len."""
+        sizes = self.config.prefill_graph_sizes()
+        pool = torch.cuda.graph_pool_handle()
+        seqs = self.max_num_seqs
         for bucket in reversed(sizes):
             self._pad_tokens(0, bucket)
-            inp = self._send(bucket, 1, 1, False)  # attention is not run: one dummy sequence
-            self.piecewise.capture(bucket, functools.partial(self._hidden, inp, self._meta(inp)))
+            self.buf["query_start_loc"][0] = 0
+            self._pad_seqs(0, 0)
+            max_query_len = min(bucket, self.config.max_model_len)
+            inp = self._send(bucket, seqs, max_query_len, False)
+            self._hidden(inp, self._meta(inp))  # warm up: Triton compiles, cuBLAS picks
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._hidden(inp, self._meta(inp))  # the table gather included
+            self.prefill_graphs[bucket] = (graph, hidden)
+        self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:

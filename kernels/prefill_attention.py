@@ -3,6 +3,14 @@
 Each sequence's new tokens are the last `query_len` of its `seq_len` tokens;
 their K/V are already in the cache, so one path serves plain prefill, chunked
 prefill and prefix-cache hits alike.
+
+The Triton kernel's grid depends on the token and sequence counts only, never
+on the query lengths: a step with prefill tokens can then be captured in one
+CUDA graph per token bucket (engine.model_runner), its sequences padded with
+empty ones. Query tiles are numbered across the batch: sequence s owns tiles
+from query_start_loc[s] // BLOCK_M + s on (at least as many as its query needs,
+as in vLLM's unified attention), and each program finds its sequence by
+binary search.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ def _prefill_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
+    num_seqs,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
@@ -74,12 +83,22 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (BLOCK_M query tile, sequence, query head); the grid is sized by
-    # max_query_len, so tiles past a shorter sequence's queries exit at once.
-    q_tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    # One program per (query tile of the batch, query head). The tile's sequence is
+    # the last s whose first tile, query_start_loc[s] // BLOCK_M + s, is not past it;
+    # tiles past a sequence's queries (and every tile of an empty sequence) exit at once.
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq)
+    q_tile = tile - (q_start // BLOCK_M + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_tile * BLOCK_M >= query_len:
         return
@@ -136,25 +155,25 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_query_len: int,
-    *,
-    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
-    Writes the rows of tokens 0 .. query_start_loc[-1] - 1; the engine passes no others.
+    Writes the rows of tokens 0 .. query_start_loc[-1] - 1 only. Padding is allowed
+    on both axes: rows past query_start_loc[-1], and trailing sequences with no query
+    (query_start_loc flat at the end). max_query_len picks the tile height only: a
+    CUDA graph captured with a bound on it replays for any shorter queries.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert query.stride(2) == 1 and block_table.stride(1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     block_m = 64 if max_query_len > 32 else 16
     head_dim_p2 = triton.next_power_of_2(head_dim)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    grid = (num_tokens // block_m + num_seqs, num_heads)  # every sequence's tiles, and spares
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -172,6 +191,7 @@ def paged_prefill_attention(
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
+        num_seqs,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         HEAD_DIM_P2=head_dim_p2,

@@ -69,8 +69,9 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     e.add_argument(
-        "--no-piecewise-graphs",
-        dest="piecewise_graphs",
+        "--no-prefill-graphs",
+        "--no-piecewise-graphs",  # the name before prefill steps became one graph each
+        dest="prefill_graphs",
         action="store_false",
         help="steps with prefill run eagerly (decode-only steps still replay CUDA graphs)",
     )
@@ -185,7 +186,7 @@ def parse_configs(
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
-            piecewise_graphs=args.piecewise_graphs,
+            prefill_graphs=args.prefill_graphs,
             async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,

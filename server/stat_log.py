@@ -1,10 +1,11 @@
 """The engine's periodic stats line (vLLM's LoggingStatLogger), from the loop that owns it.
 
-    engine: 311 steps/s (graph 84%, piecewise 16%, eager 0%), 78907 sampled tok/s,
+    engine: 311 steps/s (graph 84%, prefill graph 16%, eager 0%), 78907 sampled tok/s,
     running 256, waiting 109, KV cache 14.3%; host: working 100%, waiting on the
     device 0%, idle 0%
 
-(GPT-2 on the H100, 512 requests in flight: benchmarks/results/serving-h100-stats-line.json.)
+(GPT-2 on the H100, 512 requests in flight: benchmarks/results/serving-h100-stats-line.json,
+logged when the prefill graph path was still "piecewise".)
 
 Under load it says which side sets the pace: a host working ~100% of the time
 is the limit (the device waits for it); a host waiting on the device is not.

@@ -61,9 +61,6 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.ops: AttentionOps | None = None
-        # Set while piecewise CUDA graphs are captured (engine.piecewise): takes the
-        # query, ends the graph being captured, returns where attention will write.
-        self.split: Callable[[PagedAttention, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -71,7 +68,7 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if meta.is_decode:  # (piecewise graphs, which set `split`, are never decode steps)
+        if meta.is_decode:
             # The decode kernel stores the new K/V itself: one launch per layer fewer.
             out = self.ops.decode(
                 q,
@@ -86,25 +83,17 @@ class PagedAttention(nn.Module):
             )
         else:
             self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = self.split(self, q) if self.split is not None else self.attend(q, meta)
+            out = self.ops.prefill(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+                meta.max_query_len,
+            )
         return out.view(-1, self.num_heads * self.head_dim)
-
-    def attend(
-        self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """A step with prefill tokens: attention over the cache (the new tokens' K/V
-        already stored); `out` is CUDA only."""
-        return self.ops.prefill(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.block_table,
-            meta.query_start_loc,
-            meta.seq_lens,
-            self.scale,
-            meta.max_query_len,
-            **({} if out is None else {"out": out}),
-        )
 
 
 class AddNorm(nn.Module):

@@ -153,11 +153,11 @@ def test_a_decode_batch_replays_the_smallest_bucket_that_holds_it():
     assert table[1:] == [1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20]
 
 
-def test_piecewise_token_buckets_double_then_step_by_256_to_the_budget():
-    sizes = EngineConfig(max_num_batched_tokens=2048).piecewise_token_sizes()
+def test_prefill_graph_token_buckets_double_then_step_by_256_to_the_budget():
+    sizes = EngineConfig(max_num_batched_tokens=2048).prefill_graph_sizes()
     assert sizes == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
-    assert EngineConfig(max_num_batched_tokens=40).piecewise_token_sizes() == [16, 32, 40]
-    assert EngineConfig(max_num_batched_tokens=8192).piecewise_token_sizes()[-1] == 2048
+    assert EngineConfig(max_num_batched_tokens=40).prefill_graph_sizes() == [16, 32, 40]
+    assert EngineConfig(max_num_batched_tokens=8192).prefill_graph_sizes()[-1] == 2048
 
 
 def test_only_requests_that_gained_blocks_are_grown():

@@ -35,29 +35,38 @@ def test_cuda_graphs_match_eager_and_transformers(tiny_model_dir, batch):
     assert graphs == want
 
 
-@pytest.mark.parametrize("piecewise", [True, False])
-def test_steps_with_prefill_match_eager_and_transformers(tiny_model_dir, piecewise):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_steps_with_prefill_match_eager_and_transformers(tiny_model_dir, graphs):
     """A 40-token step budget chunks the long prompts, so most steps mix prefill
-    chunks with decodes; piecewise graphs pad them to the 16, 32 and 40 buckets."""
+    chunks with decodes; prefill graphs pad them to the 16, 32 and 40 buckets, and
+    their sequences to max_num_seqs."""
     prompts = [p * 3 for p in PROMPTS]  # 10 to ~90 tokens
     tokenizer = load_tokenizer(tiny_model_dir)
     want = [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
-    got = generate(tiny_model_dir, prompts, max_num_batched_tokens=40, piecewise_graphs=piecewise)
+    got = generate(tiny_model_dir, prompts, max_num_batched_tokens=40, prefill_graphs=graphs)
     assert got == generate(tiny_model_dir, prompts, max_num_batched_tokens=40, enforce_eager=True)
     assert got == want
 
 
-def test_piecewise_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
+def test_prefill_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cuda", max_num_seqs=8, max_num_batched_tokens=40)
-    pieces = llm.engine.runner.piecewise
-    assert sorted(pieces.buckets) == [16, 32, 40]
-    num_layers = llm.engine.runner.model.config.num_hidden_layers
-    assert all(len(p.graphs) == num_layers + 1 for p in pieces.buckets.values())
+    runner = llm.engine.runner
+    assert sorted(runner.prefill_graphs) == [16, 32, 40]
     replays = []
-    original = pieces.replay
-    pieces.replay = lambda bucket, meta: (replays.append(bucket), original(bucket, meta))[1]
+
+    class Counted:
+        def __init__(self, bucket, graph):
+            self.bucket, self.graph = bucket, graph
+
+        def replay(self):
+            replays.append(self.bucket)
+            self.graph.replay()
+
+    for bucket, (graph, hidden) in list(runner.prefill_graphs.items()):
+        runner.prefill_graphs[bucket] = (Counted(bucket, graph), hidden)
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert replays == [32]  # the three prompts' 31 tokens in one step; then decodes
+    assert runner.steps_by_path["prefill graph"] == 1
 
 
 def test_decode_graphs_write_the_block_table_entries_they_open(tiny_model_dir):

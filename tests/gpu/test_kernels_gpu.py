@@ -129,6 +129,52 @@ def test_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
     )
 
 
+def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
+    """Captured once for 1200 token rows and 6 sequences with a bound on the query
+    length, then replayed for batches of fewer tokens and sequences (the rest padding:
+    rows past the queries, empty trailing sequences), as the engine's graphs for steps
+    with prefill tokens are. The real rows must match the reference, every replay."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, max_blocks = 14, 2, 64, 16, 64
+    max_tokens, max_seqs, dtype = 1200, 6, torch.float16
+    num_blocks = max_seqs * max_blocks
+    k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    query = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device="cuda")
+    block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device="cuda")
+    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, head_dim**-0.5, 1024)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_prefill_attention(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_prefill_attention(*args)
+
+    # (query_len, seq_len) per sequence: decodes beside prompts, as in a serving step.
+    for chunks in (
+        [(1000, 1000), (1, 513), (1, 17)],
+        [(1, 40), (1, 1000), (128, 128), (64, 64 + 3 * block_size), (1, 1), (5, 900)],
+        [(16, 16)],
+    ):
+        query_lens, lens = zip(*chunks, strict=True)
+        n, total = len(chunks), sum(query_lens)
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+        query_start_loc.fill_(total)  # the padded sequences' queries are empty
+        query_start_loc[: n + 1] = starts
+        seq_lens.zero_()
+        seq_lens[:n] = torch.tensor(lens)
+        block_table.copy_(shuffled_block_table(max_seqs, max_blocks, num_blocks))
+        query.normal_()
+        graph.replay()
+        real = (query[:total], k_cache, v_cache, block_table[:n], starts.int().cuda())
+        want = paged_prefill_attention_ref(*real, seq_lens[:n], head_dim**-0.5, max(query_lens))
+        torch.testing.assert_close(out[:total], want, **tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(12, 64), (2, 64), (8, 128), (32, 80)])
 def test_kv_store(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:

@@ -38,11 +38,42 @@ def test_prefill_matches_reference(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query, k_cache, v_cache, block_table, query_start_loc, lens, head_dim**-0.5)
 
-    out = torch.full_like(query, float("nan"))  # poisoned: every row must be written
-    result = paged_prefill_attention(*args, max(query_lens), out=out)
+    result = paged_prefill_attention(*args, max(query_lens))
     expected = paged_prefill_attention_ref(*args, max(query_lens))
-    assert result is out
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_with_padded_rows_and_sequences(
+    rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    """As a CUDA graph for steps with prefill runs it: more rows than the queries hold
+    and trailing sequences with none, and a bound on the query length above the real
+    one. The real rows must match; a tile must not stray into another's sequence."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    chunks = [(1, 30), (40, 40), (1, 17), (17, 17 + block_size)]  # 59 rows: 64-row tiles straddle
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    total, rows, padded_seqs = sum(query_lens), 80, 3
+    query = torch.randn(rows, num_heads, head_dim, generator=rng).to(device)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    query_start_loc = torch.tensor(starts + [total] * padded_seqs, dtype=torch.int32, device=device)
+    lens = torch.tensor(list(seq_lens) + [0] * padded_seqs, dtype=torch.int32, device=device)
+    table = torch.cat([block_table, block_table[:padded_seqs] * 0])
+    scale = head_dim**-0.5
+    result = paged_prefill_attention(
+        query, k_cache, v_cache, table, query_start_loc, lens, scale, 512
+    )
+    expected = paged_prefill_attention_ref(
+        query[:total],
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc[: len(chunks) + 1],
+        lens[: len(chunks)],
+        scale,
+        max(query_lens),
+    )
+    torch.testing.assert_close(result[:total], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_for_picks_reference_off_cuda() -> None:

@@ -16,7 +16,7 @@ def test_defaults_match_the_design():
     assert engine.model is None  # the embedded demo model
     assert (server.host, server.port) == ("127.0.0.1", 8000)
     assert engine.enable_prefix_caching and not engine.enforce_eager
-    assert engine.async_scheduling and engine.piecewise_graphs
+    assert engine.async_scheduling and engine.prefill_graphs
     assert server.api_key is None and server.allowed_origins == []
     assert not server.engine_process  # the engine thread, as the design says
     assert server.api_server_count == 1
@@ -30,7 +30,7 @@ def test_every_flag_maps_to_its_field():
         "--model /m --host 0.0.0.0 --port 9001 --device cpu --dtype bfloat16 --block-size 32 "
         "--num-kv-blocks 100 --gpu-memory-utilization 0.5 --max-num-seqs 8 "
         "--max-num-batched-tokens 512 --max-model-len 1024 --served-model-name demo "
-        "--api-key k --enforce-eager --no-piecewise-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
+        "--api-key k --enforce-eager --no-prefill-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
         "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4"
@@ -49,7 +49,7 @@ def test_every_flag_maps_to_its_field():
         1024,
     )
     assert engine.enforce_eager and not engine.enable_prefix_caching
-    assert not engine.async_scheduling and not engine.piecewise_graphs
+    assert not engine.async_scheduling and not engine.prefill_graphs
     assert (engine.seed, engine.nvtx, engine.log_stats_interval) == (7, True, 0.0)
     assert engine.stream_interval == 4
     assert (server.host, server.port, server.served_model_name, server.api_key) == (

@@ -18,7 +18,7 @@ from tests.server.conftest import LiveServer, engine_config
 class FakeEngine:
     def __init__(self) -> None:
         self.runner = SimpleNamespace(
-            steps_by_path={"graph": 0, "piecewise": 0, "eager": 0}, wait_s=0.0
+            steps_by_path={"graph": 0, "prefill graph": 0, "eager": 0}, wait_s=0.0
         )
         self.num_sampled = 0
 
@@ -32,7 +32,7 @@ def test_the_line_splits_steps_by_path_and_time_by_what_the_host_did(monkeypatch
     engine, log = FakeEngine(), StatLog(interval_s=10.0)
     caplog.set_level(logging.INFO, logger="pagoda.server")
 
-    engine.runner.steps_by_path.update(graph=3000, piecewise=1000)
+    engine.runner.steps_by_path.update({"graph": 3000, "prefill graph": 1000})
     engine.runner.wait_s, engine.num_sampled = 1.0, 400_000
     log.idle(2.0)
     clock[0] = 105.0
@@ -43,7 +43,7 @@ def test_the_line_splits_steps_by_path_and_time_by_what_the_host_did(monkeypatch
     log.maybe_log(engine)
     [record] = caplog.records
     assert record.getMessage() == (
-        "engine: 400 steps/s (graph 75%, piecewise 25%, eager 0%), 40000 sampled tok/s, "
+        "engine: 400 steps/s (graph 75%, prefill graph 25%, eager 0%), 40000 sampled tok/s, "
         "running 256, waiting 12, KV cache 50.0%; host: working 70%, waiting on the device "
         "10%, idle 20%"
     )
@@ -72,4 +72,4 @@ def test_a_server_under_load_logs_the_line_and_the_flag_silences_it(tiny_gpt2_di
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine: ")]
         assert bool(lines) == expect
         if expect:  # the CPU runs every step eagerly
-            assert "(graph 0%, piecewise 0%, eager 100%)" in lines[0]
+            assert "(graph 0%, prefill graph 0%, eager 100%)" in lines[0]
