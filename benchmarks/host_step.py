@@ -54,7 +54,7 @@ def stub_forward(engine) -> None:
     def execute(step_batch, on_device=False):  # the runner's work without the model
         runner._fill(step_batch, on_device)
         runner._copy()
-        return logits[: len(step_batch.requests)]
+        return logits[: len(step_batch.sampling())]  # the sampling rows, as the runner returns
 
     runner.execute = execute
 

@@ -212,11 +212,7 @@ class Engine:
             token_ids = None
             run = None
             if sampling:
-                with self._nvtx("sample"):
-                    if batch.chunked:
-                        chunked = set(batch.chunked)
-                        rows = [i for i in range(len(batch.requests)) if i not in chunked]
-                        logits = logits[rows]
+                with self._nvtx("sample"):  # logits: the sampling rows only
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
                 if quiet and batch.steady and on_device and not sync:
                     if self.run is None:

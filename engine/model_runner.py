@@ -140,7 +140,7 @@ class ModelInput:
     seq_lens: torch.Tensor  # [num_seqs]
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     slot_indices: torch.Tensor  # [num_seqs] block-table row of each sequence
-    logits_indices: torch.Tensor  # [num_seqs] row of each sequence's last new token
+    logits_indices: torch.Tensor  # [num_sampling] last new token's row of each sampling sequence
     max_query_len: int
     is_decode: bool
 
@@ -215,7 +215,8 @@ class ModelRunner:
         self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
         self.sampled_host_rows = [[host[:k] for k in range(seqs + 1)] for host in self.sampled_host]
         self.sampled_host_np = [host.numpy() for host in self.sampled_host]
-        self.argmax: torch.Tensor | None = None  # the decode graph's greedy ids: see execute()
+        self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
+        self.argmax_on_host = False
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         # The batch the last decode fill of each buffer wrote (None after any other
         # write): when the next is the same list, its slots and row layout are there.
@@ -244,8 +245,8 @@ class ModelRunner:
                 ]
                 for i in range(self.num_buffers)
             ]
-        # Steps with prefill tokens: (graph, its hidden states [bucket, hidden]) by
-        # token bucket, and the bucket of each token count they cover.
+        # Steps with prefill tokens: (graph, its logits [max_num_seqs, vocab]) by token
+        # bucket, and the bucket of each token count they cover.
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_bucket: list[int] = []
         if config.use_prefill_graphs:
@@ -329,7 +330,12 @@ class ModelRunner:
         qsl[1 : num_seqs + 1] = np.cumsum(num_new)
         self.buf["seq_lens"][:num_seqs] = num_computed + num_new
         self.buf["slot_indices"][:num_seqs] = slots
-        self.buf["logits_indices"][:num_seqs] = qsl[1 : num_seqs + 1] - 1
+        # Logits rows of the sequences that sample, in batch order (not the prefill
+        # chunks that stop short of their prompt's end).
+        last = qsl[1 : num_seqs + 1] - 1
+        if batch.chunked:
+            last = np.delete(last, batch.chunked)
+        self.buf["logits_indices"][: len(last)] = last
 
         # Token i of sequence b sits at position num_computed[b] + (i - qsl[b]).
         positions = self.buf["positions"][:num_tokens]
@@ -421,7 +427,12 @@ class ModelRunner:
         )
 
     def _send(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, is_decode: bool
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        is_decode: bool,
+        num_sampling: int | None = None,  # None: every sequence samples
     ) -> ModelInput:
         """The step's copies, and device views of what they fill."""
         self._copy()
@@ -433,7 +444,9 @@ class ModelRunner:
             seq_lens=gpu["seq_lens"][:num_seqs],
             query_start_loc=gpu["query_start_loc"][: num_seqs + 1],
             slot_indices=gpu["slot_indices"][:num_seqs],
-            logits_indices=gpu["logits_indices"][:num_seqs],
+            logits_indices=gpu["logits_indices"][
+                : num_seqs if num_sampling is None else num_sampling
+            ],
             max_query_len=max_query_len,
             is_decode=is_decode,
         )
@@ -470,14 +483,17 @@ class ModelRunner:
     # -- forward ----------------------------------------------------------
 
     def execute(self, batch: SchedulerOutput, on_device: bool = False) -> torch.Tensor:
-        """Logits [num_seqs, vocab] at each scheduled sequence's last new token.
+        """Logits [num_sampling, vocab] at the last new token of each sequence that
+        samples (batch.sampling(): every one but the prefill chunks that stop short).
 
-        After a decode graph, `argmax` holds their argmax ids [num_seqs] on the device
-        (None after any other step). on_device: see _fill. A graph replay runs no torch
+        After a graph, `argmax` holds their argmax ids on the device (None after an
+        eager step); `argmax_on_host` says whether the graph copied them to the host
+        too (a decode graph does). on_device: see _fill. A graph replay runs no torch
         op, so only the other paths enter inference mode (~3 us a call)."""
         num_seqs = len(batch.requests)
         num_tokens, max_query_len = self._fill(batch, on_device)
         self.argmax = None
+        self.argmax_on_host = False
         if batch.is_decode_only and self.graphs and num_seqs <= self.max_num_seqs:
             bucket = self.decode_bucket[num_seqs]
             if bucket > num_seqs:
@@ -489,23 +505,26 @@ class ModelRunner:
             self.staged_sent[self.parity].record(self.stream)
             self.steps_by_path["graph"] += 1
             self.argmax = self.sampled_rows[num_seqs]
+            self.argmax_on_host = True
             return self.graph_logit_rows[self.parity][num_seqs]
         with torch.inference_mode():
             return self._run_ungraphed(batch, num_tokens, max_query_len)
 
     def _run_ungraphed(self, batch: SchedulerOutput, num_tokens: int, max_query_len: int):
         num_seqs = len(batch.requests)
+        num_sampling = num_seqs - len(batch.chunked)
         if num_tokens < len(self.prefill_bucket):  # prefill tokens (decodes took a graph)
             bucket = self.prefill_bucket[num_tokens]
             self._pad_tokens(num_tokens, bucket)
-            self._pad_seqs(num_seqs, num_tokens)
+            self._pad_seqs(num_seqs, num_tokens, num_sampling)
             self._copy()
-            graph, hidden = self.prefill_graphs[bucket]
+            graph, logits = self.prefill_graphs[bucket]
             graph.replay()
             self.steps_by_path["prefill graph"] += 1
-            rows = self.staged.gpu["logits_indices"][:num_seqs]
-            return self.model.compute_logits(hidden[rows])
-        inp = self._send(num_tokens, num_seqs, max_query_len, batch.is_decode_only)
+            self.argmax = self.sampled_rows[num_sampling]
+            return logits[:num_sampling]
+        is_decode = batch.is_decode_only
+        inp = self._send(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
         self.steps_by_path["eager"] += 1
         return self._forward(inp)
 
@@ -536,7 +555,7 @@ class ModelRunner:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         k = token_ids.numel()
-        if token_ids is self.argmax:  # the decode graph's ids: it copied them to the host too
+        if token_ids is self.argmax and self.argmax_on_host:  # a decode graph's: copied out
             parity = self.parity
             return SampledIds(
                 self.sampled_host_rows[parity][k],
@@ -586,34 +605,40 @@ class ModelRunner:
         self.buf["positions"][start:end] = 0
         self.buf["slot_mapping"][start:end] = -1
 
-    def _pad_seqs(self, start: int, num_tokens: int) -> None:
+    def _pad_seqs(self, start: int, num_tokens: int, num_sampling: int) -> None:
         """Sequences start.. up to max_num_seqs, for a prefill graph: no query (their
-        query starts all sit at the end), no context, block-table row 0."""
+        query starts all sit at the end), no context, block-table row 0; and logits
+        rows past the sampling ones read token 0 (their argmax is never read)."""
         end = self.max_num_seqs
         self.buf["query_start_loc"][start + 1 : end + 1] = num_tokens
         self.buf["seq_lens"][start:end] = 0
         self.buf["slot_indices"][start:end] = 0
+        self.buf["logits_indices"][num_sampling:end] = 0
 
     @torch.inference_mode()
     def _capture_prefill_graphs(self) -> None:
         """One graph per token bucket for max_num_seqs sequences, the largest first, in
         one memory pool (they never run at once). The bound on query lengths (it
-        picks the attention's tile height) is the bucket's size or max_model_len."""
+        picks the attention's tile height) is the bucket's size or max_model_len.
+        Like a decode graph, each takes logits for max_num_seqs rows and their argmax
+        into the device buffer the next step's inputs are gathered from."""
         sizes = self.config.prefill_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         seqs = self.max_num_seqs
+        sampled = self.staged.gpu["sampled_ids"]
         for bucket in reversed(sizes):
             self._pad_tokens(0, bucket)
             self.buf["query_start_loc"][0] = 0
-            self._pad_seqs(0, 0)
+            self._pad_seqs(0, 0, 0)
             max_query_len = min(bucket, self.config.max_model_len)
             inp = self._send(bucket, seqs, max_query_len, False)
-            self._hidden(inp, self._meta(inp))  # warm up: Triton compiles, cuBLAS picks
+            self._forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._hidden(inp, self._meta(inp))  # the table gather included
-            self.prefill_graphs[bucket] = (graph, hidden)
+                logits = self._forward(inp)  # the block-table gather included
+                torch.argmax(logits, dim=-1, out=sampled[:seqs])
+            self.prefill_graphs[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
         torch.cuda.synchronize(self.device)
 
