@@ -20,11 +20,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # While requests run, waiting ones are held back up to this many steps until a
-    # step's worth of their prompt tokens (max_num_batched_tokens) can go in at once,
-    # unless every one of them fits now (TGI's --max-waiting-tokens): fewer, fuller
-    # prefill steps. 0: admit whatever fits at every step.
-    admission_hold_steps: int = 8
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -57,8 +52,6 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.admission_hold_steps < 0:
-            raise ValueError("admission_hold_steps must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
         if self.log_stats_interval < 0:

@@ -13,12 +13,6 @@ sampled token may still be on the device (num_inflight), and is scheduled
 all the same; the model runner feeds it from the device. A request that has
 reached its length limit with a token in flight is not scheduled again.
 
-While requests run, admission is batched (TGI's --max-waiting-tokens): waiting
-requests are held back, up to admission_hold_steps steps, until the free slots
-can take a whole step's budget of their prompt tokens, or all of them. Under
-load finishes trickle in a few per step, and admitting each at once would make
-most steps small mixed ones; held, they come in as one full prefill step.
-
 The steady state (every running request decoding, nobody admitted, finished or
 preempted since the last step) repeats the last batch one position on: its
 starts are advanced with numpy, and only the requests that open a new block
@@ -27,7 +21,6 @@ this step are touched one by one. Anything else takes the general path.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,7 +94,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self._held = 0  # steps waiting requests have been held back (see _admitting)
         # Set when the last batch was all of `running`, decoding; cleared whenever
         # `running` changes.
         self._steady: Steady | None = None
@@ -118,8 +110,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        admit = self._admitting()
-        if self._steady is not None and not admit:
+        if self._steady is not None and not (self.waiting and self.free_slots):
             out = self._advance(self._steady)
             if out is not None:
                 return out
@@ -171,7 +162,7 @@ class Scheduler:
 
         out.first_admitted = len(requests)
         now = time.time()
-        while admit and self.waiting and budget > 0 and self.free_slots and not out.preempted:
+        while self.waiting and budget > 0 and self.free_slots and not out.preempted:
             req = self.waiting[0]
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
@@ -194,24 +185,6 @@ class Scheduler:
         if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
             self._steady = Steady(out, block_size)
         return out
-
-    def _admitting(self) -> bool:
-        """Whether this step takes waiting requests in: there is room, and either
-        nothing runs, all of them fit, their prompt tokens that fit fill a step's
-        budget, or they have been held admission_hold_steps steps already."""
-        waiting, free = self.waiting, len(self.free_slots)
-        if not (waiting and free):
-            return False
-        hold = self.config.admission_hold_steps
-        if self.running and free < len(waiting) and self._held < hold:
-            tokens = 0
-            for req in itertools.islice(waiting, free):
-                tokens += req.num_tokens - req.num_computed_tokens
-            if tokens < self.config.max_num_batched_tokens:
-                self._held += 1
-                return False
-        self._held = 0
-        return True
 
     def _advance(self, steady: Steady) -> SchedulerOutput | None:
         """The steady state's next batch: the last one, every request one token on.

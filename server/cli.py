@@ -59,13 +59,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="most tokens in one step",
     )
     e.add_argument(
-        "--admission-hold-steps",
-        type=int,
-        default=_ENGINE.admission_hold_steps,
-        help="while requests run, hold waiting ones back up to N steps until a full "
-        "step of prompt tokens can be admitted at once (0: admit at every step)",
-    )
-    e.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     e.add_argument(
@@ -190,7 +183,6 @@ def parse_configs(
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            admission_hold_steps=args.admission_hold_steps,
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
