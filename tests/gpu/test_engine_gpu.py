@@ -62,8 +62,8 @@ def test_prefill_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
             replays.append(self.bucket)
             self.graph.replay()
 
-    for bucket, (graph, hidden) in list(runner.prefill_graphs.items()):
-        runner.prefill_graphs[bucket] = (Counted(bucket, graph), hidden)
+    for bucket, (graph, logits) in list(runner.prefill_graphs.items()):
+        runner.prefill_graphs[bucket] = (Counted(bucket, graph), logits)
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert replays == [32]  # the three prompts' 31 tokens in one step; then decodes
     assert runner.steps_by_path["prefill graph"] == 1
