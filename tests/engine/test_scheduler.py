@@ -175,3 +175,55 @@ def test_only_requests_that_gained_blocks_are_grown():
         grown.append(sorted(out.requests[i].request_id for i in out.grown))
     # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
     assert grown == [["b"], ["a"], [], [], ["b"]]
+
+
+def held_setup(hold: int) -> Scheduler:
+    """Two slots busy decoding, two free, three short prompts waiting (12 tokens of a
+    16-token budget fit in the free slots): admission is held back, if at all."""
+    sched = setup(max_num_seqs=4, max_num_batched_tokens=16, admission_hold_steps=hold)
+    for name in "ab":
+        sched.add(req(name, 3))
+    run_step(sched)
+    for name in "cde":
+        sched.add(req(name, 6))
+    return sched
+
+
+def test_waiting_requests_are_held_until_the_hold_runs_out():
+    sched = held_setup(hold=3)
+    for _ in range(3):
+        assert set(run_step(sched)) == {"a", "b"}  # held: only the decodes run
+    assert set(run_step(sched)) == {"a", "b", "c", "d"}  # the 4th step admits what fits
+    assert set(run_step(sched)) == {"a", "b", "c", "d"}  # e waits for a slot, not a hold
+
+
+def test_no_hold_admits_at_once():
+    assert set(run_step(held_setup(hold=0))) == {"a", "b", "c", "d"}
+
+
+def test_a_full_step_of_prompt_tokens_is_admitted_at_once():
+    sched = held_setup(hold=8)
+    sched.add(req("f", 10))  # c and d's 12 tokens held; now c, d fill the slots...
+    sched.waiting.rotate(1)  # ...with f first: 10 + 6 = 16 tokens, the whole budget
+    assert set(run_step(sched)) == {"a", "b", "f", "c"}
+
+
+def test_waiting_requests_that_all_fit_are_admitted_at_once():
+    sched = held_setup(hold=8)
+    sched.waiting.pop()  # c and d: both fit in the two free slots
+    assert set(run_step(sched)) == {"a", "b", "c", "d"}
+
+
+def test_nothing_running_admits_at_once():
+    sched = setup(max_num_seqs=2, max_num_batched_tokens=16, admission_hold_steps=8)
+    for name in "abc":
+        sched.add(req(name, 3))
+    assert set(run_step(sched)) == {"a", "b"}
+
+
+def test_slots_freed_by_a_finish_take_a_budget_of_held_prompts_together():
+    sched = held_setup(hold=8)
+    run_step(sched)  # held
+    sched.add(req("f", 6))
+    sched.finish(sched.running[0], "stop")  # three free slots: c, d, e hold 18 tokens
+    assert set(run_step(sched)) == {"b", "c", "d", "e"}  # e's prompt chunked: budget 16
