@@ -20,11 +20,6 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    # While requests run, waiting ones are held back up to this many steps until a
-    # step's worth of their prompt tokens (max_num_batched_tokens) can go in at once,
-    # unless every one of them fits now (TGI's --max-waiting-tokens): fewer, fuller
-    # prefill steps. 0: admit whatever fits at every step.
-    admission_hold_steps: int = 8
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -34,10 +29,6 @@ class EngineConfig:
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
     # --async-scheduling); off: every step's ids are read before the next is planned.
     async_scheduling: bool = True
-    # Steps launched whose ids are still unread when the host plans the next one: 2
-    # lets a step with much host work (new prompts) borrow the slack of the cheap
-    # decode steps around it instead of idling the GPU. Needs async_scheduling.
-    inflight_steps: int = 2
     seed: int = 0  # seeds the engine generator used by unseeded requests
     nvtx: bool = False  # NVTX ranges around step phases, for nsys
     # Seconds between the server's engine stats lines (server/stat_log.py); 0: none.
@@ -61,14 +52,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.admission_hold_steps < 0:
-            raise ValueError("admission_hold_steps must be non-negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
         if self.log_stats_interval < 0:
             raise ValueError("log_stats_interval must be non-negative")
-        if not 1 <= self.inflight_steps <= 3:
-            raise ValueError(f"inflight_steps must be 1, 2 or 3, got {self.inflight_steps}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,9 +101,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
-        # Launched and not read yet, oldest first: at most inflight_steps between steps.
-        self.inflight: deque[LaunchedStep] = deque()
-        self.depth = config.inflight_steps
+        self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
         # (sampling list, must it sync, can its steps be a quiet run), for the last list.
@@ -155,13 +152,13 @@ class Engine:
             self.news.pop(req, None)  # nobody is waiting for it any more
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
-        # A step with nothing left to read is dropped: its device work is simply void.
-        live = [s for s in self.inflight if not all(r.is_finished for r in s.batch.requests)]
-        if len(live) < len(self.inflight):
-            self.inflight = deque(live)
+        if self.inflight is not None and all(
+            req.is_finished for req in self.inflight.batch.requests
+        ):
+            self.inflight = None  # nothing left to read: its device work is simply void
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.inflight)
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -182,21 +179,17 @@ class Engine:
         report it together. With deltas, the outputs of plain streams between
         their first and last go there instead (see take_outputs).
 
-        The host runs ahead of the device: it schedules and launches step N
-        (whose decodes read the last step's sampled ids on the device), and only
-        then reads the ids of step N - inflight_steps, appends them, matches
-        stops and builds outputs, while the GPU runs the steps in between. With
-        two in flight, a step whose host work outlasts the GPU's (one that
-        admits many prompts) eats into the lead the cheap steps before it built
-        up, instead of idling the GPU. A request that stopped at N-1 wastes its
-        rows in the steps already launched; its tokens there are void.
-        Penalties and logprobs need the ids on the host, so a step with such a
-        request reads every launched step before sampling, and its own ids at once.
+        The host runs one step ahead of the device: it schedules and launches
+        step N (whose decodes read step N-1's sampled ids on the device), and
+        only then reads N-1's ids, appends them, matches stops and builds
+        outputs, while the GPU runs N. A request that stopped at N-1 wastes its
+        row in N; its token there is void. Penalties and logprobs need the ids
+        on the host, so a step with such a request reads N-1 before sampling
+        and its own ids at once.
         """
         with self._nvtx("schedule"):
             batch = self.scheduler.schedule()  # leaving the steady state settles the run
-        inflight = self.inflight
-        prev = inflight[-1] if inflight else None  # the newest step launched
+        prev, self.inflight = self.inflight, None
         if batch:
             # The last step sampled this very list, and its ids are still unread: every
             # input is on the device, and no request's count needs to be looked at.
@@ -213,9 +206,9 @@ class Engine:
                 quiet = all([p.quiet and not p.min_tokens for p in params])
                 self.sampling_for = (sampling, sync, quiet)
             _, sync, quiet = self.sampling_for
-            if sync:
-                while inflight:
-                    self._process(inflight.popleft())
+            if sync and prev is not None:
+                self._process(prev)
+                prev = None
             token_ids = None
             run = None
             if sampling:
@@ -232,16 +225,14 @@ class Engine:
                 self.num_sampled += len(sampling)
             if not sync:
                 ids = self.runner.keep_sampled(token_ids) if sampling else None
-                inflight.append(LaunchedStep(batch, sampling, ids, run=run))
+                self.inflight = LaunchedStep(batch, sampling, ids, run=run)
             elif sampling:
                 sampled = self.sampler.read(logits, token_ids, sampling)
                 self._process(LaunchedStep(batch, sampling, sampled.token_ids, sampled.logprobs))
             else:  # prefill chunks only: nothing to read, blocks to register
                 self._process(LaunchedStep(batch, sampling, None))
-        # Nothing launched (everyone may be waiting for ids in flight): read the oldest.
-        keep = self.depth if batch else max(len(inflight) - 1, 0)
-        while len(inflight) > keep:
-            self._process(inflight.popleft())
+        if prev is not None:
+            self._process(prev)
         return self.take_outputs(deltas) if emit else []
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:

@@ -124,7 +124,7 @@ class SampledIds:
         return self.host.tolist()
 
     def numpy(self) -> np.ndarray:
-        """A view of the ids (the buffer is reused a ring of steps on: copy what is kept)."""
+        """A view of the ids (the buffer is reused two steps on: copy what is kept)."""
         if self.done is not None:
             self.runner.wait(self.done)
         return self.host.numpy() if self.array is None else self.array
@@ -165,13 +165,10 @@ class ModelRunner:
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
         i64, i32 = torch.int64, torch.int32
         on_cuda = self.device.type == "cuda"
-        # Up to `inflight_steps` steps are launched and unread when the next is written,
-        # so buffers come in a ring of one more, used by steps in turn: on CUDA every
-        # host buffer (a step is written while the last ones' copies may be queued, and
-        # the ids of one are read while the next ones' are on their way), and on every
-        # device the sampled ids (a step may take an input from two steps back).
-        self.ring = config.inflight_steps + 1
-        self.num_buffers = self.ring if on_cuda else 1
+        # On CUDA every host buffer comes twice, used by alternate steps: a step is
+        # written while the last one's copies may still be queued, and the ids of one
+        # are read while the next one's are on their way.
+        self.num_buffers = 2 if on_cuda else 1
         # Input ids are gathered on the device from the host's ids and the last step's
         # sampled ids (device-only), so a decode never waits for the host to read them.
         self.staged = StagedFields(
@@ -186,21 +183,18 @@ class ModelRunner:
                 "table_value": (seqs, i32),
             },
             self.device,
-            # A region of sampled ids per turn, and where a prefill graph's argmax lands.
-            device_only={"sampled_ids": (self.ring * seqs, i64), "prefill_ids": (seqs, i64)},
+            device_only={"sampled_ids": (seqs, i64)},
             copies=self.num_buffers,
         )
         for views in self.staged.nps:  # unused pairs write the table's spare row
             views["table_index"][:] = self.block_table.pad
         self.table_pairs = [0] * self.num_buffers  # pairs in use in each host buffer
         self.ids_offset = self.staged.offset["input_ids"]
-        self.turn = 0  # this step's place in the ring
-        self.hostbuf = 0  # the host buffers it writes (the turn on CUDA; CPU has one set)
+        self.sampled_offset = self.staged.offset["sampled_ids"]
+        self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
-        # Where each turn's sampled ids start in StagedFields.words, and row i's id there.
-        self.sampled_base = [self.staged.offset["sampled_ids"] + t * seqs for t in range(self.ring)]
-        self.sampled_gather = [self.arange[: seqs + 1] + base for base in self.sampled_base]
+        self.sampled_gather = self.arange[: seqs + 1] + self.sampled_offset  # row i's last id
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's event follows its last copy (a send, or the decode graph
         # that copies it in), the block table's its last commit.
@@ -211,29 +205,19 @@ class ModelRunner:
         # Sampled ids come back through the step's pinned buffer (the decode graph
         # copies its argmax there itself); done[i] follows the copy into buffer i.
         self.sampled_host = (
-            [torch.zeros(seqs, dtype=torch.int64, pin_memory=True) for _ in range(self.ring)]
+            [torch.zeros(seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             if on_cuda
             else []
         )
-        self.sampled_done = [Fence() for _ in range(self.ring)] if on_cuda else []
-        # Views by turn and row count, made once: slicing a tensor costs ~2 us of host
-        # time, and the decode step would slice four every step.
-        sampled = self.staged.gpu["sampled_ids"]
-        self.sampled_rows = [
-            [sampled[t * seqs : t * seqs + k] for k in range(seqs + 1)] for t in range(self.ring)
-        ]
-        self.prefill_rows = [self.staged.gpu["prefill_ids"][:k] for k in range(seqs + 1)]
+        self.sampled_done = [Fence() for _ in range(2)] if on_cuda else []
+        # Views by row count, made once: slicing a tensor costs ~2 us of host time, and
+        # the decode step would slice four every step.
+        self.sampled_rows = [self.staged.gpu["sampled_ids"][:k] for k in range(seqs + 1)]
         self.sampled_host_rows = [[host[:k] for k in range(seqs + 1)] for host in self.sampled_host]
         self.sampled_host_np = [host.numpy() for host in self.sampled_host]
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
-        # The requests whose rows the last sampling list's step samples, in order, and
-        # its turn. Each request keeps where its newest id is (Request.sample_at), but
-        # the steady state repeats one list without telling its requests:
-        # `samples_stale` says their sample_at is behind, until _settle_sample_rows.
-        self.sampled_for: list = []
-        self.sampled_turn = 0
-        self.samples_stale = False
+        self.sampled_for: list = []  # the requests whose rows the last step samples, in order
         # The batch the last decode fill of each buffer wrote (None after any other
         # write): when the next is the same list, its slots and row layout are there.
         self.decode_filled: list[list | None] = [None] * self.num_buffers
@@ -259,7 +243,7 @@ class ModelRunner:
                     self.graph_logits[self.decode_bucket[n]][i][:n] if n else None
                     for n in range(seqs + 1)
                 ]
-                for i in range(self.ring)
+                for i in range(self.num_buffers)
             ]
         # Steps with prefill tokens: (graph, its logits [max_num_seqs, vocab]) by token
         # bucket, and the bucket of each token count they cover.
@@ -334,7 +318,7 @@ class ModelRunner:
             self._fill_decode(batch, on_device)
             return num_seqs, 1
 
-        self.decode_filled[self.hostbuf] = None
+        self.decode_filled[self.parity] = None
         self.last_slots_for = None
         num_new = np.array(batch.num_new_tokens, dtype=np.int64)
         num_computed = np.array(batch.starts, dtype=np.int64)
@@ -369,11 +353,11 @@ class ModelRunner:
         for i in np.flatnonzero(known > num_computed).tolist():
             start, pos = batch.starts[i], int(qsl[i])
             ids[pos : pos + int(known[i]) - start] = requests[i].all_token_ids[start : known[i]]
-        # A row's last token sampled and not read yet: gathered from where it was sampled.
+        # A row's last token sampled last step and not read yet: gathered from its row there.
         waiting = np.flatnonzero(known < ends)
         if len(waiting):
-            self._settle_sample_rows()
-            gather[qsl[waiting + 1] - 1] = [requests[i].sample_at for i in waiting.tolist()]
+            rows = [requests[i].sample_row for i in waiting.tolist()]
+            gather[qsl[waiting + 1] - 1] = np.add(rows, self.sampled_offset)
         self._assign_sample_rows(batch.sampling())
         return num_tokens, int(num_new.max())
 
@@ -389,20 +373,18 @@ class ModelRunner:
         positions[:] = batch.starts
         slots = buf["slot_indices"][:n]
         gather = buf["input_gather"][:n]
-        same = reqs is self.decode_filled[self.hostbuf]
+        same = reqs is self.decode_filled[self.parity]
         if reqs is self.sampled_for or reqs == self.sampled_for:  # row i sampled sequence i
-            gather[:] = self.sampled_gather[self.sampled_turn][:n]
-            self.sampled_turn = self.turn  # the same rows, this turn's region
-            self.samples_stale = True
+            gather[:] = self.sampled_gather[:n]
         else:
-            self._settle_sample_rows()
-            gather[:] = [req.sample_at for req in reqs]
+            gather[:] = [req.sample_row for req in reqs]
+            gather += self.sampled_offset
             self._assign_sample_rows(reqs)
         if not same:
             slots[:] = [req.slot for req in reqs]
             buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
             buf["logits_indices"][:n] = self.arange[:n]
-            self.decode_filled[self.hostbuf] = reqs
+            self.decode_filled[self.parity] = reqs
         # Usually every input is last step's sampled id, still on the device; one the
         # host has read already (num_inflight 0) is taken from the host's ids.
         if not on_device:
@@ -422,31 +404,18 @@ class ModelRunner:
             self.last_slots_for = reqs
 
     def _next_buffers(self) -> None:
-        """Move to the next turn's buffers, once the last copy out of its staging
-        buffer has run (`ring` steps back: done long ago, as a rule)."""
-        self.turn = (self.turn + 1) % self.ring
-        self.hostbuf = self.turn % self.num_buffers
-        self.buf = self.staged.nps[self.hostbuf]
+        """Move to the other host buffers (the step's), once the last copy out of its
+        staging buffer has run (two steps back: done long ago, as a rule)."""
+        self.parity = (self.parity + 1) % self.num_buffers
+        self.buf = self.staged.nps[self.parity]
         if self.staged_sent:
-            self.wait(self.staged_sent[self.turn])
+            self.wait(self.staged_sent[self.parity])
 
     def _assign_sample_rows(self, reqs: list) -> None:
-        """The engine samples the sampling requests in batch order: row k is the k-th,
-        in this turn's region."""
-        self._settle_sample_rows()
-        base = self.sampled_base[self.turn]
+        """The engine samples the sampling requests in batch order: row k is the k-th."""
         for k, req in enumerate(reqs):
-            req.sample_at = base + k
-        self.sampled_for, self.sampled_turn = reqs, self.turn
-
-    def _settle_sample_rows(self) -> None:
-        """Tell the last list's requests where their newest ids are, if the steady state
-        moved them on without it (before anything reads a sample_at)."""
-        if self.samples_stale:
-            base = self.sampled_base[self.sampled_turn]
-            for k, req in enumerate(self.sampled_for):
-                req.sample_at = base + k
-            self.samples_stale = False
+            req.sample_row = k
+        self.sampled_for = reqs
 
     def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:
         """slot = block * block_size + offset, read off the block table's host mirror."""
@@ -486,9 +455,9 @@ class ModelRunner:
         """One non-blocking copy of the staged fields into the static device tensors,
         plus the block-table rows that changed."""
         self._commit_table()
-        self.staged.send(self.hostbuf)
+        self.staged.send(self.parity)
         if self.staged_sent:
-            self.staged_sent[self.turn].record(self.stream)
+            self.staged_sent[self.parity].record(self.stream)
 
     def _commit_table(self) -> None:
         if self.block_table.commit() and self.table_sent is not None:
@@ -503,13 +472,13 @@ class ModelRunner:
         if changed is None:
             self._commit_table()
             changed = []
-        k, held = len(changed), self.table_pairs[self.hostbuf]
+        k, held = len(changed), self.table_pairs[self.parity]
         if k:
             self.buf["table_index"][:k] = changed
             self.buf["table_value"][:k] = table.flat[changed]
         if held > k:
             self.buf["table_index"][k:held] = table.pad
-        self.table_pairs[self.hostbuf] = k
+        self.table_pairs[self.parity] = k
 
     # -- forward ----------------------------------------------------------
 
@@ -532,12 +501,12 @@ class ModelRunner:
             self._stage_table_changes(bucket)
             # The graph copies the step's staging buffer in (and writes the block-table
             # entries it carries), and the argmax out.
-            self.graphs[bucket][self.turn].replay()
-            self.staged_sent[self.turn].record(self.stream)
+            self.graphs[bucket][self.parity].replay()
+            self.staged_sent[self.parity].record(self.stream)
             self.steps_by_path["graph"] += 1
-            self.argmax = self.sampled_rows[self.turn][num_seqs]
+            self.argmax = self.sampled_rows[num_seqs]
             self.argmax_on_host = True
-            return self.graph_logit_rows[self.turn][num_seqs]
+            return self.graph_logit_rows[self.parity][num_seqs]
         with torch.inference_mode():
             return self._run_ungraphed(batch, num_tokens, max_query_len)
 
@@ -552,7 +521,7 @@ class ModelRunner:
             graph, logits = self.prefill_graphs[bucket]
             graph.replay()
             self.steps_by_path["prefill graph"] += 1
-            self.argmax = self.prefill_rows[num_sampling]  # keep_sampled moves them on
+            self.argmax = self.sampled_rows[num_sampling]
             return logits[:num_sampling]
         is_decode = batch.is_decode_only
         inp = self._send(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
@@ -586,22 +555,22 @@ class ModelRunner:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         k = token_ids.numel()
-        turn = self.turn
         if token_ids is self.argmax and self.argmax_on_host:  # a decode graph's: copied out
+            parity = self.parity
             return SampledIds(
-                self.sampled_host_rows[turn][k],
-                self.staged_sent[turn],
+                self.sampled_host_rows[parity][k],
+                self.staged_sent[parity],
                 self,
-                self.sampled_host_np[turn][:k],
+                self.sampled_host_np[parity][:k],
             )
-        sampled = self.sampled_rows[turn][k]
+        sampled = self.sampled_rows[k]
         if token_ids.data_ptr() != sampled.data_ptr():
             sampled.copy_(token_ids)
         if not self.sampled_host:
             return SampledIds(token_ids, None, self)  # CPU: a fresh tensor, nothing to wait for
-        host = self.sampled_host_rows[turn][k]
+        host = self.sampled_host_rows[self.parity][k]
         host.copy_(sampled, non_blocking=True)
-        done = self.sampled_done[turn]
+        done = self.sampled_done[self.parity]
         done.record(self.stream)
         return SampledIds(host, done, self)
 
@@ -651,12 +620,12 @@ class ModelRunner:
         """One graph per token bucket for max_num_seqs sequences, the largest first, in
         one memory pool (they never run at once). The bound on query lengths (it
         picks the attention's tile height) is the bucket's size or max_model_len.
-        Like a decode graph, each takes logits for max_num_seqs rows and their argmax,
-        into a buffer of its own: keep_sampled moves them to the step's turn."""
+        Like a decode graph, each takes logits for max_num_seqs rows and their argmax
+        into the device buffer the next step's inputs are gathered from."""
         sizes = self.config.prefill_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         seqs = self.max_num_seqs
-        sampled = self.staged.gpu["prefill_ids"]
+        sampled = self.staged.gpu["sampled_ids"]
         for bucket in reversed(sizes):
             self._pad_tokens(0, bucket)
             self.buf["query_start_loc"][0] = 0
@@ -676,9 +645,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
         # Every replay's fill writes the same static storage the capture read. Each
-        # bucket has a graph per turn: it copies that turn's staging buffer in first,
-        # and its greedy ids into that turn's region and out to its host buffer last.
+        # bucket has a graph per staging buffer: it copies that buffer in first, and
+        # its greedy ids out to the same step's sampled-ids buffer last.
         pool = None
+        sampled = self.staged.gpu["sampled_ids"]
         table = self.block_table.gpu.view(-1)
         table_index, table_value = self.staged.gpu["table_index"], self.staged.gpu["table_value"]
         for bucket in reversed(self.config.cuda_graph_batch_sizes()):
@@ -688,8 +658,7 @@ class ModelRunner:
             self._forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(self.device)
             self.graphs[bucket], self.graph_logits[bucket] = [], []
-            for i in range(self.ring):
-                sampled = self.sampled_rows[i][bucket]
+            for i in range(self.num_buffers):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.staged.staged.copy_(self.staged.hosts[i], non_blocking=True)
@@ -698,8 +667,8 @@ class ModelRunner:
                     # Greedy ids, where keep_sampled would put them: a batch that needs
                     # the sampler overwrites them after the replay (~3 us of GPU time
                     # wasted then), and copies its own to the host again.
-                    torch.argmax(logits, dim=-1, out=sampled)
-                    self.sampled_host[i][:bucket].copy_(sampled, non_blocking=True)
+                    torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                    self.sampled_host[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
                 pool = graph.pool()
                 self.graphs[bucket].append(graph)
                 self.graph_logits[bucket].append(logits)

@@ -131,11 +131,10 @@ class Request:
         # Tokens whose KV is computed or scheduled: the scheduler advances it when it
         # schedules them, before the step runs.
         self.num_computed_tokens = 0
-        # Tokens sampled on the device whose ids the host has not read yet (up to
-        # inflight_steps, briefly one more): the next step takes them from the device.
+        # Tokens sampled on the device whose ids the host has not read yet (0 or 1,
+        # briefly 2): the next step takes them from the device.
         self.num_inflight = 0
-        # Where its newest sampled id is on the device (ModelRunner._assign_sample_rows).
-        self.sample_at = -1
+        self.sample_row = -1  # row of its last sampled token in that step's output
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed

@@ -13,12 +13,6 @@ sampled token may still be on the device (num_inflight), and is scheduled
 all the same; the model runner feeds it from the device. A request that has
 reached its length limit with a token in flight is not scheduled again.
 
-While requests run, admission is batched (TGI's --max-waiting-tokens): waiting
-requests are held back, up to admission_hold_steps steps, until the free slots
-can take a whole step's budget of their prompt tokens, or all of them. Under
-load finishes trickle in a few per step, and admitting each at once would make
-most steps small mixed ones; held, they come in as one full prefill step.
-
 The steady state (every running request decoding, nobody admitted, finished or
 preempted since the last step) repeats the last batch one position on: its
 starts are advanced with numpy, and only the requests that open a new block
@@ -27,7 +21,6 @@ this step are touched one by one. Anything else takes the general path.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -101,11 +94,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
-        self._held = 0  # steps waiting requests have been held back (see _admitting)
-        # Steps after a decode opens a block until the host knows the tokens that
-        # filled the last one (it reads ids inflight_steps behind): then it is
-        # registered for the prefix cache.
-        self.lag = config.inflight_steps - 1 if config.async_scheduling else 0
         # Set when the last batch was all of `running`, decoding; cleared whenever
         # `running` changes.
         self._steady: Steady | None = None
@@ -122,8 +110,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
-        admit = self._admitting()
-        if self._steady is not None and not admit:
+        if self._steady is not None and not (self.waiting and self.free_slots):
             out = self._advance(self._steady)
             if out is not None:
                 return out
@@ -140,20 +127,14 @@ class Scheduler:
             out.starts,
             out.num_new_tokens,
         )
-        lag = self.lag
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             i += 1
             start = req.num_computed_tokens
             num_tokens = len(req.all_token_ids) + req.num_inflight
-            # start % block_size > lag: position start shares a block with start - 1, and
-            # the last block's tokens were known when it opened or lag steps on.
-            if (
-                num_tokens == start + 1
-                and start % block_size > lag
-                and num_tokens < req.max_num_tokens
-            ):
+            # start % block_size != 0: position start shares a block with start - 1.
+            if num_tokens == start + 1 and start % block_size and num_tokens < req.max_num_tokens:
                 req.num_computed_tokens = num_tokens
                 requests.append(req)
                 starts.append(start)
@@ -163,7 +144,7 @@ class Scheduler:
             if req.num_inflight and num_tokens >= req.max_num_tokens:
                 continue  # its last token is on the device: it finishes when that is read
             # A block may have filled since req was last here: the fast path above
-            # skips a block's first lag + 1 positions.
+            # never crosses a block boundary.
             self.blocks.cache_full_blocks(req)
             num_new = min(num_tokens - start, budget)
             grows = start + num_new > len(req.block_ids) * block_size
@@ -181,7 +162,7 @@ class Scheduler:
 
         out.first_admitted = len(requests)
         now = time.time()
-        while admit and self.waiting and budget > 0 and self.free_slots and not out.preempted:
+        while self.waiting and budget > 0 and self.free_slots and not out.preempted:
             req = self.waiting[0]
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
@@ -205,24 +186,6 @@ class Scheduler:
             self._steady = Steady(out, block_size)
         return out
 
-    def _admitting(self) -> bool:
-        """Whether this step takes waiting requests in: there is room, and either
-        nothing runs, all of them fit, their prompt tokens that fit fill a step's
-        budget, or they have been held admission_hold_steps steps already."""
-        waiting, free = self.waiting, len(self.free_slots)
-        if not (waiting and free):
-            return False
-        hold = self.config.admission_hold_steps
-        if self.running and free < len(waiting) and self._held < hold:
-            tokens = 0
-            for req in itertools.islice(waiting, free):
-                tokens += req.num_tokens - req.num_computed_tokens
-            if tokens < self.config.max_num_batched_tokens:
-                self._held += 1
-                return False
-        self._held = 0
-        return True
-
     def _advance(self, steady: Steady) -> SchedulerOutput | None:
         """The steady state's next batch: the last one, every request one token on.
 
@@ -234,19 +197,15 @@ class Scheduler:
         if steady.headroom <= 1:
             return None  # a request reaches its limit: it is not scheduled again
         steady.steps += 1
-        block_size = self.blocks.block_size
-        opening = steady.phases[-steady.steps % block_size]
+        opening = steady.phases[-steady.steps % self.blocks.block_size]
         if len(opening) > self.blocks.num_free_blocks:
             return None  # someone may have to be preempted
         last = steady.out
         requests = last.requests
-        # As on the general path: a request at one of its block's first lag + 1
-        # positions registers the blocks it has filled (whose tokens the host knows).
-        for lag in range(self.lag + 1):
-            for i in steady.phases[-(steady.steps - lag) % block_size]:
-                self.blocks.cache_full_blocks(requests[i])
         for i in opening:
-            self.blocks.append_block(requests[i])  # checked above: there are enough free ones
+            req = requests[i]
+            self.blocks.cache_full_blocks(req)  # the block it leaves is full now
+            self.blocks.append_block(req)  # checked above: there are enough free ones
         for req in requests:
             req.num_computed_tokens += 1
         out = SchedulerOutput(

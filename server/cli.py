@@ -59,13 +59,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="most tokens in one step",
     )
     e.add_argument(
-        "--admission-hold-steps",
-        type=int,
-        default=_ENGINE.admission_hold_steps,
-        help="while requests run, hold waiting ones back up to N steps until a full "
-        "step of prompt tokens can be admitted at once (0: admit at every step)",
-    )
-    e.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     e.add_argument(
@@ -87,14 +80,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         dest="async_scheduling",
         action="store_false",
         help="read each step's sampled ids before planning the next",
-    )
-    e.add_argument(
-        "--inflight-steps",
-        type=int,
-        choices=(1, 2, 3),
-        default=_ENGINE.inflight_steps,
-        metavar="N",
-        help="steps launched before the oldest one's ids are read (async scheduling's depth)",
     )
     e.add_argument("--seed", type=int, default=_ENGINE.seed, help="seed for unseeded requests")
     e.add_argument("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
@@ -198,13 +183,11 @@ def parse_configs(
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            admission_hold_steps=args.admission_hold_steps,
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
             prefill_graphs=args.prefill_graphs,
             async_scheduling=args.async_scheduling,
-            inflight_steps=args.inflight_steps,
             seed=args.seed,
             nvtx=args.nvtx,
             stream_interval=args.stream_interval,

@@ -1,11 +1,8 @@
-"""The host runs ahead of the device: decodes take their input ids from the
-previous step's sampled ids on the device, and the host reads a step's ids
-while the next one or two (inflight_steps) run. These tests pin down what that
-must not change."""
+"""The host runs one step ahead of the device: decodes take their input ids from
+the previous step's sampled ids on the device, and the host reads those ids
+while the next step runs. These tests pin down what that must not change."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 
@@ -14,9 +11,9 @@ from engine.models.loader import load_tokenizer
 from tests.conftest import PROMPTS, hf_greedy
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-inflight", "2-inflight"])
-def llm(tiny_gpt2_dir, request) -> LLM:
-    return LLM(tiny_gpt2_dir, device="cpu", block_size=4, inflight_steps=request.param)
+@pytest.fixture(scope="module")
+def llm(tiny_gpt2_dir) -> LLM:
+    return LLM(tiny_gpt2_dir, device="cpu", block_size=4)
 
 
 def count_rows(engine) -> dict[str, int]:
@@ -33,24 +30,19 @@ def count_rows(engine) -> dict[str, int]:
     return rows
 
 
-def test_next_steps_are_launched_before_the_ids_are_read(llm):
+def test_next_step_is_launched_before_the_ids_are_read(llm):
     engine = llm.engine
-    depth = engine.depth
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
-    for k in range(1, depth + 1):
-        assert engine.step() == []  # launched; no token read yet
-        req = engine.requests["a"][0]
-        assert req.num_inflight == k and req.output_token_ids == []
-        assert len(engine.inflight) == k
-    # The next decode was launched, then the oldest step's token was read.
-    (out,) = engine.step()
-    assert out.new_token_ids == req.output_token_ids[:1] and req.num_inflight == depth
-    # The prompt and the one read token are on the host; every sampled token but the
-    # newest is computed, and the newest is the next input, taken from the device.
-    assert req.num_tokens == 4 and req.num_computed_tokens == 3 + depth
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert engine.step() == []  # the prefill ran; its token is not read yet
+    req = engine.requests["a"][0]
+    assert req.num_inflight == 1 and req.output_token_ids == []
+    (out,) = engine.step()  # the decode of that token was launched, then it was read
+    assert out.new_token_ids == req.output_token_ids[:1] and req.num_inflight == 1
+    # The prompt and the read token are computed; the unread one is the next input.
+    assert req.num_computed_tokens == req.num_tokens == 4
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(req.output_token_ids) == 6 and not engine.inflight
+    assert len(req.output_token_ids) == 4
 
 
 def test_a_length_limit_costs_no_extra_rows(llm):
@@ -69,7 +61,7 @@ def test_a_length_limit_costs_no_extra_rows(llm):
     assert rows == {"r1": 1, "r2": 2, "r7": 7}
 
 
-def test_a_stop_string_costs_at_most_one_void_row_per_step_in_flight(llm):
+def test_a_stop_string_costs_at_most_one_void_row(llm):
     engine = llm.engine
     prompt = llm.tokenizer.encode(PROMPTS[1])
     free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
@@ -83,7 +75,7 @@ def test_a_stop_string_costs_at_most_one_void_row_per_step_in_flight(llm):
     finally:
         del engine.runner.execute
     assert out.outputs[0].finish_reason == "stop" and stop not in out.outputs[0].text
-    assert rows["0"] <= len(out.outputs[0].token_ids) + engine.depth
+    assert rows["0"] <= len(out.outputs[0].token_ids) + 1
 
 
 def test_penalties_read_every_earlier_token(tiny_gpt2_dir):
@@ -109,7 +101,7 @@ def test_without_async_scheduling_ids_are_read_every_step(tiny_gpt2_dir):
     engine = llm.engine
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
     (out,) = engine.step()  # the prefill's token is read in the same step
-    assert len(out.new_token_ids) == 1 and not engine.inflight
+    assert len(out.new_token_ids) == 1 and engine.inflight is None
     while engine.has_unfinished_requests():
         engine.step()
     tokenizer = load_tokenizer(tiny_gpt2_dir)
@@ -117,39 +109,3 @@ def test_without_async_scheduling_ids_are_read_every_step(tiny_gpt2_dir):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     (got,) = llm.generate([ids], params, use_tqdm=False)
     assert got.outputs[0].token_ids == hf_greedy(tiny_gpt2_dir, ids, 10)
-
-
-def test_a_request_left_out_of_a_step_takes_its_input_from_two_steps_back(tiny_gpt2_dir):
-    # The scheduler keeps a decode in every step while it runs; here the token budget
-    # alternates between 3 and 16 (the steady state, which ignores it, is left each
-    # step), so decodes drop out of every other step and come back with their newest
-    # id two steps old, unread, and not in the last step's region: the ring keeps
-    # that step's ids on the device for them.
-    llm = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8, inflight_steps=2)
-    engine = llm.engine
-    scheduler = engine.scheduler
-    tokenizer = load_tokenizer(tiny_gpt2_dir)
-    prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
-    lengths = [9, 14, 6, 12, 10, 7, 13, 11]
-    schedule, execute = scheduler.schedule, engine.runner.execute
-    budgets = itertools.cycle([3, 16])
-    last: set = set()
-    two_back = 0
-
-    def alternating():
-        scheduler.config.max_num_batched_tokens = next(budgets)
-        scheduler._leave_steady()
-        return schedule()
-
-    def watching(batch, on_device=False):
-        nonlocal last, two_back
-        two_back += sum(1 for req in batch.requests if req.num_inflight and req not in last)
-        last = set(batch.sampling())
-        return execute(batch, on_device)
-
-    scheduler.schedule, engine.runner.execute = alternating, watching
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert two_back >= 5, two_back
-    for prompt, n, out in zip(prompts, lengths, outs):
-        assert out.outputs[0].token_ids == hf_greedy(tiny_gpt2_dir, prompt, n)

@@ -33,8 +33,7 @@ def test_every_flag_maps_to_its_field():
         "--api-key k --enforce-eager --no-prefill-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
-        "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4 "
-        "--admission-hold-steps 3"
+        "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -52,7 +51,7 @@ def test_every_flag_maps_to_its_field():
     assert engine.enforce_eager and not engine.enable_prefix_caching
     assert not engine.async_scheduling and not engine.prefill_graphs
     assert (engine.seed, engine.nvtx, engine.log_stats_interval) == (7, True, 0.0)
-    assert engine.stream_interval == 4 and engine.admission_hold_steps == 3
+    assert engine.stream_interval == 4
     assert (server.host, server.port, server.served_model_name, server.api_key) == (
         "0.0.0.0",
         9001,
