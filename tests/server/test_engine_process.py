@@ -230,4 +230,6 @@ async def test_a_stream_interval_sends_the_same_text_in_fewer_chunks(start_serve
                 assert tokens == [t for c in b for t in c["logprobs"]["tokens"]]
                 sizes = [len(c["logprobs"]["tokens"]) for c in a if c["logprobs"]]
                 assert all(n >= 3 for n in sizes[1:-1]), sizes  # every token: mostly 1s
-                assert len(a) < len(b)
+                # Not compared with the other server's count: under load its
+                # engine coalesces chunks too (this was flaky, ~1 run in 8).
+                assert len(sizes) < len(tokens)
