@@ -3,6 +3,7 @@
     python -m benchmarks.host_step            # batch 64, the demo model, on the CPU
     python -m benchmarks.host_step --batch 128 --repeats 9
     python -m benchmarks.host_step --batch 256 --stream [--no-detokenize]
+    python -m benchmarks.host_step --batch 256 --stream --no-detokenize --report --churn 128
 
 What the engine does in Python around each forward (schedule, write the step's
 metadata, sample, read the ids and apply stops) costs the same whatever the
@@ -19,11 +20,18 @@ also sends each step's outputs the way the engine process reports them to an
 API process (`Clients.report`, pickled down a pipe that a thread drains:
 phase "report"), and has the engine put one-token outputs of id-only streams
 in columns (TokenDeltas) as the engine process does.
+
+`--churn M` keeps the batch full the way a server under load does: requests
+of M output tokens, staggered so that about batch/M finish every step, and
+every `--admit-every` steps as many new ones (distinct prompts of `--context`
+tokens) as finished since. Steps then admit prompts and leave the scheduler's
+steady state, as 20-35% of them do at 512 requests in flight on the H100.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import statistics
@@ -32,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from benchmarks.offline import _timed, start_decoding
@@ -74,13 +83,18 @@ class _Loop:
 
 def reporter(
     engine, params: SamplingParams
-) -> tuple[Callable[[list, TokenDeltas], None], Callable[[], None]]:
+) -> tuple[Callable[[list, TokenDeltas], None], Callable[[], None], Callable[[str], None]]:
     """A report function for each step's outputs, as the engine process sends them to
-    one API process, and a function that closes its pipe."""
+    one API process, a function that closes its pipe, and one that makes a request
+    added later that API process's own."""
     reader, writer = multiprocessing.Pipe(duplex=False)
     clients = Clients([writer], [multiprocessing.RawValue("b", 1)])
     clients.own(0, [Add(rid, [], params, 0.0) for rid in engine.requests])
     loop = _Loop(list(engine.requests))
+
+    def own(request_id: str) -> None:
+        clients.own(0, [Add(request_id, [], params, 0.0)])
+        loop.active[request_id] = 1
 
     def drain() -> None:
         try:
@@ -97,7 +111,43 @@ def reporter(
             batch.setdefault(out.request_id, []).append(out)
         clients.report(loop, batch, deltas, time.time(), engine.get_stats(), [])
 
-    return report, writer.close
+    return report, writer.close, own
+
+
+class Churn:
+    """Requests of `max_tokens` output tokens, finishing about batch/max_tokens a step
+    and replaced every `admit_every` steps (distinct random prompts: no prefix hits)."""
+
+    def __init__(self, engine, params: SamplingParams, context: int, admit_every: int) -> None:
+        self.engine, self.params, self.context = engine, params, context
+        self.admit_every = admit_every
+        self.rng = np.random.default_rng(0)
+        self.num_added = 0
+        self.steps = 0
+        self.own: Callable[[str], None] | None = None
+
+    def start(self, batch: int) -> None:
+        """The first batch, staggered: request i stops after 1 + i * max_tokens // batch
+        tokens, so that its replacements (of max_tokens each) finish a few a step."""
+        for i in range(batch):
+            limit = 1 + i * self.params.max_tokens // batch
+            self._add(dataclasses.replace(self.params, max_tokens=limit))
+
+    def after_step(self) -> None:
+        self.steps += 1
+        engine = self.engine
+        missing = engine.config.max_num_seqs - engine.scheduler.num_unfinished
+        if missing > 0 and self.steps % self.admit_every == 0:
+            for _ in range(missing):
+                self._add(self.params)
+
+    def _add(self, params: SamplingParams) -> None:
+        rid = f"c{self.num_added}"
+        self.num_added += 1
+        prompt = self.rng.integers(1, self.engine.vocab_size, self.context).tolist()
+        self.engine.add_request(rid, prompt, params)
+        if self.own is not None:
+            self.own(rid)
 
 
 def measure(
@@ -108,10 +158,12 @@ def measure(
     stream: bool = False,
     detokenize: bool = True,
     report: bool = False,
+    churn: int = 0,
+    admit_every: int = 7,
 ) -> dict:
-    llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + steps * repeats + 64)
+    max_tokens = churn or steps * repeats + 32
+    llm = LLM(None, device="cpu", max_num_seqs=batch, max_model_len=context + max_tokens + 64)
     engine, runner = llm.engine, llm.engine.runner
-    max_tokens = steps * repeats + 32
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0,
@@ -119,7 +171,11 @@ def measure(
         final_only=not stream,
         detokenize=detokenize,
     )
-    start_decoding(engine, batch, context, max_tokens, params)
+    churner = Churn(engine, params, context, admit_every) if churn else None
+    if churner is None:
+        start_decoding(engine, batch, context, max_tokens, params)
+    else:
+        churner.start(batch)
     stub_forward(engine)
     totals = dict.fromkeys(PHASES, 0.0)
     wrapped = [
@@ -132,12 +188,18 @@ def measure(
     ]
     for obj, attr, phase in wrapped:
         setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
-    send, close = reporter(engine, params) if report else (None, None)
+    send, close, own = reporter(engine, params) if report else (None, None, None)
     if send is not None:
         send = _timed(send, totals, "report", runner)
+    if churner is not None:
+        churner.own = own
+        for _ in range(2 * max_tokens):  # the staggered start settles into a few a step
+            engine.step()
+            churner.after_step()
     runs = []
     for _ in range(repeats):
         totals.update(dict.fromkeys(PHASES, 0.0))
+        admitted = churner.num_added if churner is not None else 0
         start = time.perf_counter()
         for _ in range(steps):
             if send is None:
@@ -145,8 +207,13 @@ def measure(
             else:  # one-token outputs of id-only streams in columns, as the engine process asks
                 deltas = TokenDeltas()
                 send(engine.step(deltas=deltas), deltas)
+            if churner is not None:
+                churner.after_step()
         elapsed = time.perf_counter() - start
-        assert len(engine.scheduler.running) == batch, "requests finished during the run"
+        if churner is None:
+            assert len(engine.scheduler.running) == batch, "requests finished during the run"
+        else:  # adding requests is the API side's work, not the step's
+            totals["admitted"] = churner.num_added - admitted
         runs.append({"step": elapsed, **totals})
     if close is not None:
         close()
@@ -155,6 +222,9 @@ def measure(
     median["other"] = median["step"] - sum(median[k] for k in PHASES if k != "fill")
     setup = {"batch": batch, "context": context, "steps": steps, "repeats": repeats}
     setup |= {"stream": stream, "detokenize": detokenize, "report": report}
+    if churner is not None:
+        admitted = median.pop("admitted") / 1e6  # per step
+        setup |= {"churn": churn, "admit_every": admit_every, "admitted_per_step": admitted}
     return setup | {f"{k}_us": round(v, 1) for k, v in median.items()}
 
 
@@ -169,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true", help="an output per request every step")
     p.add_argument("--no-detokenize", dest="detokenize", action="store_false")
     p.add_argument("--report", action="store_true", help="send outputs as the engine process does")
+    p.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        metavar="M",
+        help="requests of M tokens, replaced as they end",
+    )
+    p.add_argument(
+        "--admit-every", type=int, default=7, help="with --churn: steps between admissions"
+    )
     args = p.parse_args(argv)
     if args.report and not args.stream:
         p.error("--report needs --stream (final-only requests report nothing per step)")
@@ -180,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         args.stream,
         args.detokenize,
         args.report,
+        args.churn,
+        args.admit_every,
     )
     print(json.dumps(figures))
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,17 +245,19 @@ class Engine:
             if deltas is None:
                 outputs = [self._output(req) for req in news]
                 return [out for out in outputs if out is not None]
-            request_ids, indices = deltas.request_ids, deltas.indices
-            num_tokens, token_ids = deltas.num_tokens, deltas.token_ids
+            # Bound appends: this loop runs for every streamed choice of every report.
+            add_id, add_index = deltas.request_ids.append, deltas.indices.append
+            add_count, token_ids = deltas.num_tokens.append, deltas.token_ids
+            finished = RequestStatus.FINISHED
             outputs = []
             for req in news:
                 emitted = req.num_emitted_tokens
-                if req.params.plain and emitted and req.status is not RequestStatus.FINISHED:
+                if req.params.plain and emitted and req.status is not finished:
                     out_ids = req.output_token_ids
                     req.num_emitted_tokens = len(out_ids)
-                    request_ids.append(req.request_id)
-                    indices.append(req.index)
-                    num_tokens.append(len(out_ids) - emitted)
+                    add_id(req.request_id)
+                    add_index(req.index)
+                    add_count(len(out_ids) - emitted)
                     token_ids += out_ids[emitted:]
                 else:
                     out = self._output(req)
@@ -276,19 +277,24 @@ class Engine:
                 token_ids = token_ids.tolist()  # waits for the step's copy to the host
             if not step.sampling:
                 return  # prefill chunks only: the scheduler registers their full blocks
+            if step.logprobs is not None:  # before any request can finish: its last output has them
+                for req, logprob in zip(step.sampling, step.logprobs):
+                    if logprob is not None and req.status is not RequestStatus.FINISHED:
+                        req.pending_logprobs.append(logprob)
             caching = self.blocks.enable_prefix_caching
+            every_step = self.config.stream_interval == 1
             interval = self.config.stream_interval
-            logprobs = step.logprobs or itertools.repeat(None)
             now = time.time()
             news = self.news
+            finished = RequestStatus.FINISHED
             # The hot loop (every sampling request, every step): as few operations as
             # the common case allows. Full blocks are registered for the prefix cache
             # here only at the first token (a sibling choice waits for the prompt's
             # blocks); later ones when the scheduler opens the next block, and when
             # the blocks are freed.
-            for req, token_id, logprob in zip(step.sampling, token_ids, logprobs):
+            for req, token_id in zip(step.sampling, token_ids):
                 req.num_inflight -= 1
-                if req.status is RequestStatus.FINISHED:
+                if req.status is finished:
                     continue  # stopped or aborted while this step ran: its work is void
                 out_ids = req.output_token_ids
                 if not out_ids:
@@ -298,13 +304,14 @@ class Engine:
                 all_ids = req.all_token_ids
                 out_ids.append(token_id)
                 all_ids.append(token_id)
-                if logprob is not None:
-                    req.pending_logprobs.append(logprob)
                 params = req.params
                 if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
                     self._check_token_stop(req, token_id)
                 elif params.quiet:
                     continue  # the common offline case: nothing to report yet
+                elif every_step and params.streams_ids:
+                    news[req] = None  # the common served case: news every step
+                    continue
                 if params.stop:
                     self._detokenize(req)  # a stop string must end it now, not when asked
                 # Streamed: every `interval` tokens, the first at once. Always: the last.
@@ -313,7 +320,7 @@ class Engine:
                     or not req.num_emitted_tokens
                     or len(out_ids) - req.num_emitted_tokens >= interval
                 )
-                if streams or req.status is RequestStatus.FINISHED:
+                if streams or req.status is finished:
                     news[req] = None
 
     def _settle(self) -> None:

@@ -218,6 +218,9 @@ class ModelRunner:
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
         self.sampled_for: list = []  # the requests whose rows the last step samples, in order
+        # By block-table slot: the row of the request's last sampled token in that step's
+        # ids (an array, so that a step reads and writes every row with one numpy call).
+        self.slot_rows = np.zeros(seqs, dtype=np.int64)
         # The batch the last decode fill of each buffer wrote (None after any other
         # write): when the next is the same list, its slots and row layout are there.
         self.decode_filled: list[list | None] = [None] * self.num_buffers
@@ -356,9 +359,9 @@ class ModelRunner:
         # A row's last token sampled last step and not read yet: gathered from its row there.
         waiting = np.flatnonzero(known < ends)
         if len(waiting):
-            rows = [requests[i].sample_row for i in waiting.tolist()]
-            gather[qsl[waiting + 1] - 1] = np.add(rows, self.sampled_offset)
-        self._assign_sample_rows(batch.sampling())
+            gather[qsl[waiting + 1] - 1] = self.slot_rows[slots[waiting]] + self.sampled_offset
+        sampling_slots = np.delete(slots, batch.chunked) if batch.chunked else slots
+        self._assign_sample_rows(batch.sampling(), sampling_slots)
         return num_tokens, int(num_new.max())
 
     def _fill_decode(self, batch: SchedulerOutput, on_device: bool) -> None:
@@ -373,18 +376,16 @@ class ModelRunner:
         positions[:] = batch.starts
         slots = buf["slot_indices"][:n]
         gather = buf["input_gather"][:n]
-        same = reqs is self.decode_filled[self.parity]
-        if reqs is self.sampled_for or reqs == self.sampled_for:  # row i sampled sequence i
-            gather[:] = self.sampled_gather[:n]
-        else:
-            gather[:] = [req.sample_row for req in reqs]
-            gather += self.sampled_offset
-            self._assign_sample_rows(reqs)
-        if not same:
+        if reqs is not self.decode_filled[self.parity]:  # else its slots and rows are there
             slots[:] = [req.slot for req in reqs]
             buf["query_start_loc"][: n + 1] = self.arange[: n + 1]
             buf["logits_indices"][:n] = self.arange[:n]
             self.decode_filled[self.parity] = reqs
+        if reqs is self.sampled_for or reqs == self.sampled_for:  # row i sampled sequence i
+            gather[:] = self.sampled_gather[:n]
+        else:
+            np.add(self.slot_rows[slots], self.sampled_offset, out=gather)
+            self._assign_sample_rows(reqs, slots)
         # Usually every input is last step's sampled id, still on the device; one the
         # host has read already (num_inflight 0) is taken from the host's ids.
         if not on_device:
@@ -411,10 +412,10 @@ class ModelRunner:
         if self.staged_sent:
             self.wait(self.staged_sent[self.parity])
 
-    def _assign_sample_rows(self, reqs: list) -> None:
-        """The engine samples the sampling requests in batch order: row k is the k-th."""
-        for k, req in enumerate(reqs):
-            req.sample_row = k
+    def _assign_sample_rows(self, reqs: list, slots: np.ndarray) -> None:
+        """The engine samples the sampling requests (in `slots`) in batch order: row k
+        is the k-th."""
+        self.slot_rows[slots] = self.arange[: len(slots)]
         self.sampled_for = reqs
 
     def _slot_mapping(self, seq_slots: np.ndarray, positions: np.ndarray, num_tokens: int) -> None:

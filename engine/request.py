@@ -134,7 +134,6 @@ class Request:
         # Tokens sampled on the device whose ids the host has not read yet (0 or 1,
         # briefly 2): the next step takes them from the device.
         self.num_inflight = 0
-        self.sample_row = -1  # row of its last sampled token in that step's output
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed

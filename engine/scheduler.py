@@ -70,20 +70,18 @@ class SchedulerOutput:
 
 
 class Steady:
-    """The steady state's bookkeeping, so that a step costs O(1) besides its batch:
-    every start moves one on per step, so the first limit is `headroom` steps away,
-    and the requests that open a block at step t are those whose start was
-    -t mod block_size when it began."""
+    """The steady state's bookkeeping, so that a step costs O(1) Python besides its
+    batch: every start moves one on per step, so the first limit is `headroom` steps
+    away, and the requests that open a block are those whose start reaches a
+    multiple of block_size (found with numpy: a steady state lasts only a few steps
+    under a server's load, so nothing is precomputed per phase)."""
 
-    def __init__(self, out: SchedulerOutput, block_size: int) -> None:
+    def __init__(self, out: SchedulerOutput) -> None:
         starts = np.array(out.starts, dtype=np.int64)
         maxes = np.array([req.max_num_tokens for req in out.requests], dtype=np.int64)
         out.starts = starts
         self.out = out
         self.headroom = int((maxes - starts).min())  # min(max_num_tokens - start)
-        self.steps = 0
-        phase = starts % block_size
-        self.phases = [np.flatnonzero(phase == p).tolist() for p in range(block_size)]
 
 
 class Scheduler:
@@ -121,24 +119,21 @@ class Scheduler:
         # The hot loop (every running request, every step): locals and no calls for
         # the common case, a decode whose token lands in a block it already has.
         block_size = self.blocks.block_size
-        running, requests, starts, num_new_tokens = (
-            self.running,
-            out.requests,
-            out.starts,
-            out.num_new_tokens,
-        )
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            i += 1
+        running, requests = self.running, out.requests
+        add_request, add_start = requests.append, out.starts.append
+        add_count = out.num_new_tokens.append
+        # Preemption only ever removes requests after this one: the iteration stays valid.
+        for req in running:
+            if budget <= 0:
+                break
             start = req.num_computed_tokens
             num_tokens = len(req.all_token_ids) + req.num_inflight
             # start % block_size != 0: position start shares a block with start - 1.
             if num_tokens == start + 1 and start % block_size and num_tokens < req.max_num_tokens:
                 req.num_computed_tokens = num_tokens
-                requests.append(req)
-                starts.append(start)
-                num_new_tokens.append(1)
+                add_request(req)
+                add_start(start)
+                add_count(1)
                 budget -= 1
                 continue
             if req.num_inflight and num_tokens >= req.max_num_tokens:
@@ -146,6 +141,20 @@ class Scheduler:
             # A block may have filled since req was last here: the fast path above
             # never crosses a block boundary.
             self.blocks.cache_full_blocks(req)
+            if (
+                num_tokens == start + 1
+                and start == len(req.block_ids) * block_size
+                and num_tokens < req.max_num_tokens
+                and self.blocks.num_free_blocks
+            ):  # a decode opening its next block (1 in block_size of them): as _advance does
+                self.blocks.append_block(req)
+                req.num_computed_tokens = num_tokens
+                out.grown.append(len(requests))
+                add_request(req)
+                add_start(start)
+                add_count(1)
+                budget -= 1
+                continue
             num_new = min(num_tokens - start, budget)
             grows = start + num_new > len(req.block_ids) * block_size
             if grows:
@@ -183,7 +192,7 @@ class Scheduler:
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
         if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
-            self._steady = Steady(out, block_size)
+            self._steady = Steady(out)
         return out
 
     def _advance(self, steady: Steady) -> SchedulerOutput | None:
@@ -196,11 +205,11 @@ class Scheduler:
         steady.headroom -= 1
         if steady.headroom <= 1:
             return None  # a request reaches its limit: it is not scheduled again
-        steady.steps += 1
-        opening = steady.phases[-steady.steps % self.blocks.block_size]
+        last = steady.out
+        starts = last.starts + 1
+        opening = np.flatnonzero(starts % self.blocks.block_size == 0).tolist()
         if len(opening) > self.blocks.num_free_blocks:
             return None  # someone may have to be preempted
-        last = steady.out
         requests = last.requests
         for i in opening:
             req = requests[i]
@@ -210,7 +219,7 @@ class Scheduler:
             req.num_computed_tokens += 1
         out = SchedulerOutput(
             requests,
-            last.starts + 1,
+            starts,
             last.num_new_tokens,
             grown=opening,
             first_admitted=len(requests),

@@ -25,3 +25,14 @@ def test_host_step_measures_the_engine_process_report():
     result = measure(batch=4, context=8, steps=5, repeats=1, stream=True, report=True)
     assert result["report"] and result["report_us"] > 0
     assert result["step_us"] > result["report_us"] + result["outputs_us"]
+
+
+def test_host_step_churn_keeps_the_batch_full_and_admits_as_requests_end():
+    # Requests of 8 tokens in a batch of 16: about 2 end a step, replaced every 2 steps.
+    result = measure(
+        batch=16, context=8, steps=12, repeats=1, stream=True, report=True, churn=8, admit_every=2
+    )
+    assert result["churn"] == 8
+    # 12 steps end ~24 requests; each is replaced within 2 steps of its end.
+    assert 16 <= result["admitted_per_step"] * 12 <= 32
+    assert result["report_us"] > 0
