@@ -97,6 +97,9 @@ class Engine:
         self.blocks = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        if device.type == "cuda":  # hash filled blocks while the host waits for the GPU
+            self.blocks.defer_hashing = True
+            self.runner.idle_work = self.blocks.hash_unhashed
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 from engine.request import Request
 
+MAX_UNHASHED = 1024  # requests noted before they are hashed whether the host waits or not
+
 
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     # Python's hash of a tuple of ints is deterministic across processes.
@@ -30,6 +32,10 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        # Hash the blocks decodes fill later, while the host waits for the device
+        # (see note_filled): set by the engine where steps run on one.
+        self.defer_hashing = False
+        self.unhashed: list[Request] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,21 +96,24 @@ class BlockManager:
             req.block_hashes = [self.block_hash[b] for b in req.block_ids]
             req.num_computed_tokens = num_computed
             req.num_cached_tokens = num_computed
-        for _ in range(needed):
-            self.append_block(req)
+        if needed > 0:
+            self.append_block(req, needed)
         return True
 
-    def append_block(self, req: Request) -> None:
-        """Give req the next free block (the caller knows one is free): what a decode
-        that opens a block needs, without allocate's accounting."""
-        block, _ = self.free_blocks.popitem(last=False)
-        old_hash = self.block_hash[block]
-        if old_hash is not None:
-            if self.cached.get(old_hash) == block:
-                del self.cached[old_hash]
-            self.block_hash[block] = None
-        self.ref_count[block] = 1
-        req.block_ids.append(block)
+    def append_block(self, req: Request, count: int = 1) -> None:
+        """Give req the next `count` free blocks (the caller knows there are enough):
+        what a decode that opens a block needs, without allocate's accounting."""
+        free, hashes, cached = self.free_blocks, self.block_hash, self.cached
+        ref_count, block_ids = self.ref_count, req.block_ids
+        for _ in range(count):
+            block, _ = free.popitem(last=False)
+            old_hash = hashes[block]
+            if old_hash is not None:
+                if cached.get(old_hash) == block:
+                    del cached[old_hash]
+                hashes[block] = None
+            ref_count[block] = 1
+            block_ids.append(block)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks req has filled since the last call.
@@ -127,6 +136,28 @@ class BlockManager:
             if h not in self.cached:
                 self.cached[h] = block
                 self.block_hash[block] = h
+
+    def note_filled(self, req: Request) -> None:
+        """req's last block may have filled (a decode opens the next one): register it
+        now, or, with defer_hashing, when the host next waits for the device
+        (hash_unhashed). Hashing is most of a block opening's host work, and the
+        steps that open blocks by the dozen (those that admit prompts) are the ones
+        the device waits for. Meanwhile the block is simply not found by a new
+        prompt; a request's blocks are all registered when they are freed."""
+        if not self.enable_prefix_caching:
+            return
+        if not self.defer_hashing:
+            self.cache_full_blocks(req)
+            return
+        self.unhashed.append(req)
+        if len(self.unhashed) >= MAX_UNHASHED:  # a host that never waits
+            self.hash_unhashed()
+
+    def hash_unhashed(self) -> None:
+        pending, self.unhashed = self.unhashed, []
+        for req in pending:
+            if req.block_ids:  # else freed since: free() registered its blocks
+                self.cache_full_blocks(req)
 
     def free(self, req: Request) -> None:
         self.cache_full_blocks(req)  # what it filled since it last opened a block

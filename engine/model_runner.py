@@ -19,6 +19,7 @@ under --enforce-eager, run eagerly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,6 +166,10 @@ class ModelRunner:
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
         i64, i32 = torch.int64, torch.int32
         on_cuda = self.device.type == "cuda"
+        # Block-table entries a step's graph writes itself: a decode opens at most one
+        # block per sequence, and a step with prompts about one per block_size new
+        # tokens more (prefix-cache hits, beyond that, go as a copy of their rows).
+        self.table_capacity = seqs + max_tokens // config.block_size
         # On CUDA every host buffer comes twice, used by alternate steps: a step is
         # written while the last one's copies may still be queued, and the ids of one
         # are read while the next one's are on their way.
@@ -178,9 +183,9 @@ class ModelRunner:
                 "logits_indices": (seqs, i64),
                 "seq_lens": (seqs, i32),
                 "query_start_loc": (seqs + 1, i32),
-                # Block-table entries a decode graph writes (BlockTable.take_changes).
-                "table_index": (seqs, i64),
-                "table_value": (seqs, i32),
+                # Block-table entries a graph writes (BlockTable.take_changes).
+                "table_index": (self.table_capacity, i64),
+                "table_value": (self.table_capacity, i32),
             },
             self.device,
             device_only={"sampled_ids": (seqs, i64)},
@@ -229,6 +234,9 @@ class ModelRunner:
         self.last_slots = np.zeros(seqs, dtype=np.int64)
         self.last_slots_for: list | None = None
         self.wait_s = 0.0  # time the host spent blocked on the device (for profiling)
+        # Host work that can wait, done when the host would otherwise block on the
+        # device (the engine's deferred block hashing).
+        self.idle_work: Callable[[], None] | None = None
         # Steps by how they ran: a decode CUDA graph, a prefill graph (a step with
         # prefill tokens), or eagerly. Read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
@@ -466,8 +474,10 @@ class ModelRunner:
 
     def _stage_table_changes(self, bucket: int) -> None:
         """Put the block-table entries written since the last send into the staging
-        buffer, as (flat index, block) pairs the decode graph writes: a decode opens
-        at most one block per sequence, so they fit (else the rows are copied)."""
+        buffer, as (flat index, block) pairs the step's graph writes (the first
+        `bucket` of them; if there are more, the rows are copied). A copy of the
+        rows is a driver call of its own, and it measured ~90 us of host time on
+        the H100 host in steps with prompts."""
         table = self.block_table
         changed = table.take_changes(bucket)
         if changed is None:
@@ -518,6 +528,7 @@ class ModelRunner:
             bucket = self.prefill_bucket[num_tokens]
             self._pad_tokens(num_tokens, bucket)
             self._pad_seqs(num_seqs, num_tokens, num_sampling)
+            self._stage_table_changes(self.table_capacity)
             self._copy()
             graph, logits = self.prefill_graphs[bucket]
             graph.replay()
@@ -580,6 +591,8 @@ class ModelRunner:
             return
         # query() first: synchronize() releases the GIL even when nothing is pending.
         if not fence.event.query():
+            if self.idle_work is not None:
+                self.idle_work()
             start = time.perf_counter()
             fence.event.synchronize()
             self.wait_s += time.perf_counter() - start
@@ -621,12 +634,15 @@ class ModelRunner:
         """One graph per token bucket for max_num_seqs sequences, the largest first, in
         one memory pool (they never run at once). The bound on query lengths (it
         picks the attention's tile height) is the bucket's size or max_model_len.
-        Like a decode graph, each takes logits for max_num_seqs rows and their argmax
-        into the device buffer the next step's inputs are gathered from."""
+        Like a decode graph, each writes the block-table entries the staging buffer
+        carries, and takes logits for max_num_seqs rows and their argmax into the
+        device buffer the next step's inputs are gathered from."""
         sizes = self.config.prefill_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         seqs = self.max_num_seqs
         sampled = self.staged.gpu["sampled_ids"]
+        table = self.block_table.gpu.view(-1)
+        table_index, table_value = self.staged.gpu["table_index"], self.staged.gpu["table_value"]
         for bucket in reversed(sizes):
             self._pad_tokens(0, bucket)
             self.buf["query_start_loc"][0] = 0
@@ -637,6 +653,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
+                table.index_copy_(0, table_index, table_value)
                 logits = self._forward(inp)  # the block-table gather included
                 torch.argmax(logits, dim=-1, out=sampled[:seqs])
             self.prefill_graphs[bucket] = (graph, logits)

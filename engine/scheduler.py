@@ -14,8 +14,10 @@ all the same; the model runner feeds it from the device. A request that has
 reached its length limit with a token in flight is not scheduled again.
 
 The steady state (every running request decoding, nobody admitted, finished or
-preempted since the last step) repeats the last batch one position on: its
-starts are advanced with numpy, and only the requests that open a new block
+preempted since the last step) repeats the last batch one position on. It
+begins right after a step that admitted prompts, too, when every one of them
+was prefilled whole: that step's next is all decodes as well. Its starts are
+advanced with numpy, and only the requests that open a new block
 this step are touched one by one. Anything else takes the general path.
 """
 
@@ -74,14 +76,24 @@ class Steady:
     batch: every start moves one on per step, so the first limit is `headroom` steps
     away, and the requests that open a block are those whose start reaches a
     multiple of block_size (found with numpy: a steady state lasts only a few steps
-    under a server's load, so nothing is precomputed per phase)."""
+    under a server's load, so nothing is precomputed per phase), which also says how
+    many steps pass before the next one does (`until_open`).
+
+    It begins after any step that ran every running request and left none short of
+    its tokens: a step of decodes, or one that also prefilled whole prompts (the
+    admissions' step), whose next token is a decode like the others'."""
 
     def __init__(self, out: SchedulerOutput) -> None:
-        starts = np.array(out.starts, dtype=np.int64)
+        self.requests = out.requests
+        # Per request, the position before the next step's: its last new token's.
+        last = np.array(out.starts, dtype=np.int64)
+        if out.num_tokens != len(out.requests):
+            last += np.array(out.num_new_tokens, dtype=np.int64) - 1
+        self.last = last
+        self.ones = [1] * len(out.requests)
         maxes = np.array([req.max_num_tokens for req in out.requests], dtype=np.int64)
-        out.starts = starts
-        self.out = out
-        self.headroom = int((maxes - starts).min())  # min(max_num_tokens - start)
+        self.headroom = int((maxes - last).min())  # min(max_num_tokens - last)
+        self.until_open = 1  # steps until the next step in which some request opens a block
 
 
 class Scheduler:
@@ -140,7 +152,7 @@ class Scheduler:
                 continue  # its last token is on the device: it finishes when that is read
             # A block may have filled since req was last here: the fast path above
             # never crosses a block boundary.
-            self.blocks.cache_full_blocks(req)
+            self.blocks.note_filled(req)
             if (
                 num_tokens == start + 1
                 and start == len(req.block_ids) * block_size
@@ -191,42 +203,47 @@ class Scheduler:
             self._add(out, req, num_new, grown=True)
             budget -= num_new
         out.num_tokens = self.config.max_num_batched_tokens - budget
-        if requests and out.num_tokens == len(requests) == len(running) and not out.preempted:
+        if requests and len(requests) == len(running) and not out.chunked and not out.preempted:
             self._steady = Steady(out)
         return out
 
     def _advance(self, steady: Steady) -> SchedulerOutput | None:
         """The steady state's next batch: the last one, every request one token on.
 
-        Each request's token count is one past its start (it sampled last step, and
-        nothing since has finished, preempted or admitted anyone), so only block
-        boundaries and length limits can differ from the last step; None when the
-        general path must decide (a limit reached, or too few free blocks)."""
+        Each request's token count is one past its last position (it sampled last
+        step, and nothing since has finished, preempted or admitted anyone), so only
+        block boundaries and length limits can differ from the last step; None when
+        the general path must decide (a limit reached, or too few free blocks)."""
         steady.headroom -= 1
         if steady.headroom <= 1:
             return None  # a request reaches its limit: it is not scheduled again
-        last = steady.out
-        starts = last.starts + 1
-        opening = np.flatnonzero(starts % self.blocks.block_size == 0).tolist()
+        starts = steady.last + 1
+        steady.until_open -= 1
+        if steady.until_open > 0:
+            opening = []  # (offline, where prompts are often of one length) most steps
+        else:
+            within = starts & (self.blocks.block_size - 1)  # 0: opens a block now
+            opening = np.flatnonzero(within == 0).tolist()
+            steady.until_open = int((self.blocks.block_size - within).min())
         if len(opening) > self.blocks.num_free_blocks:
             return None  # someone may have to be preempted
-        requests = last.requests
+        requests = steady.requests
         for i in opening:
             req = requests[i]
-            self.blocks.cache_full_blocks(req)  # the block it leaves is full now
+            self.blocks.note_filled(req)  # the block it leaves is full now
             self.blocks.append_block(req)  # checked above: there are enough free ones
         for req in requests:
             req.num_computed_tokens += 1
         out = SchedulerOutput(
             requests,
             starts,
-            last.num_new_tokens,
+            steady.ones,
             grown=opening,
             first_admitted=len(requests),
             steady=True,
         )
         out.num_tokens = len(requests)
-        steady.out = out
+        steady.last = starts
         return out
 
     @staticmethod

@@ -85,3 +85,31 @@ def test_prefix_caching_off_never_shares():
     bm = BlockManager(8, 4, enable_prefix_caching=False)
     admit(bm, make(list(range(9))))
     assert admit(bm, make(list(range(9)))) == []
+
+
+def test_deferred_hashing_registers_when_the_host_waits_or_frees():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    bm.defer_hashing = True
+    a, b = make(list(range(6))), make(list(range(6)))
+    admit(bm, a)
+    admit(bm, b)
+    for req, new in ((a, [50, 51]), (b, [60, 61])):  # 8 tokens: the second block fills
+        req.all_token_ids += new
+        req.num_computed_tokens = 8
+        bm.note_filled(req)
+    assert len(a.block_hashes) == 1 and len(bm.unhashed) == 2  # noted, not hashed yet
+    bm.free(b)  # freeing registers what it filled; the stale note is then skipped
+    bm.hash_unhashed()
+    assert len(a.block_hashes) == 2 and bm.unhashed == []
+    assert bm.find_cached_prefix(make(list(range(6)) + [50, 51, 7])) == a.block_ids[:2]
+    assert len(bm.find_cached_prefix(make(list(range(6)) + [60, 61, 7]))) == 2  # b's, freed
+
+
+def test_deferred_hashing_does_not_wait_forever():
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
+    bm.defer_hashing = True
+    req = make(list(range(4)))
+    admit(bm, req)
+    for _ in range(1024):
+        bm.note_filled(req)
+    assert bm.unhashed == []  # past MAX_UNHASHED notes they are hashed at once

@@ -62,8 +62,9 @@ def drive(engine, plans: list, every: int, abort: tuple[int, str]) -> dict:
     return results
 
 
-def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict, int]:
-    """(every batch as scheduled, every choice's tokens and finish, steady batches)."""
+def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict, int, int]:
+    """(every batch as scheduled, every choice's tokens and finish, steady batches,
+    those of them right after a step that prefilled)."""
     llm = LLM(
         model_dir,
         device="cpu",
@@ -76,12 +77,13 @@ def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict,
     )
     engine = llm.engine
     advance = Scheduler._advance
-    taken = 0
+    taken = after_prefill = 0
 
     def counted(self, *args):
-        nonlocal taken
+        nonlocal taken, after_prefill
         out = advance(self, *args) if steady else None
         taken += out is not None
+        after_prefill += out is not None and max(batches[-1][2]) > 1
         return out
 
     monkeypatch.setattr(Scheduler, "_advance", counted)
@@ -97,14 +99,15 @@ def run_workload(model_dir: str, steady: bool, monkeypatch) -> tuple[list, dict,
         ([1] * 3, SamplingParams(max_tokens=70, ignore_eos=True)),
     ]
     results = drive(engine, plans, every=9, abort=(90, "r63"))
-    return batches, results, taken
+    return batches, results, taken, after_prefill
 
 
 def test_steady_batches_equal_the_general_path(tiny_gpt2_dir, monkeypatch):
-    fast, fast_out, taken = run_workload(tiny_gpt2_dir, True, monkeypatch)
-    slow, slow_out, none_taken = run_workload(tiny_gpt2_dir, False, monkeypatch)
+    fast, fast_out, taken, after_prefill = run_workload(tiny_gpt2_dir, True, monkeypatch)
+    slow, slow_out, none_taken, _ = run_workload(tiny_gpt2_dir, False, monkeypatch)
     assert none_taken == 0
     assert taken >= 40, taken  # the shortcut ran, often
+    assert after_prefill >= 3, after_prefill  # ... right after admitting prompts, too
     assert any(batch[4] for batch in fast[1:])  # ... and some of its steps opened blocks
     assert any(batch[5] for batch in slow)  # the workload preempted
     assert fast == slow
