@@ -38,11 +38,6 @@ class EngineConfig:
     # last at once), SGLang's --stream-interval: fewer, larger deltas for less host
     # work per token, where the engine's host side is the limit.
     stream_interval: int = 1
-    # The server's engine loop reports the news it holds right after launching a
-    # step, before reading the previous one (SGLang's overlap, one step further):
-    # outputs arrive a step later, and building and sending them no longer delays
-    # the next launch where the host is the limit.
-    overlap_report: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

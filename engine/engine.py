@@ -104,7 +104,6 @@ class Engine:
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
-        self.unread: LaunchedStep | None = None  # the one before it, between launch() and read()
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
         # (sampling list, must it sync, can its steps be a quiet run), for the last list.
@@ -161,11 +160,7 @@ class Engine:
             self.inflight = None  # nothing left to read: its device work is simply void
 
     def has_unfinished_requests(self) -> bool:
-        return (
-            self.scheduler.num_unfinished > 0
-            or self.inflight is not None
-            or self.unread is not None
-        )
+        return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -194,14 +189,6 @@ class Engine:
         on the host, so a step with such a request reads N-1 before sampling
         and its own ids at once.
         """
-        self.launch()
-        self.read()
-        return self.take_outputs(deltas) if emit else []
-
-    def launch(self) -> None:
-        """The first half of step(): schedule and launch step N. The previous step's
-        ids stay unread until read(), so a caller can do other host work (report the
-        news it has) while the device still runs N-1."""
         with self._nvtx("schedule"):
             batch = self.scheduler.schedule()  # leaving the steady state settles the run
         prev, self.inflight = self.inflight, None
@@ -246,14 +233,9 @@ class Engine:
                 self._process(LaunchedStep(batch, sampling, sampled.token_ids, sampled.logprobs))
             else:  # prefill chunks only: nothing to read, blocks to register
                 self._process(LaunchedStep(batch, sampling, None))
-        self.unread = prev
-
-    def read(self) -> None:
-        """The second half of step(): read the step before the one launched (waiting
-        for its ids), append them, apply stops, note the news."""
-        prev, self.unread = self.unread, None
         if prev is not None:
             self._process(prev)
+        return self.take_outputs(deltas) if emit else []
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

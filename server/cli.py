@@ -91,11 +91,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="stream every N tokens (the first at once): less host work per token, coarser chunks",
     )
     e.add_argument(
-        "--overlap-report",
-        action="store_true",
-        help="report each step's outputs a step later, while the device runs the next",
-    )
-    e.add_argument(
         "--disable-log-stats",
         action="store_true",
         help=f"no engine stats line every {_ENGINE.log_stats_interval:g} s under load",
@@ -196,7 +191,6 @@ def parse_configs(
             seed=args.seed,
             nvtx=args.nvtx,
             stream_interval=args.stream_interval,
-            overlap_report=args.overlap_report,
             log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         )
         server_config = ServerConfig(

@@ -132,17 +132,17 @@ class EngineLoop:
                 inbox, self._inbox = self._inbox, []
                 stopping, self._woken = self._stopping, False
             batch: Batch = {}
+            deltas = TokenDeltas()
             added = self._drain(inbox, batch)
             if stopping:
-                self._report({}, TokenDeltas(), time.time(), engine.get_stats(), added)
+                self._report({}, deltas, time.time(), engine.get_stats(), added)
                 self._fail_all(APIError("The server is shutting down.", 503))
                 return
             if engine.has_unfinished_requests():
-                self._step(batch, added)
+                self._step(batch, deltas)
                 if self._stat_log is not None:
                     self._stat_log.maybe_log(engine)
-            else:
-                self._report(batch, TokenDeltas(), time.time(), engine.get_stats(), added)
+            self._report(batch, deltas, time.time(), engine.get_stats(), added)
 
     @property
     def active(self) -> dict[str, int]:
@@ -173,28 +173,15 @@ class EngineLoop:
                 )
         return added
 
-    def _step(self, batch: Batch, added: list[str]) -> None:
-        """One engine step, and its report (or two: see EngineConfig.overlap_report)."""
+    def _step(self, batch: Batch, deltas: TokenDeltas) -> None:
         engine = self.engine
-        deltas = TokenDeltas()
         try:
-            engine.launch()
-            if self._config.overlap_report:
-                # The news the engine holds (the step before the one it reads next) go
-                # out now, while the device runs: this report's host work leaves the
-                # path between one step's end and the next one's launch.
-                if self._credit.value:
-                    self._collect(engine.take_outputs(deltas), batch)
-                self._report(batch, deltas, time.time(), engine.get_stats(), added)
-                batch, deltas, added = {}, TokenDeltas(), []
-            engine.read()
             # Without credit, tokens wait in the engine, and the listener's next
             # report gets one output per choice for all of them: under load,
-            # per-token output work becomes per-chunk work. What no later step
-            # will report goes now.
-            last = engine.news and not engine.has_unfinished_requests()
-            if last or (self._credit.value and not self._config.overlap_report):
-                self._collect(engine.take_outputs(deltas), batch)
+            # per-token output work becomes per-chunk work.
+            outputs = engine.step(emit=bool(self._credit.value), deltas=deltas)
+            if engine.news and not engine.has_unfinished_requests():
+                outputs = engine.take_outputs(deltas)  # no next step to report it: now
         except Exception as exc:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.
@@ -205,22 +192,17 @@ class EngineLoop:
                 if self._active.pop(rid, None) is not None:
                     self._abort_in_engine(rid)
                 batch[rid] = error
-        if batch or deltas or added or not self._config.overlap_report:
-            self._report(batch, deltas, time.time(), engine.get_stats(), added)
-
-    def _collect(self, outputs: list[RequestOutput], batch: Batch) -> None:
-        """File outputs by request id; forget the requests they finish."""
-        active = self._active
+            return
         for out in outputs:
-            if out.request_id not in active:
+            if out.request_id not in self._active:
                 continue
             entry = batch.setdefault(out.request_id, [])
             if isinstance(entry, list):
                 entry.append(out)
             if out.finished:
-                active[out.request_id] -= 1
-                if active[out.request_id] == 0:
-                    del active[out.request_id]
+                self._active[out.request_id] -= 1
+                if self._active[out.request_id] == 0:
+                    del self._active[out.request_id]
 
     def _abort_in_engine(self, request_id: str) -> None:
         try:

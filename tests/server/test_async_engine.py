@@ -17,15 +17,15 @@ from tests.server.conftest import LiveServer, engine_config
 
 
 class FlakyEngine(Engine):
-    """Raises from a step's launch when told to, once."""
+    """Raises from step() when told to, once."""
 
     fail_next_step = threading.Event()
 
-    def launch(self) -> None:
+    def step(self, emit: bool = True, deltas=None):
         if self.fail_next_step.is_set():
             self.fail_next_step.clear()
             raise RuntimeError("injected fault")
-        super().launch()
+        return super().step(emit, deltas)
 
 
 @pytest.fixture(scope="module")
