@@ -28,12 +28,20 @@ import httpx
 from tqdm import tqdm
 
 from clients.arrivals import Send, arrival_gaps, closed_loop, open_loop
-from clients.metrics import BenchmarkMetrics, RequestRecord, compute_metrics, parse_goodput
+from clients.connections import Connections
+from clients.metrics import (
+    BenchmarkMetrics,
+    RequestRecord,
+    compute_metrics,
+    last_end,
+    parse_goodput,
+)
 from clients.report import format_table, write_plots
 from clients.stream import request_body, stream_request
 from clients.workload import DatasetWorkload, FixedWorkload, RandomWorkload, Workload
 
 DEFAULT_PROMPT = "Hello, my name is"
+OPEN_LOOP_RESERVE = 512  # clients made before an open loop's clock, per client process
 CLIENT_BUSY = 0.9  # a client process on the CPU more than this share of a run is a suspect
 
 
@@ -125,7 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-requests", type=int, default=100, help="0 = no count bound (needs --duration)"
     )
     bounds.add_argument("--duration", type=float, help="stop sending new requests after S seconds")
-    bounds.add_argument("--warmup", type=int, default=0, help="requests sent first, not counted")
+    bounds.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="requests sent first, not counted; it also opens the connections a closed "
+        "loop holds (makes an open loop's clients) before the clock starts",
+    )
     bounds.add_argument("--timeout", type=float, default=600.0, help="per-request limit (s)")
     bounds.add_argument("--seed", type=int, default=0)
     bounds.add_argument(
@@ -254,21 +268,8 @@ def result_notes(
     return notes
 
 
-def _client(args: argparse.Namespace) -> httpx.AsyncClient:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # No connection cap: a pool limit would queue requests inside the client and
-    # inflate TTFT with time the server never saw.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(
-        base_url=args.base_url,
-        headers=headers,
-        timeout=httpx.Timeout(args.timeout),
-        limits=limits,
-    )
-
-
 def _sender(
-    client: httpx.AsyncClient,
+    connections: Connections,
     args: argparse.Namespace,
     model: str,
     workload: Workload,
@@ -280,12 +281,15 @@ def _sender(
         spec = workload.request(index)
         record = RequestRecord(index=index, requested_max_tokens=spec.max_tokens)
         body = request_body(spec, model, chat)
+        client = connections.take()
         try:
             await asyncio.wait_for(
                 stream_request(client, args.endpoint, body, record, chat), args.timeout
             )
         except asyncio.TimeoutError:
             record.fail("timeout", f"no complete response within --timeout {args.timeout:g} s")
+        finally:
+            connections.give(client)
         if index >= 0:
             on_done()
         return record
@@ -293,13 +297,28 @@ def _sender(
     return send
 
 
+def _width(concurrency: int, share: tuple[int, int]) -> int:
+    """A client process's share of a closed loop's concurrency."""
+    worker, workers = share
+    return concurrency // workers + (worker < concurrency % workers)
+
+
+async def _prepare(connections: Connections, args: argparse.Namespace, share: tuple[int, int]):
+    """The warmup's part in connections: a closed loop's are opened; for an open loop,
+    clients are made for up to OPEN_LOOP_RESERVE of this process's requests."""
+    if args.concurrency is not None:
+        await connections.open(_width(args.concurrency, share))
+    else:
+        mine = -(-args.num_requests // share[1]) if args.num_requests else OPEN_LOOP_RESERVE
+        connections.reserve(min(mine, OPEN_LOOP_RESERVE))
+
+
 async def _measured(
     args: argparse.Namespace, send: Send, start: float, share: tuple[int, int] = (0, 1)
 ) -> list[RequestRecord]:
     """The measured requests of this client process (share: which of how many)."""
     if args.concurrency is not None:
-        worker, workers = share
-        width = args.concurrency // workers + (worker < args.concurrency % workers)
+        width = _width(args.concurrency, share)
         return await closed_loop(send, width, args.num_requests, args.duration, start, share)
     gaps = arrival_gaps(args.request_rate, args.burstiness, args.seed)
     return await open_loop(send, gaps, args.num_requests, args.duration, start, share)
@@ -308,17 +327,21 @@ async def _measured(
 async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
     """Run warmup then the measured requests; `args` as parsed and checked by main()."""
     workload = make_workload(args)
-    async with _client(args) as client:
+    async with Connections(args) as connections:
+        client = connections.take()
         model = args.model or await first_model(client)
+        connections.give(client)
         total = args.num_requests or None
         bar = tqdm(total=total, unit="req", disable=args.no_progress, file=sys.stderr)
-        send = _sender(client, args, model, workload, bar.update)
+        send = _sender(connections, args, model, workload, bar.update)
 
         warmup: list[RequestRecord] = []
         if args.warmup:
             # Negative indices: warmup prompts differ from the measured ones.
             width = min(args.warmup, args.concurrency or args.warmup)
             warmup = await closed_loop(lambda i: send(-1 - i), width, args.warmup, None)
+            if args.workers == 1:
+                await _prepare(connections, args, (0, 1))
 
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         try:
@@ -330,7 +353,10 @@ async def run_loadtest(args: argparse.Namespace) -> LoadTestResult:
                 cpu = [time.process_time() - cpu0]
         finally:
             bar.close()
-        duration = time.perf_counter() - t0
+        # vLLM's duration: from the start to the last request's end, not to when
+        # this process has the records (from client processes, that takes a while).
+        end = last_end(records)
+        duration = (time.perf_counter() if end is None else end) - t0
 
     metrics = compute_metrics(records, duration, args.slos_ms)
     busy = [c / duration for c in cpu] if duration > 0 else []
@@ -425,8 +451,10 @@ async def _worker_run(
     args, model, share, ready, go, start, ticks
 ) -> tuple[list[RequestRecord], float]:
     """This process's records and the CPU time it spent on them."""
-    async with _client(args) as client:
-        send = _sender(client, args, model, make_workload(args), lambda: ticks.put(1))
+    async with Connections(args) as connections:
+        send = _sender(connections, args, model, make_workload(args), lambda: ticks.put(1))
+        if args.warmup:
+            await _prepare(connections, args, share)
         ready.put(share[0])
         await asyncio.to_thread(go.wait)
         cpu0 = time.process_time()

@@ -186,14 +186,19 @@ def meets_slos(record: RequestRecord, slos_ms: dict[str, float]) -> bool:
     return True
 
 
-def benchmark_span(records: list[RequestRecord]) -> float:
-    """First send -> last end, for callers without their own wall-clock duration."""
+def last_end(records: list[RequestRecord]) -> float | None:
+    """When the last request was done: the latest end (or last chunk, or send)."""
     if not records:
-        return 0.0
-    start = min(r.send_time for r in records)
+        return None
     ends = [r.end_time if r.end_time is not None else r.send_time for r in records]
     ends += [r.chunk_times[-1] for r in records if r.chunk_times]
-    return max(ends) - start
+    return max(ends)
+
+
+def benchmark_span(records: list[RequestRecord]) -> float:
+    """First send -> last end, for callers without their own start time."""
+    end = last_end(records)
+    return 0.0 if end is None else end - min(r.send_time for r in records)
 
 
 def compute_metrics(

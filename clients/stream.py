@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -9,6 +11,8 @@ import httpx
 
 from clients.metrics import RequestRecord
 from clients.workload import RequestSpec
+
+DRAIN_TIMEOUT_S = 1.0  # for the rest of a body after its [DONE]
 
 
 def request_body(spec: RequestSpec, model: str, chat: bool) -> dict:
@@ -59,6 +63,11 @@ def _body(response: httpx.Response):
     return response.aiter_bytes()
 
 
+async def _drain(body) -> None:
+    async for _ in body:
+        pass
+
+
 def _take_event(
     record: RequestRecord, event: object, payload: bytes, chat: bool, now: float
 ) -> bool:
@@ -105,7 +114,8 @@ async def stream_request(
                 return
             got_done = False
             pending = b""  # a line cut off at the end of the last read
-            async for data in _body(response):
+            body = _body(response)
+            async for data in body:
                 now = time.perf_counter()
                 lines = (pending + data).split(b"\n")
                 pending = lines.pop()
@@ -124,6 +134,13 @@ async def stream_request(
                     break
             if not got_done:
                 record.fail("protocol", "stream ended without 'data: [DONE]'")
+                return
+            # Read the body to its end, as the OpenAI SDK does: httpx closes a connection
+            # whose response was left unread, so every request of a closed loop would
+            # set one up anew (server and client both). A server that keeps the stream
+            # open after [DONE] costs a second, and its connection.
+            with contextlib.suppress(asyncio.TimeoutError, httpx.HTTPError):
+                await asyncio.wait_for(_drain(body), DRAIN_TIMEOUT_S)
     except json.JSONDecodeError as e:
         record.fail("protocol", f"bad JSON in stream: {e}")
     except httpx.TimeoutException as e:

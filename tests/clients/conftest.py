@@ -36,6 +36,8 @@ class FakeServer:
     base_url: str
     delay_s: float = 0.005
     bodies: list[dict] = field(default_factory=list)
+    # (method, client port) of every request, in arrival order: which connection it came on
+    peers: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _prompt_of(body: dict) -> str:
@@ -62,6 +64,11 @@ def make_app(state: FakeServer) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {}
+
+    @app.middleware("http")
+    async def log_peer(request: Request, call_next):
+        state.peers.append((request.method, request.client.port))
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -145,5 +152,6 @@ def fake_server() -> Iterator[FakeServer]:
 def fake(fake_server: FakeServer) -> FakeServer:
     """The shared fake server, with the request log and delay reset for this test."""
     fake_server.bodies.clear()
+    fake_server.peers.clear()
     fake_server.delay_s = 0.005
     return fake_server

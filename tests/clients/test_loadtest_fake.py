@@ -8,11 +8,13 @@ import subprocess
 import sys
 from itertools import pairwise
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from clients import loadtest
 from clients.arrivals import arrival_gaps
+from clients.connections import Connections
 from clients.metrics import RequestRecord, compute_metrics
 from clients.workload import RandomWorkload
 
@@ -317,7 +319,54 @@ def test_client_processes_share_one_schedule(fake, tmp_path):
     assert len(result["client_busy"]) == 2 and all(0 < b < 1 for b in result["client_busy"])
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_warmup_opens_the_closed_loops_connections(fake, tmp_path, workers):
+    """With --warmup, each client process opens the connections its closed loop holds
+    before the clock starts: no measured request pays for a connection's setup."""
+    fake.delay_s = 0.002
+    rc, result = run(
+        fake, tmp_path, "--workers", workers, "--concurrency", "6", "--num-requests", "18",
+        "--warmup", "1", "--max-tokens", "3", "--ignore-eos",
+    )  # fmt: skip
+    assert rc == 0 and result["metrics"]["completed"] == 18
+    opened = {port for method, port in fake.peers if method == "GET"}
+    measured = [port for method, port in fake.peers if method == "POST"][1:]  # after the warmup's
+    assert len(measured) == 18
+    assert set(measured) <= opened, str(fake.peers)
+    assert len(set(measured)) == 6  # the loop holds its 6 connections, each reused
+
+
+def test_duration_ends_with_the_last_request(fake, tmp_path):
+    """Throughputs divide by the time from the start to the last request's end (vLLM's
+    duration), not to when the client processes have handed their records over."""
+    fake.delay_s = 0.002
+    rc, result = run(
+        fake, tmp_path, "--workers", "2", "--concurrency", "4", "--num-requests", "12",
+        "--max-tokens", "3", "--ignore-eos",
+    )  # fmt: skip
+    assert rc == 0
+    records = records_of(result)  # times relative to the start
+    m = result["metrics"]
+    assert m["duration_s"] == approx(max(r.end_time for r in records), rel=1e-9)
+    assert m["output_throughput"] == approx(36 / m["duration_s"])
+
+
 def test_workers_beyond_concurrency_are_refused():
     with pytest.raises(SystemExit) as e:
         loadtest.main(["--workers", "3", "--concurrency", "2", "--no-progress"])
     assert e.value.code == 2
+
+
+async def test_connections_are_reused_one_request_at_a_time(fake):
+    args = SimpleNamespace(base_url=fake.base_url, api_key=None, timeout=10.0)
+    async with Connections(args) as connections:
+        connections.reserve(3)
+        taken = [connections.take() for _ in range(3)]
+        assert len(set(map(id, taken))) == 3 and not connections._idle
+        fourth = connections.take()  # none idle: a new one
+        assert fourth not in taken
+        for client in taken:
+            connections.give(client)
+        assert connections.take() is taken[-1]  # the last given back goes out first
+        await connections.open(4)  # four at once: four connections
+    assert len({port for method, port in fake.peers if method == "GET"}) == 4

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
+from clients import stream
 from clients.metrics import RequestRecord
 from clients.stream import stream_request
 
@@ -73,3 +75,50 @@ def test_events_split_across_reads_come_out_whole():
 def test_a_broken_stream_fails_the_request(tail, kind):
     record = run([event(" a"), tail] if tail else [event(" a")])
     assert record.error_kind == kind and record.text == " a"
+
+
+class Tracked(Reads):
+    """Reads that note whether the client read them to the end, and can linger."""
+
+    def __init__(self, pieces: list[bytes], linger_s: float = 0.0) -> None:
+        super().__init__(pieces)
+        self.linger_s = linger_s
+        self.finished = False
+
+    async def __aiter__(self):
+        async for piece in super().__aiter__():
+            yield piece
+        await asyncio.sleep(self.linger_s)
+        self.finished = True
+
+
+def run_tracked(body: Tracked) -> RequestRecord:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
+
+    async def go() -> RequestRecord:
+        record = RequestRecord(index=0)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await stream_request(client, "http://x/v1/completions", {}, record, chat=False)
+        return record
+
+    return asyncio.run(go())
+
+
+def test_the_body_is_read_to_its_end_after_done():
+    """As the OpenAI SDK does: a response left unread closes its connection, and a
+    closed loop would then set up a new one for every request."""
+    body = Tracked([event(" a"), b"data: [DONE]\r\n\r\n", b": after\r\n\r\n"])
+    record = run_tracked(body)
+    assert record.ok and record.text == " a"
+    assert body.finished
+
+
+def test_a_stream_left_open_after_done_still_counts(monkeypatch):
+    monkeypatch.setattr(stream, "DRAIN_TIMEOUT_S", 0.05)
+    body = Tracked([event(" a"), b"data: [DONE]\r\n\r\n"], linger_s=30.0)
+    start = time.perf_counter()
+    record = run_tracked(body)
+    assert record.ok, record.error
+    assert record.end_time - record.send_time < 1.0  # timed at [DONE]
+    assert time.perf_counter() - start < 5.0 and not body.finished
