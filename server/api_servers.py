@@ -2,10 +2,10 @@
 
 With `--engine-process` the engine has a core of its own, and the single API
 process becomes the limit: HTTP parsing, SSE chunks and metrics for every
-stream run on one event loop, one core. Here a supervisor binds the listening
-socket once and spawns the engine process and N API processes; each API
-process accepts from the shared socket (the kernel hands every connection to
-one of them), talks to the engine over its own pair of pipes
+stream run on one event loop, one core. Here a supervisor binds N listening
+sockets on the one port (SO_REUSEPORT: the kernel spreads connections over
+them) and spawns the engine process and N API processes; each API process
+accepts from its socket, talks to the engine over its own pair of pipes
 (server/engine_process.py), and keeps its metrics in its row of a shared
 buffer, so /metrics from any of them covers all of them.
 
@@ -42,19 +42,11 @@ def run_api_servers(
     engine_factory: Callable[[EngineConfig], Any] | None = None,
 ) -> int:
     """Serve until told to stop; 0 after a requested shutdown, 1 if a process died."""
-    import uvicorn
-
     from server.app import build_engine
 
     count = server_config.api_server_count
     ctx = multiprocessing.get_context("spawn")
-    bind_config = uvicorn.Config(
-        "server.app:create_app",  # never loaded: only binds, as uvicorn's own workers do
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-    )
-    sock = bind_config.bind_socket()  # exits at once if the port is taken
+    socks = bind_sockets(server_config, count)  # exits at once if the port is taken
     engine, endpoints = spawn_engine(
         engine_config, engine_factory or build_engine, GIL_SWITCH_INTERVAL_S, count
     )
@@ -63,13 +55,14 @@ def run_api_servers(
     for i, endpoint in enumerate(endpoints):
         process = ctx.Process(
             target=_api_server_main,
-            args=(engine_config, server_config, endpoint, MetricsShare(share, i, count), sock),
+            args=(engine_config, server_config, endpoint, MetricsShare(share, i, count), socks[i]),
             name=f"pagoda-api-{i}",
             daemon=True,
         )
         process.start()
         servers.append(process)
-    sock.close()  # the API processes hold their own copies
+    for sock in socks:
+        sock.close()  # the API processes hold their own copies
     for endpoint in endpoints:  # theirs too: EOF must reach the engine when one goes
         endpoint.to_engine.close()
         endpoint.from_engine.close()
@@ -77,6 +70,47 @@ def run_api_servers(
         "%d API processes (pids %s), engine pid %d", count, [p.pid for p in servers], engine.pid
     )
     return _supervise(servers, engine, server_config.shutdown_timeout)
+
+
+def bind_sockets(server_config: ServerConfig, count: int) -> list[socket.socket]:
+    """A listening socket for each API process, all on the one port (SO_REUSEPORT),
+    so that the kernel spreads connections over the processes evenly, by address.
+    From one shared socket, the process that happens to be in accept() takes a
+    burst of them, and a client that keeps its connections (the OpenAI SDK, any
+    pooled HTTP client) stays with it: 57 of 64 went to one of four processes in a
+    closed loop, which then ran at that process's pace. Without SO_REUSEPORT (not
+    Linux), they share one socket, as uvicorn's own workers do."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        "server.app:create_app",  # never loaded: only binds
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+    )
+    if count == 1 or not hasattr(socket, "SO_REUSEPORT"):
+        sock = config.bind_socket()
+        return [sock] * count
+    family = socket.AF_INET6 if ":" in server_config.host else socket.AF_INET
+    socks: list[socket.socket] = []
+    port = server_config.port
+    try:
+        for _ in range(count):
+            sock = socket.socket(family=family)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((server_config.host, port))
+            port = sock.getsockname()[1]  # --port 0: the others join the first one's
+            # Listening now: a connection hashed to a process still starting waits in
+            # its backlog instead of going to whichever process listens first.
+            sock.listen(config.backlog)
+            sock.set_inheritable(True)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", server_config.host, port, exc)
+        sys.exit(1)
+    logger.info("listening on http://%s:%d (%d sockets)", server_config.host, port, count)
+    return socks
 
 
 def _supervise(servers: list[Any], engine: Any, shutdown_timeout: float) -> int:

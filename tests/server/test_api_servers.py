@@ -5,6 +5,7 @@ its own requests; the supervisor shares one port and merges /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -22,11 +23,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from clients.connections import Connections
 from engine.config import EngineConfig
 from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
+from server.api_servers import bind_sockets
 from server.app import build_engine
 from server.async_engine import AsyncEngine
+from server.config import ServerConfig
 from server.engine_loop import Abort, Add
 from server.engine_process import Clients, spawn_engine
 from server.errors import APIError
@@ -354,6 +358,65 @@ async def test_streams_from_either_api_process_match_the_thread_engine(superviso
         assert supervisor.metric('pagoda:request_success_total{finished_reason="length"}') == 16
         assert supervisor.metric("pagoda:generation_tokens_total") == total
         assert supervisor.metric("pagoda:num_requests_waiting") == 0
+
+
+def test_each_api_process_listens_on_a_socket_of_its_own():
+    """N sockets on one port (SO_REUSEPORT): the kernel spreads connections over them
+    by address, whichever process is in accept() when they come."""
+    socks = bind_sockets(ServerConfig(host="127.0.0.1", port=0), 4)
+    conns: list[socket.socket] = []
+    try:
+        port = socks[0].getsockname()[1]
+        assert len({s.fileno() for s in socks}) == 4
+        assert all(s.getsockname()[1] == port for s in socks)
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(256)]
+        counts = []
+        for sock in socks:  # each connection waits in the accept queue of one of them
+            sock.setblocking(False)
+            n = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    accepted, _ = sock.accept()
+                    accepted.close()
+                    n += 1
+            counts.append(n)
+        assert sum(counts) == 256
+        assert min(counts) >= 32, counts  # 64 each on average; under 32 is ~1e-6
+    finally:
+        for s in conns + socks:
+            s.close()
+
+
+def established(pids: list[int], port: int) -> dict[int, int]:
+    """Established TCP connections to `port` that each process holds (read from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(inode)
+    counts = {}
+    for pid in pids:
+        links = []
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(fd))
+        counts[pid] = sum(link[len("socket:[") : -1] in inodes for link in links)
+    return counts
+
+
+async def test_kept_connections_spread_over_the_api_processes(supervisor):
+    """Each API process accepts from a socket of its own on the port (SO_REUSEPORT), so
+    the kernel spreads connections evenly. From one shared socket, a burst of them
+    went mostly to one process, and a client that keeps its connections stayed there."""
+    _, servers = supervisor.pids()
+    args = SimpleNamespace(base_url=supervisor.base_url, api_key=None, timeout=60.0)
+    async with Connections(args) as connections:
+        await connections.open(64)
+        counts = established(servers, supervisor.port)
+    assert sum(counts.values()) >= 64
+    assert min(counts.values()) >= 16, counts  # even by hash: fewer than 16 of 64 ~ 1e-4
 
 
 def test_sigterm_stops_every_process(supervisor):
