@@ -303,7 +303,9 @@ def _width(concurrency: int, share: tuple[int, int]) -> int:
     return concurrency // workers + (worker < concurrency % workers)
 
 
-async def _prepare(connections: Connections, args: argparse.Namespace, share: tuple[int, int]):
+async def _prepare(
+    connections: Connections, args: argparse.Namespace, share: tuple[int, int]
+) -> None:
     """The warmup's part in connections: a closed loop's are opened; for an open loop,
     clients are made for up to OPEN_LOOP_RESERVE of this process's requests."""
     if args.concurrency is not None:
