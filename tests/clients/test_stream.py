@@ -34,10 +34,12 @@ class Reads(httpx.AsyncByteStream):
             yield piece
 
 
-def run(pieces: list[bytes]) -> RequestRecord:
+def run(pieces: list[bytes] | Reads) -> RequestRecord:
+    """One request whose body is `pieces` (or that stream of them)."""
+    body = pieces if isinstance(pieces, Reads) else Reads(pieces)
+
     def handler(request: httpx.Request) -> httpx.Response:
-        headers = {"content-type": "text/event-stream"}
-        return httpx.Response(200, headers=headers, stream=Reads(pieces))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
 
     async def go() -> RequestRecord:
         record = RequestRecord(index=0)
@@ -92,24 +94,11 @@ class Tracked(Reads):
         self.finished = True
 
 
-def run_tracked(body: Tracked) -> RequestRecord:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=body)
-
-    async def go() -> RequestRecord:
-        record = RequestRecord(index=0)
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            await stream_request(client, "http://x/v1/completions", {}, record, chat=False)
-        return record
-
-    return asyncio.run(go())
-
-
 def test_the_body_is_read_to_its_end_after_done():
     """As the OpenAI SDK does: a response left unread closes its connection, and a
     closed loop would then set up a new one for every request."""
     body = Tracked([event(" a"), b"data: [DONE]\r\n\r\n", b": after\r\n\r\n"])
-    record = run_tracked(body)
+    record = run(body)
     assert record.ok and record.text == " a"
     assert body.finished
 
@@ -118,7 +107,7 @@ def test_a_stream_left_open_after_done_still_counts(monkeypatch):
     monkeypatch.setattr(stream, "DRAIN_TIMEOUT_S", 0.05)
     body = Tracked([event(" a"), b"data: [DONE]\r\n\r\n"], linger_s=30.0)
     start = time.perf_counter()
-    record = run_tracked(body)
+    record = run(body)
     assert record.ok, record.error
     assert record.end_time - record.send_time < 1.0  # timed at [DONE]
     assert time.perf_counter() - start < 5.0 and not body.finished
