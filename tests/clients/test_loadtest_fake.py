@@ -368,5 +368,7 @@ async def test_connections_are_reused_one_request_at_a_time(fake):
         for client in taken:
             connections.give(client)
         assert connections.take() is taken[-1]  # the last given back goes out first
+        connections.reserve(5)  # two idle already: three more
+        assert len(connections._idle) == 5 and len(connections._all) == 7
         await connections.open(4)  # four at once: four connections
     assert len({port for method, port in fake.peers if method == "GET"}) == 4
