@@ -56,11 +56,9 @@ def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> di
     decode_steps: list[float] = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        batch_was_decode = len(engine.scheduler.waiting) == 0 and all(
-            r.num_computed_tokens >= r.num_tokens for r in engine.scheduler.running
-        )
         finished += engine.step()
-        if batch_was_decode:
+        launched = engine.inflight  # the step just launched (final-only greedy: asynchronous)
+        if launched is not None and launched.batch.is_decode_only:
             decode_steps.append(time.perf_counter() - t0)
     total = time.perf_counter() - start
     tokens = sum(output_lens)
@@ -143,10 +141,9 @@ def start_decoding(
     for i in range(batch):
         engine.add_request(f"p{i}", [1] * context, params)
     while len(engine.scheduler.running) < batch or any(
-        r.num_computed_tokens < r.num_tokens for r in engine.scheduler.running
+        not r.output_token_ids for r in engine.scheduler.running
     ):
         engine.step()
-    engine.step()
 
 
 def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) -> dict:

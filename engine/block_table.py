@@ -30,8 +30,6 @@ class BlockTable:
         self.flat = self.np.reshape(-1)  # a view
         self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per step)
         self.changed: list[int] = []  # flat indices of the entries written since the last send
-        self.dirty_lo = max_num_seqs  # span of rows changed since the last commit
-        self.dirty_hi = -1
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
@@ -46,8 +44,17 @@ class BlockTable:
             self.np[slot, have : len(block_ids)] = block_ids[have:]
             self.changed += range(at + have, at + len(block_ids))
         self.num_blocks[slot] = len(block_ids)
-        self.dirty_lo = min(self.dirty_lo, slot)
-        self.dirty_hi = max(self.dirty_hi, slot)
+
+    def append_entries(self, slots: list[int], blocks: list[int]) -> None:
+        """Row slots[k] gains one entry, blocks[k]: decodes that open a block each."""
+        num_blocks, width = self.num_blocks, self.width
+        at = []
+        for slot in slots:
+            have = num_blocks[slot]
+            num_blocks[slot] = have + 1
+            at.append(slot * width + have)
+        self.flat[at] = blocks
+        self.changed += at
 
     def clear_row(self, slot: int) -> None:
         # Stale entries are harmless: context lengths bound every read.
@@ -56,12 +63,13 @@ class BlockTable:
     def commit(self) -> bool:
         """Send the changed rows to the device; True if a copy was queued (the caller
         keeps the pinned rows untouched until it has run: see ModelRunner)."""
-        if self.dirty_hi < 0:
+        changed = self.changed
+        if not changed:
             return False
-        if self.on_cuda:
-            lo, hi = self.dirty_lo, self.dirty_hi + 1
+        if self.on_cuda:  # the span of rows that holds them
+            lo, hi = min(changed) // self.width, max(changed) // self.width + 1
             self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
-        self._sent()
+        self.changed = []
         return self.on_cuda
 
     def take_changes(self, limit: int) -> list[int] | None:
@@ -70,9 +78,5 @@ class BlockTable:
         changed = self.changed
         if len(changed) > limit:
             return None
-        self._sent()
-        return changed
-
-    def _sent(self) -> None:
-        self.dirty_lo, self.dirty_hi = len(self.num_blocks), -1
         self.changed = []
+        return changed

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.cuda.nvtx import range_pop, range_push
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -110,7 +111,9 @@ class Engine:
         self.sampling_for: tuple[list[Request] | None, bool, bool] = (None, False, False)
         self.run: QuietRun | None = None  # see engine.quiet_run
         self.scheduler.on_leave_steady = self._settle
-        self.no_nvtx = contextlib.nullcontext()
+        # NVTX ranges around the step's phases, for nsys. Checked inline: a null
+        # context manager per phase cost ~1 us a step of host time.
+        self.nvtx = config.nvtx and device.type == "cuda"
 
     # -- requests ---------------------------------------------------------
 
@@ -189,16 +192,23 @@ class Engine:
         on the host, so a step with such a request reads N-1 before sampling
         and its own ids at once.
         """
-        with self._nvtx("schedule"):
-            batch = self.scheduler.schedule()  # leaving the steady state settles the run
+        nvtx = self.nvtx
+        if nvtx:
+            range_push("schedule")
+        batch = self.scheduler.schedule()  # leaving the steady state settles the run
+        if nvtx:
+            range_pop()
         prev, self.inflight = self.inflight, None
         if batch:
             # The last step sampled this very list, and its ids are still unread: every
             # input is on the device, and no request's count needs to be looked at.
             on_device = prev is not None and prev.sampling is batch.requests
             assert self.run is None or on_device  # a run lasts as long as the steady state
-            with self._nvtx("forward"):
-                logits = self.runner.execute(batch, on_device)
+            if nvtx:
+                range_push("forward")
+            logits = self.runner.execute(batch, on_device)
+            if nvtx:
+                range_pop()
             sampling = batch.sampling()
             if sampling is not self.sampling_for[0]:  # the steady state repeats one list
                 params = [req.params for req in sampling]  # lists: faster than generators
@@ -214,8 +224,12 @@ class Engine:
             token_ids = None
             run = None
             if sampling:
-                with self._nvtx("sample"):  # logits: the sampling rows only
-                    token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
+                if nvtx:
+                    range_push("sample")
+                # logits: the sampling rows only
+                token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
+                if nvtx:
+                    range_pop()
                 if quiet and batch.steady and on_device and not sync:
                     if self.run is None:
                         self.run = QuietRun(sampling, stop_table(sampling, self.vocab_size))
@@ -270,61 +284,67 @@ class Engine:
 
     def _process(self, step: LaunchedStep) -> None:
         """Read a launched step's ids; append them, apply stops, note the news."""
-        with self._nvtx("update"):
-            token_ids = step.token_ids
-            if step.run is not None and step.run is self.run:
-                if self.run.read(token_ids.numpy()):  # waits for the step's copy
-                    return
-                self._settle()  # a stop id: this step is read as an ordinary one
-            if token_ids is not None and not isinstance(token_ids, list):
-                token_ids = token_ids.tolist()  # waits for the step's copy to the host
-            if not step.sampling:
-                return  # prefill chunks only: the scheduler registers their full blocks
-            if step.logprobs is not None:  # before any request can finish: its last output has them
-                for req, logprob in zip(step.sampling, step.logprobs):
-                    if logprob is not None and req.status is not RequestStatus.FINISHED:
-                        req.pending_logprobs.append(logprob)
-            caching = self.blocks.enable_prefix_caching
-            every_step = self.config.stream_interval == 1
-            interval = self.config.stream_interval
-            now = time.time()
-            news = self.news
-            finished = RequestStatus.FINISHED
-            # The hot loop (every sampling request, every step): as few operations as
-            # the common case allows. Full blocks are registered for the prefix cache
-            # here only at the first token (a sibling choice waits for the prompt's
-            # blocks); later ones when the scheduler opens the next block, and when
-            # the blocks are freed.
-            for req, token_id in zip(step.sampling, token_ids):
-                req.num_inflight -= 1
-                if req.status is finished:
-                    continue  # stopped or aborted while this step ran: its work is void
-                out_ids = req.output_token_ids
-                if not out_ids:
-                    req.metrics.first_token_time = now
-                    if caching:
-                        self.blocks.cache_full_blocks(req)
-                all_ids = req.all_token_ids
-                out_ids.append(token_id)
-                all_ids.append(token_id)
-                params = req.params
-                if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
-                    self._check_token_stop(req, token_id)
-                elif params.quiet:
-                    continue  # the common offline case: nothing to report yet
-                elif every_step and params.streams_ids:
-                    news[req] = None  # the common served case: news every step
-                    continue
-                if params.stop:
-                    self._detokenize(req)  # a stop string must end it now, not when asked
-                # Streamed: every `interval` tokens, the first at once. Always: the last.
-                streams = not params.final_only and (
-                    interval == 1
-                    or not req.num_emitted_tokens
-                    or len(out_ids) - req.num_emitted_tokens >= interval
-                )
-                if streams or req.status is finished:
-                    news[req] = None
+        if self.nvtx:
+            with torch.cuda.nvtx.range("update"):
+                self._update(step)
+        else:
+            self._update(step)
+
+    def _update(self, step: LaunchedStep) -> None:
+        token_ids = step.token_ids
+        if step.run is not None and step.run is self.run:
+            if self.run.read(token_ids.numpy()):  # waits for the step's copy
+                return
+            self._settle()  # a stop id: this step is read as an ordinary one
+        if token_ids is not None and not isinstance(token_ids, list):
+            token_ids = token_ids.tolist()  # waits for the step's copy to the host
+        if not step.sampling:
+            return  # prefill chunks only: the scheduler registers their full blocks
+        if step.logprobs is not None:  # before any request can finish: its last output has them
+            for req, logprob in zip(step.sampling, step.logprobs):
+                if logprob is not None and req.status is not RequestStatus.FINISHED:
+                    req.pending_logprobs.append(logprob)
+        caching = self.blocks.enable_prefix_caching
+        every_step = self.config.stream_interval == 1
+        interval = self.config.stream_interval
+        now = time.time()
+        news = self.news
+        finished = RequestStatus.FINISHED
+        # The hot loop (every sampling request, every step): as few operations as
+        # the common case allows. Full blocks are registered for the prefix cache
+        # here only at the first token (a sibling choice waits for the prompt's
+        # blocks); later ones when the scheduler opens the next block, and when
+        # the blocks are freed.
+        for req, token_id in zip(step.sampling, token_ids):
+            req.num_inflight -= 1
+            if req.status is finished:
+                continue  # stopped or aborted while this step ran: its work is void
+            out_ids = req.output_token_ids
+            if not out_ids:
+                req.metrics.first_token_time = now
+                if caching:
+                    self.blocks.cache_full_blocks(req)
+            all_ids = req.all_token_ids
+            out_ids.append(token_id)
+            all_ids.append(token_id)
+            params = req.params
+            if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
+                self._check_token_stop(req, token_id)
+            elif params.quiet:
+                continue  # the common offline case: nothing to report yet
+            elif every_step and params.streams_ids:
+                news[req] = None  # the common served case: news every step
+                continue
+            if params.stop:
+                self._detokenize(req)  # a stop string must end it now, not when asked
+            # Streamed: every `interval` tokens, the first at once. Always: the last.
+            streams = not params.final_only and (
+                interval == 1
+                or not req.num_emitted_tokens
+                or len(out_ids) - req.num_emitted_tokens >= interval
+            )
+            if streams or req.status is finished:
+                news[req] = None
 
     def _settle(self) -> None:
         """End the quiet run: append the ids it booked, and count its unread steps in
@@ -408,9 +428,7 @@ class Engine:
         )
 
     def _nvtx(self, name: str):
-        if self.config.nvtx and self.runner.device.type == "cuda":
-            return torch.cuda.nvtx.range(name)
-        return self.no_nvtx
+        return torch.cuda.nvtx.range(name) if self.nvtx else contextlib.nullcontext()
 
 
 def check_request(

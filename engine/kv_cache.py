@@ -103,8 +103,21 @@ class BlockManager:
     def append_block(self, req: Request, count: int = 1) -> None:
         """Give req the next `count` free blocks (the caller knows there are enough):
         what a decode that opens a block needs, without allocate's accounting."""
+        req.block_ids += self._take_free(count)
+
+    def open_blocks(self, reqs: list[Request]) -> list[int]:
+        """One more block each (the caller knows there are enough free ones): the
+        decodes that open a block in a steady step. Returns the blocks, in order."""
+        blocks = self._take_free(len(reqs))
+        for req, block in zip(reqs, blocks):
+            req.block_ids.append(block)
+        return blocks
+
+    def _take_free(self, count: int) -> list[int]:
+        """The next `count` free blocks, held once and no longer findable by hash."""
         free, hashes, cached = self.free_blocks, self.block_hash, self.cached
-        ref_count, block_ids = self.ref_count, req.block_ids
+        ref_count = self.ref_count
+        blocks = []
         for _ in range(count):
             block, _ = free.popitem(last=False)
             old_hash = hashes[block]
@@ -113,7 +126,8 @@ class BlockManager:
                     del cached[old_hash]
                 hashes[block] = None
             ref_count[block] = 1
-            block_ids.append(block)
+            blocks.append(block)
+        return blocks
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks req has filled since the last call.

@@ -319,11 +319,15 @@ class ModelRunner:
         table = self.block_table
         if batch.grown and self.table_sent is not None:
             self.wait(self.table_sent)  # the last commit has read the rows
-        for i in batch.grown:
-            req = requests[i]
-            if i >= batch.first_admitted:
-                table.clear_row(req.slot)
-            table.update_row(req.slot, req.block_ids)
+        if batch.steady:  # each grown row gains one entry: the block it opened
+            if batch.grown:
+                table.append_entries([requests[i].slot for i in batch.grown], batch.opened)
+        else:
+            for i in batch.grown:
+                req = requests[i]
+                if i >= batch.first_admitted:
+                    table.clear_row(req.slot)
+                table.update_row(req.slot, req.block_ids)
 
         if batch.is_decode_only:
             self._fill_decode(batch, on_device)
@@ -400,12 +404,12 @@ class ModelRunner:
             for i in [i for i, req in enumerate(reqs) if not req.num_inflight]:
                 buf["input_ids"][i] = reqs[i].all_token_ids[batch.starts[i]]
                 gather[i] = self.ids_offset + i
-        np.add(positions, 1, out=buf["seq_lens"][:n])
+        buf["seq_lens"][:n] = positions + 1  # an int32 field: a cast in place is slower
         last = self.last_slots[:n]
         if batch.steady and reqs is self.last_slots_for:
             last += 1
-            for i in batch.grown:  # its position starts a block: the block's first slot
-                last[i] = reqs[i].block_ids[-1] * self.block_size
+            for i, block in zip(batch.grown, batch.opened):  # the opened block's first slot
+                last[i] = block * self.block_size
             buf["slot_mapping"][:n] = last
         else:
             self._slot_mapping(slots, positions, n)

@@ -18,7 +18,9 @@ preempted since the last step) repeats the last batch one position on. It
 begins right after a step that admitted prompts, too, when every one of them
 was prefilled whole: that step's next is all decodes as well. Its starts are
 advanced with numpy, and only the requests that open a new block
-this step are touched one by one. Anything else takes the general path.
+this step are touched one by one; the others' num_computed_tokens is written
+back from the starts when the steady state ends. Anything else takes the
+general path.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class SchedulerOutput:
     first_admitted: int = 0
     preempted: list[Request] = field(default_factory=list)
     steady: bool = False  # the last batch (the same list), every request one token on
+    # In a steady batch: the block each grown request opened, its one new block.
+    opened: list[int] = field(default_factory=list)
 
     num_tokens: int = 0
 
@@ -74,10 +78,12 @@ class SchedulerOutput:
 class Steady:
     """The steady state's bookkeeping, so that a step costs O(1) Python besides its
     batch: every start moves one on per step, so the first limit is `headroom` steps
-    away, and the requests that open a block are those whose start reaches a
-    multiple of block_size (found with numpy: a steady state lasts only a few steps
-    under a server's load, so nothing is precomputed per phase), which also says how
-    many steps pass before the next one does (`until_open`).
+    away, and a request opens a block every block_size steps, at a phase of its own:
+    at the first step the requests are sorted by phase once (`order`, cut at
+    `bounds`), and each step takes the group whose phase has come. Meanwhile
+    `last + 1` is each request's num_computed_tokens; `settle` writes it back, and
+    until then the requests' own counts lag (only the steady state runs, and it
+    reads none of them).
 
     It begins after any step that ran every running request and left none short of
     its tokens: a step of decodes, or one that also prefilled whole prompts (the
@@ -93,7 +99,21 @@ class Steady:
         self.ones = [1] * len(out.requests)
         maxes = np.array([req.max_num_tokens for req in out.requests], dtype=np.int64)
         self.headroom = int((maxes - last).min())  # min(max_num_tokens - last)
-        self.until_open = 1  # steps until the next step in which some request opens a block
+        self.steps = 0  # steps taken in the steady state
+        self.order: np.ndarray | None = None  # batch indices by phase (see group)
+        self.bounds: list[int] = []
+
+    def group(self, block_size: int) -> None:
+        """Sort the requests by the steps that open their blocks: request i's start at
+        step s is last_i + s, which begins a block when s = -last_i (mod block_size)."""
+        phase = -self.last & (block_size - 1)
+        self.order = np.argsort(phase, kind="stable")  # batch order within a phase
+        self.bounds = np.searchsorted(phase, np.arange(block_size + 1), sorter=self.order).tolist()
+
+    def settle(self) -> None:
+        """Write each request's num_computed_tokens back (one past its last position)."""
+        for req, num_computed in zip(self.requests, (self.last + 1).tolist()):
+            req.num_computed_tokens = num_computed
 
 
 class Scheduler:
@@ -217,23 +237,25 @@ class Scheduler:
         steady.headroom -= 1
         if steady.headroom <= 1:
             return None  # a request reaches its limit: it is not scheduled again
+        block_size = self.blocks.block_size
+        if steady.order is None:
+            steady.group(block_size)
         starts = steady.last + 1
-        steady.until_open -= 1
-        if steady.until_open > 0:
-            opening = []  # (offline, where prompts are often of one length) most steps
-        else:
-            within = starts & (self.blocks.block_size - 1)  # 0: opens a block now
-            opening = np.flatnonzero(within == 0).tolist()
-            steady.until_open = int((self.blocks.block_size - within).min())
+        steady.steps += 1
+        phase = steady.steps & (block_size - 1)
+        lo, hi = steady.bounds[phase], steady.bounds[phase + 1]
+        opening = steady.order[lo:hi].tolist() if hi > lo else []  # open a block now
         if len(opening) > self.blocks.num_free_blocks:
             return None  # someone may have to be preempted
         requests = steady.requests
-        for i in opening:
-            req = requests[i]
-            self.blocks.note_filled(req)  # the block it leaves is full now
-            self.blocks.append_block(req)  # checked above: there are enough free ones
-        for req in requests:
-            req.num_computed_tokens += 1
+        opened: list[int] = []
+        if opening:
+            reqs = [requests[i] for i in opening]
+            if self.blocks.enable_prefix_caching:
+                for i, req in zip(opening, reqs):
+                    req.num_computed_tokens = int(starts[i])  # its count, for the cache
+                    self.blocks.note_filled(req)  # the block it leaves is full now
+            opened = self.blocks.open_blocks(reqs)  # checked above: there are enough
         out = SchedulerOutput(
             requests,
             starts,
@@ -241,6 +263,7 @@ class Scheduler:
             grown=opening,
             first_admitted=len(requests),
             steady=True,
+            opened=opened,
         )
         out.num_tokens = len(requests)
         steady.last = starts
@@ -267,6 +290,7 @@ class Scheduler:
 
     def _leave_steady(self) -> None:
         if self._steady is not None:
+            self._steady.settle()
             self._steady = None
             if self.on_leave_steady is not None:
                 self.on_leave_steady()

@@ -32,16 +32,25 @@ def count_rows(engine) -> dict[str, int]:
 
 def test_next_step_is_launched_before_the_ids_are_read(llm):
     engine = llm.engine
+    schedule, starts = engine.scheduler.schedule, []
+
+    def traced():
+        out = schedule()
+        starts.extend(int(s) for s in out.starts[:1])
+        return out
+
+    engine.scheduler.schedule = traced
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine.step() == []  # the prefill ran; its token is not read yet
     req = engine.requests["a"][0]
     assert req.num_inflight == 1 and req.output_token_ids == []
     (out,) = engine.step()  # the decode of that token was launched, then it was read
     assert out.new_token_ids == req.output_token_ids[:1] and req.num_inflight == 1
-    # The prompt and the read token are computed; the unread one is the next input.
-    assert req.num_computed_tokens == req.num_tokens == 4
+    # The decode launched at position 3, the read token's: the unread one is the next input.
+    assert starts == [0, 3] and req.num_tokens == 4
     while engine.has_unfinished_requests():
         engine.step()
+    del engine.scheduler.schedule
     assert len(req.output_token_ids) == 4
 
 

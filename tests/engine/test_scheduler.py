@@ -113,6 +113,7 @@ def test_token_in_flight_is_scheduled_before_the_host_reads_it():
     a.num_inflight = 1  # sampled on the device; the host has not read it
     # The unread token is the next input: position 5, one past the known tokens.
     assert entry(sched.schedule()) == (5, 1, True)
+    sched._leave_steady()  # the steady state writes the counts back when it ends
     assert a.num_computed_tokens == 6 and a.num_tokens == 5
 
 
