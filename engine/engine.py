@@ -291,6 +291,7 @@ class Engine:
             self._update(step)
 
     def _update(self, step: LaunchedStep) -> None:
+        """_process without its NVTX range."""
         token_ids = step.token_ids
         if step.run is not None and step.run is self.run:
             if self.run.read(token_ids.numpy()):  # waits for the step's copy

@@ -17,10 +17,9 @@ The steady state (every running request decoding, nobody admitted, finished or
 preempted since the last step) repeats the last batch one position on. It
 begins right after a step that admitted prompts, too, when every one of them
 was prefilled whole: that step's next is all decodes as well. Its starts are
-advanced with numpy, and only the requests that open a new block
-this step are touched one by one; the others' num_computed_tokens is written
-back from the starts when the steady state ends. Anything else takes the
-general path.
+advanced with numpy, only the requests that open a new block this step are
+touched, and the requests' num_computed_tokens are written back from the starts
+when the steady state ends. Anything else takes the general path.
 """
 
 from __future__ import annotations
