@@ -30,7 +30,7 @@ def count_rows(engine) -> dict[str, int]:
     return rows
 
 
-def test_next_step_is_launched_before_the_ids_are_read(llm):
+def test_next_step_is_launched_before_the_ids_are_read(llm, monkeypatch):
     engine = llm.engine
     schedule, starts = engine.scheduler.schedule, []
 
@@ -39,7 +39,7 @@ def test_next_step_is_launched_before_the_ids_are_read(llm):
         starts.extend(int(s) for s in out.starts[:1])
         return out
 
-    engine.scheduler.schedule = traced
+    monkeypatch.setattr(engine.scheduler, "schedule", traced)
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine.step() == []  # the prefill ran; its token is not read yet
     req = engine.requests["a"][0]
@@ -50,7 +50,6 @@ def test_next_step_is_launched_before_the_ids_are_read(llm):
     assert starts == [0, 3] and req.num_tokens == 4
     while engine.has_unfinished_requests():
         engine.step()
-    del engine.scheduler.schedule
     assert len(req.output_token_ids) == 4
 
 
