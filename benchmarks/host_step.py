@@ -64,10 +64,10 @@ def stub_forward(engine) -> None:
     logits[:, token] = 1.0
     argmax = torch.full((runner.max_num_seqs,), token, dtype=torch.int64, device=runner.device)
 
-    def execute(step_batch, on_device=False):  # the runner's work without the model
-        runner._fill(step_batch, on_device)
-        runner._copy()
-        num_sampling = len(step_batch.sampling())
+    def execute(step_batch):  # the runner's work without the model
+        runner.fill(step_batch)
+        runner.copy_staged()
+        num_sampling = int(step_batch.samples.sum())
         runner.argmax = argmax[:num_sampling]
         return logits[:num_sampling]  # the sampling rows, as the runner returns
 
@@ -186,10 +186,10 @@ def measure(
     totals = dict.fromkeys(PHASES, 0.0)
     wrapped = [
         (engine.scheduler, "schedule", "schedule"),
-        (runner, "_fill", "fill"),
+        (runner, "fill", "fill"),
         (runner, "execute", "execute"),
         (engine.sampler, "sample", "sample"),
-        (engine, "_process", "process"),
+        (engine, "_read", "process"),
         (engine, "take_outputs", "outputs"),
     ]
     for obj, attr, phase in wrapped:

@@ -125,7 +125,7 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
     model = llm.engine.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     runner = llm.engine.runner
-    kv_bytes_per_token = runner._bytes_per_block() / runner.block_size
+    kv_bytes_per_token = runner.bytes_per_block() / runner.block_size
     return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
 
 
@@ -185,7 +185,7 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         (engine.scheduler, "schedule", "schedule"),
         (runner, "execute", "prepare_launch"),
         (engine.sampler, "sample", "sample_launch"),
-        (engine, "_process", "read_outputs"),
+        (engine, "_read", "read_outputs"),
     ]
     for obj, attr, phase in wrapped:
         setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
@@ -199,17 +199,19 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
     # Replays read the last decode step's metadata: decode a batch that is at the
     # mean context of the timing pass, then replay its graph.
     start_decoding(engine, batch, context + warmup + steps // 2, max_tokens=64)
-    bucket = runner.decode_bucket[batch]
-    graph = runner.graphs[bucket][runner.parity]
+    bucket = runner.graphs.decode_bucket[batch]
+    graph = runner.graphs.decode[bucket][runner.parity]
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         graph.replay()  # the greedy argmax is inside it
     torch.cuda.synchronize()
     gpu_us = 1e6 * (time.perf_counter() - start) / steps
-    staged, host_ids = runner.staged, runner.sampled_host[0][:batch]
+    staged, host_ids = runner.staged, runner.sampled.hosts[0][:batch]
     h2d_us = _device_us(lambda: staged.staged.copy_(staged.hosts[0], non_blocking=True))
-    d2h_us = _device_us(lambda: host_ids.copy_(runner.sampled_rows[batch], non_blocking=True))
+    d2h_us = _device_us(
+        lambda: host_ids.copy_(runner.sampled.device_rows[batch], non_blocking=True)
+    )
     for i in range(batch):
         engine.abort_request(f"p{i}")
     phases = {k: 1e6 * v / steps for k, v in totals.items()}

@@ -39,12 +39,12 @@ def main(argv: list[str]) -> int:
     start_decoding(engine, batch, CONTEXT, max_tokens=600)
 
     batch_out = engine.scheduler.schedule()
-    assert batch_out.is_decode_only and len(batch_out.requests) == batch
-    runner._fill(batch_out, on_device=True)  # the last step sampled them: ids on the device
-    bucket = next(b for b in sorted(runner.graphs) if b >= len(batch_out.requests))
-    runner._pad_decode(len(batch_out.requests), bucket)
-    inp = runner._send(bucket, bucket, 1, True)
-    graph = runner.graphs[bucket][0]
+    assert batch_out.is_decode_only and batch_out.num_seqs == batch
+    runner.fill(batch_out)
+    bucket = runner.graphs.decode_bucket[batch]
+    runner.graphs.pad_decode(batch, bucket)
+    inp = runner.send(bucket, bucket, 1, True)
+    graph = runner.graphs.decode[bucket][runner.parity]
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
@@ -56,11 +56,11 @@ def main(argv: list[str]) -> int:
 
     with torch.inference_mode():
         for _ in range(5):
-            runner._forward(inp)
+            runner.forward(inp)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
-                runner._forward(inp)
+                runner.forward(inp)
             torch.cuda.synchronize()
     print("20 forwards:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))

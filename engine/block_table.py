@@ -10,12 +10,20 @@ own, and a decode opens at most one block per sequence.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from engine.staging import Fence, WaitClock
 
 
 class BlockTable:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, clock: WaitClock
+    ) -> None:
         self.on_cuda = device.type == "cuda"
+        # Follows the last commit's copy: the pinned rows are not rewritten before it ran.
+        self.sent = Fence(clock) if self.on_cuda else None
+        self.stream = torch.cuda.current_stream(device) if self.on_cuda else None
         shape = (max_num_seqs, max_blocks_per_seq)
         self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=self.on_cuda)
         self.np = self.cpu.numpy()  # a view: writes land in the pinned buffer
@@ -28,16 +36,18 @@ class BlockTable:
         )
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
         self.flat = self.np.reshape(-1)  # a view
-        self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per step)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
         self.changed: list[int] = []  # flat indices of the entries written since the last send
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
-        have = self.num_blocks[slot]
+        have = int(self.num_blocks[slot])
         if len(block_ids) <= have:
             return
+        if self.sent is not None:
+            self.sent.wait()
         at = slot * self.width
-        if len(block_ids) == have + 1:  # a decode opening a block: a scalar write is ~5x faster
+        if len(block_ids) == have + 1:  # a decode opening a block: a scalar write
             self.flat[at + have] = block_ids[have]
             self.changed.append(at + have)
         else:
@@ -45,32 +55,20 @@ class BlockTable:
             self.changed += range(at + have, at + len(block_ids))
         self.num_blocks[slot] = len(block_ids)
 
-    def append_entries(self, slots: list[int], blocks: list[int]) -> None:
-        """Row slots[k] gains one entry, blocks[k]: decodes that open a block each."""
-        num_blocks, width = self.num_blocks, self.width
-        at = []
-        for slot in slots:
-            have = num_blocks[slot]
-            num_blocks[slot] = have + 1
-            at.append(slot * width + have)
-        self.flat[at] = blocks
-        self.changed += at
-
     def clear_row(self, slot: int) -> None:
         # Stale entries are harmless: context lengths bound every read.
         self.num_blocks[slot] = 0
 
-    def commit(self) -> bool:
-        """Send the changed rows to the device; True if a copy was queued (the caller
-        keeps the pinned rows untouched until it has run: see ModelRunner)."""
+    def commit(self) -> None:
+        """Send the changed rows to the device (the span of rows that holds them)."""
         changed = self.changed
         if not changed:
-            return False
-        if self.on_cuda:  # the span of rows that holds them
+            return
+        if self.sent is not None:
             lo, hi = min(changed) // self.width, max(changed) // self.width + 1
             self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
+            self.sent.record(self.stream)
         self.changed = []
-        return self.on_cuda
 
     def take_changes(self, limit: int) -> list[int] | None:
         """The flat indices of the entries written since the last send, which the

@@ -1,10 +1,8 @@
 """The engine: add requests, step, read deltas. Single-threaded by design.
 
 step(): schedule → launch the forward and the sampler → while the GPU runs,
-read the previous step's ids, append them, apply stops, detokenize and build
-the RequestOutputs. The server drives it from one background thread. In the
-scheduler's steady state, final-only requests skip the per-request part: their
-ids are booked as numpy rows and appended when the state ends (engine.quiet_run).
+read the previous step's ids into the InputBatch, apply stops, and note which
+requests have news. The server drives it from one background thread.
 
 Outputs are built when asked for, not per token: a step notes which requests
 have news, and `step(emit=True)` or `take_outputs()` turns all of it into one
@@ -21,13 +19,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch.cuda.nvtx import range_pop, range_push
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
-from engine.model_runner import ModelRunner, SampledIds
+from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import (
     checkpoint_dtype,
@@ -36,7 +35,6 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
-from engine.quiet_run import QuietRun, stop_table
 from engine.request import (
     Request,
     RequestOutput,
@@ -47,19 +45,25 @@ from engine.request import (
 )
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.staging import SampledIds
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def _no_range(name: str) -> contextlib.AbstractContextManager:
+    return _NO_RANGE
 
 
 @dataclass
 class LaunchedStep:
-    """A step on its way: what ran, which of it sampled, and the sampled ids (a host
-    list, or a handle whose tolist() waits for the device's copy)."""
+    """A step's sampled ids: the rows that sampled them (slots, and the batch as they
+    saw it), and the ids (on their way, or read with their logprobs)."""
 
-    batch: SchedulerOutput
-    sampling: list[Request]
-    token_ids: list[int] | SampledIds | None  # None: no request sampled
+    slots: np.ndarray
+    mark: LaunchMark
+    token_ids: SampledIds | np.ndarray
     logprobs: list[TokenLogprob | None] | None = None
-    run: QuietRun | None = None  # its ids are booked by this run (if it is still on)
 
 
 @dataclass
@@ -94,26 +98,24 @@ class Engine:
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
         self.eos_set = frozenset(self.eos_token_ids)
 
-        self.runner = ModelRunner(config, self.model, hf_config)
+        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
+        self.runner = ModelRunner(config, self.model, hf_config, self.batch)
+        # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            defer_hashing=device.type == "cuda",
         )
-        if device.type == "cuda":  # hash filled blocks while the host waits for the GPU
-            self.blocks.defer_hashing = True
-            self.runner.idle_work = self.blocks.hash_unhashed
-        self.scheduler = Scheduler(config, self.blocks)
-        self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids)
+        self.scheduler = Scheduler(config, self.blocks, self.batch, self.runner.block_table)
+        self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids, self.batch)
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
-        # (sampling list, must it sync, can its steps be a quiet run), for the last list.
-        self.sampling_for: tuple[list[Request] | None, bool, bool] = (None, False, False)
-        self.run: QuietRun | None = None  # see engine.quiet_run
-        self.scheduler.on_leave_steady = self._settle
-        # NVTX ranges around the step's phases, for nsys. Checked inline: entering a
-        # null context manager per phase costs more than the check, every step.
-        self.nvtx = config.nvtx and device.type == "cuda"
+        # NVTX ranges around the step's phases, for nsys.
+        nvtx = config.nvtx and device.type == "cuda"
+        self._range = torch.cuda.nvtx.range if nvtx else _no_range
 
     # -- requests ---------------------------------------------------------
 
@@ -157,17 +159,26 @@ class Engine:
             self.news.pop(req, None)  # nobody is waiting for it any more
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
-        if self.inflight is not None and all(
-            req.is_finished for req in self.inflight.batch.requests
-        ):
+        step = self.inflight
+        if step is not None and not self._has_owner(step):
             self.inflight = None  # nothing left to read: its device work is simply void
+
+    def _has_owner(self, step: LaunchedStep) -> bool:
+        """Some row's ids still belong to a request: running, or preempted meanwhile."""
+        batch, generations = self.batch, step.mark.generations
+        if (batch.generation[step.slots] == generations).any():
+            return True
+        return any(
+            (slot, gen) in batch.departed
+            for slot, gen in zip(step.slots.tolist(), generations.tolist())
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=len(self.batch),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.blocks.usage,
             num_preemptions=self.scheduler.num_preemptions,
@@ -186,69 +197,37 @@ class Engine:
 
         The host runs one step ahead of the device: it schedules and launches
         step N (whose decodes read step N-1's sampled ids on the device), and
-        only then reads N-1's ids, appends them, matches stops and builds
-        outputs, while the GPU runs N. A request that stopped at N-1 wastes its
-        row in N; its token there is void. Penalties and logprobs need the ids
-        on the host, so a step with such a request reads N-1 before sampling
-        and its own ids at once.
+        only then reads N-1's ids, appends them, matches stops and notes news,
+        while the GPU runs N. A request that stopped at N-1 wastes its row in N;
+        its token there is void. Penalties and logprobs need the ids on the
+        host, so a step with such a request reads N-1 before sampling and its
+        own ids at once.
         """
-        nvtx = self.nvtx
-        if nvtx:
-            range_push("schedule")
-        batch = self.scheduler.schedule()  # leaving the steady state settles the run
-        if nvtx:
-            range_pop()
+        with self._range("schedule"):
+            out = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
-        if batch:
-            # The last step sampled this very list, and its ids are still unread: every
-            # input is on the device, and no request's count needs to be looked at.
-            on_device = prev is not None and prev.sampling is batch.requests
-            assert self.run is None or on_device  # a run lasts as long as the steady state
-            if nvtx:
-                range_push("forward")
-            logits = self.runner.execute(batch, on_device)
-            if nvtx:
-                range_pop()
-            sampling = batch.sampling()
-            if sampling is not self.sampling_for[0]:  # the steady state repeats one list
-                params = [req.params for req in sampling]  # lists: faster than generators
-                sync = not self.config.async_scheduling or any([p.needs_sync for p in params])
-                # A quiet run books ids without counting them: min_tokens' mask reads
-                # the count every step.
-                quiet = all([p.quiet and not p.min_tokens for p in params])
-                self.sampling_for = (sampling, sync, quiet)
-            _, sync, quiet = self.sampling_for
+        if out:
+            with self._range("forward"):
+                logits = self.runner.execute(out)  # the sampling rows only
+            sampling = out.sampling_slots
+            sync = not self.config.async_scheduling or self.batch.needs_sync[sampling].any()
             if sync and prev is not None:
-                self._process(prev)
+                self._read(prev)
                 prev = None
-            token_ids = None
-            run = None
-            if sampling:
-                if nvtx:
-                    range_push("sample")
-                # logits: the sampling rows only
-                token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
-                if nvtx:
-                    range_pop()
-                if quiet and batch.steady and on_device and not sync:
-                    if self.run is None:
-                        self.run = QuietRun(sampling, stop_table(sampling, self.vocab_size))
-                    run = self.run
-                    run.unread += 1
-                else:
-                    for req in sampling:
-                        req.num_inflight += 1
+            if len(sampling):
+                with self._range("sample"):
+                    token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
+                mark = self.batch.launched(sampling)
                 self.num_sampled += len(sampling)
-            if not sync:
-                ids = self.runner.keep_sampled(token_ids) if sampling else None
-                self.inflight = LaunchedStep(batch, sampling, ids, run=run)
-            elif sampling:
-                sampled = self.sampler.read(logits, token_ids, sampling)
-                self._process(LaunchedStep(batch, sampling, sampled.token_ids, sampled.logprobs))
-            else:  # prefill chunks only: nothing to read, blocks to register
-                self._process(LaunchedStep(batch, sampling, None))
+                if sync:
+                    sampled = self.sampler.read(logits, token_ids, sampling)
+                    ids = np.array(sampled.token_ids, dtype=np.int64)
+                    self._read(LaunchedStep(sampling, mark, ids, sampled.logprobs))
+                else:
+                    ids = self.runner.keep_sampled(token_ids)
+                    self.inflight = LaunchedStep(sampling, mark, ids)
         if prev is not None:
-            self._process(prev)
+            self._read(prev)
         return self.take_outputs(deltas) if emit else []
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
@@ -257,134 +236,111 @@ class Engine:
         first output nor its last is added there instead."""
         if not self.news:
             return []  # most steps of final-only requests
-        with self._nvtx("outputs"):
+        with self._range("outputs"):
             news, self.news = self.news, {}
             if deltas is None:
                 outputs = [self._output(req) for req in news]
                 return [out for out in outputs if out is not None]
-            # Bound appends: this loop runs for every streamed choice of every report.
-            add_id, add_index = deltas.request_ids.append, deltas.indices.append
-            add_count, token_ids = deltas.num_tokens.append, deltas.token_ids
             finished = RequestStatus.FINISHED
             outputs = []
             for req in news:
                 emitted = req.num_emitted_tokens
                 if req.params.plain and emitted and req.status is not finished:
-                    out_ids = req.output_token_ids
-                    req.num_emitted_tokens = len(out_ids)
-                    add_id(req.request_id)
-                    add_index(req.index)
-                    add_count(len(out_ids) - emitted)
-                    token_ids += out_ids[emitted:]
+                    new_ids = req.output_ids_from(emitted)
+                    req.num_emitted_tokens = emitted + len(new_ids)
+                    deltas.request_ids.append(req.request_id)
+                    deltas.indices.append(req.index)
+                    deltas.num_tokens.append(len(new_ids))
+                    deltas.token_ids += new_ids
                 else:
                     out = self._output(req)
                     if out is not None:
                         outputs.append(out)
             return outputs
 
-    def _process(self, step: LaunchedStep) -> None:
-        """Read a launched step's ids; append them, apply stops, note the news."""
-        if self.nvtx:
-            with torch.cuda.nvtx.range("update"):
-                self._update(step)
-        else:
-            self._update(step)
+    def _read(self, step: LaunchedStep) -> None:
+        """Read a launched step's ids into the batch; apply stops; note the news."""
+        with self._range("read"):
+            ids = step.token_ids
+            if isinstance(ids, SampledIds):
+                if not ids.ready():
+                    self.blocks.hash_unhashed()  # work that can wait, while the device runs
+                ids = ids.numpy()
+            if step.logprobs is not None:  # before any request can finish: its last output has them
+                self._keep_logprobs(step)
+            self._apply(self.batch.read(step.slots, step.mark, ids))
 
-    def _update(self, step: LaunchedStep) -> None:
-        """_process without its NVTX range."""
-        token_ids = step.token_ids
-        if step.run is not None and step.run is self.run:
-            if self.run.read(token_ids.numpy()):  # waits for the step's copy
-                return
-            self._settle()  # a stop id: this step is read as an ordinary one
-        if token_ids is not None and not isinstance(token_ids, list):
-            token_ids = token_ids.tolist()  # waits for the step's copy to the host
-        if not step.sampling:
-            return  # prefill chunks only: the scheduler registers their full blocks
-        if step.logprobs is not None:  # before any request can finish: its last output has them
-            for req, logprob in zip(step.sampling, step.logprobs):
-                if logprob is not None and req.status is not RequestStatus.FINISHED:
-                    req.pending_logprobs.append(logprob)
-        caching = self.blocks.enable_prefix_caching
-        every_step = self.config.stream_interval == 1
+    def _keep_logprobs(self, step: LaunchedStep) -> None:
+        batch = self.batch
+        generations = step.mark.generations.tolist()
+        for slot, gen, logprob in zip(step.slots.tolist(), generations, step.logprobs):
+            req = batch.requests[slot]
+            if logprob is not None and req is not None and batch.generation[slot] == gen:
+                req.pending_logprobs.append(logprob)
+
+    def _apply(self, got: ReadTokens) -> None:
+        """The read ids' consequences, for the few rows that have any: first tokens,
+        stops, and the news of streamed requests."""
+        batch = self.batch
+        by_slot = batch.requests
+        watched: list[Request] = []
+        if batch.num_streaming:
+            rows = batch.streams[got.slots]
+            watched = [by_slot[s] for s in got.slots[rows].tolist()]
+        if got.first is not None:
+            now = time.time()
+            for slot in got.slots[got.first].tolist():
+                req = by_slot[slot]
+                req.metrics.first_token_time = now
+                # A sibling choice waits for the prompt's blocks to be findable.
+                self.blocks.cache_full_blocks(req)
+        if got.done is not None:
+            for slot, token_id in zip(
+                got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
+            ):
+                self._check_token_stop(by_slot[slot], token_id)
+        if not watched:
+            return
         interval = self.config.stream_interval
-        now = time.time()
         news = self.news
         finished = RequestStatus.FINISHED
-        # The hot loop (every sampling request, every step): as few operations as
-        # the common case allows. Full blocks are registered for the prefix cache
-        # here only at the first token (a sibling choice waits for the prompt's
-        # blocks); later ones when the scheduler opens the next block, and when
-        # the blocks are freed.
-        for req, token_id in zip(step.sampling, token_ids):
-            req.num_inflight -= 1
+        for req in watched:
             if req.status is finished:
-                continue  # stopped or aborted while this step ran: its work is void
-            out_ids = req.output_token_ids
-            if not out_ids:
-                req.metrics.first_token_time = now
-                if caching:
-                    self.blocks.cache_full_blocks(req)
-            all_ids = req.all_token_ids
-            out_ids.append(token_id)
-            all_ids.append(token_id)
+                continue  # its news is noted already
             params = req.params
-            if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
-                self._check_token_stop(req, token_id)
-            elif params.quiet:
-                continue  # the common offline case: nothing to report yet
-            elif every_step and params.streams_ids:
-                news[req] = None  # the common served case: news every step
-                continue
             if params.stop:
                 self._detokenize(req)  # a stop string must end it now, not when asked
-            # Streamed: every `interval` tokens, the first at once. Always: the last.
-            streams = not params.final_only and (
-                interval == 1
-                or not req.num_emitted_tokens
-                or len(out_ids) - req.num_emitted_tokens >= interval
-            )
-            if streams or req.status is finished:
+                if req.status is finished or params.final_only:
+                    continue
+            # Streamed: every `interval` tokens, the first at once.
+            emitted = req.num_emitted_tokens
+            if interval == 1 or not emitted or req.num_output_tokens - emitted >= interval:
                 news[req] = None
-
-    def _settle(self) -> None:
-        """End the quiet run: append the ids it booked, and count its unread steps in
-        flight (they are read as ordinary steps)."""
-        run, self.run = self.run, None
-        if run is None:
-            return
-        run.append()
-        if run.unread:
-            for req in run.requests:
-                req.num_inflight += run.unread
-        if self.blocks.enable_prefix_caching:  # blocks filled during the run
-            for req in run.requests:
-                self.blocks.cache_full_blocks(req)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         """req just sampled token_id, one of its stop ids, or reached its length limit."""
         params = req.params
-        past_min = len(req.output_token_ids) >= params.min_tokens
+        past_min = req.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in self.eos_set:
             self._finish(req, "stop")
         elif past_min and token_id in params.stop_token_ids:
             self._finish(req, "stop", token_id)
-        elif len(req.all_token_ids) >= req.max_num_tokens:
+        elif req.num_tokens >= req.max_num_tokens:
             self._finish(req, "length")
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(req, reason, stop_reason)
+        self.news[req] = None  # its last output
         siblings = self.requests.get(req.request_id, [])
         if all(r.is_finished for r in siblings):
             self.requests.pop(req.request_id, None)
 
     def _detokenize(self, req: Request) -> None:
         """Decode what req gained since last time; finish it at a stop string."""
-        out_ids = req.output_token_ids
-        if req.num_detokenized_tokens == len(out_ids):
+        new_ids = req.output_ids_from(req.num_detokenized_tokens)
+        if not new_ids:
             return
-        new_ids = out_ids[req.num_detokenized_tokens :]
-        req.num_detokenized_tokens = len(out_ids)
+        req.num_detokenized_tokens += len(new_ids)
         params = req.params
         if params.final_only and not params.stop:
             req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
@@ -397,39 +353,33 @@ class Engine:
                 self._finish(req, "stop", stop_string)
 
     def _output(self, req: Request) -> RequestOutput | None:
-        """The news since req's last output (None: a final-only request still running).
-
-        Runs for every streamed choice on every step that reports: attributes are
-        read once, and the output is built positionally."""
+        """The news since req's last output (None: a final-only request still running)."""
         params = req.params
         if params.detokenize:
             self._detokenize(req)
         finished = req.status is RequestStatus.FINISHED
         if params.final_only and not finished:
             return None
-        out_ids = req.output_token_ids
         emitted = req.num_emitted_tokens
-        req.num_emitted_tokens = len(out_ids)
+        new_ids = req.output_ids_from(emitted)
+        req.num_emitted_tokens = num_output = emitted + len(new_ids)
         logprobs: list[TokenLogprob] | None = None
         if params.logprobs is not None:
             logprobs, req.pending_logprobs = req.pending_logprobs, []
         return RequestOutput(
             req.request_id,
             req.index,
-            out_ids[emitted:],
+            new_ids,
             req.detokenizer.get_delta(finished) if params.detokenize else "",
             logprobs,
             finished,
             req.finish_reason,
             req.stop_reason,
             len(req.prompt_token_ids),
-            len(out_ids),
+            num_output,
             req.num_cached_tokens,
             req.metrics if emitted == 0 or finished else None,
         )
-
-    def _nvtx(self, name: str):
-        return torch.cuda.nvtx.range(name) if self.nvtx else contextlib.nullcontext()
 
 
 def check_request(

@@ -22,7 +22,13 @@ def chain_hash(parent: int | None, tokens: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        defer_hashing: bool = False,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -33,8 +39,8 @@ class BlockManager:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
         # Hash the blocks decodes fill later, while the host waits for the device
-        # (see note_filled): set by the engine where steps run on one.
-        self.defer_hashing = False
+        # (see note_filled): where steps run on one.
+        self.defer_hashing = defer_hashing
         self.unhashed: list[Request] = []
 
     @property
@@ -97,21 +103,8 @@ class BlockManager:
             req.num_computed_tokens = num_computed
             req.num_cached_tokens = num_computed
         if needed > 0:
-            self.append_block(req, needed)
+            req.block_ids += self._take_free(needed)
         return True
-
-    def append_block(self, req: Request, count: int = 1) -> None:
-        """Give req the next `count` free blocks (the caller knows there are enough):
-        what a decode that opens a block needs, without allocate's accounting."""
-        req.block_ids += self._take_free(count)
-
-    def open_blocks(self, reqs: list[Request]) -> list[int]:
-        """One more block each (the caller knows there are enough free ones): the
-        decodes that open a block in a steady step. Returns the blocks, in order."""
-        blocks = self._take_free(len(reqs))
-        for req, block in zip(reqs, blocks):
-            req.block_ids.append(block)
-        return blocks
 
     def _take_free(self, count: int) -> list[int]:
         """The next `count` free blocks, held once and no longer findable by hash."""
@@ -138,13 +131,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // bs
-        if num_full == len(req.block_hashes):
+        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        first = len(req.block_hashes)
+        if num_full == first:
             return  # no block filled up this step
-        tokens = req.all_token_ids
-        for i in range(len(req.block_hashes), num_full):
+        tokens = req.token_slice(first * bs, num_full * bs)
+        for i in range(first, num_full):
             parent = req.block_hashes[-1] if req.block_hashes else None
-            h = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
+            h = chain_hash(parent, tokens[(i - first) * bs : (i - first + 1) * bs])
             req.block_hashes.append(h)
             block = req.block_ids[i]
             if h not in self.cached:

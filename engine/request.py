@@ -6,10 +6,14 @@ import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.input_batch import InputBatch
 
 
 class RequestStatus(enum.Enum):
@@ -103,7 +107,11 @@ def follow(prev: RequestOutput, token_ids: list[int]) -> RequestOutput:
 
 
 class Request:
-    """One sequence being generated (a request with n > 1 becomes n of these)."""
+    """One sequence being generated (a request with n > 1 becomes n of these).
+
+    While it runs it owns a row of the InputBatch (engine/input_batch.py), which
+    holds its token ids and counts: the properties below read them from there,
+    and `detach` brings them back when it leaves (finished or preempted)."""
 
     def __init__(
         self,
@@ -124,20 +132,17 @@ class Request:
         )
         # Sampled ids that end it (EOS unless ignored, stop_token_ids): set by the engine.
         self.stop_ids: frozenset[int] = frozenset()
-        # Generated ids; all_token_ids is what the model has seen or will see.
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt_token_ids)
         self.status = RequestStatus.WAITING
-        # Tokens whose KV is computed or scheduled: the scheduler advances it when it
-        # schedules them, before the step runs.
-        self.num_computed_tokens = 0
-        # Tokens sampled on the device whose ids the host has not read yet (0 or 1,
-        # briefly 2): the next step takes them from the device.
-        self.num_inflight = 0
+        # Off the batch: generated ids, tokens whose KV is computed (the prefix cache's
+        # hits before admission), ids sampled on the device and not read yet.
+        self._output_ids: list[int] = []
+        self._num_computed = 0
+        self._num_inflight = 0
+        self.batch: InputBatch | None = None  # while running
+        self.slot: int = -1  # its row of the batch and of the block table while running
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed
-        self.slot: int = -1  # row of the persistent block table while running
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = RequestMetrics(arrival_time or time.time())
@@ -150,30 +155,89 @@ class Request:
         self.num_detokenized_tokens = 0
         self.num_emitted_tokens = 0
 
+    # -- the batch row ---------------------------------------------------------
+
+    def attach(self, batch: InputBatch, slot: int) -> None:
+        self.batch, self.slot = batch, slot
+
+    def detach(self, output_ids: list[int], num_computed: int, num_inflight: int) -> None:
+        self._output_ids = output_ids
+        self._num_computed = num_computed
+        self._num_inflight = num_inflight
+        self.batch, self.slot = None, -1
+
+    def receive_departed(self, token_id: int) -> None:
+        """An id sampled before it was preempted, read since."""
+        self._output_ids.append(token_id)
+        self._num_inflight -= 1
+
+    # -- token state, wherever it lives ----------------------------------------
+
+    @property
+    def num_computed_tokens(self) -> int:
+        if self.batch is not None:
+            return int(self.batch.num_computed[self.slot])
+        return self._num_computed
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self.batch is not None:
+            self.batch.num_computed[self.slot] = value
+        else:
+            self._num_computed = value
+
+    @property
+    def num_inflight(self) -> int:
+        """Ids sampled on the device that the host has not read yet."""
+        if self.batch is not None:
+            return int(self.batch.num_tokens[self.slot] - self.batch.num_known[self.slot])
+        return self._num_inflight
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose ids the host knows, prompt included."""
+        if self.batch is not None:
+            return int(self.batch.num_known[self.slot])
+        return len(self.prompt_token_ids) + len(self._output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens so far, counting those still on the device."""
+        return self.num_output_tokens + self.num_inflight
+
+    def output_ids_from(self, start: int) -> list[int]:
+        """Generated ids from the start-th on."""
+        if self.batch is not None:
+            return self.batch.token_slice(self.slot, len(self.prompt_token_ids) + start)
+        return self._output_ids[start:]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.output_ids_from(0)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known ids at positions [start, end), prompt included."""
+        if self.batch is not None:
+            return self.batch.token_slice(self.slot, start, end)
+        return (self.prompt_token_ids + self._output_ids)[start:end]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        if self.batch is not None:
+            return self.batch.token_slice(self.slot, 0)
+        return self.prompt_token_ids + self._output_ids
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_generated_tokens(self) -> int:
-        """Output tokens so far, counting those still on the device."""
-        return len(self.output_token_ids) + self.num_inflight
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def append_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

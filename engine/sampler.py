@@ -9,7 +9,10 @@ Logprobs are the raw log_softmax of the model's logits (vLLM's default
 
 The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1)`, which
 the CUDA decode graph has taken already (`argmax`): its result stays on the
-device for the next step (`sample`); `__call__` also reads it back.
+device for the next step. Rows are the InputBatch's slots: what every row
+asks every step (is it argmax-only, its temperature and top-k/p) is read from
+the batch's columns; the rest (penalties, biases, seeds, logprobs) from the
+few requests that ask for it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.input_batch import InputBatch
 from engine.request import Request, TokenLogprob
 
 
@@ -31,63 +35,63 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(
-        self, vocab_size: int, device: torch.device, seed: int, eos_token_ids: list[int]
+        self,
+        vocab_size: int,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: list[int],
+        batch: InputBatch,
     ) -> None:
         # Token ids and ranks travel back packed in a float64 tensor (one copy).
         assert vocab_size < 2**53
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
+        self.batch = batch
         # Shared by every unseeded row; seeded rows own a generator each.
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        # (requests, are they all argmax_only) for the last list sampled: the engine
-        # never changes a list once scheduled, and the steady state repeats one.
-        self.argmax_for: tuple[Sequence[Request] | None, bool] = (None, False)
-
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """Sample and read the results back (waits for the device)."""
-        return self.read(logits, self.sample(logits, requests), requests)
 
     def read(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
+        self, logits: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray
     ) -> SamplerOutput:
         """The sampled ids on the host, with the logprobs the requests asked for."""
+        requests = self._requests(slots)
         if all(req.params.logprobs is None for req in requests):
             return SamplerOutput(token_ids.tolist(), [None] * len(requests))
         return self._with_logprobs(logits, token_ids, requests)
 
     def sample(
-        self,
-        logits: torch.Tensor,
-        requests: Sequence[Request],
-        argmax: torch.Tensor | None = None,
+        self, logits: torch.Tensor, slots: np.ndarray, argmax: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Next token ids [num_requests] int64, left on the device (no sync).
+        """Next token ids [num_rows] int64, left on the device (no sync).
 
-        logits: [num_requests, vocab_size], any float dtype; argmax: their argmax ids,
-        if already taken (returned as is when nothing else applies)."""
-        if requests is not self.argmax_for[0]:
-            self.argmax_for = (requests, all([req.params.argmax_only for req in requests]))
-        if self.argmax_for[1] or all(self._argmax_only(req) for req in requests):
+        logits: [num_rows, vocab_size], any float dtype, one row per slot; argmax: their
+        argmax ids, if already taken (returned as is when nothing else applies)."""
+        if self.batch.argmax_only[slots].all():
+            return logits.argmax(-1) if argmax is None else argmax
+        requests = self._requests(slots)
+        if all(self._argmax_only(req) for req in requests):
             return logits.argmax(-1) if argmax is None else argmax
 
         x = self.process_logits(logits, requests)  # [B, V] fp32
 
-        num_random = sum(not req.params.greedy for req in requests)
-        if num_random == 0:
+        is_greedy = np.array([req.params.greedy for req in requests])
+        if is_greedy.all():
             token_ids = x.argmax(-1)  # [B]
-        elif num_random == len(requests):
-            token_ids = self._sample(x, requests)
+        elif not is_greedy.any():
+            token_ids = self._sample(x, requests, slots)
         else:
             # Masks and temperature never move the argmax, so greedy rows can
             # take it now and the random rows are sampled over the whole batch.
             greedy_ids = x.argmax(-1)
-            is_greedy = torch.tensor(
-                [req.params.greedy for req in requests], device=self.device
-            )  # [B]
-            token_ids = torch.where(is_greedy, greedy_ids, self._sample(x, requests))
+            mask = torch.from_numpy(is_greedy).to(self.device)  # [B]
+            token_ids = torch.where(mask, greedy_ids, self._sample(x, requests, slots))
         return token_ids
+
+    def _requests(self, slots: np.ndarray) -> list[Request]:
+        by_slot = self.batch.requests
+        return [by_slot[s] for s in slots.tolist()]
 
     def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """logit_bias, penalties and the min_tokens mask, on a new fp32 [B, V] tensor."""
@@ -192,24 +196,21 @@ class Sampler:
 
     # ---- sampling ----
 
-    def _sample(self, x: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _sample(self, x: torch.Tensor, requests: list[Request], slots: np.ndarray) -> torch.Tensor:
         """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
 
         Scales and masks x in place.
         """
         params = [req.params for req in requests]
-        # One host-to-device copy for all per-row knobs; greedy rows get
-        # neutral values (temperature 1) so nothing divides by zero.
-        knobs = torch.tensor(
-            [
-                [1.0 if p.greedy else p.temperature for p in params],
-                [p.top_k or self.vocab_size for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            ],
-            dtype=x.dtype,
-            device=self.device,
-        ).unsqueeze(-1)  # [4, B, 1]
+        batch = self.batch
+        top_k = batch.top_k[slots]
+        top_k = np.where(top_k > 0, top_k, self.vocab_size)
+        # One host-to-device copy for all per-row knobs; greedy rows hold neutral
+        # values (temperature 1) so nothing divides by zero.
+        knobs = np.stack(
+            [batch.temperature[slots], top_k, batch.top_p[slots], batch.min_p[slots]]
+        ).astype(np.float32)
+        knobs = torch.from_numpy(knobs).to(self.device, x.dtype).unsqueeze(-1)  # [4, B, 1]
         temperature, top_k, top_p, min_p = knobs
 
         x.div_(temperature)

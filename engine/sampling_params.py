@@ -59,12 +59,6 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
-        # Nothing to report until it finishes, and no text to match each step: the
-        # engine only appends such a request's ids and checks its stop ids.
-        self.quiet = self.final_only and not self.stop
-        # Streamed, and no text to match each step: with a stream interval of 1, every
-        # step that does not end it is news.
-        self.streams_ids = not self.final_only and not self.stop
         # Streamed as bare ids: its outputs between the first and the last can travel
         # as TokenDeltas entries.
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None

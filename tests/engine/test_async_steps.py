@@ -21,10 +21,11 @@ def count_rows(engine) -> dict[str, int]:
     rows: dict[str, int] = {}
     execute = engine.runner.execute
 
-    def counting(batch, on_device=False):
-        for req in batch.requests:
-            rows[req.request_id] = rows.get(req.request_id, 0) + 1
-        return execute(batch, on_device)
+    def counting(batch):
+        for slot in batch.slots.tolist():
+            rid = engine.batch.requests[slot].request_id
+            rows[rid] = rows.get(rid, 0) + 1
+        return execute(batch)
 
     engine.runner.execute = counting
     return rows

@@ -88,14 +88,12 @@ def test_prefix_caching_off_never_shares():
 
 
 def test_deferred_hashing_registers_when_the_host_waits_or_frees():
-    bm = BlockManager(16, 4, enable_prefix_caching=True)
-    bm.defer_hashing = True
+    bm = BlockManager(16, 4, enable_prefix_caching=True, defer_hashing=True)
     a, b = make(list(range(6))), make(list(range(6)))
     admit(bm, a)
     admit(bm, b)
     for req, new in ((a, [50, 51]), (b, [60, 61])):  # 8 tokens: the second block fills
-        req.all_token_ids += new
-        req.num_computed_tokens = 8
+        req.detach(new, 8, 0)  # two outputs, computed
         bm.note_filled(req)
     assert len(a.block_hashes) == 1 and len(bm.unhashed) == 2  # noted, not hashed yet
     bm.free(b)  # freeing registers what it filled; the stale note is then skipped
@@ -106,8 +104,7 @@ def test_deferred_hashing_registers_when_the_host_waits_or_frees():
 
 
 def test_deferred_hashing_does_not_wait_forever():
-    bm = BlockManager(4, 4, enable_prefix_caching=True)
-    bm.defer_hashing = True
+    bm = BlockManager(4, 4, enable_prefix_caching=True, defer_hashing=True)
     req = make(list(range(4)))
     admit(bm, req)
     for _ in range(1024):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.model_runner import StagedFields
+from engine.staging import StagedFields
 
 
 def test_staged_fields_pack_int64_and_int32_fields_in_one_buffer():

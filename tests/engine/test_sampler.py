@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.input_batch import InputBatch
 from engine.request import Request
-from engine.sampler import Sampler, _apply_top_k_top_p
+from engine.sampler import Sampler, SamplerOutput, _apply_top_k_top_p
 from engine.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -32,8 +34,38 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-def make_sampler(device: torch.device, seed: int = 0) -> Sampler:
-    return Sampler(VOCAB, device, seed, eos_token_ids=[EOS])
+class BatchSampler:
+    """A Sampler over an InputBatch of its own: requests join it on first use, as the
+    scheduler admits them; append() books a sampled id as the engine's read does."""
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.batch = InputBatch(40000, 40, VOCAB)
+        self.sampler = Sampler(VOCAB, device, seed, [EOS], self.batch)
+
+    def slots(self, requests: list[Request]) -> np.ndarray:
+        for req in requests:
+            if req.batch is None:
+                req.stop_ids = frozenset([EOS, *req.params.stop_token_ids])
+                self.batch.add(req)
+        return np.array([req.slot for req in requests], dtype=np.int64)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample and read the results back."""
+        slots = self.slots(requests)
+        return self.sampler.read(logits, self.sampler.sample(logits, slots), slots)
+
+    def process_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        self.slots(requests)
+        return self.sampler.process_logits(logits, requests)
+
+    def append(self, req: Request, token_id: int) -> None:
+        slot = np.array([req.slot])
+        mark = self.batch.launched(slot)
+        self.batch.read(slot, mark, np.array([token_id]))
+
+
+def make_sampler(device: torch.device, seed: int = 0) -> BatchSampler:
+    return BatchSampler(device, seed)
 
 
 def make_request(
@@ -41,8 +73,7 @@ def make_request(
 ) -> Request:
     params.setdefault("max_tokens", 64)
     req = Request("r", prompt or [1, 2, 3], SamplingParams(**params))
-    for token_id in output or []:
-        req.append_token(token_id)
+    req.detach(list(output or []), 0, 0)  # as a request preempted with these outputs
     return req
 
 
@@ -137,7 +168,7 @@ def generate(
         out = sampler(logits.to(device), batch)
         tokens.append(out.token_ids[position])
         for req, token_id in zip(batch, out.token_ids, strict=True):
-            req.append_token(token_id)
+            sampler.append(req, token_id)
     return tokens
 
 
@@ -182,10 +213,11 @@ def test_unseeded_rows_follow_the_engine_seed(device):
 def test_seeded_generator_is_created_lazily_and_kept(device):
     req = make_request(temperature=1.0, seed=42)
     assert req.generator is None
-    make_sampler(device)(step_logits(0).to(device), [req])
+    sampler = make_sampler(device)
+    sampler(step_logits(0).to(device), [req])
     generator = req.generator
     assert generator is not None and generator.initial_seed() == 42
-    make_sampler(device)(step_logits(1).to(device), [req])
+    sampler(step_logits(1).to(device), [req])
     assert req.generator is generator
 
 
@@ -331,7 +363,7 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids(device):
         for _ in range(3):
             token_id = sampler(logits.to(device), [req]).token_ids[0]
             assert token_id not in (EOS, 9)
-            req.append_token(token_id)
+            sampler.append(req, token_id)
     # Once min_tokens is reached, EOS is back.
     req = make_request(temperature=0.0, min_tokens=2, stop_token_ids=[9], output=[2, 2])
     assert sampler(logits.to(device), [req]).token_ids == [EOS]

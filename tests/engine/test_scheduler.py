@@ -2,35 +2,64 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
+from engine.block_table import BlockTable
 from engine.config import EngineConfig
+from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.staging import WaitClock
 
 
 def setup(num_blocks=64, block_size=4, **config) -> Scheduler:
     config = EngineConfig(block_size=block_size, max_model_len=256, **config)
-    return Scheduler(config, BlockManager(num_blocks, block_size, True))
+    batch = InputBatch(config.max_num_seqs, config.max_model_len, 64)
+    table = BlockTable(
+        config.max_num_seqs,
+        config.max_blocks_per_seq(256),
+        torch.device("cpu"),
+        WaitClock(),
+    )
+    return Scheduler(config, BlockManager(num_blocks, block_size, True), batch, table)
 
 
 def req(name: str, n: int) -> Request:
     return Request(name, list(range(1, n + 1)), SamplingParams())
 
 
+def requests_of(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
+    return [sched.batch.requests[s] for s in out.slots.tolist()]
+
+
+def launch(sched: Scheduler, out: SchedulerOutput) -> np.ndarray:
+    """The step's sampling rows sampled on the device: their ids are in flight."""
+    return sched.batch.launched(out.sampling_slots)
+
+
+def read(sched: Scheduler, out: SchedulerOutput, mark: np.ndarray, token: int = 7):
+    slots = out.sampling_slots
+    sched.batch.read(slots, mark, np.full(len(slots), token))
+
+
 def run_step(sched: Scheduler) -> dict[str, int]:
     """Schedule, then pretend the model ran and its ids were read at once: token 7."""
     out = sched.schedule()
-    for r in out.requests:
+    read(sched, out, launch(sched, out))
+    for r in requests_of(sched, out):
         sched.blocks.cache_full_blocks(r)
-    for r in out.sampling():
-        r.append_token(7)
-    return {r.request_id: n for r, n in zip(out.requests, out.num_new_tokens, strict=True)}
+    return {
+        r.request_id: int(n)
+        for r, n in zip(requests_of(sched, out), out.num_new_tokens, strict=True)
+    }
 
 
-def entry(out, i: int = 0) -> tuple[int, int, bool]:
+def entry(out: SchedulerOutput, i: int = 0) -> tuple[int, int, bool]:
     """(start, num_new_tokens, samples) of the i-th scheduled request."""
-    return out.starts[i], out.num_new_tokens[i], i not in out.chunked
+    return int(out.starts[i]), int(out.num_new_tokens[i]), bool(out.samples[i])
 
 
 def test_budget_chunks_prefill_and_keeps_decodes_first():
@@ -109,12 +138,15 @@ def test_token_in_flight_is_scheduled_before_the_host_reads_it():
     sched = setup()
     a = req("a", 5)
     sched.add(a)
-    assert entry(sched.schedule()) == (0, 5, True)
-    a.num_inflight = 1  # sampled on the device; the host has not read it
+    out = sched.schedule()
+    assert entry(out) == (0, 5, True)
+    mark = launch(sched, out)  # sampled on the device; the host has not read it
+    assert a.num_inflight == 1
     # The unread token is the next input: position 5, one past the known tokens.
     assert entry(sched.schedule()) == (5, 1, True)
-    sched._leave_steady()  # the steady state writes the counts back when it ends
     assert a.num_computed_tokens == 6 and a.num_tokens == 5
+    read(sched, out, mark)
+    assert a.num_tokens == 6 and a.num_inflight == 0 and a.output_token_ids == [7]
 
 
 def test_length_reached_in_flight_is_not_scheduled_again():
@@ -123,28 +155,28 @@ def test_length_reached_in_flight_is_not_scheduled_again():
     b = req("b", 3)
     sched.add(a)
     sched.add(b)
-    sched.schedule()
-    a.num_inflight = b.num_inflight = 1
+    launch(sched, sched.schedule())
     # a's only token is on the device: it finishes when read, so it gets no row.
-    assert sched.schedule().requests == [b]
+    assert requests_of(sched, sched.schedule()) == [b]
 
 
-def test_preempted_request_waits_for_its_token_in_flight():
+def test_a_token_in_flight_when_preempted_is_read_into_the_request():
     sched = setup(num_blocks=4)
     a, b = req("a", 8), req("b", 8)
     sched.add(a)
     sched.add(b)
-    run_step(sched)
-    b.num_inflight = 1  # b's next token is on the device when it is preempted
-    run_step(sched)
-    assert b.status == RequestStatus.PREEMPTED
+    out = sched.schedule()
+    mark = launch(sched, out)  # both prefilled; their first ids are on the device
+    sched.schedule()  # each needs a third block: b (newest) is preempted, its id in flight
+    assert b.status == RequestStatus.PREEMPTED and b.num_inflight == 1
     sched.finish(a, "stop")  # room again, but b's last token is still unread
-    assert run_step(sched) == {}
-    b.num_inflight = 0
-    b.append_token(7)
+    assert requests_of(sched, sched.schedule()) == []
+    read(sched, out, mark)  # a's id is void (finished), b's is its own
+    assert b.num_inflight == 0 and b.output_token_ids == [7]
     # Its prompt's two full blocks are cached; the rest, the read token included, is recomputed.
-    assert run_step(sched) == {"b": 2}
-    assert b.num_computed_tokens == 10
+    out = sched.schedule()
+    assert requests_of(sched, out) == [b] and entry(out) == (8, 1, True)
+    assert b.num_computed_tokens == 9
 
 
 def test_a_decode_batch_replays_the_smallest_bucket_that_holds_it():
@@ -165,14 +197,16 @@ def test_only_requests_that_gained_blocks_are_grown():
     sched = setup(block_size=4)
     sched.add(req("a", 3))
     sched.add(req("b", 4))
-    out = sched.schedule()  # both admitted: both rows start fresh
-    assert (out.grown, out.first_admitted) == ([0, 1], 0)
+    run_step(sched)  # both admitted: both rows start fresh
+    table = sched.block_table
+    assert table.num_blocks[:2].tolist() == [1, 1]
     grown = []
     for _ in range(5):
-        for r in out.requests:
-            r.append_token(7)
+        before = table.num_blocks[:2].copy()
         out = sched.schedule()
-        assert out.first_admitted == 2  # nobody admitted: no row starts fresh
-        grown.append(sorted(out.requests[i].request_id for i in out.grown))
+        assert not out.admitted
+        read(sched, out, launch(sched, out))
+        grew = np.flatnonzero(table.num_blocks[:2] > before).tolist()
+        grown.append(sorted(sched.batch.requests[s].request_id for s in grew))
     # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
     assert grown == [["b"], ["a"], [], [], ["b"]]

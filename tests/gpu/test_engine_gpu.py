@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,7 +52,7 @@ def test_steps_with_prefill_match_eager_and_transformers(tiny_model_dir, graphs)
 def test_prefill_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cuda", max_num_seqs=8, max_num_batched_tokens=40)
     runner = llm.engine.runner
-    assert sorted(runner.prefill_graphs) == [16, 32, 40]
+    assert sorted(runner.graphs.prefill) == [16, 32, 40]
     replays = []
 
     class Counted:
@@ -62,8 +63,8 @@ def test_prefill_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
             replays.append(self.bucket)
             self.graph.replay()
 
-    for bucket, (graph, logits) in list(runner.prefill_graphs.items()):
-        runner.prefill_graphs[bucket] = (Counted(bucket, graph), logits)
+    for bucket, (graph, logits) in list(runner.graphs.prefill.items()):
+        runner.graphs.prefill[bucket] = (Counted(bucket, graph), logits)
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert replays == [32]  # the three prompts' 31 tokens in one step; then decodes
     assert runner.steps_by_path["prefill graph"] == 1
@@ -80,13 +81,13 @@ def test_decode_graphs_write_the_block_table_entries_they_open(tiny_model_dir):
     runner = llm.engine.runner
     table = runner.block_table
     carried = []
-    stage = runner._stage_table_changes
+    stage = runner.stage_table_changes
 
     def counting(bucket):
         carried.append(len(table.changed))
         stage(bucket)
 
-    runner._stage_table_changes = counting
+    runner.stage_table_changes = counting
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -98,9 +99,9 @@ def test_decode_graphs_write_the_block_table_entries_they_open(tiny_model_dir):
 def test_graphs_are_replayed_for_decode(tiny_gpt2_dir):
     llm = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8)
     runner = llm.engine.runner
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs.decode) == [1, 2, 4, 8]
     replays = []
-    for bucket, graphs in runner.graphs.items():
+    for bucket, graphs in runner.graphs.decode.items():
         assert len(graphs) == 2  # one per staging buffer
         for graph in graphs:
             original = graph.replay
@@ -117,8 +118,8 @@ def test_decode_graph_takes_the_greedy_ids_that_the_sampler_would(tiny_gpt2_dir)
     checked = []
     execute = runner.execute
 
-    def checking(batch, on_device=False):
-        logits = execute(batch, on_device)
+    def checking(batch):
+        logits = execute(batch)
         if runner.argmax is not None:
             checked.append(runner.argmax.tolist() == logits.argmax(-1).tolist())
         return logits
@@ -171,9 +172,10 @@ def test_pinned_buffers_are_not_rewritten_before_their_copy_ran(tiny_gpt2_dir):
         # The prompt again, as one prefill chunk of this request alone.
         req = engine.requests[rid][0]
         n = len(prompts[rid])
-        batch = SchedulerOutput([req], [0], [n], num_tokens=n)
-        num_tokens, max_q = runner._fill(batch)
-        inp = runner._send(num_tokens, 1, max_q, False)
+        one = np.array([1])
+        batch = SchedulerOutput(np.array([req.slot]), np.array([0]), one * n, one > 0, n)
+        max_q = runner.fill(batch)
+        inp = runner.send(n, 1, max_q, False)
         # What the step's device tensors hold once its copy has run (queued after it).
         seen = (runner.staged.words[inp.input_gather].clone(), inp.positions.clone())
         return runner.parity, seen
@@ -194,12 +196,12 @@ def test_sampled_ids_reach_the_host_while_later_steps_queue(tiny_gpt2_dir):
     the host reads."""
     runner = LLM(tiny_gpt2_dir, device="cuda", max_num_seqs=8).engine.runner
     torch.cuda._sleep(200_000_000)
-    runner._next_buffers()  # each step's fill moves to its buffers
+    runner.next_buffers()  # each step's fill moves to its buffers
     first = runner.keep_sampled(torch.tensor([1, 2, 3], device="cuda"))
-    runner._next_buffers()
+    runner.next_buffers()
     second = runner.keep_sampled(torch.tensor([4, 5], device="cuda"))
     assert first.tolist() == [1, 2, 3]  # waits for its own copy, not a later one
-    runner._next_buffers()
+    runner.next_buffers()
     third = runner.keep_sampled(torch.tensor([6], device="cuda"))
     assert second.tolist() == [4, 5] and third.tolist() == [6]
     # The last ids stay on the device, where the next step's inputs are gathered from.

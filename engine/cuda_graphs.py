@@ -1,0 +1,197 @@
+"""CUDA graphs: decode steps by batch bucket, steps with prefill by token bucket.
+
+Decode-only steps replay a graph captured for the next bucket up in batch
+size; padded entries have context length 0 and slot -1, so they read and write
+nothing. Each decode graph copies its staging buffer in first (there is one
+graph per buffer), writes the block-table entries the step opened, and ends
+with every row's argmax in the device buffer the next step's inputs are
+gathered from, copied to the host: an all-greedy batch (the common case) then
+launches nothing after the replay.
+
+Steps with prefill tokens replay a whole-forward graph too, captured per token
+bucket up to 2048 tokens for max_num_seqs sequences: the prefill attention's
+grid depends on those two counts only (kernels.prefill_attention), so padded
+tokens (slot -1) and empty padded sequences make any such step fit. Larger
+steps, and everything under --enforce-eager, run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+
+class CudaGraphs:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        config = runner.config
+        # By bucket: one graph per staging buffer, each copying that buffer in.
+        self.decode: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.decode_logits: dict[int, list[torch.Tensor]] = {}
+        self.decode_bucket = config.cuda_graph_bucket_table()
+        # By token bucket: (graph, its logits [max_num_seqs, vocab]).
+        self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
+        if config.use_cuda_graphs:
+            self._capture_decode()
+            # By buffer, then batch size: the logits rows of its bucket's graph.
+            self.decode_rows = [
+                [
+                    self.decode_logits[self.decode_bucket[n]][i][:n] if n else None
+                    for n in range(runner.max_num_seqs + 1)
+                ]
+                for i in range(runner.num_buffers)
+            ]
+        if config.use_prefill_graphs:
+            self._capture_prefill()
+
+    def fits_decode(self, num_seqs: int) -> bool:
+        return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
+
+    def fits_prefill(self, num_tokens: int) -> bool:
+        return num_tokens < len(self.prefill_bucket)
+
+    # -- replay -------------------------------------------------------------
+
+    def replay_decode(self, num_seqs: int) -> torch.Tensor:
+        """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
+        runner = self.runner
+        bucket = self.decode_bucket[num_seqs]
+        if bucket > num_seqs:
+            self.pad_decode(num_seqs, bucket)
+        runner.stage_table_changes(bucket)
+        parity = runner.parity
+        self.decode[bucket][parity].replay()
+        runner.staged_sent[parity].record(runner.stream)
+        runner.steps_by_path["graph"] += 1
+        runner.argmax = runner.sampled.device_rows[num_seqs]
+        runner.argmax_on_host = True
+        return self.decode_rows[parity][num_seqs]
+
+    def replay_prefill(self, num_tokens: int, num_seqs: int, num_sampling: int) -> torch.Tensor:
+        """Logits [num_sampling, vocab] of a step with prefill tokens; argmax set."""
+        runner = self.runner
+        bucket = self.prefill_bucket[num_tokens]
+        self.pad_tokens(num_tokens, bucket)
+        self.pad_seqs(num_seqs, num_tokens, num_sampling)
+        runner.stage_table_changes(runner.table_capacity)
+        runner.copy_staged()
+        graph, logits = self.prefill[bucket]
+        graph.replay()
+        runner.steps_by_path["prefill graph"] += 1
+        runner.argmax = runner.sampled.device_rows[num_sampling]
+        return logits[:num_sampling]
+
+    # -- padding ------------------------------------------------------------
+
+    def pad_decode(self, start: int, end: int) -> None:
+        """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
+        runner = self.runner
+        buf, arange = runner.buf, runner.arange
+        buf["input_ids"][start:end] = 0
+        buf["input_gather"][start:end] = runner.ids_offset + arange[start:end]
+        buf["positions"][start:end] = 0
+        buf["slot_mapping"][start:end] = -1
+        buf["seq_lens"][start:end] = 0
+        buf["slot_indices"][start:end] = 0
+        buf["query_start_loc"][start + 1 : end + 1] = arange[start + 1 : end + 1]
+        buf["logits_indices"][start:end] = arange[start:end]
+
+    def pad_tokens(self, start: int, end: int) -> None:
+        """Padded tokens of a prefill graph's step: id 0 at position 0, stored nowhere,
+        and past the last sequence's query, so attention leaves their rows alone."""
+        runner = self.runner
+        buf = runner.buf
+        buf["input_ids"][start:end] = 0
+        buf["input_gather"][start:end] = runner.ids_offset + runner.arange[start:end]
+        buf["positions"][start:end] = 0
+        buf["slot_mapping"][start:end] = -1
+
+    def pad_seqs(self, start: int, num_tokens: int, num_sampling: int) -> None:
+        """Sequences start.. up to max_num_seqs, for a prefill graph: no query (their
+        query starts all sit at the end), no context, block-table row 0; and logits
+        rows past the sampling ones read token 0 (their argmax is never read)."""
+        buf = self.runner.buf
+        end = self.runner.max_num_seqs
+        buf["query_start_loc"][start + 1 : end + 1] = num_tokens
+        buf["seq_lens"][start:end] = 0
+        buf["slot_indices"][start:end] = 0
+        buf["logits_indices"][num_sampling:end] = 0
+
+    # -- capture ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture_prefill(self) -> None:
+        """One graph per token bucket for max_num_seqs sequences, the largest first, in
+        one memory pool (they never run at once). The bound on query lengths (it
+        picks the attention's tile height) is the bucket's size or max_model_len.
+        Like a decode graph, each writes the block-table entries the staging buffer
+        carries, and takes logits for max_num_seqs rows and their argmax into the
+        device buffer the next step's inputs are gathered from."""
+        runner = self.runner
+        config = runner.config
+        sizes = config.prefill_graph_sizes()
+        pool = torch.cuda.graph_pool_handle()
+        seqs = runner.max_num_seqs
+        sampled = runner.staged.gpu["sampled_ids"]
+        table = runner.block_table.gpu.view(-1)
+        table_index, table_value = (
+            runner.staged.gpu["table_index"],
+            runner.staged.gpu["table_value"],
+        )
+        for bucket in reversed(sizes):
+            self.pad_tokens(0, bucket)
+            runner.buf["query_start_loc"][0] = 0
+            self.pad_seqs(0, 0, 0)
+            max_query_len = min(bucket, config.max_model_len)
+            inp = runner.send(bucket, seqs, max_query_len, False)
+            runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                table.index_copy_(0, table_index, table_value)
+                logits = runner.forward(inp)  # the block-table gather included
+                torch.argmax(logits, dim=-1, out=sampled[:seqs])
+            self.prefill[bucket] = (graph, logits)
+        self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
+        torch.cuda.synchronize(runner.device)
+
+    @torch.inference_mode()
+    def _capture_decode(self) -> None:
+        # Every replay's fill writes the same static storage the capture read. Each
+        # bucket has a graph per staging buffer: it copies that buffer in first, and
+        # its greedy ids out to the same step's sampled-ids buffer last.
+        runner = self.runner
+        pool = None
+        sampled = runner.staged.gpu["sampled_ids"]
+        table = runner.block_table.gpu.view(-1)
+        table_index, table_value = (
+            runner.staged.gpu["table_index"],
+            runner.staged.gpu["table_value"],
+        )
+        for bucket in reversed(runner.config.cuda_graph_batch_sizes()):
+            runner.buf["query_start_loc"][0] = 0
+            self.pad_decode(0, bucket)
+            inp = runner.send(bucket, bucket, 1, True)
+            runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(runner.device)
+            self.decode[bucket], self.decode_logits[bucket] = [], []
+            for i in range(runner.num_buffers):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
+                    table.index_copy_(0, table_index[:bucket], table_value[:bucket])
+                    logits = runner.forward(inp)
+                    # Greedy ids, where keep_sampled would put them: a batch that needs
+                    # the sampler overwrites them after the replay, and copies its own
+                    # to the host again.
+                    torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                    runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
+                pool = graph.pool()
+                self.decode[bucket].append(graph)
+                self.decode_logits[bucket].append(logits)
+        torch.cuda.synchronize(runner.device)

@@ -1,0 +1,197 @@
+"""The running requests as numpy columns, one row per slot (vLLM v1's InputBatch, small).
+
+A running request owns a slot for its whole run: the same row here and in the
+block table. While it runs, its token ids and counts live here, and the
+Request's properties read them from here (engine/request.py), so nothing on
+either side lags behind the other. A step's bookkeeping is then a few array
+operations over the batch's slots, whatever the batch size:
+
+    schedule   num_new = num_tokens - num_computed       (engine/scheduler.py)
+    launch     num_tokens[sampling] += 1                 the ids stay on the device
+    read       token_ids[slots, num_known] = ids         stops found by one lookup
+
+and only requests with something user-visible (news, a stop, a finish) are
+visited one by one. `num_tokens - num_known` are the tokens sampled on the
+device whose ids the host has not read yet (0 or 1, briefly 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.request import Request
+
+
+@dataclass
+class ReadTokens:
+    """What a step's sampled ids did to the batch: the rows still running when they
+    were read, and which of those need a look one by one."""
+
+    slots: np.ndarray  # [k] the live rows' slots
+    token_ids: np.ndarray  # [k] their new ids
+    done: np.ndarray | None  # [k] bool: a stop id (past min_tokens) or the length limit
+    first: np.ndarray | None  # [k] bool: the request's first output token
+
+
+@dataclass
+class LaunchMark:
+    """The batch as a step's sampling rows saw it when launched."""
+
+    departures: int
+    generations: np.ndarray  # [k] each row's slot generation
+
+
+# Rows of InputBatch.counts: one gather reads all of them for a step's slots.
+COMPUTED, TOKENS, KNOWN, LIMIT, CAPACITY, PROMPT, MIN_TOKENS = range(7)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int) -> None:
+        n = max_num_seqs
+        # [slot, position] prompt then output ids the host knows. np.zeros maps fresh
+        # pages lazily: only the rows and positions written take memory.
+        self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int32)
+        self.counts = np.zeros((7, n), dtype=np.int64)
+        self.num_computed = self.counts[COMPUTED]  # KV computed or scheduled
+        self.num_tokens = self.counts[TOKENS]  # known ids plus those on the device
+        self.num_known = self.counts[KNOWN]  # ids in token_ids
+        self.max_num_tokens = self.counts[LIMIT]  # length limit, prompt included
+        self.capacity = self.counts[CAPACITY]  # tokens its KV blocks hold
+        self.num_prompt = self.counts[PROMPT]
+        self.min_tokens = self.counts[MIN_TOKENS]
+        # Ids that end a request (EOS unless ignored, stop_token_ids), -1 padded, and
+        # how many running requests each id would end: one lookup tells whether a
+        # step's ids hold any stop at all.
+        self.stop_ids = np.full((n, 1), -1, dtype=np.int64)
+        self.stop_count = np.zeros(vocab_size, dtype=np.int32)
+        # What the sampler and the engine ask of every row, every step.
+        self.argmax_only = np.zeros(n, dtype=bool)  # greedy with nothing to apply
+        self.needs_sync = np.zeros(n, dtype=bool)  # ids read on the host before sampling
+        self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
+        self.num_streaming = 0
+        self.temperature = np.ones(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        # Bumped whenever a slot changes hands: a step read after its request left
+        # (finished, aborted, preempted) is told apart from the slot's next owner.
+        self.generation = np.zeros(n, dtype=np.int64)
+        self.departures = 0  # requests that left, ever: none since a launch, all live
+        self.requests: list[Request | None] = [None] * n  # by slot
+        self.running: list[Request] = []  # arrival order: the batch order
+        self.slots = np.zeros(0, dtype=np.int64)  # their slots, in that order
+        self.free_slots = list(range(n - 1, -1, -1))
+        # Requests preempted with ids on the device, by (slot, generation): those ids
+        # are theirs when read (see read()).
+        self.departed: dict[tuple[int, int], Request] = {}
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    # -- requests enter and leave -------------------------------------------
+
+    def add(self, req: Request) -> int:
+        """Give req a slot and its row: its tokens (prompt, and any output a preemption
+        left), counts and sampling columns. Returns the slot."""
+        slot = self.free_slots.pop()
+        tokens = req.all_token_ids
+        n = len(tokens)
+        self.token_ids[slot, :n] = tokens
+        self.num_prompt[slot] = req.num_prompt_tokens
+        self.num_known[slot] = n
+        self.num_tokens[slot] = n
+        self.num_computed[slot] = req.num_computed_tokens
+        self.max_num_tokens[slot] = req.max_num_tokens
+        params = req.params
+        self.min_tokens[slot] = params.min_tokens
+        stops = sorted(req.stop_ids)
+        if len(stops) > self.stop_ids.shape[1]:
+            wider = np.full((len(self.requests), len(stops)), -1, dtype=np.int64)
+            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
+            self.stop_ids = wider
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : len(stops)] = stops
+        if stops and stops[-1] >= len(self.stop_count):  # an EOS past the model's vocab
+            self.stop_count = np.pad(self.stop_count, (0, stops[-1] + 1 - len(self.stop_count)))
+        self.stop_count[stops] += 1
+        self.capacity[slot] = 0  # the scheduler gives it blocks next
+        self.argmax_only[slot] = params.argmax_only
+        self.needs_sync[slot] = params.needs_sync
+        self.streams[slot] = streams = not params.final_only or bool(params.stop)
+        self.num_streaming += streams
+        self.temperature[slot] = 1.0 if params.greedy else params.temperature
+        self.top_k[slot] = params.top_k
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.requests[slot] = req
+        self.running.append(req)
+        self.slots = np.append(self.slots, slot)
+        req.attach(self, slot)
+        return slot
+
+    def remove(self, req: Request) -> None:
+        """Take req's row back; its tokens and counts go back onto the Request."""
+        slot = req.slot
+        inflight = int(self.num_tokens[slot] - self.num_known[slot])
+        index = self.running.index(req)
+        del self.running[index]
+        self.slots = np.delete(self.slots, index)
+        req.detach(
+            self.token_ids[slot, self.num_prompt[slot] : self.num_known[slot]].tolist(),
+            int(self.num_computed[slot]),
+            inflight,
+        )
+        if inflight and not req.is_finished:  # preempted: its ids on the device are its own
+            self.departed[(slot, int(self.generation[slot]))] = req
+        stops = self.stop_ids[slot]
+        self.stop_count[stops[stops >= 0]] -= 1
+        self.num_streaming -= bool(self.streams[slot])
+        self.generation[slot] += 1
+        self.departures += 1
+        self.requests[slot] = None
+        self.free_slots.append(slot)
+
+    # -- the step's counts ----------------------------------------------------
+
+    def launched(self, slots: np.ndarray) -> LaunchMark:
+        """These rows sampled a token on the device; what read() needs to know which
+        of them still belong to the same requests then."""
+        self.num_tokens[slots] += 1
+        return LaunchMark(self.departures, self.generation[slots])
+
+    def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens:
+        """Append a step's sampled ids [k] to the rows that sampled them, and find the
+        rows they stop. Ids of a request that has left since are dropped, or, if it
+        was preempted, appended to its own list (it recomputes them)."""
+        if mark.departures != self.departures:
+            live = self.generation[slots] == mark.generations
+            if not live.all():
+                for i in np.flatnonzero(~live).tolist():
+                    key = (int(slots[i]), int(mark.generations[i]))
+                    req = self.departed.pop(key, None)
+                    if req is not None and not req.is_finished:
+                        req.receive_departed(int(token_ids[i]))
+                slots, token_ids = slots[live], token_ids[live]
+        counts = self.counts[:, slots]  # [7, k]: one gather for every column read here
+        position = counts[KNOWN]
+        self.token_ids[slots, position] = token_ids
+        first = position == counts[PROMPT]
+        position = position + 1
+        self.num_known[slots] = position
+        done = position >= counts[LIMIT]
+        if self.stop_count[token_ids].any():  # someone's stop id: whose, exactly?
+            stop = (self.stop_ids[slots] == token_ids[:, None]).any(1)
+            stop &= position - counts[PROMPT] >= counts[MIN_TOKENS]
+            done |= stop
+        return ReadTokens(
+            slots, token_ids, done if done.any() else None, first if first.any() else None
+        )
+
+    # -- reads for one request -------------------------------------------------
+
+    def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
+        """Known ids [start, end) of a row (end: all known)."""
+        known = int(self.num_known[slot])
+        return self.token_ids[slot, start : known if end is None else min(end, known)].tolist()

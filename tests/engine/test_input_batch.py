@@ -1,0 +1,174 @@
+"""InputBatch: per-slot columns for running requests; the engine's one decode path over it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.input_batch import InputBatch
+from engine.request import Request, RequestStatus
+from tests.engine.test_async_steps import count_rows
+
+EOS = 0
+
+
+def request(name: str, prompt: list[int], **params) -> Request:
+    req = Request(name, prompt, SamplingParams(**params))
+    req.stop_ids = frozenset(([] if req.params.ignore_eos else [EOS]) + req.params.stop_token_ids)
+    req.max_num_tokens = min(req.max_num_tokens, 64)
+    return req
+
+
+def sample(batch: InputBatch, reqs: list[Request], ids: list[int]):
+    """Launch one token for each of reqs, then read `ids` back as their values."""
+    slots = np.array([r.slot for r in reqs], dtype=np.int64)
+    return batch.read(slots, batch.launched(slots), np.array(ids, dtype=np.int64))
+
+
+def test_requests_join_and_leave_mid_run_and_keep_their_rows():
+    batch = InputBatch(4, 64, 64)
+    a, b, c = request("a", [1, 2, 3]), request("b", [4, 5]), request("c", [6])
+    for r in (a, b, c):
+        batch.add(r)
+    assert [r.slot for r in (a, b, c)] == [0, 1, 2]
+    assert batch.slots.tolist() == [0, 1, 2] and batch.running == [a, b, c]
+    sample(batch, [a, b, c], [10, 11, 12])
+    batch.remove(b)  # finished or preempted: its row goes, the others stay put
+    assert b.batch is None and b.output_token_ids == [11] and b.num_tokens == 3
+    d = request("d", [7, 8, 9, 10])
+    assert batch.add(d) == 1  # b's slot, reused
+    assert batch.slots.tolist() == [0, 2, 1] and batch.running == [a, c, d]
+    sample(batch, [a, c, d], [20, 21, 22])
+    assert a.all_token_ids == [1, 2, 3, 10, 20]
+    assert c.output_token_ids == [12, 21] and d.output_token_ids == [22]
+    assert batch.num_known[[0, 2, 1]].tolist() == [5, 3, 5]
+
+
+def test_ids_in_flight_are_counted_and_read_in_order():
+    batch = InputBatch(2, 64, 64)
+    a = request("a", [1, 2])
+    batch.add(a)
+    slot = np.array([a.slot])
+    first = batch.launched(slot)
+    second = batch.launched(slot)  # the host runs a step ahead: two on the device
+    assert a.num_inflight == 2 and a.num_tokens == 2 and a.num_generated_tokens == 2
+    batch.read(slot, first, np.array([5]))
+    assert a.num_inflight == 1 and a.output_token_ids == [5]
+    batch.read(slot, second, np.array([6]))
+    assert a.num_inflight == 0 and a.output_token_ids == [5, 6]
+
+
+def test_stops_are_found_for_the_whole_batch_in_one_read():
+    batch = InputBatch(4, 64, 64)
+    plain = request("plain", [1])
+    eos = request("eos", [1])
+    ignores = request("ignores", [1], ignore_eos=True)
+    held = request("held", [1], min_tokens=2, stop_token_ids=[9])
+    short = request("short", [1, 2], max_tokens=1)
+    reqs = [plain, eos, ignores, held]
+    for r in reqs:
+        batch.add(r)
+    got = sample(batch, reqs, [3, EOS, EOS, 9])
+    assert got.done.tolist() == [False, True, False, False]  # held: min_tokens not reached
+    assert got.first.all()
+    got = sample(batch, [held], [9])
+    assert got.done.tolist() == [True] and got.first is None
+    batch.remove(eos)
+    batch.add(short)
+    assert sample(batch, [short], [3]).done.tolist() == [True]  # its length limit
+
+
+def test_ids_of_a_request_that_left_go_to_it_or_nowhere():
+    batch = InputBatch(2, 64, 64)
+    a, b = request("a", [1, 2]), request("b", [3])
+    batch.add(a)
+    batch.add(b)
+    slots = np.array([a.slot, b.slot])
+    mark = batch.launched(slots)
+    a.status = RequestStatus.FINISHED  # aborted with its id on the device
+    batch.remove(a)
+    batch.remove(b)  # preempted with its id on the device
+    assert b.num_inflight == 1
+    c = request("c", [4])
+    batch.add(c)  # a's slot: the read must not give c a's id
+    got = batch.read(slots, mark, np.array([7, 8]))
+    assert got.slots.tolist() == [] and c.num_tokens == 1 and c.output_token_ids == []
+    assert b.output_token_ids == [8] and b.num_inflight == 0
+    assert a.output_token_ids == []
+
+
+PLANS = [
+    ([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)),
+    ([9] * 11, SamplingParams(max_tokens=23, ignore_eos=True, temperature=0.0)),
+    ([3, 1, 4, 1, 5], SamplingParams(max_tokens=30, temperature=0.9, seed=7)),
+    ([2, 7, 1, 8], SamplingParams(max_tokens=25, temperature=0.0)),  # may stop at EOS
+    ([8, 8], SamplingParams(max_tokens=60, ignore_eos=True, n=2, temperature=1.0, seed=3)),
+    ([4] * 6, SamplingParams(max_tokens=17, temperature=0.0, stop_token_ids=[11, 12])),
+    ([6, 5, 4, 3, 2, 1], SamplingParams(max_tokens=50, ignore_eos=True, logprobs=2, seed=5)),
+    ([1] * 3, SamplingParams(max_tokens=70, ignore_eos=True, presence_penalty=0.5, seed=1)),
+]
+
+
+def drive(engine, plans: list, every: int, abort: tuple[int, str] | None) -> dict:
+    """Add the next plan as request f"r{i}" every `every` steps and abort one at a
+    step; step until done. Returns each choice's [tokens, finish reason]."""
+    plans = list(enumerate(plans))
+    results: dict = {}
+    step = 0
+    while plans or engine.has_unfinished_requests():
+        if plans and step % every == 0:
+            i, (prompt, params) = plans.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        if abort is not None and step == abort[0]:
+            engine.abort_request(abort[1])
+        for out in engine.step():
+            got = results.setdefault((out.request_id, out.index), [[], None])
+            got[0] += out.new_token_ids
+            if out.finished:
+                got[1] = out.finish_reason
+        step += 1
+        assert step < 3000
+    return results
+
+
+def test_a_churning_batch_gives_each_request_its_tokens_alone(tiny_gpt2_dir):
+    """Admissions, stops, length limits, an abort, preemption and block openings all
+    happen in one run (tight KV, block size 4); every choice must get exactly the
+    tokens it gets alone (greedy, or seeded), with the same finish."""
+    tight = LLM(
+        tiny_gpt2_dir,
+        device="cpu",
+        block_size=4,
+        max_model_len=96,
+        num_kv_blocks=28,  # long requests preempt the newest
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+    )
+    rows = count_rows(tight.engine)
+    mixed = drive(tight.engine, PLANS, every=9, abort=(90, "r7"))
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert mixed[("r7", 0)][1] is None  # aborted: no final output
+    roomy = LLM(tiny_gpt2_dir, device="cpu", block_size=4, max_model_len=96)
+    for i, plan in enumerate(PLANS[:-1]):
+        alone = drive(roomy.engine, [plan], every=1, abort=None)
+        for (_, index), got in alone.items():
+            assert mixed[(f"r{i}", index)] == got, (i, index)
+    assert rows["r0"] >= 40  # long requests decoded through many block openings
+
+
+@pytest.mark.parametrize("max_tokens", [3, 4, 5])
+def test_a_length_limit_costs_no_extra_row(tiny_gpt2_dir, max_tokens):
+    # Ends land right before, on and after a block boundary (block_size 4).
+    llm = LLM(tiny_gpt2_dir, device="cpu", block_size=4)
+    engine = llm.engine
+    for i in range(3):
+        engine.add_request(
+            f"r{i}",
+            [5, 6, 7, 8][: i + 2],
+            SamplingParams(max_tokens=max_tokens + 4 * i, ignore_eos=True),
+        )
+    rows = count_rows(engine)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert rows == {f"r{i}": max_tokens + 4 * i for i in range(3)}
