@@ -173,7 +173,7 @@ def test_pinned_buffers_are_not_rewritten_before_their_copy_ran(tiny_gpt2_dir):
         req = engine.requests[rid][0]
         n = len(prompts[rid])
         one = np.array([1])
-        batch = SchedulerOutput(np.array([req.slot]), np.array([0]), one * n, one > 0, n)
+        batch = SchedulerOutput(np.array([req.slot]), 0 * one, n * one, n * one, one > 0, n)
         max_q = runner.fill(batch)
         inp = runner.send(n, 1, max_q, False)
         # What the step's device tensors hold once its copy has run (queued after it).
