@@ -258,21 +258,22 @@ def profile_decode_step(
 
 def _device_step(engine, batch: int, context: int, replays: int) -> dict:
     """The decode graph's device time at `batch` x `context`, and its copies'. Reads
-    the runner's graphs and staging buffers: replays use the last decode step's
-    metadata, so a batch at `context` decodes first."""
+    the runner's graphs (engine/cuda_graphs.py) and staging buffers (engine/staging.py):
+    replays use the last decode step's metadata, so a batch at `context` decodes first."""
     runner = engine.runner
     start_decoding(engine, batch, context, engine.config.max_model_len - context)
-    bucket = runner.decode_bucket[batch]
-    graph = runner.graphs[bucket][runner.parity]
+    bucket = runner.graphs.decode_bucket[batch]
+    graph = runner.graphs.decode[bucket][runner.parity]
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(replays):
         graph.replay()  # the greedy argmax is inside it
     torch.cuda.synchronize()
     gpu_us = 1e6 * (time.perf_counter() - start) / replays
-    staged, host_ids = runner.staged, runner.sampled_host[0][:batch]
+    staged, sampled = runner.staged, runner.sampled
+    host_ids = sampled.hosts[0][:batch]
     h2d_us = _device_us(lambda: staged.staged.copy_(staged.hosts[0], non_blocking=True))
-    d2h_us = _device_us(lambda: host_ids.copy_(runner.sampled_rows[batch], non_blocking=True))
+    d2h_us = _device_us(lambda: host_ids.copy_(sampled.device_rows[batch], non_blocking=True))
     _abort_all(engine, batch)
     return {
         "gpu_step_us": gpu_us,
