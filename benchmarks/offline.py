@@ -54,11 +54,12 @@ def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> di
     start_wall, start = time.time(), time.perf_counter()
     finished = []
     decode_steps: list[float] = []
+    graphs = engine.runner.steps_by_path
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
+        replays = graphs["graph"]
         finished += engine.step()
-        launched = engine.inflight  # the step just launched (final-only greedy: asynchronous)
-        if launched is not None and launched.batch.is_decode_only:
+        if graphs["graph"] > replays:  # a decode-only step (it replayed a decode graph)
             decode_steps.append(time.perf_counter() - t0)
     total = time.perf_counter() - start
     tokens = sum(output_lens)
@@ -131,40 +132,76 @@ def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float)
 
 def start_decoding(
     engine, batch: int, context: int, max_tokens: int, params: SamplingParams | None = None
-) -> None:
+) -> int:
     """Add `batch` greedy requests of `context` tokens ("p0", "p1", ...), final-only
-    unless `params` says otherwise, and step until every one decodes (prefill is
-    chunked over several steps)."""
+    unless `params` says otherwise, and step until every one is running with an
+    output token. Returns the steps that took.
+
+    Prefill is chunked over several steps, so the first requests admitted decode
+    while later ones wait: `max_tokens` must outlast the admission. A request that
+    ends first raises, rather than leaving the loop to step an engine that can
+    never hold the whole batch."""
+    if batch > engine.config.max_num_seqs:
+        raise ValueError(f"batch {batch} exceeds max_num_seqs {engine.config.max_num_seqs}")
     params = params or SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, final_only=True
     )
     for i in range(batch):
         engine.add_request(f"p{i}", [1] * context, params)
-    while len(engine.scheduler.running) < batch or any(
-        not r.output_token_ids for r in engine.scheduler.running
+    scheduler = engine.scheduler
+    num_steps = 0
+    while (
+        scheduler.waiting
+        or len(scheduler.running) < batch
+        or any(not r.output_token_ids for r in scheduler.running)
     ):
-        engine.step()
+        outputs = engine.step()
+        num_steps += 1
+        if any(out.finished for out in outputs) or not engine.has_unfinished_requests():
+            raise RuntimeError(
+                f"a request finished {num_steps} steps in, before all {batch} were "
+                f"decoding: max_tokens {max_tokens} does not outlast the admission"
+            )
+    return num_steps
 
 
-def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) -> dict:
-    """Where a steady decode step's time goes, at `batch` sequences of ~`context` tokens.
+def profile_decode_step(
+    llm: LLM, batch: int, context: int, steps: int = 256, warmup: int = 16
+) -> dict:
+    """Where a decode step's time goes, at `batch` sequences of ~`context` tokens.
+
+    Every timed step decodes the full batch: the requests ignore EOS and may run to
+    max_model_len, timing starts once all are admitted and decoding, and it stops
+    after a fixed number of steps, long before the first could finish (checked:
+    nobody leaves the batch or is preempted inside a timed window).
 
     The real step is measured: the host schedules and launches step N, then reads
     step N-1's ids and builds its outputs while the GPU runs N. `wait` is the time
     the host sat blocked on the device; the rest is host work. It is timed over
-    `steps` plain steps (16 block cycles at the default block size), after a few
-    that reach the steady state: the mean, and the median and p90 of the steps. The same number of steps again, with the engine's
-    phases wrapped with timers (no syncs added), gives the phases: the timers add a
-    few us per step of their own, so the phases' sum runs above the plain host work.
-    `gpu_step` is the device's share alone: the bucket's graph and the argmax,
-    replayed back to back with the batch at the timing pass's mean context. The
-    graph's first node copies the step's staging buffer in (H2D) and its last the
-    sampled ids out (D2H): `h2d`/`d2h` time those copies alone on the device.
-    Requests are final-only, as in the run above."""
+    `steps` plain steps after `warmup` untimed ones: the mean, and the median and
+    p90 of the steps. The same number of steps again, with the scheduler, the
+    runner's launch and the sampler wrapped with timers (no syncs added), gives
+    the phases; `other` is the rest of the step (reading ids, outputs). The timers
+    add a little of their own, so the phases' sum runs above the plain host work.
+
+    With CUDA graphs, `gpu_step` is the device's share alone: the bucket's graph
+    and the argmax, replayed back to back with the batch at the timing pass's mean
+    context. The graph's first node copies the step's staging buffer in (H2D) and
+    its last the sampled ids out (D2H): `h2d`/`d2h` time those copies alone on the
+    device. Requests are final-only, as in the throughput run."""
     engine = llm.engine
     runner = engine.runner
-    warmup = 16
-    start_decoding(engine, batch, context, max_tokens=warmup + 2 * steps + 8)
+    max_tokens = engine.config.max_model_len - context
+    admission_steps = start_decoding(engine, batch, context, max_tokens)
+    # The first admitted has decoded through the admission; +2: the step in flight.
+    lead = max(len(r.output_token_ids) for r in engine.scheduler.running)
+    if lead + warmup + 2 * steps + 2 > max_tokens:
+        raise ValueError(
+            f"context {context} leaves {max_tokens - lead} tokens after the admission, "
+            f"fewer than the {warmup + 2 * steps + 2} the timed steps need: "
+            "lower steps or context, or raise max_model_len"
+        )
+    preemptions = engine.get_stats().num_preemptions
     for _ in range(warmup):
         engine.step()
 
@@ -177,59 +214,89 @@ def profile_decode_step(llm: LLM, batch: int, context: int, steps: int = 256) ->
         now = time.perf_counter()
         host.append(now - last - (runner.wait_s - waited))
         last = now
-    step_us = 1e6 * (time.perf_counter() - start) / steps
+    elapsed = time.perf_counter() - start
+    _check_full_batch(engine, batch, preemptions)
+    step_us = 1e6 * elapsed / steps
     wait_us = 1e6 * (runner.wait_s - wait0) / steps
 
-    totals = dict.fromkeys(["schedule", "prepare_launch", "sample_launch", "read_outputs"], 0.0)
+    totals = dict.fromkeys(["schedule", "prepare_launch", "sample_launch"], 0.0)
     wrapped = [
         (engine.scheduler, "schedule", "schedule"),
         (runner, "execute", "prepare_launch"),
         (engine.sampler, "sample", "sample_launch"),
-        (engine, "_read", "read_outputs"),
     ]
     for obj, attr, phase in wrapped:
         setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
-    for _ in range(steps):
-        engine.step()
-    for obj, attr, _ in wrapped:
-        delattr(obj, attr)
-    for i in range(batch):
-        engine.abort_request(f"p{i}")
-
-    # Replays read the last decode step's metadata: decode a batch that is at the
-    # mean context of the timing pass, then replay its graph.
-    start_decoding(engine, batch, context + warmup + steps // 2, max_tokens=64)
-    bucket = runner.graphs.decode_bucket[batch]
-    graph = runner.graphs.decode[bucket][runner.parity]
-    torch.cuda.synchronize()
+    wait0 = runner.wait_s
     start = time.perf_counter()
     for _ in range(steps):
-        graph.replay()  # the greedy argmax is inside it
-    torch.cuda.synchronize()
-    gpu_us = 1e6 * (time.perf_counter() - start) / steps
-    staged, host_ids = runner.staged, runner.sampled.hosts[0][:batch]
-    h2d_us = _device_us(lambda: staged.staged.copy_(staged.hosts[0], non_blocking=True))
-    d2h_us = _device_us(
-        lambda: host_ids.copy_(runner.sampled.device_rows[batch], non_blocking=True)
-    )
-    for i in range(batch):
-        engine.abort_request(f"p{i}")
+        engine.step()
+    timed_host = time.perf_counter() - start - (runner.wait_s - wait0)
+    for obj, attr, _ in wrapped:
+        delattr(obj, attr)
+    _check_full_batch(engine, batch, preemptions)
+    _abort_all(engine, batch)
+    totals["other"] = timed_host - sum(totals.values())
     phases = {k: 1e6 * v / steps for k, v in totals.items()}
-    return {
+
+    result = {
         "batch": batch,
         "context": context,
+        "steps": steps,
+        "admission_steps": admission_steps,
         "step_us": step_us,
-        "gpu_step_us": gpu_us,
-        "h2d_us": h2d_us,  # inside gpu_step
-        "h2d_bytes": staged.hosts[0].numel(),
-        "d2h_us": d2h_us,  # inside gpu_step
         "host_work_us": step_us - wait_us,  # the mean: rare stalls (GC, the OS) count
         "host_work_p50_us": 1e6 * statistics.median(host),
         "host_work_p90_us": 1e6 * statistics.quantiles(host, n=10)[-1],
         "host_phases_us": phases,
         "wait_us": wait_us,
-        "gpu_idle_us": max(step_us - gpu_us, 0.0),
     }
+    if engine.config.use_cuda_graphs:
+        result |= _device_step(engine, batch, context + warmup + steps // 2, steps)
+        result["gpu_idle_us"] = max(step_us - result["gpu_step_us"], 0.0)
+    return result
+
+
+def _device_step(engine, batch: int, context: int, replays: int) -> dict:
+    """The decode graph's device time at `batch` x `context`, and its copies'. Reads
+    the runner's graphs (engine/cuda_graphs.py) and staging buffers (engine/staging.py):
+    replays use the last decode step's metadata, so a batch at `context` decodes first."""
+    runner = engine.runner
+    start_decoding(engine, batch, context, engine.config.max_model_len - context)
+    bucket = runner.graphs.decode_bucket[batch]
+    graph = runner.graphs.decode[bucket][runner.parity]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()  # the greedy argmax is inside it
+    torch.cuda.synchronize()
+    gpu_us = 1e6 * (time.perf_counter() - start) / replays
+    staged, sampled = runner.staged, runner.sampled
+    host_ids = sampled.hosts[0][:batch]
+    h2d_us = _device_us(lambda: staged.staged.copy_(staged.hosts[0], non_blocking=True))
+    d2h_us = _device_us(lambda: host_ids.copy_(sampled.device_rows[batch], non_blocking=True))
+    _abort_all(engine, batch)
+    return {
+        "gpu_step_us": gpu_us,
+        "h2d_us": h2d_us,  # inside gpu_step
+        "h2d_bytes": staged.hosts[0].numel(),
+        "d2h_us": d2h_us,  # inside gpu_step
+    }
+
+
+def _check_full_batch(engine, batch: int, preemptions: int) -> None:
+    """A timed window counts only if the whole batch decoded through it."""
+    stats = engine.get_stats()
+    if stats.num_running != batch or stats.num_waiting or stats.num_preemptions != preemptions:
+        raise RuntimeError(
+            f"the batch changed inside a timed window: {stats.num_running} of {batch} running, "
+            f"{stats.num_waiting} waiting, {stats.num_preemptions - preemptions} preempted"
+        )
+
+
+def _abort_all(engine, batch: int) -> None:
+    for i in range(batch):
+        engine.abort_request(f"p{i}")
 
 
 def _device_us(fn, n: int = 32) -> float:
@@ -275,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
     p.add_argument("--profile", action="store_true", help="per-phase breakdown of a decode step")
+    p.add_argument(
+        "--profile-batch", type=int, default=None, help="batch of --profile (default: up to 64)"
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -327,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             llm, args.num_requests, mean_ctx, bandwidth
         )
     if args.profile and not args.enforce_eager:
-        result["decode_step_profile_us"] = profile_decode_step(llm, min(args.num_requests, 64), 256)
+        batch = args.profile_batch or min(args.num_requests, 64)
+        result["decode_step_profile_us"] = profile_decode_step(llm, batch, 256)
     if args.compare_hf and args.workload == "seeds":
         del llm
         torch.cuda.empty_cache()
