@@ -11,15 +11,22 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.layers import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeForCausalLM
 
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2ForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 
@@ -45,17 +52,20 @@ def load_config(model_dir: str) -> PretrainedConfig:
             f"({', '.join(getattr(config, 'architectures', None) or [])}); "
             f"supported model types: {', '.join(sorted(MODEL_TYPES))}"
         )
+    check = getattr(MODEL_TYPES[config.model_type], "check_config", None)
+    try:
+        if check is not None:
+            check(config)
+        with torch.device("meta"):  # builds the rotary embeddings, which check rope_scaling
+            MODEL_TYPES[config.model_type](config)
+    except ValueError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
     return config
 
 
 def max_model_len(config: PretrainedConfig) -> int:
     """The longest context the model handles exactly."""
-    limit = getattr(config, "n_positions", None) or config.max_position_embeddings
-    # Sliding-window attention is not implemented: stay within the window.
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return limit
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
