@@ -30,6 +30,11 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
+# A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
+# tokenizer only; the weights are drawn on the device at load, like vLLM's dummy format.
+RANDOM_WEIGHTS_MARKER = "pagoda-random-weights"
+
+
 class ModelLoadError(ValueError):
     """A model directory that cannot be served; the message names the file and the problem."""
 
@@ -117,6 +122,9 @@ def load_model(
         model = MODEL_TYPES[config.model_type](config)
     # Materialise without running the random initialisers, then fill from disk.
     model = model.to_empty(device=device).to(dtype)
+    if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
+        _fill_random(model)
+        return _finish(model, device), config
     try:
         loaded = model.load_weights(iter_weights(model_dir))
     except ModelLoadError:
@@ -129,10 +137,25 @@ def load_model(
         raise ModelLoadError(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
+    return _finish(model, device), config
+
+
+def _finish(model: nn.Module, device: torch.device) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
-    return model.eval(), config
+    return model.eval()
+
+
+@torch.no_grad()
+def _fill_random(model: nn.Module) -> None:
+    """Norm weights 1, matrices small normals: finite activations and near-uniform routing."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
