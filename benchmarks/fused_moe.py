@@ -1,7 +1,7 @@
 """Fused-MoE kernel benchmark on the GPU: the Triton grouped GEMM against the torch
 reference and against transformers' per-expert loop, for one Qwen3-30B-A3B MoE layer.
 
-    python -m benchmarks.fused_moe --out benchmarks/results/fused-moe-h100.json
+    python -m benchmarks.fused_moe --out benchmarks/results/fused-moe-h100.json [--sweep]
 
 Shape: 128 experts, top-8 (renormalized), hidden 2048, expert intermediate 768, bf16, at
 batch 1, 64 and 256 tokens; routing from random router logits (near uniform). A decode
@@ -10,12 +10,14 @@ step's MoE layer is memory bound: its floor is the bytes of the experts the batc
 The Triton path (alignment included) is timed replayed from a CUDA graph, as the engine
 runs it; the reference and the loop read routing back to the host, so they cannot be
 captured and are timed eagerly. All times are medians with L2 flushed between runs.
+--sweep also times other tile configs of the Triton kernel (how to pick moe_config's).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,7 +27,7 @@ from triton.testing import do_bench
 
 from benchmarks.kernels import copy_bandwidth_gbps, graph_median_us
 from benchmarks.provenance import git_commit
-from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
+from kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config, select_experts
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 BATCH_SIZES = [1, 64, 256]
@@ -45,7 +47,18 @@ def per_expert_loop(num_experts: int, w13: torch.Tensor, w2: torch.Tensor):
     return experts
 
 
-def bench(batch: int, peak_gbps: float, gen: torch.Generator) -> dict:
+def sweep(batch, x, w13, w2, weights, ids, floor_us: float) -> list[dict]:
+    rows = []
+    for block_m, block_n, block_k, num_stages in itertools.product(
+        (16, 32, 64), (32, 64, 128), (64, 128), (3, 4)
+    ):
+        config = MoeConfig(block_m, block_n, block_k, num_warps=4, num_stages=num_stages)
+        us = graph_median_us(lambda c=config: fused_moe(x, w13, w2, weights, ids, c))
+        rows.append({"batch": batch, **config.__dict__, "us": us, "vs_floor": us / floor_us})
+    return sorted(rows, key=lambda r: r["us"])
+
+
+def bench(batch: int, peak_gbps: float, gen: torch.Generator, tiles: bool) -> dict:
     dtype, device = torch.bfloat16, "cuda"
     w13 = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device=device, generator=gen) * 0.02).to(
         dtype
@@ -68,8 +81,9 @@ def bench(batch: int, peak_gbps: float, gen: torch.Generator) -> dict:
             lambda: fused_moe_ref(x, w13, w2, weights, ids), return_mode="median"
         )
         loop_us = 1e3 * do_bench(lambda: loop(x, ids, weights.to(dtype)), return_mode="median")
-    return {
+    row = {
         "batch": batch,
+        "config": moe_config(batch * TOP_K, NUM_EXPERTS).__dict__,
         "experts_hit": experts_hit,
         "floor_us": floor_us,
         "triton_us": triton_us,
@@ -83,6 +97,10 @@ def bench(batch: int, peak_gbps: float, gen: torch.Generator) -> dict:
         "max_abs_diff_vs_transformers": (out.float() - hf.float()).abs().max().item(),
         "reference_abs_max": ref.float().abs().max().item(),
     }
+    if tiles:
+        with torch.no_grad():
+            row["sweep"] = sweep(batch, x, w13, w2, weights, ids, floor_us)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     args = p.parse_args(argv)
     peak = copy_bandwidth_gbps()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [bench(batch, peak, gen) for batch in BATCH_SIZES]
+    rows = [bench(batch, peak, gen, args.sweep) for batch in BATCH_SIZES]
     result = {
         "benchmark": "fused_moe",
         "command": "python -m benchmarks.fused_moe "
@@ -114,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['triton_vs_floor']:.2f}x floor), reference {r['reference_us']:8.1f} us, "
             f"per-expert loop {r['per_expert_loop_us']:8.1f} us"
         )
+        if args.sweep:
+            best = r["sweep"][0]
+            print(f"  best tiles: {best}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

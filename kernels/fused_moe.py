@@ -11,6 +11,7 @@ nothing is read back to the host, so a CUDA graph can capture the whole layer.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -151,9 +152,20 @@ def _grouped_gemm_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch config of both grouped GEMMs; a function of shapes only (CUDA-graph safe)."""
+
+    block_m: int  # rows (pairs of one expert) per tile
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
     # Few pairs per expert (decode): short tiles waste less on padding rows.
-    return 16 if num_pairs <= 4 * num_experts else 64
+    return MoeConfig(block_m=16 if num_pairs <= 4 * num_experts else 64)
 
 
 def _grouped_gemm(
@@ -164,12 +176,11 @@ def _grouped_gemm(
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_row_div: int,
     gated: bool,
-    block_m: int,
+    config: MoeConfig,
 ) -> None:
     sorted_ids, expert_ids, num_padded = aligned
     n = out.shape[1]
-    block_n = 64
-    grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
+    grid = (expert_ids.shape[0] * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
         w,
@@ -188,12 +199,12 @@ def _grouped_gemm(
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=64,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         DOT_PRECISION=dot_precision(a.dtype),
-        num_warps=4,
-        num_stages=3,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 
@@ -203,19 +214,21 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter], contiguous
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    config: MoeConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Triton version of `fused_moe_ref`: align by expert, then two grouped GEMMs."""
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     num_pairs = num_tokens * top_k
-    block_m = _block_m(num_pairs, num_experts)
-    aligned = align_by_expert(topk_ids, num_experts, block_m)
+    if config is None:
+        config = moe_config(num_pairs, num_experts)
+    aligned = align_by_expert(topk_ids, num_experts, config.block_m)
     weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, weights, aligned, top_k, gated=True, block_m=block_m)
+    _grouped_gemm(x, w13, h, weights, aligned, top_k, gated=True, config=config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, y, weights, aligned, 1, gated=False, block_m=block_m)
+    _grouped_gemm(h, w2, y, weights, aligned, 1, gated=False, config=config)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

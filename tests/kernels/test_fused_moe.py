@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.fused_moe import (
+    MoeConfig,
     align_by_expert,
     fused_moe,
     fused_moe_for,
@@ -44,9 +45,17 @@ def test_align_groups_every_pair_once_by_expert(block_m: int, rng: torch.Generat
     assert 0 not in expert_ids[: num_padded.item() // block_m].tolist()  # no tile for expert 0
 
 
-@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 2), (37, 2), (70, 3)])
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "config"),
+    [
+        (1, 2, None),
+        (37, 2, None),
+        (70, 3, None),
+        (37, 2, MoeConfig(block_m=16, block_n=32, block_k=16)),  # K loop over several tiles
+    ],
+)
 def test_fused_moe_matches_reference_on_uneven_loads(
-    num_tokens: int, top_k: int, rng: torch.Generator, device: torch.device
+    num_tokens: int, top_k: int, config: MoeConfig | None, rng: torch.Generator, device
 ) -> None:
     # hidden and inter off the 64-wide tiles, so both masks are exercised.
     num_experts, hidden, inter = 6, 48, 40
@@ -56,7 +65,7 @@ def test_fused_moe_matches_reference_on_uneven_loads(
     topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
     topk_weights = torch.rand(num_tokens, top_k, generator=rng)
     args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
-    result = fused_moe(*args)
+    result = fused_moe(*args, config=config)
     expected = fused_moe_ref(*args)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
