@@ -120,8 +120,9 @@ def load_model(
     config = config or load_config(model_dir)
     with torch.device("meta"):
         model = MODEL_TYPES[config.model_type](config)
-    # Materialise without running the random initialisers, then fill from disk.
-    model = model.to_empty(device=device).to(dtype)
+    # Materialise without running the random initialisers, then fill from disk; cast on
+    # the meta device first, so a bf16 model never takes fp32's memory on the device.
+    model = model.to(dtype).to_empty(device=device)
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
         return _finish(model, device), config
