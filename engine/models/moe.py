@@ -14,7 +14,6 @@ from torch import nn
 
 from engine.models.layers import FusedMoE
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
-from engine.models.llama import check_config as check_llama_config
 
 # HF per-expert projection -> (our stacked parameter, half of w13 it fills; None: all of w2).
 EXPERT_WEIGHTS = {
@@ -33,15 +32,7 @@ def num_experts(config) -> int:
     return getattr(config, "num_experts", None) or config.num_local_experts
 
 
-def check_config(config) -> None:
-    check_llama_config(config)
-    if getattr(config, "shared_expert_intermediate_size", 0):
-        raise ValueError("unsupported shared experts (shared_expert_intermediate_size)")
-
-
 class MoeForCausalLM(LlamaForCausalLM):
-    check_config = staticmethod(check_config)
-
     def make_mlp(self, config, layer: int) -> nn.Module:
         if config.model_type == "mixtral":
             sparse, renormalize = True, True
