@@ -66,12 +66,41 @@ def qwen2_0_5b():
     )
 
 
-CONFIGS = {"gpt2": gpt2_124m, "qwen2-0.5b": qwen2_0_5b}
+def qwen3_30b_a3b():
+    """Qwen3-30B-A3B's shape: 48 layers, 2048 hidden, GQA 32/4 (head_dim 128), q/k norms,
+    128 experts of 768, top-8 renormalized; ~30.5B parameters, ~3.3B active per token."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+
+
+CONFIGS = {"gpt2": gpt2_124m, "qwen2-0.5b": qwen2_0_5b, "qwen3-30b-a3b": qwen3_30b_a3b}
+# Too large to write to disk and read back: saved as config + tokenizer + a random-weights
+# marker, and filled with random values on the device at load (engine.models.loader).
+ON_DEVICE = {"qwen3-30b-a3b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:
     """Save a random checkpoint + tokenizer under path (skipped if already there)."""
     from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import RANDOM_WEIGHTS_MARKER
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -79,8 +108,13 @@ def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) 
     config = CONFIGS[name]()
     tokenizer = synthetic_tokenizer(min(config.vocab_size, 50257))
     config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(path)
+    if name in ON_DEVICE:
+        config.dtype = dtype
+        config.save_pretrained(path)
+        (path / RANDOM_WEIGHTS_MARKER).write_text("weights drawn at load; see loader.py\n")
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -13,6 +13,7 @@ import triton.language as tl
 from kernels.kv_store import kv_store_ref
 
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
+NO_WINDOW = 1 << 30  # the kernels' window when sliding_window is off: longer than any context
 
 
 def gather_kv(
@@ -37,6 +38,7 @@ def paged_attention_decode_ref(
     new_k: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], this step's K
     new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding, not stored
+    sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
     if slot_mapping is not None:
@@ -48,6 +50,8 @@ def paged_attention_decode_ref(
             continue
         k = gather_kv(k_cache, block_table[i], context_len).float()
         v = gather_kv(v_cache, block_table[i], context_len).float()
+        if sliding_window > 0:
+            k, v = k[-sliding_window:], v[-sliding_window:]
         group = num_heads // k.shape[1]  # query heads per kv head (GQA)
         k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
@@ -76,6 +80,7 @@ def _decode_kernel(
     split_lse_ptr,
     qk_scale,  # softmax scale * LOG2E
     num_splits,
+    window,  # keys older than the last `window` tokens are not attended to
     stride_qs,
     stride_qh,
     stride_nks,
@@ -118,19 +123,21 @@ def _decode_kernel(
         query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=q_mask
     )
 
-    # This split's share of the context, in BLOCK_N-token tiles; only here do context_lens
-    # values matter, so the launch grid stays graph-replayable.
+    # This split's share of the window's tiles (BLOCK_N tokens each); only here do
+    # context_lens values matter, so the launch grid stays graph-replayable.
     context_len = tl.load(context_lens_ptr + seq)
+    kv_start = tl.maximum(context_len - window, 0)
+    first_tile = kv_start // BLOCK_N
     num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_start = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     if STORE_NEW:
         # The new token is the context's last, so only the split whose tiles hold position
         # context_len - 1 reads it: that split stores it, once per (sequence, kv head).
         # The clamps give context_len 0 an owner too (split 0), so a slot is never skipped.
-        owner = tl.maximum(num_tiles - 1, 0) // tl.maximum(tiles_per_split, 1)
+        owner = tl.maximum(num_tiles - 1 - first_tile, 0) // tl.maximum(tiles_per_split, 1)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)  # int64: slot * row size can pass 2**31
         if (slot >= 0) & (split == owner):
             new_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
@@ -153,7 +160,7 @@ def _decode_kernel(
     head_offs = kv_head * stride_ch + dims[None, :]
     for tile in range(tile_start, tile_end):
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        token_mask = tokens < context_len  # never read past the context
+        token_mask = (tokens < context_len) & (tokens >= kv_start)  # the window only
         blocks = tl.load(
             block_table_ptr + seq * stride_bts + tokens // BLOCK_SIZE, mask=token_mask, other=0
         )
@@ -277,6 +284,7 @@ def paged_attention_decode(
     new_k: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], last dim contiguous
     new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], last dim contiguous
     slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding
+    sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
@@ -318,6 +326,7 @@ def paged_attention_decode(
         split_lse,
         scale * LOG2E,
         config.num_splits,
+        sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
         query.stride(1),
         new_k.stride(0),

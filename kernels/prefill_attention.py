@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import LOG2E, dot_precision, gather_kv
+from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
 
 
 def paged_prefill_attention_ref(
@@ -33,6 +33,7 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the new tokens
     scale: float,
     max_query_len: int,  # host-side bound on query lengths (sizes a kernel grid)
+    sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -42,16 +43,21 @@ def paged_prefill_attention_ref(
         query_len = end - start
         if query_len == 0:
             continue
-        k = gather_kv(k_cache, block_table[i], seq_len).float()
-        v = gather_kv(v_cache, block_table[i], seq_len).float()
+        # Keys from the first query's window on (all of them without a window).
+        lo = max(seq_len - query_len - sliding_window + 1, 0) if sliding_window > 0 else 0
+        k = gather_kv(k_cache, block_table[i], seq_len)[lo:].float()
+        v = gather_kv(v_cache, block_table[i], seq_len)[lo:].float()
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [query_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        k_pos = torch.arange(lo, seq_len, device=query.device)
+        hidden = k_pos[None, :] > q_pos[:, None]  # [query_len, seq_len]
+        if sliding_window > 0:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden[None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
 
@@ -66,6 +72,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     qk_scale,  # softmax scale * LOG2E
+    window,  # a query sees keys at most `window - 1` positions behind it
     stride_qt,
     stride_qh,
     stride_cb,
@@ -116,11 +123,12 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     head_offs = (head // GROUP) * stride_ch + dims[None, :]
-    # Causality bounds the keys by the tile's last query position.
+    # Causality bounds the keys by the tile's last query position, the window by its first.
     kv_end = tl.minimum(seq_len, seq_len - query_len + (q_tile + 1) * BLOCK_M)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    kv_lo = tl.maximum(seq_len - query_len + q_tile * BLOCK_M - window + 1, 0)
+    for kv_start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         tokens = kv_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < kv_end
+        token_mask = (tokens < kv_end) & (tokens >= kv_lo)
         blocks = tl.load(
             block_table_ptr + seq * stride_bts + tokens // BLOCK_SIZE, mask=token_mask, other=0
         )
@@ -133,11 +141,14 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
+        visible &= tokens[None, :] > q_pos[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        # Key 0 is visible to every row, so after the first tile each row max is finite.
+        # With a window a row may see no key of a tile (m_new = -inf): subtracting 0 then
+        # keeps -inf - -inf (NaN) away, and its p and alpha are 0 until a key is visible.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -155,6 +166,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_query_len: int,
+    sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -183,6 +195,7 @@ def paged_prefill_attention(
         seq_lens,
         out,
         scale * LOG2E,
+        sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -100,9 +100,91 @@ def _build(kind: str, path: Path, tokenizer) -> str:
             **common,
         )
         model = Qwen2ForCausalLM(config)
+    elif kind in FAMILY_CONFIGS:
+        import transformers
+
+        config_class, model_class, fields = FAMILY_CONFIGS[kind]
+        config = getattr(transformers, config_class)(**TINY, **fields, **common)
+        model = getattr(transformers, model_class)(config)
     else:
         raise ValueError(kind)
     return _save(path, model.eval(), tokenizer)
+
+
+# The newer families, each with its distinguishing features switched on and sliding
+# windows of 8-16 tokens, so that prompts plus generations cross them several times.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    # q/k norm; use_sliding_window from layer max_window_layers on (layer 1 only).
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=10, max_window_layers=1),
+    ),
+    # Layer 0 sparse (norm_topk_prob), layer 1 dense via mlp_only_layers.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(head_dim=16, sliding_window=12, tie_word_embeddings=False),
+    ),
+    # A local layer (window 8, base 10k) then a global one (base 1M, linear x2), soft-cap.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    # longrope (attention factor from 256 / 96; the long factors: test_models_config.py).
+    # transformers recomputes a sequence's whole cache with the long factors once it passes
+    # original_max_position_embeddings, which Pagoda does not: sequences here stay below.
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            original_max_position_embeddings=96,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+            sliding_window=14,
+            pad_token_id=0,
+        ),
+    ),
+}
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +205,19 @@ def tiny_qwen2_dir(tmp_path_factory, tokenizer) -> str:
 @pytest.fixture(scope="session", params=["gpt2", "llama", "qwen2"])
 def tiny_model_dir(request) -> str:
     return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory, tokenizer):
+    """`tiny_family_dir(kind)` -> a saved tiny checkpoint of a FAMILY_CONFIGS kind, built once."""
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = _build(kind, tmp_path_factory.mktemp(f"tiny-{kind}"), tokenizer)
+        return built[kind]
+
+    return get
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import SplitKWorkspace, splitk_linear, splitk_pays
 from kernels.norms import add_norm_for
@@ -51,12 +52,20 @@ class AttentionOps:
 class PagedAttention(nn.Module):
     """Stores the new K/V into this layer's cache, then attends over the cache."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int = 0,  # > 0: attend to the last `sliding_window` positions only
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
         # Set by the model runner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -80,6 +89,7 @@ class PagedAttention(nn.Module):
                 new_k=k,
                 new_v=v,
                 slot_mapping=meta.slot_mapping,
+                sliding_window=self.sliding_window,
             )
         else:
             self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -92,6 +102,7 @@ class PagedAttention(nn.Module):
                 meta.seq_lens,
                 self.scale,
                 meta.max_query_len,
+                sliding_window=self.sliding_window,
             )
         return out.view(-1, self.num_heads * self.head_dim)
 
@@ -126,15 +137,54 @@ class RMSNorm(AddNorm):
         super().__init__(dim, eps, rms=True, bias=False)
 
 
+def layer_sliding_windows(config) -> list[int]:
+    """Each layer's attention window (0: full attention), as transformers masks them:
+    per `layer_types` where the config lists them (Qwen2/3's use_sliding_window, Gemma 3's
+    interleaving), else `sliding_window` on every layer (Mistral, Mixtral, Phi-3)."""
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" else 0 for t in types]
+    return [window] * config.num_hidden_layers
+
+
+def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(theta, scaling) from either transformers' old or new (5.x) config layout; Gemma 3
+    keeps one set per layer type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if layer_type is not None and params and layer_type in params:
+        params = params[layer_type]
+    theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return float(theta), params
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+def rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def check_rope(scaling: dict | None) -> None:
+    kind = rope_type(scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {scaling['partial_rotary_factor']} (only 1.0)"
+        )
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies, with Llama 3's frequency-dependent scaling when asked."""
+    check_rope(scaling)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
+    kind = rope_type(scaling)
+    if kind == "linear":
         return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
+    if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -145,9 +195,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(
-        f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)"
+    return inv_freq
+
+
+def longrope_cos_sin(
+    head_dim: int, max_positions: int, theta: float, scaling: dict
+) -> torch.Tensor:  # [max_positions, head_dim]
+    """Phi-3's LongRoPE: short factors below original_max_position_embeddings, long ones
+    from there on, and cos/sin scaled by the attention factor.
+
+    Per position, so a cached key never changes. transformers instead re-runs a
+    sequence's whole context with the long factors once it passes the original length
+    (Phi3ForCausalLM.prepare_inputs_for_generation): the two agree token for token
+    while prompt + generation fit original_max_position_embeddings, and differ after.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    short, long = (
+        torch.outer(positions, 1.0 / (torch.tensor(scaling[k]) * theta**exponents))
+        for k in ("short_factor", "long_factor")
     )
+    freqs = torch.where(positions[:, None] < original, short, long)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -157,6 +233,7 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
     ) -> None:
         super().__init__()
+        check_rope(scaling)
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.theta = theta
@@ -164,6 +241,10 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device) -> None:
+        if rope_type(self.scaling) == "longrope":
+            cos_sin = longrope_cos_sin(self.head_dim, self.max_positions, self.theta, self.scaling)
+            self.cos_sin = cos_sin.to(device)
+            return
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
@@ -237,3 +318,30 @@ class DownProjection(nn.Linear):
         if self.workspace is None or self.workspace.counters.device != x.device:
             self.workspace = SplitKWorkspace(self.out_features, x.device)
         return splitk_linear(x, self.weight, self.bias, self.workspace)
+
+
+class HeadNorm(RMSNorm):
+    """RMSNorm over each head's vector (Qwen3's and Gemma 3's q/k norms)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads * head_dim]
+        shape, dim = x.shape, self.weight.shape[0]
+        return super().forward(x.reshape(-1, dim))[0].view(shape)
+
+
+class FusedMoE(nn.Module):
+    """Top-k routed SiLU experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
+    (gate rows, then up rows) and w2 [num_experts, hidden, inter]."""
+
+    def __init__(
+        self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        return fused_moe_for(x.device)(x, self.w13, self.w2, weights, ids)

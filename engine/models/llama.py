@@ -1,4 +1,6 @@
-"""Llama family: Llama 2/3 (incl. llama3 rope scaling), Qwen2 (qkv bias, tied head), Mistral."""
+"""Llama-shaped dense models: Llama 2/3 (incl. llama3 rope scaling), Qwen2 (qkv bias, tied
+head, use_sliding_window), Qwen3 (per-head q/k RMSNorm), Mistral (sliding window) and
+Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the attention."""
 
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ from torch import nn
 from engine.models.layers import (
     AttentionMetadata,
     DownProjection,
+    HeadNorm,
     LMHead,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
+    layer_sliding_windows,
+    rope_settings,
 )
 
 # HF projection -> (our fused parameter, shard index). q/k/v become one qkv_proj
-# and gate/up one gate_up_proj, so each layer runs two GEMMs fewer.
+# and gate/up one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
 FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -28,15 +33,19 @@ FUSED = {
 }
 
 
-def rope_settings(config) -> tuple[float, dict | None]:
-    """(theta, scaling) from either transformers' old or new (5.x) config layout."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    theta = getattr(config, "rope_theta", None) or (params or {}).get("rope_theta", 10000.0)
-    return float(theta), params
+QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text")
+
+
+def check_config(config) -> None:
+    """Raise ValueError naming a config feature this code would silently ignore."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("unsupported mlp_bias=True")
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -47,15 +56,22 @@ class LlamaAttention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary  # one cos/sin cache shared by every layer
+        self.qk_norm = config.model_type in QK_NORM_MODELS
+        if self.qk_norm:
+            self.q_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
+        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window
         )
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
@@ -72,12 +88,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config, rotary: RotaryEmbedding, sliding_window: int, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -93,6 +111,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    check_config = staticmethod(check_config)
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
@@ -104,11 +124,16 @@ class LlamaForCausalLM(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        return LlamaMLP(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -11,16 +11,28 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.layers import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeForCausalLM
 
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2ForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
+
+
+# A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
+# tokenizer only; the weights are drawn on the device at load, like vLLM's dummy format.
+RANDOM_WEIGHTS_MARKER = "pagoda-random-weights"
 
 
 class ModelLoadError(ValueError):
@@ -45,17 +57,20 @@ def load_config(model_dir: str) -> PretrainedConfig:
             f"({', '.join(getattr(config, 'architectures', None) or [])}); "
             f"supported model types: {', '.join(sorted(MODEL_TYPES))}"
         )
+    check = getattr(MODEL_TYPES[config.model_type], "check_config", None)
+    try:
+        if check is not None:
+            check(config)
+        with torch.device("meta"):  # builds the rotary embeddings, which check rope_scaling
+            MODEL_TYPES[config.model_type](config)
+    except ValueError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
     return config
 
 
 def max_model_len(config: PretrainedConfig) -> int:
     """The longest context the model handles exactly."""
-    limit = getattr(config, "n_positions", None) or config.max_position_embeddings
-    # Sliding-window attention is not implemented: stay within the window.
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return limit
+    return getattr(config, "n_positions", None) or config.max_position_embeddings
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
@@ -105,8 +120,12 @@ def load_model(
     config = config or load_config(model_dir)
     with torch.device("meta"):
         model = MODEL_TYPES[config.model_type](config)
-    # Materialise without running the random initialisers, then fill from disk.
-    model = model.to_empty(device=device).to(dtype)
+    # Materialise without running the random initialisers, then fill from disk; cast on
+    # the meta device first, so a bf16 model never takes fp32's memory on the device.
+    model = model.to(dtype).to_empty(device=device)
+    if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
+        _fill_random(model)
+        return _finish(model, device), config
     try:
         loaded = model.load_weights(iter_weights(model_dir))
     except ModelLoadError:
@@ -119,10 +138,25 @@ def load_model(
         raise ModelLoadError(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
+    return _finish(model, device), config
+
+
+def _finish(model: nn.Module, device: torch.device) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
-    return model.eval(), config
+    return model.eval()
+
+
+@torch.no_grad()
+def _fill_random(model: nn.Module) -> None:
+    """Norm weights 1, matrices small normals: finite activations and near-uniform routing."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:

@@ -31,6 +31,7 @@ JIT_MODULES = (
     "kernels.linear",
     "kernels.prefill_attention",
     "kernels.norms",
+    "kernels.fused_moe",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

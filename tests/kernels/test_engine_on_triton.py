@@ -35,3 +35,26 @@ def test_engine_on_triton_kernels_matches_transformers(request, model):
     tokenizer = load_tokenizer(model_dir)
     want = [hf_greedy(model_dir, tokenizer.encode(p), 5) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+@pytest.mark.parametrize("kind", ["mixtral", "gemma3"])
+def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
+    """Sliding windows (16 and 8 tokens, crossed by the longer prompts) in the Triton
+    attention kernels, and Mixtral's experts through the Triton fused MoE."""
+    import engine.models.layers as layers
+    from kernels.fused_moe import fused_moe
+
+    monkeypatch.setattr(layers, "fused_moe_for", lambda device: fused_moe)
+    model_dir = tiny_family_dir(kind)
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    ops = AttentionOps(kv_store, paged_attention_decode, paged_prefill_attention)
+    for layer in llm.engine.model.modules():
+        if isinstance(layer, PagedAttention):
+            layer.ops = ops
+    prompts = PROMPTS[:4]  # 1, 20, 10 and 17 tokens
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokenizer = load_tokenizer(model_dir)
+    want = [hf_greedy(model_dir, tokenizer.encode(p), 8) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want

@@ -168,3 +168,63 @@ def test_decode_default_config_and_strided_query(
 
 def test_decode_for_picks_reference_off_cuda() -> None:
     assert paged_attention_decode_for(torch.device("cpu")) is paged_attention_decode_ref
+
+
+def poison_outside_window(
+    cache: torch.Tensor, block_table: torch.Tensor, context_lens: list[int], window: int
+) -> None:
+    """NaN into every cached key older than the window: a kernel that reads one shows."""
+    block_size = cache.shape[1]
+    for seq, n in enumerate(context_lens):
+        for pos in range(max(n - window, 0)):
+            cache[block_table[seq, pos // block_size].long(), pos % block_size] = float("nan")
+
+
+# (window, block_size, num_splits): windows below, across and above a tile (block_n 32),
+# with and without split-KV.
+WINDOW_CASES = [(8, 16, 1), (8, 16, 3), (40, 32, 3), (100, 16, 2)]
+
+
+@pytest.mark.parametrize(("window", "block_size", "num_splits"), WINDOW_CASES)
+def test_decode_sliding_window_matches_reference(
+    window: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
+) -> None:
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    # Contexts inside the window, on its edge, and several windows long; the fused store
+    # writes each sequence's newest token (its owner split must still be inside the window).
+    context_lens = [0, 5, window, window + 1, 3 * window + 7, 200]
+    k_cache, v_cache, block_table = paged_kv(
+        context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq=24
+    )
+    for cache in (k_cache, v_cache):
+        poison_outside_window(cache, block_table, context_lens, window)
+    num_seqs = len(context_lens)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    positions = (lens - 1).clamp(min=0).long()
+    blocks = block_table.long().gather(1, (positions // block_size)[:, None])[:, 0]
+    slots = blocks * block_size + positions % block_size
+    slots[0] = -1
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=rng).to(device)
+    new_k = torch.randn(num_seqs, num_kv_heads, head_dim, generator=rng).to(device)
+    new_v = torch.randn(num_seqs, num_kv_heads, head_dim, generator=rng).to(device)
+    kwargs = dict(new_k=new_k, new_v=new_v, slot_mapping=slots, sliding_window=window)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = paged_attention_decode_ref(query, ref_k, ref_v, block_table, lens, 0.2, **kwargs)
+    result = paged_attention_decode(
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        lens,
+        0.2,
+        config=DecodeConfig(num_splits=num_splits, block_n=32),
+        **kwargs,
+    )
+    assert not expected.isnan().any()
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)

@@ -78,3 +78,33 @@ def test_prefill_with_padded_rows_and_sequences(
 
 def test_prefill_for_picks_reference_off_cuda() -> None:
     assert paged_prefill_attention_for(torch.device("cpu")) is paged_prefill_attention_ref
+
+
+@pytest.mark.parametrize(("window", "block_size"), [(8, 16), (24, 16), (70, 32)])
+def test_prefill_sliding_window_matches_reference(
+    window: int, block_size: int, rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    # A prompt several windows long (query tiles whose first rows see no key of the
+    # first tiles loaded), a chunk after a long prefix, a short prompt, one new token.
+    chunks = [(90, 90), (20, 150), (5, 5), (1, 77)]
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    # Keys before every query's window: NaN, so reading one shows.
+    for seq, (q_len, s_len) in enumerate(chunks):
+        for pos in range(max(s_len - q_len - window + 1, 0)):
+            block = block_table[seq, pos // block_size].long()
+            k_cache[block, pos % block_size] = float("nan")
+            v_cache[block, pos % block_size] = float("nan")
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.2, max(query_lens))
+
+    result = paged_prefill_attention(*args, sliding_window=window)
+    expected = paged_prefill_attention_ref(*args, sliding_window=window)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    unwindowed = paged_prefill_attention_ref(*args)
+    assert unwindowed.isnan().any()  # the poison is there to be read

@@ -1,0 +1,124 @@
+"""Gemma 3 text (Gemma3ForCausalLM): scaled embeddings, (1 + weight) RMSNorms, norms before
+and after each sublayer, GeGLU, per-head q/k norms, query_pre_attn_scalar, interleaved
+sliding-window (local) and full (global) layers with their own rope bases, and the final
+logit soft-cap where the config sets one. Attention and loading are llama.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.models.layers import (
+    AttentionMetadata,
+    DownProjection,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    gelu_tanh,
+    layer_sliding_windows,
+    rope_settings,
+)
+from engine.models.llama import LlamaAttention, LlamaForCausalLM
+
+# HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
+# weights HF applies as (1 + weight): folded in at load.
+NORMS = ("norm", "q_norm", "k_norm", "input_layernorm", "post_attention_layernorm")
+NORMS += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def check_config(config) -> None:
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("unsupported attn_logit_softcapping (attention soft-capping)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("unsupported use_bidirectional_attention=True")
+    if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported hidden_activation {config.hidden_activation!r}")
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(gelu_tanh(gate) * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GemmaMLP(config)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's normed output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))[0]
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    check_config = staticmethod(check_config)
+
+    def __init__(self, config) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.embed_scale = config.hidden_size**0.5
+        self.rotary_local, self.rotary_global = (
+            RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, *rope_settings(config, kind)
+            )
+            for kind in ("sliding_attention", "full_attention")
+        )
+        windows = layer_sliding_windows(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(config, self.rotary_local if window else self.rotary_global, window)
+            for window in windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x = self.embed_tokens(input_ids)
+        # As HF: the scale rounded to the weights' dtype first (a host value: no sync).
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # [num_seqs, vocab_size]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def folded() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if name.rpartition(".")[0].rpartition(".")[2] in NORMS:
+                    tensor = 1.0 + tensor.float()
+                yield name, tensor
+
+        return super().load_weights(folded())

@@ -1,0 +1,79 @@
+"""Mixture-of-experts Llama-shaped models: Qwen3-MoE (q/k norm, norm_topk_prob, dense
+layers by mlp_only_layers / decoder_sparse_step) and Mixtral (sliding window, renormalized
+top-k). Attention is llama.py's; each sparse layer's MLP is a FusedMoE whose stacked
+expert weights are filled from HF's per-expert tensors at load."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.models.layers import FusedMoE
+from engine.models.llama import LlamaForCausalLM, LlamaMLP
+
+# HF per-expert projection -> (our stacked parameter, half of w13 it fills; None: all of w2).
+EXPERT_WEIGHTS = {
+    "gate_proj": ("w13", 0),  # Qwen3-MoE
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", None),
+    "w1": ("w13", 0),  # Mixtral
+    "w3": ("w13", 1),
+    "w2": ("w2", None),
+}
+RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral's MoE module is our `mlp`
+EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def num_experts(config) -> int:
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if config.model_type == "mixtral":
+            sparse, renormalize = True, True
+        else:  # qwen3_moe
+            step = getattr(config, "decoder_sparse_step", 1)
+            sparse = layer not in config.mlp_only_layers and (layer + 1) % step == 0
+            renormalize = config.norm_topk_prob
+        if not sparse:
+            return LlamaMLP(config)
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        return FusedMoE(
+            config.hidden_size, inter, num_experts(config), config.num_experts_per_tok, renormalize
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        filled: Counter[str] = Counter()
+
+        def others() -> Iterator[tuple[str, torch.Tensor]]:
+            """Copies the expert tensors into their stacks; yields everything else."""
+            for name, tensor in weights:
+                for old, new in RENAMES.items():
+                    name = name.replace(old, new)
+                match = EXPERT.fullmatch(name.removeprefix("model."))
+                if match is None:
+                    yield name, tensor
+                    continue
+                moe, expert, proj = match[1], int(match[2]), match[3]
+                if proj not in EXPERT_WEIGHTS or f"{moe}.w2" not in params:
+                    raise ValueError(f"unexpected weight {name!r}")
+                ours, half = EXPERT_WEIGHTS[proj]
+                stacked = params[f"{moe}.{ours}"].data[expert]
+                if half is not None:
+                    rows = stacked.shape[0] // 2
+                    stacked = stacked[half * rows : (half + 1) * rows]
+                stacked.copy_(tensor)
+                filled[f"{moe}.{ours}"] += 1
+
+        loaded = super().load_weights(others())
+        experts = num_experts(self.config)
+        for name, count in filled.items():
+            if count == (2 if name.endswith("w13") else 1) * experts:
+                loaded.add(name)
+        return loaded

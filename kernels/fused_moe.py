@@ -1,0 +1,237 @@
+"""Mixture-of-experts MLP: top-k routing, then each token through its k experts' SiLU MLPs.
+
+The Triton path groups the (token, expert) pairs by expert: the pairs are sorted by
+expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row
+tile belongs to one expert. Two launches of one grouped-GEMM kernel then do the work:
+gate/up with SiLU-and-mul fused into the epilogue, and down with the routing weight
+fused. Every shape is a function of the token count, top-k and expert count only, and
+nothing is read back to the host, so a CUDA graph can capture the whole layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import dot_precision
+
+
+def select_experts(
+    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    renormalize: bool,  # divide the top-k probabilities by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids [num_tokens, top_k]
+    probs = router_logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
+    for expert in flat_ids.unique().tolist():
+        pairs = (flat_ids == expert).nonzero()[:, 0]  # this expert's (token, k) pairs
+        tokens = token_of[pairs]
+        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        weight = topk_weights.flatten()[pairs, None].to(x.dtype)
+        out.index_add_(0, tokens, y * weight)
+    return out
+
+
+def align_by_expert(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Returns sorted_ids [max_padded] (flat pair index t * top_k + k; num_pairs = padding),
+    expert_ids [max_padded // block_m] (the expert of each block_m-row tile) and
+    num_padded [1] (rows in use). max_padded bounds the worst case, so every shape is
+    static for a token count and nothing is read back to the host.
+    """
+    flat = topk_ids.flatten().long()
+    num_pairs = flat.numel()
+    device = flat.device
+    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync for its size
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)  # pair indices, grouped by expert
+    sorted_experts = flat[order]
+    run_start = counts.cumsum(0) - counts  # first pair of each expert in `order`
+    rank = torch.arange(num_pairs, device=device) - run_start[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.int())
+    tile_starts = torch.arange(0, max_padded, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
+    expert_ids = expert_ids.clamp(max=num_experts - 1).int()  # tiles past the end: unused
+    return sorted_ids, expert_ids, padded_end[-1:].int()
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows, K]: tokens (gate/up) or (token, k) pairs (down)
+    w_ptr,  # [num_experts, N (x2 when GATED), K]
+    out_ptr,  # [num_pairs, N], row = pair index
+    topk_weights_ptr,  # [num_pairs] fp32
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,  # a's row of a pair: pair // A_ROW_DIV (top_k for x, 1 for pairs)
+    GATED: tl.constexpr,  # w holds gate rows then up rows; store silu(gate) * up
+    MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program per (row tile, column tile); a row tile holds one expert's pairs.
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    tile_m = pid // num_n_tiles
+    tile_n = pid % num_n_tiles
+    if tile_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # a spare tile of the static grid
+    pair = tl.load(sorted_ids_ptr + tile_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs  # padding rows hold num_pairs
+    a_rows = (pair // A_ROW_DIV).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + tile_m).to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if GATED:
+            w_up = tl.load(
+                w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
+            )
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)[:, None]
+    out_offs = pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch config of both grouped GEMMs; a function of shapes only (CUDA-graph safe)."""
+
+    block_m: int  # rows (pairs of one expert) per tile
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
+    # Few pairs per expert (decode): short tiles waste less on padding rows.
+    return MoeConfig(block_m=16 if num_pairs <= 4 * num_experts else 64)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a_row_div: int,
+    gated: bool,
+    config: MoeConfig,
+) -> None:
+    sorted_ids, expert_ids, num_padded = aligned
+    n = out.shape[1]
+    grid = (expert_ids.shape[0] * triton.cdiv(n, config.block_n),)
+    _grouped_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        out.shape[0],
+        n,
+        a.shape[1],
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        DOT_PRECISION=dot_precision(a.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden], contiguous
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden], contiguous
+    w2: torch.Tensor,  # [num_experts, hidden, inter], contiguous
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    config: MoeConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Triton version of `fused_moe_ref`: align by expert, then two grouped GEMMs."""
+    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    num_tokens, top_k = topk_ids.shape
+    num_experts, hidden, inter = w2.shape
+    num_pairs = num_tokens * top_k
+    if config is None:
+        config = moe_config(num_pairs, num_experts)
+    aligned = align_by_expert(topk_ids, num_experts, config.block_m)
+    weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, h, weights, aligned, top_k, gated=True, config=config)
+    y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(h, w2, y, weights, aligned, 1, gated=False, config=config)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The MoE the engine uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return fused_moe if device.type == "cuda" else fused_moe_ref

@@ -1,0 +1,118 @@
+"""Loading the newer families: stacked expert weights, per-layer windows and rope bases,
+LongRoPE's tables, and clear errors for config features Pagoda does not implement."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.models.layers import PagedAttention, longrope_cos_sin
+from engine.models.loader import ModelLoadError, load_config, load_model, max_model_len
+
+
+def edited_copy(src: str, dst, **changes) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_experts_are_stacked_from_per_expert_tensors(tiny_family_dir):
+    model_dir = tiny_family_dir("mixtral")
+    model, _ = load_model(model_dir, torch.device("cpu"), torch.float32)
+    hf = load_file(f"{model_dir}/model.safetensors")
+    moe = model.layers[1].mlp
+    prefix = "model.layers.1.block_sparse_moe"
+    for e in range(4):
+        gate, up = hf[f"{prefix}.experts.{e}.w1.weight"], hf[f"{prefix}.experts.{e}.w3.weight"]
+        torch.testing.assert_close(moe.w13[e], torch.cat([gate, up]), rtol=0, atol=0)
+        torch.testing.assert_close(moe.w2[e], hf[f"{prefix}.experts.{e}.w2.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(moe.gate.weight, hf[f"{prefix}.gate.weight"], rtol=0, atol=0)
+
+
+def test_a_missing_expert_is_named(tmp_path, tiny_family_dir):
+    model_dir = shutil.copytree(tiny_family_dir("qwen3_moe"), tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(weights, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"missing.*layers\.0\.mlp\.w13"):
+        load_model(str(model_dir), torch.device("cpu"), torch.float32)
+
+
+def test_windows_and_rope_bases_per_layer(tiny_family_dir):
+    gemma, _ = load_model(tiny_family_dir("gemma3"), torch.device("cpu"), torch.float32)
+    local, full = (layer.self_attn for layer in gemma.layers)
+    assert (local.attn.sliding_window, full.attn.sliding_window) == (8, 0)
+    assert (local.rotary.theta, full.rotary.theta) == (10000.0, 1e6)
+    assert full.rotary.scaling["rope_type"] == "linear"
+    qwen3, _ = load_model(tiny_family_dir("qwen3"), torch.device("cpu"), torch.float32)
+    windows = [m.sliding_window for m in qwen3.modules() if isinstance(m, PagedAttention)]
+    assert windows == [0, 10]  # use_sliding_window from max_window_layers (1) on
+
+
+def test_sliding_window_no_longer_caps_the_context(tiny_family_dir):
+    config = load_config(tiny_family_dir("mistral"))
+    assert config.sliding_window == 12
+    assert max_model_len(config) == config.max_position_embeddings
+
+
+def test_longrope_tables_match_transformers(tiny_family_dir):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_family_dir("phi3")
+    config = load_config(model_dir)
+    original = config.rope_parameters["original_max_position_embeddings"]
+    ours = longrope_cos_sin(16, config.max_position_embeddings, 10000.0, config.rope_parameters)
+    rotary = AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb
+    x = torch.zeros(1)
+    for length in (original, config.max_position_embeddings):  # short factors, then long
+        cos, sin = rotary(x, torch.arange(length)[None])
+        rows = slice(0, original) if length == original else slice(original, length)
+        torch.testing.assert_close(ours[rows, :8], cos[0, rows, :8])
+        torch.testing.assert_close(ours[rows, 8:], sin[0, rows, :8])
+
+
+@pytest.mark.parametrize(
+    ("kind", "changes", "message"),
+    [
+        (
+            "qwen3",
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+            "unsupported rope_scaling type 'yarn'",
+        ),
+        ("gemma3", {"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping"),
+        ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            "unsupported partial_rotary_factor 0.5",
+        ),
+    ],
+)
+def test_unsupported_config_features_are_named(tmp_path, tiny_family_dir, kind, changes, message):
+    model_dir = edited_copy(tiny_family_dir(kind), tmp_path / "m", **changes)
+    with pytest.raises(ModelLoadError, match=rf"config\.json: {message}"):
+        load_config(model_dir)
+
+
+def test_random_weights_marker_loads_without_safetensors(tmp_path, tiny_family_dir):
+    from engine.models.loader import RANDOM_WEIGHTS_MARKER
+
+    model_dir = shutil.copytree(tiny_family_dir("qwen3_moe"), tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / RANDOM_WEIGHTS_MARKER).write_text("")
+    model, _ = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    moe = model.layers[0].mlp
+    assert moe.w13.abs().max() > 0 and torch.isfinite(moe.w13).all()
+    assert (model.norm.weight == 1).all()

@@ -1,0 +1,100 @@
+"""fused_moe (Triton, grouped by expert) against fused_moe_ref, and the expert alignment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_moe import (
+    MoeConfig,
+    align_by_expert,
+    fused_moe,
+    fused_moe_for,
+    fused_moe_ref,
+    select_experts,
+)
+
+
+def uneven_topk_ids(num_tokens: int, top_k: int, num_experts: int, rng) -> torch.Tensor:
+    """Expert 1 in every token's top-k, expert 0 in none, the rest spread at random."""
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64)
+    for t in range(num_tokens):
+        others = torch.randperm(num_experts - 2, generator=rng)[: top_k - 1] + 2
+        ids[t] = torch.cat([torch.tensor([1]), others])[torch.randperm(top_k, generator=rng)]
+    return ids
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_groups_every_pair_once_by_expert(block_m: int, rng: torch.Generator) -> None:
+    num_experts, top_k = 6, 2
+    topk_ids = uneven_topk_ids(37, top_k, num_experts, rng)
+    sorted_ids, expert_ids, num_padded = align_by_expert(topk_ids, num_experts, block_m)
+    num_pairs = topk_ids.numel()
+    counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert num_padded.item() == padded.sum().item()
+    used = sorted_ids[: num_padded.item()]
+    real = used[used < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # each pair exactly once
+    assert (sorted_ids[num_padded.item() :] == num_pairs).all()
+    flat = topk_ids.flatten()
+    for tile, expert in enumerate(expert_ids[: num_padded.item() // block_m].tolist()):
+        rows = used[tile * block_m : (tile + 1) * block_m]
+        rows = rows[rows < num_pairs].long()
+        assert (flat[rows] == expert).all(), "a tile mixes experts"
+    assert 0 not in expert_ids[: num_padded.item() // block_m].tolist()  # no tile for expert 0
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "config"),
+    [
+        (1, 2, None),
+        (37, 2, None),
+        (70, 3, None),
+        (37, 2, MoeConfig(block_m=16, block_n=32, block_k=16)),  # K loop over several tiles
+    ],
+)
+def test_fused_moe_matches_reference_on_uneven_loads(
+    num_tokens: int, top_k: int, config: MoeConfig | None, rng: torch.Generator, device
+) -> None:
+    # hidden and inter off the 64-wide tiles, so both masks are exercised.
+    num_experts, hidden, inter = 6, 48, 40
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    result = fused_moe(*args, config=config)
+    expected = fused_moe_ref(*args)
+    assert expected.abs().max() > 0.1
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_moe_fp16_close_to_fp32(rng: torch.Generator, device: torch.device) -> None:
+    num_experts, hidden, inter, num_tokens, top_k = 4, 64, 32, 20, 2
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    logits = torch.randn(num_tokens, num_experts, generator=rng)
+    topk_weights, topk_ids = select_experts(logits, top_k, renormalize=True)
+    args = [t.to(device) for t in (x, w13, w2)]
+    routing = (topk_weights.to(device), topk_ids.to(device))
+    result = fused_moe(*[t.half() for t in args], *routing)
+    expected = fused_moe_ref(*args, *routing)
+    assert result.dtype == torch.float16  # (the interpreter has no bf16 dot)
+    torch.testing.assert_close(result.float(), expected, rtol=3e-2, atol=3e-2)
+
+
+def test_select_experts_top_k_softmax() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    weights, ids = select_experts(logits, 2, renormalize=False)
+    probs = logits.softmax(-1)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights, probs[:, [1, 2]])
+    weights, _ = select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(1))
+
+
+def test_fused_moe_for_picks_reference_off_cuda() -> None:
+    assert fused_moe_for(torch.device("cpu")) is fused_moe_ref
