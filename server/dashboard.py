@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.resources import files
 from typing import Any
 
@@ -45,19 +45,34 @@ class DashboardInfo:
     api_server_count: int
 
 
-def resolved_dtype(config: EngineConfig, model_dir: str) -> str:
-    """The dtype the engine picked for `--dtype auto`, by the engine's own rule."""
+def describe(engine: Any, model_name: str, server_config: ServerConfig) -> DashboardInfo:
+    """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
     from engine.models.loader import checkpoint_dtype, load_config
 
-    dtype = config.torch_dtype(checkpoint_dtype(load_config(model_dir)))
-    return str(dtype).removeprefix("torch.")
+    config: EngineConfig = engine.config  # `engine`: the Engine, or its EngineInfo
+    dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
+    return DashboardInfo(
+        model=model_name,
+        uptime_s=0.0,
+        device=str(config.torch_device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len or 0,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        prefix_caching=config.enable_prefix_caching,
+        # EngineConfig gains the field with tensor parallelism; one GPU until then.
+        tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
+        api_server_count=server_config.api_server_count,
+    )
 
 
 def add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
     page = (files("server") / "static" / "dashboard.html").read_bytes()
     started = time.monotonic()
     expected = f"Bearer {server_config.api_key}".encode() if server_config.api_key else None
-    dtypes: dict[str, str] = {}  # model_dir -> dtype: config.json is read once
+    described: list[DashboardInfo] = []  # worked out on the first request, once
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> Response:
@@ -69,27 +84,14 @@ def add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
         given = request.headers.get("authorization", "").encode()
         if expected is not None and not hmac.compare_digest(given, expected):
             raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
-        engine: Any = request.app.state.async_engine.engine  # the Engine, or its EngineInfo
-        config: EngineConfig = engine.config
-        if engine.model_dir not in dtypes:
-            dtypes[engine.model_dir] = await asyncio.to_thread(
-                resolved_dtype, config, engine.model_dir
+        if not described:
+            state = request.app.state
+            described.append(
+                await asyncio.to_thread(
+                    describe, state.async_engine.engine, state.serving.model_name, server_config
+                )
             )
-        info = DashboardInfo(
-            model=request.app.state.serving.model_name,
-            uptime_s=time.monotonic() - started,
-            device=str(config.torch_device),
-            dtype=dtypes[engine.model_dir],
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len or 0,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            prefix_caching=config.enable_prefix_caching,
-            # EngineConfig gains the field with tensor parallelism; one GPU until then.
-            tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
-            api_server_count=server_config.api_server_count,
-        )
+        info = replace(described[0], uptime_s=time.monotonic() - started)
         return JSONResponse(asdict(info), headers=_NO_CACHE)
 
 

@@ -158,7 +158,7 @@ def stream_completion(base_url: str, prompt: str, max_tokens: int) -> None:
 
 def abandon_stream(base_url: str) -> None:
     """A client that leaves after the first chunk: the server aborts its request."""
-    body = {"model": MODEL, "prompt": "Leave early", "max_tokens": 200, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Leave early", "max_tokens": 240, "ignore_eos": True}
     with httpx.stream(
         "POST", f"{base_url}/v1/completions", json=body | {"stream": True}, headers=AUTH
     ) as r:
@@ -187,6 +187,19 @@ def drive_load(base_url: str, seconds: float) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def settle(base_url: str, timeout: float = 10) -> None:
+    """Wait until two scrapes in a row agree (the engine's last stats have landed)."""
+    deadline = time.monotonic() + timeout
+    previous = scrape(base_url)
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        current = scrape(base_url)
+        if current == previous:
+            return
+        previous = current
+    raise AssertionError("/metrics kept changing after the load ended")
 
 
 # -- the page in Chromium --------------------------------------------------------------
@@ -219,6 +232,12 @@ def test_page_and_info_need_the_key_only_for_data(server):
     assert info["uptime_s"] > 0
 
 
+def test_info_without_api_key_in_the_engine_thread_layout(client, model_name):
+    info = client.get("/dashboard/info").json()
+    assert info["model"] == model_name and info["api_server_count"] == 1
+    assert info["num_kv_blocks"] == 1024 and info["block_size"] == 16
+
+
 @pytest.mark.skipif(find_chromium() is None, reason="needs chromium (apt-get install chromium)")
 def test_dashboard_in_chromium_shows_what_metrics_says(server, tmp_path):
     browser = Browser(find_chromium(), tmp_path / "profile", tmp_path / "chromium.log")
@@ -236,7 +255,8 @@ def test_dashboard_in_chromium_shows_what_metrics_says(server, tmp_path):
         first = scrape(server.base_url)
 
         drive_load(server.base_url, seconds=3.0)
-        # Two more polls: the second one began after the load had ended.
+        settle(server.base_url)
+        # Two more polls: the second one began once /metrics had stopped changing.
         polls = page.evaluate("+document.body.dataset.polls")
         page.wait_for(f"+document.body.dataset.polls >= {polls + 2}")
         shown = page.evaluate(READ_PAGE)
