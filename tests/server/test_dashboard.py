@@ -212,8 +212,7 @@ READ_PAGE = """(() => {
         series[path.dataset.series] = { points: JSON.parse(path.dataset.points), d: path.getAttribute("d") };
     for (const dd of document.querySelectorAll("#config dd")) header[dd.dataset.field] = dd.textContent;
     header.model = document.getElementById("model").textContent;
-    return { tiles, series, header, polls: Number(document.body.dataset.polls),
-             state: document.body.dataset.state };
+    return { tiles, series, header, state: document.body.dataset.state };
 })()"""
 
 
