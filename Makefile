@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 ARGS ?=
 
-.PHONY: install serve test test-gpu lint bench clean
+.PHONY: install chromium serve test test-gpu lint bench clean
 
 install: $(STAMP)
 
@@ -22,7 +22,17 @@ $(STAMP): pyproject.toml
 serve: install
 	$(PY) -m server $(ARGS)
 
-test: install
+# The /dashboard test drives headless Chromium (Debian's package). As root (CI) it is
+# installed when missing; otherwise that one test skips and says why.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else \
+	    echo "chromium is missing (apt-get install chromium): the dashboard browser test will skip"; \
+	  fi; }
+
+test: install chromium
 	$(PY) -m pytest -q -ra $(ARGS)
 
 test-gpu: install

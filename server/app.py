@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
+from server.dashboard import add_dashboard
 from server.engine_process import EngineEndpoint
 from server.errors import APIError, error_body
 from server.metrics import Metrics, MetricsShare
@@ -83,6 +84,7 @@ def create_app(
     app = FastAPI(title="Pagoda", lifespan=lifespan)
     app.state.async_engine = async_engine
     _add_routes(app, metrics)
+    add_dashboard(app, server_config)
     _add_error_handlers(app)
     # Starlette runs the last-added middleware first: CORS answers preflights before auth.
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)

@@ -1,0 +1,98 @@
+"""GET /dashboard: one page that polls /metrics every second and plots the last ten
+minutes; GET /dashboard/info: what its header shows (model, uptime, configuration).
+
+The page (server/static/dashboard.html) is a single file with no dependencies
+(plain SVG), so it needs nothing beyond this server. Every number it plots comes
+from /metrics, the same `pagoda:` series Prometheus scrapes (docker/ has the
+Grafana dashboard over them): the page keeps their recent history and takes
+deltas, rates from counters and p50/p99 from histogram bucket deltas as
+Prometheus's histogram_quantile computes them. With --api-server-count N,
+/metrics sums every API process, so whichever process answers, the page shows the
+whole server. With --api-key, /dashboard/info wants the key like /v1/*: the page
+asks for it and sends it as a Bearer header on each of its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import asdict, dataclass, replace
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.config import EngineConfig
+from server.config import ServerConfig
+from server.errors import APIError
+
+
+@dataclass
+class DashboardInfo:
+    model: str  # the served model name, as /v1/models lists it
+    uptime_s: float  # since this API process built its app
+    device: str
+    dtype: str  # resolved as the engine resolves it ("auto" is never shown)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int | None  # None: sized from free device memory at startup
+    prefix_caching: bool
+    tensor_parallel_size: int
+    api_server_count: int
+
+
+def describe(engine: Any, model_name: str, server_config: ServerConfig) -> DashboardInfo:
+    """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
+    from engine.models.loader import checkpoint_dtype, load_config
+
+    config: EngineConfig = engine.config  # `engine`: the Engine, or its EngineInfo
+    dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
+    return DashboardInfo(
+        model=model_name,
+        uptime_s=0.0,
+        device=str(config.torch_device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len or 0,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        prefix_caching=config.enable_prefix_caching,
+        # EngineConfig gains the field with tensor parallelism; one GPU until then.
+        tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
+        api_server_count=server_config.api_server_count,
+    )
+
+
+def add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
+    page = (files("server") / "static" / "dashboard.html").read_bytes()
+    started = time.monotonic()
+    expected = f"Bearer {server_config.api_key}".encode() if server_config.api_key else None
+    described: list[DashboardInfo] = []  # worked out on the first request, once
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        # The page holds no data (it fetches it with the key), so it is served to anyone.
+        return Response(page, media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
+    @app.get("/dashboard/info", include_in_schema=False)
+    async def dashboard_info(request: Request) -> Response:
+        given = request.headers.get("authorization", "").encode()
+        if expected is not None and not hmac.compare_digest(given, expected):
+            raise APIError("Incorrect API key provided.", 401, code="invalid_api_key")
+        if not described:
+            state = request.app.state
+            described.append(
+                await asyncio.to_thread(
+                    describe, state.async_engine.engine, state.serving.model_name, server_config
+                )
+            )
+        info = replace(described[0], uptime_s=time.monotonic() - started)
+        return JSONResponse(asdict(info), headers=_NO_CACHE)
+
+
+_NO_CACHE = {"Cache-Control": "no-store"}
