@@ -10,7 +10,6 @@ own, and a decode opens at most one block per sequence.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.staging import Fence, WaitClock
@@ -36,12 +35,12 @@ class BlockTable:
         )
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
         self.flat = self.np.reshape(-1)  # a view
-        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
+        self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per row)
         self.changed: list[int] = []  # flat indices of the entries written since the last send
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
-        have = int(self.num_blocks[slot])
+        have = self.num_blocks[slot]
         if len(block_ids) <= have:
             return
         if self.sent is not None:

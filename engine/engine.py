@@ -100,6 +100,7 @@ class Engine:
 
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
         self.runner = ModelRunner(config, self.model, hf_config, self.batch)
+        config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
         # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
             self.runner.num_blocks,
@@ -210,7 +211,9 @@ class Engine:
             with self._range("forward"):
                 logits = self.runner.execute(out)  # the sampling rows only
             sampling = out.sampling_slots
-            sync = not self.config.async_scheduling or self.batch.needs_sync[sampling].any()
+            sync = not self.config.async_scheduling or (
+                self.batch.num_needs_sync > 0 and self.batch.needs_sync[sampling].any()
+            )
             if sync and prev is not None:
                 self._read(prev)
                 prev = None

@@ -69,6 +69,7 @@ class InputBatch:
         # What the sampler and the engine ask of every row, every step.
         self.argmax_only = np.zeros(n, dtype=bool)  # greedy with nothing to apply
         self.needs_sync = np.zeros(n, dtype=bool)  # ids read on the host before sampling
+        self.num_needs_sync = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         self.temperature = np.ones(n, dtype=np.float32)
@@ -119,6 +120,7 @@ class InputBatch:
         self.capacity[slot] = 0  # the scheduler gives it blocks next
         self.argmax_only[slot] = params.argmax_only
         self.needs_sync[slot] = params.needs_sync
+        self.num_needs_sync += params.needs_sync
         self.streams[slot] = streams = not params.final_only or bool(params.stop)
         self.num_streaming += streams
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
@@ -148,6 +150,7 @@ class InputBatch:
         stops = self.stop_ids[slot]
         self.stop_count[stops[stops >= 0]] -= 1
         self.num_streaming -= bool(self.streams[slot])
+        self.num_needs_sync -= bool(self.needs_sync[slot])
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None
@@ -193,5 +196,5 @@ class InputBatch:
 
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""
-        known = int(self.num_known[slot])
+        known = self.num_known.item(slot)
         return self.token_ids[slot, start : known if end is None else min(end, known)].tolist()

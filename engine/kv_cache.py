@@ -103,7 +103,24 @@ class BlockManager:
             req.num_computed_tokens = num_computed
             req.num_cached_tokens = num_computed
         if needed > 0:
-            req.block_ids += self._take_free(needed)
+            self.grow([req], [needed])
+        return True
+
+    def grow(self, reqs: list[Request], num_blocks: list[int]) -> bool:
+        """Append num_blocks[i] fresh blocks to reqs[i]'s, for all of them or, when
+        too few are free, for none (False)."""
+        total = sum(num_blocks)
+        if total > self.num_free_blocks:
+            return False
+        fresh = self._take_free(total)
+        if total == len(reqs):  # one each: decodes opening their next block
+            for req, block in zip(reqs, fresh):
+                req.block_ids.append(block)
+            return True
+        at = 0
+        for req, n in zip(reqs, num_blocks):
+            req.block_ids += fresh[at : at + n]
+            at += n
         return True
 
     def _take_free(self, count: int) -> list[int]:
@@ -131,7 +148,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(req.num_computed_tokens, req.num_tokens) // bs
+        num_full = req.num_full_tokens() // bs
         first = len(req.block_hashes)
         if num_full == first:
             return  # no block filled up this step

@@ -176,7 +176,7 @@ class Request:
     @property
     def num_computed_tokens(self) -> int:
         if self.batch is not None:
-            return int(self.batch.num_computed[self.slot])
+            return self.batch.num_computed.item(self.slot)
         return self._num_computed
 
     @num_computed_tokens.setter
@@ -186,18 +186,25 @@ class Request:
         else:
             self._num_computed = value
 
+    def num_full_tokens(self) -> int:
+        """Tokens both known and computed (or scheduled): what the prefix cache may hold."""
+        batch = self.batch
+        if batch is not None:
+            return min(batch.num_computed.item(self.slot), batch.num_known.item(self.slot))
+        return min(self._num_computed, self.num_tokens)
+
     @property
     def num_inflight(self) -> int:
         """Ids sampled on the device that the host has not read yet."""
         if self.batch is not None:
-            return int(self.batch.num_tokens[self.slot] - self.batch.num_known[self.slot])
+            return self.batch.num_tokens.item(self.slot) - self.batch.num_known.item(self.slot)
         return self._num_inflight
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose ids the host knows, prompt included."""
         if self.batch is not None:
-            return int(self.batch.num_known[self.slot])
+            return self.batch.num_known.item(self.slot)
         return len(self.prompt_token_ids) + len(self._output_ids)
 
     @property

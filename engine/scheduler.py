@@ -143,23 +143,33 @@ class Scheduler:
         # every block_size steps).
         grows = counts[COMPUTED] + num_new > counts[CAPACITY]
         if grows.any():
-            kept = self._grow(np.flatnonzero(grows).tolist(), num_new, preempted)
+            kept = self._grow(np.flatnonzero(grows).tolist(), counts, num_new, preempted)
             slots, counts, num_new = slots[:kept], counts[:, :kept], num_new[:kept]
         if some_idle:
             keep = num_new > 0
             slots, counts, num_new = slots[keep], counts[:, keep], num_new[keep]
         return slots, counts, num_new
 
-    def _grow(self, rows: list[int], num_new: np.ndarray, preempted: list[Request]) -> int:
+    def _grow(
+        self, rows: list[int], counts: np.ndarray, num_new: np.ndarray, preempted: list[Request]
+    ) -> int:
         """Blocks for the running requests at `rows` (batch indices), preempting the
         newest when there are too few; returns how many running requests are left."""
         running = self.batch.running
-        for i in rows:
-            if i >= len(running):
-                break  # preempted to make room for one before it
-            req = running[i]
-            # Its last block is full (a decode opens the next): the prefix cache may have it.
+        reqs = [running[i] for i in rows]
+        for req in reqs:  # its last block is full: the prefix cache may have it
             self.blocks.note_filled(req)
+        bs = self.blocks.block_size
+        ends = counts[COMPUTED, rows] + num_new[rows]
+        need = (ends + bs - 1) // bs - counts[CAPACITY, rows] // bs
+        if self.blocks.grow(reqs, need.tolist()):  # the usual case: blocks for everyone
+            for req in reqs:
+                self.block_table.update_row(req.slot, req.block_ids)
+            self.batch.capacity[self.batch.slots[rows]] += need * bs
+            return len(running)
+        for i, req in zip(rows, reqs):
+            if req.status is not RequestStatus.RUNNING:
+                break  # preempted to make room for one before it
             while not self.blocks.allocate(req, int(num_new[i])):
                 victim = running[-1]
                 self._preempt(victim)

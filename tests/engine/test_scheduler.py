@@ -199,14 +199,14 @@ def test_only_requests_that_gained_blocks_are_grown():
     sched.add(req("b", 4))
     run_step(sched)  # both admitted: both rows start fresh
     table = sched.block_table
-    assert table.num_blocks[:2].tolist() == [1, 1]
+    assert table.num_blocks[:2] == [1, 1]
     grown = []
     for _ in range(5):
-        before = table.num_blocks[:2].copy()
+        before = np.array(table.num_blocks[:2])
         out = sched.schedule()
         assert not out.admitted
         read(sched, out, launch(sched, out))
-        grew = np.flatnonzero(table.num_blocks[:2] > before).tolist()
+        grew = np.flatnonzero(np.array(table.num_blocks[:2]) > before).tolist()
         grown.append(sorted(sched.batch.requests[s].request_id for s in grew))
     # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
     assert grown == [["b"], ["a"], [], [], ["b"]]
