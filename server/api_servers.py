@@ -24,13 +24,14 @@ import multiprocessing.connection
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
 from server.async_engine import GIL_SWITCH_INTERVAL_S
 from server.config import ServerConfig
-from server.engine_process import EngineEndpoint, spawn_engine
+from server.engine_loop import EngineFactory
+from server.engine_process import spawn_engine
+from server.engine_wire import EngineEndpoint
 from server.metrics import Metrics, MetricsShare
 
 logger = logging.getLogger("pagoda.server")
@@ -39,7 +40,7 @@ logger = logging.getLogger("pagoda.server")
 def run_api_servers(
     engine_config: EngineConfig,
     server_config: ServerConfig,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> int:
     """Serve until told to stop; 0 after a requested shutdown, 1 if a process died."""
     from server.app import build_engine

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +18,8 @@ from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.engine_process import EngineEndpoint
+from server.engine_loop import EngineFactory
+from server.engine_wire import EngineEndpoint
 from server.errors import APIError, error_body
 from server.metrics import Metrics, MetricsShare
 from server.middleware import ApiKeyAuth, BodySizeLimit
@@ -36,10 +37,13 @@ from server.serving import Serving
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
 logger = logging.getLogger("pagoda.server")
 
 
-def build_engine(config: EngineConfig) -> Any:
+def build_engine(config: EngineConfig) -> Engine:
     from engine.engine import Engine  # heavy (torch, the model code): only when serving
 
     return Engine(config)
@@ -48,7 +52,7 @@ def build_engine(config: EngineConfig) -> Any:
 def create_app(
     engine_config: EngineConfig,
     server_config: ServerConfig,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
     engine_endpoint: EngineEndpoint | None = None,
     metrics_share: MetricsShare | None = None,
 ) -> FastAPI:
@@ -65,7 +69,6 @@ def create_app(
         engine_process=server_config.engine_process,
         engine_endpoint=engine_endpoint,
     )
-    metrics.watch_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

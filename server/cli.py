@@ -9,11 +9,13 @@ import argparse
 import contextlib
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from server.engine_loop import EngineFactory
 
 _ENGINE = EngineConfig()
 _SERVER = ServerConfig()
@@ -229,15 +231,15 @@ def uvicorn_config(app: Any, server_config: ServerConfig) -> Any:
 def serve(
     argv: list[str] | None = None,
     prog: str = "pagoda serve",
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> int:
     """Run the server; `engine_factory` (picklable: the engine process may be spawned)
     stands in for the real engine, as benchmarks.api_cost does."""
-    import uvicorn  # imported here so `pagoda --help` stays quick
+    engine_config, server_config = parse_configs(argv, prog)  # first: --help needs no torch
+    import uvicorn
 
     from server.app import create_app
 
-    engine_config, server_config = parse_configs(argv, prog)
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -11,9 +11,9 @@ every scrape sums the rows.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -25,6 +25,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.request import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.engine import EngineStats
 
 # Latency buckets in seconds (vLLM's, trimmed).
 _TTFT_BUCKETS = (
@@ -93,15 +96,24 @@ _REQUEST_BUCKETS = (
 )
 
 
+class EngineWatch(Protocol):
+    """What the metrics read of the engine at scrape time (AsyncEngine)."""
+
+    @property
+    def stats(self) -> EngineStats | None: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+
 class _EngineStatsCollector(Collector):
     """Reads the latest engine stats snapshot when /metrics is scraped."""
 
-    def __init__(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
-        self._read_stats = read_stats
-        self._read_waiting = read_waiting
+    def __init__(self, engine: EngineWatch) -> None:
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._read_stats()
+        stats = self._engine.stats
 
         def stat(name: str) -> float:
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
@@ -112,7 +124,7 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "pagoda:num_requests_waiting",
             "Requests waiting to be scheduled.",
-            float(self._read_waiting()),
+            float(self._engine.num_waiting),
         )
         yield GaugeMetricFamily(
             "pagoda:kv_cache_usage_perc",
@@ -307,8 +319,10 @@ class Metrics:
         """Requests submitted to the engine by every API process, ever."""
         return int(self._slots.total(self._submitted_slot))
 
-    def watch_engine(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
-        self.registry.register(_EngineStatsCollector(read_stats, read_waiting))
+    def watch_engine(self, engine: EngineWatch) -> None:
+        """Scrapes read the engine's latest stats from `engine` (called by AsyncEngine's
+        constructor, which owns these metrics)."""
+        self.registry.register(_EngineStatsCollector(engine))
 
     def on_outputs(
         self,

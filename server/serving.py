@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.request import RequestOutput, TokenLogprob, out_of_vocab
+from engine.checks import RequestRejected, check_request
+from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, error_body, from_value_error
@@ -80,13 +81,13 @@ class Serving:
     """Holds the engine bridge and the tokenizer; shared by the route handlers."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | None) -> None:
-        engine = async_engine.engine
+        info = async_engine.info
+        assert info is not None, "the engine has not started"
         self.async_engine = async_engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = served_model_name or engine.model_name
-        self.max_model_len: int = engine.config.max_model_len
-        self.vocab_size: int = engine.vocab_size
-        self._check_request = engine.check_request
+        self.tokenizer = info.tokenizer
+        self.model_name = served_model_name or info.model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
         # One worker: HF fast tokenizers may raise "Already borrowed" when one
         # instance encodes on several threads at once.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenizer")
@@ -128,33 +129,12 @@ class Serving:
         return self.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        """The engine's own limits, as 400s that name the numbers."""
-        limit = self.max_model_len
-        if not ids:
-            raise APIError("The prompt is empty.", param=param)
-        bad = out_of_vocab(ids, self.vocab_size)
-        if bad is not None:
-            raise APIError(
-                f"Token id {bad} is out of vocabulary (vocabulary size {self.vocab_size}).",
-                param=param,
-            )
-        if len(ids) >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(ids)} tokens, leaving no room for the completion.",
-                param=param,
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
+        """The engine's own check (engine/checks.py), as a 400 naming the field: `param`
+        is what this API calls the prompt."""
         try:
-            self._check_request(ids, params)
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
+            check_request(ids, params, self.max_model_len, self.vocab_size)
+        except RequestRejected as exc:
+            raise APIError(str(exc), param=param if exc.param == "prompt" else exc.param) from None
 
     def sampling_params(
         self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None

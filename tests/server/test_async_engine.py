@@ -80,8 +80,8 @@ def test_shutdown_aborts_in_flight_requests_and_stops_the_thread(tiny_gpt2_dir):
     stopper.join(timeout=30)
     assert chunks < 240
     assert not async_engine.is_alive
-    assert not async_engine.engine.has_unfinished_requests()
-    assert async_engine.engine.get_stats().kv_cache_usage == 0
+    assert not async_engine._backend.engine.has_unfinished_requests()
+    assert async_engine._backend.engine.get_stats().kv_cache_usage == 0
 
 
 def test_startup_keeps_the_collector_off_the_engine_and_the_app(tiny_gpt2_dir):
@@ -89,7 +89,7 @@ def test_startup_keeps_the_collector_off_the_engine_and_the_app(tiny_gpt2_dir):
     app = create_app(engine_config(tiny_gpt2_dir), ServerConfig())
     live = LiveServer(app).start()
     try:
-        assert is_frozen(app.state.async_engine.engine)  # built on the engine thread
+        assert is_frozen(app.state.async_engine._backend.engine)  # built on the engine thread
         assert is_frozen(app.state.serving)  # built by the lifespan, after the engine
     finally:
         live.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 import types
 
@@ -110,3 +111,22 @@ def test_loadtest_delegates(monkeypatch):
 def test_unknown_command(capsys):
     assert cli.main(["frobnicate"]) == 2
     assert cli.main([]) == 2
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import engine",
+        "from server.cli import main; main(['--help'])",
+        "from server.cli import main; main(['serve', '--help'])",
+    ],
+)
+def test_import_and_help_do_not_load_torch(code):
+    """`import engine`, `pagoda --help` and `pagoda serve --help` need neither torch nor
+    transformers (seconds of imports)."""
+    check = (
+        "import sys; assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"
+    )
+    program = f"import contextlib\nwith contextlib.suppress(SystemExit):\n    {code}\n{check}"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
