@@ -29,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
 from server.engine_process import EngineProcess
 from server.engine_wire import EngineEndpoint, EngineInfo
-from server.errors import APIError
+from server.errors import APIError, overloaded
 from server.metrics import Metrics
 from server.request_stream import RequestStream
 
@@ -146,6 +146,13 @@ class AsyncEngine:
         in_transit = self._metrics.submitted() - self._taken_in
         return in_transit + (self.stats.num_waiting if self.stats else 0)
 
+    def check_capacity(self) -> None:
+        """The 503 a request would get at submit, decided before any work on it (its
+        tokenization): under a flood, rejects cost nothing."""
+        waiting = self.num_waiting
+        if waiting >= self._max_waiting:
+            raise overloaded(waiting, self._max_waiting)
+
     def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> RequestStream:
@@ -169,12 +176,7 @@ class AsyncEngine:
         with self._lock:
             waiting = self._num_waiting()
             if waiting >= self._max_waiting:
-                raise APIError(
-                    f"The server is overloaded: {waiting} requests are waiting "
-                    f"(limit {self._max_waiting}). Retry later.",
-                    503,
-                    code="server_overloaded",
-                )
+                raise overloaded(waiting, self._max_waiting)
             self._submitted += len(prompts)  # before the put: never behind the engine
             self._metrics.set_submitted(self._submitted)
         for rid in ids:

@@ -42,12 +42,15 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
         logprobs = None
         if any(out.new_logprobs is not None for out in group):
             logprobs = [lp for out in group for lp in out.new_logprobs or []]
+        # A choice's first output may carry its prompt's logprobs (engine's, when asked).
+        first = getattr(group[0], "prompt_logprobs", None)
         merged.append(
             dataclasses.replace(
                 group[-1],
                 new_token_ids=[t for out in group for t in out.new_token_ids],
                 new_text="".join(out.new_text for out in group),
                 new_logprobs=logprobs,
+                **({} if first is None else {"prompt_logprobs": first}),
             )
         )
     return merged
