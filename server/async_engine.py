@@ -179,6 +179,7 @@ class AsyncEngine:
                 raise overloaded(waiting, self._max_waiting)
             self._submitted += len(prompts)  # before the put: never behind the engine
             self._metrics.set_submitted(self._submitted)
+        self._metrics.on_submit(params.n, params.max_tokens)
         for rid in ids:
             self._streams[rid] = stream
         self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
@@ -215,6 +216,7 @@ class AsyncEngine:
         on_outputs = self._metrics.on_outputs
         for report in steps:
             step_time = report.step_time
+            num_tokens = 0
             for rid, item in report.batch.items():
                 stream = streams.get(rid)
                 if stream is None:  # aborted by the client meanwhile
@@ -228,7 +230,7 @@ class AsyncEngine:
                 for out in item:
                     stream.last_output[rid, out.index] = out
                 decoded = stream.decode(item)
-                on_outputs(decoded, step_time, stream.last_token_time)
+                num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
             for rid, index, token_ids in report.deltas.entries():
                 stream = streams.get(rid)
@@ -237,8 +239,9 @@ class AsyncEngine:
                 key = rid, index
                 out = stream.last_output[key] = follow(stream.last_output[key], token_ids)
                 decoded = stream.decode([out])
-                on_outputs(decoded, step_time, stream.last_token_time)
+                num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
+            self._metrics.on_step(num_tokens)
         for stream, outputs in per_stream.values():
             if stream.finished:  # failed above, in this same delivery
                 continue
@@ -250,8 +253,9 @@ class AsyncEngine:
                 for rid in stream.request_ids:
                     self._streams.pop(rid, None)
 
-    def _fail_streams(self, error: APIError) -> None:
-        """The engine side is gone: every open stream ends with the error."""
+    def fail_streams(self, error: APIError) -> None:
+        """Every open stream ends with the error (the engine side is gone, or the
+        server's shutdown grace is over)."""
         self._stopping = True
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.push(error)
@@ -299,7 +303,7 @@ class AsyncEngine:
         logger.error("the engine process exited unexpectedly")
         error = APIError("The engine process died.", 500)
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._fail_streams, error)
+            self._loop.call_soon_threadsafe(self.fail_streams, error)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:
