@@ -150,8 +150,11 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def tokenizer_info(request: Request) -> dict[str, Any]:
         return _serving(request).tokenizer_info()
 
-    @app.api_route("/health", methods=["GET", "HEAD"], responses=openapi.HEALTH)
-    @app.api_route("/ping", methods=["GET", "POST"], responses=openapi.HEALTH)
+    # HEAD and POST variants answer the same, undocumented (one operation per path).
+    @app.get("/health", responses=openapi.HEALTH)
+    @app.head("/health", include_in_schema=False)
+    @app.get("/ping", responses=openapi.HEALTH)
+    @app.post("/ping", include_in_schema=False)
     async def health(request: Request) -> Response:
         if not request.app.state.async_engine.is_alive:
             return APIError("The engine is not running.", 503).response()
@@ -161,12 +164,8 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.api_route(
-        "/metrics",
-        methods=["GET", "HEAD"],
-        response_class=PlainTextResponse,
-        responses=openapi.METRICS,
-    )
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
