@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.request import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
 from server.prompts import ClientDisconnected, Prompts, wait_for_disconnect
@@ -179,6 +179,11 @@ class Serving:
         logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         extra = {}
         if prompt_logprobs is not None:
+            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}.",
+                    param="prompt_logprobs",
+                )
             if "prompt_logprobs" not in _SAMPLING_FIELDS:
                 raise APIError(
                     "Prompt logprobs are not supported by this engine yet.",

@@ -140,6 +140,13 @@ CASES = [
         400,
         "min_tokens",
     ),
+    (
+        "prompt_logprobs too many",
+        "/v1/completions",
+        {"prompt": "x", "prompt_logprobs": 21},
+        400,
+        "prompt_logprobs",
+    ),
     ("tokenize neither", "/tokenize", {}, 400, "prompt"),
     ("detokenize oov", "/detokenize", {"tokens": [99999]}, 400, "tokens"),
 ]
