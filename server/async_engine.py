@@ -5,7 +5,8 @@ background thread of this process, with `--engine-process` in a process of its
 own (server/engine_process.py), which with `--api-server-count` several API
 processes share (server/api_servers.py). Either way, steps' reports go into an outbox;
 one `call_soon_threadsafe` delivers all that has gathered when the loop gets
-to it, sorting them into per-request `RequestStream`s, so a busy loop is not
+to it, sorting them into per-request `RequestStream`s (which decode the ids into
+text and match stop strings: server/request_stream.py), so a busy loop is not
 woken once per step, and each delivery acks the engine side, which builds
 outputs only when acked. The event loop never touches the engine and never
 waits on the device.

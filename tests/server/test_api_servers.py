@@ -444,7 +444,9 @@ def test_sigterm_to_the_whole_group_lets_streams_finish(tiny_gpt2_dir, tmp_path)
     sup = Supervisor(tiny_gpt2_dir, tmp_path)
     try:
         sup.wait_ready()
-        body = {"prompt": "Hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        # Short enough to finish in the 5 s grace on a busy machine (past it, the stream
+        # would end with an error event: tests/server/test_shutdown.py).
+        body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{sup.base_url}/v1/completions", json=body, timeout=60) as r:
             events = (line for line in r.iter_lines() if line.startswith("data: "))
             chunks = [next(events)]
