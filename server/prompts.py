@@ -32,7 +32,7 @@ T = TypeVar("T")
 LARGE_PROMPT_CHARS = 32_768
 # Template variables a request's chat_template_kwargs may not set: they are the call's own.
 _RESERVED_TEMPLATE_KWARGS = {
-    "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
     "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "tools", "documents",
 }  # fmt: skip
 
