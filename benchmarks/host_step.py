@@ -46,8 +46,8 @@ import torch
 from benchmarks.offline import _timed, start_decoding
 from engine import LLM, SamplingParams
 from engine.request import TokenDeltas
-from server.engine_loop import Add
-from server.engine_process import Clients
+from server.engine_clients import Clients
+from server.engine_loop import Add, StepReport
 
 PHASES = ["schedule", "fill", "execute", "sample", "process", "outputs", "report"]
 
@@ -115,7 +115,7 @@ def reporter(
         batch: dict[str, list] = {}
         for out in outputs:  # grouped by request, as EngineLoop._step does
             batch.setdefault(out.request_id, []).append(out)
-        clients.report(loop, batch, deltas, time.time(), engine.get_stats(), [])
+        clients.report(loop, StepReport(batch, deltas, time.time(), engine.get_stats(), 0))
 
     return report, writer.close, own
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is asked for, not with the config
+    import torch
 
 PREFILL_GRAPH_MAX_TOKENS = 2048
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -61,14 +63,18 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
         """fp32 on CPU; on CUDA the checkpoint's half type (bf16 if it is fp32)."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if self.torch_device.type == "cpu":
             return torch.float32
         if checkpoint_dtype in (torch.float16, torch.bfloat16):

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.checks import check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
@@ -41,7 +42,6 @@ from engine.request import (
     RequestStatus,
     TokenDeltas,
     TokenLogprob,
-    out_of_vocab,
 )
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -382,29 +382,6 @@ class Engine:
             num_output,
             req.num_cached_tokens,
             req.metrics if emitted == 0 or finished else None,
-        )
-
-
-def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, max_len: int, vocab_size: int
-) -> None:
-    """Raise ValueError for a request that can never run (any thread, any process)."""
-    num_prompt = len(prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError("the prompt is empty")
-    bad = out_of_vocab(prompt_token_ids, vocab_size)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
-    params.check_vocab(vocab_size)
-    if num_prompt >= max_len:
-        raise ValueError(
-            f"the prompt has {num_prompt} tokens, but max_model_len is {max_len}: "
-            "no room to generate (shorten the prompt)"
-        )
-    if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
-        raise ValueError(
-            f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) is "
-            f"{num_prompt + params.max_tokens} tokens, more than max_model_len ({max_len})"
         )
 
 

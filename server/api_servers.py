@@ -17,20 +17,20 @@ If any process dies on its own, the supervisor stops the rest and exits 1.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
 from server.async_engine import GIL_SWITCH_INTERVAL_S
 from server.config import ServerConfig
-from server.engine_process import EngineEndpoint, spawn_engine
+from server.engine_loop import EngineFactory
+from server.engine_process import spawn_engine
+from server.engine_wire import EngineEndpoint
 from server.metrics import Metrics, MetricsShare
 
 logger = logging.getLogger("pagoda.server")
@@ -39,7 +39,7 @@ logger = logging.getLogger("pagoda.server")
 def run_api_servers(
     engine_config: EngineConfig,
     server_config: ServerConfig,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> int:
     """Serve until told to stop; 0 after a requested shutdown, 1 if a process died."""
     from server.app import build_engine
@@ -156,19 +156,12 @@ def _api_server_main(
     share: MetricsShare,
     sock: socket.socket,
 ) -> None:
-    import uvicorn
-
     from server.app import create_app
-    from server.cli import uvicorn_config
+    from server.http_server import serve_app
 
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s (api {share.index}): %(message)s",
     )
     app = create_app(engine_config, server_config, engine_endpoint=endpoint, metrics_share=share)
-    server = uvicorn.Server(uvicorn_config(app, server_config))  # host and port unused: sock
-    # uvicorn re-raises the signal it stopped on: SIGTERM then ends this process as
-    # SIGTERM would have, which the supervisor expects while stopping.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(sockets=[sock])
-    sys.exit(0 if server.started else 1)
+    sys.exit(0 if serve_app(app, server_config, [sock]) else 1)  # host and port unused: sock

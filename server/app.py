@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
+from server import openapi
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
-from server.engine_process import EngineEndpoint
+from server.engine_loop import EngineFactory
+from server.engine_wire import EngineEndpoint
 from server.errors import APIError, error_body
 from server.metrics import Metrics, MetricsShare
-from server.middleware import ApiKeyAuth, BodySizeLimit
+from server.middleware import ApiKeyAuth, BodySizeLimit, RequestId
+from server.prompts import ClientDisconnected
 from server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -33,14 +40,21 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.serving import Serving
+from server.serving import Serving, disconnected_response
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
 logger = logging.getLogger("pagoda.server")
+try:
+    __version__ = package_version("pagoda")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0.1.0"
 
 
-def build_engine(config: EngineConfig) -> Any:
+def build_engine(config: EngineConfig) -> Engine:
     from engine.engine import Engine  # heavy (torch, the model code): only when serving
 
     return Engine(config)
@@ -49,7 +63,7 @@ def build_engine(config: EngineConfig) -> Any:
 def create_app(
     engine_config: EngineConfig,
     server_config: ServerConfig,
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
     engine_endpoint: EngineEndpoint | None = None,
     metrics_share: MetricsShare | None = None,
 ) -> FastAPI:
@@ -66,7 +80,6 @@ def create_app(
         engine_process=server_config.engine_process,
         engine_endpoint=engine_endpoint,
     )
-    metrics.watch_engine(lambda: async_engine.stats, lambda: async_engine.num_waiting)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,15 +94,17 @@ def create_app(
             await async_engine.shutdown()
             serving.close()
 
-    app = FastAPI(title="Pagoda", lifespan=lifespan)
+    app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     _add_routes(app, metrics)
     add_dashboard(app, server_config)
     _add_error_handlers(app)
+    openapi.install(app)
     # Starlette runs the last-added middleware first: CORS answers preflights before auth.
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     if server_config.api_key:
         app.add_middleware(ApiKeyAuth, api_key=server_config.api_key)
+    app.add_middleware(RequestId)
     if server_config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -105,39 +120,54 @@ def _serving(request: Request) -> Serving:
 
 
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=openapi.GENERATE)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_serving(request), body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=openapi.GENERATE
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_serving(request), body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.COMMON)
     async def models(request: Request) -> ModelList:
         return _serving(request).models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=openapi.COMMON)
     async def model(model_id: str, request: Request) -> ModelCard:
         serving = _serving(request)
         serving.check_model(model_id)
         return serving.models().data[0]
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=openapi.COMMON)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        return await _serving(request).tokenize(body)
+        return await _serving(request).tokenize(body, request)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=openapi.COMMON)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-        return await _serving(request).detokenize(body)
+        return await _serving(request).detokenize(body, request)
 
-    @app.get("/health")
+    @app.get("/tokenizer_info", responses=openapi.COMMON)
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        return _serving(request).tokenizer_info()
+
+    # HEAD and POST variants answer the same, undocumented (one operation per path).
+    @app.get("/health", responses=openapi.HEALTH)
+    @app.head("/health", include_in_schema=False)
+    @app.get("/ping", responses=openapi.HEALTH)
+    @app.post("/ping", include_in_schema=False)
     async def health(request: Request) -> Response:
         if not request.app.state.async_engine.is_alive:
             return APIError("The engine is not running.", 503).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -170,7 +200,11 @@ def _add_error_handlers(app: FastAPI) -> None:
             headers=exc.headers,
         )
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return disconnected_response()
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error", exc_info=exc)
-        return JSONResponse(error_body(f"Internal server error: {exc}", 500), status_code=500)
+        logger.exception("unhandled error", exc_info=exc)  # the text stays in the log
+        return JSONResponse(error_body("Internal server error.", 500), status_code=500)

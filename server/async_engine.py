@@ -5,7 +5,8 @@ background thread of this process, with `--engine-process` in a process of its
 own (server/engine_process.py), which with `--api-server-count` several API
 processes share (server/api_servers.py). Either way, steps' reports go into an outbox;
 one `call_soon_threadsafe` delivers all that has gathered when the loop gets
-to it, sorting them into per-request `RequestStream`s, so a busy loop is not
+to it, sorting them into per-request `RequestStream`s (which decode the ids into
+text and match stop strings: server/request_stream.py), so a busy loop is not
 woken once per step, and each delivery acks the engine side, which builds
 outputs only when acked. The event loop never touches the engine and never
 waits on the device.
@@ -20,118 +21,24 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_table
-from engine.request import RequestOutput, TokenDeltas, follow
+from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
-from server.engine_loop import Abort, Add, Batch, EngineLoop, Flag
-from server.engine_process import EngineEndpoint, EngineProcess
-from server.errors import APIError
+from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
+from server.engine_process import EngineProcess
+from server.engine_wire import EngineEndpoint, EngineInfo
+from server.errors import APIError, overloaded
 from server.metrics import Metrics
+from server.request_stream import RequestStream
+
+if TYPE_CHECKING:
+    from engine.engine import EngineStats
 
 logger = logging.getLogger("pagoda.server")
 GIL_SWITCH_INTERVAL_S = 1e-4
-
-
-def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Merge the deltas of each choice into one (order of first appearance)."""
-    groups: dict[tuple[str, int], list[RequestOutput]] = {}
-    for out in outputs:
-        groups.setdefault((out.request_id, out.index), []).append(out)
-    merged = []
-    for group in groups.values():
-        if len(group) == 1:
-            merged.append(group[0])
-            continue
-        logprobs = None
-        if any(out.new_logprobs is not None for out in group):
-            logprobs = [lp for out in group for lp in out.new_logprobs or []]
-        merged.append(
-            dataclasses.replace(
-                group[-1],
-                new_token_ids=[t for out in group for t in out.new_token_ids],
-                new_text="".join(out.new_text for out in group),
-                new_logprobs=logprobs,
-            )
-        )
-    return merged
-
-
-class RequestStream:
-    """The outputs of one client request: one engine request per prompt, n choices each.
-
-    Iterating yields, per engine step, the list of that step's RequestOutputs for
-    this client request; an APIError ends it when the engine fails or shuts down.
-    """
-
-    def __init__(
-        self,
-        owner: AsyncEngine,
-        request_ids: list[str],
-        n: int,
-        detokenizers: dict[tuple[str, int], IncrementalDetokenizer] | None = None,
-    ) -> None:
-        self.request_ids = request_ids
-        self._owner = owner
-        # (engine request id, choice) -> its decoder, when the engine sends ids only.
-        self._detokenizers = detokenizers
-        self._queue: asyncio.Queue[list[RequestOutput] | APIError] = asyncio.Queue()
-        self._unfinished = {(rid, i) for rid in request_ids for i in range(n)}
-        self.last_token_time: dict[tuple[str, int], float] = {}  # for inter-token latency
-        # Each choice's latest output, which the next TokenDeltas entry follows.
-        self.last_output: dict[tuple[str, int], RequestOutput] = {}
-        self.finished = False
-        self._error: APIError | None = None
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> list[RequestOutput]:
-        if self._error is not None:
-            raise self._error
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, APIError):
-            raise item
-        # Under load the loop falls behind the engine: hand over all that is queued,
-        # merged per choice, so the client gets fewer, larger chunks, not a backlog.
-        while not self._queue.empty():
-            more = self._queue.get_nowait()
-            if isinstance(more, APIError):
-                self._error = more  # after the outputs that came before it
-                break
-            item = item + more
-        return coalesce(item)
-
-    def abort(self) -> None:
-        """Stop generating (the client went away); idempotent, a no-op once finished."""
-        if not self.finished:
-            self.finished = True
-            self._owner._abort(self)
-
-    def _push(self, item: list[RequestOutput] | APIError) -> None:
-        if isinstance(item, APIError):
-            self.finished = True
-            self._unfinished.clear()
-        else:
-            if self._detokenizers is not None:
-                for out in item:  # in step order, as the engine would have decoded them
-                    decoder = self._detokenizers[out.request_id, out.index]
-                    decoder.update(out.new_token_ids)
-                    out.new_text = decoder.get_delta(out.finished)
-            for out in item:
-                if out.finished:
-                    self._unfinished.discard((out.request_id, out.index))
-            self.finished = not self._unfinished
-        self._queue.put_nowait(item)
-
-    @property
-    def unfinished_choices(self) -> int:
-        return len(self._unfinished)
 
 
 class AsyncEngine:
@@ -140,7 +47,7 @@ class AsyncEngine:
         config: EngineConfig,
         metrics: Metrics,
         max_waiting_requests: int,
-        engine_factory: Callable[[EngineConfig], Any],
+        engine_factory: EngineFactory,
         engine_process: bool = False,
         engine_endpoint: EngineEndpoint | None = None,
     ) -> None:
@@ -159,20 +66,18 @@ class AsyncEngine:
         # How many requests the engine had taken in (from every API process) when it
         # made self.stats: the two come in one report, so they always agree.
         self._taken_in = 0
-        self._num_taken_in = 0  # the engine thread's running count (no engine process)
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine request id -> stream (loop side)
         # Steps' outputs waiting for the loop; a delivery is scheduled iff it is non-empty.
-        self._outbox: list[tuple[Batch, TokenDeltas, float]] = []
+        self._outbox: list[StepReport] = []
         self._outbox_lock = threading.Lock()
         # Adds and aborts of this loop iteration, handed over in one put (one pipe
         # write with --engine-process) instead of one per request.
         self._puts: list[Add | Abort] = []
-        self.stats: Any = None  # the engine's latest EngineStats
-        # The engine once built (an EngineInfo with --engine-process); the loop reads
-        # only its immutable attributes.
-        self.engine: Any = None
+        self.stats: EngineStats | None = None  # the engine's latest
+        self.info: EngineInfo | None = None  # once the engine is built
+        metrics.watch_engine(self)
 
     # ------------------------------------------------------------ loop side
 
@@ -192,17 +97,22 @@ class AsyncEngine:
             self._backend = process
             info = await process.start()
             info.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
-            await asyncio.to_thread(byte_table, info.tokenizer)  # built once, before a request
-            self.engine = info
-            return
+        else:
+            info = await self._start_thread()
+        await asyncio.to_thread(byte_table, info.tokenizer)  # built once, before a request
+        self.info = info
+
+    async def _start_thread(self) -> EngineInfo:
         ready: asyncio.Future[None] = self._loop.create_future()
-        self._backend = EngineLoop(self._config, self._factory, self._report_local, self._credit)
+        backend = self._backend = EngineLoop(
+            self._config, self._factory, self._report_local, self._credit
+        )
         self._thread = threading.Thread(
             target=self._run, args=(ready,), name="pagoda-engine", daemon=True
         )
         self._thread.start()
         await ready
-        self.engine = self._backend.engine
+        return EngineInfo.of(backend.engine, with_tokenizer=True)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is in flight and stop the engine side."""
@@ -237,6 +147,13 @@ class AsyncEngine:
         in_transit = self._metrics.submitted() - self._taken_in
         return in_transit + (self.stats.num_waiting if self.stats else 0)
 
+    def check_capacity(self) -> None:
+        """The 503 a request would get at submit, decided before any work on it (its
+        tokenization): under a flood, rejects cost nothing."""
+        waiting = self.num_waiting
+        if waiting >= self._max_waiting:
+            raise overloaded(waiting, self._max_waiting)
+
     def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
     ) -> RequestStream:
@@ -246,32 +163,24 @@ class AsyncEngine:
         ids = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
-        detokenizers = None
-        if self._use_process and params.detokenize and not params.stop:
-            # Decoded here, not in the engine process: at saturation the engine's host
-            # side is the limit and the API processes have cores to spare (vLLM decodes
-            # in its front-end too). Stop strings must end a request at the right token,
-            # so such requests are still decoded in the engine.
-            tokenizer = self.engine.tokenizer
-            detokenizers = {
-                (rid, i): IncrementalDetokenizer(tokenizer, prompt, params)
-                for rid, prompt in zip(ids, prompts, strict=True)
-                for i in range(params.n)
-            }
-            params = dataclasses.replace(params, detokenize=False)
-        stream = RequestStream(self, ids, params.n, detokenizers)
+        # Text and stop strings are the stream's (server/request_stream.py): the engine
+        # sends ids only.
+        tokenizer = self.info.tokenizer
+        decoders = {
+            (rid, i): IncrementalDetokenizer(tokenizer, prompt, params)
+            for rid, prompt in zip(ids, prompts, strict=True)
+            for i in range(params.n)
+        }
+        stream = RequestStream(ids, params.n, decoders, bool(params.stop), self._abort)
+        params = dataclasses.replace(params, detokenize=False, stop=[])
         now = time.time()
         with self._lock:
             waiting = self._num_waiting()
             if waiting >= self._max_waiting:
-                raise APIError(
-                    f"The server is overloaded: {waiting} requests are waiting "
-                    f"(limit {self._max_waiting}). Retry later.",
-                    503,
-                    code="server_overloaded",
-                )
+                raise overloaded(waiting, self._max_waiting)
             self._submitted += len(prompts)  # before the put: never behind the engine
             self._metrics.set_submitted(self._submitted)
+        self._metrics.on_submit(params.n, params.max_tokens)
         for rid in ids:
             self._streams[rid] = stream
         self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
@@ -305,42 +214,52 @@ class AsyncEngine:
         self._backend.ack()
         per_stream: dict[int, tuple[RequestStream, list[RequestOutput]]] = {}
         streams = self._streams
-        for batch, deltas, step_time in steps:
-            for rid, item in batch.items():
+        on_outputs = self._metrics.on_outputs
+        for report in steps:
+            step_time = report.step_time
+            num_tokens = 0
+            for rid, item in report.batch.items():
                 stream = streams.get(rid)
                 if stream is None:  # aborted by the client meanwhile
                     continue
                 if isinstance(item, APIError):
                     # One prompt failed: the client request fails, so its other prompts stop too.
                     per_stream.pop(id(stream), None)
-                    stream._push(item)
+                    stream.push(item)
                     self._forget(stream)
                     continue
                 for out in item:
                     stream.last_output[rid, out.index] = out
-                self._metrics.on_outputs(item, step_time, stream.last_token_time)
-                per_stream.setdefault(id(stream), (stream, []))[1].extend(item)
-            for rid, index, token_ids in deltas.entries():
+                decoded = stream.decode(item)
+                num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
+                per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
+            for rid, index, token_ids in report.deltas.entries():
                 stream = streams.get(rid)
                 if stream is None:
                     continue
                 key = rid, index
                 out = stream.last_output[key] = follow(stream.last_output[key], token_ids)
-                self._metrics.on_outputs([out], step_time, stream.last_token_time)
-                per_stream.setdefault(id(stream), (stream, []))[1].append(out)
+                decoded = stream.decode([out])
+                num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
+                per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
+            self._metrics.on_step(num_tokens)
         for stream, outputs in per_stream.values():
             if stream.finished:  # failed above, in this same delivery
                 continue
-            stream._push(outputs)
+            stream.push(outputs)
+            if stream.to_abort:  # over by a stop string: the engine need not go on
+                self._put([Abort(rid) for rid in stream.to_abort])
+                stream.to_abort.clear()
             if stream.finished:
                 for rid in stream.request_ids:
                     self._streams.pop(rid, None)
 
-    def _fail_streams(self, error: APIError) -> None:
-        """The engine side is gone: every open stream ends with the error."""
+    def fail_streams(self, error: APIError) -> None:
+        """Every open stream ends with the error (the engine side is gone, or the
+        server's shutdown grace is over)."""
         self._stopping = True
         for stream in {id(s): s for s in self._streams.values()}.values():
-            stream._push(error)
+            stream.push(error)
         self._streams.clear()
 
     # ------------------------------------------------------------ engine side's threads
@@ -357,27 +276,21 @@ class AsyncEngine:
         self._backend.serve()
         self._stopping = True
 
-    def _report_local(
-        self, batch: Batch, deltas: TokenDeltas, step_time: float, stats: Any, added: list[str]
-    ) -> None:
+    def _report_local(self, report: StepReport) -> None:
         """The engine thread's report: it spends the credit that _deliver's ack returns."""
-        if batch or deltas:
+        if report.has_news:
             self._credit.value = 0  # before the delivery: the ack it brings must win
-        self._num_taken_in += len(added)  # the engine thread's own count
-        self._report(batch, deltas, step_time, stats, self._num_taken_in)
+        self._report(report)
 
-    def _report(
-        self, batch: Batch, deltas: TokenDeltas, step_time: float, stats: Any, taken_in: int
-    ) -> None:
-        """A step's report, from the engine thread or the engine process's reader:
-        its outputs, the engine's stats and how many requests it has taken in, ever."""
+    def _report(self, report: StepReport) -> None:
+        """A step's report, from the engine thread or the engine process's reader."""
         with self._lock:
-            self.stats = stats
-            self._taken_in = taken_in
-        if not batch and not deltas:
+            self.stats = report.stats
+            self._taken_in = report.taken_in
+        if not report.has_news:
             return
         with self._outbox_lock:
-            self._outbox.append((batch, deltas, step_time))
+            self._outbox.append(report)
             if len(self._outbox) > 1:
                 return  # a delivery is already scheduled and will take this too
         # RuntimeError: the loop has closed, so nobody is listening any more.
@@ -391,7 +304,7 @@ class AsyncEngine:
         logger.error("the engine process exited unexpectedly")
         error = APIError("The engine process died.", 500)
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._fail_streams, error)
+            self._loop.call_soon_threadsafe(self.fail_streams, error)
 
 
 def _set_result(future: asyncio.Future[None]) -> None:

@@ -6,14 +6,15 @@ Engine flags map 1:1 to EngineConfig fields; the rest build a ServerConfig.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from server.engine_loop import EngineFactory
 
 _ENGINE = EngineConfig()
 _SERVER = ServerConfig()
@@ -143,6 +144,34 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_SERVER.header_timeout,
+        metavar="S",
+        help="close a connection whose request headers take longer (slow or idle clients)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_SERVER.body_timeout,
+        metavar="S",
+        help="close a connection whose request body takes longer after its headers",
+    )
+    s.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=_SERVER.timeout_keep_alive,
+        metavar="S",
+        help="close an idle kept-alive connection after this long (uvicorn's flag)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=_SERVER.max_connections,
+        metavar="N",
+        help="past this many open connections, new ones get 503 and are closed",
+    )
+    s.add_argument(
         "--engine-process",
         action="store_true",
         help="run the engine in a process of its own, not a thread (no GIL shared with HTTP)",
@@ -206,38 +235,27 @@ def parse_configs(
             access_log=args.access_log,
             engine_process=args.engine_process,
             api_server_count=args.api_server_count,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            timeout_keep_alive=args.timeout_keep_alive,
+            max_connections=args.max_connections,
         )
     except ValueError as exc:
         build_parser(prog).error(str(exc))
     return engine_config, server_config
 
 
-def uvicorn_config(app: Any, server_config: ServerConfig) -> Any:
-    """uvicorn's settings for serving `app` (one API process's, when there are several)."""
-    import uvicorn
-
-    return uvicorn.Config(
-        app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level=server_config.log_level,
-        access_log=server_config.access_log,
-        timeout_graceful_shutdown=server_config.shutdown_timeout,
-    )
-
-
 def serve(
     argv: list[str] | None = None,
     prog: str = "pagoda serve",
-    engine_factory: Callable[[EngineConfig], Any] | None = None,
+    engine_factory: EngineFactory | None = None,
 ) -> int:
     """Run the server; `engine_factory` (picklable: the engine process may be spawned)
     stands in for the real engine, as benchmarks.api_cost does."""
-    import uvicorn  # imported here so `pagoda --help` stays quick
-
+    engine_config, server_config = parse_configs(argv, prog)  # first: --help needs no torch
     from server.app import create_app
+    from server.http_server import serve_app
 
-    engine_config, server_config = parse_configs(argv, prog)
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -247,12 +265,8 @@ def serve(
 
         return run_api_servers(engine_config, server_config, engine_factory)
     app = create_app(engine_config, server_config, engine_factory)
-    server = uvicorn.Server(uvicorn_config(app, server_config))
-    # Handles SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
-    # Afterwards uvicorn re-raises the signal; uvicorn.run swallows that Ctrl-C too.
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
-    return 0 if server.started else 1
+    # SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
+    return 0 if serve_app(app, server_config, None) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

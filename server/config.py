@@ -15,6 +15,12 @@ class ServerConfig:
     max_waiting_requests: int = 1024  # past this many queued requests, 503
     max_request_body_bytes: int = 16 * 1024 * 1024
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    # Slow or idle clients (server/http_server.py): seconds from a connection's opening
+    # (or its last response) to its request's headers, and from those to its body.
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    timeout_keep_alive: float = 5.0  # an idle kept-alive connection (uvicorn's)
+    max_connections: int = 4096  # open connections past which new ones get 503
     log_level: str = "info"
     # uvicorn's line per request is ~7% of an API process's event-loop samples under
     # load (py-spy on benchmarks.api_cost); vLLM's flag of the same name turns it off.
@@ -37,3 +43,7 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be non-negative")
         if self.max_request_body_bytes < 1:
             raise ValueError("max_request_body_bytes must be positive")
+        if min(self.header_timeout, self.body_timeout, self.timeout_keep_alive) <= 0:
+            raise ValueError("header_timeout, body_timeout and timeout_keep_alive must be positive")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")

@@ -3,8 +3,8 @@
 The engine is not thread-safe, so one thread owns it: it builds it, drains a
 locked inbox of new requests and aborts before every step, runs
 `Engine.step()` while there is work and sleeps on a condition variable when
-there is none. After every step it reports (outputs, token deltas, step time,
-stats) to whoever listens: the event loop of the same process (AsyncEngine's
+there is none. After every step it hands a StepReport (outputs, token deltas,
+step time, stats) to whoever listens: the event loop of the same process (AsyncEngine's
 engine thread), or the API server process over a pipe (server/engine_process.py).
 
 Outputs are built only while the listener has credit: whoever delivers a
@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
+from engine.checks import RequestRejected
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput, TokenDeltas
@@ -29,13 +30,34 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
 from server.stat_log import StatLog
 
+if TYPE_CHECKING:
+    from engine.engine import Engine, EngineStats
+
 logger = logging.getLogger("pagoda.server")
 
 # engine request id -> that step's outputs for it, or the error that ends it
 Batch = dict[str, "list[RequestOutput] | APIError"]
-# (outputs or {}, the id-only outputs of plain streams (engine.request.TokenDeltas),
-# step time, the engine's EngineStats, ids of the requests taken from the inbox)
-Report = Callable[[Batch, TokenDeltas, float, Any, list[str]], None]
+
+
+@dataclass
+class StepReport:
+    """What one iteration of the loop tells its listener."""
+
+    batch: Batch  # outputs (the id-only outputs of plain streams are in deltas)
+    deltas: TokenDeltas
+    step_time: float  # wall-clock time (time.time()) the step's outputs were read
+    stats: EngineStats
+    # Requests the loop has taken from its inbox, ever: with the stats of the same
+    # report, a listener counts those still on their way without counting one twice.
+    taken_in: int
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.batch or self.deltas)
+
+
+Listener = Callable[[StepReport], None]
+EngineFactory = Callable[[EngineConfig], "Engine"]
 
 
 @dataclass
@@ -51,6 +73,12 @@ class Abort:
     request_id: str
 
 
+class Credit(Protocol):
+    """1 while the listener has taken the last report in (0: outputs wait)."""
+
+    value: int
+
+
 class Flag:
     """Credit: 1 while the listener has taken the last report in. In the engine
     process it is a shared-memory byte per API process, set there, not a message."""
@@ -63,13 +91,13 @@ class EngineLoop:
     def __init__(
         self,
         config: EngineConfig,
-        factory: Callable[[EngineConfig], Any],
-        report: Report,
-        credit: Any = None,  # anything with an int .value (Flag, engine_process.Clients)
+        factory: EngineFactory,
+        listener: Listener,
+        credit: Credit | None = None,
     ) -> None:
         self._config = config
         self._factory = factory
-        self._report = report
+        self._listener = listener
         self._cond = threading.Condition()
         self._inbox: list[Add | Abort] = []
         self._stopping = False
@@ -77,7 +105,8 @@ class EngineLoop:
         self._credit = Flag() if credit is None else credit
         self._active: dict[str, int] = {}  # engine request id -> unfinished choices
         self._stat_log: StatLog | None = None
-        self.engine: Any = None
+        self._taken_in = 0
+        self.engine: Engine | None = None
 
     # ------------------------------------------------------------ any thread
 
@@ -100,12 +129,12 @@ class EngineLoop:
 
     # ------------------------------------------------------------ the owning thread
 
-    def build(self) -> Any:
+    def build(self) -> Engine:
         self.engine = self._factory(self._config)
         if self._config.log_stats_interval > 0:  # its first interval starts now, not at startup
             self._stat_log = StatLog(self._config.log_stats_interval)
         freeze_startup_heap()  # the engine and its model live as long as the loop
-        self._report({}, TokenDeltas(), time.time(), self.engine.get_stats(), [])
+        self._report({}, TokenDeltas(), [])
         return self.engine
 
     def serve(self) -> None:
@@ -135,14 +164,19 @@ class EngineLoop:
             deltas = TokenDeltas()
             added = self._drain(inbox, batch)
             if stopping:
-                self._report({}, deltas, time.time(), engine.get_stats(), added)
+                self._report({}, deltas, added)
                 self._fail_all(APIError("The server is shutting down.", 503))
                 return
             if engine.has_unfinished_requests():
                 self._step(batch, deltas)
                 if self._stat_log is not None:
                     self._stat_log.maybe_log(engine)
-            self._report(batch, deltas, time.time(), engine.get_stats(), added)
+            self._report(batch, deltas, added)
+
+    def _report(self, batch: Batch, deltas: TokenDeltas, added: list[str]) -> None:
+        self._taken_in += len(added)
+        stats = self.engine.get_stats()
+        self._listener(StepReport(batch, deltas, time.time(), stats, self._taken_in))
 
     @property
     def active(self) -> dict[str, int]:
@@ -164,13 +198,13 @@ class EngineLoop:
                     item.request_id, item.prompt_token_ids, item.params, item.arrival_time
                 )
                 self._active[item.request_id] = item.params.n
+            except RequestRejected as exc:
+                batch[item.request_id] = APIError(str(exc), 400, param=exc.param)
             except ValueError as exc:
                 batch[item.request_id] = from_value_error(exc)
-            except Exception as exc:
+            except Exception:
                 logger.exception("add_request failed for %s", item.request_id)
-                batch[item.request_id] = APIError(
-                    f"The engine failed to add the request: {exc}", 500
-                )
+                batch[item.request_id] = APIError("The engine failed to add the request.", 500)
         return added
 
     def _step(self, batch: Batch, deltas: TokenDeltas) -> None:
@@ -187,7 +221,7 @@ class EngineLoop:
             # which) and keep serving the rest.
             logger.exception("engine step failed")
             touched = getattr(exc, "request_ids", None) or list(self._active)
-            error = APIError(f"The engine failed while generating: {exc}", 500)
+            error = APIError("The engine failed while generating.", 500)
             for rid in touched:
                 if self._active.pop(rid, None) is not None:
                     self._abort_in_engine(rid)
@@ -224,4 +258,4 @@ class EngineLoop:
                     added.append(item.request_id)
             self._inbox.clear()
         if batch or added:
-            self._report(batch, TokenDeltas(), time.time(), self.engine.get_stats(), added)
+            self._report(batch, TokenDeltas(), added)

@@ -29,19 +29,35 @@ class APIError(Exception):
     """Raised anywhere below a route; the app's handler turns it into the error body."""
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def overloaded(waiting: int, limit: int) -> APIError:
+    """The 503 for a full waiting queue; clients that honour Retry-After back off."""
+    return APIError(
+        f"The server is overloaded: {waiting} requests are waiting (limit {limit}). Retry later.",
+        503,
+        code="server_overloaded",
+        headers={"Retry-After": "1"},
+    )
 
 
 def from_value_error(exc: ValueError) -> APIError:

@@ -10,21 +10,29 @@ every scrape sums the rows.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
 from engine.request import RequestOutput
+from server.loop_metrics import (
+    LoopCounter,
+    LoopHistogram,
+    LoopMetricsCollector,
+    MetricsShare,
+    Slots,
+)
+
+if TYPE_CHECKING:
+    from engine.engine import EngineStats
+    from server.engine_wire import EngineInfo
 
 # Latency buckets in seconds (vLLM's, trimmed).
 _TTFT_BUCKETS = (
@@ -71,6 +79,8 @@ _ITL_BUCKETS = (
     2.5,
 )
 FINISH_REASONS = ("stop", "length", "abort")
+# Token counts: vLLM's 1-2-5 series.
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 _REQUEST_BUCKETS = (
     0.3,
     0.5,
@@ -93,15 +103,39 @@ _REQUEST_BUCKETS = (
 )
 
 
+class EngineWatch(Protocol):
+    """What the metrics read of the engine at scrape time (AsyncEngine)."""
+
+    @property
+    def stats(self) -> EngineStats | None: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def info(self) -> EngineInfo | None: ...
+
+
 class _EngineStatsCollector(Collector):
     """Reads the latest engine stats snapshot when /metrics is scraped."""
 
-    def __init__(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
-        self._read_stats = read_stats
-        self._read_waiting = read_waiting
+    def __init__(self, engine: EngineWatch) -> None:
+        self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._read_stats()
+        stats = self._engine.stats
+        info = self._engine.info
+        if info is not None:
+            config = info.config
+            cache = GaugeMetricFamily(
+                "pagoda:cache_config_info",
+                "The KV cache's settings, as labels (vLLM's cache_config_info).",
+                labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            )
+            blocks = "auto" if config.num_kv_blocks is None else str(config.num_kv_blocks)
+            prefix = str(config.enable_prefix_caching)
+            cache.add_metric([str(config.block_size), blocks, prefix], 1.0)
+            yield cache
 
         def stat(name: str) -> float:
             return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
@@ -112,7 +146,7 @@ class _EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "pagoda:num_requests_waiting",
             "Requests waiting to be scheduled.",
-            float(self._read_waiting()),
+            float(self._engine.num_waiting),
         )
         yield GaugeMetricFamily(
             "pagoda:kv_cache_usage_perc",
@@ -132,114 +166,6 @@ class _EngineStatsCollector(Collector):
             "Prompt tokens found in the prefix cache.",
             stat("prefix_cache_hits"),
         )
-
-
-class Slots:
-    """Hands out float64 slots; once every metric has taken its share, bind() gives
-    the numbers their storage: one row per API process, of which this process
-    writes only its own, on its event loop (no lock), while reads sum all rows,
-    so any API process answers /metrics for all of them."""
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.own: memoryview = memoryview(b"")  # this process's row
-        self.rows: list[memoryview] = []  # every process's row, this one included
-
-    def take(self, n: int) -> int:
-        self.size += n
-        return self.size - n
-
-    def bind(self, share: MetricsShare | None) -> None:
-        if share is None:
-            share = MetricsShare(bytearray(8 * self.size), 0, 1)
-        flat = memoryview(share.buffer).cast("B").cast("d")
-        self.rows = [flat[i * self.size : (i + 1) * self.size] for i in range(share.count)]
-        self.own = self.rows[share.index]
-
-    def total(self, slot: int) -> float:
-        return sum(row[slot] for row in self.rows)
-
-
-@dataclass
-class MetricsShare:
-    """Where API process `index` of `count` keeps its numbers: a shared float64
-    buffer of count * Metrics.num_slots() (a multiprocessing RawArray)."""
-
-    buffer: Any
-    index: int
-    count: int
-
-
-class LoopHistogram:
-    """A histogram fed only from the event loop: plain counts, no lock.
-
-    prometheus_client's metrics take a mutex per observation; at one or more
-    observations per token per stream that was over a third of the loop's time
-    under load. Scrapes run on the same loop, so nothing here needs a lock."""
-
-    def __init__(
-        self, name: str, documentation: str, buckets: tuple[float, ...], slots: Slots
-    ) -> None:
-        self.name, self.documentation = name, documentation
-        self.bounds = list(buckets)
-        self.slots = slots
-        self.base = slots.take(len(buckets) + 2)  # counts (the last bucket is +Inf), sum
-        self.sum_slot = self.base + len(buckets) + 1
-
-    def observe(self, value: float) -> None:
-        row = self.slots.own
-        row[self.base + bisect.bisect_left(self.bounds, value)] += 1
-        row[self.sum_slot] += value
-
-    def family(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.documentation)
-        cumulative, buckets = 0.0, []
-        for i, bound in enumerate([*map(str, self.bounds), "+Inf"]):
-            cumulative += self.slots.total(self.base + i)
-            buckets.append((bound, cumulative))
-        family.add_metric([], buckets, self.slots.total(self.sum_slot))
-        return family
-
-
-class LoopCounter:
-    """A counter fed only from the event loop (see LoopHistogram), optionally by one
-    label whose values are known up front (a label value not yet counted is not shown)."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        slots: Slots,
-        label: str | None = None,
-        label_values: tuple[str, ...] = ("",),
-    ) -> None:
-        self.name, self.documentation, self.label = name, documentation, label
-        self.slots = slots
-        self.base = slots.take(len(label_values))
-        self.index = {value: self.base + i for i, value in enumerate(label_values)}
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        self.slots.own[self.index[label_value]] += amount
-
-    def family(self) -> Metric:
-        labels = [self.label] if self.label else []
-        family = CounterMetricFamily(self.name, self.documentation, labels=labels)
-        for value, slot in self.index.items():
-            total = self.slots.total(slot)
-            if self.label is None:
-                family.add_metric([], total)
-            elif total:
-                family.add_metric([value], total)
-        return family
-
-
-class _LoopMetricsCollector(Collector):
-    def __init__(self, metrics: list[LoopHistogram | LoopCounter]) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self._metrics:
-            yield metric.family()
 
 
 class Metrics:
@@ -276,13 +202,53 @@ class Metrics:
             "finished_reason",
             FINISH_REASONS,
         )
+        tokens = _TOKEN_BUCKETS
+        self.iteration_tokens = LoopHistogram(
+            "pagoda:iteration_tokens_total",
+            "Tokens per engine step: generated, and prompts' uncached tokens at their first.",
+            tokens,
+            slots,
+        )
+        self.request_prompt_tokens = LoopHistogram(
+            "pagoda:request_prompt_tokens", "Prompt tokens of a finished request.", tokens, slots
+        )
+        self.request_generation_tokens = LoopHistogram(
+            "pagoda:request_generation_tokens",
+            "Generated tokens of a finished choice.",
+            tokens,
+            slots,
+        )
+        self.params_n = LoopHistogram(
+            "pagoda:request_params_n", "The n of each request.", (1, 2, 5, 10, 20), slots
+        )
+        self.params_max_tokens = LoopHistogram(
+            "pagoda:request_params_max_tokens", "The max_tokens of each request.", tokens, slots
+        )
+        self.inference_time = LoopHistogram(
+            "pagoda:request_inference_time_seconds",
+            "First scheduled to finished.",
+            _REQUEST_BUCKETS,
+            slots,
+        )
+        self.prefill_time = LoopHistogram(
+            "pagoda:request_prefill_time_seconds",
+            "First scheduled to first token.",
+            _REQUEST_BUCKETS,
+            slots,
+        )
+        self.decode_time = LoopHistogram(
+            "pagoda:request_decode_time_seconds",
+            "First token to finished.",
+            _REQUEST_BUCKETS,
+            slots,
+        )
         # Requests this API process has submitted to the engine, ever: summed over
         # the processes and less the engine's count of those it has taken in, the
         # ones on their way (see AsyncEngine.num_waiting).
         self._submitted_slot = slots.take(1)
         slots.bind(share)
         self.registry.register(
-            _LoopMetricsCollector(
+            LoopMetricsCollector(
                 [
                     self.ttft,
                     self.itl,
@@ -291,6 +257,14 @@ class Metrics:
                     self.prompt_tokens,
                     self.generation_tokens,
                     self.request_success,
+                    self.iteration_tokens,
+                    self.request_prompt_tokens,
+                    self.request_generation_tokens,
+                    self.params_n,
+                    self.params_max_tokens,
+                    self.inference_time,
+                    self.prefill_time,
+                    self.decode_time,
                 ]
             )
         )
@@ -307,25 +281,41 @@ class Metrics:
         """Requests submitted to the engine by every API process, ever."""
         return int(self._slots.total(self._submitted_slot))
 
-    def watch_engine(self, read_stats: Callable[[], Any], read_waiting: Callable[[], int]) -> None:
-        self.registry.register(_EngineStatsCollector(read_stats, read_waiting))
+    def watch_engine(self, engine: EngineWatch) -> None:
+        """Scrapes read the engine's latest stats from `engine` (called by AsyncEngine's
+        constructor, which owns these metrics)."""
+        self.registry.register(_EngineStatsCollector(engine))
+
+    def on_submit(self, n: int, max_tokens: int | None) -> None:
+        """A client request's parameters (vLLM's request_params_*)."""
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+
+    def on_step(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
 
     def on_outputs(
         self,
         outputs: list[RequestOutput],
         step_time: float,
         last_token_time: dict[tuple[str, int], float],
-    ) -> None:
-        """One step's outputs of one request; `last_token_time` is that request's state."""
+    ) -> int:
+        """One step's outputs of one request; `last_token_time` is that request's state.
+        Returns the tokens they account for in the step (see iteration_tokens)."""
+        num_tokens = 0
         for out in outputs:
             key = (out.request_id, out.index)
             m = out.metrics
             if out.new_token_ids:
+                num_tokens += len(out.new_token_ids)
                 previous = last_token_time.get(key)
                 if previous is None:
                     self.ttft.observe((m.first_token_time or step_time) - m.arrival_time)
                     if out.index == 0:  # once per prompt, not per choice
                         self.prompt_tokens.inc(out.num_prompt_tokens)
+                        num_tokens += out.num_prompt_tokens - out.num_cached_tokens
                         if m.first_scheduled_time is not None:
                             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
                 else:
@@ -333,8 +323,23 @@ class Metrics:
                 self.generation_tokens.inc(len(out.new_token_ids))
                 last_token_time[key] = step_time
             if out.finished:
-                self.e2e.observe((m.finished_time or step_time) - m.arrival_time)
-                self.request_success.inc(1, out.finish_reason or "stop")
+                self._on_finished(out, step_time)
+        return num_tokens
+
+    def _on_finished(self, out: RequestOutput, step_time: float) -> None:
+        m = out.metrics
+        finished = m.finished_time or step_time
+        self.e2e.observe(finished - m.arrival_time)
+        self.request_success.inc(1, out.finish_reason or "stop")
+        self.request_generation_tokens.observe(out.num_output_tokens)
+        if out.index == 0:
+            self.request_prompt_tokens.observe(out.num_prompt_tokens)
+        if m.first_scheduled_time is not None:
+            self.inference_time.observe(finished - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode_time.observe(finished - m.first_token_time)
 
     def on_abort(self, num_choices: int) -> None:
         if num_choices:

@@ -1,9 +1,10 @@
-"""Pure-ASGI guards that answer before any route runs: API key, body size."""
+"""Pure-ASGI guards and stamps around every request: API key, body size, request id."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import uuid
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,18 +16,47 @@ _PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 class ApiKeyAuth:
+    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 9110 has it)."""
+
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(
+                given.strip(), self._expected
+            ):
                 body = error_body("Incorrect API key provided.", 401, code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+                headers = {"WWW-Authenticate": "Bearer"}
+                await JSONResponse(body, status_code=401, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestId:
+    """X-Request-Id on every response: the client's own, or a new one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        # Echoed only if it is a plain token: never a header injection.
+        if given is None or not 0 < len(given) <= 256 or not all(32 < b < 127 for b in given):
+            given = uuid.uuid4().hex.encode()
+        request_id = given
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, stamped)
 
 
 class _TooLarge(Exception):

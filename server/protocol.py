@@ -3,20 +3,71 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.errors import APIError
+
+# vLLM request fields Pagoda does not implement: named in a 400, never ignored.
+UNSUPPORTED_FIELDS = (
+    "use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "logits_processors", "priority",
+    "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "documents",
+    "mm_processor_kwargs", "cache_salt", "spaces_between_special_tokens", "functions",
+    "function_call", "prediction", "audio", "modalities", "prompt_embeds", "lora_request",
+)  # fmt: skip
 
 # ---------------------------------------------------------------- requests
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def _check_text(value: Any, field: str) -> None:
+    """A lone surrogate (JSON allows "\\ud800") cannot be tokenized or encoded: 400."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(
+                f"{field} contains a lone surrogate, which is not valid Unicode text.", param=field
+            ) from None
+    elif isinstance(value, list):
+        if value and isinstance(value[0], int):
+            return  # token ids (a mixed list fails validation anyway)
+        for item in value:
+            _check_text(item, field)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, field)
+            _check_text(item, field)
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI's API does; wrong types are a 400.
-    model_config = ConfigDict(extra="ignore")
+    # Types are strict ("10" is no int, true no number: 400, never coerced). Unknown
+    # fields are ignored, as OpenAI's API does, except vLLM's that Pagoda lacks.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in UNSUPPORTED_FIELDS:
+            if data.get(name) not in (None, False):
+                raise APIError(f"{name} is not supported by this server.", param=name)
+        for name, value in data.items():
+            _check_text(value, name)
+        # null where OpenAI allows it means the default (an optional field only).
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()
+        }
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
 class SamplingRequest(_Request):
@@ -42,6 +93,9 @@ class SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, k alternatives each
 
 
 class CompletionRequest(SamplingRequest):
@@ -51,6 +105,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS and friends
 
 
 class TextContentPart(_Request):
@@ -64,11 +119,19 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
+class ChatTemplateOptions(_Request):
+    """How messages become a prompt (vLLM's chat request and /tokenize fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+
+
 class ResponseFormat(_Request):
     type: str
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -76,16 +139,17 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     response_format: ResponseFormat | None = None
+    echo: bool = False  # vLLM: the last message's content opens the answer
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's /tokenize: either a prompt or chat messages."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Request):
@@ -96,10 +160,23 @@ class DetokenizeRequest(_Request):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # served by the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: token id (as the dict key) -> this."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -117,6 +194,12 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop token id or string that ended it
+    # vLLM, on request: the prompt's ids (first chunk or response), the choice's ids
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -155,6 +238,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -164,6 +248,10 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        default=None, exclude_if=lambda v: v is None
+    )
 
 
 class ChatStreamChoice(BaseModel):
@@ -172,6 +260,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -181,6 +270,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):
@@ -200,6 +290,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,37 +1,40 @@
-"""What completions and chat share: model checks, prompt preparation off the loop,
-sampling params, and the two ways of answering (one JSON body, or SSE)."""
+"""What completions and chat share: model checks, prompt limits, sampling params,
+and the two ways of answering (one JSON body, or SSE)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.request import RequestOutput, TokenLogprob, out_of_vocab
-from engine.sampling_params import SamplingParams
-from server.async_engine import AsyncEngine, RequestStream
+from engine.checks import RequestRejected, check_request
+from engine.request import RequestOutput, TokenLogprob
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
+from server.prompts import ClientDisconnected, Prompts, wait_for_disconnect
 from server.protocol import (
-    ChatMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
+from server.request_stream import RequestStream
 
 logger = logging.getLogger("pagoda.server")
-T = TypeVar("T")
 
 
 @dataclass
@@ -39,17 +42,24 @@ class ChoiceState:
     """One choice's text, logprobs and ending, accumulated from its deltas."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
+        self.token_ids += out.new_token_ids
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         self.logprobs.extend(out.new_logprobs or [])
         self.num_output_tokens = out.num_output_tokens
+        if getattr(out, "prompt_logprobs", None) is not None:  # the engine's, when asked
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -59,45 +69,57 @@ class Usage:
     """Counts prompt tokens once per prompt and completion tokens once per choice."""
 
     def __init__(self) -> None:
-        self._prompt: dict[str, int] = {}
+        self._prompt: dict[str, tuple[int, int]] = {}  # (prompt tokens, cached ones)
         self._completion: dict[tuple[str, int], int] = {}
 
-    def record(self, request_id: str, index: int, num_prompt: int, num_output: int) -> None:
-        self._prompt[request_id] = num_prompt
+    def record(
+        self, request_id: str, index: int, num_prompt: int, num_output: int, num_cached: int
+    ) -> None:
+        self._prompt[request_id] = num_prompt, num_cached
         self._completion[(request_id, index)] = num_output
 
     def add(self, out: RequestOutput) -> None:
-        self.record(out.request_id, out.index, out.num_prompt_tokens, out.num_output_tokens)
+        self.record(
+            out.request_id,
+            out.index,
+            out.num_prompt_tokens,
+            out.num_output_tokens,
+            out.num_cached_tokens,
+        )
 
     def info(self) -> UsageInfo:
-        prompt, completion = sum(self._prompt.values()), sum(self._completion.values())
+        prompt = sum(n for n, _ in self._prompt.values())
+        cached = sum(c for _, c in self._prompt.values())
+        completion = sum(self._completion.values())
         return UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 
 class Serving:
-    """Holds the engine bridge and the tokenizer; shared by the route handlers."""
+    """Holds the engine bridge and the prompts' tokenizer lanes; shared by the routes."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_name: str | None) -> None:
-        engine = async_engine.engine
+        info = async_engine.info
+        assert info is not None, "the engine has not started"
         self.async_engine = async_engine
-        self.tokenizer = engine.tokenizer
-        self.model_name = served_model_name or engine.model_name
-        self.max_model_len: int = engine.config.max_model_len
-        self.vocab_size: int = engine.vocab_size
-        self._check_request = engine.check_request
-        # One worker: HF fast tokenizers may raise "Already borrowed" when one
-        # instance encodes on several threads at once.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagoda-tokenizer")
-        self._token_text: dict[int, str] = {}
+        self.tokenizer = info.tokenizer
+        self.model_name = served_model_name or info.model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.prompts = Prompts(info.tokenizer, self.max_model_len)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Tokenizer work, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    def admit(self, model: str | None) -> None:
+        """What a generation request is checked for before any work: the model it names,
+        and room in the waiting queue (a 503 with Retry-After)."""
+        self.check_model(model)
+        self.async_engine.check_capacity()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -105,59 +127,39 @@ class Serving:
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )
 
-    # ------------------------------------------------------------ prompts (executor)
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        conversation = [_template_message(m) for m in messages]
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(
-                "This model has no chat template; use /v1/completions.", param="messages"
-            )
+    def check_prompt(
+        self, ids: list[int], params: SamplingParams, param: str, truncate: int | None = None
+    ) -> list[int]:
+        """The prompt as the engine gets it (its last `truncate` tokens, if asked), after
+        the engine's own check (engine/checks.py), as a 400 naming the field."""
+        if truncate is not None:
+            ids = ids[-truncate:]
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except Exception as exc:  # jinja's raise_exception(...) and friends: the input's fault
-            raise APIError(
-                f"The chat template rejected the messages: {exc}", param="messages"
-            ) from exc
-        # The template already wrote any BOS it wants.
-        return self.encode(text, add_special_tokens=False)
+            check_request(ids, params, self.max_model_len, self.vocab_size)
+        except RequestRejected as exc:
+            raise APIError(str(exc), param=param if exc.param == "prompt" else exc.param) from None
+        return ids
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, param: str) -> None:
-        """The engine's own limits, as 400s that name the numbers."""
-        limit = self.max_model_len
-        if not ids:
-            raise APIError("The prompt is empty.", param=param)
-        bad = out_of_vocab(ids, self.vocab_size)
-        if bad is not None:
+    def truncation(self, req: SamplingRequest) -> int | None:
+        """truncate_prompt_tokens as a count (-1: max_model_len, vLLM's)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == -1:
+            return self.max_model_len
+        if not 1 <= k <= self.max_model_len:
             raise APIError(
-                f"Token id {bad} is out of vocabulary (vocabulary size {self.vocab_size}).",
-                param=param,
+                f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}], got {k}.",
+                param="truncate_prompt_tokens",
             )
-        if len(ids) >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(ids)} tokens, leaving no room for the completion.",
-                param=param,
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                param="max_tokens",
-            )
-        try:
-            self._check_request(ids, params)
-        except ValueError as exc:
-            raise from_value_error(exc) from exc
+        return k
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """OpenAI fields → SamplingParams; its ValueErrors become 400s naming the field."""
         if req.stream_options is not None and not req.stream:
@@ -168,10 +170,26 @@ class Serving:
             # The sampler seeds a torch.Generator, which takes 64 bits; past that the
             # engine step itself would fail.
             raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
-        try:
-            logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        except ValueError as exc:
-            raise APIError("logit_bias keys must be token ids.", param="logit_bias") from exc
+        bad_keys = [k for k in req.logit_bias or {} if not k.strip().lstrip("-").isdigit()]
+        if bad_keys:
+            raise APIError(
+                f"logit_bias keys must be token ids; not: {', '.join(map(repr, bad_keys[:5]))}.",
+                param="logit_bias",
+            )
+        logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        extra = {}
+        if prompt_logprobs is not None:
+            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}.",
+                    param="prompt_logprobs",
+                )
+            if "prompt_logprobs" not in _SAMPLING_FIELDS:
+                raise APIError(
+                    "Prompt logprobs are not supported by this engine yet.",
+                    param="prompt_logprobs",
+                )
+            extra["prompt_logprobs"] = prompt_logprobs
         values = {
             "temperature": req.temperature,
             "top_p": req.top_p,
@@ -195,17 +213,12 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 **{k: v for k, v in values.items() if v is not None},  # null = OpenAI's default
+                **extra,
             )
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
             raise from_value_error(exc) from exc
         return params
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     # ------------------------------------------------------------ answering
 
@@ -221,11 +234,8 @@ class Serving:
                     choices.setdefault((out.request_id, out.index), ChoiceState()).add(out)
             return choices
 
-        async def disconnected() -> None:
-            while (await raw.receive())["type"] != "http.disconnect":
-                pass
-
-        work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(disconnected())
+        work = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -245,40 +255,85 @@ class Serving:
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
 
-    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         self.check_model(req.model)
+        prompts = self.prompts
         if (req.prompt is None) == (req.messages is None):
             raise APIError("Give either prompt or messages.", param="prompt")
         if req.messages is not None:
-            ids = await self.run(self.render_chat, req.messages, req.add_generation_prompt)
+            size = sum(len(str(m.content or "")) for m in req.messages)
+            ids = await prompts.run(raw, size, prompts.render_chat, req.messages, req)
         else:
-            ids = await self.run(self.encode, req.prompt, req.add_special_tokens)
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.max_model_len)
+            prompts.check_length(req.prompt, "prompt")
+            ids = await prompts.run(
+                raw, len(req.prompt), prompts.encode, req.prompt, req.add_special_tokens
+            )
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(
+            tokens=ids, count=len(ids), max_model_len=self.max_model_len, token_strs=strs
+        )
 
-    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
         self.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(f"Token id {bad} is out of vocabulary.", param="tokens")
-        return DetokenizeResponse(prompt=await self.run(self.tokenizer.decode, req.tokens))
+        prompts = self.prompts
+        return DetokenizeResponse(prompt=await prompts.run(raw, 0, prompts.decode, req.tokens))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's GET /tokenizer_info: the tokenizer's class and config, so that a client
+        (lm-eval) can rebuild it without the hub."""
+        tokenizer = self.tokenizer
+        config = {
+            k: v for k, v in tokenizer.init_kwargs.items() if _is_json(v) and k != "name_or_path"
+        }
+        special = {k: str(v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        return (
+            config
+            | special
+            | {
+                "tokenizer_class": type(tokenizer).__name__,
+                "chat_template": getattr(tokenizer, "chat_template", None),
+                "model_max_length": self.max_model_len,
+            }
+        )
 
 
-class ClientDisconnected(Exception):
-    """The client went away before a non-streamed answer was ready."""
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    if isinstance(message.content, list):
-        if any(part.type != "text" for part in message.content):
-            raise APIError("Only text content parts are supported.", param="messages")
-        content = "".join(part.text or "" for part in message.content)
-    else:
-        content = message.content or ""
-    role = "system" if message.role == "developer" else message.role  # templates know "system"
-    out = {"role": role, "content": content}
-    if message.name:
-        out["name"] = message.name
+def prompt_logprobs_out(
+    s: Serving, entries: list[TokenLogprob | None]
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: per prompt token (the first has none), token id -> logprob,
+    rank and text, for the prompt's own token and the k most likely."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    text = s.prompts.token_text
+    for lp in entries:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(lp.token_id): PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=text(lp.token_id)
+            )
+        }
+        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+            entry.setdefault(
+                str(token_id),
+                PromptLogprob(logprob=logprob, rank=rank, decoded_token=text(token_id)),
+            )
+        out.append(entry)
     return out
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -288,9 +343,9 @@ async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> As
             yield f"data: {payload}\n\n"
     except APIError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n"
-    except Exception as exc:
-        logger.exception("stream failed")
-        yield f"data: {json.dumps(error_body(f'Internal error: {exc}', 500))}\n\n"
+    except Exception:
+        logger.exception("stream failed")  # the text stays in the log, not in the stream
+        yield f"data: {json.dumps(error_body('Internal server error.', 500))}\n\n"
     finally:
         stream.abort()  # a no-op when finished; frees the engine's blocks when cancelled
     yield "data: [DONE]\n\n"

@@ -11,8 +11,8 @@ from fastapi.responses import Response
 
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
-from server.async_engine import RequestStream
 from server.errors import APIError
+from server.prompts import ClientDisconnected, template_message
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -24,11 +24,12 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from server.serving import ClientDisconnected, Serving, Usage, disconnected_response
+from server.request_stream import RequestStream
+from server.serving import Serving, Usage, disconnected_response, prompt_logprobs_out
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    s.admit(req.model)
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
     if req.tools:
@@ -47,20 +48,28 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = s.sampling_params(req, max_tokens, logprobs)
+    params = s.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+    truncate = s.truncation(req)
+    prompts = s.prompts
 
     def prepare() -> list[int]:
-        ids = s.render_chat(req.messages, add_generation_prompt=True)
-        s.check_prompt(ids, params, "messages")
-        return ids
+        ids = prompts.render_chat(req.messages, req)
+        return s.check_prompt(ids, params, "messages", truncate)
 
-    prompt_ids = await s.run(prepare)
+    size = sum(len(str(m.content or "")) for m in req.messages)
+    try:
+        prompt_ids = await prompts.run(raw, size, prepare)
+    except ClientDisconnected:
+        return disconnected_response()
+    # vLLM's echo: an open assistant message is repeated at the head of the answer.
+    last = req.messages[-1]
+    echo = template_message(last)["content"] if req.echo and last.role == "assistant" else ""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = s.async_engine.submit(request_id, [prompt_ids], params)
     created = int(time.time())
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return s.sse(stream, _chunks(s, stream, req, request_id, created, include_usage))
+        chunks = _chunks(s, stream, req, request_id, created, prompt_ids, echo)
+        return s.sse(stream, chunks)
 
     try:
         states = await s.collect(raw, stream)
@@ -68,19 +77,31 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return disconnected_response()
     usage = Usage()
     choices = []
+    prompt_logprobs = None
     for (rid, index), state in sorted(states.items(), key=lambda kv: kv[0][1]):
         choices.append(
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=state.text),
+                message=AssistantMessage(content=echo + state.text),
                 logprobs=_logprobs(s, state.logprobs) if req.logprobs else None,
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
+                token_ids=state.token_ids if req.return_token_ids else None,
             )
         )
-        usage.record(rid, index, state.num_prompt_tokens, state.num_output_tokens)
+        if req.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_out(s, state.prompt_logprobs)
+        usage.record(
+            rid, index, state.num_prompt_tokens, state.num_output_tokens, state.num_cached_tokens
+        )
     response = ChatCompletionResponse(
-        id=request_id, created=created, model=s.model_name, choices=choices, usage=usage.info()
+        id=request_id,
+        created=created,
+        model=s.model_name,
+        choices=choices,
+        usage=usage.info(),
+        prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs,
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -91,17 +112,29 @@ async def _chunks(
     req: ChatCompletionRequest,
     request_id: str,
     created: int,
-    include_usage: bool,
+    prompt_ids: list[int],
+    echo: str,
 ) -> AsyncIterator[str]:
-    def chunk(choice: ChatStreamChoice) -> str:
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    usage = Usage()
+
+    def chunk(choice: ChatStreamChoice, **extra: object) -> str:
         return ChatCompletionChunk(
-            id=request_id, created=created, model=s.model_name, choices=[choice]
+            id=request_id,
+            created=created,
+            model=s.model_name,
+            choices=[choice],
+            usage=usage.info() if continuous else None,
+            **extra,
         ).model_dump_json()
 
     # OpenAI opens every choice with the role before any content.
+    ids = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
     for index in range(req.n):
-        yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
-    usage = Usage()
+        opening = ChatStreamChoice(index=index, delta={"role": "assistant", "content": echo})
+        yield chunk(opening, **ids)
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
@@ -115,6 +148,7 @@ async def _chunks(
                     logprobs=logprobs,
                     finish_reason=out.finish_reason if out.finished else None,
                     stop_reason=out.stop_reason if out.finished else None,
+                    token_ids=out.new_token_ids if req.return_token_ids else None,
                 )
             )
     if include_usage:
@@ -125,7 +159,7 @@ async def _chunks(
 
 def _logprobs(s: Serving, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
-        token = s.token_text(token_id)
+        token = s.prompts.token_text(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
     content = []

@@ -6,147 +6,240 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from engine.request import TokenLogprob
-from server.async_engine import RequestStream
 from server.errors import APIError
+from server.prompts import ClientDisconnected
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from server.serving import (
-    ClientDisconnected,
-    Serving,
-    Usage,
-    disconnected_response,
-)
+from server.request_stream import RequestStream
+from server.serving import ChoiceState, Serving, Usage, disconnected_response, prompt_logprobs_out
+
+
+@dataclass
+class Prompt:
+    """One prompt of the request, as the engine gets it and as echo shows it."""
+
+    token_ids: list[int]
+    echo: str  # "" unless echo
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
-    s.check_model(req.model)
+    s.admit(req.model)
     if req.suffix:
         raise APIError("suffix is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of other than n is not supported.", param="best_of")
+    texts = _prompt_list(req.prompt)
+    # echo with max_tokens 0 scores the prompt only: one token is generated and dropped.
+    score_only = req.echo and req.max_tokens == 0
+    max_tokens = 1 if score_only else req.max_tokens
+    # echo + logprobs: the prompt's tokens come with their logprobs too (scoring).
+    prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
-        raise APIError("echo together with logprobs is not supported.", param="echo")
-    prompts = _prompt_list(req.prompt)
-    params = s.sampling_params(req, req.max_tokens, req.logprobs)
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    params = s.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    truncate = s.truncation(req)
+    prompts_ = s.prompts
 
-    def prepare() -> tuple[list[list[int]], list[str]]:
-        ids = [s.encode(p) if isinstance(p, str) else p for p in prompts]
-        for one in ids:
-            s.check_prompt(one, params, "prompt")
-        if not req.echo:
-            return ids, [""] * len(prompts)
-        return ids, [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
+    def prepare() -> list[Prompt]:
+        out = []
+        for text in texts:
+            if isinstance(text, str):
+                if truncate is None:
+                    prompts_.check_length(text, "prompt")
+                ids = prompts_.encode(text, req.add_special_tokens)
+            else:
+                ids = text
+            ids = s.check_prompt(ids, params, "prompt", truncate)
+            echo = ""
+            if req.echo:
+                keep = isinstance(text, str) and truncate is None
+                echo = text if keep else prompts_.decode(ids)
+            out.append(Prompt(ids, echo))
+        return out
 
     # Token-id prompts need no tokenizer: checking them inline saves the executor's
     # round trip (a thread wake and two GIL hand-offs) per request.
-    needs_tokenizer = req.echo or any(isinstance(p, str) for p in prompts)
-    prompt_ids, echoes = await s.run(prepare) if needs_tokenizer else prepare()
+    text_chars = sum(len(t) for t in texts if isinstance(t, str))
+    if req.echo or text_chars:
+        try:
+            prompts = await prompts_.run(raw, text_chars, prepare)
+        except ClientDisconnected:
+            return disconnected_response()
+    else:
+        prompts = prepare()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = s.async_engine.submit(request_id, prompt_ids, params)
-    # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
-    position = {rid: i for i, rid in enumerate(stream.request_ids)}
-    created = int(time.time())
+    stream = s.async_engine.submit(request_id, [p.token_ids for p in prompts], params)
+    answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _chunks(s, stream, req, request_id, created, position, echoes, include_usage)
-        return s.sse(stream, chunks)
-
+        return s.sse(stream, answer.chunks())
     try:
         states = await s.collect(raw, stream)
     except ClientDisconnected:
         return disconnected_response()
-    usage = Usage()
-    choices = []
-    for (rid, index), state in sorted(
-        states.items(), key=lambda kv: (position[kv[0][0]], kv[0][1])
-    ):
-        echo = echoes[position[rid]]
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            _extend_logprobs(s, logprobs, state.logprobs, len(echo))
-        choices.append(
-            CompletionChoice(
-                index=position[rid] * req.n + index,
-                text=echo + state.text,
-                logprobs=logprobs,
+    return Response(answer.response(states).model_dump_json(), media_type="application/json")
+
+
+class _Answer:
+    """Builds the response, or the stream of chunks, from the engine's outputs."""
+
+    def __init__(
+        self,
+        s: Serving,
+        req: CompletionRequest,
+        request_id: str,
+        stream: RequestStream,
+        prompts: list[Prompt],
+        score_only: bool,
+    ) -> None:
+        self.s, self.req, self.request_id, self.stream = s, req, request_id, stream
+        self.prompts = prompts
+        self.score_only = score_only
+        self.created = int(time.time())
+        # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
+        self.position = {rid: i for i, rid in enumerate(stream.request_ids)}
+
+    def index(self, rid: str, choice: int) -> int:
+        return self.position[rid] * self.req.n + choice
+
+    def response(self, states: dict[tuple[str, int], ChoiceState]) -> CompletionResponse:
+        req, s = self.req, self.s
+        usage = Usage()
+        choices = []
+        for (rid, index), state in sorted(
+            states.items(), key=lambda kv: (self.position[kv[0][0]], kv[0][1])
+        ):
+            prompt = self.prompts[self.position[rid]]
+            if self.score_only:  # the one token generated for it is not the answer
+                state.text, state.token_ids, state.logprobs = "", [], []
+                state.num_output_tokens, state.finish_reason = 0, "length"
+            choice = CompletionChoice(
+                index=self.index(rid, index),
+                text=prompt.echo + state.text,
                 finish_reason=state.finish_reason,
                 stop_reason=state.stop_reason,
             )
-        )
-        usage.record(rid, index, state.num_prompt_tokens, state.num_output_tokens)
-    response = CompletionResponse(
-        id=request_id, created=created, model=s.model_name, choices=choices, usage=usage.info()
-    )
-    return Response(response.model_dump_json(), media_type="application/json")
-
-
-async def _chunks(
-    s: Serving,
-    stream: RequestStream,
-    req: CompletionRequest,
-    request_id: str,
-    created: int,
-    position: dict[str, int],
-    echoes: list[str],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    def chunk(choices: list[CompletionChoice]) -> str:
-        return CompletionResponse(
-            id=request_id, created=created, model=s.model_name, choices=choices
-        ).model_dump_json()
-
-    text_chunk = TextChunks(request_id, created, s.model_name)
-
-    # text_offset runs on across chunks, from the end of the echoed prompt.
-    offsets = {(rid, i): len(echoes[p]) for rid, p in position.items() for i in range(req.n)}
-    for p in position.values():
-        for i in range(req.n):
-            if echoes[p]:
-                yield chunk([CompletionChoice(index=p * req.n + i, text=echoes[p])])
-    usage = Usage()
-    async for outputs in stream:
-        for out in outputs:
-            usage.add(out)
-            key = (out.request_id, out.index)
-            logprobs = None
             if req.logprobs is not None:
-                logprobs = CompletionLogprobs()
-                offsets[key] = _extend_logprobs(s, logprobs, out.new_logprobs or [], offsets[key])
-            if not (out.new_text or out.finished or logprobs and logprobs.tokens):
-                continue  # e.g. a token held back until its UTF-8 character completes
-            if logprobs is None:
-                yield text_chunk(
-                    position[out.request_id] * req.n + out.index,
-                    out.new_text,
-                    out.finish_reason if out.finished else None,
-                    out.stop_reason if out.finished else None,
-                )
-                continue
-            yield chunk(
-                [
-                    CompletionChoice(
-                        index=position[out.request_id] * req.n + out.index,
-                        text=out.new_text,
-                        logprobs=logprobs,
-                        finish_reason=out.finish_reason if out.finished else None,
-                        stop_reason=out.stop_reason if out.finished else None,
-                    )
-                ]
-            )
-    if include_usage:
-        yield CompletionResponse(
-            id=request_id, created=created, model=s.model_name, choices=[], usage=usage.info()
-        ).model_dump_json()
+                choice.logprobs = CompletionLogprobs()
+                offset = 0
+                if req.echo:
+                    offset = _extend_prompt(s, choice.logprobs, prompt, state)
+                _extend_logprobs(s, choice.logprobs, state.logprobs, offset, req.logprobs)
+            self._extras(choice, prompt, state.token_ids, state.prompt_logprobs)
+            choices.append(choice)
+            usage.record(
+                rid, index, state.num_prompt_tokens, state.num_output_tokens,
+                state.num_cached_tokens,
+            )  # fmt: skip
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=s.model_name,
+            choices=choices,
+            usage=usage.info(),
+        )
+
+    def _extras(
+        self,
+        choice: CompletionChoice,
+        prompt: Prompt | None,
+        token_ids: list[int],
+        prompt_logprobs: list[TokenLogprob | None] | None,
+    ) -> None:
+        if self.req.return_token_ids:
+            choice.token_ids = token_ids
+            if prompt is not None:
+                choice.prompt_token_ids = prompt.token_ids
+        if self.req.prompt_logprobs is not None and prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_out(self.s, prompt_logprobs)
+
+    async def chunks(self) -> AsyncIterator[str]:
+        req, s = self.req, self.s
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
+        usage = Usage()
+
+        def chunk(choices: list[CompletionChoice]) -> str:
+            return CompletionResponse(
+                id=self.request_id,
+                created=self.created,
+                model=s.model_name,
+                choices=choices,
+                usage=usage.info() if continuous else None,
+            ).model_dump_json()
+
+        text_chunk = TextChunks(self.request_id, self.created, s.model_name)
+        plain = not (continuous or req.return_token_ids or req.prompt_logprobs is not None)
+        offsets = {
+            (rid, i): len(self.prompts[p].echo) for rid, p in self.position.items()
+            for i in range(req.n)
+        }  # fmt: skip
+        first = {(rid, i) for rid in self.position for i in range(req.n)}
+        # The echoed prompt opens each choice: a chunk of its own, or with logprobs (whose
+        # prompt part comes with the engine's first output) the first output's chunk.
+        pending_echo = set(first) if req.echo and req.logprobs is not None else set()
+        if req.echo and req.logprobs is None:
+            for rid, p in self.position.items():
+                for i in range(req.n):
+                    yield text_chunk(self.index(rid, i), self.prompts[p].echo, None, None)
+        async for outputs in self.stream:
+            for out in outputs:
+                usage.add(out)
+                key = (out.request_id, out.index)
+                prompt = self.prompts[self.position[out.request_id]]
+                text, token_ids = out.new_text, out.new_token_ids
+                if self.score_only:
+                    text, token_ids = "", []
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    if key in pending_echo:
+                        state = ChoiceState(prompt_logprobs=getattr(out, "prompt_logprobs", None))
+                        _extend_prompt(s, logprobs, prompt, state)
+                    if not self.score_only:
+                        offsets[key] = _extend_logprobs(
+                            s, logprobs, out.new_logprobs or [], offsets[key], req.logprobs
+                        )
+                if key in pending_echo:  # the echoed prompt opens the choice's first chunk
+                    pending_echo.discard(key)
+                    text = prompt.echo + text
+                finish = out.finish_reason if out.finished else None
+                if self.score_only and out.finished:
+                    finish = "length"
+                if not (text or out.finished or logprobs and logprobs.tokens):
+                    continue  # e.g. a token held back until its UTF-8 character completes
+                index = self.index(*key)
+                stop = out.stop_reason if out.finished and not self.score_only else None
+                if logprobs is None and plain:
+                    yield text_chunk(index, text, finish, stop)
+                    continue
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                    stop_reason=stop,
+                )  # fmt: skip
+                opening = key in first
+                first.discard(key)
+                plogprobs = getattr(out, "prompt_logprobs", None) if opening else None
+                self._extras(choice, prompt if opening else None, token_ids, plogprobs)
+                yield chunk([choice])
+        if include_usage:
+            yield CompletionResponse(
+                id=self.request_id,
+                created=self.created,
+                model=s.model_name,
+                choices=[],
+                usage=usage.info(),
+            ).model_dump_json()
 
 
 class TextChunks:
@@ -189,15 +282,38 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return prompts
 
 
+def _top(s: Serving, lp: TokenLogprob, num: int) -> dict[str, float]:
+    """The legacy top_logprobs entry: the chosen token, then the `num` most likely.
+    Tokens whose text collides keep the first (most likely) one's logprob."""
+    top = {s.prompts.token_text(lp.token_id): lp.logprob}
+    for token_id, logprob in lp.top[:num]:
+        top.setdefault(s.prompts.token_text(token_id), logprob)
+    return top
+
+
 def _extend_logprobs(
-    s: Serving, into: CompletionLogprobs, logprobs: list[TokenLogprob], offset: int
+    s: Serving, into: CompletionLogprobs, logprobs: list[TokenLogprob], offset: int, num: int
 ) -> int:
     """Append tokens in the legacy format; returns the text offset after them."""
     for lp in logprobs:
-        token = s.token_text(lp.token_id)
+        token = s.prompts.token_text(lp.token_id)
         into.tokens.append(token)
         into.token_logprobs.append(lp.logprob)
-        into.top_logprobs.append({s.token_text(t): v for t, v in lp.top})
+        into.top_logprobs.append(_top(s, lp, num))
+        into.text_offset.append(offset)
+        offset += len(token)
+    return offset
+
+
+def _extend_prompt(s: Serving, into: CompletionLogprobs, prompt: Prompt, state: ChoiceState) -> int:
+    """The echoed prompt's tokens (the first without a logprob); returns the offset after."""
+    offset = 0
+    entries = state.prompt_logprobs or [None] * len(prompt.token_ids)
+    for token_id, lp in zip(prompt.token_ids, entries, strict=False):
+        token = s.prompts.token_text(token_id)
+        into.tokens.append(token)
+        into.token_logprobs.append(None if lp is None else lp.logprob)
+        into.top_logprobs.append(None if lp is None else _top(s, lp, len(lp.top)))
         into.text_offset.append(offset)
         offset += len(token)
     return offset

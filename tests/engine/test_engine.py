@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.checks import out_of_vocab
 from engine.models.loader import ModelLoadError, load_model
-from engine.request import out_of_vocab
 from tests.conftest import is_frozen
 
 
@@ -23,18 +23,18 @@ def llm(tiny_gpt2_dir) -> LLM:
 
 def test_prompt_longer_than_max_model_len_is_rejected_before_work(llm):
     engine = llm.engine
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="maximum context length is 64"):
         llm.generate(["ok", [5] * 64], SamplingParams(max_tokens=1), use_tqdm=False)
     assert not engine.has_unfinished_requests()  # the valid prompt was not started either
 
 
 def test_max_tokens_past_max_model_len_is_rejected(llm):
-    with pytest.raises(ValueError, match=r"plus max_tokens \(60\)"):
+    with pytest.raises(ValueError, match=r"requested 70 tokens \(10 in the prompt, 60"):
         llm.generate([[5] * 10], SamplingParams(max_tokens=60), use_tqdm=False)
 
 
 def test_out_of_vocabulary_prompt_is_rejected(llm):
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="1000000 is out of vocabulary"):
         llm.engine.check_request([10**6], SamplingParams())
 
 

@@ -6,6 +6,7 @@ and enough KV blocks (1024 × 16 tokens) for 64 full-length streams at once.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -15,26 +16,24 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.config import EngineConfig
 from server.app import create_app
 from server.config import ServerConfig
+from server.http_server import draining_server
 
 MAX_MODEL_LEN = 256
 
 
 class LiveServer:
-    def __init__(self, app: Any, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, app: Any, server_config: ServerConfig | None = None) -> None:
         self.app = app
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, log_level="warning", timeout_graceful_shutdown=shutdown_timeout
-        )
-        self.server = uvicorn.Server(config)
+        server_config = server_config or ServerConfig(shutdown_timeout=5.0)
+        self.server = draining_server(app, dataclasses.replace(server_config, log_level="warning"))
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
         )
@@ -84,12 +83,13 @@ def start_server(tiny_gpt2_dir) -> Iterator[Callable[..., LiveServer]]:
     def start(
         engine: dict | None = None, server: dict | None = None, engine_factory: Any = None
     ) -> LiveServer:
+        server_config = ServerConfig(**({"shutdown_timeout": 5.0} | (server or {})))
         app = create_app(
             engine_config(tiny_gpt2_dir, **(engine or {})),
-            ServerConfig(**(server or {})),
+            server_config,
             engine_factory=engine_factory,
         )
-        live = LiveServer(app).start()
+        live = LiveServer(app, server_config).start()
         started.append(live)
         return live
 

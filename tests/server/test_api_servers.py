@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,14 +24,16 @@ import pytest
 
 from clients.connections import Connections
 from engine.config import EngineConfig
-from engine.request import RequestOutput, TokenDeltas
+from engine.request import RequestMetrics, RequestOutput, TokenDeltas, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.api_servers import bind_sockets
 from server.app import build_engine
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.engine_loop import Abort, Add
-from server.engine_process import Clients, spawn_engine
+from server.engine_clients import Clients
+from server.engine_loop import Abort, Add, StepReport
+from server.engine_process import spawn_engine
+from server.engine_wire import EngineInfo, WireReport
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from tests.server.conftest import MAX_MODEL_LEN, engine_config
@@ -68,23 +69,18 @@ def two_clients(owned: list[list[str]]) -> tuple[Clients, list, list]:
     return clients, pipes, credits
 
 
+def step(batch: dict, stats: str, taken_in: int, deltas: TokenDeltas | None = None) -> StepReport:
+    return StepReport(batch, deltas or TokenDeltas(), 1.0, stats, taken_in)
+
+
 def test_clients_route_outputs_count_adds_and_let_go():
     clients, pipes, credits = two_clients([["a"], ["b", "c"]])
     loop = FakeLoop({"a", "b", "c"})
     a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
-    clients.report(loop, {"a": [a1], "b": [b1, b2]}, TokenDeltas(), 1.0, "stats1", ["a", "b", "c"])
-    # Outputs travel as tuples of their fields, in order.
+    clients.report(loop, step({"a": [a1], "b": [b1, b2]}, "stats1", 3))
     # Outputs go to their own client; both hear that the engine took in 3 requests.
-    assert pipes[0][0].recv() == ("report", [astuple(a1)], {}, b"", 1.0, "stats1", 3)
-    assert pipes[1][0].recv() == (
-        "report",
-        [astuple(b1), astuple(b2)],
-        {},
-        b"",
-        1.0,
-        "stats1",
-        3,
-    )
+    assert pipes[0][0].recv() == WireReport([a1], {}, b"", 1.0, "stats1", 3)
+    assert pipes[1][0].recv() == WireReport([b1, b2], {}, b"", 1.0, "stats1", 3)
     assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
     credits[0].value = 1
     assert clients.value == 0  # the engine builds outputs only once both took theirs in
@@ -94,36 +90,46 @@ def test_clients_route_outputs_count_adds_and_let_go():
     # Same stats, news for client 1 only: client 0 hears nothing.
     loop.active.discard("b")  # finished: forgotten after this report
     b3 = output("b", 0, [10], finished=True)
-    clients.report(loop, {"b": [b3]}, TokenDeltas(), 2.0, "stats1", [])
-    assert pipes[1][0].recv() == ("report", [astuple(b3)], {}, b"", 2.0, "stats1", 3)
+    clients.report(loop, step({"b": [b3]}, "stats1", 3))
+    assert pipes[1][0].recv() == WireReport([b3], {}, b"", 1.0, "stats1", 3)
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
     # fails with a 503 for client 1, whose pipe then closes; client 0 carries on.
     assert clients.leave(1) == [Abort("c")]
-    clients.report(loop, {}, TokenDeltas(), 3.0, "stats2", [])
-    _, rows, errors, *_ = pipes[1][0].recv()
-    assert rows == [] and isinstance(errors["c"], APIError) and errors["c"].status == 503
+    clients.report(loop, step({}, "stats2", 3))
+    report = pipes[1][0].recv()
+    assert report.outputs == [] and report.errors["c"].status == 503
     with pytest.raises(EOFError):
         pipes[1][0].recv()
-    assert pipes[0][0].recv() == (
-        "report",
-        [],
-        {},
-        b"",
-        3.0,
-        "stats2",
-        3,
-    )  # new stats reach everyone
+    assert pipes[0][0].recv() == WireReport([], {}, b"", 1.0, "stats2", 3)  # new stats: to all
     assert clients.num_open == 1 and not loop.stopped
     credits[1].value = 0
     assert clients.value == 1  # a client that left holds nothing back
 
     clients.own(0, [Abort("a")])  # aborted by its client: forgotten, never routed again
-    clients.report(loop, {"a": [output("a", 0, [11])]}, TokenDeltas(), 4.0, "stats2", [])
+    clients.report(loop, step({"a": [output("a", 0, [11])]}, "stats2", 3))
     assert clients.leave(0) == []
-    clients.report(loop, {}, TokenDeltas(), 5.0, "stats2", [])
+    clients.report(loop, step({}, "stats2", 3))
     assert loop.stopped  # the last one left
+
+
+def test_outputs_cross_the_pipe_as_rows_without_field_names():
+    """A WireReport pickles its outputs as tuples of their fields: no field names, no
+    per-output reducer; what arrives equals what was sent."""
+    clients, pipes, _ = two_clients([["a"], []])
+    loop = FakeLoop({"a"})
+    logprob = TokenLogprob(17, -0.25, 1, [(17, -0.25), (3, -2.0)])
+    first = RequestOutput(
+        "a", 0, [17, 18], "", [logprob], True, "stop", 18, 9, 2, 4,
+        RequestMetrics(1.0, 2.0, 3.0, 4.0),
+    )  # fmt: skip
+    second = output("a", 1, [5])
+    clients.report(loop, step({"a": [first, second]}, "stats", 1))
+    wire = pipes[0][0].recv_bytes()
+    assert b"new_token_ids" not in wire and b"first_token_time" not in wire
+    report = pickle.loads(wire).step_report()
+    assert report.batch == {"a": [first, second]} and report.taken_in == 1
 
 
 def test_clients_send_token_deltas_to_every_client_once_pickled():
@@ -131,15 +137,14 @@ def test_clients_send_token_deltas_to_every_client_once_pickled():
     skips the ids it does not know), and spend the credit of each."""
     clients, pipes, credits = two_clients([["a"], ["b"]])
     loop = FakeLoop({"a", "b"})
-    clients.report(loop, {}, TokenDeltas(), 1.0, "stats", ["a", "b"])
-    assert [pipes[i][0].recv()[3] for i in range(2)] == [b"", b""]  # new stats, no deltas
+    clients.report(loop, step({}, "stats", 2))
+    assert [pipes[i][0].recv().deltas for i in range(2)] == [b"", b""]  # new stats, no deltas
     assert [c.value for c in credits] == [1, 1]
 
     deltas = TokenDeltas(["a", "b", "b"], [0, 0, 1], [1, 2, 3], [7, 8, 80, 9, 10, 11])
-    clients.report(loop, {}, deltas, 2.0, "stats", [])
+    clients.report(loop, step({}, "stats", 2, deltas))
     for reader, _ in pipes:
-        columns = pickle.loads(reader.recv()[3])
-        assert list(TokenDeltas(*columns).entries()) == [
+        assert list(reader.recv().step_report().deltas.entries()) == [
             ("a", 0, [7]),
             ("b", 0, [8, 80]),
             ("b", 1, [9, 10, 11]),
@@ -161,7 +166,9 @@ def test_metric_rows_sum_across_processes():
         assert m.submitted() == 4
 
 
-def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(monkeypatch):
+def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(
+    monkeypatch, tokenizer
+):
     """Two API processes share the waiting limit. A request the engine has taken in
     is in the stats of the report that says so; until then, in its process's
     submissions. The process that did not send it may hear first: it must not
@@ -174,9 +181,11 @@ def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(mon
     )
     sent: list = []
     a._put = b._put = sent.extend  # no engine: the puts just collect
+    a.info = b.info = EngineInfo("tiny", "", EngineConfig(), len(tokenizer), tokenizer)
 
     def report(api: AsyncEngine, waiting: int, taken_in: int) -> None:
-        api._report({}, TokenDeltas(), 0.0, SimpleNamespace(num_waiting=waiting), taken_in)
+        stats = SimpleNamespace(num_waiting=waiting)
+        api._report(StepReport({}, TokenDeltas(), 0.0, stats, taken_in))
 
     for api in (a, b):
         report(api, 0, 0)  # "ready"
@@ -435,7 +444,9 @@ def test_sigterm_to_the_whole_group_lets_streams_finish(tiny_gpt2_dir, tmp_path)
     sup = Supervisor(tiny_gpt2_dir, tmp_path)
     try:
         sup.wait_ready()
-        body = {"prompt": "Hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        # Short enough to finish in the 5 s grace on a busy machine (past it, the stream
+        # would end with an error event: tests/server/test_shutdown.py).
+        body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{sup.base_url}/v1/completions", json=body, timeout=60) as r:
             events = (line for line in r.iter_lines() if line.startswith("data: "))
             chunks = [next(events)]

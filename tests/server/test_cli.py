@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 import types
 
 import pytest
 
 from server import cli
+from server.http_server import uvicorn_config
 
 
 def test_defaults_match_the_design():
@@ -33,7 +35,8 @@ def test_every_flag_maps_to_its_field():
         "--api-key k --enforce-eager --no-prefill-graphs --no-prefix-caching --no-async-scheduling --seed 7 --nvtx "
         "--allowed-origins http://a http://b --max-waiting-requests 5 "
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
-        "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4"
+        "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4 "
+        "--header-timeout 3 --body-timeout 4 --timeout-keep-alive 6 --max-connections 9"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -63,6 +66,8 @@ def test_every_flag_maps_to_its_field():
     assert (server.shutdown_timeout, server.log_level) == (2.0, "debug")
     assert server.engine_process and server.api_server_count == 3
     assert not server.access_log
+    assert (server.header_timeout, server.body_timeout, server.timeout_keep_alive) == (3, 4, 6)
+    assert server.max_connections == 9
 
 
 def test_the_stats_line_interval_is_a_flag_and_disabling_wins():
@@ -74,10 +79,11 @@ def test_the_stats_line_interval_is_a_flag_and_disabling_wins():
 
 def test_uvicorn_gets_the_server_settings():
     _, server = cli.parse_configs(shlex.split("--port 9002 --shutdown-timeout 3"))
-    config = cli.uvicorn_config(object(), server)
-    assert (config.port, config.timeout_graceful_shutdown, config.access_log) == (9002, 3.0, True)
+    config = uvicorn_config(object(), server)
+    # uvicorn's own deadline comes after ours: streams end with an error event first.
+    assert (config.port, config.timeout_graceful_shutdown, config.access_log) == (9002, 8, True)
     _, quiet = cli.parse_configs(["--disable-uvicorn-access-log"])
-    assert cli.uvicorn_config(object(), quiet).access_log is False
+    assert uvicorn_config(object(), quiet).access_log is False
 
 
 def test_several_api_servers_imply_the_engine_process():
@@ -110,3 +116,22 @@ def test_loadtest_delegates(monkeypatch):
 def test_unknown_command(capsys):
     assert cli.main(["frobnicate"]) == 2
     assert cli.main([]) == 2
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import engine",
+        "from server.cli import main; main(['--help'])",
+        "from server.cli import main; main(['serve', '--help'])",
+    ],
+)
+def test_import_and_help_do_not_load_torch(code):
+    """`import engine`, `pagoda --help` and `pagoda serve --help` need neither torch nor
+    transformers (seconds of imports)."""
+    check = (
+        "import sys; assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"
+    )
+    program = f"import contextlib\nwith contextlib.suppress(SystemExit):\n    {code}\n{check}"
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

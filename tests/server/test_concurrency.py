@@ -104,9 +104,13 @@ async def test_dropped_streams_are_aborted_and_free_their_blocks(live):
 async def test_non_streaming_disconnect_aborts(live):
     aborted = live.metric(ABORTED, default=0)
     body = {"prompt": "Slow one", "max_tokens": 240, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=live.base_url, timeout=0.3) as client:
-        # The client gives up and closes the connection.
-        with contextlib.suppress(httpx.TimeoutException):
-            await client.post("/v1/completions", json=body)
+    async with httpx.AsyncClient(base_url=live.base_url, timeout=60) as client:
+        post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(live.metric, "pagoda:num_requests_running") == 0:
+            assert time.monotonic() < deadline and not post.done()
+        post.cancel()  # the client gives up and closes the connection
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
     assert await asyncio.to_thread(wait_for_idle, live) == (0, 0)
     assert live.metric(ABORTED) == aborted + 1

@@ -7,7 +7,6 @@ import asyncio
 import gc
 import json
 import os
-import pickle
 import signal
 import time
 
@@ -15,12 +14,9 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.request import RequestMetrics, RequestOutput, TokenDeltas, TokenLogprob
-from engine.sampling_params import SamplingParams
 from server.app import create_app
 from server.config import ServerConfig
 from server.engine_loop import Add, EngineLoop
-from server.errors import APIError
 from tests.conftest import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 from tests.server.test_concurrency import (
@@ -72,9 +68,9 @@ async def choice_texts(base_url: str, body: dict) -> dict[int, str]:
     return texts
 
 
-async def test_the_api_process_decodes_what_needs_no_stop_string(proc, live, monkeypatch):
-    # The engine process sends ids only; a stream with stop strings it still decodes
-    # itself, to end it at the right token. Either way the text is the thread engine's.
+async def test_the_api_process_decodes_and_matches_stop_strings(proc, live, monkeypatch):
+    # The engine process sends ids only, stop strings or not: the text is the thread
+    # engine's.
     backend = proc.app.state.async_engine._backend
     sent: list = []
     put = backend.put
@@ -91,7 +87,7 @@ async def test_the_api_process_decodes_what_needs_no_stop_string(proc, live, mon
         plain = completion(proc.base_url, body | {"stream": False}).json()["choices"]
         assert {c["index"]: c["text"] for c in plain} == texts
     adds = [item for item in sent if isinstance(item, Add)]
-    assert [add.params.detokenize for add in adds] == [False, False, True, True]
+    assert [(add.params.detokenize, add.params.stop) for add in adds] == [(False, [])] * 4
 
 
 def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
@@ -154,7 +150,7 @@ class StubEngine:
 def test_the_engine_loop_keeps_the_collector_off_what_its_factory_built():
     # The engine process's first act (_child_main) is EngineLoop.build().
     gc.unfreeze()
-    loop = EngineLoop(EngineConfig(), lambda config: StubEngine(), lambda *report: None)
+    loop = EngineLoop(EngineConfig(), lambda config: StubEngine(), lambda report: None)
     assert is_frozen(loop.build())
 
 
@@ -163,39 +159,10 @@ def test_the_api_process_keeps_the_collector_off_its_startup_heap(tiny_gpt2_dir)
     app = create_app(engine_config(tiny_gpt2_dir), ServerConfig(engine_process=True))
     server = LiveServer(app).start()
     try:
-        assert is_frozen(app.state.async_engine.engine.tokenizer)  # loaded after the engine
+        assert is_frozen(app.state.async_engine.info.tokenizer)  # loaded after the engine
         assert is_frozen(app.state.serving)
     finally:
         server.stop()
-
-
-def test_outputs_cross_the_pipe_unchanged_and_without_field_names():
-    import multiprocessing
-
-    from server.engine_process import Clients, unpack_batch
-
-    class Loop:
-        active = {"cmpl-1": 2, "cmpl-2": 1}
-
-    logprob = TokenLogprob(17, -0.25, 1, [(17, -0.25), (3, -2.0)])
-    first = RequestOutput(
-        "cmpl-1", 0, [17, 18], "ab", [logprob], True, "stop", 18, 9, 2, 4,
-        RequestMetrics(1.0, 2.0, 3.0, 4.0),
-    )  # fmt: skip
-    second = RequestOutput("cmpl-1", 1, [5], "", None, False, None, None, 9, 1, 0, None)
-    other = RequestOutput("cmpl-2", 0, [6], "c", None, False, None, None, 3, 7, 0, None)
-    batch = {"cmpl-1": [first, second], "cmpl-2": [other], "cmpl-3": APIError("boom", 500)}
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    clients = Clients([writer], [multiprocessing.RawValue("b", 1)])
-    clients.own(0, [Add(rid, [1], SamplingParams(), 0.0) for rid in batch])
-    clients.report(Loop(), batch, TokenDeltas(), 1.0, None, [])
-    wire = reader.recv_bytes()
-    _, rows, errors, *_ = pickle.loads(wire)
-    got = unpack_batch(rows, errors)
-    error = got.pop("cmpl-3")
-    assert (error.message, error.status) == ("boom", 500)
-    assert got == {"cmpl-1": [first, second], "cmpl-2": [other]}
-    assert b"new_token_ids" not in wire and b"first_token_time" not in wire
 
 
 async def test_a_stream_interval_sends_the_same_text_in_fewer_chunks(start_server, live):

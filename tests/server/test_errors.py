@@ -133,6 +133,20 @@ CASES = [
         400,
         "max_tokens",
     ),
+    (
+        "chat min_tokens past max_model_len",
+        "/v1/chat/completions",
+        CHAT | {"min_tokens": 10**4},
+        400,
+        "min_tokens",
+    ),
+    (
+        "prompt_logprobs too many",
+        "/v1/completions",
+        {"prompt": "x", "prompt_logprobs": 21},
+        400,
+        "prompt_logprobs",
+    ),
     ("tokenize neither", "/tokenize", {}, 400, "prompt"),
     ("detokenize oov", "/detokenize", {"tokens": [99999]}, 400, "tokens"),
 ]

@@ -123,7 +123,10 @@ def test_completion_logprobs(oai, model_name):
     out = oai.completions.create(model=model_name, prompt="Hello", max_tokens=4, logprobs=3)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
-    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    # vLLM's legacy format: the sampled token's entry, then the 3 most likely.
+    assert all(len(top) <= 4 for top in lp.top_logprobs)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     assert all(v <= 0 for v in lp.token_logprobs)
 

@@ -1,0 +1,184 @@
+"""Prompts: text and chat messages into token ids, off the event loop.
+
+Two tokenizer lanes, each one worker thread with a tokenizer copy of its own
+(one HF fast tokenizer raises "Already borrowed" when two threads encode with
+it at once): prompts up to LARGE_PROMPT_CHARS go to the small lane, longer
+ones to the large, so that a huge prompt never holds up everyone else's. A
+prompt that has more characters than max_model_len tokens could ever hold is
+rejected before any tokenizing; and work for a client that has gone away is
+dropped, if it has not started yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+
+from server.errors import APIError
+from server.protocol import ChatMessage, ChatTemplateOptions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger("pagoda.server")
+T = TypeVar("T")
+LARGE_PROMPT_CHARS = 32_768
+# Template variables a request's chat_template_kwargs may not set: they are the call's own.
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "return_dict", "return_tensors", "tokenizer_kwargs", "tools", "documents",
+}  # fmt: skip
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready."""
+
+
+class Prompts:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._local = threading.local()  # each lane's worker: its own tokenizer copy
+        self._lanes = [
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"pagoda-tokenizer-{name}",
+                initializer=self._set_tokenizer,
+                initargs=(copy.deepcopy(tokenizer),),
+            )
+            for name in ("small", "large")
+        ]
+        vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        # The most characters one token can cover. A normalizer may drop characters
+        # (whitespace, accents): the bound leaves a factor of 4 for that.
+        self._max_chars = 4 * max(len(t or "") for t in vocab) * max_model_len
+        self._token_text: dict[int, str] = {}
+
+    def _set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._local.tokenizer = tokenizer
+
+    @property
+    def _tokenizer(self) -> PreTrainedTokenizerBase:
+        return getattr(self._local, "tokenizer", self.tokenizer)
+
+    def close(self) -> None:
+        for lane in self._lanes:
+            lane.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, raw: Request | None, num_chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on a tokenizer lane; ClientDisconnected if the client leaves first
+        (the work is then skipped unless it has begun)."""
+        lane = self._lanes[num_chars > LARGE_PROMPT_CHARS]
+        dropped = threading.Event()
+
+        def job() -> T:
+            if dropped.is_set():
+                raise ClientDisconnected
+            return fn(*args)
+
+        future = asyncio.get_running_loop().run_in_executor(lane, job)
+        if raw is None:
+            return await future
+        watch = asyncio.ensure_future(wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({future, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not future.done():
+            dropped.set()
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
+            raise ClientDisconnected
+        return future.result()
+
+    # ------------------------------------------------------------ on a lane
+
+    def check_length(self, text: str, param: str) -> None:
+        """Reject text that cannot fit the context however it tokenizes, cheaply."""
+        if len(text) > self._max_chars:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and "
+                f"the {param} has {len(text)} characters: more than it can hold.",
+                param=param,
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def render_chat(self, messages: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:
+        conversation = [template_message(m) for m in messages]
+        tokenizer = self._tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(
+                "This model has no chat template; use /v1/completions.", param="messages"
+            )
+        if options.continue_final_message and options.add_generation_prompt:
+            raise APIError(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                param="continue_final_message",
+            )
+        extra = options.chat_template_kwargs or {}
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}.",
+                param="chat_template_kwargs",
+            )
+        self.check_length("".join(m["content"] for m in conversation), "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=False,
+                **extra,
+            )
+        except Exception as exc:
+            from jinja2 import TemplateError
+
+            # The template's own raise_exception(...) speaks to the user; anything else
+            # is ours, and its text stays in the log.
+            why = f": {exc}" if isinstance(exc, TemplateError) else ""
+            if not why:
+                logger.exception("the chat template failed")
+            raise APIError(
+                f"The chat template rejected the messages{why}", param="messages"
+            ) from exc
+        # The template already wrote any BOS it wants.
+        return self.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------ on the loop
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+async def wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def template_message(message: ChatMessage) -> dict[str, str]:
+    if isinstance(message.content, list):
+        if any(part.type != "text" for part in message.content):
+            raise APIError("Only text content parts are supported.", param="messages")
+        content = "".join(part.text or "" for part in message.content)
+    else:
+        content = message.content or ""
+    role = "system" if message.role == "developer" else message.role  # templates know "system"
+    out = {"role": role, "content": content}
+    if message.name:
+        out["name"] = message.name
+    return out

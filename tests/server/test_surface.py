@@ -1,0 +1,224 @@
+"""The vLLM/OpenAI request surface beyond the basics: strict types, nulls, fields Pagoda
+lacks, chat template options, token ids, usage details, small endpoints, the schema."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+STRICT = [
+    # (path, body, param): a value of the wrong type is a 400, never coerced
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, "temperature"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    ("/v1/chat/completions", CHAT | {"n": 1.5}, "n"),
+    ("/detokenize", {"tokens": [True, False]}, "tokens"),
+    ("/detokenize", {"tokens": [1.0]}, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", STRICT)
+def test_types_are_strict(client, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_null_means_the_default(client):
+    nulls = dict.fromkeys(["n", "stream", "temperature", "top_p", "stop", "logprobs", "echo"])
+    nulls |= dict.fromkeys(["seed", "user", "ignore_eos", "min_tokens", "stream_options"])
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2} | nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = client.post("/v1/chat/completions", json=CHAT | {"logprobs": None, "n": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field", ["use_beam_search", "guided_json", "allowed_token_ids"])
+def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
+    value = True if field == "use_beam_search" else [1] if field == "allowed_token_ids" else {}
+    r = client.post("/v1/completions", json={"prompt": "x", field: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    # Off or null is no request for it.
+    off = False if field == "use_beam_search" else None
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, field: off})
+    assert r.status_code == 200
+
+
+def test_logit_bias_error_names_the_bad_keys(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"12": 1, "abc": 2}})
+    assert r.status_code == 400
+    assert "'abc'" in r.json()["error"]["message"] and "'12'" not in r.json()["error"]["message"]
+
+
+def test_logprobs_zero_returns_the_sampled_tokens_entry(client):
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 0, "temperature": 0}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3
+    assert [list(top) for top in lp["top_logprobs"]] == [[t] for t in lp["tokens"]]
+    chat = client.post("/v1/chat/completions", json=CHAT | {"logprobs": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(c["top_logprobs"] == [] for c in content)
+
+
+def test_cached_tokens_count_prefix_cache_hits(client):
+    prompt = list(range(10, 60))  # 50 tokens: three full blocks of 16
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+    again = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+
+def tokenize(client, **body) -> list[int]:
+    r = client.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_chat_template_options(client, tokenizer):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}]
+    opened = tokenize(client, messages=messages)
+    closed = tokenize(client, messages=messages, add_generation_prompt=False)
+    cont = tokenize(
+        client, messages=messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tokenizer.decode(opened).endswith("<|assistant|>\n")
+    assert tokenizer.decode(closed).endswith("Once\n")
+    assert tokenizer.decode(cont).endswith("Once")  # left open for the model to go on
+    assert tokenize(client, messages=messages, chat_template_kwargs={"today": "x"}) == opened
+    both = {"messages": messages, "continue_final_message": True}
+    assert client.post("/tokenize", json=both).status_code == 400
+    reserved = {"messages": messages, "chat_template_kwargs": {"tokenize": True}}
+    r = client.post("/tokenize", json=reserved)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_opens_the_answer_with_the_open_message(client, stream):
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "echo": True,
+        "max_tokens": 3,
+        "stream": stream,
+    }
+    if not stream:
+        content = client.post("/v1/chat/completions", json=body).json()
+        content = content["choices"][0]["message"]["content"]
+    else:
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert content.startswith("Once") and len(content) > len("Once")
+
+
+def test_tokenize_returns_token_strings(client, tokenizer):
+    r = client.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    assert "token_strs" not in client.post("/tokenize", json={"prompt": "Hello"}).json()
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client):
+    body = {"prompt": "Hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"] is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 5
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
+    prompt = list(range(1, 301))  # longer than the context
+    body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 10}
+    body["return_token_ids"] = True
+    r = client.post("/v1/completions", json=body).json()
+    assert r["usage"]["prompt_tokens"] == 10
+    assert r["choices"][0]["prompt_token_ids"] == prompt[-10:]
+    long_text = {"prompt": "hello " * 400, "max_tokens": 1, "truncate_prompt_tokens": -1}
+    assert client.post("/v1/completions", json=long_text).status_code == 400  # no room left
+    too_many = {"prompt": "x", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}
+    r = client.post("/v1/completions", json=too_many)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_return_token_ids(client, tokenizer):
+    body = {"prompt": "Hello", "max_tokens": 4, "return_token_ids": True, "temperature": 0}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == tokenizer.encode("Hello")
+    assert len(choice["token_ids"]) == 4 and tokenizer.decode(choice["token_ids"]) == choice["text"]
+    chat = client.post("/v1/chat/completions", json=CHAT | {"return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 3
+    with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tokenizer.encode("Hello")
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+
+
+def test_echo_with_max_tokens_zero_returns_the_prompt(client):
+    body = {"prompt": "Hello there", "max_tokens": 0, "echo": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == "Hello there" and choice["finish_reason"] == "length"
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400  # nothing to return without echo
+
+
+def test_request_id_is_echoed_or_made(client):
+    r = client.get("/v1/models", headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    made = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert len(made.headers["x-request-id"]) == 32
+    bad = client.post("/v1/completions", json={"prompt": ""}, headers={"X-Request-Id": "a b"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] != "a b"
+
+
+def test_probe_endpoints(client, tokenizer):
+    assert client.head("/health").status_code == 200
+    assert client.head("/metrics").status_code == 200
+    assert client.get("/ping").json() == {"status": "ok"}
+    assert client.post("/ping").status_code == 200
+    assert client.get("/version").json()["version"]
+    info = client.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["model_max_length"] == MAX_MODEL_LEN and "<|assistant|>" in info["chat_template"]
+
+
+def test_vllm_metric_families(client):
+    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2})
+    text = client.get("/metrics").text
+    for family in (
+        "iteration_tokens_total", "request_prompt_tokens", "request_generation_tokens",
+        "request_params_n", "request_params_max_tokens", "request_inference_time_seconds",
+        "request_prefill_time_seconds", "request_decode_time_seconds",
+    ):  # fmt: skip
+        assert f"pagoda:{family}_count" in text, family
+    assert 'pagoda:cache_config_info{block_size="16"' in text
+    assert 'pagoda:request_params_n_bucket{le="2"}' in text
+
+
+def test_openapi_documents_the_real_errors(client):
+    schema = client.get("/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    completions = schema["paths"]["/v1/completions"]["post"]["responses"]
+    for status in ("400", "401", "404", "413", "503"):
+        ref = completions[status]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    assert "text/event-stream" in completions["200"]["content"]
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+def test_responses_are_what_the_schema_says(live):
+    """The error body a 404 route gets is the documented one."""
+    r = httpx.get(f"{live.base_url}/nowhere")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
