@@ -49,7 +49,7 @@ def describe(engine: Any, model_name: str, server_config: ServerConfig) -> Dashb
     """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
     from engine.models.loader import checkpoint_dtype, load_config
 
-    config: EngineConfig = engine.config  # `engine`: the Engine, or its EngineInfo
+    config: EngineConfig = engine.config  # `engine`: the EngineInfo
     dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
     return DashboardInfo(
         model=model_name,
@@ -88,7 +88,7 @@ def add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
             state = request.app.state
             described.append(
                 await asyncio.to_thread(
-                    describe, state.async_engine.engine, state.serving.model_name, server_config
+                    describe, state.async_engine.info, state.serving.model_name, server_config
                 )
             )
         info = replace(described[0], uptime_s=time.monotonic() - started)
