@@ -10,6 +10,7 @@ own, and a decode opens at most one block per sequence.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.staging import Fence, WaitClock
@@ -35,12 +36,12 @@ class BlockTable:
         )
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
         self.flat = self.np.reshape(-1)  # a view
-        self.num_blocks = [0] * max_num_seqs  # valid entries per row (a list: read per row)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
         self.changed: list[int] = []  # flat indices of the entries written since the last send
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
-        have = self.num_blocks[slot]
+        have = self.num_blocks.item(slot)
         if len(block_ids) <= have:
             return
         if self.sent is not None:
@@ -53,6 +54,15 @@ class BlockTable:
             self.np[slot, have : len(block_ids)] = block_ids[have:]
             self.changed += range(at + have, at + len(block_ids))
         self.num_blocks[slot] = len(block_ids)
+
+    def append_one(self, slots: np.ndarray, blocks: list[int]) -> None:
+        """Row slots[i] gains blocks[i]: the decodes of a step that open a block each."""
+        if self.sent is not None:
+            self.sent.wait()
+        at = slots * self.width + self.num_blocks[slots]
+        self.flat[at] = blocks
+        self.num_blocks[slots] += 1
+        self.changed += at.tolist()
 
     def clear_row(self, slot: int) -> None:
         # Stale entries are harmless: context lengths bound every read.

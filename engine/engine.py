@@ -286,10 +286,6 @@ class Engine:
         stops, and the news of streamed requests."""
         batch = self.batch
         by_slot = batch.requests
-        watched: list[Request] = []
-        if batch.num_streaming:
-            rows = batch.streams[got.slots]
-            watched = [by_slot[s] for s in got.slots[rows].tolist()]
         if got.first is not None:
             now = time.time()
             for slot in got.slots[got.first].tolist():
@@ -302,12 +298,12 @@ class Engine:
                 got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
             ):
                 self._check_token_stop(by_slot[slot], token_id)
-        if not watched:
+        if not got.streamed:
             return
         interval = self.config.stream_interval
         news = self.news
         finished = RequestStatus.FINISHED
-        for req in watched:
+        for req in got.streamed:
             if req.status is finished:
                 continue  # its news is noted already
             params = req.params
@@ -317,7 +313,7 @@ class Engine:
                     continue
             # Streamed: every `interval` tokens, the first at once.
             emitted = req.num_emitted_tokens
-            if interval == 1 or not emitted or req.num_output_tokens - emitted >= interval:
+            if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
                 news[req] = None
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:

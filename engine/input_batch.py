@@ -33,6 +33,7 @@ class ReadTokens:
     token_ids: np.ndarray  # [k] their new ids
     done: np.ndarray | None  # [k] bool: a stop id (past min_tokens) or the length limit
     first: np.ndarray | None  # [k] bool: the request's first output token
+    streamed: list[Request]  # the live rows' streamed requests (their ids are news)
 
 
 @dataclass
@@ -121,8 +122,8 @@ class InputBatch:
         self.argmax_only[slot] = params.argmax_only
         self.needs_sync[slot] = params.needs_sync
         self.num_needs_sync += params.needs_sync
-        self.streams[slot] = streams = not params.final_only or bool(params.stop)
-        self.num_streaming += streams
+        self.streams[slot] = req.streamed
+        self.num_streaming += req.streamed
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p
@@ -188,8 +189,18 @@ class InputBatch:
             stop = (self.stop_ids[slots] == token_ids[:, None]).any(1)
             stop &= position - counts[PROMPT] >= counts[MIN_TOKENS]
             done |= stop
+        streamed: list[Request] = []
+        if self.num_streaming:  # their own lists get the ids too: cut into outputs
+            rows = self.streams[slots]
+            streamed = [self.requests[s] for s in slots[rows].tolist()]
+            for req, token_id in zip(streamed, token_ids[rows].tolist()):
+                req.output_ids.append(token_id)
         return ReadTokens(
-            slots, token_ids, done if done.any() else None, first if first.any() else None
+            slots,
+            token_ids,
+            done if done.any() else None,
+            first if first.any() else None,
+            streamed,
         )
 
     # -- reads for one request -------------------------------------------------

@@ -106,22 +106,22 @@ class BlockManager:
             self.grow([req], [needed])
         return True
 
-    def grow(self, reqs: list[Request], num_blocks: list[int]) -> bool:
-        """Append num_blocks[i] fresh blocks to reqs[i]'s, for all of them or, when
-        too few are free, for none (False)."""
+    def grow(self, reqs: list[Request], num_blocks: list[int]) -> list[int] | None:
+        """Append num_blocks[i] fresh blocks to reqs[i]'s, for all of them (returns the
+        blocks, in order) or, when too few are free, for none (None)."""
         total = sum(num_blocks)
         if total > self.num_free_blocks:
-            return False
+            return None
         fresh = self._take_free(total)
         if total == len(reqs):  # one each: decodes opening their next block
             for req, block in zip(reqs, fresh):
                 req.block_ids.append(block)
-            return True
+            return fresh
         at = 0
         for req, n in zip(reqs, num_blocks):
             req.block_ids += fresh[at : at + n]
             at += n
-        return True
+        return fresh
 
     def _take_free(self, count: int) -> list[int]:
         """The next `count` free blocks, held once and no longer findable by hash."""

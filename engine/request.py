@@ -111,7 +111,10 @@ class Request:
 
     While it runs it owns a row of the InputBatch (engine/input_batch.py), which
     holds its token ids and counts: the properties below read them from there,
-    and `detach` brings them back when it leaves (finished or preempted)."""
+    and `detach` brings them back when it leaves (finished or preempted). A
+    streamed request's generated ids are news every step, so the engine also
+    appends them to its own list as they are read (`streamed`): its outputs are
+    cut from that list."""
 
     def __init__(
         self,
@@ -135,7 +138,10 @@ class Request:
         self.status = RequestStatus.WAITING
         # Off the batch: generated ids, tokens whose KV is computed (the prefix cache's
         # hits before admission), ids sampled on the device and not read yet.
-        self._output_ids: list[int] = []
+        # Generated ids, off the batch; a streamed request's also while it runs.
+        self.output_ids: list[int] = []
+        # Looked at one by one as its ids are read: streamed, or stop strings to match.
+        self.streamed = not params.final_only or bool(params.stop)
         self._num_computed = 0
         self._num_inflight = 0
         self.batch: InputBatch | None = None  # while running
@@ -161,14 +167,14 @@ class Request:
         self.batch, self.slot = batch, slot
 
     def detach(self, output_ids: list[int], num_computed: int, num_inflight: int) -> None:
-        self._output_ids = output_ids
+        self.output_ids = output_ids
         self._num_computed = num_computed
         self._num_inflight = num_inflight
         self.batch, self.slot = None, -1
 
     def receive_departed(self, token_id: int) -> None:
         """An id sampled before it was preempted, read since."""
-        self._output_ids.append(token_id)
+        self.output_ids.append(token_id)
         self._num_inflight -= 1
 
     # -- token state, wherever it lives ----------------------------------------
@@ -205,7 +211,7 @@ class Request:
         """Tokens whose ids the host knows, prompt included."""
         if self.batch is not None:
             return self.batch.num_known.item(self.slot)
-        return len(self.prompt_token_ids) + len(self._output_ids)
+        return len(self.prompt_token_ids) + len(self.output_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -218,9 +224,9 @@ class Request:
 
     def output_ids_from(self, start: int) -> list[int]:
         """Generated ids from the start-th on."""
-        if self.batch is not None:
+        if self.batch is not None and not self.streamed:
             return self.batch.token_slice(self.slot, len(self.prompt_token_ids) + start)
-        return self._output_ids[start:]
+        return self.output_ids[start:]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -230,13 +236,13 @@ class Request:
         """Known ids at positions [start, end), prompt included."""
         if self.batch is not None:
             return self.batch.token_slice(self.slot, start, end)
-        return (self.prompt_token_ids + self._output_ids)[start:end]
+        return (self.prompt_token_ids + self.output_ids)[start:end]
 
     @property
     def all_token_ids(self) -> list[int]:
         if self.batch is not None:
             return self.batch.token_slice(self.slot, 0)
-        return self.prompt_token_ids + self._output_ids
+        return self.prompt_token_ids + self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:

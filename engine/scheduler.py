@@ -162,10 +162,15 @@ class Scheduler:
         bs = self.blocks.block_size
         ends = counts[COMPUTED, rows] + num_new[rows]
         need = (ends + bs - 1) // bs - counts[CAPACITY, rows] // bs
-        if self.blocks.grow(reqs, need.tolist()):  # the usual case: blocks for everyone
-            for req in reqs:
-                self.block_table.update_row(req.slot, req.block_ids)
-            self.batch.capacity[self.batch.slots[rows]] += need * bs
+        fresh = self.blocks.grow(reqs, need.tolist())
+        if fresh is not None:  # the usual case: blocks for everyone
+            slots = self.batch.slots[rows]
+            if len(fresh) == len(reqs):  # one each: decodes opening their next block
+                self.block_table.append_one(slots, fresh)
+            else:
+                for req in reqs:
+                    self.block_table.update_row(req.slot, req.block_ids)
+            self.batch.capacity[slots] += need * bs
             return len(running)
         for i, req in zip(rows, reqs):
             if req.status is not RequestStatus.RUNNING:

@@ -199,7 +199,7 @@ def test_only_requests_that_gained_blocks_are_grown():
     sched.add(req("b", 4))
     run_step(sched)  # both admitted: both rows start fresh
     table = sched.block_table
-    assert table.num_blocks[:2] == [1, 1]
+    assert table.num_blocks[:2].tolist() == [1, 1]
     grown = []
     for _ in range(5):
         before = np.array(table.num_blocks[:2])
