@@ -50,7 +50,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.is_decode_only = self.num_tokens == len(self.slots)
+        # One token each, and each samples: a one-token prefill chunk that stops short
+        # of its prompt's end (a budget's last token) is no decode.
+        self.is_decode_only = self.num_tokens == len(self.slots) and bool(self.samples.all())
         # The rows that sample, in batch order: where their ids land in the step's output.
         self.sampling_slots = self.slots if self.is_decode_only else self.slots[self.samples]
 
