@@ -197,7 +197,9 @@ class Scheduler:
                 break  # preempted with a token in flight: recompute once its id is known
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 break  # FIFO: nothing overtakes a request held for its sibling
-            cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # Prompt logprobs need the logits at every prompt position: no cache hits.
+            fresh = req.num_computed_tokens == 0 and not req.scores_prompt
+            cached = self.blocks.find_cached_prefix(req) if fresh else []
             num_computed = len(cached) * self.blocks.block_size
             todo = min(req.num_tokens - num_computed, budget)
             if not self.blocks.allocate(req, todo, cached):
