@@ -60,7 +60,9 @@ def check(entries: list[TokenLogprob | None] | None, prompt: list[int], ref: tor
 
 
 def scoring(max_tokens: int = 4, k: int = K) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=k)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=k
+    )
 
 
 def greedy(max_tokens: int = 4) -> SamplingParams:
