@@ -46,17 +46,23 @@ def reference(hf_model, prompt: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(-1)
 
 
-def check(entries: list[TokenLogprob | None] | None, prompt: list[int], ref: torch.Tensor, k=K):
+def check(
+    entries: list[TokenLogprob | None] | None,
+    prompt: list[int],
+    ref: torch.Tensor,
+    k: int = K,
+    atol: float = ATOL,
+) -> None:
     assert entries is not None and len(entries) == len(prompt)
     assert entries[0] is None
     for i in range(1, len(prompt)):
         entry, row = entries[i], ref[i - 1]
         assert entry.token_id == prompt[i]
-        assert entry.logprob == pytest.approx(row[prompt[i]].item(), abs=ATOL)
+        assert entry.logprob == pytest.approx(row[prompt[i]].item(), abs=atol)
         assert entry.rank == int((row > row[prompt[i]]).sum()) + 1
         best = row.topk(k)
         assert [t for t, _ in entry.top] == best.indices.tolist()
-        assert [lp for _, lp in entry.top] == pytest.approx(best.values.tolist(), abs=ATOL)
+        assert [lp for _, lp in entry.top] == pytest.approx(best.values.tolist(), abs=atol)
 
 
 def scoring(max_tokens: int = 4, k: int = K) -> SamplingParams:
