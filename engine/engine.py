@@ -36,6 +36,7 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
+from engine.prompt_logprobs import PromptScores
 from engine.request import (
     Request,
     RequestOutput,
@@ -210,6 +211,8 @@ class Engine:
         if out:
             with self._range("forward"):
                 logits = self.runner.execute(out)  # the sampling rows only
+            if self.runner.prompt_scores is not None:  # before any first output is built
+                self._keep_prompt_logprobs(self.runner.prompt_scores)
             sampling = out.sampling_slots
             sync = not self.config.async_scheduling or (
                 self.batch.num_needs_sync > 0 and self.batch.needs_sync[sampling].any()
@@ -280,6 +283,14 @@ class Engine:
             req = batch.requests[slot]
             if logprob is not None and req is not None and batch.generation[slot] == gen:
                 req.pending_logprobs.append(logprob)
+
+    def _keep_prompt_logprobs(self, scores: PromptScores) -> None:
+        batch = self.batch
+        for slot, first, entries in scores:
+            req = batch.requests[slot]
+            req.add_prompt_logprobs(first, entries)
+            if not req.scores_prompt:
+                batch.prompt_scored(slot)
 
     def _apply(self, got: ReadTokens) -> None:
         """The read ids' consequences, for the few rows that have any: first tokens,
@@ -378,6 +389,7 @@ class Engine:
             num_output,
             req.num_cached_tokens,
             req.metrics if emitted == 0 or finished else None,
+            req.prompt_logprobs if emitted == 0 else None,
         )
 
 

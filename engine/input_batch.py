@@ -71,6 +71,10 @@ class InputBatch:
         self.argmax_only = np.zeros(n, dtype=bool)  # greedy with nothing to apply
         self.needs_sync = np.zeros(n, dtype=bool)  # ids read on the host before sampling
         self.num_needs_sync = 0
+        # Its prefill scores the prompt (prompt logprobs not all computed): see
+        # engine/prompt_logprobs.py.
+        self.scores_prompt = np.zeros(n, dtype=bool)
+        self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         self.temperature = np.ones(n, dtype=np.float32)
@@ -122,6 +126,8 @@ class InputBatch:
         self.argmax_only[slot] = params.argmax_only
         self.needs_sync[slot] = params.needs_sync
         self.num_needs_sync += params.needs_sync
+        self.scores_prompt[slot] = scores = req.scores_prompt
+        self.num_scoring += scores
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
@@ -151,11 +157,17 @@ class InputBatch:
         stops = self.stop_ids[slot]
         self.stop_count[stops[stops >= 0]] -= 1
         self.num_streaming -= bool(self.streams[slot])
+        self.prompt_scored(slot)
         self.num_needs_sync -= bool(self.needs_sync[slot])
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None
         self.free_slots.append(slot)
+
+    def prompt_scored(self, slot: int) -> None:
+        """The row's prompt logprobs are all computed (or it left)."""
+        self.num_scoring -= bool(self.scores_prompt[slot])
+        self.scores_prompt[slot] = False
 
     # -- the step's counts ----------------------------------------------------
 

@@ -32,6 +32,8 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, its logprob (the first: None).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 Prompt = str | list[int]
@@ -85,6 +87,8 @@ class LLM:
                     if out.new_logprobs is not None:
                         choice.logprobs = (choice.logprobs or []) + out.new_logprobs
                     result.num_cached_tokens = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         choice.finish_reason, choice.stop_reason = (
                             out.finish_reason,

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CudaGraphs
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, WaitClock
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self.slot_rows = np.zeros(seqs, dtype=np.int64)
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
+        self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
         # Steps by how they ran, read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
         self.graphs = CudaGraphs(self)
@@ -153,7 +155,8 @@ class ModelRunner:
         inner = getattr(hf, "intermediate_size", None) or 4 * hidden
         tokens = self.config.max_num_batched_tokens
         activations = tokens * (4 * hidden + 3 * inner) * self.dtype.itemsize
-        logits = self.max_num_seqs * hf.vocab_size * 4 * 4  # fp32 logits and sampler temporaries
+        # fp32 logits and sampler (or prompt-logprob) temporaries.
+        logits = max(self.max_num_seqs, SCORE_ROWS) * hf.vocab_size * 4 * 4
         return int(2 * (activations + logits)) + (512 << 20)
 
     def _allocate_kv_cache(self) -> None:
@@ -287,20 +290,31 @@ class ModelRunner:
         After a graph, `argmax` holds their argmax ids on the device (None after an
         eager step); `argmax_on_host` says whether the graph copied them to the host
         too (a decode graph does). A graph replay runs no torch op, so only the other
-        paths enter inference mode."""
+        paths enter inference mode.
+
+        `prompt_scores` holds the prompt logprobs of the step's sequences that score
+        their prompts (engine/prompt_logprobs.py), read back to the host; None when
+        none does. A decode step has none: a scoring prefill chunk samples nothing
+        unless it reaches the prompt's end."""
         max_query_len = self.fill(out)
         self.argmax = None
         self.argmax_on_host = False
+        self.prompt_scores = None
         num_seqs, num_tokens = out.num_seqs, out.num_tokens
         if out.is_decode_only and self.graphs.fits_decode(num_seqs):
             return self.graphs.replay_decode(num_seqs)
         num_sampling = int(out.samples.sum())
+        scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         with torch.inference_mode():
-            if self.graphs.fits_prefill(num_tokens):  # prefill tokens (decodes took a graph)
+            if scoring is None and self.graphs.fits_prefill(num_tokens):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             self.steps_by_path["eager"] += 1
-            return self.forward(inp)
+            if scoring is None:
+                return self.forward(inp)
+            hidden = self.hidden_states(inp)  # [num_tokens, hidden_size]
+            self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
+            return self.model.compute_logits(hidden[inp.logits_indices])
 
     def _meta(self, inp: ModelInput) -> AttentionMetadata:
         return AttentionMetadata(
@@ -313,9 +327,12 @@ class ModelRunner:
             is_decode=inp.is_decode,
         )
 
-    def forward(self, inp: ModelInput) -> torch.Tensor:
+    def hidden_states(self, inp: ModelInput) -> torch.Tensor:
         input_ids = self.staged.words[inp.input_gather]  # in a graph: gathered every replay
-        hidden = self.model(input_ids, inp.positions, self._meta(inp))
+        return self.model(input_ids, inp.positions, self._meta(inp))
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        hidden = self.hidden_states(inp)
         if not inp.is_decode:  # a decode's rows are its sequences already
             hidden = hidden[inp.logits_indices]
         return self.model.compute_logits(hidden)

@@ -58,6 +58,9 @@ class RequestOutput:
     # metrics read (TTFT, queue time, E2E). None in between, so that the engine
     # process's reports do not pickle it again every step (half of their bytes).
     metrics: RequestMetrics | None
+    # On a choice's first output, when asked for (params.prompt_logprobs): one entry per
+    # prompt token, the first None. Last, with a default: outputs are built positionally.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -158,8 +161,27 @@ class Request:
         self.generator: torch.Generator | None = None
         self.detokenizer = None  # set by the engine: engine.detokenizer.IncrementalDetokenizer
         self.pending_logprobs: list[TokenLogprob] = []
+        # Entry i: prompt token i's logprob given those before it (the first has none),
+        # filled chunk by chunk as its prefill runs; None unless asked for.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
         self.num_detokenized_tokens = 0
         self.num_emitted_tokens = 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are asked for and not all computed: its prefill needs
+        logits at every prompt position (so no prefix-cache hits)."""
+        scores = self.prompt_logprobs
+        return scores is not None and len(scores) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprob]) -> None:
+        """Entries for prompt tokens first, first + 1, ...: a prefill chunk's. A chunk
+        computed again (after a preemption) brings nothing new."""
+        scores = self.prompt_logprobs
+        assert scores is not None and first <= len(scores)
+        scores.extend(entries[len(scores) - first :])
 
     # -- the batch row ---------------------------------------------------------
 

@@ -50,7 +50,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.is_decode_only = self.num_tokens == len(self.slots)
+        # One token each, and each samples: a one-token prefill chunk that stops short
+        # of its prompt's end (a budget's last token) is no decode.
+        self.is_decode_only = self.num_tokens == len(self.slots) and bool(self.samples.all())
         # The rows that sample, in batch order: where their ids land in the step's output.
         self.sampling_slots = self.slots if self.is_decode_only else self.slots[self.samples]
 
@@ -200,7 +202,9 @@ class Scheduler:
                 break  # preempted with a token in flight: recompute once its id is known
             if req.wait_for is not None and not self._prefilled(req.wait_for):
                 break  # FIFO: nothing overtakes a request held for its sibling
-            cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # Prompt logprobs need the logits at every prompt position: no cache hits.
+            fresh = req.num_computed_tokens == 0 and not req.scores_prompt
+            cached = self.blocks.find_cached_prefix(req) if fresh else []
             num_computed = len(cached) * self.blocks.block_size
             todo = min(req.num_tokens - num_computed, budget)
             if not self.blocks.allocate(req, todo, cached):

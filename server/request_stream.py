@@ -43,7 +43,7 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if any(out.new_logprobs is not None for out in group):
             logprobs = [lp for out in group for lp in out.new_logprobs or []]
         # A choice's first output may carry its prompt's logprobs (engine's, when asked).
-        first = getattr(group[0], "prompt_logprobs", None)
+        first = group[0].prompt_logprobs
         merged.append(
             dataclasses.replace(
                 group[-1],

@@ -4,7 +4,6 @@ and the two ways of answering (one JSON body, or SSE)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -58,7 +57,7 @@ class ChoiceState:
         self.num_cached_tokens = out.num_cached_tokens
         self.logprobs.extend(out.new_logprobs or [])
         self.num_output_tokens = out.num_output_tokens
-        if getattr(out, "prompt_logprobs", None) is not None:  # the engine's, when asked
+        if out.prompt_logprobs is not None:  # the engine's, on the first output when asked
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
@@ -184,11 +183,6 @@ class Serving:
                     f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}.",
                     param="prompt_logprobs",
                 )
-            if "prompt_logprobs" not in _SAMPLING_FIELDS:
-                raise APIError(
-                    "Prompt logprobs are not supported by this engine yet.",
-                    param="prompt_logprobs",
-                )
             extra["prompt_logprobs"] = prompt_logprobs
         values = {
             "temperature": req.temperature,
@@ -298,9 +292,6 @@ class Serving:
                 "model_max_length": self.max_model_len,
             }
         )
-
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def prompt_logprobs_out(

@@ -204,7 +204,7 @@ class _Answer:
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
                     if key in pending_echo:
-                        state = ChoiceState(prompt_logprobs=getattr(out, "prompt_logprobs", None))
+                        state = ChoiceState(prompt_logprobs=out.prompt_logprobs)
                         _extend_prompt(s, logprobs, prompt, state)
                     if not self.score_only:
                         offsets[key] = _extend_logprobs(
@@ -229,7 +229,7 @@ class _Answer:
                 )  # fmt: skip
                 opening = key in first
                 first.discard(key)
-                plogprobs = getattr(out, "prompt_logprobs", None) if opening else None
+                plogprobs = out.prompt_logprobs if opening else None
                 self._extras(choice, prompt if opening else None, token_ids, plogprobs)
                 yield chunk([choice])
         if include_usage:

@@ -172,3 +172,20 @@ def test_a_length_limit_costs_no_extra_row(tiny_gpt2_dir, max_tokens):
     while engine.has_unfinished_requests():
         engine.step()
     assert rows == {f"r{i}": max_tokens + 4 * i for i in range(3)}
+
+
+def test_rows_that_score_their_prompts_are_counted_until_scored_or_gone():
+    batch = InputBatch(4, 64, 64)
+    a, b = request("a", [1, 2, 3], prompt_logprobs=1), request("b", [4], prompt_logprobs=1)
+    c = request("c", [5, 6])
+    for r in (a, b, c):
+        batch.add(r)
+    # b's one-token prompt has nothing to score; c asked for nothing.
+    assert batch.scores_prompt[[a.slot, b.slot, c.slot]].tolist() == [True, False, False]
+    assert batch.num_scoring == 1
+    batch.remove(a)  # aborted or preempted mid-prefill
+    assert batch.num_scoring == 0 and not batch.scores_prompt.any()
+    batch.add(a)
+    batch.prompt_scored(a.slot)
+    batch.prompt_scored(a.slot)  # twice (scored, then it left): counted once
+    assert batch.num_scoring == 0

@@ -210,3 +210,15 @@ def test_only_requests_that_gained_blocks_are_grown():
         grown.append(sorted(sched.batch.requests[s].request_id for s in grew))
     # Tokens at positions 4 and 8 open a block: b's first decode, a's second, b's fifth.
     assert grown == [["b"], ["a"], [], [], ["b"]]
+
+
+def test_a_one_token_prefill_chunk_beside_decodes_is_no_decode_step():
+    # a decodes; b gets the budget's last token, one of its prompt's 5: it samples nothing.
+    sched = setup(max_num_batched_tokens=2)
+    sched.add(req("a", 2))
+    run_step(sched)
+    sched.add(req("b", 5))
+    out = sched.schedule()
+    assert [entry(out, i) for i in range(2)] == [(2, 1, True), (0, 1, False)]
+    assert not out.is_decode_only
+    assert out.sampling_slots.tolist() == [sched.running[0].slot]

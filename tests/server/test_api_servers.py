@@ -122,7 +122,7 @@ def test_outputs_cross_the_pipe_as_rows_without_field_names():
     logprob = TokenLogprob(17, -0.25, 1, [(17, -0.25), (3, -2.0)])
     first = RequestOutput(
         "a", 0, [17, 18], "", [logprob], True, "stop", 18, 9, 2, 4,
-        RequestMetrics(1.0, 2.0, 3.0, 4.0),
+        RequestMetrics(1.0, 2.0, 3.0, 4.0), [None, logprob],
     )  # fmt: skip
     second = output("a", 1, [5])
     clients.report(loop, step({"a": [first, second]}, "stats", 1))

@@ -90,6 +90,16 @@ async def test_the_api_process_decodes_and_matches_stop_strings(proc, live, monk
     assert [(add.params.detokenize, add.params.stop) for add in adds] == [(False, [])] * 4
 
 
+def test_prompt_logprobs_cross_the_pipe(proc, live):
+    body = {"prompt": [5, 17, 42, 99, 7], "echo": True, "logprobs": 2, "max_tokens": 2}
+    body |= {"temperature": 0, "prompt_logprobs": 1}
+    choices = [completion(s.base_url, body).json()["choices"][0] for s in (proc, live)]
+    assert choices[0]["logprobs"]["token_logprobs"][0] is None
+    assert len(choices[0]["prompt_logprobs"]) == 5
+    assert choices[0]["logprobs"] == choices[1]["logprobs"]
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+
+
 def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
     r = completion(proc.base_url, {"prompt": [5] * 300, "max_tokens": 4})
     assert r.status_code == 400 and "context length is 256" in r.json()["error"]["message"]

@@ -1,9 +1,5 @@
 """lm-eval's loglikelihood requests (a multiple-choice task from a local JSONL file)
-against a live server, equal to transformers' on the same checkpoint.
-
-PENDING: needs the engine's prompt logprobs (see pending_test_prompt_logprobs.py).
-Rename to test_lm_eval_loglikelihood.py when the engine has them.
-"""
+against a live server, equal to transformers' on the same checkpoint."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Prompt logprobs through the server: completions echo + logprobs (the legacy scoring
 format), vLLM's prompt_logprobs on completions and chat, streamed and not, against
-transformers' log_softmax on the same checkpoint.
-
-PENDING: needs the engine side (SamplingParams.prompt_logprobs, and a choice's first
-RequestOutput carrying prompt_logprobs: list[TokenLogprob | None] with the first entry
-None). Rename to test_prompt_logprobs.py when the engine has it: until then the server
-answers these requests with a 400 naming prompt_logprobs.
-"""
+transformers' log_softmax on the same checkpoint."""
 
 from __future__ import annotations
 
