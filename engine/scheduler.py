@@ -94,8 +94,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
-        slots, counts, num_new = self._schedule_running(budget, preempted)
-        num_scheduled = int(num_new.sum())
+        slots, counts, num_new, ends, num_scheduled = self._schedule_running(budget, preempted)
         admitted: list[Request] = []
         if self.waiting and num_scheduled < budget and self.batch.free_slots and not preempted:
             self._admit(budget - num_scheduled, admitted)
@@ -107,13 +106,12 @@ class Scheduler:
                 slots = np.concatenate([slots, new_slots])
                 counts = np.concatenate([counts, new_counts], axis=1)
                 num_new = np.concatenate([num_new, new_num])
+                ends = counts[COMPUTED] + num_new
                 num_scheduled = int(num_new.sum())
-        starts = counts[COMPUTED]
-        ends = starts + num_new
         self.batch.num_computed[slots] = ends
         return SchedulerOutput(
             slots,
-            starts,
+            counts[COMPUTED],
             num_new,
             counts[KNOWN],
             ends == counts[TOKENS],
@@ -124,9 +122,9 @@ class Scheduler:
 
     def _schedule_running(
         self, budget: int, preempted: list[Request]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(slots, their InputBatch counts, num_new_tokens) of the running requests that
-        get tokens."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """(slots, their InputBatch counts, num_new_tokens, the tokens computed after this
+        step, the tokens scheduled) of the running requests that get tokens."""
         batch = self.batch
         slots = batch.slots
         counts = batch.counts[:, slots]  # [7, n]: one gather for every column read here
@@ -137,20 +135,30 @@ class Scheduler:
         some_idle = at_limit.any()
         if some_idle:
             num_new[at_limit] = 0
-        if num_new.sum() > budget:  # first come, first served; one chunk crosses the line
+        total = int(num_new.sum())
+        if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
             some_idle = True
+        ends = counts[COMPUTED] + num_new
         # The requests whose new tokens reach past their blocks (a decode opens one in
         # every block_size steps).
-        grows = counts[COMPUTED] + num_new > counts[CAPACITY]
+        grows = ends > counts[CAPACITY]
         if grows.any():
             kept = self._grow(np.flatnonzero(grows).tolist(), counts, num_new, preempted)
-            slots, counts, num_new = slots[:kept], counts[:, :kept], num_new[:kept]
+            if kept < len(slots):
+                slots, counts, num_new, ends = (
+                    slots[:kept],
+                    counts[:, :kept],
+                    num_new[:kept],
+                    ends[:kept],
+                )
+                some_idle = True
         if some_idle:
             keep = num_new > 0
-            slots, counts, num_new = slots[keep], counts[:, keep], num_new[keep]
-        return slots, counts, num_new
+            slots, counts, num_new, ends = slots[keep], counts[:, keep], num_new[keep], ends[keep]
+            total = int(num_new.sum())
+        return slots, counts, num_new, ends, total
 
     def _grow(
         self, rows: list[int], counts: np.ndarray, num_new: np.ndarray, preempted: list[Request]
