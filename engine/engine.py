@@ -48,6 +48,7 @@ from engine.request import (
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured.grammars import Grammars
 
 
 @dataclass
@@ -107,8 +108,15 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
-        # (sampling list, must it sync, can its steps be a quiet run), for the last list.
-        self.sampling_for: tuple[list[Request] | None, bool, bool] = (None, False, False)
+        # (sampling list, must it sync, can its steps be a quiet run, has it grammars),
+        # for the last list.
+        self.sampling_for: tuple[list[Request] | None, bool, bool, bool] = (
+            None,
+            False,
+            False,
+            False,
+        )
+        self._grammars: Grammars | None = None  # built with the first structured request
         self.run: QuietRun | None = None  # see engine.quiet_run
         self.scheduler.on_leave_steady = self._settle
         # NVTX ranges around the step's phases, for nsys. Checked inline: entering a
@@ -148,6 +156,8 @@ class Engine:
                 )
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
+            if params.grammar is not None:  # [structured] a matcher per choice
+                req.structured = self.grammars.state(request_id, params.grammar)
             choices.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = choices
@@ -161,6 +171,19 @@ class Engine:
             req.is_finished for req in self.inflight.batch.requests
         ):
             self.inflight = None  # nothing left to read: its device work is simply void
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured outputs' compiler and matchers (its tokenizer info takes a while)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer,
+                self.vocab_size,
+                self.eos_token_ids,
+                self.config.max_num_seqs,
+                self.config.torch_device,
+            )
+        return self._grammars
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.inflight is not None
@@ -193,6 +216,11 @@ class Engine:
         and its own ids at once.
         """
         nvtx = self.nvtx
+        if self._grammars is not None and self._grammars.waiting:
+            # [structured] Raise for grammars that failed to compile; with nothing to
+            # run, wait a little for one to finish instead of spinning.
+            idle = not self.scheduler.running and self.inflight is None
+            self._grammars.check_compiled(0.01 if idle else 0.0)
         if nvtx:
             range_push("schedule")
         batch = self.scheduler.schedule()  # leaving the steady state settles the run
@@ -216,9 +244,11 @@ class Engine:
                 # A quiet run books ids without counting them: min_tokens' mask reads
                 # the count every step.
                 quiet = all([p.quiet and not p.min_tokens for p in params])
-                self.sampling_for = (sampling, sync, quiet)
-            _, sync, quiet = self.sampling_for
-            if sync and prev is not None:
+                grammar = any([p.grammar is not None for p in params])
+                self.sampling_for = (sampling, sync, quiet, grammar)
+            _, sync, quiet, grammar = self.sampling_for
+            # [structured] A grammar's mask needs every id before this step's accepted.
+            if (sync or grammar) and prev is not None:
                 self._process(prev)
                 prev = None
             token_ids = None
@@ -226,8 +256,10 @@ class Engine:
             if sampling:
                 if nvtx:
                     range_push("sample")
+                # [structured] Filled while the device runs the forward.
+                bitmask = self._grammars.fill(sampling) if grammar else None
                 # logits: the sampling rows only
-                token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
+                token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
                 if nvtx:
                     range_pop()
                 if quiet and batch.steady and on_device and not sync:
@@ -331,6 +363,8 @@ class Engine:
             params = req.params
             if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
                 self._check_token_stop(req, token_id)
+            elif req.structured is not None and req.structured.accept(token_id):
+                self._finish(req, "stop")  # [structured] the grammar is complete
             elif params.quiet:
                 continue  # the common offline case: nothing to report yet
             elif every_step and params.streams_ids:

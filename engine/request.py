@@ -145,6 +145,8 @@ class Request:
         # finds the prompt's full blocks in the prefix cache.
         self.wait_for = wait_for
         self.generator: torch.Generator | None = None
+        # Its grammar's matcher (engine.structured.grammars.GrammarState), if it has one.
+        self.structured = None
         self.detokenizer = None  # set by the engine: engine.detokenizer.IncrementalDetokenizer
         self.pending_logprobs: list[TokenLogprob] = []
         self.num_detokenized_tokens = 0

@@ -1,7 +1,7 @@
 """Sampler: one batched pass from logits to next tokens (and their logprobs).
 
 Order of processing, per row, as vLLM does it:
-    logit_bias → repetition/frequency/presence penalties → min_tokens mask
+    grammar bitmask (structured outputs) → logit_bias → repetition/frequency/presence penalties → min_tokens mask
     → greedy rows take the argmax here
     → temperature → top_k → top_p → min_p → exponential race.
 Logprobs are the raw log_softmax of the model's logits (vLLM's default
@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.request import Request, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.structured.grammars import BatchBitmask
 
 
 @dataclass
@@ -62,17 +66,21 @@ class Sampler:
         logits: torch.Tensor,
         requests: Sequence[Request],
         argmax: torch.Tensor | None = None,
+        bitmask: BatchBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids [num_requests] int64, left on the device (no sync).
 
         logits: [num_requests, vocab_size], any float dtype; argmax: their argmax ids,
-        if already taken (returned as is when nothing else applies)."""
+        if already taken (returned as is when nothing else applies); bitmask: the
+        tokens the rows' grammars allow (structured outputs)."""
         if requests is not self.argmax_for[0]:
             self.argmax_for = (requests, all([req.params.argmax_only for req in requests]))
-        if self.argmax_for[1] or all(self._argmax_only(req) for req in requests):
+        if bitmask is None and (
+            self.argmax_for[1] or all(self._argmax_only(req) for req in requests)
+        ):
             return logits.argmax(-1) if argmax is None else argmax
 
-        x = self.process_logits(logits, requests)  # [B, V] fp32
+        x = self.process_logits(logits, requests, bitmask)  # [B, V] fp32
 
         num_random = sum(not req.params.greedy for req in requests)
         if num_random == 0:
@@ -89,10 +97,18 @@ class Sampler:
             token_ids = torch.where(is_greedy, greedy_ids, self._sample(x, requests))
         return token_ids
 
-    def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """logit_bias, penalties and the min_tokens mask, on a new fp32 [B, V] tensor."""
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        bitmask: BatchBitmask | None = None,
+    ) -> torch.Tensor:
+        """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
+        fp32 [B, V] tensor."""
         # Our own copy: the steps below write into it in place.
         x = logits.to(torch.float32, copy=True)  # [B, V]
+        if bitmask is not None:
+            bitmask.apply(x)
         self._apply_logit_bias(x, requests)
         self._apply_penalties(x, requests)
         self._apply_min_tokens(x, requests)

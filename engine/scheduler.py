@@ -202,8 +202,12 @@ class Scheduler:
 
         out.first_admitted = len(requests)
         now = time.time()
+        compiling: list[Request] = []  # structured outputs: grammar not compiled yet
         while self.waiting and budget > 0 and self.free_slots and not out.preempted:
             req = self.waiting[0]
+            if req.structured is not None and not req.structured.ready():
+                compiling.append(self.waiting.popleft())  # it waits; those behind it may go
+                continue
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
             if req.wait_for is not None and not self._prefilled(req.wait_for):
@@ -221,6 +225,7 @@ class Scheduler:
             self.running.append(req)
             self._add(out, req, num_new, grown=True)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         out.num_tokens = self.config.max_num_batched_tokens - budget
         if requests and len(requests) == len(running) and not out.chunked and not out.preempted:
             self._steady = Steady(out)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig
-from server.config import ServerConfig
+from server.config import TOOL_CALL_PARSERS, ServerConfig
 
 _ENGINE = EngineConfig()
 _SERVER = ServerConfig()
@@ -156,6 +156,18 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "(N > 1 implies --engine-process)",
     )
     s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
+        "<tool_call> JSON) or llama3_json (Llama 3.1+)",
+    )
+    s.add_argument(
         "--log-level",
         default=_SERVER.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -206,6 +218,8 @@ def parse_configs(
             access_log=args.access_log,
             engine_process=args.engine_process,
             api_server_count=args.api_server_count,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as exc:
         build_parser(prog).error(str(exc))

@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.request import RequestOutput, TokenLogprob, out_of_vocab
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine, RequestStream
 from server.errors import APIError, error_body, from_value_error
 from server.protocol import (
@@ -27,6 +28,7 @@ from server.protocol import (
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
     UsageInfo,
 )
 
@@ -79,8 +81,15 @@ class Usage:
 class Serving:
     """Holds the engine bridge and the tokenizer; shared by the route handlers."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str | None) -> None:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        served_model_name: str | None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         engine = async_engine.engine
+        # Finds calls in the output for tool_choice "auto" (None: auto is refused).
+        self.tool_call_parser = tool_call_parser
         self.async_engine = async_engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name or engine.model_name
@@ -110,7 +119,12 @@ class Serving:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         conversation = [_template_message(m) for m in messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
@@ -118,7 +132,10 @@ class Serving:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as exc:  # jinja's raise_exception(...) and friends: the input's fault
             raise APIError(
@@ -157,7 +174,11 @@ class Serving:
             raise from_value_error(exc) from exc
 
     def sampling_params(
-        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None
+        self,
+        req: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        grammar: GrammarSpec | None = None,
     ) -> SamplingParams:
         """OpenAI fields → SamplingParams; its ValueErrors become 400s naming the field."""
         if req.stream_options is not None and not req.stream:
@@ -194,6 +215,7 @@ class Serving:
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                grammar=grammar,
                 **{k: v for k, v in values.items() if v is not None},  # null = OpenAI's default
             )
             params.check_vocab(self.vocab_size)
@@ -267,7 +289,7 @@ class ClientDisconnected(Exception):
     """The client went away before a non-streamed answer was ready."""
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
+def _template_message(message: ChatMessage) -> dict[str, Any]:
     if isinstance(message.content, list):
         if any(part.type != "text" for part in message.content):
             raise APIError("Only text content parts are supported.", param="messages")
@@ -275,10 +297,35 @@ def _template_message(message: ChatMessage) -> dict[str, str]:
     else:
         content = message.content or ""
     role = "system" if message.role == "developer" else message.role  # templates know "system"
-    out = {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
     if message.name:
         out["name"] = message.name
+    if message.tool_calls:
+        if role != "assistant":
+            raise APIError("Only assistant messages carry tool_calls.", param="messages")
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if role == "tool":
+        if message.tool_call_id is None:
+            raise APIError("A tool message needs tool_call_id.", param="messages")
+        out["tool_call_id"] = message.tool_call_id
+    elif message.tool_call_id is not None:
+        raise APIError("Only tool messages carry tool_call_id.", param="messages")
     return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """As chat templates expect a call: the arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise APIError(
+            f"The arguments of tool call {call.id!r} are not valid JSON: {exc}", param="messages"
+        ) from exc
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
 
 
 async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -14,7 +14,6 @@ from engine.sampling_params import MAX_LOGPROBS
 from server.async_engine import RequestStream
 from server.errors import APIError
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
@@ -25,16 +24,15 @@ from server.protocol import (
     TopLogprob,
 )
 from server.serving import ClientDisconnected, Serving, Usage, disconnected_response
+from server.structured import grammar_of
+from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     s.check_model(req.model)
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
-    if req.tools:
-        raise APIError("tools are not supported.", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError("Only the text response_format is supported.", param="response_format")
+    tools = plan_tools(req, s.tool_call_parser)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -47,10 +45,10 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = s.sampling_params(req, max_tokens, logprobs)
+    params = s.sampling_params(req, max_tokens, logprobs, grammar_of(req, tools.grammar))
 
     def prepare() -> list[int]:
-        ids = s.render_chat(req.messages, add_generation_prompt=True)
+        ids = s.render_chat(req.messages, True, tools.template_tools)
         s.check_prompt(ids, params, "messages")
         return ids
 
@@ -60,7 +58,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return s.sse(stream, _chunks(s, stream, req, request_id, created, include_usage))
+        chunks = _chunks(s, stream, req, tools, request_id, created, include_usage)
+        return s.sse(stream, chunks)
 
     try:
         states = await s.collect(raw, stream)
@@ -69,12 +68,13 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     usage = Usage()
     choices = []
     for (rid, index), state in sorted(states.items(), key=lambda kv: kv[0][1]):
+        message, finish_reason = tool_message(tools, state.text, state.finish_reason)
         choices.append(
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=state.text),
+                message=message,
                 logprobs=_logprobs(s, state.logprobs) if req.logprobs else None,
-                finish_reason=state.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=state.stop_reason,
             )
         )
@@ -89,6 +89,7 @@ async def _chunks(
     s: Serving,
     stream: RequestStream,
     req: ChatCompletionRequest,
+    tools: ToolPlan,
     request_id: str,
     created: int,
     include_usage: bool,
@@ -102,18 +103,29 @@ async def _chunks(
     for index in range(req.n):
         yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
     usage = Usage()
+    # Per choice: its calls, as the text reveals them (None: plain content).
+    calls = (
+        [ToolStream(tools.parser(), tools.parallel) for _ in range(req.n)] if tools.parser else None
+    )
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
             logprobs = _logprobs(s, out.new_logprobs or []) if req.logprobs else None
-            if not (out.new_text or out.finished or logprobs and logprobs.content):
+            finish_reason = out.finish_reason if out.finished else None
+            if calls is None:
+                delta = {"content": out.new_text} if out.new_text else {}
+            else:
+                delta = calls[out.index].feed(out.new_text, out.finished)
+                if out.finished:
+                    finish_reason = calls[out.index].finish_reason(finish_reason)
+            if not (delta or out.finished or logprobs and logprobs.content):
                 continue  # e.g. a token held back until its UTF-8 character completes
             yield chunk(
                 ChatStreamChoice(
                     index=out.index,
-                    delta={"content": out.new_text} if out.new_text else {},
+                    delta=delta,
                     logprobs=logprobs,
-                    finish_reason=out.finish_reason if out.finished else None,
+                    finish_reason=finish_reason,
                     stop_reason=out.stop_reason if out.finished else None,
                 )
             )

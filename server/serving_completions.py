@@ -25,6 +25,7 @@ from server.serving import (
     Usage,
     disconnected_response,
 )
+from server.structured import grammar_of
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
@@ -36,7 +37,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     if req.echo and req.logprobs is not None:
         raise APIError("echo together with logprobs is not supported.", param="echo")
     prompts = _prompt_list(req.prompt)
-    params = s.sampling_params(req, req.max_tokens, req.logprobs)
+    params = s.sampling_params(req, req.max_tokens, req.logprobs, grammar_of(req))
 
     def prepare() -> tuple[list[list[int]], list[str]]:
         ids = [s.encode(p) if isinstance(p, str) else p for p in prompts]

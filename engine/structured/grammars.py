@@ -1,0 +1,203 @@
+"""Grammars: compile specs off the engine thread, one matcher per choice, the batch's mask.
+
+The compiler is built once from the tokenizer. Compiled grammars are cached by
+spec, and compiled by a thread pool: a request whose grammar is still compiling
+is not admitted (the scheduler asks `GrammarState.ready`), and the rest of the
+batch runs meanwhile. A spec seen before costs no compilation.
+
+Each step with grammar rows, the host fills one token bitmask for the batch
+(`fill`) while the device runs the forward, after the previous step's ids have
+been accepted by the matchers (`accept`); the sampler applies it to the logits
+before anything else (`BatchBitmask.apply`). EOS is in the mask only where the
+grammar may end; a matcher that has ended finishes its request with "stop".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from engine.structured.spec import GrammarSpec, build_grammar
+
+CACHE_SIZE = 1024  # compiled grammars kept (least recently used dropped first)
+
+
+class GrammarError(RuntimeError):
+    """A grammar failed to compile in the engine; request_ids are the requests it ends
+    (the server's engine loop fails exactly those)."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+class GrammarState:
+    """One choice's grammar: compiling, then a matcher that follows its output."""
+
+    def __init__(self, request_id: str, compiled: Future[xgr.CompiledGrammar]) -> None:
+        self.request_id = request_id
+        self.compiled = compiled
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    def ready(self) -> bool:
+        """Compiled (the scheduler admits the request only then)."""
+        if self.matcher is None:
+            if not self.compiled.done() or self.compiled.exception() is not None:
+                return False
+            # Ended as soon as nothing can follow (a closed JSON object, a choice):
+            # no step is spent sampling EOS.
+            self.matcher = xgr.GrammarMatcher(
+                self.compiled.result(), terminate_without_stop_token=True
+            )
+        return True
+
+    @property
+    def failed(self) -> bool:
+        return self.compiled.done() and self.compiled.exception() is not None
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by an id the request sampled; True when the grammar has ended."""
+        matcher = self.matcher
+        if not matcher.accept_token(token_id):
+            # The mask made every other id impossible: only a void row (its request
+            # finished while the step ran) or a bug gets here.
+            raise RuntimeError(f"token {token_id} is outside the grammar of {self.request_id}")
+        return matcher.is_terminated()
+
+    @property
+    def live(self) -> bool:
+        return self.matcher is not None and not self.matcher.is_terminated()
+
+
+@dataclass
+class BatchBitmask:
+    """A step's allowed tokens, one packed row per sampling request (all ones where the
+    request has no grammar)."""
+
+    bits: torch.Tensor  # [num_requests, ceil(vocab / 32)] int32, on the logits' device
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens' logits to -inf, in place: one kernel on the device."""
+        xgr.apply_token_bitmask_inplace(logits, self.bits)
+
+
+@dataclass
+class CompileStats:
+    num_compiled: int = 0  # specs compiled (cache misses)
+    num_cache_hits: int = 0
+    compile_s: float = 0.0  # cumulative seconds in the compiler
+    last_compile_s: float = 0.0
+
+
+class Grammars:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        max_num_seqs: int,
+        device: torch.device,
+        max_threads: int = 2,
+    ) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
+        )
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
+        self.cache: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
+        self.stats = CompileStats()
+        self.device = torch.device(device)
+        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads)
+        # Two pinned host buffers, alternate steps: one is refilled while the last
+        # step's copy from the other may still be pending.
+        shape = xgr.get_bitmask_shape(max_num_seqs, vocab_size)
+        pin = self.device.type == "cuda"
+        self.host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.gpu = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        self.parity = 0
+        self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
+
+    # -- requests ------------------------------------------------------------
+
+    def state(self, request_id: str, spec: GrammarSpec) -> GrammarState:
+        """A new choice's state; its grammar compiles in the pool unless cached."""
+        compiled = self.cache.pop(spec, None)
+        if compiled is None:
+            compiled = self.pool.submit(self._compile, spec)
+            if len(self.cache) >= CACHE_SIZE:
+                del self.cache[next(iter(self.cache))]  # the least recently used
+        else:
+            self.stats.num_cache_hits += 1
+        self.cache[spec] = compiled  # most recently used last
+        state = GrammarState(request_id, compiled)
+        if not compiled.done() or state.failed:
+            self.waiting.append(state)
+        return state
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        compiled = self.compiler.compile_grammar(build_grammar(spec))
+        elapsed = time.perf_counter() - start
+        self.stats.num_compiled += 1
+        self.stats.compile_s += elapsed
+        self.stats.last_compile_s = elapsed
+        return compiled
+
+    def check_compiled(self, timeout: float = 0.0) -> None:
+        """Forget compilations that have finished; raise GrammarError for failed ones
+        (its requests end). timeout > 0: wait that long for one to finish (the engine
+        has nothing else to do)."""
+        if not self.waiting:
+            return
+        if timeout > 0:
+            concurrent.futures.wait(
+                {s.compiled for s in self.waiting},
+                timeout,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        failed = [s for s in self.waiting if s.failed]
+        self.waiting = [s for s in self.waiting if not s.compiled.done()]
+        if failed:  # a failed compilation is not cached: the next try recompiles
+            bad = {s.compiled for s in failed}
+            for spec in [k for k, v in self.cache.items() if v in bad]:
+                del self.cache[spec]
+        if failed:
+            error = failed[0].compiled.exception()
+            raise GrammarError(
+                f"grammar compilation failed: {error}", sorted({s.request_id for s in failed})
+            )
+
+    # -- steps ---------------------------------------------------------------
+
+    def fill(self, requests: Sequence) -> BatchBitmask | None:
+        """The bitmask of a batch of sampling requests, on the device; None if no row
+        has a live grammar. Requests must have accepted all their read ids."""
+        rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
+        for i, req in enumerate(requests):
+            state = req.structured
+            if state is not None and state.live and not req.is_finished:
+                rows.append(i)
+                matchers.append(state.matcher)
+        if not rows:
+            return None
+        self.parity ^= 1
+        host, host_np = self.host[self.parity], self.host_np[self.parity]
+        num = len(requests)
+        host_np[:num] = -1  # every token allowed in rows without a grammar
+        self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
+        if self.device.type == "cpu":
+            return BatchBitmask(host[:num])
+        gpu = self.gpu[:num]
+        gpu.copy_(host[:num], non_blocking=True)
+        return BatchBitmask(gpu)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
