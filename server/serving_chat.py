@@ -99,9 +99,11 @@ async def _chunks(
             id=request_id, created=created, model=s.model_name, choices=[choice]
         ).model_dump_json()
 
-    # OpenAI opens every choice with the role before any content.
+    # OpenAI opens every choice with the role before any content (which stays null
+    # in an answer that may be calls only).
+    opening = {"role": "assistant"} if tools.parser else {"role": "assistant", "content": ""}
     for index in range(req.n):
-        yield chunk(ChatStreamChoice(index=index, delta={"role": "assistant", "content": ""}))
+        yield chunk(ChatStreamChoice(index=index, delta=opening))
     usage = Usage()
     # Per choice: its calls, as the text reveals them (None: plain content).
     calls = (

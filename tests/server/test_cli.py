@@ -110,3 +110,15 @@ def test_loadtest_delegates(monkeypatch):
 def test_unknown_command(capsys):
     assert cli.main(["frobnicate"]) == 2
     assert cli.main([]) == 2
+
+
+def test_tool_flags():
+    _, server = cli.parse_configs(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "llama3_json"
+    _, server = cli.parse_configs([])
+    assert not server.enable_auto_tool_choice and server.tool_call_parser is None
+    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "mistral"]):
+        with pytest.raises(SystemExit):
+            cli.parse_configs(argv)
