@@ -15,6 +15,7 @@ grammar may end; a matcher that has ended finishes its request with "stop".
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,8 +104,11 @@ class Grammars:
         eos_token_ids: list[int],
         max_num_seqs: int,
         device: torch.device,
-        max_threads: int = 2,
+        max_threads: int | None = None,
     ) -> None:
+        # Half the cores, at most 8: a row's mask is mostly a cached lookup (us), and
+        # threads pay off only when many rows need tokens checked one by one.
+        max_threads = max_threads or min(8, max(1, (os.cpu_count() or 2) // 2))
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
         )
