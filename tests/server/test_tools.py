@@ -230,3 +230,15 @@ def test_bad_tool_requests_are_400s(tools_server, model_name, body, param):
 def test_auto_needs_the_server_flag(client):
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_the_sdk_message_object_goes_back_into_the_history(sdk, model_name):
+    first = create(sdk, model_name, tool_choice="required", seed=1).choices[0].message
+    call = first.tool_calls[0]
+    messages = [
+        *MESSAGES,
+        first,  # the SDK's own object, as the docs' round trip passes it
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21}'},
+    ]
+    answer = create(sdk, model_name, messages=messages, tool_choice="none", max_tokens=4)
+    assert answer.choices[0].message.content is not None
