@@ -363,8 +363,8 @@ class Engine:
             params = req.params
             if token_id in req.stop_ids or len(all_ids) >= req.max_num_tokens:
                 self._check_token_stop(req, token_id)
-            elif req.structured is not None and req.structured.accept(token_id):
-                self._finish(req, "stop")  # [structured] the grammar is complete
+            elif req.structured is not None and (end := req.structured.accept(token_id)):
+                self._finish(req, end)  # [structured] the grammar is complete
             elif params.quiet:
                 continue  # the common offline case: nothing to report yet
             elif every_step and params.streams_ids:

@@ -9,12 +9,14 @@ Each step with grammar rows, the host fills one token bitmask for the batch
 (`fill`) while the device runs the forward, after the previous step's ids have
 been accepted by the matchers (`accept`); the sampler applies it to the logits
 before anything else (`BatchBitmask.apply`). EOS is in the mask only where the
-grammar may end; a matcher that has ended finishes its request with "stop".
+grammar may end, and the only token there once it must: the request then ends on
+EOS as usual (or, with ignore_eos, because its matcher accepted EOS).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ import xgrammar as xgr
 
 from engine.structured.spec import GrammarSpec, build_grammar
 
+logger = logging.getLogger("pagoda.engine")
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used dropped first)
 
 
@@ -51,25 +54,25 @@ class GrammarState:
         if self.matcher is None:
             if not self.compiled.done() or self.compiled.exception() is not None:
                 return False
-            # Ended as soon as nothing can follow (a closed JSON object, a choice):
-            # no step is spent sampling EOS.
-            self.matcher = xgr.GrammarMatcher(
-                self.compiled.result(), terminate_without_stop_token=True
-            )
+            # It ends by accepting EOS, which the mask allows only where the grammar
+            # may end: the model chooses between ending and going on ("ab+" after "ab").
+            self.matcher = xgr.GrammarMatcher(self.compiled.result())
         return True
 
     @property
     def failed(self) -> bool:
         return self.compiled.done() and self.compiled.exception() is not None
 
-    def accept(self, token_id: int) -> bool:
-        """Advance by an id the request sampled; True when the grammar has ended."""
+    def accept(self, token_id: int) -> str | None:
+        """Advance by an id the request sampled: None, or the finish reason that ends it
+        ("stop": the grammar is complete)."""
         matcher = self.matcher
         if not matcher.accept_token(token_id):
-            # The mask made every other id impossible: only a void row (its request
-            # finished while the step ran) or a bug gets here.
-            raise RuntimeError(f"token {token_id} is outside the grammar of {self.request_id}")
-        return matcher.is_terminated()
+            # The mask allowed no other id. Only a grammar that no token can continue
+            # gets here (every logit masked): end this request, not the batch.
+            logger.error("%s: token %d is outside its grammar", self.request_id, token_id)
+            return "abort"
+        return "stop" if matcher.is_terminated() else None
 
     @property
     def live(self) -> bool:

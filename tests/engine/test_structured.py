@@ -153,7 +153,7 @@ def masked_greedy(model_dir: str, prompt_ids: list[int], spec: GrammarSpec, limi
         tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id]
     )
     compiled = xgr.GrammarCompiler(info).compile_grammar(build_grammar(spec))
-    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     ids = list(prompt_ids)
     out: list[int] = []
@@ -262,3 +262,39 @@ def test_a_failed_compile_ends_its_request(llm, monkeypatch):
     engine.abort_request("bad")
     assert not engine.has_unfinished_requests()
     assert GrammarSpec("regex", "[x-z]{9}") not in engine.grammars.cache  # retried next time
+
+
+def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
+    from types import SimpleNamespace
+
+    grammars = llm.engine.grammars
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_id
+
+    def row(spec: GrammarSpec | None, text: str = ""):
+        state = None
+        if spec is not None:
+            state = grammars.state("unit", spec)
+            state.compiled.result()
+            assert state.ready()
+            for token_id in tokenizer.encode(text):
+                assert state.accept(token_id) is None
+        return SimpleNamespace(structured=state, is_finished=False)
+
+    rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
+    assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
+    logits = torch.zeros(3, llm.engine.vocab_size)
+    grammars.fill(rows).apply(logits)
+    allowed = logits > float("-inf")
+    assert not allowed[0, eos] and allowed[1, eos]  # "" cannot end; "abb" can
+    assert allowed[1, tokenizer.encode("b")[0]]
+    assert allowed[0, tokenizer.encode("a")[0]] and not allowed[0, tokenizer.encode("b")[0]]
+    assert allowed[2].all()  # no grammar: nothing masked
+    assert grammars.fill([row(None)]) is None
+    choice = row(GrammarSpec.choice(["ab"]), "ab")  # complete: only EOS may follow
+    logits = torch.zeros(1, llm.engine.vocab_size)
+    grammars.fill([choice]).apply(logits)
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
+    assert choice.structured.accept(eos) == "stop"
+    # An id the grammar refuses ends that request alone, as an abort.
+    assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
