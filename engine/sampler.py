@@ -1,7 +1,8 @@
 """Sampler: one batched pass from logits to next tokens (and their logprobs).
 
 Order of processing, per row, as vLLM does it:
-    grammar bitmask (structured outputs) → logit_bias → repetition/frequency/presence penalties → min_tokens mask
+    grammar bitmask (structured outputs) → logit_bias
+    → repetition/frequency/presence penalties → min_tokens mask
     → greedy rows take the argmax here
     → temperature → top_k → top_p → min_p → exponential race.
 Logprobs are the raw log_softmax of the model's logits (vLLM's default
