@@ -121,14 +121,18 @@ class Grammars:
         self.stats = CompileStats()
         self.device = torch.device(device)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads)
-        # Two pinned host buffers, alternate steps: one is refilled while the last
-        # step's copy from the other may still be pending.
-        shape = xgr.get_bitmask_shape(max_num_seqs, vocab_size)
+        # One pinned host buffer: it is refilled only once every earlier step's ids
+        # have been read, and the device copied those after its last copy from here.
+        shape = xgr.get_bitmask_shape(max_num_seqs, vocab_size)  # [rows, ceil(vocab / 32)]
         pin = self.device.type == "cuda"
-        self.host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self.host_np = [h.numpy() for h in self.host]
+        self.host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
+        self.host_np = self.host.numpy()
         self.gpu = torch.full(shape, -1, dtype=torch.int32, device=self.device)
-        self.parity = 0
+        if pin:  # Triton compiles the mask kernel at its first launch (one row, and more)
+            for rows in (1, 2):
+                BatchBitmask(self.gpu[:rows]).apply(
+                    torch.zeros(rows, vocab_size, device=self.device)
+                )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 
     # -- requests ------------------------------------------------------------
@@ -195,10 +199,9 @@ class Grammars:
                 matchers.append(state.matcher)
         if not rows:
             return None
-        self.parity ^= 1
-        host, host_np = self.host[self.parity], self.host_np[self.parity]
+        host = self.host
         num = len(requests)
-        host_np[:num] = -1  # every token allowed in rows without a grammar
+        self.host_np[:num] = -1  # every token allowed in rows without a grammar
         self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
         if self.device.type == "cpu":
             return BatchBitmask(host[:num])
