@@ -152,3 +152,9 @@ def test_hints_openai_documents_are_accepted(client):
     hints = {"user": "u1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
     r = client.post("/v1/chat/completions", json=CHAT | hints | {"max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_text_response_format_constrains_nothing(client):
+    body = CHAT | {"response_format": {"type": "text"}, "max_tokens": 5, "ignore_eos": True}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
