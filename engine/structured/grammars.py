@@ -179,7 +179,6 @@ class Grammars:
             bad = {s.compiled for s in failed}
             for spec in [k for k, v in self.cache.items() if v in bad]:
                 del self.cache[spec]
-        if failed:
             error = failed[0].compiled.exception()
             raise GrammarError(
                 f"grammar compilation failed: {error}", sorted({s.request_id for s in failed})
