@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import jsonschema
 import pytest
@@ -142,17 +144,31 @@ def test_a_spec_seen_before_compiles_no_more(llm):
 # ---------------------------------------------------------------- exactness
 
 
-def masked_greedy(model_dir: str, prompt_ids: list[int], spec: GrammarSpec, limit: int):
-    """transformers' greedy continuation under the same xgrammar matcher."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class Reference:
+    """transformers' model of a checkpoint, and an xgrammar compiler for its tokenizer."""
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(model_dir)
+    model: Any
+    tokenizer: Any
+    compiler: xgr.GrammarCompiler
+
+    @classmethod
+    def load(cls, model_dir: str) -> Reference:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = load_tokenizer(model_dir)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+        )
+        return cls(model, tokenizer, xgr.GrammarCompiler(info))
+
+
+def masked_greedy(ref: Reference, prompt_ids: list[int], spec: GrammarSpec, limit: int):
+    """transformers' greedy continuation under the same xgrammar matcher."""
+    model, tokenizer, compiler = ref.model, ref.tokenizer, ref.compiler
     vocab = model.config.vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id]
-    )
-    compiled = xgr.GrammarCompiler(info).compile_grammar(build_grammar(spec))
+    compiled = compiler.compile_grammar(build_grammar(spec))
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     ids = list(prompt_ids)
@@ -171,18 +187,23 @@ def masked_greedy(model_dir: str, prompt_ids: list[int], spec: GrammarSpec, limi
     return out
 
 
+@pytest.fixture(scope="module")
+def llm_and_reference(tiny_model_dir) -> tuple[LLM, Reference]:
+    return LLM(tiny_model_dir, device="cpu"), Reference.load(tiny_model_dir)
+
+
 @pytest.mark.parametrize(
     "spec",
     [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX), GrammarSpec("grammar", EBNF)],
     ids=["json", "regex", "ebnf"],
 )
-def test_greedy_equals_masked_transformers(tiny_model_dir, spec):
-    tokenizer = load_tokenizer(tiny_model_dir)
+def test_greedy_equals_masked_transformers(llm_and_reference, spec):
+    engine_llm, ref = llm_and_reference
     prompts = ["Hello", "The quick brown fox", "1 2 3 4 5"]
-    llm = LLM(tiny_model_dir, device="cpu")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=80, temperature=0.0, grammar=spec))
+    params = SamplingParams(max_tokens=80, temperature=0.0, grammar=spec)
+    outs = engine_llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        want = masked_greedy(tiny_model_dir, tokenizer.encode(prompt), spec, 80)
+        want = masked_greedy(ref, ref.tokenizer.encode(prompt), spec, 80)
         assert out.outputs[0].token_ids == want
 
 

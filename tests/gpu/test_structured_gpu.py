@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.loader import load_tokenizer
 from engine.structured.spec import GrammarSpec
-from tests.engine.test_structured import REGEX, SCHEMA, masked_greedy
+from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,12 +44,10 @@ def test_greedy_with_graphs_equals_eager_and_masked_transformers(tiny_model_dir,
     params = SamplingParams(max_tokens=60, temperature=0.0, grammar=spec)
     graphs = llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
     eager = llm(tiny_model_dir, enforce_eager=True).generate(PROMPTS, params, use_tqdm=False)
-    tokenizer = load_tokenizer(tiny_model_dir)
+    ref = Reference.load(tiny_model_dir)
     for prompt, a, b in zip(PROMPTS, graphs, eager):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].token_ids == masked_greedy(
-            tiny_model_dir, tokenizer.encode(prompt), spec, 60
-        )
+        assert a.outputs[0].token_ids == masked_greedy(ref, ref.tokenizer.encode(prompt), spec, 60)
 
 
 def test_mixed_batch_matches_alone_on_cuda(tiny_gpt2_dir):
