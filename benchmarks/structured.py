@@ -6,7 +6,8 @@ For each model (GPT-2 124M and the Qwen2.5-0.5B shape, random weights): 64
 requests decode `--output-len` tokens each, greedy, once with no constraint and
 once all under one JSON schema (a long array of small objects, so that no
 request completes its JSON before max_tokens and both runs decode the same
-tokens at the same batch size). Reported: both throughputs and their ratio, the
+tokens at the same batch size). Reported: both throughputs and their ratio (also
+with the bitmask filled by other numbers of threads, `--fill-threads`), the
 host time spent filling bitmasks per step, the first structured request's costs
 (the grammars' setup: tokenizer info and the mask kernel, once per engine; then
 the schema's compile), and the same schema sent again, which must compile nothing.
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import xgrammar as xgr
 
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.provenance import git_commit
@@ -146,17 +148,27 @@ def run_model(name: str, args) -> dict:
     result: dict = {"model": name, "dtype": dtype}
     result["compile"] = compile_costs(llm, SCHEMA)
     spec = GrammarSpec.json_schema(SCHEMA)
+    grammars = llm.engine.grammars
+    # The bitmask fill's threads: the engine's default, and each count asked for.
+    matchers = {"json_schema": grammars.batch_matcher}
+    for n in args.fill_threads:
+        matchers[f"json_schema_fill_threads_{n}"] = xgr.BatchGrammarMatcher(n)
     # Warm up both paths (Triton kernels compile at their first shapes).
     decode(llm, args.batch, 16, None)
     decode(llm, args.batch, 16, spec)
-    runs = {"none": [], "json_schema": []}
-    for _ in range(args.repeats):  # alternated, so drift hits both alike
+    runs: dict[str, list[dict]] = {key: [] for key in ["none", *matchers]}
+    for _ in range(args.repeats):  # alternated, so drift hits all alike
         runs["none"].append(decode(llm, args.batch, args.output_len, None))
-        runs["json_schema"].append(decode(llm, args.batch, args.output_len, spec))
+        for key, matcher in matchers.items():
+            grammars.batch_matcher = matcher
+            runs[key].append(decode(llm, args.batch, args.output_len, spec))
+    grammars.batch_matcher = matchers["json_schema"]
     for key, values in runs.items():
         best = max(values, key=lambda r: r["tok_per_s"])
         result[key] = best | {"tok_per_s_runs": [r["tok_per_s"] for r in values]}
-    result["throughput_ratio"] = result["json_schema"]["tok_per_s"] / result["none"]["tok_per_s"]
+        if key != "none":
+            result[key]["throughput_ratio"] = best["tok_per_s"] / result["none"]["tok_per_s"]
+    result["throughput_ratio"] = result["json_schema"]["throughput_ratio"]
     result["decode_paths"] = dict(llm.engine.runner.steps_by_path)
     del llm
     if torch.cuda.is_available():
@@ -172,6 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--fill-threads",
+        type=int,
+        nargs="*",
+        default=[1],
+        metavar="N",
+        help="also time the bitmask fill with N threads (the engine's default: half the "
+        "cores, at most 8)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = p.parse_args(argv)
