@@ -72,6 +72,10 @@ class InputBatch:
         self.num_needs_sync = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
+        # [structured] A grammar's matcher follows every read id, and its mask needs
+        # them before its rows sample.
+        self.has_grammar = np.zeros(n, dtype=bool)
+        self.num_grammar = 0
         self.temperature = np.ones(n, dtype=np.float32)
         self.top_k = np.zeros(n, dtype=np.int64)
         self.top_p = np.ones(n, dtype=np.float32)
@@ -123,6 +127,8 @@ class InputBatch:
         self.num_needs_sync += params.needs_sync
         self.streams[slot] = streams = not params.final_only or bool(params.stop)
         self.num_streaming += streams
+        self.has_grammar[slot] = grammar = req.structured is not None  # [structured]
+        self.num_grammar += grammar
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p
@@ -151,6 +157,7 @@ class InputBatch:
         self.stop_count[stops[stops >= 0]] -= 1
         self.num_streaming -= bool(self.streams[slot])
         self.num_needs_sync -= bool(self.needs_sync[slot])
+        self.num_grammar -= bool(self.has_grammar[slot])  # [structured]
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None
