@@ -88,7 +88,7 @@ def add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
             state = request.app.state
             described.append(
                 await asyncio.to_thread(
-                    describe, state.async_engine.engine, state.serving.model_name, server_config
+                    describe, state.async_engine.info, state.serving.model_name, server_config
                 )
             )
         info = replace(described[0], uptime_s=time.monotonic() - started)
