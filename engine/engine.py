@@ -48,6 +48,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
+from engine.structured.grammars import Grammars
 
 _NO_RANGE = contextlib.nullcontext()
 
@@ -115,6 +116,7 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
+        self._grammars: Grammars | None = None  # built with the first structured request
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
@@ -152,6 +154,8 @@ class Engine:
                 )
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
+            if params.grammar is not None:  # [structured] a matcher per choice
+                req.structured = self.grammars.state(request_id, params.grammar)
             choices.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = choices
@@ -174,6 +178,19 @@ class Engine:
             (slot, gen) in batch.departed
             for slot, gen in zip(step.slots.tolist(), generations.tolist())
         )
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured outputs' compiler and matchers (its tokenizer info takes a while)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer,
+                self.vocab_size,
+                self.eos_token_ids,
+                self.config.max_num_seqs,
+                self.config.torch_device,
+            )
+        return self._grammars
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self.inflight is not None
@@ -203,8 +220,11 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once.
+        own ids at once. Grammar rows read N-1 before sampling too (their mask
+        follows every id), and leave their own ids on the device.
         """
+        if self._grammars is not None:
+            self._check_grammars()
         with self._range("schedule"):
             out = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
@@ -213,17 +233,28 @@ class Engine:
                 logits = self.runner.execute(out)  # the sampling rows only
             if self.runner.prompt_scores is not None:  # before any first output is built
                 self._keep_prompt_logprobs(self.runner.prompt_scores)
+            batch = self.batch
             sampling = out.sampling_slots
             sync = not self.config.async_scheduling or (
-                self.batch.num_needs_sync > 0 and self.batch.needs_sync[sampling].any()
+                batch.num_needs_sync > 0 and batch.needs_sync[sampling].any()
             )
-            if sync and prev is not None:
+            grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
+            void = None  # rows whose request N-1's ids finished: their new ids are nobody's
+            if (sync or grammar) and prev is not None:
+                departures, generations = batch.departures, batch.generation[sampling]
                 self._read(prev)
                 prev = None
+                if batch.departures != departures:
+                    void = batch.generation[sampling] != generations
             if len(sampling):
                 with self._range("sample"):
-                    token_ids = self.sampler.sample(logits, sampling, self.runner.argmax)
-                mark = self.batch.launched(sampling)
+                    # [structured] Filled while the device runs the forward.
+                    bitmask = self.grammars.fill(self._requests(sampling)) if grammar else None
+                    token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
+                mark = batch.launched(sampling)
+                if void is not None and void.any():  # read() drops them as departed
+                    mark.departures = -1
+                    mark.generations[void] = -1
                 self.num_sampled += len(sampling)
                 if sync:
                     sampled = self.sampler.read(logits, token_ids, sampling)
@@ -235,6 +266,25 @@ class Engine:
         if prev is not None:
             self._read(prev)
         return self.take_outputs(deltas) if emit else []
+
+    def _check_grammars(self) -> None:
+        """[structured] Raise for grammars that failed to compile (with nothing to run,
+        wait a little for one to finish instead of spinning); finish the preempted
+        requests whose grammar an id read after they left ended."""
+        grammars = self._grammars
+        if grammars.waiting:
+            idle = not self.scheduler.running and self.inflight is None
+            grammars.check_compiled(0.01 if idle else 0.0)
+        if grammars.ended:
+            ended = list(grammars.ended)
+            grammars.ended.clear()  # in place: the states hold this list
+            for req, reason in ended:
+                if not req.is_finished:
+                    self._finish(req, reason)
+
+    def _requests(self, slots: np.ndarray) -> list[Request | None]:
+        by_slot = self.batch.requests
+        return [by_slot[s] for s in slots.tolist()]
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with
@@ -309,6 +359,8 @@ class Engine:
                 got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
             ):
                 self._check_token_stop(by_slot[slot], token_id)
+        if batch.num_grammar:  # [structured] after the stops: a stop id ends it first
+            self._accept_grammars(got)
         if not got.streamed:
             return
         interval = self.config.stream_interval
@@ -326,6 +378,21 @@ class Engine:
             emitted = req.num_emitted_tokens
             if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
                 news[req] = None
+
+    def _accept_grammars(self, got: ReadTokens) -> None:
+        """[structured] Each grammar row's matcher accepts its new id; a complete grammar
+        (or a refused id) finishes the request."""
+        rows = self.batch.has_grammar[got.slots]
+        if not rows.any():
+            return
+        by_slot = self.batch.requests
+        for slot, token_id in zip(got.slots[rows].tolist(), got.token_ids[rows].tolist()):
+            req = by_slot[slot]
+            if req is None or req.is_finished:
+                continue  # a stop id or the length limit ended it in this read
+            end = req.structured.accept(token_id)
+            if end is not None:
+                self._finish(req, end)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         """req just sampled token_id, one of its stop ids, or reached its length limit."""

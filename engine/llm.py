@@ -13,6 +13,7 @@ from engine.engine import Engine
 from engine.heap import freeze_startup_heap
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import check as check_grammar
 
 
 @dataclass
@@ -65,6 +66,8 @@ class LLM:
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_ids, params):
             self.engine.check_request(ids, p)
+            if p.grammar is not None:
+                check_grammar(p.grammar)
 
         results: dict[str, GenerationOutput] = {}
         for i, (prompt, ids, p) in enumerate(zip(prompts, token_ids, params)):

@@ -159,6 +159,8 @@ class Request:
         # finds the prompt's full blocks in the prefix cache.
         self.wait_for = wait_for
         self.generator: torch.Generator | None = None
+        # Its grammar's matcher (engine.structured.grammars.GrammarState), if it has one.
+        self.structured = None
         self.detokenizer = None  # set by the engine: engine.detokenizer.IncrementalDetokenizer
         self.pending_logprobs: list[TokenLogprob] = []
         # Entry i: prompt token i's logprob given those before it (the first has none),
@@ -198,6 +200,8 @@ class Request:
         """An id sampled before it was preempted, read since."""
         self.output_ids.append(token_id)
         self._num_inflight -= 1
+        if self.structured is not None:  # [structured] its matcher follows every id
+            self.structured.accept_departed(self, token_id)
 
     # -- token state, wherever it lives ----------------------------------------
 

@@ -1,7 +1,8 @@
 """Sampler: one batched pass from logits to next tokens (and their logprobs).
 
 Order of processing, per row, as vLLM does it:
-    logit_bias → repetition/frequency/presence penalties → min_tokens mask
+    grammar bitmask (structured outputs) → logit_bias
+    → repetition/frequency/presence penalties → min_tokens mask
     → greedy rows take the argmax here
     → temperature → top_k → top_p → min_p → exponential race.
 Logprobs are the raw log_softmax of the model's logits (vLLM's default
@@ -19,12 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.input_batch import InputBatch
 from engine.request import Request, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.grammars import BatchBitmask
+
+
+# The row of a request that a read just before sampling finished (engine.step): it is
+# sampled as plain greedy, and its id is dropped when read.
+_VOID = Request("void", [0], SamplingParams(temperature=0.0))
 
 
 @dataclass
@@ -62,19 +73,25 @@ class Sampler:
         return self._with_logprobs(logits, token_ids, requests)
 
     def sample(
-        self, logits: torch.Tensor, slots: np.ndarray, argmax: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        argmax: torch.Tensor | None = None,
+        bitmask: BatchBitmask | None = None,
     ) -> torch.Tensor:
         """Next token ids [num_rows] int64, left on the device (no sync).
 
         logits: [num_rows, vocab_size], any float dtype, one row per slot; argmax: their
-        argmax ids, if already taken (returned as is when nothing else applies)."""
+        argmax ids, if already taken (returned as is when nothing else applies); bitmask:
+        the tokens the rows' grammars allow (structured outputs; grammar rows are never
+        argmax_only)."""
         if self.batch.argmax_only[slots].all():
             return logits.argmax(-1) if argmax is None else argmax
         requests = self._requests(slots)
-        if all(self._argmax_only(req) for req in requests):
+        if bitmask is None and all(self._argmax_only(req) for req in requests):
             return logits.argmax(-1) if argmax is None else argmax
 
-        x = self.process_logits(logits, requests)  # [B, V] fp32
+        x = self.process_logits(logits, requests, bitmask)  # [B, V] fp32
 
         is_greedy = np.array([req.params.greedy for req in requests])
         if is_greedy.all():
@@ -91,12 +108,20 @@ class Sampler:
 
     def _requests(self, slots: np.ndarray) -> list[Request]:
         by_slot = self.batch.requests
-        return [by_slot[s] for s in slots.tolist()]
+        return [by_slot[s] or _VOID for s in slots.tolist()]
 
-    def process_logits(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """logit_bias, penalties and the min_tokens mask, on a new fp32 [B, V] tensor."""
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        bitmask: BatchBitmask | None = None,
+    ) -> torch.Tensor:
+        """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
+        fp32 [B, V] tensor."""
         # Our own copy: the steps below write into it in place.
         x = logits.to(torch.float32, copy=True)  # [B, V]
+        if bitmask is not None:
+            bitmask.apply(x)
         self._apply_logit_bias(x, requests)
         self._apply_penalties(x, requests)
         self._apply_min_tokens(x, requests)

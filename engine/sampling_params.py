@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import GrammarSpec
+
 MAX_LOGPROBS = 20
 
 
@@ -36,6 +38,8 @@ class SamplingParams:
     # False: outputs carry token ids and no text (vLLM's SamplingParams.detokenize).
     # The server's API processes decode such streams themselves, off the engine.
     detokenize: bool = True
+    # Structured outputs: the output must match this grammar (engine/structured/).
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,7 @@ class SamplingParams:
             and not self.logit_bias
             and self.logprobs is None
             and self.min_tokens == 0
+            and self.grammar is None
         )
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
@@ -102,6 +107,9 @@ class SamplingParams:
             raise bad(
                 "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
+        if self.grammar is not None and self.min_tokens:
+            # The grammar may allow nothing but EOS, which min_tokens forbids.
+            raise bad("min_tokens", "cannot be combined with structured outputs")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if self.stop and not self.detokenize:

@@ -204,8 +204,12 @@ class Scheduler:
         """Admit waiting requests while budget, slots and blocks last (FIFO)."""
         now = time.time()
         batch = self.batch
+        compiling: list[Request] = []  # [structured] its grammar is not compiled yet
         while self.waiting and budget > 0 and batch.free_slots:
             req = self.waiting[0]
+            if req.structured is not None and not req.structured.ready():
+                compiling.append(self.waiting.popleft())  # it waits; those behind it may go
+                continue
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
             if req.wait_for is not None and not self._prefilled(req.wait_for):
@@ -226,6 +230,7 @@ class Scheduler:
             self._update_blocks(req)
             admitted.append(req)
             budget -= todo
+        self.waiting.extendleft(reversed(compiling))
 
     @staticmethod
     def _prefilled(req: Request) -> bool:

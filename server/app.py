@@ -84,7 +84,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()  # builds the engine; a failure stops startup
-        serving = Serving(async_engine, server_config.served_model_name)
+        auto_tools = (
+            server_config.tool_call_parser if server_config.enable_auto_tool_choice else None
+        )
+        serving = Serving(async_engine, server_config.served_model_name, auto_tools)
         app.state.serving = serving
         logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)
         freeze_startup_heap()  # startup is over: what is alive now lives until shutdown

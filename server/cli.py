@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from server.config import ServerConfig
+from server.config import TOOL_CALL_PARSERS, ServerConfig
 
 if TYPE_CHECKING:
     from server.engine_loop import EngineFactory
@@ -185,6 +185,18 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "(N > 1 implies --engine-process)",
     )
     s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
+        "<tool_call> JSON) or llama3_json (Llama 3.1+)",
+    )
+    s.add_argument(
         "--log-level",
         default=_SERVER.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
@@ -239,6 +251,8 @@ def parse_configs(
             body_timeout=args.body_timeout,
             timeout_keep_alive=args.timeout_keep_alive,
             max_connections=args.max_connections,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
         )
     except ValueError as exc:
         build_parser(prog).error(str(exc))

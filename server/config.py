@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's PARSERS
+
 
 @dataclass
 class ServerConfig:
@@ -31,12 +33,22 @@ class ServerConfig:
     # HTTP served by this many processes sharing one listening socket and one
     # engine process (vLLM's --api-server-count); more than 1 implies engine_process.
     api_server_count: int = 1
+    # Tool calling with tool_choice "auto": the output's calls found by this parser
+    # (server/tool_parsers.py; vLLM's flags of the same names).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be at least 1, got {self.api_server_count}")
         if self.api_server_count > 1:
             self.engine_process = True
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting_requests < 0:

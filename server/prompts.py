@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from server.errors import APIError
-from server.protocol import ChatMessage, ChatTemplateOptions
+from server.protocol import ChatMessage, ChatTemplateOptions, ToolCall
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -114,7 +115,13 @@ class Prompts:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)
 
-    def render_chat(self, messages: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        options: ChatTemplateOptions,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        """tools: the functions the template shows the model (server/tools.py)."""
         conversation = [template_message(m) for m in messages]
         tokenizer = self._tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -137,6 +144,7 @@ class Prompts:
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
+                tools=tools,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tokenize=False,
@@ -170,7 +178,7 @@ async def wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-def template_message(message: ChatMessage) -> dict[str, str]:
+def template_message(message: ChatMessage) -> dict[str, Any]:
     if isinstance(message.content, list):
         if any(part.type != "text" for part in message.content):
             raise APIError("Only text content parts are supported.", param="messages")
@@ -178,7 +186,32 @@ def template_message(message: ChatMessage) -> dict[str, str]:
     else:
         content = message.content or ""
     role = "system" if message.role == "developer" else message.role  # templates know "system"
-    out = {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
     if message.name:
         out["name"] = message.name
+    if message.tool_calls:
+        if role != "assistant":
+            raise APIError("Only assistant messages carry tool_calls.", param="messages")
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if role == "tool":
+        if message.tool_call_id is None:
+            raise APIError("A tool message needs tool_call_id.", param="messages")
+        out["tool_call_id"] = message.tool_call_id
+    elif message.tool_call_id is not None:
+        raise APIError("Only tool messages carry tool_call_id.", param="messages")
     return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    """As chat templates expect a call: the arguments as an object, not JSON text."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise APIError(
+            f"The arguments of tool call {call.id!r} are not valid JSON: {exc}", param="messages"
+        ) from exc
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }

@@ -9,11 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.errors import APIError
 
-# vLLM request fields Pagoda does not implement: named in a 400, never ignored.
+# vLLM's and OpenAI's request fields Pagoda does not implement: a 400 that says so (any
+# other unknown field is a 400 too, as an unrecognized one).
 UNSUPPORTED_FIELDS = (
     "use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structured_outputs", "logits_processors", "priority",
+    "guided_decoding_backend", "guided_whitespace_pattern", "logits_processors", "priority",
     "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "documents",
     "mm_processor_kwargs", "cache_salt", "spaces_between_special_tokens", "functions",
     "function_call", "prediction", "audio", "modalities", "prompt_embeds", "lora_request",
@@ -43,9 +43,11 @@ def _check_text(value: Any, field: str) -> None:
 
 
 class _Request(BaseModel):
-    # Types are strict ("10" is no int, true no number: 400, never coerced). Unknown
-    # fields are ignored, as OpenAI's API does, except vLLM's that Pagoda lacks.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Types are strict ("10" is no int, true no number: 400, never coerced). A field
+    # Pagoda does not implement is a 400 naming it, never silently ignored (OpenAI
+    # answers an unrecognized argument so too): the hints OpenAI documents are
+    # declared, and change nothing.
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -57,17 +59,42 @@ class _Request(BaseModel):
                 raise APIError(f"{name} is not supported by this server.", param=name)
         for name, value in data.items():
             _check_text(value, name)
-        # null where OpenAI allows it means the default (an optional field only).
+        # null where OpenAI allows it means the default (an optional field only); an
+        # unimplemented one off or null asks for nothing.
+        fields = cls.model_fields
         return {
             k: v
             for k, v in data.items()
-            if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()
+            if (v is not None or (k in fields and fields[k].is_required()))
+            and not (v is False and k in UNSUPPORTED_FIELDS)
         }
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: one of these constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(_Request):
@@ -84,7 +111,22 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Hints OpenAI documents (identifying the end user, storing, routing): accepted,
+    # and they change nothing here.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Structured outputs (exactly one constraint per request): OpenAI's, vLLM's
+    # object, and vLLM's legacy aliases.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     top_k: int | None = None
@@ -113,10 +155,23 @@ class TextContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatTemplateOptions(_Request):
@@ -127,8 +182,25 @@ class ChatTemplateOptions(_Request):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
 
 
-class ResponseFormat(_Request):
-    type: str
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
@@ -137,8 +209,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     echo: bool = False  # vLLM: the last message's content opens the answer
 
 
@@ -230,6 +303,7 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -256,7 +330,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} and/or {"content": ...}; absent keys are omitted
+    # {"role": ...}, {"content": ...}, {"tool_calls": [...]}; absent keys are omitted
+    delta: dict[str, Any]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from engine.checks import RequestRejected, check_request
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
 from server.prompts import ClientDisconnected, Prompts, wait_for_disconnect
@@ -101,9 +102,16 @@ class Usage:
 class Serving:
     """Holds the engine bridge and the prompts' tokenizer lanes; shared by the routes."""
 
-    def __init__(self, async_engine: AsyncEngine, served_model_name: str | None) -> None:
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        served_model_name: str | None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         info = async_engine.info
         assert info is not None, "the engine has not started"
+        # Finds calls in the output for tool_choice "auto" (None: auto is refused).
+        self.tool_call_parser = tool_call_parser
         self.async_engine = async_engine
         self.tokenizer = info.tokenizer
         self.model_name = served_model_name or info.model_name
@@ -159,6 +167,7 @@ class Serving:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> SamplingParams:
         """OpenAI fields → SamplingParams; its ValueErrors become 400s naming the field."""
         if req.stream_options is not None and not req.stream:
@@ -206,6 +215,7 @@ class Serving:
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                grammar=grammar,
                 **{k: v for k, v in values.items() if v is not None},  # null = OpenAI's default
                 **extra,
             )

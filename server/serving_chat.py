@@ -14,7 +14,6 @@ from engine.sampling_params import MAX_LOGPROBS
 from server.errors import APIError
 from server.prompts import ClientDisconnected, template_message
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
@@ -26,16 +25,15 @@ from server.protocol import (
 )
 from server.request_stream import RequestStream
 from server.serving import Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.structured import grammar_of
+from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
     s.admit(req.model)
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
-    if req.tools:
-        raise APIError("tools are not supported.", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError("Only the text response_format is supported.", param="response_format")
+    tools = plan_tools(req, s.tool_call_parser)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
@@ -48,12 +46,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = s.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+    params = s.sampling_params(
+        req, max_tokens, logprobs, req.prompt_logprobs, grammar_of(req, tools.grammar)
+    )
     truncate = s.truncation(req)
     prompts = s.prompts
 
     def prepare() -> list[int]:
-        ids = prompts.render_chat(req.messages, req)
+        ids = prompts.render_chat(req.messages, req, tools.template_tools)
         return s.check_prompt(ids, params, "messages", truncate)
 
     size = sum(len(str(m.content or "")) for m in req.messages)
@@ -68,7 +68,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     stream = s.async_engine.submit(request_id, [prompt_ids], params)
     created = int(time.time())
     if req.stream:
-        chunks = _chunks(s, stream, req, request_id, created, prompt_ids, echo)
+        chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)
         return s.sse(stream, chunks)
 
     try:
@@ -79,12 +79,13 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     choices = []
     prompt_logprobs = None
     for (rid, index), state in sorted(states.items(), key=lambda kv: kv[0][1]):
+        message, finish_reason = tool_message(tools, echo + state.text, state.finish_reason)
         choices.append(
             ChatChoice(
                 index=index,
-                message=AssistantMessage(content=echo + state.text),
+                message=message,
                 logprobs=_logprobs(s, state.logprobs) if req.logprobs else None,
-                finish_reason=state.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=state.stop_reason,
                 token_ids=state.token_ids if req.return_token_ids else None,
             )
@@ -110,6 +111,7 @@ async def _chunks(
     s: Serving,
     stream: RequestStream,
     req: ChatCompletionRequest,
+    tools: ToolPlan,
     request_id: str,
     created: int,
     prompt_ids: list[int],
@@ -130,23 +132,36 @@ async def _chunks(
             **extra,
         ).model_dump_json()
 
-    # OpenAI opens every choice with the role before any content.
+    # OpenAI opens every choice with the role before any content (which stays null
+    # in an answer that may be calls only).
     ids = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+    # Per choice: its calls, as the text reveals them (None: plain content).
+    calls = (
+        [ToolStream(tools.parser(), tools.parallel) for _ in range(req.n)] if tools.parser else None
+    )
     for index in range(req.n):
-        opening = ChatStreamChoice(index=index, delta={"role": "assistant", "content": echo})
-        yield chunk(opening, **ids)
+        delta = {"role": "assistant"}
+        delta |= {"content": echo} if calls is None else calls[index].feed(echo, False)
+        yield chunk(ChatStreamChoice(index=index, delta=delta), **ids)
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
             logprobs = _logprobs(s, out.new_logprobs or []) if req.logprobs else None
-            if not (out.new_text or out.finished or logprobs and logprobs.content):
+            finish_reason = out.finish_reason if out.finished else None
+            if calls is None:
+                delta = {"content": out.new_text} if out.new_text else {}
+            else:
+                delta = calls[out.index].feed(out.new_text, out.finished)
+                if out.finished:
+                    finish_reason = calls[out.index].finish_reason(finish_reason)
+            if not (delta or out.finished or logprobs and logprobs.content):
                 continue  # e.g. a token held back until its UTF-8 character completes
             yield chunk(
                 ChatStreamChoice(
                     index=out.index,
-                    delta={"content": out.new_text} if out.new_text else {},
+                    delta=delta,
                     logprobs=logprobs,
-                    finish_reason=out.finish_reason if out.finished else None,
+                    finish_reason=finish_reason,
                     stop_reason=out.stop_reason if out.finished else None,
                     token_ids=out.new_token_ids if req.return_token_ids else None,
                 )

@@ -22,6 +22,7 @@ from server.protocol import (
 )
 from server.request_stream import RequestStream
 from server.serving import ChoiceState, Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.structured import grammar_of
 
 
 @dataclass
@@ -46,7 +47,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
-    params = s.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+    params = s.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, grammar_of(req))
     truncate = s.truncation(req)
     prompts_ = s.prompts
 

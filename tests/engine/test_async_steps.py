@@ -118,3 +118,26 @@ def test_without_async_scheduling_ids_are_read_every_step(tiny_gpt2_dir):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     (got,) = llm.generate([ids], params, use_tqdm=False)
     assert got.outputs[0].token_ids == hf_greedy(tiny_gpt2_dir, ids, 10)
+
+
+def test_a_row_that_the_read_before_sampling_finishes_is_void(llm):
+    """A step with a penalty row reads the previous step's ids before sampling; a request
+    they stop has a row in that step all the same, whose id must reach no one (not the
+    next owner of its slot)."""
+    engine = llm.engine
+    stop_all = SamplingParams(max_tokens=5, stop_token_ids=list(range(engine.vocab_size)))
+    engine.add_request("a", [1, 2, 3], stop_all)
+    engine.step()  # a's first token is on the device
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4, presence_penalty=1.0))
+    outs = {}
+    for out in engine.step():  # a stops here, before b samples
+        outs.setdefault(out.request_id, []).append(out)
+    engine.add_request("c", [7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["a"][-1].finish_reason == "stop" and outs["a"][-1].num_output_tokens == 1
+    assert outs["b"][-1].num_output_tokens == 4
+    c = outs["c"][-1]  # a's slot: its tokens are its own
+    assert c.finish_reason == "length" and c.num_output_tokens == 3
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

@@ -135,3 +135,15 @@ def test_import_and_help_do_not_load_torch(code):
     program = f"import contextlib\nwith contextlib.suppress(SystemExit):\n    {code}\n{check}"
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_tool_flags():
+    _, server = cli.parse_configs(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+    )
+    assert server.enable_auto_tool_choice and server.tool_call_parser == "llama3_json"
+    _, server = cli.parse_configs([])
+    assert not server.enable_auto_tool_choice and server.tool_call_parser is None
+    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "mistral"]):
+        with pytest.raises(SystemExit):
+            cli.parse_configs(argv)

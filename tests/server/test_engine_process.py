@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import os
+import re
 import signal
 import time
 
@@ -108,6 +109,14 @@ def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
     # The engine's own check (EngineInfo.check_request), without the engine at hand.
     r = completion(proc.base_url, {"prompt": "Hi", "logit_bias": {"999999": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_structured_outputs_cross_to_the_engine_process(proc):
+    body = {"prompt": "Hi", "guided_regex": "[a-d]{3}[0-9]", "max_tokens": 20, "n": 3}
+    r = completion(proc.base_url, body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert re.fullmatch("[a-d]{3}[0-9]", choice["text"]) and choice["finish_reason"] == "stop"
 
 
 async def test_dropped_streams_free_the_engine_process_blocks(proc):

@@ -42,9 +42,19 @@ def test_null_means_the_default(client):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("field", ["use_beam_search", "guided_json", "allowed_token_ids"])
+def test_an_unknown_field_is_a_400_unless_null(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "frobnicate": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    # null asks for nothing (SDKs echo such fields back in assistant messages)
+    message = {"role": "assistant", "content": "Hi", "refusal": None}
+    body = CHAT | {"messages": [*CHAT["messages"], message], "frobnicate": None}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field", ["use_beam_search", "bad_words", "allowed_token_ids"])
 def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
-    value = True if field == "use_beam_search" else [1] if field == "allowed_token_ids" else {}
+    value = True if field == "use_beam_search" else [1] if field == "allowed_token_ids" else ["x"]
     r = client.post("/v1/completions", json={"prompt": "x", field: value})
     assert r.status_code == 400
     error = r.json()["error"]

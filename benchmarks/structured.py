@@ -1,0 +1,220 @@
+"""Structured outputs' cost: a batch under one JSON schema vs the same batch unconstrained.
+
+    python -m benchmarks.structured --out benchmarks/results/structured-h100.json
+
+For each model (GPT-2 124M and the Qwen2.5-0.5B shape, random weights): 64
+requests decode `--output-len` tokens each, greedy, once with no constraint and
+once all under one JSON schema (a long array of small objects, so that no
+request completes its JSON before max_tokens and both runs decode the same
+tokens at the same batch size). Reported: both throughputs and their ratio (also
+with the bitmask filled by other numbers of threads, `--fill-threads`), the
+host time spent filling bitmasks per step, the first structured request's costs
+(the grammars' setup: tokenizer info and the mask kernel, once per engine; then
+the schema's compile), and the same schema sent again, which must compile nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import xgrammar as xgr
+
+from benchmarks.checkpoints import build_checkpoint
+from benchmarks.provenance import git_commit
+from engine import LLM, SamplingParams
+from engine.structured.spec import GrammarSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 200,
+            "maxItems": 200,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "email": {"type": "string", "maxLength": 24},
+                    "role": {"enum": ["admin", "user", "guest"]},
+                    "tags": {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": 8},
+                        "maxItems": 3,
+                    },
+                },
+                "required": ["name", "age", "email", "role", "tags"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
+}
+
+
+def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -> dict:
+    """Time `batch` greedy requests of `output_len` tokens each (all end at their length)."""
+    engine = llm.engine
+    params = SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True, final_only=True, grammar=grammar
+    )
+    prompt = llm.tokenizer.encode("Write the list as JSON:")
+    fill_s = [0.0, 0]
+    grammars = engine._grammars
+    if grammars is not None:  # the host's share: filling the bitmask each step
+        fill = grammars.fill
+
+        def timed(requests):
+            start = time.perf_counter()
+            out = fill(requests)
+            fill_s[0] += time.perf_counter() - start
+            fill_s[1] += 1
+            return out
+
+        grammars.fill = timed
+    _sync(llm)
+    start = time.perf_counter()
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompt, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    total = time.perf_counter() - start
+    if grammars is not None:
+        del grammars.fill
+    tokens = sum(out.num_output_tokens for out in finished)
+    assert tokens == batch * output_len, (tokens, batch * output_len)
+    assert all(out.finish_reason == "length" for out in finished)
+    result = {"total_s": total, "output_tokens": tokens, "tok_per_s": tokens / total}
+    if fill_s[1]:
+        result["bitmask_fill_ms_per_step"] = 1e3 * fill_s[0] / fill_s[1]
+    return result
+
+
+def _sync(llm: LLM) -> None:
+    if llm.engine.config.torch_device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_costs(llm: LLM, schema: dict) -> dict:
+    """The first structured request's costs, then the same schema again."""
+    engine = llm.engine
+    start = time.perf_counter()
+    grammars = engine.grammars  # built with the first structured request
+    grammars_init_s = time.perf_counter() - start  # tokenizer info, mask kernel compiled
+    spec = GrammarSpec.json_schema(schema)
+    params = SamplingParams(max_tokens=1, temperature=0.0, grammar=spec)
+    prompt = llm.tokenizer.encode("Hello")
+    costs = {"grammars_init_s": grammars_init_s}
+    for name in ("first", "again"):
+        compiled = grammars.stats.num_compiled
+        start = time.perf_counter()
+        engine.add_request(name, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        costs[name] = {
+            "first_token_s": time.perf_counter() - start,  # compile included, if any
+            "compiled": grammars.stats.num_compiled - compiled,
+        }
+        if name == "first":
+            costs["first"]["compile_s"] = grammars.stats.last_compile_s
+    assert costs["again"]["compiled"] == 0, "a schema seen before compiled again"
+    return costs
+
+
+def run_model(name: str, args) -> dict:
+    dtype = "float16" if name == "gpt2" else "bfloat16"
+    if args.device == "cpu":
+        dtype = "float32"
+    model_dir = build_checkpoint(
+        name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", getattr(torch, dtype)
+    )
+    llm = LLM(
+        model_dir,
+        device=args.device,
+        dtype=dtype,
+        enable_prefix_caching=False,
+        max_num_seqs=args.batch,
+        max_model_len=args.output_len + 64,
+    )
+    result: dict = {"model": name, "dtype": dtype}
+    result["compile"] = compile_costs(llm, SCHEMA)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    grammars = llm.engine.grammars
+    # The bitmask fill's threads: the engine's default, and each count asked for.
+    matchers = {"json_schema": grammars.batch_matcher}
+    for n in args.fill_threads:
+        matchers[f"json_schema_fill_threads_{n}"] = xgr.BatchGrammarMatcher(n)
+    # Warm up both paths (Triton kernels compile at their first shapes).
+    decode(llm, args.batch, 16, None)
+    decode(llm, args.batch, 16, spec)
+    runs: dict[str, list[dict]] = {key: [] for key in ["none", *matchers]}
+    for _ in range(args.repeats):  # alternated, so drift hits all alike
+        runs["none"].append(decode(llm, args.batch, args.output_len, None))
+        for key, matcher in matchers.items():
+            grammars.batch_matcher = matcher
+            runs[key].append(decode(llm, args.batch, args.output_len, spec))
+    grammars.batch_matcher = matchers["json_schema"]
+    for key, values in runs.items():
+        best = max(values, key=lambda r: r["tok_per_s"])
+        result[key] = best | {"tok_per_s_runs": [r["tok_per_s"] for r in values]}
+        if key != "none":
+            result[key]["throughput_ratio"] = best["tok_per_s"] / result["none"]["tok_per_s"]
+    result["throughput_ratio"] = result["json_schema"]["throughput_ratio"]
+    result["decode_paths"] = dict(llm.engine.runner.steps_by_path)
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", nargs="+", default=["gpt2", "qwen2-0.5b"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--fill-threads",
+        type=int,
+        nargs="*",
+        default=[1],
+        metavar="N",
+        help="also time the bitmask fill with N threads (the engine's default: half the "
+        "cores, at most 8)",
+    )
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
+    args = p.parse_args(argv)
+    result = {
+        "benchmark": "structured",
+        "command": "python -m benchmarks.structured "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "output_len": args.output_len,
+        "schema": SCHEMA,
+        "models": [run_model(name, args) for name in args.models],
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

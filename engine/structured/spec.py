@@ -1,0 +1,113 @@
+"""GrammarSpec: what a request's output must match, and its xgrammar Grammar.
+
+A spec is a plain frozen value (kind, spec text) so that it pickles into the
+engine process and keys the compiled-grammar cache. Building the Grammar needs
+no tokenizer: it is the validation the server runs before a request is queued,
+and the first half of the compilation the engine runs off its thread.
+
+JSON grammars allow no free whitespace: separators are exactly ", " and ": " (as
+json.dumps writes them), so a model cannot spin in newlines until max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+
+# xgrammar's characters of a JSON string admit UTF-16 surrogates (invalid UTF-8,
+# decoded as U+FFFD), and in a length-bounded string raw control characters too,
+# which JSON forbids: strict parsers such as pydantic's would reject the document.
+_LOOSE_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
+_JSON_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind json: spec is the schema as JSON text; regex, grammar (EBNF): the pattern;
+    choice: the alternatives; json_object: any JSON object (spec None)."""
+
+    kind: Kind
+    spec: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> GrammarSpec:
+        """A schema given as a dict or as JSON text (keys keep their order: the output's)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be an object")
+        return cls("json", json.dumps(schema, ensure_ascii=False))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GrammarSpec:
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("choice must be a non-empty list of strings")
+        return cls("choice", tuple(choices))
+
+
+def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The spec's Grammar; ValueError saying what is wrong with an invalid one."""
+    import xgrammar as xgr  # here: SamplingParams imports this module, and most never need it
+
+    try:
+        if spec.kind == "json":
+            return _strict_strings(
+                xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            )
+        if spec.kind == "json_object":
+            return _strict_strings(
+                xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+            )
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.spec)
+        if spec.kind == "choice":
+            # JSON string literals are EBNF string literals (escapes included).
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.spec))
+        return xgr.Grammar.from_ebnf(spec.spec)
+    except RuntimeError as exc:  # xgrammar reports parse errors as RuntimeError
+        raise ValueError(f"invalid {_NAMES[spec.kind]}: {_reason(exc)}") from None
+
+
+def check(spec: GrammarSpec) -> None:
+    """Raise ValueError if the spec cannot be compiled (any thread, no tokenizer)."""
+    build_grammar(spec)
+
+
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "EBNF grammar",
+}
+
+
+def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    strict = text
+    for loose in _LOOSE_CHARACTERS:
+        strict = strict.replace(loose, _JSON_CHARACTER)
+    return grammar if strict == text else xgr.Grammar.from_ebnf(strict)
+
+
+def _reason(exc: RuntimeError) -> str:
+    """xgrammar's message without its `[time] file.cc:line:` prefix."""
+    message = str(exc).strip()
+    head, sep, rest = message.partition(": ")
+    return rest if sep and ".cc:" in head else message

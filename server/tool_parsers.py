@@ -1,0 +1,236 @@
+"""Tool calls in generated text: `extract(text, final)` → content and calls so far.
+
+Each parser reads the whole text generated so far and says which part is plain
+content and which calls it holds (a name, and the raw JSON text of the
+arguments as far as it has come). On a growing text the answers only grow:
+content and each call's arguments extend what an earlier, shorter text gave, so
+a stream can send the difference (server/tools.py) and the pieces concatenate
+to what the whole text gives. The arguments are the model's own JSON text,
+cut out of the call object, never re-serialized.
+
+    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
+                 (Qwen2.5/Qwen3, Hermes); content is the text before the first call
+    llama3_json  {"name": ..., "parameters": {...}}; {...}  (Llama 3.1+), the whole
+                 output, after an optional <|python_tag|>
+    required     [{"name": ..., "parameters": {...}}, ...]: tool_choice "required",
+                 written under a grammar (server/tools.py)
+    named        the arguments object of one known function (a named tool_choice)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+WHITESPACE = " \t\r\n"
+
+
+@dataclass
+class DraftCall:
+    name: str
+    arguments: str  # raw JSON text so far
+
+
+@dataclass
+class Extracted:
+    content: str
+    calls: list[DraftCall] = field(default_factory=list)
+
+
+class ToolParser:
+    def extract(self, text: str, final: bool) -> Extracted:
+        """Content and calls in text; final: no more text comes (an unfinished tag or a
+        text with no call at all is content then)."""
+        raise NotImplementedError
+
+
+class HermesParser(ToolParser):
+    OPEN = "<tool_call>"
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        start = text.find(self.OPEN)
+        if start < 0:
+            held = 0 if final else _partial_suffix(text, self.OPEN)
+            return Extracted(text[: len(text) - held])
+        calls: list[DraftCall] = []
+        pos = start
+        while pos >= 0:
+            i = _skip_ws(text, pos + len(self.OPEN))
+            if i >= len(text) or text[i] != "{":
+                break
+            scan = scan_call(text, i, ("arguments", "parameters"))
+            if scan.name is not None:
+                calls.append(DraftCall(scan.name, scan.arguments))
+            if scan.end is None:
+                break
+            pos = text.find(self.OPEN, scan.end)
+        if final and not calls:
+            return Extracted(text)
+        return Extracted(text[:start], calls)
+
+
+class Llama3JsonParser(ToolParser):
+    PYTHON_TAG = "<|python_tag|>"
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        i = _skip_ws(text, 0)
+        if text.startswith(self.PYTHON_TAG, i):
+            i = _skip_ws(text, i + len(self.PYTHON_TAG))
+        elif not final and self.PYTHON_TAG.startswith(text[i:]):
+            return Extracted("")  # the tag may be coming
+        if i >= len(text):
+            return Extracted(text if final else "")
+        if text[i] != "{":
+            return Extracted(text)
+        calls = _call_sequence(text, i, ";", ("parameters", "arguments"))
+        if final and not calls:
+            return Extracted(text)
+        return Extracted("", calls)
+
+
+class RequiredParser(ToolParser):
+    def extract(self, text: str, final: bool) -> Extracted:
+        i = _skip_ws(text, 0)
+        calls = []
+        if i < len(text) and text[i] == "[":
+            j = _skip_ws(text, i + 1)
+            if j < len(text) and text[j] == "{":
+                calls = _call_sequence(text, j, ",", ("parameters",))
+        if final and not calls:
+            return Extracted(text)
+        return Extracted("", calls)
+
+
+class NamedParser(ToolParser):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        return Extracted("", [DraftCall(self.name, text.lstrip())])
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+# ---------------------------------------------------------------- a small JSON scanner
+
+
+@dataclass
+class CallScan:
+    name: str | None  # None until the name's string is complete
+    arguments: str  # the arguments value's text so far
+    end: int | None  # just past the object's closing brace; None: not there yet
+
+
+def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
+    """The call object starting at text[i] == "{", as far as text goes."""
+    scan = CallScan(None, "", None)
+    n = len(text)
+    j = i + 1
+    while True:
+        j = _skip_ws(text, j)
+        if j >= n:
+            return scan
+        if text[j] == "}":
+            scan.end = j + 1
+            return scan
+        if text[j] == ",":
+            j += 1
+            continue
+        if text[j] != '"':
+            return scan  # not a call object: it never completes
+        key_end = _string_end(text, j)
+        if key_end is None:
+            return scan
+        key = json.loads(text[j:key_end])
+        j = _skip_ws(text, key_end)
+        if j >= n or text[j] != ":":
+            return scan
+        j = _skip_ws(text, j + 1)
+        if j >= n:
+            return scan
+        end = _value_end(text, j)
+        if key in argument_keys:
+            scan.arguments = text[j : n if end is None else end]
+        elif key == "name" and end is not None:
+            name = json.loads(text[j:end])
+            scan.name = name if isinstance(name, str) else None
+        if end is None:
+            return scan
+        j = end
+
+
+def _call_sequence(
+    text: str, i: int, separator: str, argument_keys: tuple[str, ...]
+) -> list[DraftCall]:
+    """Call objects from text[i], separated by `separator`."""
+    calls = []
+    while True:
+        scan = scan_call(text, i, argument_keys)
+        if scan.name is not None:
+            calls.append(DraftCall(scan.name, scan.arguments))
+        if scan.end is None:
+            return calls
+        i = _skip_ws(text, scan.end)
+        if i < len(text) and text[i] == separator:
+            i = _skip_ws(text, i + 1)
+        if i >= len(text) or text[i] != "{":
+            return calls
+
+
+def _skip_ws(text: str, i: int) -> int:
+    n = len(text)
+    while i < n and text[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """Just past the JSON string starting at text[i] == '"'."""
+    j, n = i + 1, len(text)
+    while j < n:
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Just past the JSON value starting at text[i]; None if the text ends first."""
+    c, n = text[i], len(text)
+    if c == '"':
+        return _string_end(text, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < n:
+            c = text[j]
+            if c == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i  # a number, true, false or null: up to the next delimiter
+    while j < n and text[j] not in ",}]" + WHITESPACE:
+        j += 1
+    return j if j < n else None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of text that begins tag (held back: it may be one)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

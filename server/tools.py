@@ -1,0 +1,173 @@
+"""Tool calling on /v1/chat/completions: what `tools` and `tool_choice` ask of a
+request (`plan_tools`), and the calls in its output, whole (`tool_message`) or
+streamed (`ToolStream`).
+
+    none      tools are not shown to the model; its output is content
+    auto      tools are rendered by the chat template, and the server's parser
+              (--tool-call-parser, with --enable-auto-tool-choice) finds calls
+    required  a grammar makes the output a JSON array of calls, each naming a
+              tool and giving arguments valid under its parameters schema
+              (one call unless parallel_tool_calls)
+    {"type": "function", "function": {"name"}}  a grammar makes the output that
+              function's arguments
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured.spec import GrammarSpec
+from server.errors import APIError
+from server.protocol import AssistantMessage, ChatCompletionRequest, FunctionCall, ToolCall
+from server.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
+
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    template_tools: list[dict] | None = None  # for the chat template's `tools`
+    grammar: tuple[str, GrammarSpec] | None = None  # (the field it comes from, spec)
+    parser: Callable[[], ToolParser] | None = None  # None: the output is plain content
+    parallel: bool = True
+
+
+def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
+    """auto_parser: the server's --tool-call-parser, None without --enable-auto-tool-choice."""
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    if not tools:
+        if choice != "none":
+            raise APIError("tool_choice needs tools.", param="tool_choice")
+        return ToolPlan()
+    by_name = {tool.function.name: tool.function for tool in tools}
+    if len(by_name) != len(tools):
+        raise APIError("Tool names must be unique.", param="tools")
+    if choice == "none":
+        return ToolPlan()
+    template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
+    parallel = req.parallel_tool_calls
+    if choice == "auto":
+        if auto_parser is None:
+            raise APIError(
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser.",
+                param="tool_choice",
+            )
+        return ToolPlan(template_tools, None, PARSERS[auto_parser], parallel)
+    if choice == "required":
+        schema = _calls_schema(by_name, parallel)
+        return ToolPlan(template_tools, _grammar(schema), RequiredParser, parallel)
+    name = choice.function.name
+    if name not in by_name:
+        raise APIError(
+            f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice"
+        )
+    schema = by_name[name].parameters or NO_ARGUMENTS
+    return ToolPlan(template_tools, _grammar(schema), lambda: NamedParser(name), parallel)
+
+
+def _calls_schema(functions: dict, parallel: bool) -> dict[str, Any]:
+    """A JSON array of calls: each names one function and gives its parameters."""
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": name},
+                    "parameters": function.parameters or NO_ARGUMENTS,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, function in functions.items()
+        ]
+    }
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _grammar(schema: dict) -> tuple[str, GrammarSpec]:
+    try:
+        return "tools", GrammarSpec.json_schema(schema)
+    except ValueError as exc:
+        raise APIError(f"tools: {exc}", param="tools") from exc
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_message(
+    plan: ToolPlan, text: str, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """A whole choice's message and finish reason."""
+    if plan.parser is None:
+        return AssistantMessage(content=text), finish_reason
+    found = plan.parser().extract(text, final=True)
+    calls = found.calls if plan.parallel else found.calls[:1]
+    content = found.content if found.content.strip() or not calls else None
+    tool_calls = [
+        ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    return AssistantMessage(content=content, tool_calls=tool_calls), _finish(calls, finish_reason)
+
+
+def _finish(calls: list, finish_reason: str | None) -> str | None:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice: what each new piece of text adds to its content and calls,
+    as OpenAI's delta fields."""
+
+    parser: ToolParser
+    parallel: bool = True
+    text: str = ""
+    content_sent: int = 0
+    ids: list[str] = field(default_factory=list)
+    arguments_sent: list[int] = field(default_factory=list)
+
+    def feed(self, new_text: str, final: bool) -> dict[str, Any]:
+        """The delta for new_text (final: the choice's last): `content` and/or
+        `tool_calls`, each present only if it has news."""
+        self.text += new_text
+        found = self.parser.extract(self.text, final)
+        calls = found.calls if self.parallel else found.calls[:1]
+        content = found.content
+        if not content.strip() and (calls or not final):
+            content = ""  # whitespace around calls is no content; before them, not yet
+        delta: dict[str, Any] = {}
+        if len(content) > self.content_sent:
+            delta["content"] = content[self.content_sent :]
+            self.content_sent = len(content)
+        pieces = []
+        for index, call in enumerate(calls):
+            if index == len(self.ids):  # a new call: its id and name first
+                self.ids.append(call_id())
+                self.arguments_sent.append(len(call.arguments))
+                pieces.append(
+                    {
+                        "index": index,
+                        "id": self.ids[index],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
+            elif len(call.arguments) > self.arguments_sent[index]:
+                fragment = call.arguments[self.arguments_sent[index] :]
+                self.arguments_sent[index] = len(call.arguments)
+                pieces.append({"index": index, "function": {"arguments": fragment}})
+        if pieces:
+            delta["tool_calls"] = pieces
+        return delta
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        return _finish(self.ids, finish_reason)

@@ -1,0 +1,351 @@
+"""Structured outputs in the engine: every output of a random-weight model matches its
+grammar (only the constraint can make noise valid), greedy output equals transformers
+masked by the same xgrammar matcher, and grammar rows leave the rest of a batch alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from engine import LLM, SamplingParams
+from engine.models.loader import load_tokenizer
+from engine.structured.spec import GrammarSpec, build_grammar
+
+N = 60  # samples per grammar, in one generate call
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 8},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 4},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "owner": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "verified": {"type": "boolean"},
+            },
+            "required": ["city", "verified"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "age", "tags", "owner"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,8}@[a-z]{2,6}\.(com|org|net)"
+CHOICES = ["red", "green", "blue", "dark purple", 'say "hi"']
+EBNF = r"""
+root ::= pair ("," pair){0,3}
+pair ::= key "=" value
+key ::= [a-z]{1,6}
+value ::= [0-9]{1,4} | "true" | "false"
+"""
+EBNF_AS_REGEX = r"[a-z]{1,6}=([0-9]{1,4}|true|false)(,[a-z]{1,6}=([0-9]{1,4}|true|false)){0,3}"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gpt2_dir) -> LLM:
+    return LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=64, num_kv_blocks=1024)
+
+
+def sample(llm: LLM, spec: GrammarSpec, n: int = N, **kwargs) -> list:
+    settings = dict(max_tokens=120, temperature=1.0) | kwargs
+    params = [SamplingParams(seed=i, grammar=spec, **settings) for i in range(n)]
+    prompts = ["Hello", "1 2 3", "def forward(self, x):", "Once upon a time"] * (n // 4 + 1)
+    outs = llm.generate(prompts[:n], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def test_json_schema_outputs_validate(llm):
+    outs = sample(llm, GrammarSpec.json_schema(SCHEMA))
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), SCHEMA)  # strict json: no raw control chars
+    assert len({o.text for o in outs}) > N // 2  # sampled, not one forced string
+
+
+def test_json_object_outputs_parse(llm):
+    outs = sample(llm, GrammarSpec("json_object"), max_tokens=200)
+    done = [o.text for o in outs if o.finish_reason == "stop"]
+    assert len(done) > N // 2
+    for text in done:
+        assert isinstance(json.loads(text), dict)
+        # Whitespace is bounded: outside strings, only json.dumps's separators.
+        bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text).replace(": ", ":").replace(", ", ",")
+        assert not re.search(r"\s", bare), text
+
+
+def test_regex_outputs_match(llm):
+    for out in sample(llm, GrammarSpec("regex", REGEX)):
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(REGEX, out.text), out.text
+
+
+def test_choice_outputs_are_choices(llm):
+    outs = sample(llm, GrammarSpec.choice(CHOICES))
+    assert all(o.finish_reason == "stop" and o.text in CHOICES for o in outs)
+    assert len({o.text for o in outs}) >= 3
+
+
+def test_ebnf_outputs_match(llm):
+    for out in sample(llm, GrammarSpec("grammar", EBNF)):
+        assert out.finish_reason == "stop"
+        assert re.fullmatch(EBNF_AS_REGEX, out.text), out.text
+
+
+def test_every_choice_of_n_follows_the_grammar(llm):
+    params = SamplingParams(n=4, seed=3, temperature=1.0, grammar=GrammarSpec.choice(CHOICES))
+    (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in out.outputs)
+
+
+def test_grammar_ends_the_request_even_with_ignore_eos(llm):
+    (out,) = sample(llm, GrammarSpec.choice(["yes", "no"]), n=1, ignore_eos=True)
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_invalid_specs_are_value_errors(llm):
+    for spec, match in (
+        (GrammarSpec("json", '{"type": "nonsense"}'), "invalid JSON schema"),
+        (GrammarSpec("regex", "a(b"), "invalid regex"),
+        (GrammarSpec("grammar", "root ::= missing"), "invalid EBNF grammar"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            llm.generate("x", SamplingParams(grammar=spec), use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        GrammarSpec.json_schema("{oops")
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, grammar=GrammarSpec("json_object"))
+
+
+def test_a_spec_seen_before_compiles_no_more(llm):
+    spec = GrammarSpec("regex", "[0-9]{3}")
+    sample(llm, spec, n=4)
+    stats = llm.engine.grammars.stats
+    compiled, hits = stats.num_compiled, stats.num_cache_hits
+    sample(llm, spec, n=4)
+    assert stats.num_compiled == compiled and stats.num_cache_hits == hits + 4
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@dataclass
+class Reference:
+    """transformers' model of a checkpoint, and an xgrammar compiler for its tokenizer."""
+
+    model: Any
+    tokenizer: Any
+    compiler: xgr.GrammarCompiler
+
+    @classmethod
+    def load(cls, model_dir: str) -> Reference:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = load_tokenizer(model_dir)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+        )
+        return cls(model, tokenizer, xgr.GrammarCompiler(info))
+
+
+def masked_greedy(ref: Reference, prompt_ids: list[int], spec: GrammarSpec, limit: int):
+    """transformers' greedy continuation under the same xgrammar matcher."""
+    model, tokenizer, compiler = ref.model, ref.tokenizer, ref.compiler
+    vocab = model.config.vocab_size
+    compiled = compiler.compile_grammar(build_grammar(spec))
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < limit and not matcher.is_terminated():
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax(-1))
+            assert matcher.accept_token(token)
+            out.append(token)
+            ids.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm_and_reference(tiny_model_dir) -> tuple[LLM, Reference]:
+    return LLM(tiny_model_dir, device="cpu"), Reference.load(tiny_model_dir)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX), GrammarSpec("grammar", EBNF)],
+    ids=["json", "regex", "ebnf"],
+)
+def test_greedy_equals_masked_transformers(llm_and_reference, spec):
+    engine_llm, ref = llm_and_reference
+    prompts = ["Hello", "The quick brown fox", "1 2 3 4 5"]
+    params = SamplingParams(max_tokens=80, temperature=0.0, grammar=spec)
+    outs = engine_llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        want = masked_greedy(ref, ref.tokenizer.encode(prompt), spec, 80)
+        assert out.outputs[0].token_ids == want
+
+
+# ---------------------------------------------------------------- batches
+
+
+def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
+    prompts = ["Hello", "1 2 3", "Once upon a time", "def forward(self, x):"] * 3
+    specs = [None, GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX), None] * 3
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0 if i % 3 == 0 else 1.0, seed=i, grammar=s)
+        for i, s in enumerate(specs)
+    ]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [
+        llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
+        for p, sp in zip(prompts, params)
+    ]
+    assert together == alone
+
+
+def test_abort_mid_grammar_frees_everything(llm):
+    engine = llm.engine
+    spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}})
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=0, grammar=spec)
+    for i in range(4):
+        engine.add_request(f"abort{i}", [1, 2, 3, i + 4], params)
+    for _ in range(5):
+        engine.step()
+    assert any(r.structured.matcher is not None for rs in engine.requests.values() for r in rs)
+    for i in range(4):
+        engine.abort_request(f"abort{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.requests == {} and not engine.scheduler.running
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert len(engine.batch.free_slots) == engine.config.max_num_seqs
+    assert engine.batch.num_grammar == 0  # the batch's count of grammar rows
+    assert not engine.grammars.waiting
+
+
+def test_a_compiling_grammar_waits_while_others_run(llm, monkeypatch):
+    engine = llm.engine
+    grammars = engine.grammars
+    pending: Future = Future()
+    monkeypatch.setattr(grammars.pool, "submit", lambda fn, spec: pending)
+    spec = GrammarSpec("regex", "[a-c]{4}")
+    engine.add_request("slow", [1, 2, 3], SamplingParams(max_tokens=8, grammar=spec))
+    engine.add_request("plain", [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    plain_done = False
+    for _ in range(6):
+        for out in engine.step():
+            plain_done |= out.request_id == "plain" and out.finished
+    assert plain_done  # ran to its end while the grammar compiled
+    (slow,) = engine.requests["slow"]
+    assert slow.num_computed_tokens == 0 and slow in engine.scheduler.waiting
+    monkeypatch.undo()
+    pending.set_result(grammars._compile(spec))
+    text = ""
+    while engine.has_unfinished_requests():
+        text += "".join(out.new_text for out in engine.step())
+    assert re.fullmatch("[a-c]{4}", text)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_a_failed_compile_ends_its_request(llm, monkeypatch):
+    engine = llm.engine
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("boom"))
+    monkeypatch.setattr(engine.grammars.pool, "submit", lambda fn, spec: failed)
+    engine.add_request("bad", [1, 2], SamplingParams(grammar=GrammarSpec("regex", "[x-z]{9}")))
+    monkeypatch.undo()
+    from engine.structured.grammars import GrammarError
+
+    with pytest.raises(GrammarError) as info:
+        engine.step()
+    assert info.value.request_ids == ["bad"]
+    engine.abort_request("bad")
+    assert not engine.has_unfinished_requests()
+    assert GrammarSpec("regex", "[x-z]{9}") not in engine.grammars.cache  # retried next time
+
+
+def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
+    from types import SimpleNamespace
+
+    grammars = llm.engine.grammars
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_id
+
+    def row(spec: GrammarSpec | None, text: str = ""):
+        state = None
+        if spec is not None:
+            state = grammars.state("unit", spec)
+            state.compiled.result()
+            assert state.ready()
+            for token_id in tokenizer.encode(text):
+                assert state.accept(token_id) is None
+        return SimpleNamespace(structured=state, is_finished=False)
+
+    rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
+    assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
+    logits = torch.zeros(3, llm.engine.vocab_size)
+    grammars.fill(rows).apply(logits)
+    allowed = logits > float("-inf")
+    assert not allowed[0, eos] and allowed[1, eos]  # "" cannot end; "abb" can
+    assert allowed[1, tokenizer.encode("b")[0]]
+    assert allowed[0, tokenizer.encode("a")[0]] and not allowed[0, tokenizer.encode("b")[0]]
+    assert allowed[2].all()  # no grammar: nothing masked
+    assert grammars.fill([row(None)]) is None
+    choice = row(GrammarSpec.choice(["ab"]), "ab")  # complete: only EOS may follow
+    logits = torch.zeros(1, llm.engine.vocab_size)
+    grammars.fill([choice]).apply(logits)
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
+    assert choice.structured.accept(eos) == "stop"
+    # An id the grammar refuses ends that request alone, as an abort.
+    assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
+
+
+def test_preempted_grammar_requests_keep_their_matchers(tiny_gpt2_dir, monkeypatch):
+    """Tight KV preempts running grammar rows, some with an id still on the device: their
+    matchers accept it when it is read after they left, and every output still matches
+    and equals the request's output alone (seeded)."""
+    from engine.structured.grammars import GrammarState
+
+    departed = []
+    accept = GrammarState.accept_departed
+
+    def counting(self, req, token_id):
+        departed.append(token_id)
+        accept(self, req, token_id)
+
+    monkeypatch.setattr(GrammarState, "accept_departed", counting)
+    tight = LLM(tiny_gpt2_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96)
+    params = [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=i, grammar=GrammarSpec("regex", REGEX))
+        for i in range(6)
+    ]
+    prompts = ["Hello", "1 2 3", "Once upon a time", "def forward(self, x):"] * 2
+    outs = [o.outputs[0] for o in tight.generate(prompts[:6], params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0 and departed
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
+    roomy = LLM(tiny_gpt2_dir, device="cpu", block_size=4, max_model_len=96)
+    alone = [roomy.generate(p, sp, use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]

@@ -1,0 +1,124 @@
+"""Tool-call parsers on whole texts, and streamed in every split: the deltas concatenate
+to what the whole text gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.tool_parsers import (
+    DraftCall,
+    HermesParser,
+    Llama3JsonParser,
+    NamedParser,
+    RequiredParser,
+)
+from server.tools import ToolStream
+
+HERMES = (
+    "Let me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+    "</tool_call>\n"
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "a \\"quoted\\" }{ brace"}}\n'
+    "</tool_call>"
+)
+HERMES_CALLS = [
+    DraftCall("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+    DraftCall("get_time", '{"zone": "a \\"quoted\\" }{ brace"}'),
+]
+LLAMA3 = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+    '{"name": "get_time", "parameters": {}}'
+)
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Rome", "n": 3}}, {"name": "f", "parameters": {}}]'
+
+
+def test_hermes_whole_text():
+    found = HermesParser().extract(HERMES, final=True)
+    assert found.content == "Let me check.\n"
+    assert found.calls == HERMES_CALLS
+    for call in found.calls:
+        json.loads(call.arguments)
+
+
+def test_hermes_without_calls_is_content():
+    parser = HermesParser()
+    assert parser.extract("just text", True).content == "just text"
+    broken = "hi <tool_call>\n{not json}\n</tool_call>"
+    assert parser.extract(broken, True).content == broken  # no call could be read: all content
+    assert parser.extract(broken, True).calls == []
+
+
+def test_llama3_json():
+    found = Llama3JsonParser().extract(LLAMA3, final=True)
+    assert found.content == ""
+    assert found.calls == [
+        DraftCall("get_weather", '{"city": "Oslo"}'),
+        DraftCall("get_time", "{}"),
+    ]
+    assert Llama3JsonParser().extract("The answer is 4.", True).content == "The answer is 4."
+
+
+def test_required_and_named():
+    assert RequiredParser().extract(REQUIRED, True).calls == [
+        DraftCall("get_weather", '{"city": "Rome", "n": 3}'),
+        DraftCall("f", "{}"),
+    ]
+    assert NamedParser("f").extract('{"x": 1}', True).calls == [DraftCall("f", '{"x": 1}')]
+
+
+def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[str, list, str]:
+    """Feed text in pieces cut at `cuts`; (content, calls as OpenAI's SDK accumulates
+    them, finish_reason)."""
+    s = ToolStream(parser, parallel)
+    bounds = [0, *cuts, len(text)]
+    content, calls = "", []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        delta = s.feed(text[a:b], final=k == len(bounds) - 2)
+        content += delta.get("content", "")
+        for piece in delta.get("tool_calls", []):
+            if "id" in piece:  # a call opens with its index, id and name
+                assert piece["index"] == len(calls) and piece["type"] == "function"
+                calls.append({"id": piece["id"], **piece["function"]})
+            else:
+                assert set(piece) == {"index", "function"} and set(piece["function"]) == {
+                    "arguments"
+                }
+                calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    return content, calls, s.finish_reason("stop")
+
+
+@pytest.mark.parametrize(
+    "parser, text, content, calls",
+    [
+        (HermesParser, HERMES, "Let me check.\n", HERMES_CALLS),
+        (Llama3JsonParser, LLAMA3, "", None),
+        (RequiredParser, REQUIRED, "", None),
+        (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
+        (HermesParser, "no calls <tool_ here", "no calls <tool_ here", []),
+        (Llama3JsonParser, '{"not": "a call"}', '{"not": "a call"}', []),
+    ],
+)
+def test_stream_split_anywhere_gives_the_whole_texts_calls(parser, text, content, calls):
+    whole = parser().extract(text, final=True)
+    want_calls = [(c.name, c.arguments) for c in (calls if calls is not None else whole.calls)]
+    splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]  # one cut; each char
+    for cuts in splits:
+        got_content, got_calls, finish = stream(parser(), text, cuts)
+        assert got_content == content == (whole.content if whole.calls else whole.content)
+        assert [(c["name"], c["arguments"]) for c in got_calls] == want_calls
+        assert finish == ("tool_calls" if want_calls else "stop")
+        assert len({c["id"] for c in got_calls}) == len(got_calls)
+
+
+def test_stream_without_parallel_calls_keeps_the_first():
+    _, calls, _ = stream(HermesParser(), HERMES, list(range(1, len(HERMES), 7)), parallel=False)
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_content_is_held_while_a_tag_may_begin():
+    s = ToolStream(HermesParser())
+    assert s.feed("Hi <tool", False) == {"content": "Hi "}
+    assert s.feed("_call>", False) == {}
+    assert s.feed('{"name": "f"', False)["tool_calls"][0]["function"]["name"] == "f"
