@@ -36,6 +36,7 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
+from engine.outputs import detokenize, take_outputs
 from engine.prompt_logprobs import PromptScores
 from engine.request import (
     Request,
@@ -289,30 +290,12 @@ class Engine:
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
-        first output nor its last is added there instead."""
+        first output nor its last is added there instead (engine/outputs.py)."""
         if not self.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
             news, self.news = self.news, {}
-            if deltas is None:
-                outputs = [self._output(req) for req in news]
-                return [out for out in outputs if out is not None]
-            finished = RequestStatus.FINISHED
-            outputs = []
-            for req in news:
-                emitted = req.num_emitted_tokens
-                if req.params.plain and emitted and req.status is not finished:
-                    new_ids = req.output_ids_from(emitted)
-                    req.num_emitted_tokens = emitted + len(new_ids)
-                    deltas.request_ids.append(req.request_id)
-                    deltas.indices.append(req.index)
-                    deltas.num_tokens.append(len(new_ids))
-                    deltas.token_ids += new_ids
-                else:
-                    out = self._output(req)
-                    if out is not None:
-                        outputs.append(out)
-            return outputs
+            return take_outputs(news, deltas)
 
     def _read(self, step: LaunchedStep) -> None:
         """Read a launched step's ids into the batch; apply stops; note the news."""
@@ -414,50 +397,9 @@ class Engine:
 
     def _detokenize(self, req: Request) -> None:
         """Decode what req gained since last time; finish it at a stop string."""
-        new_ids = req.output_ids_from(req.num_detokenized_tokens)
-        if not new_ids:
-            return
-        req.num_detokenized_tokens += len(new_ids)
-        params = req.params
-        if params.final_only and not params.stop:
-            req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
-            return
-        stop_string = req.detokenizer.update(new_ids)
+        stop_string = detokenize(req)
         if stop_string is not None:
-            if req.is_finished:  # a token-level stop came first, but the text stops earlier
-                req.finish_reason, req.stop_reason = "stop", stop_string
-            else:
-                self._finish(req, "stop", stop_string)
-
-    def _output(self, req: Request) -> RequestOutput | None:
-        """The news since req's last output (None: a final-only request still running)."""
-        params = req.params
-        if params.detokenize:
-            self._detokenize(req)
-        finished = req.status is RequestStatus.FINISHED
-        if params.final_only and not finished:
-            return None
-        emitted = req.num_emitted_tokens
-        new_ids = req.output_ids_from(emitted)
-        req.num_emitted_tokens = num_output = emitted + len(new_ids)
-        logprobs: list[TokenLogprob] | None = None
-        if params.logprobs is not None:
-            logprobs, req.pending_logprobs = req.pending_logprobs, []
-        return RequestOutput(
-            req.request_id,
-            req.index,
-            new_ids,
-            req.detokenizer.get_delta(finished) if params.detokenize else "",
-            logprobs,
-            finished,
-            req.finish_reason,
-            req.stop_reason,
-            len(req.prompt_token_ids),
-            num_output,
-            req.num_cached_tokens,
-            req.metrics if emitted == 0 or finished else None,
-            req.prompt_logprobs if emitted == 0 else None,
-        )
+            self._finish(req, "stop", stop_string)
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

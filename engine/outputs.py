@@ -1,0 +1,82 @@
+"""RequestOutputs from a request's news: the ids since its last output, their text
+and logprobs. The engine notes which requests have news as it reads ids; this
+turns them into outputs when the consumer asks (Engine.take_outputs)."""
+
+from __future__ import annotations
+
+from engine.request import Request, RequestOutput, RequestStatus, TokenDeltas, TokenLogprob
+
+
+def detokenize(req: Request) -> str | None:
+    """Decode what req gained since last time; the stop string it reached, if it is
+    still running (a finished request's reason is corrected in place: a token-level
+    stop came first, but the text stops earlier)."""
+    new_ids = req.output_ids_from(req.num_detokenized_tokens)
+    if not new_ids:
+        return None
+    req.num_detokenized_tokens += len(new_ids)
+    params = req.params
+    if params.final_only and not params.stop:
+        req.detokenizer.decode_all(new_ids)  # seen once, when finished: one call
+        return None
+    stop_string = req.detokenizer.update(new_ids)
+    if stop_string is not None and req.is_finished:
+        req.finish_reason, req.stop_reason = "stop", stop_string
+        return None
+    return stop_string
+
+
+def take_outputs(news: dict[Request, None], deltas: TokenDeltas | None) -> list[RequestOutput]:
+    """One RequestOutput per request in news; with deltas, a plain stream's between
+    its first output and its last goes there as ids instead."""
+    if deltas is None:
+        outputs = [build_output(req) for req in news]
+        return [out for out in outputs if out is not None]
+    finished = RequestStatus.FINISHED
+    outputs = []
+    for req in news:
+        emitted = req.num_emitted_tokens
+        if req.params.plain and emitted and req.status is not finished:
+            new_ids = req.output_ids_from(emitted)
+            req.num_emitted_tokens = emitted + len(new_ids)
+            deltas.request_ids.append(req.request_id)
+            deltas.indices.append(req.index)
+            deltas.num_tokens.append(len(new_ids))
+            deltas.token_ids += new_ids
+        else:
+            out = build_output(req)
+            if out is not None:
+                outputs.append(out)
+    return outputs
+
+
+def build_output(req: Request) -> RequestOutput | None:
+    """The news since req's last output (None: a final-only request still running).
+    A running request's stop strings were matched as its ids were read."""
+    params = req.params
+    if params.detokenize:
+        detokenize(req)
+    finished = req.status is RequestStatus.FINISHED
+    if params.final_only and not finished:
+        return None
+    emitted = req.num_emitted_tokens
+    new_ids = req.output_ids_from(emitted)
+    req.num_emitted_tokens = num_output = emitted + len(new_ids)
+    logprobs: list[TokenLogprob] | None = None
+    if params.logprobs is not None:
+        logprobs, req.pending_logprobs = req.pending_logprobs, []
+    return RequestOutput(
+        req.request_id,
+        req.index,
+        new_ids,
+        req.detokenizer.get_delta(finished) if params.detokenize else "",
+        logprobs,
+        finished,
+        req.finish_reason,
+        req.stop_reason,
+        len(req.prompt_token_ids),
+        num_output,
+        req.num_cached_tokens,
+        req.metrics if emitted == 0 or finished else None,
+        req.prompt_logprobs if emitted == 0 else None,
+    )
