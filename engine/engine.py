@@ -342,6 +342,11 @@ class Engine:
                 got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
             ):
                 self._check_token_stop(by_slot[slot], token_id)
+        for req, token_id in got.departed:  # preempted: waiting to be recomputed
+            if not req.is_finished and (
+                token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
+            ):
+                self._check_token_stop(req, token_id)
         if batch.num_grammar:  # [structured] after the stops: a stop id ends it first
             self._accept_grammars(got)
         if not got.streamed:

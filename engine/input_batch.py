@@ -34,6 +34,9 @@ class ReadTokens:
     done: np.ndarray | None  # [k] bool: a stop id (past min_tokens) or the length limit
     first: np.ndarray | None  # [k] bool: the request's first output token
     streamed: list[Request]  # the live rows' streamed requests (their ids are news)
+    # Preempted requests whose id sampled before they left was read now: a stop id or
+    # their length limit ends them all the same.
+    departed: list[tuple[Request, int]]
 
 
 @dataclass
@@ -188,6 +191,7 @@ class InputBatch:
         """Append a step's sampled ids [k] to the rows that sampled them, and find the
         rows they stop. Ids of a request that has left since are dropped, or, if it
         was preempted, appended to its own list (it recomputes them)."""
+        departed: list[tuple[Request, int]] = []
         if mark.departures != self.departures:
             live = self.generation[slots] == mark.generations
             if not live.all():
@@ -196,6 +200,7 @@ class InputBatch:
                     req = self.departed.pop(key, None)
                     if req is not None and not req.is_finished:
                         req.receive_departed(int(token_ids[i]))
+                        departed.append((req, int(token_ids[i])))
                 slots, token_ids = slots[live], token_ids[live]
         counts = self.counts[:, slots]  # [7, k]: one gather for every column read here
         position = counts[KNOWN]
@@ -220,6 +225,7 @@ class InputBatch:
             done if done.any() else None,
             first if first.any() else None,
             streamed,
+            departed,
         )
 
     # -- reads for one request -------------------------------------------------

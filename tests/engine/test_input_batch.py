@@ -95,6 +95,7 @@ def test_ids_of_a_request_that_left_go_to_it_or_nowhere():
     got = batch.read(slots, mark, np.array([7, 8]))
     assert got.slots.tolist() == [] and c.num_tokens == 1 and c.output_token_ids == []
     assert b.output_token_ids == [8] and b.num_inflight == 0
+    assert got.departed == [(b, 8)]  # the engine checks it for a stop: b may be done
     assert a.output_token_ids == []
 
 
