@@ -10,19 +10,11 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.scheduler import SchedulerOutput
 from tests.conftest import PROMPTS, hf_greedy
+from tests.gpu.conftest import GPU, generate
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU
 
 MAX_NEW = 16
-
-
-def generate(model_dir: str, prompts: list[str], **config) -> list[list[int]]:
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, **config)
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5, 13])  # buckets 1, 4, 8, 16: padding in all but one
@@ -30,8 +22,8 @@ def test_cuda_graphs_match_eager_and_transformers(tiny_model_dir, batch):
     prompts = (PROMPTS * 2)[:batch]
     tokenizer = load_tokenizer(tiny_model_dir)
     want = [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
-    graphs = generate(tiny_model_dir, prompts)
-    eager = generate(tiny_model_dir, prompts, enforce_eager=True)
+    graphs = generate(tiny_model_dir, prompts, MAX_NEW)
+    eager = generate(tiny_model_dir, prompts, MAX_NEW, enforce_eager=True)
     assert graphs == eager
     assert graphs == want
 
@@ -44,8 +36,12 @@ def test_steps_with_prefill_match_eager_and_transformers(tiny_model_dir, graphs)
     prompts = [p * 3 for p in PROMPTS]  # 10 to ~90 tokens
     tokenizer = load_tokenizer(tiny_model_dir)
     want = [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
-    got = generate(tiny_model_dir, prompts, max_num_batched_tokens=40, prefill_graphs=graphs)
-    assert got == generate(tiny_model_dir, prompts, max_num_batched_tokens=40, enforce_eager=True)
+    got = generate(
+        tiny_model_dir, prompts, MAX_NEW, max_num_batched_tokens=40, prefill_graphs=graphs
+    )
+    assert got == generate(
+        tiny_model_dir, prompts, MAX_NEW, max_num_batched_tokens=40, enforce_eager=True
+    )
     assert got == want
 
 

@@ -9,11 +9,9 @@ from kernels.kv_store import kv_store, kv_store_ref
 from kernels.linear import SplitKWorkspace, linear_ref, splitk_linear
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from tests.gpu.conftest import GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = GPU
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (num_heads, num_kv_heads, head_dim): GPT-2, Qwen2.5-0.5B, Llama-3-8B, a head_dim of 80.

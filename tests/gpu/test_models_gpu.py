@@ -6,23 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from tests.conftest import FAMILY_CONFIGS, PROMPTS, hf_greedy
+from tests.gpu.conftest import GPU, generate
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU
 
 MAX_NEW = 32
-
-
-def generate(model_dir: str, prompts: list[str], **config) -> list[list[int]]:
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, **config)
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("kind", list(FAMILY_CONFIGS))
@@ -30,14 +21,14 @@ def test_families_match_transformers_on_cuda(tiny_family_dir, kind):
     model_dir = tiny_family_dir(kind)
     tokenizer = load_tokenizer(model_dir)
     want = [hf_greedy(model_dir, tokenizer.encode(p), MAX_NEW) for p in PROMPTS]
-    graphs = generate(model_dir, PROMPTS)
+    graphs = generate(model_dir, PROMPTS, MAX_NEW)
     assert graphs == want
-    assert generate(model_dir, PROMPTS, enforce_eager=True) == want
+    assert generate(model_dir, PROMPTS, MAX_NEW, enforce_eager=True) == want
     # Chunked prefill (prefill graphs) and prefix-cache hits over 4-token blocks.
     shared = PROMPTS[3] + " " + PROMPTS[6]
     prompts = [shared + suffix for suffix in ("", " one", " two")] * 2
     want = [hf_greedy(model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
-    assert generate(model_dir, prompts, block_size=4, max_num_batched_tokens=24) == want
+    assert generate(model_dir, prompts, MAX_NEW, block_size=4, max_num_batched_tokens=24) == want
 
 
 def test_fused_moe_in_a_cuda_graph_follows_new_routing():

@@ -9,11 +9,9 @@ import torch
 from engine import LLM, SamplingParams
 from tests.conftest import hf_greedy
 from tests.engine.test_prompt_logprobs import check, prompt_of, reference
+from tests.gpu.conftest import GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

@@ -8,16 +8,13 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.structured.spec import GrammarSpec
 from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
+from tests.gpu.conftest import GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = GPU
 
 PROMPTS = ["Hello", "The quick brown fox", "1 2 3 4 5", "def forward(self, x):"]
 
