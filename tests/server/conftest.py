@@ -7,10 +7,14 @@ and enough KV blocks (1024 × 16 tokens) for 64 full-length streams at once.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +27,7 @@ from server.config import ServerConfig
 from server.http_server import draining_server
 
 MAX_MODEL_LEN = 256
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class LiveServer:
@@ -61,6 +66,56 @@ class LiveServer:
         if default is not None:
             return default
         raise KeyError(sample)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server ARGS --port P` on a free port, output to `log`; with
+    `own_group`, in a process group (and session) of its own, which a test may signal.
+    A session of its own is also a scheduler autogroup of its own, so it shares the
+    CPU with the test differently: a test that needs preemptions under load keeps it off."""
+
+    def __init__(self, args: list[str], log: Path, own_group: bool = False) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server", *args, "--port", str(self.port)],
+                cwd=ROOT,
+                stdout=out,
+                stderr=out,
+                start_new_session=own_group,
+            )
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not come up:\n" + self.log.read_text())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """After a test, pass or fail: SIGTERM first, so no child process outlives it."""
+        try:
+            self.stop(signal.SIGTERM, timeout=30)
+        except subprocess.TimeoutExpired:
+            self.stop(signal.SIGKILL)
 
 
 def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:

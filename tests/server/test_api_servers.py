@@ -13,8 +13,6 @@ import pickle
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,10 +34,8 @@ from server.engine_process import spawn_engine
 from server.engine_wire import EngineInfo, WireReport
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
-from tests.server.conftest import MAX_MODEL_LEN, engine_config
+from tests.server.conftest import MAX_MODEL_LEN, ServerProcess, engine_config
 from tests.server.test_concurrency import assert_streams_match, greedy_stream_bodies, stream_text
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeLoop:
@@ -268,42 +264,14 @@ async def test_two_api_processes_share_one_engine_process(tiny_gpt2_dir):
 # -- the supervisor, end to end -------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Supervisor:
+class Supervisor(ServerProcess):
     def __init__(self, model_dir: str, tmp_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / "serve.log"
         args = [
             "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-kv-blocks", "1024", "--max-num-seqs", "64", "--port", str(self.port),
+            "--num-kv-blocks", "1024", "--max-num-seqs", "64",
             "--api-server-count", "2", "--shutdown-timeout", "5",
         ]  # fmt: skip
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server", *args],
-                cwd=ROOT,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,  # a group of its own, which a test may signal
-            )
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the server did not come up:\n" + self.log.read_text())
+        super().__init__(args, tmp_path / "serve.log", own_group=True)
 
     def pids(self) -> tuple[int, list[int]]:
         """(engine pid, API process pids), from the supervisor's log."""
@@ -318,18 +286,6 @@ class Supervisor:
         text = httpx.get(f"{self.base_url}/metrics", headers={"Connection": "close"}).text
         line = next(line for line in text.splitlines() if line.startswith(sample + " "))
         return float(line.rsplit(" ", 1)[1])
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def close(self) -> None:
-        """After a test, pass or fail: SIGTERM first, so no API process outlives it."""
-        try:
-            self.stop(signal.SIGTERM, timeout=30)
-        except subprocess.TimeoutExpired:
-            self.stop(signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:

@@ -11,10 +11,6 @@ import json
 import math
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +20,8 @@ import httpx
 import pytest
 
 from tests.server.browser import Browser, find_chromium
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import MAX_MODEL_LEN, ROOT, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PAGODA_TEST_ARTIFACTS", ROOT / "build" / "test-artifacts"))
 KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -42,51 +37,19 @@ SHARED_PREFIX = (
 # -- a server of two API processes -----------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: str, log: Path) -> None:
-        self.base_url = f"http://127.0.0.1:{free_port()}"
-        self.log = log
-        args = [
-            "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--port", self.base_url.rsplit(":", 1)[1], "--api-server-count", "2",
-            "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "2",
-        ]  # fmt: skip
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server", *args], cwd=ROOT, stdout=out, stderr=out
-            )
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the server did not come up:\n" + self.log.read_text())
-
-    def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+def start(model_dir: str, log: Path) -> ServerProcess:
+    args = [
+        "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--api-server-count", "2",
+        "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "2",
+    ]  # fmt: skip
+    return ServerProcess(args, log)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_gpt2_dir, tmp_path_factory) -> Iterator[Server]:
-    live = Server(tiny_gpt2_dir, tmp_path_factory.mktemp("dashboard") / "serve.log")
+def server(tiny_gpt2_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    live = start(tiny_gpt2_dir, tmp_path_factory.mktemp("dashboard") / "serve.log")
     try:
         live.wait_ready()
         yield live

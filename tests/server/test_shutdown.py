@@ -6,36 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN
-from tests.server.test_api_servers import ROOT, Supervisor, free_port
+from tests.server.conftest import MAX_MODEL_LEN, ServerProcess
 
 
-class Server(Supervisor):
+def start(model_dir: str, tmp_path, layout: list[str]) -> ServerProcess:
     """`python -m server` in a process group of its own, in the given layout."""
-
-    def __init__(self, model_dir: str, tmp_path, layout: list[str]) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / "serve.log"
-        args = [
-            "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-kv-blocks", "64", "--port", str(self.port), "--shutdown-timeout", "0",
-            *layout,
-        ]  # fmt: skip
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "server", *args],
-                cwd=ROOT,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
+    args = [
+        "--model", model_dir, "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-kv-blocks", "64", "--shutdown-timeout", "0", *layout,
+    ]  # fmt: skip
+    return ServerProcess(args, tmp_path / "serve.log", own_group=True)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +28,7 @@ class Server(Supervisor):
     ids=["thread", "engine process", "api servers"],
 )
 def test_sigterm_ends_open_streams_with_an_error_event_and_exits_0(tiny_gpt2_dir, tmp_path, layout):
-    server = Server(tiny_gpt2_dir, tmp_path, layout)
+    server = start(tiny_gpt2_dir, tmp_path, layout)
     try:
         server.wait_ready()
         body = {"prompt": "Hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
