@@ -12,7 +12,6 @@ from torch import nn
 
 from engine.models.layers import (
     AttentionMetadata,
-    DownProjection,
     LMHead,
     RMSNorm,
     RotaryEmbedding,
@@ -20,7 +19,7 @@ from engine.models.layers import (
     layer_sliding_windows,
     rope_settings,
 )
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
 # weights HF applies as (1 + weight): folded in at load.
@@ -37,17 +36,6 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported hidden_activation {config.hidden_activation!r}")
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(gelu_tanh(gate) * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int) -> None:
         super().__init__()
@@ -56,7 +44,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, sliding_window)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.mlp = GemmaMLP(config)
+        self.mlp = LlamaMLP(config, act=gelu_tanh)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def forward(

@@ -4,7 +4,7 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +77,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh."""
+
+    def __init__(self, config, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
+        self.act = act
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
