@@ -1,4 +1,4 @@
-"""The host's work in a steady decode step, on any machine: the forward is stubbed out.
+"""The host's work in a decode step, on any machine: the forward is stubbed out.
 
     python -m benchmarks.host_step            # batch 64, the demo model, on the CPU
     python -m benchmarks.host_step --batch 128 --repeats 9
@@ -24,8 +24,8 @@ in columns (TokenDeltas) as the engine process does.
 `--churn M` keeps the batch full the way a server under load does: requests
 of M output tokens, staggered so that about batch/M finish every step, and
 every `--admit-every` steps as many new ones (distinct prompts of `--context`
-tokens) as finished since. Steps then admit prompts and leave the scheduler's
-steady state, as 20-35% of them do at 512 requests in flight on the H100.
+tokens) as finished since. Steps then admit prompts beside their decodes, as
+a server's do under load.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Engine:
                 )
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
-            if params.grammar is not None:  # [structured] a matcher per choice
+            if params.grammar is not None:  # a matcher per choice
                 req.structured = self.grammars.state(request_id, params.grammar)
             choices.append(req)
             self.scheduler.add(req)
@@ -249,7 +249,7 @@ class Engine:
                     void = batch.generation[sampling] != generations
             if len(sampling):
                 with self._range("sample"):
-                    # [structured] Filled while the device runs the forward.
+                    # Filled while the device runs the forward.
                     bitmask = self.grammars.fill(self._requests(sampling)) if grammar else None
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
                 mark = batch.launched(sampling)
@@ -269,7 +269,7 @@ class Engine:
         return self.take_outputs(deltas) if emit else []
 
     def _check_grammars(self) -> None:
-        """[structured] Raise for grammars that failed to compile (with nothing to run,
+        """Raise for grammars that failed to compile (with nothing to run,
         wait a little for one to finish instead of spinning); finish the preempted
         requests whose grammar an id read after they left ended."""
         grammars = self._grammars
@@ -347,7 +347,7 @@ class Engine:
                 token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
             ):
                 self._check_token_stop(req, token_id)
-        if batch.num_grammar:  # [structured] after the stops: a stop id ends it first
+        if batch.num_grammar:  # after the stops: a stop id ends it first
             self._accept_grammars(got)
         if not got.streamed:
             return
@@ -368,7 +368,7 @@ class Engine:
                 news[req] = None
 
     def _accept_grammars(self, got: ReadTokens) -> None:
-        """[structured] Each grammar row's matcher accepts its new id; a complete grammar
+        """Each grammar row's matcher accepts its new id; a complete grammar
         (or a refused id) finishes the request."""
         rows = self.batch.has_grammar[got.slots]
         if not rows.any():

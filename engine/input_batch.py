@@ -80,7 +80,7 @@ class InputBatch:
         self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
-        # [structured] A grammar's matcher follows every read id, and its mask needs
+        # A grammar's matcher follows every read id, and its mask needs
         # them before its rows sample.
         self.has_grammar = np.zeros(n, dtype=bool)
         self.num_grammar = 0
@@ -137,7 +137,7 @@ class InputBatch:
         self.num_scoring += scores
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
-        self.has_grammar[slot] = grammar = req.structured is not None  # [structured]
+        self.has_grammar[slot] = grammar = req.structured is not None
         self.num_grammar += grammar
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
         self.top_k[slot] = params.top_k
@@ -168,7 +168,7 @@ class InputBatch:
         self.num_streaming -= bool(self.streams[slot])
         self.prompt_scored(slot)
         self.num_needs_sync -= bool(self.needs_sync[slot])
-        self.num_grammar -= bool(self.has_grammar[slot])  # [structured]
+        self.num_grammar -= bool(self.has_grammar[slot])
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None

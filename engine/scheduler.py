@@ -204,7 +204,7 @@ class Scheduler:
         """Admit waiting requests while budget, slots and blocks last (FIFO)."""
         now = time.time()
         batch = self.batch
-        compiling: list[Request] = []  # [structured] its grammar is not compiled yet
+        compiling: list[Request] = []  # its grammar is not compiled yet
         while self.waiting and budget > 0 and batch.free_slots:
             req = self.waiting[0]
             if req.structured is not None and not req.structured.ready():
