@@ -30,57 +30,35 @@ from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
 from engine.structured.spec import GrammarSpec
 
-# A long array of small records, with string length bounds. Inside a bounded string
-# xgrammar's mask takes far longer to fill than elsewhere.
-BOUNDED = {
-    "type": "object",
-    "properties": {
-        "people": {
-            "type": "array",
-            "minItems": 200,
-            "maxItems": 200,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "maxLength": 16},
-                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                    "email": {"type": "string", "maxLength": 24},
-                    "role": {"enum": ["admin", "user", "guest"]},
-                    "tags": {
-                        "type": "array",
-                        "items": {"type": "string", "maxLength": 8},
-                        "maxItems": 3,
-                    },
-                },
-                "required": ["name", "age", "email", "role", "tags"],
-                "additionalProperties": False,
-            },
-        }
+
+def records(fields: dict, **closed) -> dict:
+    """An object holding exactly 200 records with `fields`, all required (so that a
+    constrained request runs to max_tokens); closed: additionalProperties=False."""
+    record = {"type": "object", "properties": fields, "required": list(fields), **closed}
+    people = {"type": "array", "minItems": 200, "maxItems": 200, "items": record}
+    return {"type": "object", "properties": {"people": people}, "required": ["people"], **closed}
+
+
+# Records with string length bounds. Inside a bounded string xgrammar's mask takes
+# far longer to fill than elsewhere.
+BOUNDED = records(
+    {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 24},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
     },
-    "required": ["people"],
-    "additionalProperties": False,
-}
-# The same records without length bounds: a typical extraction schema.
-PLAIN = {
-    "type": "object",
-    "properties": {
-        "people": {
-            "type": "array",
-            "minItems": 200,
-            "maxItems": 200,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string"},
-                    "age": {"type": "integer"},
-                    "role": {"enum": ["admin", "user", "guest"]},
-                },
-                "required": ["name", "age", "role"],
-            },
-        }
-    },
-    "required": ["people"],
-}
+    additionalProperties=False,
+)
+# Records without length bounds: a typical extraction schema.
+PLAIN = records(
+    {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "role": {"enum": ["admin", "user", "guest"]},
+    }
+)
 SCHEMAS = {"bounded": BOUNDED, "plain": PLAIN}
 
 
