@@ -72,6 +72,7 @@ class InputBatch:
         self.stop_count = np.zeros(vocab_size, dtype=np.int32)
         # What the sampler and the engine ask of every row, every step.
         self.argmax_only = np.zeros(n, dtype=bool)  # greedy with nothing to apply
+        self.argmax_masked = np.zeros(n, dtype=bool)  # the same, but for a grammar's mask
         self.needs_sync = np.zeros(n, dtype=bool)  # ids read on the host before sampling
         self.num_needs_sync = 0
         # Its prefill scores the prompt (prompt logprobs not all computed): see
@@ -131,6 +132,7 @@ class InputBatch:
         self.stop_count[stops] += 1
         self.capacity[slot] = 0  # the scheduler gives it blocks next
         self.argmax_only[slot] = params.argmax_only
+        self.argmax_masked[slot] = params.argmax_masked
         self.needs_sync[slot] = params.needs_sync
         self.num_needs_sync += params.needs_sync
         self.scores_prompt[slot] = scores = req.scores_prompt

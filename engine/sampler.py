@@ -87,6 +87,10 @@ class Sampler:
         argmax_only)."""
         if self.batch.argmax_only[slots].all():
             return logits.argmax(-1) if argmax is None else argmax
+        if bitmask is not None and self.batch.argmax_masked[slots].all():
+            # In place: nothing else reads these logits (no logprobs are asked for).
+            bitmask.apply(logits)
+            return logits.argmax(-1)
         requests = self._requests(slots)
         if bitmask is None and all(self._argmax_only(req) for req in requests):
             return logits.argmax(-1) if argmax is None else argmax

@@ -56,14 +56,15 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
         self._validate()
         # The hot decode path asks this of every request every step: answer once.
-        self.argmax_only = (
+        # Greedy with nothing to apply but a grammar's mask: the masked logits' argmax.
+        self.argmax_masked = (
             self.greedy
             and not self.has_penalties
             and not self.logit_bias
             and self.logprobs is None
             and self.min_tokens == 0
-            and self.grammar is None
         )
+        self.argmax_only = self.argmax_masked and self.grammar is None
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None

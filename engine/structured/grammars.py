@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -129,8 +130,12 @@ class Grammars:
         # Half the cores, at most 8: a row's mask is mostly a cached lookup (us), and
         # threads pay off only when many rows need tokens checked one by one.
         max_threads = max_threads or min(8, max(1, (os.cpu_count() or 2) // 2))
+        # The tokenizer's own ids only: xgrammar counts the model's padding ids past
+        # them as special tokens, and every accepted token scans that list.
+        token_vocab = min(len(tokenizer), vocab_size)
+        stops = [i for i in eos_token_ids if i < token_vocab]
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None
+            tokenizer, vocab_size=token_vocab, stop_token_ids=stops or None
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
@@ -144,6 +149,14 @@ class Grammars:
         pin = self.device.type == "cuda"
         self.host = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin)
         self.host_np = self.host.numpy()
+        # xgrammar fills rows as wide as the tokenizer's vocabulary; past it the model's
+        # padding ids stay masked in grammar rows (their bits beyond are 0 in the fill).
+        self.words = xgr.get_bitmask_shape(1, token_vocab)[1]
+        self.narrow = (
+            torch.full((max_num_seqs, self.words), -1, dtype=torch.int32)
+            if self.words < shape[1]
+            else None
+        )
         self.gpu = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         if pin:  # Triton compiles the mask kernel at its first launch (one row, and more)
             for rows in (1, 2):
@@ -222,7 +235,13 @@ class Grammars:
         host = self.host
         num = len(requests)
         self.host_np[:num] = -1  # every token allowed in rows without a grammar
-        self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
+        if self.narrow is None:
+            self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
+        else:
+            self.batch_matcher.batch_fill_next_token_bitmask(matchers, self.narrow, rows)
+            filled = np.array(rows)
+            self.host_np[filled, : self.words] = self.narrow.numpy()[filled]
+            self.host_np[filled, self.words :] = 0
         if self.device.type == "cpu":
             return BatchBitmask(host[:num])
         gpu = self.gpu[:num]

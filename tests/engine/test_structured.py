@@ -322,6 +322,30 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
 
 
+def test_padding_ids_past_the_tokenizer_are_masked_in_grammar_rows_only(llm):
+    """A model vocabulary padded past the tokenizer's (Qwen's 151936 rows for ~151k
+    tokens): the matchers know the tokenizer's ids only, grammar rows mask the padding
+    ids, and rows without a grammar keep them."""
+    from types import SimpleNamespace
+
+    from engine.structured.grammars import Grammars
+
+    tokenizer = llm.tokenizer
+    vocab = len(tokenizer) + 100
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id], 4, torch.device("cpu"))
+    state = grammars.state("unit", GrammarSpec("regex", "[ab]+"))
+    state.compiled.result()
+    assert state.ready()
+    rows = [SimpleNamespace(structured=state, is_finished=False), None]
+    logits = torch.zeros(2, vocab)
+    grammars.fill(rows).apply(logits)
+    allowed = logits > float("-inf")
+    assert not allowed[0, len(tokenizer) :].any()
+    assert allowed[0, tokenizer.encode("a")[0]] and allowed[0, tokenizer.encode("b")[0]]
+    assert allowed[1].all()
+    grammars.close()
+
+
 def test_preempted_grammar_requests_keep_their_matchers(tiny_gpt2_dir, monkeypatch):
     """Tight KV preempts running grammar rows, some with an id still on the device: their
     matchers accept it when it is read after they left, and every output still matches
