@@ -17,12 +17,16 @@ steps, and everything under --enforce-eager, run eagerly.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
+
+logger = logging.getLogger("pagoda.engine")
 
 
 class CudaGraphs:
@@ -37,7 +41,11 @@ class CudaGraphs:
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
         if config.use_cuda_graphs:
+            sizes = config.cuda_graph_batch_sizes()
+            logger.info("capturing decode graphs for batch sizes %s", _ranges(sizes))
+            start = time.perf_counter()
             self._capture_decode()
+            logger.info("decode graphs captured in %.1f s", time.perf_counter() - start)
             # By buffer, then batch size: the logits rows of its bucket's graph.
             self.decode_rows = [
                 [
@@ -47,7 +55,11 @@ class CudaGraphs:
                 for i in range(runner.num_buffers)
             ]
         if config.use_prefill_graphs:
+            sizes = config.prefill_graph_sizes()
+            logger.info("capturing prefill graphs for %s tokens", _ranges(sizes))
+            start = time.perf_counter()
             self._capture_prefill()
+            logger.info("prefill graphs captured in %.1f s", time.perf_counter() - start)
 
     def fits_decode(self, num_seqs: int) -> bool:
         return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
@@ -195,3 +207,10 @@ class CudaGraphs:
                 self.decode[bucket].append(graph)
                 self.decode_logits[bucket].append(logits)
         torch.cuda.synchronize(runner.device)
+
+
+def _ranges(sizes: list[int]) -> str:
+    """[1, 2, 4, 8, 16, ..., 256] as "1, 2, 4, ..., 256 (35 sizes)"."""
+    if len(sizes) <= 6:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:3]))}, ..., {sizes[-1]} ({len(sizes)} sizes)"

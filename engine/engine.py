@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
 from engine.structured.grammars import Grammars
+
+logger = logging.getLogger("pagoda.engine")
 
 _NO_RANGE = contextlib.nullcontext()
 
@@ -95,7 +98,18 @@ class Engine:
             )
         device = config.torch_device
         dtype = config.torch_dtype(checkpoint_dtype(hf_config))
+        start = time.perf_counter()
+        logger.info(
+            "loading %s (%s, %d layers) on %s in %s",
+            model_dir,
+            hf_config.model_type,
+            hf_config.num_hidden_layers,
+            device,
+            str(dtype).removeprefix("torch."),
+        )
         self.model, _ = load_model(model_dir, device, dtype, hf_config)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
@@ -104,6 +118,7 @@ class Engine:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
         self.runner = ModelRunner(config, self.model, hf_config, self.batch)
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
+        logger.info("engine ready in %.1f s", _since(start))
         # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
             self.runner.num_blocks,
@@ -413,3 +428,7 @@ def _eos_token_ids(hf_config, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted({i for i in ids if i is not None})
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start

@@ -10,6 +10,7 @@ never have to visit the host first. Decode-only steps and steps with up to
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,8 @@ from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, WaitClock
+
+logger = logging.getLogger("pagoda.engine")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
 
@@ -62,6 +65,13 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.bytes_per_block() / 2**30,
+        )
 
         self.clock = WaitClock()
         self.block_table = BlockTable(seqs, self.max_blocks_per_seq, self.device, self.clock)

@@ -362,3 +362,15 @@ def test_nvtx_ranges_wrap_the_phases_and_all_close(tiny_gpt2_dir, monkeypatch):
     assert marked == plain
     assert depth[0] == 0
     assert {"schedule", "forward", "sample", "read", "outputs"} <= set(events)
+
+
+def test_startup_log_says_what_the_engine_chose(caplog):
+    with caplog.at_level("INFO", logger="pagoda.engine"):
+        llm = LLM(num_kv_blocks=64)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagoda.engine"]
+    assert any(line.startswith("loading ") and " on cpu in float32" in line for line in lines)
+    assert any(line.startswith("weights loaded: ") for line in lines)
+    block_size = llm.engine.config.block_size
+    kv = f"KV cache: 64 blocks of {block_size} tokens ({64 * block_size} tokens, "
+    assert any(line.startswith(kv) for line in lines)
+    assert lines[-1].startswith("engine ready in ")
