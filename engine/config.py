@@ -9,6 +9,8 @@ if TYPE_CHECKING:  # torch is imported where a device or dtype is asked for, not
     import torch
 
 PREFILL_GRAPH_MAX_TOKENS = 2048
+# How a step ran (ModelRunner.steps_by_path), as the server's stats line reports it.
+STEP_PATHS = ("graph", "prefill graph", "eager")
 _DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,7 +51,9 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
-from engine.structured.grammars import Grammars
+
+if TYPE_CHECKING:  # xgrammar is imported with the first structured request
+    from engine.structured.grammars import Grammars
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -199,6 +202,8 @@ class Engine:
     def grammars(self) -> Grammars:
         """Structured outputs' compiler and matchers (its tokenizer info takes a while)."""
         if self._grammars is None:
+            from engine.structured.grammars import Grammars
+
             self._grammars = Grammars(
                 self.tokenizer,
                 self.vocab_size,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.block_table import BlockTable
-from engine.config import EngineConfig
+from engine.config import STEP_PATHS, EngineConfig
 from engine.cuda_graphs import CudaGraphs
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
@@ -29,8 +29,6 @@ from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, Wa
 logger = logging.getLogger("pagoda.engine")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU has no free-memory figure worth trusting
-
-STEP_PATHS = ("graph", "prefill graph", "eager")
 
 
 @dataclass

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the API processes import this module, and never need torch
+    import torch
+
     from engine.input_batch import InputBatch
 
 

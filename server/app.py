@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +22,7 @@ from server import openapi
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
-from server.engine_loop import EngineFactory
+from server.engine_loop import EngineFactory, build_engine
 from server.engine_wire import EngineEndpoint
 from server.errors import APIError, error_body
 from server.metrics import Metrics, MetricsShare
@@ -44,20 +44,11 @@ from server.serving import Serving, disconnected_response
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
-
 logger = logging.getLogger("pagoda.server")
 try:
     __version__ = package_version("pagoda")
 except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0.1.0"
-
-
-def build_engine(config: EngineConfig) -> Engine:
-    from engine.engine import Engine  # heavy (torch, the model code): only when serving
-
-    return Engine(config)
 
 
 def create_app(

@@ -88,15 +88,24 @@ class AsyncEngine:
         # (5 ms) a busy loop would stretch every decode step.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if self._use_process:
-            from engine.models.loader import load_tokenizer
-
             process = EngineProcess(
                 self._config, self._factory, self._report, self._engine_exited,
                 GIL_SWITCH_INTERVAL_S, self._endpoint,
             )  # fmt: skip
             self._backend = process
-            info = await process.start()
-            info.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)
+            # The tokenizer loads while the engine process builds (the demo model's
+            # directory is known only once the engine has written it).
+            model = self._config.model
+            tokenizer = (
+                asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, model)) if model else None
+            )
+            try:
+                info = await process.start()
+            except BaseException:
+                if tokenizer is not None:
+                    tokenizer.cancel()
+                raise
+            info.tokenizer = await (tokenizer or asyncio.to_thread(_load_tokenizer, info.model_dir))
         else:
             info = await self._start_thread()
         await asyncio.to_thread(byte_table, info.tokenizer)  # built once, before a request
@@ -315,3 +324,13 @@ def _set_result(future: asyncio.Future[None]) -> None:
 def _set_exception(future: asyncio.Future[None], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def _load_tokenizer(model_dir: str):
+    """The API process's tokenizer. Not engine.models.loader's: that module brings the
+    model code (torch, Triton) into a process that never runs it. The engine process
+    loads the same directory's tokenizer, and its clear errors are the ones reported
+    (start() awaits the engine before this)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

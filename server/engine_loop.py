@@ -60,6 +60,14 @@ Listener = Callable[[StepReport], None]
 EngineFactory = Callable[[EngineConfig], "Engine"]
 
 
+def build_engine(config: EngineConfig) -> Engine:
+    """The default factory. Here, not with the app: a spawned engine process imports
+    it by name, and needs none of the HTTP side."""
+    from engine.engine import Engine  # heavy (torch, the model code): only when serving
+
+    return Engine(config)
+
+
 @dataclass
 class Add:
     request_id: str

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from engine.model_runner import STEP_PATHS
+from engine.config import STEP_PATHS
 
 logger = logging.getLogger("pagoda.server")
 

@@ -124,11 +124,13 @@ def test_unknown_command(capsys):
         "import engine",
         "from server.cli import main; main(['--help'])",
         "from server.cli import main; main(['serve', '--help'])",
+        "import server.app, server.api_servers",
     ],
 )
 def test_import_and_help_do_not_load_torch(code):
-    """`import engine`, `pagoda --help` and `pagoda serve --help` need neither torch nor
-    transformers (seconds of imports)."""
+    """`import engine`, `pagoda --help`, `pagoda serve --help` and an API process before
+    its tokenizer need neither torch nor transformers (seconds of imports, and the
+    engine process's start waits for the API process's)."""
     check = (
         "import sys; assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"
     )
