@@ -48,7 +48,7 @@ class GPT2Block(nn.Module):
         self.attn = PagedAttention(heads.num_heads, heads.num_kv_heads, head_dim, head_dim**-0.5)
         self.c_proj = RowParallelLinear(d, d, bias=True, tp=tp)
         self.ln_2 = LayerNorm(d, config.layer_norm_epsilon)
-        self.c_fc = ColumnParallelLinear(d, [split(inner, tp)], bias=True)
+        self.c_fc = ColumnParallelLinear(d, [split(inner, tp, "n_inner")], bias=True)
         self.mlp_proj = DownProjection(inner, d, bias=True, tp=tp)
         self.act = ACTIVATIONS[config.activation_function]
         self.tanh_gelu = config.activation_function in TANH_GELU

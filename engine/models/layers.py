@@ -20,6 +20,7 @@ from engine.models.parallel import (
     WeightSlice,
     load_vocab_rows,
     read,
+    split,
     vocab_rows,
 )
 from kernels.fused_moe import fused_moe_for, select_experts
@@ -364,8 +365,8 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp = tp
-        self.inter = inter
-        self.inter_start, local = tp.shard(inter)
+        self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
+        local = self.inter.local_size
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
@@ -378,11 +379,10 @@ class FusedMoE(nn.Module):
         """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13, (expert, None)
         into w2; this rank's rows (w13) or columns (w2) of it."""
         expert, half = section
-        local = self.w2.shape[2]
-        ours = ((self.inter_start, self.inter_start + local),)
-        hidden = self.w2.shape[1]
+        local, hidden = self.inter.local_size, self.w2.shape[1]
         if half is None:
-            self.w2.data[expert].copy_(read(weight, [hidden, self.inter], ours, dim=1))
+            w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
+            self.w2.data[expert].copy_(w2)
         else:
-            rows = self.w13.data[expert, half * local : (half + 1) * local]
-            rows.copy_(read(weight, [self.inter, hidden], ours))
+            w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
+            self.w13.data[expert, half * local : (half + 1) * local].copy_(w13)

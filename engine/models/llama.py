@@ -107,7 +107,7 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act = act
-        inter = split(config.intermediate_size, tp)
+        inter = split(config.intermediate_size, tp, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
         self.down_proj = DownProjection(
             config.intermediate_size, config.hidden_size, bias=False, tp=tp

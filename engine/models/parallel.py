@@ -123,8 +123,10 @@ class Section:
         return sum(stop - start for start, stop in self.ranges)
 
 
-def split(n: int, tp: TensorParallel) -> Section:
-    """n rows split evenly: this rank's contiguous share."""
+def split(n: int, tp: TensorParallel, what: str) -> Section:
+    """n rows (of the config's `what`) split evenly: this rank's contiguous share."""
+    if n % tp.size:
+        raise ValueError(f"{what} {n} does not divide across {tp.size} tensor-parallel ranks")
     start, length = tp.shard(n)
     return Section(n, ((start, start + length),))
 
@@ -167,7 +169,7 @@ def head_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParal
     kv_heads = tuple(kv_heads_of_rank(num_heads, num_kv_heads, tp))
     kv_rows = tuple((h * head_dim, (h + 1) * head_dim) for h in kv_heads)
     kv = Section(num_kv_heads * head_dim, kv_rows)
-    q = split(num_heads * head_dim, tp)
+    q = split(num_heads * head_dim, tp, "q rows")
     return HeadShard(num_heads // tp.size, kv_heads, head_dim, (q, kv, kv))
 
 

@@ -1,0 +1,288 @@
+"""Tensor-parallel models: each rank's shard arithmetic and the slices it reads, and TP=2
+over two gloo processes giving TP=1's logits for every model family.
+
+One spawned process group per module (the machine has 2 cores): it loads and runs every
+checkpoint, and the tests compare its results with TP=1 computed here."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from engine.distributed import TensorParallel
+from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import ModelLoadError, iter_weights, load_config, load_model
+from engine.models.parallel import head_shard, kv_heads_of_rank
+from tests.conftest import FAMILY_CONFIGS
+
+PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
+DECODE_IDS = [7, 11, 508]
+BLOCK_SIZE = 4
+
+
+def rank_of(rank: int, size: int) -> TensorParallel:
+    """A rank's view for shard arithmetic and loading: no process group needed."""
+    return TensorParallel(rank, size, None)
+
+
+# -- shard arithmetic ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "size", "per_rank"),
+    [
+        (4, 2, 2, [[0], [1]]),  # divisible: split
+        (4, 4, 2, [[0, 1], [2, 3]]),  # MHA
+        (4, 1, 2, [[0], [0]]),  # fewer kv heads than ranks: replicated
+        (8, 2, 4, [[0], [0], [1], [1]]),
+        (6, 3, 2, [[0, 0, 1], [1, 2, 2]]),  # a rank's q heads split kv head 1's group
+        (8, 8, 1, [list(range(8))]),
+    ],
+)
+def test_kv_heads_of_each_rank(num_heads, num_kv_heads, size, per_rank):
+    got = [kv_heads_of_rank(num_heads, num_kv_heads, rank_of(r, size)) for r in range(size)]
+    assert got == per_rank
+    group = num_heads // num_kv_heads
+    for rank, kv_heads in enumerate(got):
+        # Local q head j reads local kv head j // (q heads / kv heads), as the kernels do:
+        # that must be the kv head global q head start + j reads.
+        start, n = rank * num_heads // size, num_heads // size
+        for j in range(n):
+            assert kv_heads[j // (n // len(kv_heads))] == (start + j) // group
+
+
+def test_head_shard_rows():
+    heads = head_shard(6, 3, 16, rank_of(1, 2))
+    q, k, v = heads.sections
+    assert (heads.num_heads, heads.kv_heads) == (3, (1, 2, 2))
+    assert (q.size, q.ranges) == (96, ((48, 96),))
+    assert (k.size, k.ranges) == (48, ((16, 32), (32, 48), (32, 48))) and v == k
+
+
+def test_shapes_that_do_not_split_are_named(tiny_llama_dir):
+    with pytest.raises(ValueError, match="6 attention heads do not divide across 4"):
+        kv_heads_of_rank(6, 2, rank_of(0, 4))
+    with pytest.raises(
+        ModelLoadError, match="config.json: intermediate_size 128 does not divide across 3"
+    ):
+        load_model(tiny_llama_dir, torch.device("cpu"), torch.float32, tp=rank_of(0, 3))
+
+
+# -- slice-only loading ---------------------------------------------------------
+
+
+class Recorder:
+    """Wraps a safetensors slice; counts the elements read through it."""
+
+    def __init__(self, name: str, weight, reads: dict[str, int]) -> None:
+        self.name, self.weight, self.reads = name, weight, reads
+
+    def get_shape(self) -> list[int]:
+        return self.weight.get_shape()
+
+    def __getitem__(self, index):
+        out = self.weight[index]
+        self.reads[self.name] = self.reads.get(self.name, 0) + out.numel()
+        return out
+
+
+def test_a_rank_reads_only_its_slices(tiny_llama_dir):
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_config(tiny_llama_dir), rank_of(1, 2))
+    model = model.to_empty(device="cpu")
+    reads: dict[str, int] = {}
+    weights = ((n, Recorder(n, w, reads)) for n, w in iter_weights(tiny_llama_dir))
+    model.load_weights(weights)
+    full = load_file(f"{tiny_llama_dir}/model.safetensors")
+    assert set(reads) == set(full)
+    for name, tensor in full.items():
+        # Every matrix is split in two (vocab 512: 256 rows each); norms are replicated.
+        want = tensor.numel() // 2 if tensor.dim() == 2 else tensor.numel()
+        assert reads[name] == want, name
+
+
+def test_rank_shards_hold_the_checkpoint_rows(tiny_llama_dir, tiny_family_dir):
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    hf = load_file(f"{tiny_llama_dir}/model.safetensors")
+    rank1, _ = load_model(tiny_llama_dir, cpu, fp32, tp=rank_of(1, 2))
+    attn, mlp = rank1.layers[0].self_attn, rank1.layers[0].mlp
+    p = "model.layers.0"
+    q, k, v = (hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")  # 4 q, 2 kv heads of 16
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q[32:], k[16:], v[16:]]))
+    assert torch.equal(attn.o_proj.weight, hf[f"{p}.self_attn.o_proj.weight"][:, 32:])
+    gate, up = hf[f"{p}.mlp.gate_proj.weight"], hf[f"{p}.mlp.up_proj.weight"]
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[64:], up[64:]]))
+    assert torch.equal(mlp.down_proj.weight, hf[f"{p}.mlp.down_proj.weight"][:, 64:])
+    assert torch.equal(rank1.embed_tokens.weight, hf["model.embed_tokens.weight"][256:])
+    assert rank1.embed_tokens.vocab_start == 256
+
+    # Phi-3 ships qkv and gate_up fused: the rank's rows come from inside those tensors.
+    phi3_dir = tiny_family_dir("phi3")
+    hf = load_file(f"{phi3_dir}/model.safetensors")
+    whole, _ = load_model(phi3_dir, cpu, fp32)
+    rank1, _ = load_model(phi3_dir, cpu, fp32, tp=rank_of(1, 2))
+    qkv = hf[f"{p}.self_attn.qkv_proj.weight"]  # [q 64 | k 32 | v 32, hidden]
+    assert torch.equal(whole.layers[0].self_attn.qkv_proj.weight, qkv)
+    want = torch.cat([qkv[32:64], qkv[80:96], qkv[112:128]])
+    assert torch.equal(rank1.layers[0].self_attn.qkv_proj.weight, want)
+    gate_up = hf[f"{p}.mlp.gate_up_proj.weight"]  # [gate 128 | up 128, hidden]
+    want = torch.cat([gate_up[64:128], gate_up[192:]])
+    assert torch.equal(rank1.layers[0].mlp.gate_up_proj.weight, want)
+
+
+def test_gpt2_conv1d_shards(tiny_gpt2_dir):
+    hf = load_file(f"{tiny_gpt2_dir}/model.safetensors")
+    rank1, _ = load_model(tiny_gpt2_dir, torch.device("cpu"), torch.float32, tp=rank_of(1, 2))
+    block = rank1.h[0]
+    c_attn = hf["transformer.h.0.attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]: q, k, v of 64
+    assert torch.equal(
+        block.c_attn.weight, torch.cat([c_attn[32:64], c_attn[96:128], c_attn[160:]])
+    )
+    assert torch.equal(block.c_proj.weight, hf["transformer.h.0.attn.c_proj.weight"].t()[:, 32:])
+    assert torch.equal(block.c_fc.bias, hf["transformer.h.0.mlp.c_fc.bias"][128:])
+    assert torch.equal(block.mlp_proj.weight, hf["transformer.h.0.mlp.c_proj.weight"].t()[:, 128:])
+    # Row-parallel biases are added once: by rank 0.
+    assert not block.c_proj.bias.any() and not block.mlp_proj.bias.any()
+    assert torch.equal(rank1.wpe.weight, hf["transformer.wpe.weight"])  # positions: replicated
+
+
+# -- TP=2 forward equals TP=1 ---------------------------------------------------
+
+
+def _build_llama_variant(path: Path, num_heads: int, num_kv_heads: int, vocab: int) -> str:
+    """Llama whose kv heads do not split evenly, over a vocabulary that is no multiple of
+    the ranks' 64-row shares (the padding rows and the embedding's range masks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16 * num_heads,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        vocab_size=vocab,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, tmp_path_factory):
+    dirs = {"gpt2": tiny_gpt2_dir, "llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}
+    dirs |= {kind: tiny_family_dir(kind) for kind in FAMILY_CONFIGS}
+    dirs["llama_kv1"] = _build_llama_variant(tmp_path_factory.mktemp("kv1"), 4, 1, 509)
+    dirs["llama_kv3"] = _build_llama_variant(tmp_path_factory.mktemp("kv3"), 6, 3, 509)
+    return dirs
+
+
+@torch.inference_mode()
+def prefill_and_decode(model) -> dict[str, torch.Tensor]:
+    """Prefill PROMPT_IDS in one step, then decode DECODE_IDS in one step, through the
+    paged KV cache: each step's last-token logits, and the cache's kv heads per layer."""
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    lens = [len(p) for p in PROMPT_IDS]
+    per_seq = max(lens) // BLOCK_SIZE + 2
+    block_table = torch.arange(len(lens) * per_seq, dtype=torch.int32).view(len(lens), per_seq)
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    for layer in layers:
+        shape = (block_table.numel(), BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.ops = AttentionOps.for_device(device)
+
+    def step(ids, positions, seqs, query_lens, seq_lens, is_decode):
+        slots = [
+            int(block_table[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+            for s, p in zip(seqs, positions, strict=True)
+        ]
+        starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            block_table=block_table.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=starts.to(device),
+            max_query_len=max(query_lens),
+            is_decode=is_decode,
+        )
+        hidden = model(
+            torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta
+        )
+        return model.compute_logits(hidden[starts[1:].long().to(device) - 1]).float().cpu()
+
+    seqs = [s for s, n in enumerate(lens) for _ in range(n)]
+    positions = [p for n in lens for p in range(n)]
+    prefill = step(sum(PROMPT_IDS, []), positions, seqs, lens, lens, False)
+    n = len(lens)
+    decode = step(DECODE_IDS, lens, list(range(n)), [1] * n, [x + 1 for x in lens], True)
+    kv_heads = torch.tensor([layer.num_kv_heads for layer in layers])
+    return {"prefill": prefill, "decode": decode, "kv_heads": kv_heads}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tp_worker(
+    rank: int, size: int, port: int, backend: str, dirs: dict[str, str], dtype, out: str
+) -> None:
+    """One rank: load every checkpoint's shard, run it, save what it computed."""
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
+    )
+    try:
+        tp = TensorParallel(rank, size, dist.group.WORLD)
+        results = {
+            kind: prefill_and_decode(load_model(path, device, dtype, tp=tp)[0])
+            for kind, path in dirs.items()
+        }
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tensor_parallel(dirs: dict[str, str], out: Path, backend: str, dtype) -> list[dict]:
+    """Every checkpoint at TP=2 in one spawned 2-process group: each rank's results."""
+    mp.spawn(tp_worker, args=(2, free_port(), backend, dirs, dtype, str(out)), nprocs=2)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints, tmp_path_factory) -> list[dict]:
+    return run_tensor_parallel(checkpoints, tmp_path_factory.mktemp("tp2"), "gloo", torch.float32)
+
+
+KINDS = ["gpt2", "llama", "llama_kv1", "llama_kv3", "qwen2", *FAMILY_CONFIGS]
+KV_HEADS_PER_RANK = {"llama": 1, "llama_kv1": 1, "llama_kv3": 3, "gpt2": 2, "qwen3": 1}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp2_logits_equal_tp1(kind, checkpoints, tp2):
+    model, _ = load_model(checkpoints[kind], torch.device("cpu"), torch.float32)
+    want = prefill_and_decode(model)
+    got = tp2[0][kind]
+    for step in ("prefill", "decode"):
+        assert got[step].shape == want[step].shape
+        torch.testing.assert_close(got[step], want[step], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[step].argmax(-1), want[step].argmax(-1))
+    if kind in KV_HEADS_PER_RANK:  # each rank's cache holds its own kv heads
+        for rank in range(2):
+            assert (tp2[rank][kind]["kv_heads"] == KV_HEADS_PER_RANK[kind]).all()
