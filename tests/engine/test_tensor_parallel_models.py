@@ -6,6 +6,7 @@ checkpoint, and the tests compare its results with TP=1 computed here."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -18,7 +19,13 @@ from safetensors.torch import load_file
 from engine.distributed import TensorParallel
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import ModelLoadError, iter_weights, load_config, load_model
+from engine.models.loader import (
+    RANDOM_WEIGHTS_MARKER,
+    ModelLoadError,
+    iter_weights,
+    load_config,
+    load_model,
+)
 from engine.models.parallel import head_shard, kv_heads_of_rank
 from tests.conftest import FAMILY_CONFIGS
 
@@ -141,7 +148,9 @@ def test_gpt2_conv1d_shards(tiny_gpt2_dir):
     hf = load_file(f"{tiny_gpt2_dir}/model.safetensors")
     rank1, _ = load_model(tiny_gpt2_dir, torch.device("cpu"), torch.float32, tp=rank_of(1, 2))
     block = rank1.h[0]
-    c_attn = hf["transformer.h.0.attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]: q, k, v of 64
+    c_attn = hf[
+        "transformer.h.0.attn.c_attn.weight"
+    ].t()  # Conv1D [in, out] -> [out, in]: q, k, v of 64
     assert torch.equal(
         block.c_attn.weight, torch.cat([c_attn[32:64], c_attn[96:128], c_attn[160:]])
     )
@@ -151,6 +160,17 @@ def test_gpt2_conv1d_shards(tiny_gpt2_dir):
     # Row-parallel biases are added once: by rank 0.
     assert not block.c_proj.bias.any() and not block.mlp_proj.bias.any()
     assert torch.equal(rank1.wpe.weight, hf["transformer.wpe.weight"])  # positions: replicated
+
+
+def test_random_weight_checkpoints_build_the_shard_shapes(tmp_path, tiny_family_dir):
+    model_dir = shutil.copytree(tiny_family_dir("qwen3_moe"), tmp_path / "m")
+    (model_dir / "model.safetensors").unlink()
+    (model_dir / RANDOM_WEIGHTS_MARKER).write_text("")
+    rank1, _ = load_model(str(model_dir), torch.device("cpu"), torch.float32, tp=rank_of(1, 2))
+    attn, moe = rank1.layers[0].self_attn, rank1.layers[0].mlp
+    assert attn.qkv_proj.weight.shape == (32 + 16 + 16, 64)  # 2 of 4 q heads, 1 of 2 kv
+    assert moe.w13.shape == (8, 2 * 16, 64) and moe.w2.shape == (8, 64, 16)
+    assert rank1.lm_head.weight.shape == (256, 64) and torch.isfinite(moe.w13).all()
 
 
 # -- TP=2 forward equals TP=1 ---------------------------------------------------
@@ -177,19 +197,27 @@ def _build_llama_variant(path: Path, num_heads: int, num_kv_heads: int, vocab: i
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, tmp_path_factory):
-    dirs = {"gpt2": tiny_gpt2_dir, "llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}
+def checkpoint_dirs(gpt2: str, llama: str, qwen2: str, tiny_family_dir, tmp_path_factory) -> dict:
+    """Every family's tiny checkpoint, and Llamas with 1 and 3 kv heads over 2 ranks."""
+    dirs = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2}
     dirs |= {kind: tiny_family_dir(kind) for kind in FAMILY_CONFIGS}
     dirs["llama_kv1"] = _build_llama_variant(tmp_path_factory.mktemp("kv1"), 4, 1, 509)
     dirs["llama_kv3"] = _build_llama_variant(tmp_path_factory.mktemp("kv3"), 6, 3, 509)
     return dirs
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, tmp_path_factory):
+    return checkpoint_dirs(
+        tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, tmp_path_factory
+    )
+
+
 @torch.inference_mode()
 def prefill_and_decode(model) -> dict[str, torch.Tensor]:
     """Prefill PROMPT_IDS in one step, then decode DECODE_IDS in one step, through the
-    paged KV cache: each step's last-token logits, and the cache's kv heads per layer."""
+    paged KV cache: each step's last-token logits, and the cache's kv heads per layer.
+    On CUDA, the decode step replayed from a CUDA graph too (its collectives captured)."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     lens = [len(p) for p in PROMPT_IDS]
@@ -216,18 +244,24 @@ def prefill_and_decode(model) -> dict[str, torch.Tensor]:
             max_query_len=max(query_lens),
             is_decode=is_decode,
         )
-        hidden = model(
-            torch.tensor(ids, device=device), torch.tensor(positions, device=device), meta
-        )
-        return model.compute_logits(hidden[starts[1:].long().to(device) - 1]).float().cpu()
+        ids, positions = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+        last = starts[1:].long().to(device) - 1
+        return lambda: model.compute_logits(model(ids, positions, meta)[last])
 
     seqs = [s for s, n in enumerate(lens) for _ in range(n)]
     positions = [p for n in lens for p in range(n)]
     prefill = step(sum(PROMPT_IDS, []), positions, seqs, lens, lens, False)
     n = len(lens)
     decode = step(DECODE_IDS, lens, list(range(n)), [1] * n, [x + 1 for x in lens], True)
-    kv_heads = torch.tensor([layer.num_kv_heads for layer in layers])
-    return {"prefill": prefill, "decode": decode, "kv_heads": kv_heads}
+    out = {"prefill": prefill().float().cpu(), "decode": decode().float().cpu()}
+    out["kv_heads"] = torch.tensor([layer.num_kv_heads for layer in layers])
+    if device.type == "cuda":  # the decode stores the same K/V again: replays repeat it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = decode()
+        graph.replay()
+        out["decode_graph"] = logits.float().cpu()
+    return out
 
 
 def free_port() -> int:
