@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine.distributed import TensorParallel
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
@@ -160,6 +160,18 @@ def test_gpt2_conv1d_shards(tiny_gpt2_dir):
     # Row-parallel biases are added once: by rank 0.
     assert not block.c_proj.bias.any() and not block.mlp_proj.bias.any()
     assert torch.equal(rank1.wpe.weight, hf["transformer.wpe.weight"])  # positions: replicated
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_not_sliced(tmp_path, tiny_llama_dir):
+    # A rank's rows of a too-large tensor would fit its shard: the full shape is checked.
+    model_dir = shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    name = "layers.1.self_attn.k_proj.weight"
+    weights[f"model.{name}"] = torch.cat([weights[f"model.{name}"]] * 2)
+    save_file(weights, model_dir / "model.safetensors")
+    match = rf"weights do not fit the config: {name}: shape \(64, 64\), expected \(32, 64\)"
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(model_dir), torch.device("cpu"), torch.float32, tp=rank_of(0, 2))
 
 
 def test_random_weight_checkpoints_build_the_shard_shapes(tmp_path, tiny_family_dir):
