@@ -48,8 +48,9 @@ class TensorParallel:
 
         Only rank 0 samples, but this is an all_gather, not a gather, so every rank gets
         the full logits (the others ignore them): the decode graph captures the LM head,
-        and NCCL's all-gather is a collective CUDA graphs capture, where torch's gather
-        is grouped point-to-point sends. The bytes rank 0 receives are the same."""
+        and NCCL's all-gather is a collective CUDA graphs capture, where torch runs a
+        gather on NCCL as point-to-point send/recv, whose capture fails in torch
+        (pytorch/pytorch#133984). Rank 0 receives the same bytes either way."""
         if self.size == 1:
             return x
         import torch

@@ -329,6 +329,7 @@ def test_tp2_logits_equal_tp1(kind, checkpoints, tp2):
         assert got[step].shape == want[step].shape
         torch.testing.assert_close(got[step], want[step], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[step].argmax(-1), want[step].argmax(-1))
+        assert torch.equal(tp2[1][kind][step], got[step])  # rank 1 got the same (ignored)
     if kind in KV_HEADS_PER_RANK:  # each rank's cache holds its own kv heads
         for rank in range(2):
             assert (tp2[rank][kind]["kv_heads"] == KV_HEADS_PER_RANK[kind]).all()
