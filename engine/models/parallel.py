@@ -69,8 +69,7 @@ def read(
 ) -> torch.Tensor:
     """`ranges` of `weight` along `dim`, concatenated (all of it when None), after checking
     that the checkpoint's tensor has the full `shape` the config implies."""
-    if list(weight.get_shape()) != list(shape):
-        raise ValueError(f"shape {tuple(weight.get_shape())}, expected {tuple(shape)}")
+    check_shape(weight, shape)
     index = [slice(None)] * len(shape)
     if ranges is None:
         return weight[tuple(index)]
@@ -79,6 +78,11 @@ def read(
         index[dim] = slice(start, stop)
         parts.append(weight[tuple(index)])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def check_shape(weight: WeightSlice, shape: Sequence[int]) -> None:
+    if list(weight.get_shape()) != list(shape):
+        raise ValueError(f"shape {tuple(weight.get_shape())}, expected {tuple(shape)}")
 
 
 def merged(ranges: Ranges) -> Ranges:
@@ -244,8 +248,8 @@ def load_vocab_rows(param: torch.Tensor, weight: WeightSlice, vocab_size: int, s
     param.zero_()
     if stop > start:
         param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
-    else:
-        read(weight, shape, ())  # checks the shape; reads nothing
+    else:  # a small vocabulary over many ranks: all of this rank's rows are padding
+        check_shape(weight, shape)
 
 
 class VocabParallelEmbedding(nn.Embedding):

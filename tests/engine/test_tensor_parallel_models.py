@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engine.distributed import TensorParallel
-from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.models.layers import AttentionMetadata, AttentionOps, LMHead, PagedAttention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import (
     RANDOM_WEIGHTS_MARKER,
@@ -26,7 +26,12 @@ from engine.models.loader import (
     load_config,
     load_model,
 )
-from engine.models.parallel import head_shard, kv_heads_of_rank
+from engine.models.parallel import (
+    TensorSlice,
+    VocabParallelEmbedding,
+    head_shard,
+    kv_heads_of_rank,
+)
 from tests.conftest import FAMILY_CONFIGS
 
 PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
@@ -172,6 +177,23 @@ def test_a_tensor_of_the_wrong_shape_is_named_not_sliced(tmp_path, tiny_llama_di
     match = rf"weights do not fit the config: {name}: shape \(64, 64\), expected \(32, 64\)"
     with pytest.raises(ModelLoadError, match=match):
         load_model(str(model_dir), torch.device("cpu"), torch.float32, tp=rank_of(0, 2))
+
+
+def test_vocab_shares_with_padding_only(tiny_gpt2_dir):
+    # LM-head shares are 64 rows: over 8 ranks they hold the 512 ids exactly, over 16
+    # the shares past id 512 are all padding. The embedding splits 512 rows evenly.
+    hf = load_file(f"{tiny_gpt2_dir}/model.safetensors")["transformer.wte.weight"]
+    for rank, size in [(7, 8), (9, 16), (15, 16)]:
+        head = LMHead(512, 64, tp=rank_of(rank, size))
+        embed = VocabParallelEmbedding(512, 64, rank_of(rank, size))
+        head.load_shard("weight", TensorSlice(hf), None)
+        embed.load_shard("weight", TensorSlice(hf), None)
+        assert head.weight.shape == (64, 64) and head.vocab_start == 64 * rank
+        stop = min(64 * rank + 64, 512)
+        assert torch.equal(head.weight[: max(0, stop - 64 * rank)], hf[64 * rank : stop])
+        assert not head.weight[max(0, stop - 64 * rank) :].any()
+        rows = 512 // size
+        assert torch.equal(embed.weight, hf[rank * rows : (rank + 1) * rows])
 
 
 def test_random_weight_checkpoints_build_the_shard_shapes(tmp_path, tiny_family_dir):
