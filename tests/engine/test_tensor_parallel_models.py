@@ -14,10 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import TensorParallel
-from engine.models.layers import AttentionMetadata, AttentionOps, LMHead, PagedAttention
+from engine.models.layers import (
+    AttentionMetadata,
+    AttentionOps,
+    DownProjection,
+    LMHead,
+    PagedAttention,
+)
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import (
     RANDOM_WEIGHTS_MARKER,
@@ -27,6 +35,7 @@ from engine.models.loader import (
     load_model,
 )
 from engine.models.parallel import (
+    RowParallelLinear,
     TensorSlice,
     VocabParallelEmbedding,
     head_shard,
@@ -85,6 +94,44 @@ def test_shapes_that_do_not_split_are_named(tiny_llama_dir):
         ModelLoadError, match="config.json: intermediate_size 128 does not divide across 3"
     ):
         load_model(tiny_llama_dir, torch.device("cpu"), torch.float32, tp=rank_of(0, 3))
+
+
+class OpTrace(TorchDispatchMode):
+    """The aten ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def traced(fn, *args) -> tuple[torch.Tensor, list[str]]:
+    with OpTrace() as trace:
+        out = fn(*args)
+    return out, trace.ops
+
+
+def test_size_one_layers_run_the_plain_ops():
+    """With SINGLE no layer adds an op to what nn.Linear / nn.Embedding ran before."""
+    x, ids = torch.randn(3, 64), torch.tensor([0, 5, 99])
+    row = RowParallelLinear(64, 32, bias=True)
+    down = DownProjection(64, 32, bias=False)
+    embed = VocabParallelEmbedding(100, 64)
+    head = LMHead(100, 64)
+    torch.nn.init.normal_(head.weight)  # LMHead's weight is torch.empty until loaded
+    pairs = [
+        (row, lambda x: F.linear(x, row.weight, row.bias), x),
+        (down, lambda x: F.linear(x, down.weight), x),
+        (embed, lambda i: F.embedding(i, embed.weight), ids),
+        (head, lambda x: F.linear(x, head.weight)[:, :100], x),
+    ]
+    for layer, plain, arg in pairs:
+        (got, ops), (want, plain_ops) = traced(layer, arg), traced(plain, arg)
+        assert ops == plain_ops and torch.equal(got, want), type(layer).__name__
+    assert head.weight.shape == (128, 64)  # padded to 64 rows, as before
 
 
 # -- slice-only loading ---------------------------------------------------------
