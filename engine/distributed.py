@@ -43,5 +43,24 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def gather_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab / size] per rank -> [rows, vocab]: every rank's slice side by side.
+
+        Only rank 0 samples, but this is an all_gather, not a gather, so every rank gets
+        the full logits (the others ignore them): the decode graph captures the LM head,
+        and NCCL's all-gather is a collective CUDA graphs capture, where torch runs a
+        gather on NCCL as point-to-point send/recv, whose capture fails in torch
+        (pytorch/pytorch#133984). Rank 0 receives the same bytes either way."""
+        if self.size == 1:
+            return x
+        import torch
+        import torch.distributed as dist
+
+        rows, part = x.shape
+        out = torch.empty(self.size * rows, part, dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x.contiguous(), group=self.group)  # [size * rows, part], rank-major
+        return out.view(self.size, rows, part).transpose(0, 1).reshape(rows, self.size * part)
+
 
 SINGLE = TensorParallel()

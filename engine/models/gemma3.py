@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     AttentionMetadata,
     LMHead,
@@ -20,6 +21,7 @@ from engine.models.layers import (
     rope_settings,
 )
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.parallel import TensorSlice, VocabParallelEmbedding, WeightSlice, read
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
 # weights HF applies as (1 + weight): folded in at load.
@@ -37,14 +39,20 @@ def check_config(config) -> None:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        sliding_window: int,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = LlamaAttention(config, rotary, sliding_window)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config, act=gelu_tanh)
+        self.mlp = LlamaMLP(config, tp, act=gelu_tanh)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def forward(
@@ -64,9 +72,10 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     check_config = staticmethod(check_config)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         nn.Module.__init__(self)
         self.config = config
+        self.tp = tp
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.embed_scale = config.hidden_size**0.5
@@ -77,13 +86,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for kind in ("sliding_attention", "full_attention")
         )
         windows = layer_sliding_windows(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, self.rotary_local if window else self.rotary_global, window)
+            Gemma3DecoderLayer(
+                config, self.rotary_local if window else self.rotary_global, window, tp
+            )
             for window in windows
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -102,11 +113,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def folded() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.rpartition(".")[0].rpartition(".")[2] in NORMS:
-                    tensor = 1.0 + tensor.float()
-                yield name, tensor
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        def folded() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                if name.rpartition(".")[0].rpartition(".")[2] in NORMS:  # replicated: read whole
+                    weight = TensorSlice(1.0 + read(weight, weight.get_shape()).float())
+                yield name, weight
 
         return super().load_weights(folded())

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     ACTIVATIONS,
     AttentionMetadata,
@@ -15,26 +16,40 @@ from engine.models.layers import (
     LMHead,
     PagedAttention,
 )
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Transposed,
+    VocabParallelEmbedding,
+    WeightSlice,
+    head_shard,
+    load_weight,
+    split,
+)
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
-# so those weights are transposed into nn.Linear's [out, in] on load.
+# so those weights are read transposed into nn.Linear's [out, in].
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old checkpoints
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config) -> None:
+    """Column-parallel c_attn (this rank's heads of q, k and v) and c_fc, row-parallel
+    c_proj and mlp_proj."""
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        d, heads = config.n_embd, config.n_head
+        d, head_dim = config.n_embd, config.n_embd // config.n_head
         inner = config.n_inner or 4 * d
+        heads = head_shard(config.n_head, config.n_head, head_dim, tp)
         self.ln_1 = LayerNorm(d, config.layer_norm_epsilon)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.attn = PagedAttention(heads, heads, d // heads, (d // heads) ** -0.5)
-        self.c_proj = nn.Linear(d, d)
+        self.c_attn = ColumnParallelLinear(d, heads.sections, bias=True)
+        self.attn = PagedAttention(heads.num_heads, heads.num_kv_heads, head_dim, head_dim**-0.5)
+        self.c_proj = RowParallelLinear(d, d, bias=True, tp=tp)
         self.ln_2 = LayerNorm(d, config.layer_norm_epsilon)
-        self.c_fc = nn.Linear(d, inner)
-        self.mlp_proj = DownProjection(inner, d)
+        self.c_fc = ColumnParallelLinear(d, [split(inner, tp, "n_inner")], bias=True)
+        self.mlp_proj = DownProjection(inner, d, bias=True, tp=tp)
         self.act = ACTIVATIONS[config.activation_function]
         self.tanh_gelu = config.activation_function in TANH_GELU
 
@@ -56,15 +71,15 @@ class GPT2Block(nn.Module):
 
 
 class GPT2ForCausalLM(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.max_positions = config.n_positions
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
-        self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, tp)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # replicated
+        self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
-        self.lm_head = LMHead(config.vocab_size, config.n_embd)
+        self.lm_head = LMHead(config.vocab_size, config.n_embd, tp=tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -78,16 +93,16 @@ class GPT2ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_seqs, vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF tensors in; returns our parameter names that were filled."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        """Read this rank's part of each HF tensor; returns our parameter names filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, weight in weights:
             name = name.removeprefix("transformer.")
             if name.endswith(IGNORED):
                 continue
             if name.endswith(TRANSPOSED):
-                tensor = tensor.t()
+                weight = Transposed(weight)
             ours = (
                 name.replace("attn.c_attn", "c_attn")
                 .replace("attn.c_proj", "c_proj")
@@ -95,12 +110,13 @@ class GPT2ForCausalLM(nn.Module):
                 .replace("mlp.c_proj", "mlp_proj")
             )
             if ours == "wte.weight":
-                self.lm_head.load(tensor)  # GPT-2 always ties its head
+                load_weight(self.lm_head, "weight", weight, name)  # GPT-2 always ties its head
                 loaded.add("lm_head.weight")
             if ours == "lm_head.weight":
-                self.lm_head.load(tensor)
+                load_weight(self.lm_head, "weight", weight, name)
             elif ours in params:
-                params[ours].data.copy_(tensor)
+                module, _, leaf = ours.rpartition(".")
+                load_weight(self.get_submodule(module), leaf, weight, name)
             else:
                 raise ValueError(f"unexpected weight {name!r} for GPT-2")
             loaded.add(ours)

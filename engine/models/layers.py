@@ -14,6 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.parallel import (
+    RowParallelLinear,
+    WeightSlice,
+    load_vocab_rows,
+    read,
+    split,
+    vocab_rows,
+)
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import SplitKWorkspace, splitk_linear, splitk_pays
@@ -265,27 +274,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
 
 
-def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """The LM head's rows, padded so the GEMM runs on aligned tiles (GPT-2's 50257 is slow)."""
-    return -(-vocab_size // multiple) * multiple
-
-
 class LMHead(nn.Module):
-    """Projects hidden states to logits over the real vocabulary (padding rows sliced off)."""
+    """Projects hidden states to logits over the real vocabulary (padding rows sliced off).
 
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+    The rows are padded to a multiple of 64 so the GEMM runs on aligned tiles (GPT-2's
+    50257 is slow). Vocab-parallel: each rank holds its share of the padded rows (64 * size
+    of them), and the shares' logits are gathered (TensorParallel.gather_logits)."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, bias: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(padded_vocab(vocab_size), hidden_size))
-        self.bias = nn.Parameter(torch.empty(padded_vocab(vocab_size))) if bias else None
+        self.tp = tp
+        self.vocab_start, rows = vocab_rows(vocab_size, 64, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias)[:, : self.vocab_size]
+        logits = F.linear(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
+        if self.tp.size > 1:
+            logits = self.tp.gather_logits(logits)
+        return logits[:, : self.vocab_size]
 
-    def load(self, weight: torch.Tensor) -> None:
-        """Copy a [vocab, hidden] matrix in; the padding rows stay zero."""
-        self.weight.data.zero_()
-        self.weight.data[: weight.shape[0]].copy_(weight)
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        """This rank's rows of a [vocab, hidden] matrix; the padding rows stay zero."""
+        load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -301,12 +315,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class DownProjection(nn.Linear):
-    """nn.Linear for projections with K >> N (MLP down): at decode batch sizes on CUDA, the
-    split-K Triton GEMM, which sums its K splits in one launch where cuBLAS takes two."""
+class DownProjection(RowParallelLinear):
+    """A row-parallel linear for projections with K >> N (MLP down): at decode batch sizes
+    on CUDA, the split-K Triton GEMM over this rank's K, which sums its K splits in one
+    launch where cuBLAS takes two; then the ranks' all_reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias)
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(in_features, out_features, bias, tp)
         # Allocated on first use on CUDA: the model is built on the meta device, so the
         # device is known only then (the model runner runs each graph's forward once
         # before capturing it, so this never allocates inside a capture).
@@ -314,10 +331,10 @@ class DownProjection(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not splitk_pays(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
+            return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
         if self.workspace is None or self.workspace.counters.device != x.device:
             self.workspace = SplitKWorkspace(self.out_features, x.device)
-        return splitk_linear(x, self.weight, self.bias, self.workspace)
+        return self.tp.all_reduce(splitk_linear(x, self.weight, self.bias, self.workspace))
 
 
 class HeadNorm(RMSNorm):
@@ -330,18 +347,42 @@ class HeadNorm(RMSNorm):
 
 class FusedMoE(nn.Module):
     """Top-k routed SiLU experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
-    (gate rows, then up rows) and w2 [num_experts, hidden, inter]."""
+    (gate rows, then up rows) and w2 [num_experts, hidden, inter].
+
+    Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
+    row-parallel), the router replicated; one all_reduce sums the ranks' outputs."""
 
     def __init__(
-        self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        self.tp = tp
+        self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
+        local = self.inter.local_size
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return fused_moe_for(x.device)(x, self.w13, self.w2, weights, ids)
+        return self.tp.all_reduce(fused_moe_for(x.device)(x, self.w13, self.w2, weights, ids))
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: tuple[int, int | None]) -> None:
+        """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13, (expert, None)
+        into w2; this rank's rows (w13) or columns (w2) of it."""
+        expert, half = section
+        local, hidden = self.inter.local_size, self.w2.shape[1]
+        if half is None:
+            w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
+            self.w2.data[expert].copy_(w2)
+        else:
+            w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
+            self.w13.data[expert, half * local : (half + 1) * local].copy_(w13)

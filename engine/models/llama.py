@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     AttentionMetadata,
     DownProjection,
@@ -21,9 +22,18 @@ from engine.models.layers import (
     layer_sliding_windows,
     rope_settings,
 )
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightSlice,
+    head_shard,
+    load_weight,
+    split,
+)
 
-# HF projection -> (our fused parameter, shard index). q/k/v become one qkv_proj
-# and gate/up one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
+# HF projection -> (our fused parameter, section). q/k/v become one qkv_proj and gate/up
+# one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
 FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -45,17 +55,26 @@ def check_config(config) -> None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, sliding_window: int) -> None:
+    """Column-parallel qkv (this rank's q heads and the kv heads they read), row-parallel
+    o_proj; the per-head q/k norms need no split."""
+
+    def __init__(
+        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        heads = head_shard(num_heads, num_kv_heads, self.head_dim, tp)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Qwen2 always has q/k/v biases; Llama only with attention_bias.
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, config.hidden_size, bias=False, tp=tp
+        )
         self.qk_norm = config.model_type in QK_NORM_MODELS
         if self.qk_norm:
             self.q_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
@@ -77,13 +96,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh."""
+    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh.
+    gate_up column-parallel (this rank's gate rows, then its up rows), down row-parallel."""
 
-    def __init__(self, config, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+    def __init__(
+        self,
+        config,
+        tp: TensorParallel = SINGLE,
+        act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    ) -> None:
         super().__init__()
         self.act = act
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
+        inter = split(config.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
+        self.down_proj = DownProjection(
+            config.intermediate_size, config.hidden_size, bias=False, tp=tp
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -92,11 +120,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config, rotary: RotaryEmbedding, sliding_window: int, mlp: nn.Module
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        sliding_window: int,
+        mlp: nn.Module,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, sliding_window)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -116,9 +149,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     check_config = staticmethod(check_config)
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.max_positions = config.max_position_embeddings
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         head_dim = (
@@ -126,17 +160,17 @@ class LlamaForCausalLM(nn.Module):
         )
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         windows = layer_sliding_windows(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i))
+            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i), tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
 
     def make_mlp(self, config, layer: int) -> nn.Module:
-        return LlamaMLP(config)
+        return LlamaMLP(config, self.tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -149,47 +183,37 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_seqs, vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        """Read this rank's part of each checkpoint tensor; returns our parameter names
+        that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, weight in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "embed_tokens.weight" and self.tie_word_embeddings:
-                self.lm_head.load(tensor)
+                load_weight(self.lm_head, "weight", weight, name)
                 loaded.add("lm_head.weight")
             if name == "lm_head.weight":
                 if not self.tie_word_embeddings:
-                    self.lm_head.load(tensor)
+                    load_weight(self.lm_head, "weight", weight, name)
                     loaded.add(name)
                 continue
             module, _, leaf = name.rpartition(".")
             parent, _, proj = module.rpartition(".")
+            section = None
             if proj in FUSED:
-                fused, shard = FUSED[proj]
-                ours = f"{parent}.{fused}.{leaf}"
-                if ours not in params:
-                    raise ValueError(f"unexpected weight {name!r}")
-                self._copy_shard(params[ours], tensor, proj, shard)
-                loaded.add(f"{ours}#{shard}")
-                continue
-            if name not in params:
+                fused, section = FUSED[proj]
+                module = f"{parent}.{fused}"
+            ours = f"{module}.{leaf}"
+            if ours not in params:
                 raise ValueError(f"unexpected weight {name!r}")
-            params[name].data.copy_(tensor)
-            loaded.add(name)
-        # A fused parameter is loaded when all its shards are.
+            load_weight(self.get_submodule(module), leaf, weight, name, section)
+            loaded.add(ours if section is None else f"{ours}#{section}")
+        # A fused parameter is loaded when all its sections are.
         for ours in {k.split("#")[0] for k in loaded if "#" in k}:
-            shards = 3 if ".qkv_proj." in ours else 2
-            if all(f"{ours}#{i}" in loaded for i in range(shards)):
+            sections = 3 if ".qkv_proj." in ours else 2
+            if all(f"{ours}#{i}" in loaded for i in range(sections)):
                 loaded.add(ours)
         return loaded
-
-    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, proj: str, shard: int) -> None:
-        attn = self.layers[0].self_attn
-        if proj in ("q_proj", "k_proj", "v_proj"):
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [param.shape[0] // 2] * 2
-        start = sum(sizes[:shard])
-        param.data[start : start + sizes[shard]].copy_(tensor)

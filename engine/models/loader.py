@@ -11,12 +11,15 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.layers import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import WeightSlice
 
+# Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2ForCausalLM,
     "llama": LlamaForCausalLM,
@@ -99,12 +102,14 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str) -> Iterator[tuple[str, WeightSlice]]:
+    """Each checkpoint tensor, unread: the model reads only its rank's slices of it (valid
+    until the next one is yielded)."""
     for f in safetensors_files(model_dir):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, reader.get_tensor(name)
+                    yield name, reader.get_slice(name)
         except ModelLoadError:
             raise
         except Exception as e:
@@ -116,10 +121,15 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     config: PretrainedConfig | None = None,  # already read by the caller
+    tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, PretrainedConfig]:
+    """This rank's shard of the model (all of it with SINGLE), weights read from disk."""
     config = config or load_config(model_dir)
     with torch.device("meta"):
-        model = MODEL_TYPES[config.model_type](config)
+        try:
+            model = MODEL_TYPES[config.model_type](config, tp)
+        except ValueError as e:  # a shape that does not split across the ranks
+            raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: {e}") from e
     # Materialise without running the random initialisers, then fill from disk; cast on
     # the meta device first, so a bf16 model never takes fp32's memory on the device.
     model = model.to(dtype).to_empty(device=device)

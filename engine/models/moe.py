@@ -9,11 +9,11 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-import torch
 from torch import nn
 
 from engine.models.layers import FusedMoE
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
+from engine.models.parallel import WeightSlice, load_weight
 
 # HF per-expert projection -> (our stacked parameter, half of w13 it fills; None: all of w2).
 EXPERT_WEIGHTS = {
@@ -41,34 +41,35 @@ class MoeForCausalLM(LlamaForCausalLM):
             sparse = layer not in config.mlp_only_layers and (layer + 1) % step == 0
             renormalize = config.norm_topk_prob
         if not sparse:
-            return LlamaMLP(config)
+            return LlamaMLP(config, self.tp)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         return FusedMoE(
-            config.hidden_size, inter, num_experts(config), config.num_experts_per_tok, renormalize
+            config.hidden_size,
+            inter,
+            num_experts(config),
+            config.num_experts_per_tok,
+            renormalize,
+            self.tp,
         )
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         params = dict(self.named_parameters())
         filled: Counter[str] = Counter()
 
-        def others() -> Iterator[tuple[str, torch.Tensor]]:
-            """Copies the expert tensors into their stacks; yields everything else."""
-            for name, tensor in weights:
+        def others() -> Iterator[tuple[str, WeightSlice]]:
+            """Reads the expert tensors into their stacks; yields everything else."""
+            for name, weight in weights:
                 for old, new in RENAMES.items():
                     name = name.replace(old, new)
                 match = EXPERT.fullmatch(name.removeprefix("model."))
                 if match is None:
-                    yield name, tensor
+                    yield name, weight
                     continue
                 moe, expert, proj = match[1], int(match[2]), match[3]
                 if proj not in EXPERT_WEIGHTS or f"{moe}.w2" not in params:
                     raise ValueError(f"unexpected weight {name!r}")
                 ours, half = EXPERT_WEIGHTS[proj]
-                stacked = params[f"{moe}.{ours}"].data[expert]
-                if half is not None:
-                    rows = stacked.shape[0] // 2
-                    stacked = stacked[half * rows : (half + 1) * rows]
-                stacked.copy_(tensor)
+                load_weight(self.get_submodule(moe), ours, weight, name, (expert, half))
                 filled[f"{moe}.{ours}"] += 1
 
         loaded = super().load_weights(others())
