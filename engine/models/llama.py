@@ -4,10 +4,9 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import (
@@ -21,6 +20,7 @@ from engine.models.layers import (
     layer_sliding_windows,
     rope_settings,
 )
+from kernels.activation import act_and_mul_for
 
 # HF projection -> (our fused parameter, shard index). q/k/v become one qkv_proj
 # and gate/up one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
@@ -56,8 +56,8 @@ class LlamaAttention(nn.Module):
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.qk_norm = config.model_type in QK_NORM_MODELS
-        if self.qk_norm:
+        self.q_norm = self.k_norm = None
+        if config.model_type in QK_NORM_MODELS:
             self.q_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
@@ -70,24 +70,22 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # in place on CUDA
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
-    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh."""
+    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh
+    (kernels/activation.py names them; one kernel on CUDA)."""
 
-    def __init__(self, config, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
+    def __init__(self, config, act: str = "silu") -> None:
         super().__init__()
         self.act = act
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = DownProjection(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_and_mul_for(x.device)(self.gate_up_proj(x), self.act))
 
 
 class LlamaDecoderLayer(nn.Module):
