@@ -18,6 +18,7 @@ batch's KV) at the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -413,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         batch = args.profile_batch or min(args.num_requests, 64)
         result["decode_step_profile_us"] = profile_decode_step(llm, batch, 256)
     if (args.compare_hf or args.compare_hf_compile) and args.workload == "seeds":
+        # The engine's heap was frozen out of the collector (engine/heap.py): unfreeze it,
+        # so that its cycles, the KV cache and graph pools among them, are freed.
         del llm
+        gc.unfreeze()
+        gc.collect()
         torch.cuda.empty_cache()
     if args.compare_hf and args.workload == "seeds":
         result["transformers"] = run_hf(
