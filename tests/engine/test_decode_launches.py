@@ -40,7 +40,8 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name == "reshape" and out.untyped_storage().data_ptr() != args[0].data_ptr():
+        storage = out.untyped_storage().data_ptr() if name == "reshape" else None
+        if storage is not None and storage != args[0].untyped_storage().data_ptr():
             name = "reshape (a copy)"
         if self.on and not self.inside_fused and name not in NO_LAUNCH | {"reshape"}:
             self.counts[name] += 1
