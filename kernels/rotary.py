@@ -1,8 +1,8 @@
 """Rotary embedding of q and k, in place on the qkv GEMM's output, in one launch; with an
 optional per-head RMSNorm first (Qwen3's and Gemma 3's q/k norms) in the same launch.
 
-Unfused, a layer's rotation is a gather of cos/sin by position, two casts, and per q and
-per k four multiplies, an add, a subtract and a cat: launch-bound at decode sizes. The
+Unfused, a layer's rotation is a gather of cos/sin by position and, per q and per k,
+two casts, four multiplies, an add, a subtract and a cat: launch-bound at decode sizes. The
 kernel reads each head's two halves where the GEMM wrote them (q and k are column ranges
 of its [num_tokens, q_size + 2 * kv_size] output, so rows are strided) and writes the
 result back there. Rounding follows the unfused model (transformers' too): cos and sin
