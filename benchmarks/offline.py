@@ -3,15 +3,22 @@
     python -m benchmarks.offline --model gpt2 --num-requests 64 --output-len 512 --compare-hf
     python -m benchmarks.offline --model qwen2-0.5b --workload nano-vllm
     python -m benchmarks.offline --model qwen3-30b-a3b --input-len 512 --output-len 512
+    python -m benchmarks.offline --model llama3-8b --num-requests 1 --input-len 128 \
+        --compare-hf-compile
 
 The seeds' workload: N requests x M new tokens, prompt "Hello", EOS ignored,
 prefix cache off. The nano-vllm workload: 256 requests, input and output
 lengths uniform in [100, 1024], random prompt tokens, seed 0.
+
+Every run reports its decode steps against their bandwidth floors (`decode_vs_floor`):
+each decode-only step's time over the bytes it must read (the weights it uses, its
+batch's KV) at the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -23,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
+from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
 
@@ -45,24 +53,38 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
     return [ids] * args.num_requests, [args.output_len] * args.num_requests
 
 
-def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Drive the engine directly (final-only outputs, as LLM.generate does)."""
+def run_pagoda(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], decode_steps: list[DecodeStep]
+) -> dict:
+    """Drive the engine directly (final-only outputs, as LLM.generate does); each
+    decode-only step is appended to decode_steps."""
     engine = llm.engine
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, final_only=True)
         engine.add_request(str(i), ids, params)
-    torch.cuda.synchronize()
+    schedule, scheduled = engine.scheduler.schedule, []
+
+    def keep_schedule():  # each step's SchedulerOutput, for its batch and context
+        scheduled.append(schedule())
+        return scheduled[-1]
+
+    engine.scheduler.schedule = keep_schedule
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start_wall, start = time.time(), time.perf_counter()
     finished = []
-    decode_steps: list[float] = []
-    graphs = engine.runner.steps_by_path
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        replays = graphs["graph"]
-        finished += engine.step()
-        if graphs["graph"] > replays:  # a decode-only step (it replayed a decode graph)
-            decode_steps.append(time.perf_counter() - t0)
+    try:
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            finished += engine.step()
+            out = scheduled.pop()
+            if out and out.is_decode_only:
+                context = int((out.starts + out.num_new_tokens).sum())
+                decode_steps.append(DecodeStep(time.perf_counter() - t0, out.num_seqs, context))
+    finally:
+        del engine.scheduler.schedule
     total = time.perf_counter() - start
+    step_s = [d.seconds for d in decode_steps]
     tokens = sum(output_lens)
     assert sum(out.num_output_tokens for out in finished) == tokens
     metrics = [out.metrics for out in finished]
@@ -81,8 +103,8 @@ def run_pagoda(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> di
         "ttft_ms": {"p50": 1e3 * statistics.median(ttft), "mean": 1e3 * statistics.mean(ttft)},
         "tpot_ms": {"p50": 1e3 * statistics.median(tpot), "mean": 1e3 * statistics.mean(tpot)},
         "decode_step_ms": {
-            "p50": 1e3 * statistics.median(decode_steps) if decode_steps else None,
-            "count": len(decode_steps),
+            "p50": 1e3 * statistics.median(step_s) if step_s else None,
+            "count": len(step_s),
         },
     }
 
@@ -107,39 +129,6 @@ def run_hf(model_dir: str, dtype: torch.dtype, prompt: list[int], n: int, output
     del model
     torch.cuda.empty_cache()
     return {"total_s": total, "output_tokens": tokens, "tok_per_s": tokens / total}
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read plus written."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - start)
-
-
-def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float) -> float:
-    """The fewest bytes a decode step must read: each weight it uses once, each sequence's
-    KV once. Embedding tables are gathered by row, so they are left out; of an MoE layer's
-    experts, the share a batch hits under uniform top-k routing, 1 - (1 - k/E)^batch."""
-    from engine.models.layers import FusedMoE
-
-    weight_bytes = 0.0
-    for module in llm.engine.model.modules():
-        if isinstance(module, torch.nn.Embedding):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            used = 1.0
-            if isinstance(module, FusedMoE) and name in ("w13", "w2"):
-                used = 1 - (1 - module.top_k / param.shape[0]) ** batch
-            weight_bytes += used * param.numel() * param.element_size()
-    runner = llm.engine.runner
-    kv_bytes_per_token = runner.bytes_per_block() / runner.block_size
-    return 1e3 * (weight_bytes + batch * mean_context * kv_bytes_per_token) / bandwidth
 
 
 def start_decoding(
@@ -344,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model",
         default="gpt2",
-        help="gpt2 | qwen2-0.5b | qwen3-30b-a3b (random weights) or a model dir",
+        help="gpt2 | qwen2-0.5b | qwen3-30b-a3b | llama3-8b (random weights) or a model dir",
     )
     p.add_argument("--workload", default="seeds", choices=["seeds", "nano-vllm"])
     p.add_argument("--num-requests", type=int, default=None)
@@ -355,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: float16 for gpt2, bfloat16 otherwise")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate")
+    p.add_argument(
+        "--compare-hf-compile",
+        action="store_true",
+        help="batch 1: also time transformers generate with a static cache and a compiled "
+        "forward (benchmarks.hf_compile)",
+    )
     p.add_argument("--profile", action="store_true", help="per-phase breakdown of a decode step")
     p.add_argument(
         "--profile-batch", type=int, default=None, help="batch of --profile (default: up to 64)"
@@ -364,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.num_requests is None:
         args.num_requests = 256 if args.workload == "nano-vllm" else 64
+    if args.compare_hf_compile and (args.workload != "seeds" or args.num_requests != 1):
+        p.error("--compare-hf-compile times batch 1: the seeds workload with --num-requests 1")
     dtype_name = args.dtype or ("float16" if args.model == "gpt2" else "bfloat16")
     dtype = getattr(torch, dtype_name)
 
@@ -402,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len if args.workload == "seeds" else "uniform[100, 1024]",
         "cuda_graphs": not args.enforce_eager,
     }
-    result["pagoda"] = run_pagoda(llm, prompts, output_lens)
+    decode_steps: list[DecodeStep] = []
+    result["pagoda"] = run_pagoda(llm, prompts, output_lens, decode_steps)
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    result["decode_vs_floor"] = decode_vs_floor(llm, decode_steps, bandwidth)
     if args.workload == "seeds":
         mean_ctx = len(prompts[0]) + args.output_len / 2  # prompts share one length
         floor = decode_floor_ms(llm, args.num_requests, mean_ctx, bandwidth)
@@ -414,15 +413,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not args.enforce_eager:
         batch = args.profile_batch or min(args.num_requests, 64)
         result["decode_step_profile_us"] = profile_decode_step(llm, batch, 256)
-    if args.compare_hf and args.workload == "seeds":
+    if (args.compare_hf or args.compare_hf_compile) and args.workload == "seeds":
+        # The engine's heap was frozen out of the collector (engine/heap.py): unfreeze it,
+        # so that its cycles, the KV cache and graph pools among them, are freed.
         del llm
+        gc.unfreeze()
+        gc.collect()
         torch.cuda.empty_cache()
+    if args.compare_hf and args.workload == "seeds":
         result["transformers"] = run_hf(
             model_dir, dtype, prompts[0], args.num_requests, args.output_len
         )
         result["speedup_vs_transformers"] = (
             result["pagoda"]["tok_per_s"] / result["transformers"]["tok_per_s"]
         )
+    if args.compare_hf_compile:
+        from benchmarks.hf_compile import time_static_compile
+
+        hf = time_static_compile(model_dir, dtype, prompts[0], args.output_len)
+        result["transformers_static_compile"] = hf
+        step = result["pagoda"]["decode_step_ms"]["p50"]
+        # Below 1: Pagoda's decode token is that much of transformers' time.
+        result["decode_ms_vs_hf_compile"] = step / hf["decode_ms_per_token"] if step else None
 
     print(json.dumps(result, indent=2))
     pg = result["pagoda"]
@@ -430,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     if "transformers" in result:
         line += f"; transformers: {result['transformers']['tok_per_s']:,.0f} tok/s"
         line += f"; ratio {result['speedup_vs_transformers']:.1f}x"
+    floor = result["decode_vs_floor"]
+    if floor["steps"]:
+        line += f"; decode step {floor['step_ms_p50']:.2f} ms, {floor['ratio_p50']:.2f}x its floor"
+    if "transformers_static_compile" in result:
+        hf_ms = result["transformers_static_compile"]["decode_ms_per_token"]
+        line += f"; transformers static+compile {hf_ms:.2f} ms/token"
     print(line)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

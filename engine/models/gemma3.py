@@ -16,7 +16,6 @@ from engine.models.layers import (
     LMHead,
     RMSNorm,
     RotaryEmbedding,
-    gelu_tanh,
     layer_sliding_windows,
     rope_settings,
 )
@@ -52,7 +51,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config, tp, act=gelu_tanh)
+        self.mlp = LlamaMLP(config, tp, act="gelu_tanh")
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def forward(

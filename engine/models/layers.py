@@ -29,6 +29,7 @@ from kernels.linear import SplitKWorkspace, splitk_linear, splitk_pays
 from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for
+from kernels.rotary import QKNorm, rotary_for
 
 
 @dataclass
@@ -260,18 +261,18 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        q_norm: HeadNorm | None = None,
+        k_norm: HeadNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2] each
-        return _rotate(q, cos, sin, self.head_dim), _rotate(k, cos, sin, self.head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    shape, dtype = x.shape, x.dtype
-    x = x.view(x.shape[0], -1, head_dim)  # [num_tokens, heads, head_dim]
-    cos, sin = cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).view(shape)
+        """q and k rotated, each head RMS-normed first where q_norm/k_norm are given. On
+        CUDA one kernel does it all, in place on q and k (column ranges of the qkv GEMM's
+        output): use the returned tensors."""
+        norm = None if q_norm is None else QKNorm(q_norm.weight, k_norm.weight, q_norm.eps)
+        return rotary_for(q.device)(positions, q, k, self.cos_sin, norm)
 
 
 class LMHead(nn.Module):
@@ -337,12 +338,14 @@ class DownProjection(RowParallelLinear):
         return self.tp.all_reduce(splitk_linear(x, self.weight, self.bias, self.workspace))
 
 
-class HeadNorm(RMSNorm):
-    """RMSNorm over each head's vector (Qwen3's and Gemma 3's q/k norms)."""
+class HeadNorm(nn.Module):
+    """RMSNorm weights over each head's vector (Qwen3's and Gemma 3's q/k norms), applied
+    by RotaryEmbedding.forward together with the rotation."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads * head_dim]
-        shape, dim = x.shape, self.weight.shape[0]
-        return super().forward(x.reshape(-1, dim))[0].view(shape)
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
 
 
 class FusedMoE(nn.Module):

@@ -4,10 +4,9 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
@@ -31,6 +30,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
+from kernels.activation import act_and_mul_for
 
 # HF projection -> (our fused parameter, section). q/k/v become one qkv_proj and gate/up
 # one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
@@ -75,8 +75,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             num_heads * self.head_dim, config.hidden_size, bias=False, tp=tp
         )
-        self.qk_norm = config.model_type in QK_NORM_MODELS
-        if self.qk_norm:
+        self.q_norm = self.k_norm = None
+        if config.model_type in QK_NORM_MODELS:
             self.q_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
@@ -89,22 +89,16 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # in place on CUDA
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaMLP(nn.Module):
-    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh.
-    gate_up column-parallel (this rank's gate rows, then its up rows), down row-parallel."""
+    """down(act(gate) * up): SwiGLU with the default silu; Gemma's GeGLU passes gelu_tanh
+    (kernels/activation.py names them; one kernel on CUDA). gate_up column-parallel (this
+    rank's gate rows, then its up rows), down row-parallel."""
 
-    def __init__(
-        self,
-        config,
-        tp: TensorParallel = SINGLE,
-        act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-    ) -> None:
+    def __init__(self, config, tp: TensorParallel = SINGLE, act: str = "silu") -> None:
         super().__init__()
         self.act = act
         inter = split(config.intermediate_size, tp, "intermediate_size")
@@ -114,8 +108,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_and_mul_for(x.device)(self.gate_up_proj(x), self.act))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -26,11 +26,14 @@ JIT_MODULES = (
     "triton.language.standard",
     "triton.language.random",
     "triton.language",
+    "kernels.rounding",
     "kernels.kv_store",
     "kernels.paged_attention",
     "kernels.linear",
     "kernels.prefill_attention",
     "kernels.norms",
+    "kernels.rotary",
+    "kernels.activation",
     "kernels.fused_moe",
 )
 

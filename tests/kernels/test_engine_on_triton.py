@@ -9,20 +9,31 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.models.layers as layers
+import engine.models.llama as llama
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionOps, PagedAttention
 from engine.models.loader import load_tokenizer
+from kernels.activation import act_and_mul
 from kernels.kv_store import kv_store
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.rotary import rotary
 from tests.conftest import PROMPTS, hf_greedy
+
+
+def use_fused_elementwise(monkeypatch) -> None:
+    """The rotary (with q/k norms) and gated-activation kernels, as on CUDA."""
+    monkeypatch.setattr(layers, "rotary_for", lambda device: rotary)
+    monkeypatch.setattr(llama, "act_and_mul_for", lambda device: act_and_mul)
 
 
 # With CUDA present Triton compiles the kernels, which cannot take this CPU engine's
 # tensors; there tests/gpu runs the engine on them for real.
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_engine_on_triton_kernels_matches_transformers(request, model):
+def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, model):
+    use_fused_elementwise(monkeypatch)
     model_dir = request.getfixturevalue(f"tiny_{model}_dir")
     llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
     ops = AttentionOps(kv_store, paged_attention_decode, paged_prefill_attention)
@@ -41,11 +52,12 @@ def test_engine_on_triton_kernels_matches_transformers(request, model):
 @pytest.mark.parametrize("kind", ["mixtral", "gemma3"])
 def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
     """Sliding windows (16 and 8 tokens, crossed by the longer prompts) in the Triton
-    attention kernels, and Mixtral's experts through the Triton fused MoE."""
-    import engine.models.layers as layers
+    attention kernels, Mixtral's experts through the Triton fused MoE, and Gemma 3's
+    q/k norms and two rotary caches in the rotary kernel, its GeGLU in act_and_mul."""
     from kernels.fused_moe import fused_moe
 
     monkeypatch.setattr(layers, "fused_moe_for", lambda device: fused_moe)
+    use_fused_elementwise(monkeypatch)
     model_dir = tiny_family_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
     ops = AttentionOps(kv_store, paged_attention_decode, paged_prefill_attention)

@@ -1,0 +1,86 @@
+"""Gated MLP activation in one launch: act(gate) * up over the gate_up GEMM's output.
+
+Unfused, SwiGLU (Llama) and GeGLU (Gemma) are two elementwise kernels per layer, the
+activation and the multiply, with an intermediate written and read back. Rounding
+follows the unfused ops: the activation is computed in fp32 and rounded to the
+activation dtype, then the product is rounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.rounding import round_to
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def act_and_mul_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """x [num_tokens, 2 * inter] (gate columns, then up) -> act(gate) * up [num_tokens, inter]."""
+    gate, up = x.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate) * up
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    inter,
+    stride_x,
+    GELU_TANH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program per (token, BLOCK output columns).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if GELU_TANH:
+        # torch's form, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): where
+        # tanh(u) nears -1 the sum cancels, and the result is as coarse as torch's.
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = (1.0 - e) / (1.0 + e)
+        tanh = tl.where(inner < 0, -tanh, tanh)
+        act = 0.5 * gate * (1.0 + tanh)
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    out = round_to(round_to(act, dtype) * up, dtype)
+    tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
+
+
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """Triton version of `act_and_mul_ref` (rows may be strided; columns contiguous)."""
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+    assert activation in ACTIVATIONS
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x,
+        out,
+        inter,
+        x.stride(0),
+        GELU_TANH=activation == "gelu_tanh",
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
+def act_and_mul_for(device: torch.device) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """The gated activation the model uses on `device`: Triton on CUDA, the reference
+    elsewhere."""
+    return act_and_mul if device.type == "cuda" else act_and_mul_ref

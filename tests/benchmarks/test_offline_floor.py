@@ -1,0 +1,70 @@
+"""benchmarks.offline's decode steps against their floors, the llama3-8b shape, and the
+transformers static-cache timing's arguments and streamer (the CPU-runnable parts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.floors import DecodeStep, decode_vs_floor, kv_bytes_per_token, weight_bytes
+from benchmarks.hf_compile import TokenTimes, per_token_ms, static_generate_kwargs
+from benchmarks.offline import run_pagoda
+from engine import LLM
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, device="cpu", max_num_seqs=4, max_model_len=128)
+
+
+def test_run_pagoda_records_each_decode_step_with_its_batch_and_context(llm):
+    prompts = [[1] * 5, [2] * 9, [3] * 3]
+    steps: list[DecodeStep] = []
+    result = run_pagoda(llm, prompts, [6, 6, 6], steps)
+    assert result["decode_step_ms"]["count"] == len(steps) > 0
+    assert "schedule" not in vars(llm.engine.scheduler)  # the recording hook is gone
+    # Prompts prefill together in the first step, then all three decode to the end,
+    # each step's context one token per sequence longer than the last's.
+    assert all(s.batch == 3 for s in steps)
+    assert [s.context for s in steps] == [17 + 3 * i for i in range(1, len(steps) + 1)]
+    assert all(s.seconds > 0 for s in steps)
+
+
+def test_decode_vs_floor_weighs_each_step_by_its_own_bytes(llm):
+    steps = [DecodeStep(0.002, 1, 100), DecodeStep(0.004, 2, 1000)]
+    bandwidth = 1e9
+    floors = [
+        (weight_bytes(llm, s.batch) + s.context * kv_bytes_per_token(llm)) / bandwidth
+        for s in steps
+    ]
+    got = decode_vs_floor(llm, steps, bandwidth)
+    assert got["steps"] == 2
+    assert got["ratio_total"] == pytest.approx(0.006 / sum(floors))
+    assert got["ratio_p50"] == pytest.approx((0.002 / floors[0] + 0.004 / floors[1]) / 2)
+    assert floors[1] > floors[0] > 0
+    assert decode_vs_floor(llm, [], bandwidth) == {"steps": 0}
+
+
+def test_llama3_8b_shape_has_8b_parameters():
+    from benchmarks.checkpoints import CONFIGS, ON_DEVICE
+    from engine.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(CONFIGS["llama3-8b"]())
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert "llama3-8b" in ON_DEVICE  # 16 GB: drawn on the device, not written to disk
+
+
+def test_static_cache_generate_streams_every_token(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([[1, 2, 3, 4]])
+    streamer = TokenTimes()
+    with torch.inference_mode():
+        out = model.generate(input_ids, streamer=streamer, **static_generate_kwargs(input_ids, 5))
+    assert out.shape == (1, 9)
+    assert len(streamer.times) == 6  # the prompt, then each new token
+    timing = per_token_ms(streamer.times)
+    assert timing["new_tokens"] == 5 and timing["decode_ms_per_token"] > 0
