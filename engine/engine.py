@@ -95,7 +95,7 @@ class Engine:
             )
         device = config.torch_device
         dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-        self.model, _ = load_model(model_dir, device, dtype, hf_config)
+        self.model, _ = load_model(model_dir, device, dtype, hf_config, config.quantization)
         self.tokenizer = load_tokenizer(model_dir)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)

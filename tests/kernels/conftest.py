@@ -26,6 +26,7 @@ JIT_MODULES = (
     "triton.language.standard",
     "triton.language.random",
     "triton.language",
+    "kernels.fp8",
     "kernels.kv_store",
     "kernels.paged_attention",
     "kernels.linear",
