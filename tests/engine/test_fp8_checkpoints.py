@@ -269,3 +269,26 @@ def test_checkpoint_fp8_reads_the_layouts(tiny_llama_dir):
     Config.quantization_config = QUANT_CONFIGS["ct-tensor"]
     assert checkpoint_fp8(Config()).scale_name == "weight_scale"
     assert checkpoint_fp8(load_config(tiny_llama_dir)) is None
+
+
+def test_per_channel_checkpoint_requantizes_to_its_own_bytes(tiny_llama_dir, tmp_path):
+    """What CUDA does with a per-channel FP8 checkpoint: dequantize into bf16, quantize
+    per channel again. bf16's rounding of q * scale (2**-9 relative) is far below
+    e4m3's step (>= 2**-4), so every fp8 value comes back the same."""
+    dst = tmp_path / "m"
+    _write_fp8(tiny_llama_dir, dst, "ct-channel")
+    model, _ = load_model(str(dst), CPU, torch.bfloat16)
+    quantize_model(model)
+    tensors = load_file(str(dst / "model.safetensors"))
+    attn = model.layers[1].self_attn
+    q_rows = attn.qkv_proj.weight[: attn.q_size]
+    want = tensors["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(q_rows.view(torch.uint8), want.view(torch.uint8))
+    down = tensors["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(
+        model.layers[1].mlp.down_proj.weight.view(torch.uint8), down.view(torch.uint8)
+    )
+    scale = tensors["model.layers.1.mlp.down_proj.weight_scale"][:, 0]
+    torch.testing.assert_close(
+        model.layers[1].mlp.down_proj.weight_scale, scale, rtol=2**-8, atol=0
+    )
