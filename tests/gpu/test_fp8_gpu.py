@@ -69,7 +69,7 @@ def test_fp8_linear_replays_in_a_cuda_graph() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_cache_kernels_with_half_queries(dtype: torch.dtype) -> None:
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    num_blocks, k_scale, v_scale = 64, 0.02, 0.015
+    num_blocks, k_scale, v_scale = 128, 0.02, 0.015
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = quantize_fp8_ref(torch.randn(shape, device="cuda"), k_scale)
     v_cache = quantize_fp8_ref(torch.randn(shape, device="cuda"), v_scale)
