@@ -20,7 +20,6 @@ model's accuracy under FP8.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import subprocess
@@ -137,6 +136,7 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
     )
     runner = llm.engine.runner
     out: dict = {
+        "gpu": torch.cuda.get_device_name(),
         "config": overrides,
         "cuda_graphs": full,
         "kv_blocks": runner.num_blocks,
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.fp8 " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "commit": git_commit(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": None,  # from the children: this process leaves CUDA alone
         "torch": torch.__version__,
         "model": f"{MODEL} (random weights, bf16)",
         "workload": f"{args.num_requests} x {args.input_len} in / {args.output_len} out",
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             child = [*argv, "--only", name, "--work", str(work), "--out", str(part)]
             subprocess.run([sys.executable, "-m", "benchmarks.fp8", *child], check=True)
             result["configs"][name] = json.loads(part.read_text())
+            result["gpu"] = result["configs"][name].pop("gpu")
             print(f"{name}: {json.dumps(result['configs'][name])}", flush=True)
-            gc.collect()
     result["summary"] = summary(result["configs"])
     print(json.dumps(result["summary"], indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
