@@ -78,12 +78,13 @@ class Fp8Checkpoint:
     """How a checkpoint stores its FP8 weights (from config.json's quantization_config)."""
 
     method: str  # "fp8" (transformers' FineGrainedFP8) | "compressed-tensors"
-    scale_name: str  # the scale tensor beside each fp8 `weight`
+    scale_names: tuple[str, ...]  # the scale tensor beside each fp8 `weight`
     block_size: tuple[int, int] | None  # block-wise scales; None: per channel or tensor
 
 
 SUPPORTED = (
-    'quant_method "fp8" (float8 weight + weight_scale_inv, block-wise or per-tensor) and '
+    'quant_method "fp8" (float8 weight + weight_scale_inv or weight_scale, block-wise or '
+    'per-tensor) and '
     '"compressed-tensors" with 8-bit float weights (strategy channel, tensor or block)'
 )
 CT_FORMATS = ("float-quantized", "naive-quantized")
@@ -102,7 +103,10 @@ def checkpoint_fp8(hf_config) -> Fp8Checkpoint | None:
         if qc.get("scale_fmt", "float") != "float":
             raise ValueError(f"unsupported fp8 scale_fmt {qc['scale_fmt']!r} (only float)")
         block = qc.get("weight_block_size")
-        return Fp8Checkpoint("fp8", "weight_scale_inv", tuple(block) if block else None)
+        # transformers names the scale weight_scale_inv; AutoFP8's older per-tensor
+        # checkpoints, with the same quant_method, weight_scale. Both multiply.
+        scales = ("weight_scale_inv", "weight_scale")
+        return Fp8Checkpoint("fp8", scales, tuple(block) if block else None)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     raise ValueError(
@@ -147,7 +151,7 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
     if len(blocks) > 1:
         raise ValueError(f"compressed-tensors groups with different block structures {blocks}")
     block = blocks.pop() if blocks else None
-    return Fp8Checkpoint("compressed-tensors", "weight_scale", block or None)
+    return Fp8Checkpoint("compressed-tensors", ("weight_scale",), block or None)
 
 
 def dequantize_weight(
@@ -183,7 +187,7 @@ def dequantize_checkpoint(
     scales and static activation scales dropped, k/v cache scales collected."""
     weights_waiting: dict[str, torch.Tensor] = {}  # module prefix -> fp8 weight
     scales_waiting: dict[str, torch.Tensor] = {}
-    scale_suffix = "." + scheme.scale_name
+    scale_suffixes = tuple("." + s for s in scheme.scale_names)
     for name, tensor in weights:
         kv = KV_SCALE.search(name)
         if kv:
@@ -191,8 +195,8 @@ def dequantize_checkpoint(
             continue
         if name.endswith(DROPPED_SUFFIXES):
             continue
-        if name.endswith(scale_suffix):
-            prefix = name.removesuffix(scale_suffix)
+        if name.endswith(scale_suffixes):
+            prefix = name.rpartition(".")[0]
             if prefix in weights_waiting:
                 w = weights_waiting.pop(prefix)
                 yield f"{prefix}.weight", dequantize_weight(w, tensor, scheme.block_size)
@@ -210,10 +214,11 @@ def dequantize_checkpoint(
         yield name, tensor
     if weights_waiting:
         names = sorted(weights_waiting)[:3]
-        raise ValueError(f"fp8 weights without their {scheme.scale_name}: {', '.join(names)}")
+        scale = " or ".join(scheme.scale_names)
+        raise ValueError(f"fp8 weights without their {scale}: {', '.join(names)}")
     if scales_waiting:
         names = sorted(scales_waiting)[:3]
-        raise ValueError(f"{scheme.scale_name} without an fp8 weight: {', '.join(names)}")
+        raise ValueError(f"weight scales without an fp8 weight: {', '.join(names)}")
 
 
 def set_kv_scales(model: nn.Module, kv_scales: dict[int, dict[str, float]]) -> None:
