@@ -84,7 +84,7 @@ class Fp8Checkpoint:
 
 SUPPORTED = (
     'quant_method "fp8" (float8 weight + weight_scale_inv or weight_scale, block-wise or '
-    'per-tensor) and '
+    "per-tensor) and "
     '"compressed-tensors" with 8-bit float weights (strategy channel, tensor or block)'
 )
 CT_FORMATS = ("float-quantized", "naive-quantized")
