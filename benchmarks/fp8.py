@@ -15,6 +15,10 @@ last-position logits of 64 random-token prompts, as cosine similarity and top-1
 agreement. Random weights give near-Gaussian activations and logits without the
 outliers of trained models: this checks the FP8 path's arithmetic, not a real
 model's accuracy under FP8.
+
+The fp8 run also times the projections alone (bf16 GEMM, FP8 linear, the per-token
+quantizer) at each Llama-3-8B projection shape and batches 1, 16 and 64, each inside
+a CUDA graph, beside its weight-read floor: where the FP8 step's time goes.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from benchmarks.offline import copy_bandwidth, run_pagoda, start_decoding
 from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
+from kernels.fp8 import fp8_linear, quantize_per_channel, quantize_per_token
 
 MODEL = "llama3-8b"
 # name -> (EngineConfig overrides, full: time batch 1 and throughput with CUDA graphs)
@@ -44,6 +49,57 @@ CONFIGS: dict[str, tuple[dict, bool]] = {
     "bf16+fp8kv": ({"kv_cache_dtype": "fp8"}, False),
     "fp8+bf16kv": ({"quantization": "fp8"}, False),
 }
+
+
+# Llama-3-8B's projections, (K, N): qkv, o, gate_up, down.
+GEMM_SHAPES = {
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+}
+
+
+def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
+    """Device time of one fn() call: `calls` of them captured in a CUDA graph (no host
+    launch gaps), replayed `replays` times between events."""
+    fn()  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (calls * replays)
+
+
+def gemm_timings(bandwidth: float, batches: tuple[int, ...] = (1, 16, 64)) -> dict:
+    """Per projection shape and batch: the bf16 GEMM, the FP8 linear (per-token quantizer
+    + _scaled_mm) and the quantizer alone, in microseconds, beside each one's weight-read
+    floor at the measured copy bandwidth."""
+    return {
+        f"{name} m={m}": _gemm_shape(k, n, m, bandwidth)
+        for name, (k, n) in GEMM_SHAPES.items()
+        for m in batches
+    }
+
+
+def _gemm_shape(k: int, n: int, m: int, bandwidth: float) -> dict:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    w_q, w_scale = quantize_per_channel(w)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    return {
+        "bf16_us": graph_us(lambda: torch.nn.functional.linear(x, w)),
+        "fp8_us": graph_us(lambda: fp8_linear(x, w_q, w_scale, None)),
+        "quantize_us": graph_us(lambda: quantize_per_token(x)),
+        "bf16_floor_us": 1e6 * 2 * n * k / bandwidth,
+        "fp8_floor_us": 1e6 * n * k / bandwidth,
+    }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -163,6 +219,8 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
         # Warm up at the run's own shapes (Triton compiles per shape).
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         out["throughput"] = run_pagoda(llm, prompts, lens)
+        if name == "fp8":
+            out["gemm_us"] = gemm_timings(bandwidth)
     return out
 
 
