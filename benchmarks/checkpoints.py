@@ -91,8 +91,8 @@ def qwen3_30b_a3b():
 
 
 def llama3_8b():
-    """Llama-3-8B's shape: 32 layers, 4096 hidden, GQA 32/8 (head_dim 128), 14336-wide
-    SwiGLU, untied 128256-token head, llama3 rope scaling; ~8.03B parameters."""
+    """Llama-3-8B's shape: 32 layers, 4096 hidden, GQA 32/8 (head_dim 128), 14336 MLP,
+    128256-token untied head, rope theta 500k; ~8.0B parameters."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -102,15 +102,8 @@ def llama3_8b():
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        max_position_embeddings=131072,
+        max_position_embeddings=8192,
         rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )

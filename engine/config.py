@@ -12,6 +12,8 @@ PREFILL_GRAPH_MAX_TOKENS = 2048
 # How a step ran (ModelRunner.steps_by_path), as the server's stats line reports it.
 STEP_PATHS = ("graph", "prefill graph", "eager")
 _DTYPES = ("float32", "float16", "bfloat16")
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -42,6 +44,11 @@ class EngineConfig:
     # last at once), SGLang's --stream-interval: fewer, larger deltas for less host
     # work per token, where the engine's host side is the limit.
     stream_interval: int = 1
+    # "fp8": dense projections in float8_e4m3fn, per-channel scales, activations per
+    # token (engine/models/quantization.py); FP8 checkpoints turn it on by themselves.
+    quantization: str | None = None
+    # "fp8": the KV cache in float8_e4m3fn (twice the blocks); "auto": the model dtype.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -62,6 +69,19 @@ class EngineConfig:
             raise ValueError("log_stats_interval must be non-negative")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.uses_fp8 and self.torch_device.type == "cpu":
+            raise ValueError(
+                "--quantization fp8 and --kv-cache-dtype fp8 need a CUDA GPU with FP8 support "
+                "(compute capability 8.9+: Ada, Hopper); the device here is the CPU"
+            )
 
     @property
     def torch_device(self) -> torch.device:
@@ -82,6 +102,10 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.bfloat16
+
+    @property
+    def uses_fp8(self) -> bool:
+        return self.quantization == "fp8" or self.kv_cache_dtype == "fp8"
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -110,7 +110,9 @@ class Engine:
             device,
             str(dtype).removeprefix("torch."),
         )
-        self.model, _ = load_model(model_dir, device, dtype, hf_config)
+        self.model, _ = load_model(
+            model_dir, device, dtype, hf_config, quantization=config.quantization
+        )
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
         self.tokenizer = load_tokenizer(model_dir)

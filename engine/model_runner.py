@@ -10,6 +10,7 @@ never have to visit the host first. Decode-only steps and steps with up to
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, WaitClock
+from kernels.fp8 import FP8_DTYPE, check_fp8_device
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -55,6 +57,10 @@ class ModelRunner:
         self.batch = batch
         self.device = config.torch_device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = self.dtype
+        if config.kv_cache_dtype == "fp8":
+            check_fp8_device(self.device)
+            self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
         self.block_shift = config.block_size.bit_length() - 1  # a power of two
         self.max_num_seqs = seqs = config.max_num_seqs
@@ -135,7 +141,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
         return per_token * self.block_size * len(self.attn_layers)
 
     def _num_kv_blocks(self) -> int:
@@ -172,9 +178,9 @@ class ModelRunner:
         shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         ops = AttentionOps.for_device(self.device)
         for layer in self.attn_layers:
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.ops = ops
+            layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.ops = ops if self.kv_dtype != FP8_DTYPE else _with_kv_scales(ops, layer)
 
     # -- inputs -----------------------------------------------------------
 
@@ -354,3 +360,13 @@ class ModelRunner:
             parity = self.parity
             return self.sampled.copied_by_graph(token_ids.numel(), parity, self.staged_sent[parity])
         return self.sampled.keep(token_ids, self.parity)
+
+
+def _with_kv_scales(ops: AttentionOps, layer: PagedAttention) -> AttentionOps:
+    """The cache kernels bound to one layer's FP8 k/v scales."""
+    scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
+    return AttentionOps(
+        functools.partial(ops.store, **scales),
+        functools.partial(ops.decode, **scales),
+        functools.partial(ops.prefill, **scales),
+    )

@@ -1,4 +1,7 @@
-"""Batched KV append: every new token's K and V into the paged cache, one launch."""
+"""Batched KV append: every new token's K and V into the paged cache, one launch.
+
+An FP8 (e4m3) cache stores K / k_scale and V / v_scale, rounded and saturated.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE, quantize_fp8_ref, round_to_fp8
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as `cache` holds it: quantized by 1 / scale into an FP8 cache, else just cast."""
+    if cache.dtype == FP8_DTYPE:
+        return quantize_fp8_ref(x.float() * (1.0 / scale), 1.0)
+    return x.to(cache.dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:  # fp32
+    """A cache's values in fp32: times scale where they are FP8."""
+    return x.float() * scale if x.dtype == FP8_DTYPE else x.float()
+
 
 def kv_store_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -15,12 +32,14 @@ def kv_store_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int; slot = block * block_size + offset; < 0 = padding
+    k_scale: float = 1.0,  # FP8 cache only: it holds key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(key[valid], k_cache, k_scale)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = to_cache(value[valid], v_cache, v_scale)
 
 
 @triton.jit
@@ -30,6 +49,8 @@ def _kv_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_inv,  # FP8 cache: 1 / k_scale
+    v_scale_inv,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -42,6 +63,7 @@ def _kv_store_kernel(
     HEADS_P2: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per token: all of its heads' K and V in one tile each.
     token = tl.program_id(0)
@@ -55,6 +77,9 @@ def _kv_store_kernel(
     cache_offs += heads * stride_ch + dims
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if KV_FP8:
+        key = round_to_fp8(key.to(tl.float32) * k_scale_inv)
+        value = round_to_fp8(value.to(tl.float32) * v_scale_inv)
     tl.store(k_cache_ptr + cache_offs, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + cache_offs, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -65,6 +90,8 @@ def kv_store(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
     slot_mapping: torch.Tensor,  # [num_tokens] int; < 0 = padding
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of `kv_store_ref`: one launch, no host sync."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -79,6 +106,8 @@ def kv_store(
         k_cache,
         v_cache,
         slot_mapping,
+        1.0 / k_scale,
+        1.0 / v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -91,6 +120,7 @@ def kv_store(
         HEADS_P2=heads_p2,
         HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=k_cache.shape[1],
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
         # Up to 8 elements (16 bytes at fp16) per thread; a 2 x 64 tile needs only one warp.
         num_warps=min(4, max(1, heads_p2 * head_dim_p2 // 256)),
     )

@@ -1,4 +1,8 @@
-"""Decode attention over the paged KV cache: one query token per sequence."""
+"""Decode attention over the paged KV cache: one query token per sequence.
+
+An FP8 cache (e4m3, holding K / k_scale and V / v_scale) is read as the query's dtype,
+exactly, with k_scale folded into the softmax scale and v_scale into the output.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import kv_store_ref
+from kernels.fp8 import FP8_DTYPE, round_to_fp8
+from kernels.kv_store import from_cache, kv_store_ref
 
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 NO_WINDOW = 1 << 30  # the kernels' window when sliding_window is off: longer than any context
@@ -39,17 +44,19 @@ def paged_attention_decode_ref(
     new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding, not stored
     sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
+    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
     if slot_mapping is not None:
-        kv_store_ref(new_k, new_v, k_cache, v_cache, slot_mapping)
+        kv_store_ref(new_k, new_v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
     for i, context_len in enumerate(context_lens.tolist()):
         if context_len <= 0:
             continue
-        k = gather_kv(k_cache, block_table[i], context_len).float()
-        v = gather_kv(v_cache, block_table[i], context_len).float()
+        k = from_cache(gather_kv(k_cache, block_table[i], context_len), k_scale)
+        v = from_cache(gather_kv(v_cache, block_table[i], context_len), v_scale)
         if sliding_window > 0:
             k, v = k[-sliding_window:], v[-sliding_window:]
         group = num_heads // k.shape[1]  # query heads per kv head (GQA)
@@ -78,7 +85,10 @@ def _decode_kernel(
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
-    qk_scale,  # softmax scale * LOG2E
+    qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
+    out_scale,  # v_scale for an FP8 cache, else 1
+    k_scale_inv,  # FP8 cache: 1 / k_scale, for the new K it stores
+    v_scale_inv,
     num_splits,
     window,  # keys older than the last `window` tokens are not attended to
     stride_qs,
@@ -106,6 +116,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     IS_SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     STORE_NEW: tl.constexpr,  # store this step's K/V (new_k, new_v) at slot_mapping first
+    KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head, split): the whole query-head group of the kv head
@@ -148,6 +159,9 @@ def _decode_kernel(
             new_v = tl.load(
                 new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
             )
+            if KV_FP8:
+                new_k = round_to_fp8(new_k.to(tl.float32) * k_scale_inv)
+                new_v = round_to_fp8(new_v.to(tl.float32) * v_scale_inv)
             tl.store(k_cache_ptr + new_offs, new_k.to(k_cache_ptr.dtype.element_ty), mask=dim_mask)
             tl.store(v_cache_ptr + new_offs, new_v.to(v_cache_ptr.dtype.element_ty), mask=dim_mask)
         # The tile loop loads that row with other threads than stored it: a CTA barrier
@@ -171,6 +185,9 @@ def _decode_kernel(
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scales are applied outside
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         # Every tile holds >= 1 valid token, so m_new is finite and no NaN can arise.
@@ -183,6 +200,8 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # context_len 0 (or an empty split) gives zeros
     result = acc / l_safe[:, None]
+    if KV_FP8:
+        result = result * out_scale
     if not IS_SPLIT:
         out_offs = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -285,6 +304,8 @@ def paged_attention_decode(
     new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], last dim contiguous
     slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding
     sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
+    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
@@ -312,6 +333,9 @@ def paged_attention_decode(
     split_out, split_lse = workspace
     group = num_heads // num_kv_heads
     head_dim_p2 = triton.next_power_of_2(head_dim)
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if not kv_fp8:
+        k_scale = v_scale = 1.0
     _decode_kernel[(num_seqs, num_kv_heads, config.num_splits)](
         query,
         k_cache,
@@ -324,7 +348,10 @@ def paged_attention_decode(
         out,
         split_out,
         split_lse,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         config.num_splits,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
@@ -352,6 +379,7 @@ def paged_attention_decode(
         BLOCK_N=config.block_n,
         IS_SPLIT=config.num_splits > 1,
         STORE_NEW=store_new,
+        KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -1,5 +1,7 @@
 """Causal attention for chunks of new tokens over the paged KV cache (varlen batch).
 
+An FP8 cache is read as in the decode kernel (kernels/paged_attention.py).
+
 Each sequence's new tokens are the last `query_len` of its `seq_len` tokens;
 their K/V are already in the cache, so one path serves plain prefill, chunked
 prefill and prefix-cache hits alike.
@@ -21,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE
+from kernels.kv_store import from_cache
 from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
 
 
@@ -34,6 +38,8 @@ def paged_prefill_attention_ref(
     scale: float,
     max_query_len: int,  # host-side bound on query lengths (sizes a kernel grid)
     sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
+    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -45,8 +51,8 @@ def paged_prefill_attention_ref(
             continue
         # Keys from the first query's window on (all of them without a window).
         lo = max(seq_len - query_len - sliding_window + 1, 0) if sliding_window > 0 else 0
-        k = gather_kv(k_cache, block_table[i], seq_len)[lo:].float()
-        v = gather_kv(v_cache, block_table[i], seq_len)[lo:].float()
+        k = from_cache(gather_kv(k_cache, block_table[i], seq_len)[lo:], k_scale)
+        v = from_cache(gather_kv(v_cache, block_table[i], seq_len)[lo:], v_scale)
         group = num_heads // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
@@ -71,7 +77,8 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
-    qk_scale,  # softmax scale * LOG2E
+    qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
+    out_scale,  # v_scale for an FP8 cache, else 1
     window,  # a query sees keys at most `window - 1` positions behind it
     stride_qt,
     stride_qh,
@@ -88,6 +95,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (query tile of the batch, query head). The tile's sequence is
@@ -139,6 +147,9 @@ def _prefill_kernel(
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scales are applied outside
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
         visible &= tokens[None, :] > q_pos[:, None] - window
@@ -154,7 +165,10 @@ def _prefill_kernel(
         m_i = m_new
 
     out_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+    result = acc / l_i[:, None]
+    if KV_FP8:
+        result = result * out_scale
+    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def paged_prefill_attention(
@@ -167,6 +181,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
+    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -183,6 +199,9 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if not kv_fp8:
+        k_scale = v_scale = 1.0
     block_m = 64 if max_query_len > 32 else 16
     head_dim_p2 = triton.next_power_of_2(head_dim)
     grid = (num_tokens // block_m + num_seqs, num_heads)  # every sequence's tiles, and spares
@@ -194,7 +213,8 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         out,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
         query.stride(1),
@@ -211,6 +231,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim_p2 <= 64 else 32,
+        KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=4,
         num_stages=2,

@@ -36,6 +36,20 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "--dtype", default=_ENGINE.dtype, choices=["auto", "float32", "float16", "bfloat16"]
     )
     e.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8"],
+        help="fp8: dense projections in FP8 (e4m3, per-channel scales), quantized at load "
+        "(CUDA, compute capability 8.9+; FP8 checkpoints use it by themselves)",
+    )
+    e.add_argument(
+        "--kv-cache-dtype",
+        default=_ENGINE.kv_cache_dtype,
+        choices=["auto", "fp8"],
+        help="fp8: the KV cache in FP8 (e4m3), twice the blocks (CUDA, compute capability 8.9+)",
+    )
+    e.add_argument(
         "--block-size", type=int, default=_ENGINE.block_size, help="tokens per KV-cache block"
     )
     e.add_argument(
@@ -219,6 +233,8 @@ def parse_configs(
             model=args.model,
             device=args.device,
             dtype=args.dtype,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks,
             gpu_memory_utilization=args.gpu_memory_utilization,

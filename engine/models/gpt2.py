@@ -63,7 +63,7 @@ class GPT2Block(nn.Module):
         return self.mlp_proj(self.mlp_in(h)), residual
 
     def mlp_in(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tanh_gelu and h.is_cuda:
+        if self.tanh_gelu and h.is_cuda and isinstance(self.c_fc, nn.Linear):  # not FP8
             # cuBLASLt's GELU epilogue is the tanh form: GEMM, bias and GELU in one
             # kernel (on CPU the same call computes erf GELU, hence CUDA only).
             return torch._addmm_activation(self.c_fc.bias, h, self.c_fc.weight.t(), use_gelu=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,15 @@ from engine.models.layers import RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import WeightSlice
+from engine.models.quantization import (
+    checkpoint_fp8,
+    dequantize_checkpoint,
+    quantize_model,
+    set_kv_scales,
+)
+from kernels.fp8 import check_fp8_device, fp8_supported
+
+logger = logging.getLogger(__name__)
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
 MODEL_TYPES: dict[str, type[nn.Module]] = {
@@ -64,6 +74,7 @@ def load_config(model_dir: str) -> PretrainedConfig:
     try:
         if check is not None:
             check(config)
+        checkpoint_fp8(config)  # a quantization scheme we cannot read fails here
         with torch.device("meta"):  # builds the rotary embeddings, which check rope_scaling
             MODEL_TYPES[config.model_type](config)
     except ValueError as e:
@@ -122,9 +133,19 @@ def load_model(
     dtype: torch.dtype,
     config: PretrainedConfig | None = None,  # already read by the caller
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,  # "fp8": dense projections quantized after loading
 ) -> tuple[nn.Module, PretrainedConfig]:
-    """This rank's shard of the model (all of it with SINGLE), weights read from disk."""
+    """This rank's shard of the model (all of it with SINGLE), weights read from disk. An
+    FP8 checkpoint is read back to `dtype`; its projections go back to FP8 where the
+    device has FP8 GEMMs (or `quantization` asks), else it runs in `dtype`."""
     config = config or load_config(model_dir)
+    scheme = checkpoint_fp8(config)
+    if quantization == "fp8":
+        check_fp8_device(device)
+    elif scheme is not None and fp8_supported(device):
+        quantization = "fp8"
+    elif scheme is not None:
+        logger.info("%s: FP8 checkpoint dequantized to %s on %s", model_dir, dtype, device)
     with torch.device("meta"):
         try:
             model = MODEL_TYPES[config.model_type](config, tp)
@@ -135,9 +156,13 @@ def load_model(
     model = model.to(dtype).to_empty(device=device)
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
-        return _finish(model, device), config
+        return _finish(model, device, quantization), config
+    weights = iter_weights(model_dir)
+    kv_scales: dict[int, dict[str, float]] = {}
+    if scheme is not None:
+        weights = dequantize_checkpoint(weights, scheme, kv_scales)
     try:
-        loaded = model.load_weights(iter_weights(model_dir))
+        loaded = model.load_weights(weights)
     except ModelLoadError:
         raise
     except (ValueError, RuntimeError) as e:
@@ -148,13 +173,19 @@ def load_model(
         raise ModelLoadError(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
-    return _finish(model, device), config
+    set_kv_scales(model, kv_scales)
+    return _finish(model, device, quantization), config
 
 
-def _finish(model: nn.Module, device: torch.device) -> nn.Module:
+def _finish(model: nn.Module, device: torch.device, quantization: str | None) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
+    if quantization == "fp8":
+        count = quantize_model(model)
+        if device.type == "cuda":  # hand the model-dtype weights back before KV sizing
+            torch.cuda.empty_cache()
+        logger.info("quantized %d projections to FP8 (e4m3, per-channel scales)", count)
     return model.eval()
 
 

@@ -27,6 +27,7 @@ JIT_MODULES = (
     "triton.language.random",
     "triton.language",
     "kernels.rounding",
+    "kernels.fp8",
     "kernels.kv_store",
     "kernels.paged_attention",
     "kernels.linear",

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from engine.config import EngineConfig
 from server import cli
 from server.http_server import uvicorn_config
 
@@ -102,6 +103,33 @@ def test_invalid_values_exit_with_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         cli.parse_configs(["--stream-interval", "0"])
     assert "stream_interval must be at least 1" in capsys.readouterr().err
+
+
+def test_fp8_flags_map_to_their_fields_and_are_off_by_default():
+    engine, _ = cli.parse_configs([])
+    assert (engine.quantization, engine.kv_cache_dtype) == (None, "auto")
+    argv = ["--device", "cuda", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    engine, _ = cli.parse_configs(argv)  # the device is checked when the engine starts
+    assert (engine.quantization, engine.kv_cache_dtype) == ("fp8", "fp8")
+
+
+@pytest.mark.parametrize("flags", [["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]])
+def test_fp8_on_cpu_is_refused_at_startup(flags, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_configs(["--device", "cpu", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "need a CUDA GPU with FP8 support" in err and "the device here is the CPU" in err
+
+
+def test_unknown_fp8_values_are_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_configs(["--quantization", "awq"])
+    assert "invalid choice: 'awq'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp16")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int8")
 
 
 def test_loadtest_delegates(monkeypatch):

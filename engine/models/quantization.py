@@ -1,0 +1,247 @@
+"""FP8 weights: the dense projections quantized at load (`--quantization fp8`), and
+checkpoints published in FP8 read back to the model dtype.
+
+A checkpoint in FP8 is dequantized as it streams in (each fp8 `weight` times its
+scale), so every model's own `load_weights` sees plain tensors; on CUDA the dense
+projections are then quantized per output channel, as for a bf16 checkpoint. Per-channel
+and per-tensor scales survive that round trip (the fp8 values come back the same, the
+scale to within bf16's rounding); block-wise ones become per-channel. MoE experts, the
+router, the embeddings and the LM head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.models.layers import DownProjection, FusedMoE, PagedAttention
+from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
+from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
+
+# Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
+# with a forward of its own is never silently replaced. A row-parallel layer's
+# all_reduce follows its FP8 GEMM.
+DENSE_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, DownProjection)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b with W in e4m3 and one fp32 scale per output row (W ~ weight *
+    weight_scale[:, None]); x is quantized per token on the fly. Buffers, not
+    parameters: `model.parameters()` keeps answering the model dtype."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        reduce: TensorParallel | None = None,  # a row-parallel shard: sum over the ranks
+    ):
+        super().__init__()
+        self.reduce = reduce
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # [N, K] e4m3, contiguous
+        self.register_buffer("weight_scale", weight_scale)  # [N] fp32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        weight, scale = quantize_per_channel(linear.weight.data)
+        bias = None if linear.bias is None else linear.bias.data
+        reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
+        return cls(weight.contiguous(), scale, bias, reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = fp8_linear_for(x.device)(
+            x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.bias
+        )
+        out = out.view(*shape[:-1], self.out_features)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module) -> int:
+    """Replace the dense projections (qkv/o/gate_up/down; GPT-2's four) by Fp8Linear;
+    returns how many. Skipped: MoE routers, and shapes `_scaled_mm` cannot take."""
+    count = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, FusedMoE):
+            continue  # its only Linear is the router: tiny, and routing is sensitive
+        for name, child in list(parent.named_children()):
+            if type(child) not in DENSE_LINEARS:
+                continue
+            if not scaled_mm_fits(child.in_features, child.out_features):
+                continue
+            setattr(parent, name, Fp8Linear.from_linear(child))
+            count += 1
+    return count
+
+
+# -- FP8 checkpoints -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """How a checkpoint stores its FP8 weights (from config.json's quantization_config)."""
+
+    method: str  # "fp8" (transformers' FineGrainedFP8) | "compressed-tensors"
+    scale_names: tuple[str, ...]  # the scale tensor beside each fp8 `weight`
+    block_size: tuple[int, int] | None  # block-wise scales; None: per channel or tensor
+
+
+SUPPORTED = (
+    'quant_method "fp8" (float8 weight + weight_scale_inv or weight_scale, block-wise or '
+    "per-tensor) and "
+    '"compressed-tensors" with 8-bit float weights (strategy channel, tensor or block)'
+)
+CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def checkpoint_fp8(hf_config) -> Fp8Checkpoint | None:
+    """The checkpoint's FP8 layout, None if it is not quantized; ValueError naming any
+    other scheme."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("scale_fmt", "float") != "float":
+            raise ValueError(f"unsupported fp8 scale_fmt {qc['scale_fmt']!r} (only float)")
+        block = qc.get("weight_block_size")
+        # transformers names the scale weight_scale_inv; AutoFP8's older per-tensor
+        # checkpoints, with the same quant_method, weight_scale. Both multiply.
+        scales = ("weight_scale_inv", "weight_scale")
+        return Fp8Checkpoint("fp8", scales, tuple(block) if block else None)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ValueError(
+        f"unsupported quantization scheme quant_method={method!r}; supported: {SUPPORTED}"
+    )
+
+
+def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
+    fmt = qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise ValueError(
+            f"unsupported compressed-tensors format {fmt!r} (supported: {', '.join(CT_FORMATS)})"
+        )
+    blocks = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        scheme = f"{w.get('num_bits')}-bit {w.get('type')} weights, strategy {w.get('strategy')}"
+        if w.get("num_bits") != 8 or w.get("type") != "float":
+            raise ValueError(
+                f"unsupported compressed-tensors scheme in config_groups.{name}: {scheme}; "
+                f"supported: {SUPPORTED}"
+            )
+        if w.get("strategy") not in ("channel", "tensor", "block"):
+            raise ValueError(
+                f"unsupported compressed-tensors strategy in config_groups.{name}: {scheme}; "
+                f"supported: {SUPPORTED}"
+            )
+        acts = group.get("input_activations")
+        if acts and (acts.get("num_bits") != 8 or acts.get("type") != "float"):
+            raise ValueError(
+                f"unsupported compressed-tensors input_activations in config_groups.{name}: "
+                f"{acts.get('num_bits')}-bit {acts.get('type')} (only 8-bit float)"
+            )
+        if w.get("strategy") == "block":
+            blocks.add(tuple(w.get("block_structure") or ()))
+    kv = qc.get("kv_cache_scheme")
+    if kv and (kv.get("num_bits") != 8 or kv.get("type") != "float"):
+        raise ValueError(
+            f"unsupported compressed-tensors kv_cache_scheme: {kv.get('num_bits')}-bit "
+            f"{kv.get('type')} (only 8-bit float)"
+        )
+    if len(blocks) > 1:
+        raise ValueError(f"compressed-tensors groups with different block structures {blocks}")
+    block = blocks.pop() if blocks else None
+    return Fp8Checkpoint("compressed-tensors", ("weight_scale",), block or None)
+
+
+def dequantize_weight(
+    weight: torch.Tensor,  # [N, K] e4m3
+    scale: torch.Tensor,  # [] / [1] per tensor, [N] / [N, 1] per channel, [N/bn, K/bk] per block
+    block_size: tuple[int, int] | None,
+) -> torch.Tensor:  # [N, K] fp32
+    w = weight.float()
+    scale = scale.float()
+    if scale.numel() == 1:
+        return w * scale.reshape(())
+    if block_size is not None and scale.dim() == 2 and scale.shape[1] > 1:
+        bn, bk = block_size
+        n, k = w.shape
+        full = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        return w * full
+    if scale.numel() == w.shape[0]:
+        return w * scale.reshape(-1, 1)
+    raise ValueError(f"scale of shape {tuple(scale.shape)} does not fit a weight {tuple(w.shape)}")
+
+
+# Static activation scales: activations are quantized per token instead.
+DROPPED_SUFFIXES = (".input_scale", ".activation_scale", ".weight_zero_point")
+KV_SCALE = re.compile(r"\.(\d+)\..*\.([kv])_scale$")
+
+
+def dequantize_checkpoint(
+    weights: Iterable[tuple[str, WeightSlice]],
+    scheme: Fp8Checkpoint,
+    kv_scales: dict[int, dict[str, float]],  # filled: layer -> {"k": s, "v": s}
+) -> Iterator[tuple[str, WeightSlice]]:
+    """The checkpoint's tensors with each fp8 `weight` multiplied by its scale (fp32),
+    scales and static activation scales dropped, k/v cache scales collected. Each
+    tensor is read whole (a block's scale spans the ranks' slices)."""
+    weights_waiting: dict[str, torch.Tensor] = {}  # module prefix -> fp8 weight
+    scales_waiting: dict[str, torch.Tensor] = {}
+    scale_suffixes = tuple("." + s for s in scheme.scale_names)
+    for name, unread in weights:
+        tensor = unread[...]
+        kv = KV_SCALE.search(name)
+        if kv:
+            kv_scales.setdefault(int(kv.group(1)), {})[kv.group(2)] = float(tensor.float())
+            continue
+        if name.endswith(DROPPED_SUFFIXES):
+            continue
+        if name.endswith(scale_suffixes):
+            prefix = name.rpartition(".")[0]
+            if prefix in weights_waiting:
+                w = weights_waiting.pop(prefix)
+                yield (
+                    f"{prefix}.weight",
+                    TensorSlice(dequantize_weight(w, tensor, scheme.block_size)),
+                )
+            else:
+                scales_waiting[prefix] = tensor
+            continue
+        if name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
+            prefix = name.removesuffix(".weight")
+            if prefix in scales_waiting:
+                scale = scales_waiting.pop(prefix)
+                yield name, TensorSlice(dequantize_weight(tensor, scale, scheme.block_size))
+            else:
+                weights_waiting[prefix] = tensor
+            continue
+        yield name, TensorSlice(tensor)
+    if weights_waiting:
+        names = sorted(weights_waiting)[:3]
+        scale = " or ".join(scheme.scale_names)
+        raise ValueError(f"fp8 weights without their {scale}: {', '.join(names)}")
+    if scales_waiting:
+        names = sorted(scales_waiting)[:3]
+        raise ValueError(f"weight scales without an fp8 weight: {', '.join(names)}")
+
+
+def set_kv_scales(model: nn.Module, kv_scales: dict[int, dict[str, float]]) -> None:
+    """Give each attention layer its checkpoint's k/v cache scales (1.0 where none)."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    for i, layer in enumerate(layers):
+        scales = kv_scales.get(i, {})
+        layer.k_scale = scales.get("k", 1.0)
+        layer.v_scale = scales.get("v", 1.0)
