@@ -13,6 +13,10 @@ bucket up to 2048 tokens for max_num_seqs sequences: the prefill attention's
 grid depends on those two counts only (kernels.prefill_attention), so padded
 tokens (slot -1) and empty padded sequences make any such step fit. Larger
 steps, and everything under --enforce-eager, run eagerly.
+
+With tensor parallelism every rank captures the same graphs, the model's
+collectives inside; rank 0 copies and broadcasts the staging buffer before each
+replay (engine/step_channel.py), so its decode graphs do not copy it in.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, StepHeader
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -65,6 +71,9 @@ class CudaGraphs:
             self.pad_decode(num_seqs, bucket)
         runner.stage_table_changes(bucket)
         parity = runner.parity
+        if runner.channel is not None:  # the staged copy goes first, then to the other ranks
+            runner.copy_staged()
+            runner.channel.publish(StepHeader(DECODE_GRAPH, bucket=bucket))
         self.decode[bucket][parity].replay()
         runner.staged_sent[parity].record(runner.stream)
         runner.steps_by_path["graph"] += 1
@@ -80,6 +89,8 @@ class CudaGraphs:
         self.pad_seqs(num_seqs, num_tokens, num_sampling)
         runner.stage_table_changes(runner.table_capacity)
         runner.copy_staged()
+        if runner.channel is not None:
+            runner.channel.publish(StepHeader(PREFILL_GRAPH, bucket=bucket))
         graph, logits = self.prefill[bucket]
         graph.replay()
         runner.steps_by_path["prefill graph"] += 1
@@ -183,7 +194,8 @@ class CudaGraphs:
             for i in range(runner.num_buffers):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
+                    if runner.channel is None:  # with several ranks, copied before the replay
+                        runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
                     table.index_copy_(0, table_index[:bucket], table_value[:bucket])
                     logits = runner.forward(inp)
                     # Greedy ids, where keep_sampled would put them: a batch that needs

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from engine.checks import check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed import SINGLE
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
@@ -50,6 +52,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
 from engine.structured.grammars import Grammars
+from engine.tp_group import Membership, WorkerFailed, Workers, init_method, join, leave
 
 _NO_RANGE = contextlib.nullcontext()
 
@@ -95,14 +98,24 @@ class Engine:
             )
         device = config.torch_device
         dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-        self.model, _ = load_model(model_dir, device, dtype, hf_config)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
-        self.eos_set = frozenset(self.eos_token_ids)
+        # Tensor parallelism: the other ranks start loading beside this one.
+        self.workers: Workers | None = None
+        membership = self._start_workers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            tp = membership.tp if membership is not None else SINGLE
+            self.model, _ = load_model(model_dir, device, dtype, hf_config, tp=tp)
+            self.tokenizer = load_tokenizer(model_dir)
+            self.vocab_size = hf_config.vocab_size
+            self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+            self.eos_set = frozenset(self.eos_token_ids)
 
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
-        self.runner = ModelRunner(config, self.model, hf_config, self.batch)
+            self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
+            self.runner = ModelRunner(config, self.model, hf_config, self.batch, membership)
+        except BaseException as exc:
+            if self.workers is not None:
+                self.shutdown()
+                self.workers_failed(exc)
+            raise
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
         # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
@@ -121,6 +134,46 @@ class Engine:
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
+
+    # -- tensor parallelism -----------------------------------------------
+
+    def _start_workers(self, config: EngineConfig) -> Membership:
+        """Spawn this node's other ranks and join the group with them as rank 0."""
+        if config.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; other nodes run --headless")
+        address = init_method(config)
+        self.workers = Workers(config, list(range(1, config.ranks_per_node)), address)
+        # Joining waits for every rank: a local one that dies first must not hang it.
+        joined: list[Membership | BaseException] = []
+        thread = threading.Thread(
+            target=lambda: joined.append(_try(join, config, 0, address)), daemon=True
+        )
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            self.workers.check()
+        if isinstance(joined[0], BaseException):
+            self.shutdown()
+            self.workers_failed(joined[0])
+            raise joined[0]
+        return joined[0]
+
+    def workers_failed(self, exc: BaseException) -> None:
+        """Raise WorkerFailed if a rank's death explains exc (a failed collective)."""
+        if self.workers is not None and not isinstance(exc, WorkerFailed):
+            self.workers.explain(exc)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (if any) and leave the group; the engine is done."""
+        workers = self.workers
+        if workers is None or workers.stopping:
+            return
+        channel = getattr(getattr(self, "runner", None), "channel", None)
+        if workers.failure is None and channel is not None:
+            with contextlib.suppress(Exception):
+                channel.stop()
+        workers.join(timeout=10.0)
+        leave()
 
     # -- requests ---------------------------------------------------------
 
@@ -209,6 +262,18 @@ class Engine:
     # -- the loop ---------------------------------------------------------
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
+        """Run one step (see _step); with tensor parallelism, a rank that died fails it."""
+        workers = self.workers
+        if workers is None:
+            return self._step(emit, deltas)
+        workers.check()
+        try:
+            return self._step(emit, deltas)
+        except Exception as exc:
+            self.workers_failed(exc)
+            raise
+
+    def _step(self, emit: bool, deltas: TokenDeltas | None) -> list[RequestOutput]:
         """Run one step; return the news it brings (mostly the previous step's tokens).
 
         emit=False keeps the news for a later step or take_outputs(), which then
@@ -405,6 +470,14 @@ class Engine:
         stop_string = detokenize(req)
         if stop_string is not None:
             self._finish(req, "stop", stop_string)
+
+
+def _try(fn, *args):
+    """fn(*args), or the exception it raised (for a thread's result)."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

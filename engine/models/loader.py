@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.layers import RotaryEmbedding
@@ -116,6 +117,7 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     config: PretrainedConfig | None = None,  # already read by the caller
+    tp: TensorParallel = SINGLE,  # each rank holds the full model until layers shard
 ) -> tuple[nn.Module, PretrainedConfig]:
     config = config or load_config(model_dir)
     with torch.device("meta"):
