@@ -113,8 +113,10 @@ class Engine:
             self.runner = ModelRunner(config, self.model, hf_config, self.batch, membership)
         except BaseException as exc:
             if self.workers is not None:
-                self.shutdown()
-                self.workers_failed(exc)
+                try:
+                    self.workers_failed(exc)  # a rank's death, if that is what failed
+                finally:
+                    self.shutdown()
             raise
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
         # On a GPU, filled blocks are hashed while the host waits for the device.
@@ -151,10 +153,14 @@ class Engine:
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            self.workers.check()
+            if self.workers.failure is not None:
+                self.shutdown()
+                self.workers.check()
         if isinstance(joined[0], BaseException):
-            self.shutdown()
-            self.workers_failed(joined[0])
+            try:
+                self.workers_failed(joined[0])
+            finally:
+                self.shutdown()
             raise joined[0]
         return joined[0]
 

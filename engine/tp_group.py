@@ -165,7 +165,7 @@ class Workers:
                 if self.failure is None:
                     self.failure = (
                         f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                        f"{process.exitcode}; the engine has stopped"
+                        f"{process.exitcode} (its log says why)"
                     )
                     logger.error("%s", self.failure)
                     self.failed.set()

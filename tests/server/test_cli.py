@@ -104,6 +104,37 @@ def test_invalid_values_exit_with_a_usage_error(capsys):
     assert "stream_interval must be at least 1" in capsys.readouterr().err
 
 
+def test_tensor_parallel_flags_map_to_their_fields():
+    argv = shlex.split(
+        "-tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless"
+    )
+    engine, server = cli.parse_configs(argv)
+    assert (engine.tensor_parallel_size, engine.nnodes, engine.node_rank) == (4, 2, 1)
+    assert (engine.master_addr, engine.master_port, engine.ranks_per_node) == ("10.0.0.1", 29500, 2)
+    assert server.headless
+    engine, server = cli.parse_configs(["--tensor-parallel-size", "2"])
+    assert engine.tensor_parallel_size == 2 and engine.nnodes == 1 and not server.headless
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("-tp 3 --nnodes 2 --master-port 1", "does not divide evenly"),
+        ("-tp 2 --nnodes 2", "--master-port"),
+        ("-tp 2 --nnodes 2 --node-rank 1 --master-port 1", "--headless"),
+        ("-tp 2 --nnodes 2 --master-port 1 --headless", "--node-rank"),
+        ("-tp 2 --nnodes 2 --node-rank 2 --master-port 1 --headless", "node_rank"),
+        ("-tp 2 --engine-process", "--engine-process"),
+        ("-tp 0", "tensor_parallel_size"),
+    ],
+)
+def test_inconsistent_tensor_parallel_flags_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_configs(shlex.split(argv))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_loadtest_delegates(monkeypatch):
     seen = {}
     fake = types.ModuleType("clients.loadtest")
