@@ -16,6 +16,7 @@ next collective fails.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -151,6 +152,9 @@ class Workers:
         self.exit_ok = exit_ok
         for process in self.processes.values():
             process.start()
+        # Registered after multiprocessing's own exit handler, so it runs first: the
+        # daemon workers that handler then terminates are not reported as failures.
+        atexit.register(self._exiting)
         self._watcher = threading.Thread(target=self._watch, name="pagoda-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -172,6 +176,9 @@ class Workers:
                     for other in self.processes.values():  # they cannot go on alone
                         if other.is_alive():
                             other.kill()
+
+    def _exiting(self) -> None:
+        self.stopping = True
 
     def check(self) -> None:
         if self.failure is not None:
