@@ -90,10 +90,42 @@ def qwen3_30b_a3b():
     )
 
 
-CONFIGS = {"gpt2": gpt2_124m, "qwen2-0.5b": qwen2_0_5b, "qwen3-30b-a3b": qwen3_30b_a3b}
+def llama3(hidden: int, intermediate: int, layers: int, heads: int):
+    """A Llama 3 shape: 128256-token vocabulary, 8 kv heads, rope theta 500k, untied head."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
+def llama3_8b():
+    return llama3(4096, 14336, 32, 32)
+
+
+def llama3_70b():
+    return llama3(8192, 28672, 80, 64)
+
+
+CONFIGS = {
+    "gpt2": gpt2_124m,
+    "qwen2-0.5b": qwen2_0_5b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
+}
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
-ON_DEVICE = {"qwen3-30b-a3b"}
+ON_DEVICE = {"qwen3-30b-a3b", "llama3-8b", "llama3-70b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:
