@@ -300,11 +300,6 @@ def parse_configs(
             raise ValueError("--node-rank > 0 runs this node's ranks only: add --headless")
         if server_config.headless and engine_config.node_rank == 0:
             raise ValueError("--headless runs a node other than 0: give its --node-rank")
-        if engine_config.tensor_parallel_size > 1 and server_config.engine_process:
-            raise ValueError(
-                "--tensor-parallel-size > 1 runs the engine in the server process "
-                "(not with --engine-process or --api-server-count)"
-            )
     except ValueError as exc:
         build_parser(prog).error(str(exc))
     return engine_config, server_config

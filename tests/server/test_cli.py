@@ -124,7 +124,6 @@ def test_tensor_parallel_flags_map_to_their_fields():
         ("-tp 2 --nnodes 2 --node-rank 1 --master-port 1", "--headless"),
         ("-tp 2 --nnodes 2 --master-port 1 --headless", "--node-rank"),
         ("-tp 2 --nnodes 2 --node-rank 2 --master-port 1 --headless", "node_rank"),
-        ("-tp 2 --engine-process", "--engine-process"),
         ("-tp 0", "tensor_parallel_size"),
     ],
 )

@@ -10,11 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch.distributed as dist
 
+from benchmarks.api_cost import descendants
 from engine.models.loader import load_tokenizer
 from server.app import create_app
 from server.config import ServerConfig
@@ -80,8 +82,9 @@ def test_a_killed_rank_stops_the_engine_and_health_turns_503(tp_server):
 
 
 def test_two_nodes_on_localhost_serve_the_same_tokens(tiny_gpt2_dir, tmp_path):
-    """Node 0 serves HTTP and holds rank 0; node 1 is a separate --headless command
-    holding rank 1; they meet over TCP. When node 0 stops, node 1 leaves too."""
+    """Node 0 serves HTTP and holds rank 0 (in its --engine-process); node 1 is a
+    separate --headless command holding rank 1; they meet over TCP. When node 0
+    stops, node 1 leaves too, and no process of either is left."""
     port = free_port()
     common = [
         "--model", tiny_gpt2_dir, "--device", "cpu", "-tp", "2", "--nnodes", "2",
@@ -95,13 +98,20 @@ def test_two_nodes_on_localhost_serve_the_same_tokens(tiny_gpt2_dir, tmp_path):
         stdout=log1,
         stderr=log1,
     )
-    node0 = ServerProcess([*common, "--node-rank", "0"], tmp_path / "node0.log")
+    node0 = ServerProcess([*common, "--node-rank", "0", "--engine-process"], tmp_path / "node0.log")
     try:
         node0.wait_ready(timeout=180)
         prompts = PROMPTS[:3]
         assert completions(node0.base_url, prompts) == expected_texts(tiny_gpt2_dir, prompts)
+        spawned = descendants(node0.proc.pid) + descendants(node1.pid)
+        assert len(spawned) >= 2  # node 0's engine process, node 1's rank
         assert node0.stop(signal.SIGTERM, timeout=60) == 0
         assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+        # Each node's processes, multiprocessing's resource tracker included, go.
+        deadline = time.monotonic() + 10
+        while left := [pid for pid in spawned if Path(f"/proc/{pid}").exists()]:
+            assert time.monotonic() < deadline, f"processes left: {left}"
+            time.sleep(0.1)
     finally:
         node0.close()
         if node1.poll() is None:
