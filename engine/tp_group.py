@@ -94,8 +94,8 @@ def join(config: EngineConfig, rank: int, address: str) -> Membership:
         config = shared[0]
         config.device = str(device)
     layout: list[tuple | None] = [None] * config.tensor_parallel_size
-    where = (config.node_rank if rank == 0 else rank // config.ranks_per_node, socket.gethostname())
-    dist.all_gather_object(layout, (rank, *where, str(device), os.getpid()), group=control)
+    me = (rank, rank // config.ranks_per_node, socket.gethostname(), str(device), os.getpid())
+    dist.all_gather_object(layout, me, group=control)
     if rank == 0:
         logger.info(
             "tensor parallel: %d ranks on %d node(s), %d per node: %s",
@@ -118,8 +118,12 @@ def all_ranks_min(value: int, membership: Membership) -> int:
 
 
 def leave() -> None:
+    """Leave the group (one that a dead rank broke, too: there is nothing left to save)."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.exception("leaving the process group failed")
 
 
 class Workers:
@@ -176,6 +180,7 @@ class Workers:
                     for other in self.processes.values():  # they cannot go on alone
                         if other.is_alive():
                             other.kill()
+                    _abort_nccl()
 
     def _exiting(self) -> None:
         self.stopping = True
@@ -184,7 +189,7 @@ class Workers:
         if self.failure is not None:
             raise WorkerFailed(self.failure)
 
-    def explain(self, exc: BaseException, wait_s: float = 5.0) -> None:
+    def explain(self, exc: BaseException, wait_s: float = 2.0) -> None:
         """A collective failed: if a worker has died (or dies within wait_s: a peer's
         closed socket can be seen before its exit), raise that instead."""
         if self.failed.wait(wait_s):
@@ -203,3 +208,16 @@ class Workers:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes.values()]
+
+
+def _abort_nccl() -> None:
+    """Abort this process's NCCL communicators, so that device work waiting on a dead
+    rank ends (and the engine thread's next wait returns) instead of hanging until
+    the group's timeout. gloo needs none: a dead peer's closed sockets fail it."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        abort()
+    except Exception:
+        logger.exception("aborting the NCCL communicators failed")
