@@ -42,8 +42,11 @@ class CudaGraphs:
         # By token bucket: (graph, its logits [max_num_seqs, vocab]).
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
+        # Only rank 0's logits mean anything (another rank's graphs take no argmax).
+        self.driver = runner.tp.is_driver
         if config.use_cuda_graphs:
             self._capture_decode()
+        if config.use_cuda_graphs and self.driver:
             # By buffer, then batch size: the logits rows of its bucket's graph.
             self.decode_rows = [
                 [
@@ -166,7 +169,8 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 table.index_copy_(0, table_index, table_value)
                 logits = runner.forward(inp)  # the block-table gather included
-                torch.argmax(logits, dim=-1, out=sampled[:seqs])
+                if self.driver:
+                    torch.argmax(logits, dim=-1, out=sampled[:seqs])
             self.prefill[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
         torch.cuda.synchronize(runner.device)
@@ -191,7 +195,8 @@ class CudaGraphs:
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             self.decode[bucket], self.decode_logits[bucket] = [], []
-            for i in range(runner.num_buffers):
+            # Another rank's graphs copy nothing in or out: one per bucket does.
+            for i in range(runner.num_buffers if self.driver else 1):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     if runner.channel is None:  # with several ranks, copied before the replay
@@ -201,8 +206,9 @@ class CudaGraphs:
                     # Greedy ids, where keep_sampled would put them: a batch that needs
                     # the sampler overwrites them after the replay, and copies its own
                     # to the host again.
-                    torch.argmax(logits, dim=-1, out=sampled[:bucket])
-                    runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
+                    if self.driver:
+                        torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                        runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
                 pool = graph.pool()
                 self.decode[bucket].append(graph)
                 self.decode_logits[bucket].append(logits)
