@@ -25,6 +25,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
@@ -156,6 +157,10 @@ class Workers:
         self.exit_ok = exit_ok
         for process in self.processes.values():
             process.start()
+        # By sentinel: the workers not reaped yet (the watcher's to change).
+        self.running: dict[int, tuple[int, BaseProcess]] = {
+            p.sentinel: (rank, p) for rank, p in self.processes.items()
+        }
         # Registered after multiprocessing's own exit handler, so it runs first: the
         # daemon workers that handler then terminates are not reported as failures.
         atexit.register(self._exiting)
@@ -163,11 +168,14 @@ class Workers:
         self._watcher.start()
 
     def _watch(self) -> None:
-        by_sentinel = {p.sentinel: (rank, p) for rank, p in self.processes.items()}
-        while by_sentinel:
-            for sentinel in multiprocessing.connection.wait(list(by_sentinel)):
-                rank, process = by_sentinel.pop(sentinel)
+        """The only thread that reaps the workers (two waitpid callers race: the loser
+        would see a live process forever), so others wait for this one to end."""
+        running = self.running
+        while running:
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                rank, process = running[sentinel]
                 process.join()
+                del running[sentinel]
                 if self.stopping or (self.exit_ok and process.exitcode == 0):
                     continue
                 if self.failure is None:
@@ -177,9 +185,8 @@ class Workers:
                     )
                     logger.error("%s", self.failure)
                     self.failed.set()
-                    for other in self.processes.values():  # they cannot go on alone
-                        if other.is_alive():
-                            other.kill()
+                    for _, other in list(running.values()):  # they cannot go on alone
+                        other.kill()
                     _abort_nccl()
 
     def _exiting(self) -> None:
@@ -198,12 +205,16 @@ class Workers:
     def join(self, timeout: float) -> None:
         """Wait for the workers to leave (asked to, or on their own); then make sure."""
         self.stopping = True
-        for process in self.processes.values():
-            process.join(timeout)
-        for process in self.processes.values():
-            if process.is_alive():
-                process.kill()
-                process.join(5.0)
+        self._watcher.join(timeout)
+        if self._watcher.is_alive():
+            for _, process in list(self.running.values()):
+                process.kill()  # a signal, no wait: the watcher reaps it
+            self._watcher.join(5.0)
+
+    @property
+    def alive(self) -> bool:
+        """Some worker has not been reaped yet."""
+        return self._watcher.is_alive()
 
     @property
     def pids(self) -> list[int]:

@@ -102,9 +102,8 @@ def serve_headless(config: EngineConfig) -> int:
     )
     workers = Workers(config, ranks, init_method(config), exit_ok=True)
     try:
-        while any(p.is_alive() for p in workers.processes.values()):
-            if workers.failed.wait(1.0):
-                break
+        while workers.alive and not workers.failed.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     workers.join(timeout=5.0)
