@@ -275,9 +275,12 @@ class Engine:
         workers.check()
         try:
             return self._step(emit, deltas)
+        except WorkerFailed:
+            raise
         except Exception as exc:
             self.workers_failed(exc)
-            raise
+            # The ranks may no longer agree on which collectives ran: none can go on.
+            raise WorkerFailed(f"a tensor-parallel step failed: {exc}") from exc
 
     def _step(self, emit: bool, deltas: TokenDeltas | None) -> list[RequestOutput]:
         """Run one step; return the news it brings (mostly the previous step's tokens).

@@ -46,7 +46,8 @@ WORKER_ENV = {
 
 
 class WorkerFailed(RuntimeError):
-    """A tensor-parallel rank died or failed to start: the engine cannot go on."""
+    """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
+    no longer agree on which collectives ran): the engine cannot go on."""
 
 
 @dataclass

@@ -15,7 +15,9 @@ which runs its ranks and no HTTP.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 
 import torch
 
@@ -101,11 +103,15 @@ def serve_headless(config: EngineConfig) -> int:
         config.master_port,
     )
     workers = Workers(config, ranks, init_method(config), exit_ok=True)
-    try:
-        while workers.alive and not workers.failed.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
+    # SIGTERM or SIGINT: this node's ranks go too (rank 0 then fails its next step).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while workers.alive and not workers.failed.is_set() and not stop.is_set():
+        stop.wait(0.5)
+    if stop.is_set():
+        workers.join(timeout=0.0)
+        return 0
     workers.join(timeout=5.0)
     codes = [p.exitcode for p in workers.processes.values()]
     if any(codes):
