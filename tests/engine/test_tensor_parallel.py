@@ -4,24 +4,17 @@ for token, through chunked prefill, prefix-cache hits and preemption.
 One TP=2 LLM per checkpoint serves every test here (spawning a rank costs seconds
 on a small machine); its config makes every run chunk its prompts (a 16-token
 budget), preempt (24 blocks of 4 tokens for up to 4 sequences of ~30 tokens) and
-find shared prefixes cached. Until the layers shard, every rank holds the whole
-model and only rank 0's logits count, so the last test checks the other rank's
-side directly: it must end with rank 0's block table and metadata, having
-written the same KV slots.
+find shared prefixes cached. test_tensor_parallel_replica.py checks the other
+rank's side directly.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig
 from engine.models.loader import load_tokenizer
 from tests.conftest import PROMPTS, hf_greedy
-from tests.server.conftest import free_port
 
 MAX_NEW = 12
 CONFIG = dict(
@@ -91,65 +84,3 @@ def test_prompt_logprobs_match_one_rank(tp2, tp1):
     want = tp1.generate(prompts, params, use_tqdm=False)
     assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-
-
-def _recording_rank(config, address: str, path: str) -> None:
-    """Rank 1 as a second "node": the worker's own loop, then its state saved to path."""
-    from engine.step_channel import STOP
-    from engine.tp_group import join, leave
-    from engine.tp_worker import build_runner, replay
-
-    membership = join(config, 1, address)
-    runner = build_runner(membership.config, membership)
-    while True:
-        header, score_rows = runner.channel.receive()
-        if header.path == STOP:
-            break
-        replay(runner, header, score_rows)
-    torch.save(replica_state(runner), path)
-    leave()
-
-
-def replica_state(runner) -> dict:
-    """What every rank must agree on, sharded or not: the block table, the last step's
-    metadata, and which KV slots hold something."""
-    return {
-        "table": runner.block_table.gpu.clone(),
-        "staged": runner.staged.staged.clone(),
-        "written": [
-            (layer.k_cache.abs().sum(dim=(-2, -1)) != 0) for layer in runner.attn_layers
-        ],  # [num_blocks, block_size] per layer
-    }
-
-
-def test_the_other_rank_replays_rank_0s_steps(tiny_llama_dir, tmp_path):
-    """Through preemption, prefix hits, chunks, prompt scoring and sampling, rank 1 ends
-    with rank 0's block table and metadata, and has written the same KV slots."""
-    port = free_port()
-    config = EngineConfig(
-        model=tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_port=port, **CONFIG
-    )
-    path = tmp_path / "rank1.pt"
-    rank1 = multiprocessing.get_context("spawn").Process(
-        target=_recording_rank, args=(config, f"tcp://127.0.0.1:{port}", str(path))
-    )
-    rank1.start()
-    try:
-        llm = LLM(tiny_llama_dir, tensor_parallel_size=2, nnodes=2, master_port=port, **CONFIG)
-        shared = PROMPTS[5]
-        llm.generate(PROMPTS[1:7] + [shared, shared + " one"], greedy(), use_tqdm=False)
-        sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=3, prompt_logprobs=1)
-        llm.generate(PROMPTS[3:5], sampled, use_tqdm=False)
-        assert llm.engine.scheduler.num_preemptions > 0
-        mine = replica_state(llm.engine.runner)
-        llm.shutdown()
-        rank1.join(timeout=30)
-        assert rank1.exitcode == 0
-    finally:
-        if rank1.is_alive():
-            rank1.kill()
-    theirs = torch.load(path)
-    assert torch.equal(mine["table"], theirs["table"])
-    assert torch.equal(mine["staged"], theirs["staged"])
-    assert all(torch.equal(a, b) for a, b in zip(mine["written"], theirs["written"]))
-    assert mine["written"][0].any()
