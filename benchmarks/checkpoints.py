@@ -90,17 +90,17 @@ def qwen3_30b_a3b():
     )
 
 
-def llama3_8b():
-    """Llama-3-8B's shape: 32 layers, 4096 hidden, GQA 32/8 (head_dim 128), 14336 MLP,
-    128256-token untied head, rope theta 500k; ~8.0B parameters."""
+def llama3(hidden: int, intermediate: int, layers: int, heads: int):
+    """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
+    theta 500k, untied head. 8B: ~8.03B parameters."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
         vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=8,
         max_position_embeddings=8192,
         rope_theta=500000.0,
@@ -109,15 +109,24 @@ def llama3_8b():
     )
 
 
+def llama3_8b():
+    return llama3(4096, 14336, 32, 32)
+
+
+def llama3_70b():
+    return llama3(8192, 28672, 80, 64)
+
+
 CONFIGS = {
     "gpt2": gpt2_124m,
     "qwen2-0.5b": qwen2_0_5b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "llama3-8b": llama3_8b,
+    "llama3-70b": llama3_70b,
 }
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
-ON_DEVICE = {"qwen3-30b-a3b", "llama3-8b"}
+ON_DEVICE = {"qwen3-30b-a3b", "llama3-8b", "llama3-70b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:

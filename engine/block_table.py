@@ -18,7 +18,12 @@ from engine.staging import Fence, WaitClock
 
 class BlockTable:
     def __init__(
-        self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, clock: WaitClock
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        clock: WaitClock,
+        track_rows: bool = False,
     ) -> None:
         self.on_cuda = device.type == "cuda"
         # Follows the last commit's copy: the pinned rows are not rewritten before it ran.
@@ -38,6 +43,10 @@ class BlockTable:
         self.flat = self.np.reshape(-1)  # a view
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
         self.changed: list[int] = []  # flat indices of the entries written since the last send
+        # With tensor parallelism: the span of rows [lo, hi) committed as a copy since
+        # the step channel last took it (engine/step_channel.py), for the other ranks.
+        self.track_rows = track_rows
+        self.rows_sent: tuple[int, int] | None = None
 
     def update_row(self, slot: int, block_ids: list[int]) -> None:
         """Make row `slot` hold block_ids; writes only the entries it gained."""
@@ -73,10 +82,14 @@ class BlockTable:
         changed = self.changed
         if not changed:
             return
-        if self.sent is not None:
+        if self.sent is not None or self.track_rows:
             lo, hi = min(changed) // self.width, max(changed) // self.width + 1
-            self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
-            self.sent.record(self.stream)
+            if self.sent is not None:
+                self.gpu[lo:hi].copy_(self.cpu[lo:hi], non_blocking=True)
+                self.sent.record(self.stream)
+            if self.track_rows:
+                held = self.rows_sent
+                self.rows_sent = (lo, hi) if held is None else (min(lo, held[0]), max(hi, held[1]))
         self.changed = []
 
     def take_changes(self, limit: int) -> list[int] | None:

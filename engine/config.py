@@ -49,6 +49,15 @@ class EngineConfig:
     quantization: str | None = None
     # "fp8": the KV cache in float8_e4m3fn (twice the blocks); "auto": the model dtype.
     kv_cache_dtype: str = "auto"
+    # Tensor parallelism (engine/tp_group.py): the model split over this many ranks, one
+    # process and device each, spread evenly over nnodes machines. Node 0 schedules
+    # and samples; the others run `python -m server --headless`. master_port 0: one
+    # free port is picked (a single node only).
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -82,6 +91,23 @@ class EngineConfig:
                 "--quantization fp8 and --kv-cache-dtype fp8 need a CUDA GPU with FP8 support "
                 "(compute capability 8.9+: Ada, Hopper); the device here is the CPU"
             )
+        if self.tensor_parallel_size < 1 or self.nnodes < 1:
+            raise ValueError("tensor_parallel_size and nnodes must be at least 1")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not divide evenly "
+                f"over {self.nnodes} nodes"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("several nodes need a --master-port every node can reach")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def torch_device(self) -> torch.device:

@@ -13,6 +13,10 @@ bucket up to 2048 tokens for max_num_seqs sequences: the prefill attention's
 grid depends on those two counts only (kernels.prefill_attention), so padded
 tokens (slot -1) and empty padded sequences make any such step fit. Larger
 steps, and everything under --enforce-eager, run eagerly.
+
+With tensor parallelism every rank captures the same graphs, the model's
+collectives inside; rank 0 copies and broadcasts the staging buffer before each
+replay (engine/step_channel.py), so its decode graphs do not copy it in.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
+from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, StepHeader
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -40,12 +46,15 @@ class CudaGraphs:
         # By token bucket: (graph, its logits [max_num_seqs, vocab]).
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
+        # Only rank 0's logits mean anything (another rank's graphs take no argmax).
+        self.driver = runner.tp.is_driver
         if config.use_cuda_graphs:
             sizes = config.cuda_graph_batch_sizes()
             logger.info("capturing decode graphs for batch sizes %s", _ranges(sizes))
             start = time.perf_counter()
             self._capture_decode()
             logger.info("decode graphs captured in %.1f s", time.perf_counter() - start)
+        if config.use_cuda_graphs and self.driver:
             # By buffer, then batch size: the logits rows of its bucket's graph.
             self.decode_rows = [
                 [
@@ -77,6 +86,9 @@ class CudaGraphs:
             self.pad_decode(num_seqs, bucket)
         runner.stage_table_changes(bucket)
         parity = runner.parity
+        if runner.channel is not None:  # the staged copy goes first, then to the other ranks
+            runner.copy_staged()
+            runner.channel.publish(StepHeader(DECODE_GRAPH, bucket=bucket))
         self.decode[bucket][parity].replay()
         runner.staged_sent[parity].record(runner.stream)
         runner.steps_by_path["graph"] += 1
@@ -92,6 +104,8 @@ class CudaGraphs:
         self.pad_seqs(num_seqs, num_tokens, num_sampling)
         runner.stage_table_changes(runner.table_capacity)
         runner.copy_staged()
+        if runner.channel is not None:
+            runner.channel.publish(StepHeader(PREFILL_GRAPH, bucket=bucket))
         graph, logits = self.prefill[bucket]
         graph.replay()
         runner.steps_by_path["prefill graph"] += 1
@@ -167,7 +181,8 @@ class CudaGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 table.index_copy_(0, table_index, table_value)
                 logits = runner.forward(inp)  # the block-table gather included
-                torch.argmax(logits, dim=-1, out=sampled[:seqs])
+                if self.driver:
+                    torch.argmax(logits, dim=-1, out=sampled[:seqs])
             self.prefill[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
         torch.cuda.synchronize(runner.device)
@@ -192,17 +207,20 @@ class CudaGraphs:
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             self.decode[bucket], self.decode_logits[bucket] = [], []
-            for i in range(runner.num_buffers):
+            # Another rank's graphs copy nothing in or out: one per bucket does.
+            for i in range(runner.num_buffers if self.driver else 1):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
+                    if runner.channel is None:  # with several ranks, copied before the replay
+                        runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
                     table.index_copy_(0, table_index[:bucket], table_value[:bucket])
                     logits = runner.forward(inp)
                     # Greedy ids, where keep_sampled would put them: a batch that needs
                     # the sampler overwrites them after the replay, and copies its own
                     # to the host again.
-                    torch.argmax(logits, dim=-1, out=sampled[:bucket])
-                    runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
+                    if self.driver:
+                        torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                        runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
                 pool = graph.pool()
                 self.decode[bucket].append(graph)
                 self.decode_logits[bucket].append(logits)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 from engine.checks import check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed import SINGLE
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
@@ -51,6 +53,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
+from engine.tp_group import Membership, WorkerFailed, Workers, init_method, join, leave
 
 if TYPE_CHECKING:  # xgrammar is imported with the first structured request
     from engine.structured.grammars import Grammars
@@ -101,27 +104,39 @@ class Engine:
             )
         device = config.torch_device
         dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-        start = time.perf_counter()
-        logger.info(
-            "loading %s (%s, %d layers) on %s in %s",
-            model_dir,
-            hf_config.model_type,
-            hf_config.num_hidden_layers,
-            device,
-            str(dtype).removeprefix("torch."),
-        )
-        self.model, _ = load_model(
-            model_dir, device, dtype, hf_config, quantization=config.quantization
-        )
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
-        self.tokenizer = load_tokenizer(model_dir)
-        self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
-        self.eos_set = frozenset(self.eos_token_ids)
+        # Tensor parallelism: the other ranks start loading beside this one.
+        self.workers: Workers | None = None
+        membership = self._start_workers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            tp = membership.tp if membership is not None else SINGLE
+            start = time.perf_counter()
+            logger.info(
+                "loading %s (%s, %d layers) on %s in %s",
+                model_dir,
+                hf_config.model_type,
+                hf_config.num_hidden_layers,
+                device,
+                str(dtype).removeprefix("torch."),
+            )
+            self.model, _ = load_model(
+                model_dir, device, dtype, hf_config, tp=tp, quantization=config.quantization
+            )
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
+            self.tokenizer = load_tokenizer(model_dir)
+            self.vocab_size = hf_config.vocab_size
+            self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+            self.eos_set = frozenset(self.eos_token_ids)
 
-        self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
-        self.runner = ModelRunner(config, self.model, hf_config, self.batch)
+            self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
+            self.runner = ModelRunner(config, self.model, hf_config, self.batch, membership)
+        except BaseException as exc:
+            if self.workers is not None:
+                try:
+                    self.workers_failed(exc)  # a rank's death, if that is what failed
+                finally:
+                    self.shutdown()
+            raise
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
         logger.info("engine ready in %.1f s", _since(start))
         # On a GPU, filled blocks are hashed while the host waits for the device.
@@ -141,6 +156,50 @@ class Engine:
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
+
+    # -- tensor parallelism -----------------------------------------------
+
+    def _start_workers(self, config: EngineConfig) -> Membership:
+        """Spawn this node's other ranks and join the group with them as rank 0."""
+        if config.node_rank != 0:
+            raise ValueError("only node 0 runs the engine; other nodes run --headless")
+        address = init_method(config)
+        self.workers = Workers(config, list(range(1, config.ranks_per_node)), address)
+        # Joining waits for every rank: a local one that dies first must not hang it.
+        joined: list[Membership | BaseException] = []
+        thread = threading.Thread(
+            target=lambda: joined.append(_try(join, config, 0, address)), daemon=True
+        )
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if self.workers.failure is not None:
+                self.shutdown()
+                self.workers.check()
+        if isinstance(joined[0], BaseException):
+            try:
+                self.workers_failed(joined[0])
+            finally:
+                self.shutdown()
+            raise joined[0]
+        return joined[0]
+
+    def workers_failed(self, exc: BaseException) -> None:
+        """Raise WorkerFailed if a rank's death explains exc (a failed collective)."""
+        if self.workers is not None and not isinstance(exc, WorkerFailed):
+            self.workers.explain(exc)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (if any) and leave the group; the engine is done."""
+        workers = self.workers
+        if workers is None or workers.stopping:
+            return
+        channel = getattr(getattr(self, "runner", None), "channel", None)
+        if workers.failure is None and channel is not None:
+            with contextlib.suppress(Exception):
+                channel.stop()
+        workers.join(timeout=10.0)
+        leave()
 
     # -- requests ---------------------------------------------------------
 
@@ -231,6 +290,21 @@ class Engine:
     # -- the loop ---------------------------------------------------------
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
+        """Run one step (see _step); with tensor parallelism, a rank that died fails it."""
+        workers = self.workers
+        if workers is None:
+            return self._step(emit, deltas)
+        workers.check()
+        try:
+            return self._step(emit, deltas)
+        except WorkerFailed:
+            raise
+        except Exception as exc:
+            self.workers_failed(exc)
+            # The ranks may no longer agree on which collectives ran: none can go on.
+            raise WorkerFailed(f"a tensor-parallel step failed: {exc}") from exc
+
+    def _step(self, emit: bool, deltas: TokenDeltas | None) -> list[RequestOutput]:
         """Run one step; return the news it brings (mostly the previous step's tokens).
 
         emit=False keeps the news for a later step or take_outputs(), which then
@@ -427,6 +501,14 @@ class Engine:
         stop_string = detokenize(req)
         if stop_string is not None:
             self._finish(req, "stop", stop_string)
+
+
+def _try(fn, *args):
+    """fn(*args), or the exception it raised (for a thread's result)."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

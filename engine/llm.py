@@ -46,6 +46,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         freeze_startup_heap()  # no full collection pauses a long generate() on the model's objects
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (daemons: they also end with this
+        process)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

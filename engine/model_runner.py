@@ -21,11 +21,14 @@ from torch import nn
 from engine.block_table import BlockTable
 from engine.config import STEP_PATHS, EngineConfig
 from engine.cuda_graphs import CudaGraphs
+from engine.distributed import SINGLE
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, WaitClock
+from engine.step_channel import EAGER, StepChannel, StepHeader
+from engine.tp_group import Membership, all_ranks_min
 from kernels.fp8 import FP8_DTYPE, check_fp8_device
 
 logger = logging.getLogger("pagoda.engine")
@@ -49,10 +52,20 @@ class ModelInput:
 
 
 class ModelRunner:
+    """With tensor parallelism, one per rank: rank 0's fills and schedules the steps and
+    publishes each to the others (engine/step_channel.py), whose runners replay it
+    (engine/tp_worker.py) with no InputBatch of their own (`batch` None)."""
+
     def __init__(
-        self, config: EngineConfig, model: nn.Module, hf_config, batch: InputBatch
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        hf_config,
+        batch: InputBatch | None,
+        membership: Membership | None = None,
     ) -> None:
         self.config = config
+        self.tp = membership.tp if membership is not None else SINGLE
         self.model = model
         self.batch = batch
         self.device = config.torch_device
@@ -68,6 +81,8 @@ class ModelRunner:
 
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks()
+        if membership is not None:  # every rank holds the same blocks: the fewest any fits
+            self.num_blocks = all_ranks_min(self.num_blocks, membership)
         self._allocate_kv_cache()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
@@ -78,7 +93,9 @@ class ModelRunner:
         )
 
         self.clock = WaitClock()
-        self.block_table = BlockTable(seqs, self.max_blocks_per_seq, self.device, self.clock)
+        self.block_table = BlockTable(
+            seqs, self.max_blocks_per_seq, self.device, self.clock, track_rows=self.tp.size > 1
+        )
         max_tokens = max(config.max_num_batched_tokens, seqs)
         i64, i32 = torch.int64, torch.int32
         on_cuda = self.device.type == "cuda"
@@ -130,6 +147,11 @@ class ModelRunner:
         self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
         # Steps by how they ran, read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
+        self.channel = (
+            StepChannel(self.tp, membership.control, self.staged, self.block_table, self.device)
+            if membership is not None
+            else None
+        )
         self.graphs = CudaGraphs(self)
 
     @property
@@ -254,6 +276,17 @@ class ModelRunner:
     ) -> ModelInput:
         """The step's copies, and device views of what they fill."""
         self.copy_staged()
+        return self.inputs(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
+
+    def inputs(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        is_decode: bool,
+        num_sampling: int | None = None,
+    ) -> ModelInput:
+        """Device views of the staged fields for a step of these sizes."""
         gpu = self.staged.gpu
         return ModelInput(
             input_gather=gpu["input_gather"][:num_tokens],
@@ -323,6 +356,18 @@ class ModelRunner:
             if scoring is None and self.graphs.fits_prefill(num_tokens):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
+            if self.channel is not None:
+                rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
+                header = StepHeader(
+                    EAGER,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    max_query_len=max_query_len,
+                    is_decode=int(out.is_decode_only),
+                    num_sampling=num_sampling,
+                    num_score_rows=0 if rows is None else len(rows),
+                )
+                self.channel.publish(header, rows)
             self.steps_by_path["eager"] += 1
             if scoring is None:
                 return self.forward(inp)

@@ -141,7 +141,7 @@ class AsyncEngine:
             return False
         if isinstance(self._backend, EngineProcess):
             return self._backend.is_alive
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._backend.failed
 
     @property
     def num_waiting(self) -> int:

@@ -105,6 +105,42 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         metavar="N",
         help="stream every N tokens (the first at once): less host work per token, coarser chunks",
     )
+    t = p.add_argument_group("tensor parallelism")
+    t.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=_ENGINE.tensor_parallel_size,
+        metavar="N",
+        help="split the model over N ranks (one process and device each)",
+    )
+    t.add_argument(
+        "--nnodes", type=int, default=_ENGINE.nnodes, help="machines the ranks are spread over"
+    )
+    t.add_argument(
+        "--node-rank",
+        type=int,
+        default=_ENGINE.node_rank,
+        help="this machine's index (0 serves HTTP and schedules; the others run --headless)",
+    )
+    t.add_argument(
+        "--master-addr",
+        default=_ENGINE.master_addr,
+        metavar="HOST",
+        help="node 0's address, where every rank meets",
+    )
+    t.add_argument(
+        "--master-port",
+        type=int,
+        default=_ENGINE.master_port,
+        metavar="P",
+        help="node 0's rendezvous port (default: a free one; needed with --nnodes > 1)",
+    )
+    t.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's ranks only, no HTTP (nodes other than 0)",
+    )
     e.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -249,6 +285,11 @@ def parse_configs(
             nvtx=args.nvtx,
             stream_interval=args.stream_interval,
             log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+            tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
         )
         server_config = ServerConfig(
             host=args.host,
@@ -269,7 +310,12 @@ def parse_configs(
             max_connections=args.max_connections,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            headless=args.headless,
         )
+        if engine_config.node_rank > 0 and not server_config.headless:
+            raise ValueError("--node-rank > 0 runs this node's ranks only: add --headless")
+        if server_config.headless and engine_config.node_rank == 0:
+            raise ValueError("--headless runs a node other than 0: give its --node-rank")
     except ValueError as exc:
         build_parser(prog).error(str(exc))
     return engine_config, server_config
@@ -282,14 +328,19 @@ def serve(
 ) -> int:
     """Run the server; `engine_factory` (picklable: the engine process may be spawned)
     stands in for the real engine, as benchmarks.api_cost does."""
-    engine_config, server_config = parse_configs(argv, prog)  # first: --help needs no torch
-    from server.app import create_app
-    from server.http_server import serve_app
-
+    # First: --help needs no torch.
+    engine_config, server_config = parse_configs(argv, prog)
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if server_config.headless:
+        from engine.tp_worker import serve_headless
+
+        return serve_headless(engine_config)
+    from server.app import create_app
+    from server.http_server import serve_app
+
     if server_config.api_server_count > 1:
         from server.api_servers import run_api_servers
 

@@ -37,6 +37,9 @@ class ServerConfig:
     # (server/tool_parsers.py; vLLM's flags of the same names).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # A node other than 0 of a multi-node tensor-parallel engine: it runs its ranks
+    # (engine/tp_worker.py) and serves no HTTP.
+    headless: bool = False
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:

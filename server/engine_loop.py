@@ -27,6 +27,7 @@ from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
+from engine.tp_group import WorkerFailed
 from server.errors import APIError, from_value_error
 from server.stat_log import StatLog
 
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from engine.engine import Engine, EngineStats
 
 logger = logging.getLogger("pagoda.server")
+
+# With tensor parallelism, an idle loop looks this often whether a rank has died.
+WORKERS_CHECK_S = 0.5
 
 # engine request id -> that step's outputs for it, or the error that ends it
 Batch = dict[str, "list[RequestOutput] | APIError"]
@@ -146,24 +150,41 @@ class EngineLoop:
         return self.engine
 
     def serve(self) -> None:
-        """Step until stopped; if the loop dies, every request fails with a 500."""
+        """Step until stopped; if the loop dies (or a tensor-parallel rank does), every
+        request fails with a 500. The other ranks stop with it."""
         try:
             self._serve()
+        except WorkerFailed as exc:
+            logger.error("engine stopped: %s", exc)
+            self._fail_all(APIError(f"The engine stopped: {exc}.", 500))
+            with self._cond:
+                self._stopping = True
         except BaseException:
             logger.exception("engine loop died")
             self._fail_all(APIError("The engine thread died.", 500))
             with self._cond:
                 self._stopping = True
+        finally:
+            self.engine.shutdown()
+
+    @property
+    def failed(self) -> bool:
+        """A tensor-parallel rank has died (seen at once, even mid-step)."""
+        workers = self.engine.workers if self.engine is not None else None
+        return workers is not None and workers.failure is not None
 
     def _serve(self) -> None:
         engine = self.engine
+        poll = WORKERS_CHECK_S if engine.workers is not None else None
         while True:
             with self._cond:
                 while not (
                     self._inbox or self._stopping or self._woken or engine.has_unfinished_requests()
                 ):
+                    if poll is not None:
+                        engine.workers.check()
                     slept = time.monotonic()
-                    self._cond.wait()
+                    self._cond.wait(poll)
                     if self._stat_log is not None:
                         self._stat_log.idle(time.monotonic() - slept)
                 inbox, self._inbox = self._inbox, []
@@ -224,6 +245,8 @@ class EngineLoop:
             outputs = engine.step(emit=bool(self._credit.value), deltas=deltas)
             if engine.news and not engine.has_unfinished_requests():
                 outputs = engine.take_outputs(deltas)  # no next step to report it: now
+        except WorkerFailed:
+            raise  # the engine cannot go on: serve() fails everything
         except Exception as exc:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.

@@ -63,7 +63,9 @@ def spawn_engine(
             logger.getEffectiveLevel(),  # a spawned child starts with logging unset
         ),
         name="pagoda-engine",
-        daemon=True,
+        # A daemon may not have children: with tensor parallelism it spawns its ranks.
+        # It still ends with its API processes (their pipes close; it stops).
+        daemon=config.tensor_parallel_size == 1,
     )
     process.start()
     for conn in inboxes + outboxes:

@@ -132,6 +132,36 @@ def test_unknown_fp8_values_are_usage_errors(capsys):
         EngineConfig(quantization="int8")
 
 
+def test_tensor_parallel_flags_map_to_their_fields():
+    argv = shlex.split(
+        "-tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless"
+    )
+    engine, server = cli.parse_configs(argv)
+    assert (engine.tensor_parallel_size, engine.nnodes, engine.node_rank) == (4, 2, 1)
+    assert (engine.master_addr, engine.master_port, engine.ranks_per_node) == ("10.0.0.1", 29500, 2)
+    assert server.headless
+    engine, server = cli.parse_configs(["--tensor-parallel-size", "2"])
+    assert engine.tensor_parallel_size == 2 and engine.nnodes == 1 and not server.headless
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ("-tp 3 --nnodes 2 --master-port 1", "does not divide evenly"),
+        ("-tp 2 --nnodes 2", "--master-port"),
+        ("-tp 2 --nnodes 2 --node-rank 1 --master-port 1", "--headless"),
+        ("-tp 2 --nnodes 2 --master-port 1 --headless", "--node-rank"),
+        ("-tp 2 --nnodes 2 --node-rank 2 --master-port 1 --headless", "node_rank"),
+        ("-tp 0", "tensor_parallel_size"),
+    ],
+)
+def test_inconsistent_tensor_parallel_flags_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_configs(shlex.split(argv))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_loadtest_delegates(monkeypatch):
     seen = {}
     fake = types.ModuleType("clients.loadtest")

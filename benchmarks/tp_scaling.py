@@ -1,0 +1,176 @@
+"""Tensor-parallel scaling on one multi-GPU host, with random bf16 weights at real shapes.
+
+- Llama-3-8B's shape at TP 1/2/4/8: batch-1 decode ms/token, beside the time
+  an all-reduce of one token's hidden state takes (measured alone, in as many
+  processes) times the all-reduces a decode step makes (two per layer).
+- Llama-3-70B's shape at TP 4/8: 64 requests of 512 random prompt tokens and
+  512 output tokens (offline throughput), and batch-1 ms/token against the
+  floor of one GPU reading its shard (weights and KV) at its copy bandwidth.
+
+    python -m benchmarks.tp_scaling --out results/tp_scaling.json
+
+TP sizes past the host's GPU count are skipped; a run that fails (a model that
+does not fit before its layers are sharded) is recorded with its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.checkpoints import CONFIGS, build_checkpoint
+from benchmarks.offline import copy_bandwidth, decode_floor_ms, run_pagoda
+from benchmarks.provenance import git_commit
+from engine import LLM
+from engine.tp_group import WORKER_ENV
+
+BATCH1_PROMPT, BATCH1_OUTPUT = 128, 256
+THROUGHPUT_REQUESTS, THROUGHPUT_LEN = 64, 512
+
+
+def _all_reduce_worker(rank: int, size: int, address: str, hidden: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size)
+    x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
+    for _ in range(50):  # warm up: the communicator and its channels
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    n = 1000
+    start = time.perf_counter()
+    for _ in range(n):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    if rank == 0:
+        out.put(1e6 * (time.perf_counter() - start) / n)
+    dist.destroy_process_group()
+
+
+def all_reduce_us(size: int, hidden: int) -> float:
+    """Microseconds per all-reduce of [1, hidden] bf16 over `size` GPUs (back to back)."""
+    import torch.multiprocessing as mp
+
+    from engine.config import EngineConfig
+    from engine.tp_group import init_method
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    address = init_method(EngineConfig())
+    mp.start_processes(
+        _all_reduce_worker, args=(size, address, hidden, out), nprocs=size, start_method="spawn"
+    )
+    return out.get()
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10000) for _ in range(length)] for _ in range(n)]
+
+
+def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict:
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        tensor_parallel_size=tp,
+        enable_prefix_caching=False,
+        max_num_seqs=THROUGHPUT_REQUESTS if throughput else 8,
+        max_num_batched_tokens=2048,
+        max_model_len=2 * THROUGHPUT_LEN + 64,
+    )
+    try:
+        result: dict = {}
+        prompt = random_prompts(1, BATCH1_PROMPT, seed=1)
+        run_pagoda(llm, prompt, [16])  # warm up
+        one = run_pagoda(llm, prompt, [BATCH1_OUTPUT])
+        ms_per_token = 1e3 * one["decode_s"] / (BATCH1_OUTPUT - 1)
+        floor = decode_floor_ms(llm, 1, BATCH1_PROMPT + BATCH1_OUTPUT / 2, bandwidth)
+        result["batch1"] = {
+            "ms_per_token": ms_per_token,
+            "decode_step_ms_p50": one["decode_step_ms"]["p50"],
+            "shard_floor_ms": floor,
+            "vs_floor": ms_per_token / floor,
+        }
+        if throughput:
+            prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN)
+            lens = [THROUGHPUT_LEN] * THROUGHPUT_REQUESTS
+            run_pagoda(llm, prompts, [8] * THROUGHPUT_REQUESTS)  # warm up at this batch
+            many = run_pagoda(llm, prompts, lens)
+            mean_ctx = THROUGHPUT_LEN + THROUGHPUT_LEN / 2
+            result["offline_64x512"] = {
+                "tok_per_s": many["tok_per_s"],
+                "total_s": many["total_s"],
+                "decode_step_ms_p50": many["decode_step_ms"]["p50"],
+                "shard_floor_ms": decode_floor_ms(llm, THROUGHPUT_REQUESTS, mean_ctx, bandwidth),
+            }
+        return result
+    finally:
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sizes-8b", default="1,2,4,8", help="TP sizes for the 8B shape")
+    p.add_argument("--sizes-70b", default="4,8", help="TP sizes for the 70B shape ('' for none)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    for key, value in WORKER_ENV.items():  # NVLink multicast stays off here too
+        os.environ.setdefault(key, value)
+    gpus = torch.cuda.device_count()
+
+    def sizes(text: str) -> list[int]:
+        return [n for n in (int(s) for s in text.split(",") if s) if n <= gpus]
+
+    bandwidth = copy_bandwidth()
+    torch.cuda.empty_cache()
+    result: dict = {
+        "benchmark": "tp_scaling",
+        "command": "python -m benchmarks.tp_scaling "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "runs": [],
+    }
+    plan = [("llama3-8b", n, False) for n in sizes(args.sizes_8b)]
+    plan += [("llama3-70b", n, True) for n in sizes(args.sizes_70b)]
+    for name, tp, throughput in plan:
+        model_dir = build_checkpoint(
+            name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", torch.bfloat16
+        )
+        config = CONFIGS[name]()
+        run: dict = {"model": name, "tp": tp}
+        if tp > 1:
+            per_call = all_reduce_us(tp, config.hidden_size)
+            run["all_reduce_us"] = per_call
+            # Two per layer (attention out, MLP down) and the logits' gather.
+            run["all_reduce_ms_per_step"] = 1e-3 * per_call * (2 * config.num_hidden_layers + 1)
+        try:
+            run |= measure(model_dir, tp, bandwidth, throughput)
+        except Exception as exc:  # recorded, and the next size runs
+            run["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(run), flush=True)
+        result["runs"].append(run)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

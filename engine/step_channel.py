@@ -1,0 +1,107 @@
+"""What rank 0 sends the other tensor-parallel ranks each step, so they run the same forward.
+
+Rank 0 schedules, fills the step's metadata and chooses its path; the workers
+need only enough to replay it: a fixed-size header (path, bucket, counts) over
+the gloo control group, host to host, then one broadcast of the whole staged
+device buffer over the tensors' group. That buffer holds the step's metadata
+words (input gather, positions, slot mapping, sequence lengths, query offsets,
+block-table rows and logit rows, and the block-table entries a graph writes)
+and, in its device-only tail, the ids rank 0 sampled last step, which this
+step's inputs are gathered from. Block-table rows sent as a copy rather than as
+pairs follow as a broadcast of that span; a step that scores prompts sends its
+scoring rows. Nothing is pickled per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.block_table import BlockTable
+from engine.distributed import TensorParallel
+from engine.staging import StagedFields
+
+# StepHeader.path
+STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER = range(4)
+HEADER_WORDS = 12
+
+
+@dataclass
+class StepHeader:
+    path: int  # STOP (the workers leave), DECODE_GRAPH, PREFILL_GRAPH or EAGER
+    bucket: int = 0  # a graph's batch or token bucket
+    num_tokens: int = 0
+    num_seqs: int = 0
+    max_query_len: int = 0
+    is_decode: int = 0
+    num_sampling: int = 0
+    table_lo: int = 0  # block-table rows [lo, hi) follow as a broadcast
+    table_hi: int = 0
+    num_score_rows: int = 0  # prompt-scoring rows follow as a broadcast
+
+
+class StepChannel:
+    def __init__(
+        self,
+        tp: TensorParallel,
+        control: dist.ProcessGroup,
+        staged: StagedFields,
+        block_table: BlockTable,
+        device: torch.device,
+    ) -> None:
+        self.tp = tp
+        self.control = control
+        self.staged = staged
+        self.block_table = block_table
+        self.device = device
+        self.header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        self.header_np = self.header.numpy()
+
+    # -- rank 0 ---------------------------------------------------------------
+
+    def publish(self, header: StepHeader, score_rows: torch.Tensor | None = None) -> None:
+        """After the step's staged copy: send the workers what this step runs on."""
+        table = self.block_table
+        if table.rows_sent is not None:
+            header.table_lo, header.table_hi = table.rows_sent
+            table.rows_sent = None
+        words = astuple(header)
+        self.header_np[: len(words)] = words
+        self._send_all(header, score_rows)
+
+    def stop(self) -> None:
+        """The workers leave their loop."""
+        self.header_np[:] = 0
+        self.header_np[0] = STOP
+        dist.broadcast(self.header, src=0, group=self.control)
+
+    # -- workers --------------------------------------------------------------
+
+    def receive(self) -> tuple[StepHeader, torch.Tensor | None]:
+        """The next step's header, its staged buffer and table rows in place; and its
+        scoring rows, if any."""
+        dist.broadcast(self.header, src=0, group=self.control)
+        header = StepHeader(*self.header_np[: len(StepHeader.__dataclass_fields__)].tolist())
+        if header.path == STOP:
+            return header, None
+        score_rows = None
+        if header.num_score_rows:
+            score_rows = torch.empty(header.num_score_rows, dtype=torch.int64, device=self.device)
+        self._send_all(header, score_rows)
+        return header, score_rows
+
+    # -- both -----------------------------------------------------------------
+
+    def _send_all(self, header: StepHeader, score_rows: torch.Tensor | None) -> None:
+        """The broadcasts, in one order on every rank (rank 0 sends, the rest receive)."""
+        group = self.tp.group
+        if self.tp.is_driver:
+            dist.broadcast(self.header, src=0, group=self.control)
+        dist.broadcast(self.staged.device, src=0, group=group)
+        if header.table_hi > header.table_lo:
+            rows = self.block_table.gpu[header.table_lo : header.table_hi]
+            dist.broadcast(rows, src=0, group=group)
+        if score_rows is not None:
+            dist.broadcast(score_rows, src=0, group=group)

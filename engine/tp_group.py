@@ -1,0 +1,235 @@
+"""Tensor parallelism's processes: the rendezvous, the worker processes, their watchdog.
+
+Rank r runs on node r // ranks_per_node, on that node's device r % ranks_per_node.
+Rank 0 (the engine's process on node 0) spawns the other ranks of its node; every
+other node's `python -m server --headless` spawns all of its own. They join one
+torch.distributed group through TCP rendezvous at master_addr:master_port: NCCL
+on CUDA, gloo on CPU. A second, gloo group carries each step's header
+(engine/step_channel.py): workers wait on it while the engine idles, so its
+timeout is practically none, while the tensors' group times out a hung peer.
+
+A thread watches the local workers' sentinels: a worker that exits unasked marks
+the set failed at once, and the engine raises `WorkerFailed` at its next step or
+idle check. A rank on another node that dies closes its sockets, so rank 0's
+next collective fails.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.distributed import TensorParallel
+
+logger = logging.getLogger("pagoda.engine")
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)  # a peer that hangs inside a step
+IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for the next step
+# Spawned ranks inherit these: NVLink multicast stays off (it can wedge shared GPUs).
+WORKER_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
+    no longer agree on which collectives ran): the engine cannot go on."""
+
+
+@dataclass
+class Membership:
+    """What a rank holds once it has joined: its view of the group, the header's
+    group, and the engine config every rank runs (rank 0's, with its own device)."""
+
+    tp: TensorParallel
+    control: dist.ProcessGroup  # gloo, no practical timeout
+    config: EngineConfig
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    base = config.torch_device
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank % config.ranks_per_node)
+
+
+def init_method(config: EngineConfig) -> str:
+    """Rank 0's TCP rendezvous address; port 0 picks a free one (a single node)."""
+    port = config.master_port
+    if port == 0:
+        with socket.socket() as s:
+            s.bind((config.master_addr, 0))
+            port = s.getsockname()[1]
+    return f"tcp://{config.master_addr}:{port}"
+
+
+def join(config: EngineConfig, rank: int, address: str) -> Membership:
+    """Join the group as `rank`; every rank leaves with rank 0's engine config."""
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=address,
+        rank=rank,
+        world_size=config.tensor_parallel_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    shared = [config]
+    dist.broadcast_object_list(shared, src=0, group=control)
+    if rank != 0:  # rank 0 keeps its own object: the engine and the server read it
+        config = shared[0]
+        config.device = str(device)
+    layout: list[tuple | None] = [None] * config.tensor_parallel_size
+    me = (rank, rank // config.ranks_per_node, socket.gethostname(), str(device), os.getpid())
+    dist.all_gather_object(layout, me, group=control)
+    if rank == 0:
+        logger.info(
+            "tensor parallel: %d ranks on %d node(s), %d per node: %s",
+            config.tensor_parallel_size,
+            config.nnodes,
+            config.ranks_per_node,
+            "; ".join(
+                f"rank {r} node {n} ({host}) {dev} pid {pid}" for r, n, host, dev, pid in layout
+            ),
+        )
+    tp = TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD)
+    return Membership(tp, control, config)
+
+
+def all_ranks_min(value: int, membership: Membership) -> int:
+    """The smallest of every rank's value (over the gloo group: a dead peer fails it)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=membership.control)
+    return int(t.item())
+
+
+def leave() -> None:
+    """Leave the group (one that a dead rank broke, too: there is nothing left to save)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.exception("leaving the process group failed")
+
+
+class Workers:
+    """The local worker processes (spawned), and a thread watching them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        ranks: list[int],
+        address: str,
+        exit_ok: bool = False,  # a headless node's ranks leave when rank 0 stops them
+    ) -> None:
+        from engine.tp_worker import worker_main  # the spawned side's entry point
+
+        for key, value in WORKER_ENV.items():
+            os.environ.setdefault(key, value)
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = {
+            rank: ctx.Process(
+                target=worker_main,
+                args=(config, rank, address),
+                name=f"pagoda-tp-rank{rank}",
+                daemon=True,
+            )
+            for rank in ranks
+        }
+        self.failure: str | None = None
+        self.failed = threading.Event()
+        self.stopping = False
+        self.exit_ok = exit_ok
+        for process in self.processes.values():
+            process.start()
+        # By sentinel: the workers not reaped yet (the watcher's to change).
+        self.running: dict[int, tuple[int, BaseProcess]] = {
+            p.sentinel: (rank, p) for rank, p in self.processes.items()
+        }
+        # Registered after multiprocessing's own exit handler, so it runs first: the
+        # daemon workers that handler then terminates are not reported as failures.
+        atexit.register(self._exiting)
+        self._watcher = threading.Thread(target=self._watch, name="pagoda-tp-watch", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """The only thread that reaps the workers (two waitpid callers race: the loser
+        would see a live process forever), so others wait for this one to end."""
+        running = self.running
+        while running:
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                rank, process = running[sentinel]
+                process.join()
+                del running[sentinel]
+                if self.stopping or (self.exit_ok and process.exitcode == 0):
+                    continue
+                if self.failure is None:
+                    self.failure = (
+                        f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                        f"{process.exitcode} (its log says why)"
+                    )
+                    logger.error("%s", self.failure)
+                    self.failed.set()
+                    for _, other in list(running.values()):  # they cannot go on alone
+                        other.kill()
+                    _abort_nccl()
+
+    def _exiting(self) -> None:
+        self.stopping = True
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise WorkerFailed(self.failure)
+
+    def explain(self, exc: BaseException, wait_s: float = 2.0) -> None:
+        """A collective failed: if a worker has died (or dies within wait_s: a peer's
+        closed socket can be seen before its exit), raise that instead."""
+        if self.failed.wait(wait_s):
+            raise WorkerFailed(self.failure) from exc
+
+    def join(self, timeout: float) -> None:
+        """Wait for the workers to leave (asked to, or on their own); then make sure."""
+        self.stopping = True
+        self._watcher.join(timeout)
+        if self._watcher.is_alive():
+            for _, process in list(self.running.values()):
+                process.kill()  # a signal, no wait: the watcher reaps it
+            self._watcher.join(5.0)
+
+    @property
+    def alive(self) -> bool:
+        """Some worker has not been reaped yet."""
+        return self._watcher.is_alive()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes.values()]
+
+
+def _abort_nccl() -> None:
+    """Abort this process's NCCL communicators, so that device work waiting on a dead
+    rank ends (and the engine thread's next wait returns) instead of hanging until
+    the group's timeout. gloo needs none: a dead peer's closed sockets fail it."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        abort()
+    except Exception:
+        logger.exception("aborting the NCCL communicators failed")

@@ -1,0 +1,86 @@
+"""Tensor parallelism on CPU: two ranks (gloo) give transformers' greedy output token
+for token, through chunked prefill, prefix-cache hits and preemption.
+
+One TP=2 LLM per checkpoint serves every test here (spawning a rank costs seconds
+on a small machine); its config makes every run chunk its prompts (a 16-token
+budget), preempt (24 blocks of 4 tokens for up to 4 sequences of ~30 tokens) and
+find shared prefixes cached. test_tensor_parallel_replica.py checks the other
+rank's side directly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.loader import load_tokenizer
+from tests.conftest import PROMPTS, hf_greedy
+
+MAX_NEW = 12
+CONFIG = dict(
+    device="cpu",
+    block_size=4,
+    num_kv_blocks=24,
+    max_model_len=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2"])
+def model_dir(request) -> str:
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir):
+    llm = LLM(model_dir, tensor_parallel_size=2, **CONFIG)
+    yield llm
+    llm.shutdown()
+    assert all(not p.is_alive() for p in llm.engine.workers.processes.values())
+
+
+@pytest.fixture(scope="module")
+def tp1(model_dir) -> LLM:
+    return LLM(model_dir, **CONFIG)
+
+
+def expected(model_dir: str, prompts: list[str]) -> list[list[int]]:
+    tokenizer = load_tokenizer(model_dir)
+    return [hf_greedy(model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
+
+
+def test_greedy_matches_one_rank_and_transformers_through_preemption(model_dir, tp2, tp1):
+    prompts = PROMPTS[1:7]
+    preempted = tp2.engine.scheduler.num_preemptions
+    got = token_ids(tp2, prompts)
+    assert got == expected(model_dir, prompts)
+    assert got == token_ids(tp1, prompts)
+    assert tp2.engine.scheduler.num_preemptions > preempted
+    assert tp2.engine.blocks.num_free_blocks == CONFIG["num_kv_blocks"]
+
+
+def test_prefix_cache_hits_give_the_same_tokens(model_dir, tp2):
+    shared = PROMPTS[5]  # ~20 tokens: several full 4-token blocks
+    prompts = [shared, shared + " one", shared + " two"]
+    outs = tp2.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(model_dir, prompts)
+    assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+def test_prompt_logprobs_match_one_rank(tp2, tp1):
+    """Scoring steps run compute_logits on every rank (their rows are broadcast)."""
+    prompts = PROMPTS[3:5]
+    params = greedy(prompt_logprobs=2)
+    got = tp2.generate(prompts, params, use_tqdm=False)
+    want = tp1.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
