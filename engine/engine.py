@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
-from engine.tp_group import Membership, WorkerFailed, Workers, init_method, join, leave
+from engine.tp_group import Membership, WorkerFailed, Workers, leave, start_driver
 
 if TYPE_CHECKING:  # xgrammar is imported with the first structured request
     from engine.structured.grammars import Grammars
@@ -106,7 +105,9 @@ class Engine:
         dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         # Tensor parallelism: the other ranks start loading beside this one.
         self.workers: Workers | None = None
-        membership = self._start_workers(config) if config.tensor_parallel_size > 1 else None
+        membership: Membership | None = None
+        if config.tensor_parallel_size > 1:
+            self.workers, membership = start_driver(config)
         try:
             tp = membership.tp if membership is not None else SINGLE
             start = time.perf_counter()
@@ -158,31 +159,6 @@ class Engine:
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
 
     # -- tensor parallelism -----------------------------------------------
-
-    def _start_workers(self, config: EngineConfig) -> Membership:
-        """Spawn this node's other ranks and join the group with them as rank 0."""
-        if config.node_rank != 0:
-            raise ValueError("only node 0 runs the engine; other nodes run --headless")
-        address = init_method(config)
-        self.workers = Workers(config, list(range(1, config.ranks_per_node)), address)
-        # Joining waits for every rank: a local one that dies first must not hang it.
-        joined: list[Membership | BaseException] = []
-        thread = threading.Thread(
-            target=lambda: joined.append(_try(join, config, 0, address)), daemon=True
-        )
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.1)
-            if self.workers.failure is not None:
-                self.shutdown()
-                self.workers.check()
-        if isinstance(joined[0], BaseException):
-            try:
-                self.workers_failed(joined[0])
-            finally:
-                self.shutdown()
-            raise joined[0]
-        return joined[0]
 
     def workers_failed(self, exc: BaseException) -> None:
         """Raise WorkerFailed if a rank's death explains exc (a failed collective)."""
@@ -501,14 +477,6 @@ class Engine:
         stop_string = detokenize(req)
         if stop_string is not None:
             self._finish(req, "stop", stop_string)
-
-
-def _try(fn, *args):
-    """fn(*args), or the exception it raised (for a thread's result)."""
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        return exc
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

@@ -222,6 +222,43 @@ class Workers:
         return [p.pid for p in self.processes.values()]
 
 
+def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:
+    """Rank 0: spawn this node's other ranks and join the group with them. Joining waits
+    for every rank, so a local one that dies first must not hang it: then the others
+    are stopped and WorkerFailed is raised."""
+    if config.node_rank != 0:
+        raise ValueError("only node 0 runs the engine; other nodes run --headless")
+    address = init_method(config)
+    workers = Workers(config, list(range(1, config.ranks_per_node)), address)
+    joined: list[Membership | BaseException] = []
+    thread = threading.Thread(
+        target=lambda: joined.append(_try(join, config, 0, address)), daemon=True
+    )
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        if workers.failure is not None:
+            workers.join(timeout=10.0)
+            leave()
+            workers.check()
+    if isinstance(joined[0], BaseException):
+        try:
+            workers.explain(joined[0])  # a rank's death, if that is what failed
+        finally:
+            workers.join(timeout=10.0)
+            leave()
+        raise joined[0]
+    return workers, joined[0]
+
+
+def _try(fn, *args):
+    """fn(*args), or the exception it raised (for a thread's result)."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        return exc
+
+
 def _abort_nccl() -> None:
     """Abort this process's NCCL communicators, so that device work waiting on a dead
     rank ends (and the engine thread's next wait returns) instead of hanging until
