@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
+    no longer agree on which collectives ran): the engine cannot go on. Here, not with
+    the group's code: the API processes catch it and never import torch."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed import TensorParallel
+from engine.distributed import TensorParallel, WorkerFailed
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -43,11 +43,6 @@ WORKER_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-
-
-class WorkerFailed(RuntimeError):
-    """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
-    no longer agree on which collectives ran): the engine cannot go on."""
 
 
 @dataclass

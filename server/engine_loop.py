@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.checks import RequestRejected
 from engine.config import EngineConfig
+from engine.distributed import WorkerFailed
 from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
-from engine.tp_group import WorkerFailed
 from server.errors import APIError, from_value_error
 from server.stat_log import StatLog
 
