@@ -104,12 +104,8 @@ class Engine:
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
         self.runner = ModelRunner(config, self.model, hf_config, self.batch)
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
-        # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
-            self.runner.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            defer_hashing=device.type == "cuda",
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.blocks, self.batch, self.runner.block_table)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids, self.batch)

@@ -85,7 +85,8 @@ class Sampler:
         argmax ids, if already taken (returned as is when nothing else applies); bitmask:
         the tokens the rows' grammars allow (structured outputs; grammar rows are never
         argmax_only)."""
-        if self.batch.argmax_only[slots].all():
+        batch = self.batch
+        if not batch.num_sampled_fully or np.count_nonzero(batch.argmax_only[slots]) == len(slots):
             return logits.argmax(-1) if argmax is None else argmax
         requests = self._requests(slots)
         if bitmask is None and all(self._argmax_only(req) for req in requests):
