@@ -240,9 +240,7 @@ class InputBatch:
             streamed = [self.requests[s] for s in slots[rows].tolist()]
             for req, token_id in zip(streamed, token_ids[rows].tolist()):
                 req.output_ids.append(token_id)
-        return ReadTokens(
-            slots, token_ids, done if num_done else None, first, streamed, departed
-        )
+        return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 
     # -- reads for one request -------------------------------------------------
 
