@@ -50,12 +50,14 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # [num_seqs] int64: tokens computed after this step (starts + num_new_tokens).
     seq_lens: np.ndarray | None = None
+    num_sampling: int = -1  # sequences that sample (-1: count `samples`)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.slots)
         if self.seq_lens is None:
             self.seq_lens = self.starts + self.num_new_tokens
-        self.num_sampling = np.count_nonzero(self.samples)
+        if self.num_sampling < 0:
+            self.num_sampling = np.count_nonzero(self.samples)
         # One token each, and each samples: a one-token prefill chunk that stops short
         # of its prompt's end (a budget's last token) is no decode.
         self.is_decode_only = self.num_tokens == num_seqs == self.num_sampling
@@ -122,16 +124,18 @@ class Scheduler:
                 num_scheduled = int(num_new.sum())
                 whole = False
         self.batch.num_computed[slots] = ends
+        num_seqs = len(slots)
         return SchedulerOutput(
             slots,
             counts[COMPUTED],
             num_new,
             counts[KNOWN],
-            self.every_row[: len(slots)] if whole else ends == counts[TOKENS],
+            self.every_row[:num_seqs] if whole else ends == counts[TOKENS],
             num_scheduled,
             admitted,
             preempted,
             ends,
+            num_seqs if whole else -1,
         )
 
     def _schedule_running(
