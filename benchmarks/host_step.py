@@ -67,7 +67,7 @@ def stub_forward(engine) -> None:
     def execute(step_batch):  # the runner's work without the model
         runner.fill(step_batch)
         runner.copy_staged()
-        num_sampling = int(step_batch.samples.sum())
+        num_sampling = step_batch.num_sampling
         runner.argmax = argmax[:num_sampling]
         return logits[:num_sampling]  # the sampling rows, as the runner returns
 

@@ -140,12 +140,8 @@ class Engine:
             raise
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
         logger.info("engine ready in %.1f s", _since(start))
-        # On a GPU, filled blocks are hashed while the host waits for the device.
         self.blocks = BlockManager(
-            self.runner.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            defer_hashing=device.type == "cuda",
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.blocks, self.batch, self.runner.block_table)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids, self.batch)

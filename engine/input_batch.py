@@ -70,9 +70,15 @@ class InputBatch:
         # step's ids hold any stop at all.
         self.stop_ids = np.full((n, 1), -1, dtype=np.int64)
         self.stop_count = np.zeros(vocab_size, dtype=np.int32)
-        # What the sampler and the engine ask of every row, every step.
+        self.num_stopping = 0  # rows with any stop id
+        # Rows whose first output id has not been read (num_known == num_prompt).
+        self.num_awaiting_first = 0
+        # What the sampler and the engine ask of every row, every step. Each flag
+        # column has a count of its set rows beside it: a step whose count is 0
+        # looks at no row.
         self.argmax_only = np.zeros(n, dtype=bool)  # greedy with nothing to apply
         self.argmax_masked = np.zeros(n, dtype=bool)  # the same, but for a grammar's mask
+        self.num_sampled_fully = 0  # rows not argmax_only
         self.needs_sync = np.zeros(n, dtype=bool)  # ids read on the host before sampling
         self.num_needs_sync = 0
         # Its prefill scores the prompt (prompt logprobs not all computed): see
@@ -130,9 +136,12 @@ class InputBatch:
         if stops and stops[-1] >= len(self.stop_count):  # an EOS past the model's vocab
             self.stop_count = np.pad(self.stop_count, (0, stops[-1] + 1 - len(self.stop_count)))
         self.stop_count[stops] += 1
+        self.num_stopping += bool(stops)
+        self.num_awaiting_first += n == req.num_prompt_tokens
         self.capacity[slot] = 0  # the scheduler gives it blocks next
         self.argmax_only[slot] = params.argmax_only
         self.argmax_masked[slot] = params.argmax_masked
+        self.num_sampled_fully += not params.argmax_only
         self.needs_sync[slot] = params.needs_sync
         self.num_needs_sync += params.needs_sync
         self.scores_prompt[slot] = scores = req.scores_prompt
@@ -166,7 +175,11 @@ class InputBatch:
         if inflight and not req.is_finished:  # preempted: its ids on the device are its own
             self.departed[(slot, int(self.generation[slot]))] = req
         stops = self.stop_ids[slot]
-        self.stop_count[stops[stops >= 0]] -= 1
+        stops = stops[stops >= 0]
+        self.stop_count[stops] -= 1
+        self.num_stopping -= len(stops) > 0
+        self.num_awaiting_first -= self.num_known.item(slot) == self.num_prompt.item(slot)
+        self.num_sampled_fully -= not self.argmax_only.item(slot)
         self.num_streaming -= bool(self.streams[slot])
         self.prompt_scored(slot)
         self.num_needs_sync -= bool(self.needs_sync[slot])
@@ -204,31 +217,32 @@ class InputBatch:
                         req.receive_departed(int(token_ids[i]))
                         departed.append((req, int(token_ids[i])))
                 slots, token_ids = slots[live], token_ids[live]
-        counts = self.counts[:, slots]  # [7, k]: one gather for every column read here
-        position = counts[KNOWN]
-        self.token_ids[slots, position] = token_ids
-        first = position == counts[PROMPT]
-        position = position + 1
-        self.num_known[slots] = position
-        done = position >= counts[LIMIT]
-        if self.stop_count[token_ids].any():  # someone's stop id: whose, exactly?
+        known = self.num_known[slots]
+        self.token_ids[slots, known] = token_ids
+        known += 1
+        self.num_known[slots] = known
+        done = known >= self.max_num_tokens[slots]
+        num_done = np.count_nonzero(done)
+        # Someone's stop id among the ids: whose, exactly?
+        if self.num_stopping and np.count_nonzero(self.stop_count[token_ids]):
             stop = (self.stop_ids[slots] == token_ids[:, None]).any(1)
-            stop &= position - counts[PROMPT] >= counts[MIN_TOKENS]
+            stop &= known - self.num_prompt[slots] >= self.min_tokens[slots]
             done |= stop
+            num_done = np.count_nonzero(done)
+        first = None
+        if self.num_awaiting_first:
+            first = known == self.num_prompt[slots] + 1
+            num_first = np.count_nonzero(first)
+            self.num_awaiting_first -= num_first
+            if not num_first:
+                first = None
         streamed: list[Request] = []
         if self.num_streaming:  # their own lists get the ids too: cut into outputs
             rows = self.streams[slots]
             streamed = [self.requests[s] for s in slots[rows].tolist()]
             for req, token_id in zip(streamed, token_ids[rows].tolist()):
                 req.output_ids.append(token_id)
-        return ReadTokens(
-            slots,
-            token_ids,
-            done if done.any() else None,
-            first if first.any() else None,
-            streamed,
-            departed,
-        )
+        return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 
     # -- reads for one request -------------------------------------------------
 

@@ -5,6 +5,12 @@ request never writes into a block another request reads: no copy-on-write.
 A freed block keeps its hash and stays findable until it is reused; the free
 list is ordered so that blocks without a hash are reused first, then cached
 blocks least-recently freed first.
+
+The blocks a running request fills as it decodes are registered lazily: a
+decode that opens a block notes its request, and the noted requests' filled
+blocks are hashed before the next lookup (so every lookup sees every block
+filled so far), when the host waits for the device anyway, and when a request
+frees its blocks. A steady decode batch that nobody looks up hashes nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +19,6 @@ from collections import OrderedDict
 
 from engine.request import Request
 
-MAX_UNHASHED = 1024  # requests noted before they are hashed whether the host waits or not
-
 
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     # Python's hash of a tuple of ints is deterministic across processes.
@@ -22,13 +26,7 @@ def chain_hash(parent: int | None, tokens: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool,
-        defer_hashing: bool = False,
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -38,10 +36,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
-        # Hash the blocks decodes fill later, while the host waits for the device
-        # (see note_filled): where steps run on one.
-        self.defer_hashing = defer_hashing
-        self.unhashed: list[Request] = []
+        # Running requests that may have filled blocks since they last registered them
+        # (see note_filled); a request leaves it when it frees its blocks.
+        self.unhashed: dict[Request, None] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +59,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if self.unhashed:  # what running requests filled is findable from now on
+            self.hash_unhashed()
         bs = self.block_size
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
@@ -149,43 +148,38 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = req.num_full_tokens() // bs
-        first = len(req.block_hashes)
-        if num_full == first:
+        hashes = req.block_hashes
+        first = len(hashes)
+        if num_full <= first:
             return  # no block filled up this step
         tokens = req.token_slice(first * bs, num_full * bs)
+        block_ids, cached, block_hash = req.block_ids, self.cached, self.block_hash
+        parent = hashes[-1] if hashes else None
         for i in range(first, num_full):
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            h = chain_hash(parent, tokens[(i - first) * bs : (i - first + 1) * bs])
-            req.block_hashes.append(h)
-            block = req.block_ids[i]
-            if h not in self.cached:
-                self.cached[h] = block
-                self.block_hash[block] = h
+            at = (i - first) * bs
+            parent = chain_hash(parent, tokens[at : at + bs])
+            hashes.append(parent)
+            if parent not in cached:
+                block = block_ids[i]
+                cached[parent] = block
+                block_hash[block] = parent
 
-    def note_filled(self, req: Request) -> None:
-        """req's last block may have filled (a decode opens the next one): register it
-        now, or, with defer_hashing, when the host next waits for the device
-        (hash_unhashed). Hashing is most of a block opening's host work, and the
-        steps that open blocks by the dozen (those that admit prompts) are the ones
-        the device waits for. Meanwhile the block is simply not found by a new
-        prompt; a request's blocks are all registered when they are freed."""
-        if not self.enable_prefix_caching:
-            return
-        if not self.defer_hashing:
-            self.cache_full_blocks(req)
-            return
-        self.unhashed.append(req)
-        if len(self.unhashed) >= MAX_UNHASHED:  # a host that never waits
-            self.hash_unhashed()
+    def note_filled(self, reqs: list[Request]) -> None:
+        """reqs' last blocks may have filled (decodes opened the next ones): their
+        filled blocks are registered before the next lookup, or sooner, when the
+        host waits for the device (hash_unhashed). Hashing is most of a block
+        opening's host work, and a lookup is the only reader of what it registers."""
+        if self.enable_prefix_caching:
+            self.unhashed.update(dict.fromkeys(reqs))
 
     def hash_unhashed(self) -> None:
-        pending, self.unhashed = self.unhashed, []
+        pending, self.unhashed = self.unhashed, {}
         for req in pending:
-            if req.block_ids:  # else freed since: free() registered its blocks
-                self.cache_full_blocks(req)
+            self.cache_full_blocks(req)
 
     def free(self, req: Request) -> None:
-        self.cache_full_blocks(req)  # what it filled since it last opened a block
+        self.unhashed.pop(req, None)
+        self.cache_full_blocks(req)  # what it filled since it last registered blocks
         # Tail blocks first, so a shared prefix outlives the suffixes behind it.
         for block in reversed(req.block_ids):
             self.ref_count[block] -= 1

@@ -129,7 +129,8 @@ class ModelRunner:
             views["table_index"][:] = self.block_table.pad
         self.table_pairs = [0] * self.num_buffers  # pairs in use in each host buffer
         self.ids_offset = self.staged.offset["input_ids"]
-        self.sampled_offset = self.staged.offset["sampled_ids"]
+        # Where in StagedFields.words each row of the sampled ids sits.
+        self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
         self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
@@ -140,8 +141,10 @@ class ModelRunner:
         # Recording on a stream object kept here skips building one per call.
         self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
         self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], self.device, self.clock)
-        # By slot: the row of its last sampled token in the sampled-ids buffer.
-        self.slot_rows = np.zeros(seqs, dtype=np.int64)
+        # By slot: where its last sampled token is in StagedFields.words.
+        self.sampled_at = np.zeros(seqs, dtype=np.int64)
+        # By slot: where its block-table row starts in the table's flat view.
+        self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
         self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
@@ -223,7 +226,6 @@ class ModelRunner:
             token_slots, known = slots, out.num_known
             qsl[: n + 1] = arange[: n + 1]
             buf["logits_indices"][:n] = arange[:n]
-            np.add(starts, 1, out=buf["seq_lens"][:n])
             max_query_len = 1
         else:
             qsl[0] = 0
@@ -235,27 +237,29 @@ class ModelRunner:
             last = qsl[1 : n + 1] - 1  # each sequence's last new token
             sampling_last = last[out.samples]
             buf["logits_indices"][: len(sampling_last)] = sampling_last
-            buf["seq_lens"][:n] = starts + num_new
             max_query_len = int(num_new.max())
+        buf["seq_lens"][:n] = out.seq_lens
         buf["slot_indices"][:n] = slots
-        # slot = block * block_size + offset, read off the block table's host mirror.
+        # slot = block * block_size + offset, read off the block table's host mirror:
+        # (block - index of the block in its row) * block_size + position.
+        block_index = positions >> shift
+        blocks = self.block_table.flat.take(self.table_rows[token_slots] + block_index)
         slot_mapping = buf["slot_mapping"][:num_tokens]
-        np.left_shift(self.block_table.np[token_slots, positions >> shift], shift, out=slot_mapping)
-        slot_mapping += positions & (self.block_size - 1)
+        np.left_shift(blocks - block_index, shift, out=slot_mapping)
+        slot_mapping += positions
         gather = buf["input_gather"][:num_tokens]
         on_device = positions >= known
-        if on_device.all():  # the decode step's usual case: every id was sampled last step
-            np.add(self.slot_rows[token_slots], self.sampled_offset, out=gather)
+        if np.count_nonzero(on_device) == num_tokens:  # a decode's usual case: sampled last step
+            gather[:] = self.sampled_at[token_slots]
         else:
             on_host = ~on_device
             ids = buf["input_ids"][:num_tokens]
             ids[on_host] = self.batch.token_ids[token_slots[on_host], positions[on_host]]
             np.add(arange[:num_tokens], self.ids_offset, out=gather)
-            if on_device.any():
-                gather[on_device] = self.slot_rows[token_slots[on_device]] + self.sampled_offset
+            gather[on_device] = self.sampled_at[token_slots[on_device]]
         # The ids this step samples land in the sampled-ids buffer in sampling order.
         sampling = out.sampling_slots
-        self.slot_rows[sampling] = arange[: len(sampling)]
+        self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
         return max_query_len
 
     def next_buffers(self) -> None:

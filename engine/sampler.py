@@ -85,7 +85,8 @@ class Sampler:
         argmax ids, if already taken (returned as is when nothing else applies); bitmask:
         the tokens the rows' grammars allow (structured outputs; grammar rows are never
         argmax_only)."""
-        if self.batch.argmax_only[slots].all():
+        batch = self.batch
+        if not batch.num_sampled_fully or np.count_nonzero(batch.argmax_only[slots]) == len(slots):
             return logits.argmax(-1) if argmax is None else argmax
         if bitmask is not None and self.batch.argmax_masked[slots].all():
             # In place: nothing else reads these logits (no logprobs are asked for).

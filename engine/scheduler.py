@@ -48,13 +48,22 @@ class SchedulerOutput:
     num_tokens: int = 0
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # [num_seqs] int64: tokens computed after this step (starts + num_new_tokens).
+    seq_lens: np.ndarray | None = None
+    num_sampling: int = -1  # sequences that sample (-1: count `samples`)
 
     def __post_init__(self) -> None:
+        num_seqs = len(self.slots)
+        if self.seq_lens is None:
+            self.seq_lens = self.starts + self.num_new_tokens
+        if self.num_sampling < 0:
+            self.num_sampling = np.count_nonzero(self.samples)
         # One token each, and each samples: a one-token prefill chunk that stops short
         # of its prompt's end (a budget's last token) is no decode.
-        self.is_decode_only = self.num_tokens == len(self.slots) and bool(self.samples.all())
+        self.is_decode_only = self.num_tokens == num_seqs == self.num_sampling
         # The rows that sample, in batch order: where their ids land in the step's output.
-        self.sampling_slots = self.slots if self.is_decode_only else self.slots[self.samples]
+        every = self.num_sampling == num_seqs
+        self.sampling_slots = self.slots if every else self.slots[self.samples]
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +87,9 @@ class Scheduler:
         self.block_table = block_table
         self.waiting: deque[Request] = deque()
         self.num_preemptions = 0
+        # `samples` of a step whose every sequence samples (read-only).
+        self.every_row = np.ones(config.max_num_seqs, dtype=bool)
+        self.every_row.flags.writeable = False
 
     @property
     def running(self) -> list[Request]:
@@ -94,7 +106,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         preempted: list[Request] = []
-        slots, counts, num_new, ends, num_scheduled = self._schedule_running(budget, preempted)
+        slots, counts, num_new, ends, num_scheduled, whole = self._schedule_running(
+            budget, preempted
+        )
         admitted: list[Request] = []
         if self.waiting and num_scheduled < budget and self.batch.free_slots and not preempted:
             self._admit(budget - num_scheduled, admitted)
@@ -108,44 +122,49 @@ class Scheduler:
                 num_new = np.concatenate([num_new, new_num])
                 ends = counts[COMPUTED] + num_new
                 num_scheduled = int(num_new.sum())
+                whole = False
         self.batch.num_computed[slots] = ends
+        num_seqs = len(slots)
         return SchedulerOutput(
             slots,
             counts[COMPUTED],
             num_new,
             counts[KNOWN],
-            ends == counts[TOKENS],
+            self.every_row[:num_seqs] if whole else ends == counts[TOKENS],
             num_scheduled,
             admitted,
             preempted,
+            ends,
+            num_seqs if whole else -1,
         )
 
     def _schedule_running(
         self, budget: int, preempted: list[Request]
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, bool]:
         """(slots, their InputBatch counts, num_new_tokens, the tokens computed after this
-        step, the tokens scheduled) of the running requests that get tokens."""
+        step, the tokens scheduled, whether each gets all its tokens) of the running
+        requests that get tokens."""
         batch = self.batch
         slots = batch.slots
-        counts = batch.counts[:, slots]  # [7, n]: one gather for every column read here
-        num_tokens = counts[TOKENS]
-        num_new = num_tokens - counts[COMPUTED]
+        counts = batch.counts.take(slots, axis=1)  # [7, n]: one gather for every column
+        computed, num_tokens = counts[COMPUTED], counts[TOKENS]
+        num_new = num_tokens - computed
         # Its last token (at the length limit) is on the device: it finishes when read.
         at_limit = num_tokens >= counts[LIMIT]
-        some_idle = at_limit.any()
-        if some_idle:
+        whole = not np.count_nonzero(at_limit)  # else num_new and ends differ for some
+        if not whole:
             num_new[at_limit] = 0
-        total = int(num_new.sum())
+        total = int(np.add.reduce(num_new))
         if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
-            some_idle = True
-        ends = counts[COMPUTED] + num_new
+            whole = False
+        ends = num_tokens if whole else computed + num_new
         # The requests whose new tokens reach past their blocks (a decode opens one in
         # every block_size steps).
         grows = ends > counts[CAPACITY]
-        if grows.any():
-            kept = self._grow(np.flatnonzero(grows).tolist(), counts, num_new, preempted)
+        if np.count_nonzero(grows):
+            kept = self._grow(grows.nonzero()[0], slots, counts, ends, preempted)
             if kept < len(slots):
                 slots, counts, num_new, ends = (
                     slots[:kept],
@@ -153,36 +172,43 @@ class Scheduler:
                     num_new[:kept],
                     ends[:kept],
                 )
-                some_idle = True
-        if some_idle:
+                total = int(np.add.reduce(num_new))
+        if not whole:
             keep = num_new > 0
             slots, counts, num_new, ends = slots[keep], counts[:, keep], num_new[keep], ends[keep]
-            total = int(num_new.sum())
-        return slots, counts, num_new, ends, total
+            total = int(np.add.reduce(num_new))
+        return slots, counts, num_new, ends, total, whole
 
     def _grow(
-        self, rows: list[int], counts: np.ndarray, num_new: np.ndarray, preempted: list[Request]
+        self,
+        rows: np.ndarray,
+        slots: np.ndarray,
+        counts: np.ndarray,
+        ends: np.ndarray,
+        preempted: list[Request],
     ) -> int:
-        """Blocks for the running requests at `rows` (batch indices), preempting the
-        newest when there are too few; returns how many running requests are left."""
+        """Blocks for the running requests at `rows` (batch indices) to hold their
+        tokens up to `ends`, preempting the newest when there are too few; returns how
+        many running requests are left."""
         running = self.batch.running
-        reqs = [running[i] for i in rows]
-        for req in reqs:  # its last block is full: the prefix cache may have it
-            self.blocks.note_filled(req)
+        reqs = [running[i] for i in rows.tolist()]
+        shift = self.blocks.block_size.bit_length() - 1  # a power of two
+        # The last block of each may be full now: the prefix cache may have it.
+        self.blocks.note_filled(reqs)
         bs = self.blocks.block_size
-        ends = counts[COMPUTED, rows] + num_new[rows]
-        need = (ends + bs - 1) // bs - counts[CAPACITY, rows] // bs
+        need = ((ends[rows] + bs - 1) >> shift) - (counts[CAPACITY][rows] >> shift)
         fresh = self.blocks.grow(reqs, need.tolist())
         if fresh is not None:  # the usual case: blocks for everyone
-            slots = self.batch.slots[rows]
+            grown = slots[rows]
             if len(fresh) == len(reqs):  # one each: decodes opening their next block
-                self.block_table.append_one(slots, fresh)
+                self.block_table.append_one(grown, fresh)
             else:
                 for req in reqs:
                     self.block_table.update_row(req.slot, req.block_ids)
-            self.batch.capacity[slots] += need * bs
+            self.batch.capacity[grown] += need << shift
             return len(running)
-        for i, req in zip(rows, reqs):
+        num_new = ends - counts[COMPUTED]
+        for i, req in zip(rows.tolist(), reqs):
             if req.status is not RequestStatus.RUNNING:
                 break  # preempted to make room for one before it
             while not self.blocks.allocate(req, int(num_new[i])):

@@ -70,10 +70,10 @@ def round_to_fp8(x):
     # carry moves into the exponent as it should.
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # Subnormal e4m3: a fixed step of 2**-9; adding 1.5 * 2**14 rounds to it in fp32.
+    # The sign goes back as a bit: compiled, -(+0.0) came out as +0.0 for x = -0.0.
     ax = tl.abs(x)
-    sub = (ax + 24576.0) - 24576.0
-    sub = tl.where(bits < 0, -sub, sub)
-    return tl.where(ax < 0.015625, sub, normal)
+    sub = ((ax + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return tl.where(ax < 0.015625, sub.to(tl.float32, bitcast=True), normal)
 
 
 @triton.jit

@@ -190,3 +190,39 @@ def test_rows_that_score_their_prompts_are_counted_until_scored_or_gone():
     batch.prompt_scored(a.slot)
     batch.prompt_scored(a.slot)  # twice (scored, then it left): counted once
     assert batch.num_scoring == 0
+
+
+def counted(batch: InputBatch) -> dict[str, int]:
+    """The batch's row counts, and the same counts taken from its rows."""
+    slots = batch.slots
+    stopping = int((batch.stop_ids[slots] >= 0).any(1).sum())
+    awaiting = int((batch.num_known[slots] == batch.num_prompt[slots]).sum())
+    fully = int((~batch.argmax_only[slots]).sum())
+    kept = (batch.num_stopping, batch.num_awaiting_first, batch.num_sampled_fully)
+    return {"kept": kept, "rows": (stopping, awaiting, fully)}
+
+
+def test_row_counts_follow_adds_reads_and_removals():
+    batch = InputBatch(4, 64, 64)
+    plain = request("plain", [1, 2], temperature=0.0)  # EOS stops it
+    ignores = request("ignores", [3], ignore_eos=True, temperature=0.0)  # no stop id at all
+    sampled = request("sampled", [4], ignore_eos=True, temperature=0.8, stop_token_ids=[9])
+    for r in (plain, ignores, sampled):
+        batch.add(r)
+    assert counted(batch) == {"kept": (2, 3, 1), "rows": (2, 3, 1)}
+    got = sample(batch, [plain, ignores], [5, 6])  # their first tokens
+    assert got.first.tolist() == [True, True]
+    assert counted(batch)["kept"] == counted(batch)["rows"] == (2, 1, 1)
+    got = sample(batch, [plain, ignores, sampled], [7, 8, 10])
+    assert got.first.tolist() == [False, False, True]
+    assert counted(batch)["kept"] == counted(batch)["rows"] == (2, 0, 1)
+    assert sample(batch, [plain], [11]).first is None  # nobody awaits a first token
+    batch.remove(sampled)
+    assert counted(batch)["kept"] == counted(batch)["rows"] == (1, 0, 0)
+    fresh = request("fresh", [12, 13], stop_token_ids=[9], top_p=0.5)
+    batch.add(fresh)
+    batch.remove(fresh)  # preempted before its first token
+    assert counted(batch)["kept"] == counted(batch)["rows"] == (1, 0, 0)
+    batch.remove(plain)
+    batch.add(plain)  # back, its outputs with it: not awaiting a first token
+    assert counted(batch)["kept"] == counted(batch)["rows"] == (1, 0, 0)

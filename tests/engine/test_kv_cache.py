@@ -87,26 +87,39 @@ def test_prefix_caching_off_never_shares():
     assert admit(bm, make(list(range(9)))) == []
 
 
-def test_deferred_hashing_registers_when_the_host_waits_or_frees():
-    bm = BlockManager(16, 4, enable_prefix_caching=True, defer_hashing=True)
+def test_filled_blocks_are_registered_before_a_lookup_or_when_freed():
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
     a, b = make(list(range(6))), make(list(range(6)))
     admit(bm, a)
     admit(bm, b)
     for req, new in ((a, [50, 51]), (b, [60, 61])):  # 8 tokens: the second block fills
         req.detach(new, 8, 0)  # two outputs, computed
-        bm.note_filled(req)
-    assert len(a.block_hashes) == 1 and len(bm.unhashed) == 2  # noted, not hashed yet
-    bm.free(b)  # freeing registers what it filled; the stale note is then skipped
-    bm.hash_unhashed()
-    assert len(a.block_hashes) == 2 and bm.unhashed == []
+    bm.note_filled([a, b])
+    assert len(a.block_hashes) == 1 and list(bm.unhashed) == [a, b]  # noted, not hashed yet
+    bm.note_filled([a])  # noted again (its next block): still once
+    assert list(bm.unhashed) == [a, b]
+    bm.free(b)  # freeing registers what it filled, and forgets the note
+    assert list(bm.unhashed) == [a]
+    # A lookup hashes what was noted first: a's second block is found.
     assert bm.find_cached_prefix(make(list(range(6)) + [50, 51, 7])) == a.block_ids[:2]
+    assert len(a.block_hashes) == 2 and bm.unhashed == {}
     assert len(bm.find_cached_prefix(make(list(range(6)) + [60, 61, 7]))) == 2  # b's, freed
 
 
-def test_deferred_hashing_does_not_wait_forever():
-    bm = BlockManager(4, 4, enable_prefix_caching=True, defer_hashing=True)
+def test_the_host_waiting_hashes_what_was_noted():
+    bm = BlockManager(4, 4, enable_prefix_caching=True)
     req = make(list(range(4)))
     admit(bm, req)
-    for _ in range(1024):
-        bm.note_filled(req)
-    assert bm.unhashed == []  # past MAX_UNHASHED notes they are hashed at once
+    bm.grow([req], [1])
+    req.detach([50, 51, 52, 53], 8, 0)  # four outputs, computed: the second block fills
+    bm.note_filled([req])
+    bm.hash_unhashed()
+    assert len(req.block_hashes) == 2 and bm.unhashed == {}
+
+
+def test_noting_without_prefix_caching_keeps_nothing():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    req = make(list(range(4)))
+    admit(bm, req)
+    bm.note_filled([req])
+    assert bm.unhashed == {}
