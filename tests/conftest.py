@@ -88,6 +88,18 @@ def _build(kind: str, path: Path, tokenizer) -> str:
             **common,
         )
         model = LlamaForCausalLM(config)
+    elif kind == "llama_kv3":  # 3 kv heads: over 2 ranks they do not split evenly
+        config = LlamaConfig(
+            hidden_size=96,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **common,
+        )
+        model = LlamaForCausalLM(config)
     elif kind == "qwen2":  # qkv bias, tied embeddings
         config = Qwen2Config(
             hidden_size=64,
@@ -195,6 +207,11 @@ def tiny_gpt2_dir(tmp_path_factory, tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tokenizer) -> str:
     return _build("llama", tmp_path_factory.mktemp("tiny-llama"), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_kv3_dir(tmp_path_factory, tokenizer) -> str:
+    return _build("llama_kv3", tmp_path_factory.mktemp("tiny-llama-kv3"), tokenizer)
 
 
 @pytest.fixture(scope="session")

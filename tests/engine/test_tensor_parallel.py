@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: two ranks (gloo) give transformers' greedy output token
-for token, through chunked prefill, prefix-cache hits and preemption.
+for token (Llama with kv heads that split evenly and that do not), through chunked
+prefill, prefix-cache hits and preemption.
 
 One TP=2 LLM per checkpoint serves every test here (spawning a rank costs seconds
 on a small machine); its config makes every run chunk its prompts (a 16-token
@@ -35,7 +36,8 @@ def token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama", "qwen2"])
+# llama_kv3: 3 kv heads over 2 ranks, so a rank holds one kv head twice.
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama_kv3", "qwen2"])
 def model_dir(request) -> str:
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
