@@ -49,7 +49,9 @@ def weight_bytes(llm: LLM, batch: int) -> float:
     for module in llm.engine.model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        for name, param in module.named_parameters(recurse=False):
+        # Buffers too: an FP8 projection keeps its weight and scales as buffers.
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, param in tensors:
             used = 1.0
             if isinstance(module, FusedMoE) and name in ("w13", "w2"):
                 used = 1 - (1 - module.top_k / param.shape[0]) ** batch

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
-from benchmarks.offline import copy_bandwidth, run_pagoda, start_decoding
+from benchmarks.floors import DecodeStep, copy_bandwidth, decode_vs_floor
+from benchmarks.offline import run_pagoda, start_decoding
 from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
@@ -218,7 +219,9 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
         lens = [args.output_len] * n
         # Warm up at the run's own shapes (Triton compiles per shape).
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        out["throughput"] = run_pagoda(llm, prompts, lens)
+        steps: list[DecodeStep] = []
+        out["throughput"] = run_pagoda(llm, prompts, lens, steps)
+        out["decode_vs_floor"] = decode_vs_floor(llm, steps, bandwidth)
         if name == "fp8":
             out["gemm_us"] = gemm_timings(bandwidth)
     return out
