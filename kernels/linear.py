@@ -33,6 +33,7 @@ def linear_ref(
 def _splitk_linear_kernel(
     x_ptr,
     weight_ptr,
+    scale_ptr,
     bias_ptr,
     out_ptr,
     partials_ptr,
@@ -45,6 +46,7 @@ def _splitk_linear_kernel(
     stride_om,
     stride_ps,
     stride_pm,
+    HAS_SCALE: tl.constexpr,  # FP8 weights: W = q * scale[n], q upcast in registers
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -73,6 +75,8 @@ def _splitk_linear_kernel(
             mask=(cols[None, :] < N) & (ks[:, None] < K),
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]
+        if HAS_SCALE:  # e4m3 to x's dtype: exact
+            w = w.to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -95,6 +99,8 @@ def _splitk_linear_kernel(
         # Every split of this tile has arrived: reset for the next launch (graph replays
         # need no memset).
         tl.store(counters_ptr + pid_n, 0)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -138,16 +144,36 @@ class SplitKWorkspace:
         self.counters = torch.zeros(num_col_tiles, dtype=torch.int32, device=device)
 
 
+_SHARED: dict[tuple[int, torch.device], SplitKWorkspace] = {}
+
+
+def splitk_workspace(n: int, device: torch.device) -> SplitKWorkspace:
+    """One workspace per output width, shared by every layer of that width: launches on
+    one stream run one after another, and each leaves the counters at zero. Its K splits
+    fill about two waves of the GPU's SMs with column tiles (wide outputs need none)."""
+    key = (n, device)
+    if key not in _SHARED:
+        tiles = triton.cdiv(n, SplitKConfig.block_n)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(4, -(-2 * sms // tiles)))
+        _SHARED[key] = SplitKWorkspace(n, device, config=SplitKConfig(num_splits=splits))
+    return _SHARED[key]
+
+
 def splitk_linear(
     x: torch.Tensor,  # [M, K], last dim contiguous
     weight: torch.Tensor,  # [N, K], last dim contiguous
     bias: torch.Tensor | None,  # [N]
     workspace: SplitKWorkspace,
+    weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) weights
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync."""
+    """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
+    With weight_scale, the weight is e4m3 and the product x @ (weight * scale)^T: the
+    weights read at one byte each, x left in its dtype (weight-only FP8)."""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.dtype == weight.dtype or weight_scale is not None
     assert weight.numel() < 2**31  # int32 offsets
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -157,6 +183,7 @@ def splitk_linear(
     _splitk_linear_kernel[grid](
         x,
         weight,
+        weight if weight_scale is None else weight_scale,
         weight if bias is None else bias,
         out,
         partials,
@@ -169,6 +196,7 @@ def splitk_linear(
         out.stride(0),
         partials.stride(0),
         partials.stride(1),
+        HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,

@@ -22,6 +22,7 @@ from engine.distributed import TensorParallel
 from engine.models.layers import DownProjection, FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
 from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
+from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -57,9 +58,15 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = fp8_linear_for(x.device)(
-            x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.bias
-        )
+        rows = x.reshape(-1, shape[-1])
+        if rows.is_cuda and rows.shape[0] <= SPLITK_MAX_M and rows.stride(1) == 1:
+            # Decode-sized batches: weight-only FP8 in the split-K kernel reads the
+            # weights at their byte each, where _scaled_mm's kernels for skinny
+            # products are far from that (benchmarks.fp8's gemm_us).
+            workspace = splitk_workspace(self.out_features, rows.device)
+            out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
+        else:
+            out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)
         out = out.view(*shape[:-1], self.out_features)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
