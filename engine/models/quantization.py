@@ -22,7 +22,10 @@ from engine.distributed import TensorParallel
 from engine.models.layers import DownProjection, FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
 from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
-from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
+from kernels.linear import splitk_linear, splitk_workspace
+
+# Rows up to which Fp8Linear runs the split-K kernel (weight-only FP8).
+FP8_SPLITK_MAX_M = 16
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -59,10 +62,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.is_cuda and rows.shape[0] <= SPLITK_MAX_M and rows.stride(1) == 1:
-            # Decode-sized batches: weight-only FP8 in the split-K kernel reads the
-            # weights at their byte each, where _scaled_mm's kernels for skinny
-            # products are far from that (benchmarks.fp8's gemm_us).
+        if rows.is_cuda and rows.shape[0] <= FP8_SPLITK_MAX_M and rows.stride(1) == 1:
+            # Small batches: weight-only FP8 in the split-K kernel reads the weights at
+            # their byte each, where _scaled_mm's kernels for skinny products are far
+            # from that (benchmarks.fp8's gemm_us); at batch 64 _scaled_mm measured
+            # faster overall.
             workspace = splitk_workspace(self.out_features, rows.device)
             out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
         else:
