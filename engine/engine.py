@@ -28,7 +28,7 @@ from engine.checks import check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
-from engine.input_batch import InputBatch, LaunchMark, ReadTokens
+from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
@@ -39,19 +39,16 @@ from engine.models.loader import (
     load_tokenizer,
     max_model_len,
 )
-from engine.outputs import detokenize, take_outputs
-from engine.prompt_logprobs import PromptScores
+from engine.outputs import take_outputs
 from engine.request import (
     Request,
     RequestOutput,
-    RequestStatus,
     TokenDeltas,
-    TokenLogprob,
 )
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.staging import SampledIds
+from engine.step_reader import LaunchedStep, StepReader
 from engine.tp_group import Membership, WorkerFailed, Workers, leave, start_driver
 
 if TYPE_CHECKING:  # xgrammar is imported with the first structured request
@@ -64,17 +61,6 @@ _NO_RANGE = contextlib.nullcontext()
 
 def _no_range(name: str) -> contextlib.AbstractContextManager:
     return _NO_RANGE
-
-
-@dataclass
-class LaunchedStep:
-    """A step's sampled ids: the rows that sampled them (slots, and the batch as they
-    saw it), and the ids (on their way, or read with their logprobs)."""
-
-    slots: np.ndarray
-    mark: LaunchMark
-    token_ids: SampledIds | np.ndarray
-    logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -139,20 +125,26 @@ class Engine:
                     self.shutdown()
             raise
         config.num_kv_blocks = self.runner.num_blocks  # as sized: what stats pages show
-        logger.info("engine ready in %.1f s", _since(start))
         self.blocks = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.blocks, self.batch, self.runner.block_table)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids, self.batch)
-        self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
-        self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
         self._grammars: Grammars | None = None  # built with the first structured request
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
+        self.reader = StepReader(
+            self.batch,
+            self.blocks,
+            self.scheduler,
+            self.eos_set,
+            config.stream_interval,
+            self._range,
+        )
+        logger.info("engine ready in %.1f s", _since(start))
 
     # -- tensor parallelism -----------------------------------------------
 
@@ -172,6 +164,16 @@ class Engine:
                 channel.stop()
         workers.join(timeout=10.0)
         leave()
+
+    @property
+    def requests(self) -> dict[str, list[Request]]:
+        """Client id -> its n choices, while any is unfinished."""
+        return self.reader.requests
+
+    @property
+    def news(self) -> dict[Request, None]:
+        """Requests with output not taken yet (ordered)."""
+        return self.reader.news
 
     # -- requests ---------------------------------------------------------
 
@@ -301,7 +303,7 @@ class Engine:
             with self._range("forward"):
                 logits = self.runner.execute(out)  # the sampling rows only
             if self.runner.prompt_scores is not None:  # before any first output is built
-                self._keep_prompt_logprobs(self.runner.prompt_scores)
+                self.reader.keep_prompt_logprobs(self.runner.prompt_scores)
             batch = self.batch
             sampling = out.sampling_slots
             sync = not self.config.async_scheduling or (
@@ -311,7 +313,7 @@ class Engine:
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
             if (sync or grammar) and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
-                self._read(prev)
+                self.reader.read(prev)
                 prev = None
                 if batch.departures != departures:
                     void = batch.generation[sampling] != generations
@@ -328,12 +330,12 @@ class Engine:
                 if sync:
                     sampled = self.sampler.read(logits, token_ids, sampling)
                     ids = np.array(sampled.token_ids, dtype=np.int64)
-                    self._read(LaunchedStep(sampling, mark, ids, sampled.logprobs))
+                    self.reader.read(LaunchedStep(sampling, mark, ids, sampled.logprobs))
                 else:
                     ids = self.runner.keep_sampled(token_ids)
                     self.inflight = LaunchedStep(sampling, mark, ids)
         if prev is not None:
-            self._read(prev)
+            self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
 
     def _check_grammars(self) -> None:
@@ -349,7 +351,7 @@ class Engine:
             grammars.ended.clear()  # in place: the states hold this list
             for req, reason in ended:
                 if not req.is_finished:
-                    self._finish(req, reason)
+                    self.reader.finish(req, reason)
 
     def _requests(self, slots: np.ndarray) -> list[Request | None]:
         by_slot = self.batch.requests
@@ -362,117 +364,8 @@ class Engine:
         if not self.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
-            news, self.news = self.news, {}
+            news, self.reader.news = self.reader.news, {}
             return take_outputs(news, deltas)
-
-    def _read(self, step: LaunchedStep) -> None:
-        """Read a launched step's ids into the batch; apply stops; note the news."""
-        with self._range("read"):
-            ids = step.token_ids
-            if isinstance(ids, SampledIds):
-                if not ids.ready():
-                    self.blocks.hash_unhashed()  # work that can wait, while the device runs
-                ids = ids.numpy()
-            if step.logprobs is not None:  # before any request can finish: its last output has them
-                self._keep_logprobs(step)
-            self._apply(self.batch.read(step.slots, step.mark, ids))
-
-    def _keep_logprobs(self, step: LaunchedStep) -> None:
-        batch = self.batch
-        generations = step.mark.generations.tolist()
-        for slot, gen, logprob in zip(step.slots.tolist(), generations, step.logprobs):
-            req = batch.requests[slot]
-            if logprob is not None and req is not None and batch.generation[slot] == gen:
-                req.pending_logprobs.append(logprob)
-
-    def _keep_prompt_logprobs(self, scores: PromptScores) -> None:
-        batch = self.batch
-        for slot, first, entries in scores:
-            req = batch.requests[slot]
-            req.add_prompt_logprobs(first, entries)
-            if not req.scores_prompt:
-                batch.prompt_scored(slot)
-
-    def _apply(self, got: ReadTokens) -> None:
-        """The read ids' consequences, for the few rows that have any: first tokens,
-        stops, and the news of streamed requests."""
-        batch = self.batch
-        by_slot = batch.requests
-        if got.first is not None:
-            now = time.time()
-            for slot in got.slots[got.first].tolist():
-                req = by_slot[slot]
-                req.metrics.first_token_time = now
-                # A sibling choice waits for the prompt's blocks to be findable.
-                self.blocks.cache_full_blocks(req)
-        if got.done is not None:
-            for slot, token_id in zip(
-                got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
-            ):
-                self._check_token_stop(by_slot[slot], token_id)
-        for req, token_id in got.departed:  # preempted: waiting to be recomputed
-            if not req.is_finished and (
-                token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
-            ):
-                self._check_token_stop(req, token_id)
-        if batch.num_grammar:  # after the stops: a stop id ends it first
-            self._accept_grammars(got)
-        if not got.streamed:
-            return
-        interval = self.config.stream_interval
-        news = self.news
-        finished = RequestStatus.FINISHED
-        for req in got.streamed:
-            if req.status is finished:
-                continue  # its news is noted already
-            params = req.params
-            if params.stop:
-                self._detokenize(req)  # a stop string must end it now, not when asked
-                if req.status is finished or params.final_only:
-                    continue
-            # Streamed: every `interval` tokens, the first at once.
-            emitted = req.num_emitted_tokens
-            if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
-                news[req] = None
-
-    def _accept_grammars(self, got: ReadTokens) -> None:
-        """Each grammar row's matcher accepts its new id; a complete grammar
-        (or a refused id) finishes the request."""
-        rows = self.batch.has_grammar[got.slots]
-        if not rows.any():
-            return
-        by_slot = self.batch.requests
-        for slot, token_id in zip(got.slots[rows].tolist(), got.token_ids[rows].tolist()):
-            req = by_slot[slot]
-            if req is None or req.is_finished:
-                continue  # a stop id or the length limit ended it in this read
-            end = req.structured.accept(token_id)
-            if end is not None:
-                self._finish(req, end)
-
-    def _check_token_stop(self, req: Request, token_id: int) -> None:
-        """req just sampled token_id, one of its stop ids, or reached its length limit."""
-        params = req.params
-        past_min = req.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token_id in self.eos_set:
-            self._finish(req, "stop")
-        elif past_min and token_id in params.stop_token_ids:
-            self._finish(req, "stop", token_id)
-        elif req.num_tokens >= req.max_num_tokens:
-            self._finish(req, "length")
-
-    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        self.scheduler.finish(req, reason, stop_reason)
-        self.news[req] = None  # its last output
-        siblings = self.requests.get(req.request_id, [])
-        if all(r.is_finished for r in siblings):
-            self.requests.pop(req.request_id, None)
-
-    def _detokenize(self, req: Request) -> None:
-        """Decode what req gained since last time; finish it at a stop string."""
-        stop_string = detokenize(req)
-        if stop_string is not None:
-            self._finish(req, "stop", stop_string)
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:

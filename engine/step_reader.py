@@ -1,0 +1,161 @@
+"""Reading a launched step's ids: into the batch, then their consequences for the few
+rows that have any (first tokens, stops by id, length or stop string, grammars, and
+the news of streamed requests). The engine launches steps; this is what it does
+with their ids once they are on the host."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.input_batch import InputBatch, LaunchMark, ReadTokens
+from engine.kv_cache import BlockManager
+from engine.outputs import detokenize
+from engine.prompt_logprobs import PromptScores
+from engine.request import Request, RequestStatus, TokenLogprob
+from engine.scheduler import Scheduler
+from engine.staging import SampledIds
+
+
+@dataclass
+class LaunchedStep:
+    """A step's sampled ids: the rows that sampled them (slots, and the batch as they
+    saw it), and the ids (on their way, or read with their logprobs)."""
+
+    slots: np.ndarray
+    mark: LaunchMark
+    token_ids: SampledIds | np.ndarray
+    logprobs: list[TokenLogprob | None] | None = None
+
+
+class StepReader:
+    def __init__(
+        self,
+        batch: InputBatch,
+        blocks: BlockManager,
+        scheduler: Scheduler,
+        eos_set: frozenset[int],
+        stream_interval: int,
+        trace: Callable[[str], AbstractContextManager],  # NVTX ranges, or none
+    ) -> None:
+        self.batch = batch
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.eos_set = eos_set
+        self.stream_interval = stream_interval
+        self._range = trace
+        self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
+        self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
+
+    def read(self, step: LaunchedStep) -> None:
+        """Read a launched step's ids into the batch; apply stops; note the news."""
+        with self._range("read"):
+            ids = step.token_ids
+            if isinstance(ids, SampledIds):
+                if not ids.ready():
+                    self.blocks.hash_unhashed()  # work that can wait, while the device runs
+                ids = ids.numpy()
+            if step.logprobs is not None:  # before any request can finish: its last output has them
+                self._keep_logprobs(step)
+            self._apply(self.batch.read(step.slots, step.mark, ids))
+
+    def _keep_logprobs(self, step: LaunchedStep) -> None:
+        batch = self.batch
+        generations = step.mark.generations.tolist()
+        for slot, gen, logprob in zip(step.slots.tolist(), generations, step.logprobs):
+            req = batch.requests[slot]
+            if logprob is not None and req is not None and batch.generation[slot] == gen:
+                req.pending_logprobs.append(logprob)
+
+    def keep_prompt_logprobs(self, scores: PromptScores) -> None:
+        batch = self.batch
+        for slot, first, entries in scores:
+            req = batch.requests[slot]
+            req.add_prompt_logprobs(first, entries)
+            if not req.scores_prompt:
+                batch.prompt_scored(slot)
+
+    def _apply(self, got: ReadTokens) -> None:
+        """The read ids' consequences, for the few rows that have any: first tokens,
+        stops, and the news of streamed requests."""
+        batch = self.batch
+        by_slot = batch.requests
+        if got.first is not None:
+            now = time.time()
+            for slot in got.slots[got.first].tolist():
+                req = by_slot[slot]
+                req.metrics.first_token_time = now
+                # A sibling choice waits for the prompt's blocks to be findable.
+                self.blocks.cache_full_blocks(req)
+        if got.done is not None:
+            for slot, token_id in zip(
+                got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
+            ):
+                self._check_token_stop(by_slot[slot], token_id)
+        for req, token_id in got.departed:  # preempted: waiting to be recomputed
+            if not req.is_finished and (
+                token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
+            ):
+                self._check_token_stop(req, token_id)
+        if batch.num_grammar:  # after the stops: a stop id ends it first
+            self._accept_grammars(got)
+        if not got.streamed:
+            return
+        interval = self.stream_interval
+        news = self.news
+        finished = RequestStatus.FINISHED
+        for req in got.streamed:
+            if req.status is finished:
+                continue  # its news is noted already
+            params = req.params
+            if params.stop:
+                self._detokenize(req)  # a stop string must end it now, not when asked
+                if req.status is finished or params.final_only:
+                    continue
+            # Streamed: every `interval` tokens, the first at once.
+            emitted = req.num_emitted_tokens
+            if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
+                news[req] = None
+
+    def _accept_grammars(self, got: ReadTokens) -> None:
+        """Each grammar row's matcher accepts its new id; a complete grammar
+        (or a refused id) finishes the request."""
+        rows = self.batch.has_grammar[got.slots]
+        if not rows.any():
+            return
+        by_slot = self.batch.requests
+        for slot, token_id in zip(got.slots[rows].tolist(), got.token_ids[rows].tolist()):
+            req = by_slot[slot]
+            if req is None or req.is_finished:
+                continue  # a stop id or the length limit ended it in this read
+            end = req.structured.accept(token_id)
+            if end is not None:
+                self.finish(req, end)
+
+    def _check_token_stop(self, req: Request, token_id: int) -> None:
+        """req just sampled token_id, one of its stop ids, or reached its length limit."""
+        params = req.params
+        past_min = req.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token_id in self.eos_set:
+            self.finish(req, "stop")
+        elif past_min and token_id in params.stop_token_ids:
+            self.finish(req, "stop", token_id)
+        elif req.num_tokens >= req.max_num_tokens:
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(req, reason, stop_reason)
+        self.news[req] = None  # its last output
+        siblings = self.requests.get(req.request_id, [])
+        if all(r.is_finished for r in siblings):
+            self.requests.pop(req.request_id, None)
+
+    def _detokenize(self, req: Request) -> None:
+        """Decode what req gained since last time; finish it at a stop string."""
+        stop_string = detokenize(req)
+        if stop_string is not None:
+            self.finish(req, "stop", stop_string)
