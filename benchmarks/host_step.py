@@ -189,7 +189,7 @@ def measure(
         (runner, "fill", "fill"),
         (runner, "execute", "execute"),
         (engine.sampler, "sample", "sample"),
-        (engine, "_read", "process"),
+        (engine.reader, "read", "process"),
         (engine, "take_outputs", "outputs"),
     ]
     for obj, attr, phase in wrapped:

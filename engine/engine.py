@@ -141,7 +141,7 @@ class Engine:
             self.blocks,
             self.scheduler,
             self.eos_set,
-            config.stream_interval,
+            config,
             self._range,
         )
         logger.info("engine ready in %.1f s", _since(start))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
 from engine.outputs import detokenize
@@ -39,14 +40,14 @@ class StepReader:
         blocks: BlockManager,
         scheduler: Scheduler,
         eos_set: frozenset[int],
-        stream_interval: int,
+        config: EngineConfig,  # its stream_interval, read at every step
         trace: Callable[[str], AbstractContextManager],  # NVTX ranges, or none
     ) -> None:
         self.batch = batch
         self.blocks = blocks
         self.scheduler = scheduler
         self.eos_set = eos_set
-        self.stream_interval = stream_interval
+        self.config = config
         self._range = trace
         self.requests: dict[str, list[Request]] = {}  # client id -> its n choices
         self.news: dict[Request, None] = {}  # requests with output not taken yet (ordered)
@@ -105,7 +106,7 @@ class StepReader:
             self._accept_grammars(got)
         if not got.streamed:
             return
-        interval = self.stream_interval
+        interval = self.config.stream_interval
         news = self.news
         finished = RequestStatus.FINISHED
         for req in got.streamed:

@@ -358,6 +358,7 @@ def test_nvtx_ranges_wrap_the_phases_and_all_close(tiny_gpt2_dir, monkeypatch):
             depth[0] -= 1
 
     monkeypatch.setattr(llm.engine, "_range", Range)
+    monkeypatch.setattr(llm.engine.reader, "_range", Range)  # the step's read
     marked = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert marked == plain
     assert depth[0] == 0
