@@ -5,6 +5,8 @@
     python -m benchmarks.offline --model qwen3-30b-a3b --input-len 512 --output-len 512
     python -m benchmarks.offline --model llama3-8b --num-requests 1 --input-len 128 \
         --compare-hf-compile
+    python -m benchmarks.offline --model llama3-8b --num-requests 1 --input-len 8192 \
+        --output-len 1 --max-num-batched-tokens 2048 --compare-hf   # one long prompt's TTFT
 
 The seeds' workload: N requests x M new tokens, prompt "Hello", EOS ignored,
 prefix cache off. The nano-vllm workload: 256 requests, input and output
@@ -354,6 +356,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile-batch", type=int, default=None, help="batch of --profile (default: up to 64)"
     )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: 1024 (2048 for nano-vllm), or the prompt plus output if longer",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the prefill chunk; default: max(2048, max-model-len), one chunk per prompt",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -369,13 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_checkpoint(
             args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
         )
-    max_len = 2048 if args.workload == "nano-vllm" else 1024
+    max_len = args.max_model_len or max(
+        2048 if args.workload == "nano-vllm" else 1024, args.input_len + args.output_len
+    )
     llm = LLM(
         model_dir,
         dtype=dtype_name,
         enable_prefix_caching=False,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(2048, max_len),
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_len),
         max_model_len=max_len,
         enforce_eager=args.enforce_eager,
     )
