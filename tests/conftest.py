@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.models.demo import train_tokenizer
 
@@ -260,3 +261,15 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwar
 
 
 _hf_models: dict = {}
+
+
+class OpLog(TorchDispatchMode):
+    """The aten ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.input_batch import InputBatch
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, _apply_top_k_top_p
 from engine.sampling_params import SamplingParams
+from tests.conftest import OpLog
 
 VOCAB = 32
 EOS = 31
@@ -81,16 +81,6 @@ def step_logits(step: int, rows: int = 1) -> torch.Tensor:
     """Fixed, fairly flat logits for one decode step: [rows, VOCAB]."""
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(rows, VOCAB, generator=g).mul(0.5)
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 # ---- greedy ----

@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.distributed import TensorParallel
 from engine.models.layers import (
@@ -41,7 +40,7 @@ from engine.models.parallel import (
     head_shard,
     kv_heads_of_rank,
 )
-from tests.conftest import FAMILY_CONFIGS
+from tests.conftest import FAMILY_CONFIGS, OpLog
 
 PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
 DECODE_IDS = [7, 11, 508]
@@ -96,20 +95,8 @@ def test_shapes_that_do_not_split_are_named(tiny_llama_dir):
         load_model(tiny_llama_dir, torch.device("cpu"), torch.float32, tp=rank_of(0, 3))
 
 
-class OpTrace(TorchDispatchMode):
-    """The aten ops run inside it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def traced(fn, *args) -> tuple[torch.Tensor, list[str]]:
-    with OpTrace() as trace:
+    with OpLog() as trace:
         out = fn(*args)
     return out, trace.ops
 
