@@ -36,7 +36,11 @@ NOMINAL_GBPS = 3350.0  # H100 SXM HBM3
 BLOCK_SIZE = 16
 KV_BUDGET_BYTES = 4 * 2**30  # caps the layers a case allocates
 # name -> (num_heads, num_kv_heads, head_dim, num_layers)
-MODELS = {"gpt2": (12, 12, 64, 12), "qwen2.5-0.5b": (14, 2, 64, 24)}
+MODELS = {
+    "gpt2": (12, 12, 64, 12),
+    "qwen2.5-0.5b": (14, 2, 64, 24),
+    "llama3-8b": (32, 8, 128, 32),
+}
 BATCH_SIZES = [1, 8, 64, 256]
 CONTEXT_LENS = [128, 512, 2048, 8192]
 SPLIT_COUNTS = [1, 2, 4, 8, 16, 32, 64]
@@ -89,7 +93,13 @@ class DecodeCase:
         )
         self.scale = head_dim**-0.5
         self.default_config = decode_config(
-            num_seqs, num_kv_heads, max_blocks, BLOCK_SIZE, self.query.device
+            num_seqs,
+            num_kv_heads,
+            max_blocks,
+            BLOCK_SIZE,
+            self.query.device,
+            num_heads // num_kv_heads,
+            head_dim,
         )
         # Bytes one layer must move: its K/V, queries, outputs and block table.
         q_bytes = self.query[0].nbytes

@@ -1,6 +1,7 @@
 """Per-kernel GPU time of one decode step, on random weights at a real size.
 
-    python -m benchmarks.profile_decode gpt2 64     # model (gpt2 | qwen2-0.5b), batch
+    python -m benchmarks.profile_decode gpt2 64     # model (gpt2 | qwen2-0.5b | llama3-8b), batch
+    python -m benchmarks.profile_decode llama3-8b 1 --quantization fp8
 
 Brings `batch` sequences to a context of 256 tokens, times the decode CUDA graph
 replayed back to back, then prints torch.profiler's kernel table for the same
@@ -9,6 +10,7 @@ forward run eagerly (the graph's kernels, one by one). Needs CUDA.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -25,8 +27,14 @@ CONTEXT = 256
 
 
 def main(argv: list[str]) -> int:
-    name = argv[0] if argv else "gpt2"
-    batch = int(argv[1]) if len(argv) > 1 else 64
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", nargs="?", default="gpt2")
+    p.add_argument("batch", nargs="?", type=int, default=64)
+    p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--rows", type=int, default=20, help="kernel table rows")
+    args = p.parse_args(argv)
+    name, batch = args.model, args.batch
     dtype = torch.float16 if name == "gpt2" else torch.bfloat16
     model_dir = build_checkpoint(name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", dtype)
     llm = LLM(
@@ -34,6 +42,9 @@ def main(argv: list[str]) -> int:
         dtype=str(dtype).removeprefix("torch."),
         enable_prefix_caching=False,
         max_model_len=1024,
+        max_num_seqs=max(batch, 8),
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     engine, runner = llm.engine, llm.engine.runner
     start_decoding(engine, batch, CONTEXT, max_tokens=600)
@@ -63,7 +74,7 @@ def main(argv: list[str]) -> int:
                 runner.forward(inp)
             torch.cuda.synchronize()
     print("20 forwards:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     return 0
 
 

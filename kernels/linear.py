@@ -19,6 +19,14 @@ from kernels.paged_attention import dot_precision
 
 # Rows a workspace holds: the batch at which the kernel was measured to beat cuBLAS.
 SPLITK_MAX_M = 64
+# Up to this many rows every projection shape (not only K >> N) measured at or below cuBLAS
+# (Llama-3-8B's and Qwen2.5-0.5B's, LM heads included, on an H100): a skinny product is a
+# weight read, and one launch of this kernel reads the weights as fast as cuBLAS's
+# GEMV-like kernels, without the separate split-K reduce cuBLAS adds to some.
+SMALL_M = 16
+# Outputs this wide (LM heads) fill the GPU with column tiles alone: wider tiles, deeper
+# pipeline.
+WIDE_N = 32768
 
 
 def linear_ref(
@@ -144,19 +152,25 @@ class SplitKWorkspace:
         self.counters = torch.zeros(num_col_tiles, dtype=torch.int32, device=device)
 
 
-_SHARED: dict[tuple[int, torch.device], SplitKWorkspace] = {}
+_SHARED: dict[tuple[int, torch.device, bool], SplitKWorkspace] = {}
 
 
-def splitk_workspace(n: int, device: torch.device) -> SplitKWorkspace:
-    """One workspace per output width, shared by every layer of that width: launches on
-    one stream run one after another, and each leaves the counters at zero. Its K splits
-    fill about two waves of the GPU's SMs with column tiles (wide outputs need none)."""
-    key = (n, device)
+def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKWorkspace:
+    """One workspace per output width (and weight dtype), shared by every layer of that
+    width: launches on one stream run one after another, and each leaves the counters at
+    zero. Its K splits fill about four waves of the GPU's SMs with column tiles, two for
+    FP8 weights (wide outputs need none): as measured in Llama-3-8B's decode graph, where
+    the isolated-kernel optimum (deeper K tiles for FP8) was slower."""
+    key = (n, device, fp8)
     if key not in _SHARED:
-        tiles = triton.cdiv(n, SplitKConfig.block_n)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        splits = max(1, min(4, -(-2 * sms // tiles)))
-        _SHARED[key] = SplitKWorkspace(n, device, config=SplitKConfig(num_splits=splits))
+        if n >= WIDE_N:
+            config = SplitKConfig(num_splits=1, block_n=64, block_k=256, num_stages=4)
+        else:
+            tiles = triton.cdiv(n, SplitKConfig.block_n)
+            waves = 2 if fp8 else 4
+            config = SplitKConfig(num_splits=max(1, min(4, -(-waves * sms // tiles))))
+        _SHARED[key] = SplitKWorkspace(n, device, config=config)
     return _SHARED[key]
 
 
@@ -212,13 +226,22 @@ def splitk_linear(
 def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `splitk_linear` should replace cuBLAS for this call: the dispatch the other
     kernels make once per device (`*_for(device)`), made per call since M changes per step.
-    Measured at M = 64 only, on GPT-2's and Qwen2.5-0.5B's down projections
-    (docs/kernels.md); smaller M and other K >= 2N shapes are assumed to pay too."""
+    K >= 2N (down projections): up to SPLITK_MAX_M rows, measured at M = 64 on GPT-2's and
+    Qwen2.5-0.5B's; any other shape up to SMALL_M rows (docs/kernels.md)."""
     return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dim() == 2
         and x.stride(1) == 1
-        and x.shape[0] <= SPLITK_MAX_M
-        and weight.shape[1] >= 2 * weight.shape[0]
+        and weight.dtype == x.dtype
+        and weight.stride(1) == 1
+        and weight.numel() < 2**31  # the kernel's offsets are int32
+        and x.shape[0] <= (SPLITK_MAX_M if weight.shape[1] >= 2 * weight.shape[0] else SMALL_M)
     )
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS."""
+    if x.dim() == 2 and splitk_pays(x, weight):
+        return splitk_linear(x, weight, bias, splitk_workspace(weight.shape[0], x.device))
+    return F.linear(x, weight, bias)

@@ -266,7 +266,7 @@ class DecodeConfig:
     num_splits: int  # KV splits per (sequence, kv head); 1 skips the reduce kernel
     block_n: int = 64  # tokens per K/V tile
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
 @functools.lru_cache
@@ -277,15 +277,22 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_config(
-    num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    device: torch.device,
+    group: int = 1,
+    head_dim: int = 128,
 ) -> DecodeConfig:
     """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
-    block_n = 64
+    # Small heads shared by a group of queries: longer tiles keep more bytes in flight.
+    block_n = 128 if head_dim <= 64 and group > 1 else 64
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    # A grid of >= 2 programs per SM already streams K/V from every SM: no split, no reduce.
-    # A smaller one splits the context until it holds ~4 programs per SM.
+    # A grid of half a program per SM already streams K/V fast enough that a split's
+    # reduce costs more than it gains; a smaller one splits until it holds ~4 per SM.
     programs, num_sms = num_seqs * num_kv_heads, _num_sms(device)
-    num_splits = 1 if programs >= 2 * num_sms else triton.cdiv(4 * num_sms, programs)
+    num_splits = 1 if 2 * programs >= num_sms else triton.cdiv(4 * num_sms, programs)
     return DecodeConfig(num_splits=max(1, min(num_splits, max_tiles, 128)), block_n=block_n)
 
 
@@ -324,7 +331,13 @@ def paged_attention_decode(
         new_k, new_v, slot_mapping = query, query, context_lens
     if config is None:
         config = decode_config(
-            num_seqs, num_kv_heads, block_table.shape[1], block_size, query.device
+            num_seqs,
+            num_kv_heads,
+            block_table.shape[1],
+            block_size,
+            query.device,
+            num_heads // num_kv_heads,
+            head_dim,
         )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -11,7 +11,6 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     ACTIVATIONS,
     AttentionMetadata,
-    DownProjection,
     LayerNorm,
     LMHead,
     PagedAttention,
@@ -49,7 +48,7 @@ class GPT2Block(nn.Module):
         self.c_proj = RowParallelLinear(d, d, bias=True, tp=tp)
         self.ln_2 = LayerNorm(d, config.layer_norm_epsilon)
         self.c_fc = ColumnParallelLinear(d, [split(inner, tp, "n_inner")], bias=True)
-        self.mlp_proj = DownProjection(inner, d, bias=True, tp=tp)
+        self.mlp_proj = RowParallelLinear(inner, d, bias=True, tp=tp)
         self.act = ACTIVATIONS[config.activation_function]
         self.tanh_gelu = config.activation_function in TANH_GELU
 

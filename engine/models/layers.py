@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import (
-    RowParallelLinear,
     WeightSlice,
     load_vocab_rows,
     read,
@@ -25,7 +24,7 @@ from engine.models.parallel import (
 )
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
-from kernels.linear import SplitKWorkspace, splitk_linear, splitk_pays
+from kernels.linear import dense
 from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for
@@ -296,7 +295,7 @@ class LMHead(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
+        logits = dense(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
         if self.tp.size > 1:
             logits = self.tp.gather_logits(logits)
         return logits[:, : self.vocab_size]
@@ -317,28 +316,6 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
 }
-
-
-class DownProjection(RowParallelLinear):
-    """A row-parallel linear for projections with K >> N (MLP down): at decode batch sizes
-    on CUDA, the split-K Triton GEMM over this rank's K, which sums its K splits in one
-    launch where cuBLAS takes two; then the ranks' all_reduce."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, tp: TensorParallel = SINGLE
-    ) -> None:
-        super().__init__(in_features, out_features, bias, tp)
-        # Allocated on first use on CUDA: the model is built on the meta device, so the
-        # device is known only then (the model runner runs each graph's forward once
-        # before capturing it, so this never allocates inside a capture).
-        self.workspace: SplitKWorkspace | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not splitk_pays(x, self.weight):
-            return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
-        if self.workspace is None or self.workspace.counters.device != x.device:
-            self.workspace = SplitKWorkspace(self.out_features, x.device)
-        return self.tp.all_reduce(splitk_linear(x, self.weight, self.bias, self.workspace))
 
 
 class HeadNorm(nn.Module):

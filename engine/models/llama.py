@@ -12,7 +12,6 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     AttentionMetadata,
-    DownProjection,
     HeadNorm,
     LMHead,
     PagedAttention,
@@ -103,7 +102,7 @@ class LlamaMLP(nn.Module):
         self.act = act
         inter = split(config.intermediate_size, tp, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
-        self.down_proj = DownProjection(
+        self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=False, tp=tp
         )
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from kernels.linear import dense
 
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) index ranges along one dimension
 
@@ -182,11 +183,15 @@ def head_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParal
 
 class ColumnParallelLinear(nn.Linear):
     """Output features split: this rank's rows of each section, sections in order (its q,
-    k, v heads; its gate rows then its up rows). The forward is nn.Linear's."""
+    k, v heads; its gate rows then its up rows). The forward is nn.Linear's product
+    (`dense`: the split-K kernel at decode batch sizes on CUDA)."""
 
     def __init__(self, in_features: int, sections: Sequence[Section], bias: bool) -> None:
         super().__init__(in_features, sum(s.local_size for s in sections), bias)
         self.sections = tuple(sections)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias)
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: int | None) -> None:
         """section None: one checkpoint tensor holding every section (Phi-3's qkv_proj,
@@ -219,7 +224,7 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features = in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        return self.tp.all_reduce(dense(x, self.weight, self.bias))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         param = getattr(self, leaf).data

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.layers import DownProjection, FusedMoE, PagedAttention
+from engine.models.layers import FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
 from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
 from kernels.linear import splitk_linear, splitk_workspace
@@ -30,7 +30,7 @@ FP8_SPLITK_MAX_M = 16
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
 # all_reduce follows its FP8 GEMM.
-DENSE_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear, DownProjection)
+DENSE_LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
 
 
 class Fp8Linear(nn.Module):
@@ -67,7 +67,7 @@ class Fp8Linear(nn.Module):
             # their byte each, where _scaled_mm's kernels for skinny products are far
             # from that (benchmarks.fp8's gemm_us); at batch 64 _scaled_mm measured
             # faster overall.
-            workspace = splitk_workspace(self.out_features, rows.device)
+            workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
             out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
         else:
             out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)

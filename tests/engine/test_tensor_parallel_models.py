@@ -21,7 +21,6 @@ from engine.distributed import TensorParallel
 from engine.models.layers import (
     AttentionMetadata,
     AttentionOps,
-    DownProjection,
     LMHead,
     PagedAttention,
 )
@@ -105,13 +104,11 @@ def test_size_one_layers_run_the_plain_ops():
     """With SINGLE no layer adds an op to what nn.Linear / nn.Embedding ran before."""
     x, ids = torch.randn(3, 64), torch.tensor([0, 5, 99])
     row = RowParallelLinear(64, 32, bias=True)
-    down = DownProjection(64, 32, bias=False)
     embed = VocabParallelEmbedding(100, 64)
     head = LMHead(100, 64)
     torch.nn.init.normal_(head.weight)  # LMHead's weight is torch.empty until loaded
     pairs = [
         (row, lambda x: F.linear(x, row.weight, row.bias), x),
-        (down, lambda x: F.linear(x, down.weight), x),
         (embed, lambda i: F.embedding(i, embed.weight), ids),
         (head, lambda x: F.linear(x, head.weight)[:, :100], x),
     ]

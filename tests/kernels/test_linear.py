@@ -6,8 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import DownProjection
-from kernels.linear import SplitKConfig, SplitKWorkspace, linear_ref, splitk_linear, splitk_pays
+from kernels.linear import (
+    SplitKConfig,
+    SplitKWorkspace,
+    dense,
+    linear_ref,
+    splitk_linear,
+    splitk_pays,
+)
 
 # K = 300 is no multiple of block_k * num_splits (each split ends on a partial tile) and
 # N = 72 no multiple of block_n; small tiles keep the interpreter quick.
@@ -68,13 +74,11 @@ def test_splitk_linear_reads_strided_rows(rng, device):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_down_projection_on_cpu_is_f_linear(bias, rng):
-    layer = DownProjection(K, N, bias=bias)
-    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"][: 1 + bias]
-    x = torch.randn(4, K, generator=rng)
-    assert not splitk_pays(x, layer.weight)
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert layer.workspace is None  # nothing allocated off CUDA
+def test_dense_on_cpu_is_f_linear(bias, rng):
+    x, weight = torch.randn(4, K, generator=rng), torch.randn(N, K, generator=rng)
+    b = torch.randn(N, generator=rng) if bias else None
+    assert not splitk_pays(x, weight)
+    assert torch.equal(dense(x, weight, b), F.linear(x, weight, b))
 
 
 # fp16 for the half type: the interpreter's bf16 tl.dot is wrong (the engine's bf16 FP8
@@ -100,3 +104,23 @@ def test_splitk_linear_with_fp8_weights_is_the_dequantized_product(
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "splitk"),
+    [
+        (1, 96, 64, True),  # few rows: any shape (a weight read)
+        (16, 32832, 64, True),  # ... an LM-head-wide one too (its own tile config)
+        (32, 96, 64, False),  # more rows, K < 2N: cuBLAS
+        (32, 32, 300, True),  # K >= 2N: split-K up to SPLITK_MAX_M rows
+        (65, 32, 300, False),
+    ],
+)
+def test_dense_dispatch_and_result(m, n, k, splitk, rng, device):
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    x = torch.randn(m, k, generator=rng).to(device, dtype)
+    weight = (0.1 * torch.randn(n, k, generator=rng)).to(device, dtype)
+    bias = torch.randn(n, generator=rng).to(device, dtype)
+    assert splitk_pays(x, weight) == (splitk and device.type == "cuda")
+    got = dense(x, weight, bias)
+    torch.testing.assert_close(got, linear_ref(x, weight, bias), rtol=2e-3, atol=2e-3)
