@@ -30,22 +30,6 @@ def act_and_mul_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 @triton.jit
-def gated(gate, up, GELU_TANH: tl.constexpr, dtype: tl.constexpr):
-    """act(gate) * up from fp32 gate and up, rounded as the unfused ops round; fp32."""
-    if GELU_TANH:
-        # torch's form, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): where
-        # tanh(u) nears -1 the sum cancels, and the result is as coarse as torch's.
-        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
-        e = tl.exp(-2.0 * tl.abs(inner))
-        tanh = (1.0 - e) / (1.0 + e)
-        tanh = tl.where(inner < 0, -tanh, tanh)
-        act = 0.5 * gate * (1.0 + tanh)
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
-    return round_to(round_to(act, dtype) * up, dtype)
-
-
-@triton.jit
 def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -61,7 +45,17 @@ def _act_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gated(gate, up, GELU_TANH, dtype)
+    if GELU_TANH:
+        # torch's form, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): where
+        # tanh(u) nears -1 the sum cancels, and the result is as coarse as torch's.
+        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+        e = tl.exp(-2.0 * tl.abs(inner))
+        tanh = (1.0 - e) / (1.0 + e)
+        tanh = tl.where(inner < 0, -tanh, tanh)
+        act = 0.5 * gate * (1.0 + tanh)
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    out = round_to(round_to(act, dtype) * up, dtype)
     tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
 
 

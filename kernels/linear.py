@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import ACTIVATIONS, act_and_mul_for, gated
 from kernels.paged_attention import dot_precision
 
 # Rows a workspace holds: the batch at which the kernel was measured to beat cuBLAS.
@@ -57,8 +56,6 @@ def _splitk_linear_kernel(
     stride_pm,
     HAS_SCALE: tl.constexpr,  # FP8 weights: W = q * scale[n], q upcast in registers
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,  # x holds [gate | up] (2K columns): the product is of act(gate) * up
-    GELU_TANH: tl.constexpr,  # GATED's act: tanh-GELU, else SiLU
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,12 +73,11 @@ def _splitk_linear_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
-        x_offs = rows[:, None] * stride_xm + ks[None, :]
-        x_mask = (rows[:, None] < M) & (ks[None, :] < K)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        if GATED:  # the MLP's activation here, not in a launch of its own
-            up = tl.load(x_ptr + K + x_offs, mask=x_mask, other=0.0)
-            x = gated(x.to(tl.float32), up.to(tl.float32), GELU_TANH, up.dtype).to(up.dtype)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :],
+            mask=(rows[:, None] < M) & (ks[None, :] < K),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
         w = tl.load(
             weight_ptr + cols[None, :] * stride_wn + ks[:, None],
             mask=(cols[None, :] < N) & (ks[:, None] < K),
@@ -184,16 +180,11 @@ def splitk_linear(
     bias: torch.Tensor | None,  # [N]
     workspace: SplitKWorkspace,
     weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) weights
-    act: str | None = None,  # x is [M, 2K], gate then up: the product of act(gate) * up
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale, the weight is e4m3 and the product x @ (weight * scale)^T: the
-    weights read at one byte each, x left in its dtype (weight-only FP8). With act, x
-    is a gated MLP's gate_up output and the product that of `act_and_mul_ref(x, act)`,
-    rounded as that would be, without its launch."""
-    m, n = x.shape[0], weight.shape[0]
-    k = x.shape[1] // 2 if act is not None else x.shape[1]
-    assert act is None or (act in ACTIVATIONS and x.shape[1] == 2 * k)
+    weights read at one byte each, x left in its dtype (weight-only FP8)."""
+    (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype == weight.dtype or weight_scale is not None
@@ -221,8 +212,6 @@ def splitk_linear(
         partials.stride(1),
         HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None,
-        GATED=act is not None,
-        GELU_TANH=act == "gelu_tanh",
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -251,17 +240,8 @@ def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    act: str | None = None,  # x is [..., 2K], gate then up: multiply act(gate) * up
-) -> torch.Tensor:
-    """x @ weight^T + bias, through the split-K kernel where it pays (the gated MLP's
-    activation fused into it), else cuBLAS."""
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS."""
     if x.dim() == 2 and splitk_pays(x, weight):
-        workspace = splitk_workspace(weight.shape[0], x.device)
-        return splitk_linear(x, weight, bias, workspace, act=act)
-    if act is not None:
-        x = act_and_mul_for(x.device)(x, act)
+        return splitk_linear(x, weight, bias, splitk_workspace(weight.shape[0], x.device))
     return F.linear(x, weight, bias)

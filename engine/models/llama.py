@@ -29,6 +29,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
+from kernels.activation import act_and_mul_for
 
 # HF projection -> (our fused parameter, section). q/k/v become one qkv_proj and gate/up
 # one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
@@ -106,8 +107,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The activation runs inside the down projection's kernel where that is split-K.
-        return self.down_proj(self.gate_up_proj(x), act=self.act)
+        return self.down_proj(act_and_mul_for(x.device)(self.gate_up_proj(x), self.act))
 
 
 class LlamaDecoderLayer(nn.Module):

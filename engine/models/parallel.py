@@ -223,9 +223,8 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.full_in_features = in_features
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """act: x is a gated MLP's [gate | up], multiplied as act(gate) * up first."""
-        return self.tp.all_reduce(dense(x, self.weight, self.bias, act))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(dense(x, self.weight, self.bias))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         param = getattr(self, leaf).data

@@ -21,7 +21,6 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.models.layers import FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
-from kernels.activation import act_and_mul_for
 from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
 from kernels.linear import splitk_linear, splitk_workspace
 
@@ -60,8 +59,7 @@ class Fp8Linear(nn.Module):
         reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
         return cls(weight.contiguous(), scale, bias, reduce)
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """act: as RowParallelLinear's (x is a gated MLP's [gate | up])."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.is_cuda and rows.shape[0] <= FP8_SPLITK_MAX_M and rows.stride(1) == 1:
@@ -70,10 +68,8 @@ class Fp8Linear(nn.Module):
             # from that (benchmarks.fp8's gemm_us); at batch 64 _scaled_mm measured
             # faster overall.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
-            out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale, act)
+            out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
         else:
-            if act is not None:
-                rows = act_and_mul_for(x.device)(rows, act)
             out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)
         out = out.view(*shape[:-1], self.out_features)
         return out if self.reduce is None else self.reduce.all_reduce(out)

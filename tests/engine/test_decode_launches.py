@@ -14,12 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.models.layers as layers
 import engine.models.llama as llama
-import kernels.linear as linear
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from kernels.activation import act_and_mul_ref
 from kernels.kv_store import kv_store_ref
-from kernels.linear import linear_ref
 from kernels.norms import add_norm_ref
 from kernels.paged_attention import paged_attention_decode_ref
 from kernels.prefill_attention import paged_prefill_attention_ref
@@ -83,19 +81,14 @@ MODELS = {
     ),
 }
 # add_norm x2 (Gemma 3: x4, a norm before and after each sublayer), the qkv, o, gate_up
-# and down GEMMs (split-K at decode batch sizes; the down projection's applies the gated
-# activation as it loads x), rotary (q/k norms included), decode attention (K/V store
-# included).
+# and down GEMMs, rotary (q/k norms included), decode attention (K/V store included),
+# act_and_mul.
 EXPECTED = {
-    "llama": 8,
-    "qwen2": 8,
-    "qwen3": 8,
-    "gemma3": 10,
+    "llama": 9,
+    "qwen2": 9,
+    "qwen3": 9,
+    "gemma3": 11,
 }
-
-
-def splitk_ref(x, weight, bias, workspace, weight_scale=None, act=None):
-    return linear_ref(x if act is None else act_and_mul_ref(x, act), weight, bias)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
@@ -103,12 +96,8 @@ def test_decode_layer_launches(kind, monkeypatch):
     counter = LaunchCounter()
     monkeypatch.setattr(layers, "add_norm_for", lambda d: counter.fused("add_norm", add_norm_ref))
     monkeypatch.setattr(layers, "rotary_for", lambda d: counter.fused("rotary", rotary_ref))
-    # As on CUDA at a decode batch: every projection through the split-K kernel.
-    monkeypatch.setattr(linear, "splitk_pays", lambda x, weight: True)
-    monkeypatch.setattr(linear, "splitk_workspace", lambda n, device: None)
-    monkeypatch.setattr(linear, "splitk_linear", counter.fused("splitk_linear", splitk_ref))
     monkeypatch.setattr(
-        linear, "act_and_mul_for", lambda d: counter.fused("act_and_mul", act_and_mul_ref)
+        llama, "act_and_mul_for", lambda d: counter.fused("act_and_mul", act_and_mul_ref)
     )
     ops = AttentionOps(
         counter.fused("kv_store", kv_store_ref),
@@ -138,5 +127,4 @@ def test_decode_layer_launches(kind, monkeypatch):
     with torch.inference_mode(), counter:
         model(torch.tensor([1, 2]), torch.tensor([5, 4]), meta)
     assert sum(counter.counts.values()) == EXPECTED[kind], dict(counter.counts)
-    assert counter.counts["rotary"] == 1 and counter.counts["splitk_linear"] == 4
-    assert counter.counts["act_and_mul"] == 0
+    assert counter.counts["rotary"] == 1 and counter.counts["act_and_mul"] == 1

@@ -30,11 +30,11 @@ JIT_MODULES = (
     "kernels.fp8",
     "kernels.kv_store",
     "kernels.paged_attention",
-    "kernels.activation",
     "kernels.linear",
     "kernels.prefill_attention",
     "kernels.norms",
     "kernels.rotary",
+    "kernels.activation",
     "kernels.fused_moe",
 )
 

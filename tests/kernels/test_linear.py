@@ -124,27 +124,3 @@ def test_dense_dispatch_and_result(m, n, k, splitk, rng, device):
     assert splitk_pays(x, weight) == (splitk and device.type == "cuda")
     got = dense(x, weight, bias)
     torch.testing.assert_close(got, linear_ref(x, weight, bias), rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_gated_input_is_the_unfused_activation_then_the_product(act, num_splits, fp8, rng, device):
-    """act fuses the MLP's act(gate) * up into the x loads: the same bits as the
-    activation kernel followed by the product, one launch fewer."""
-    from kernels.activation import act_and_mul_for
-    from kernels.fp8 import quantize_per_channel
-
-    dtype = torch.float16  # the interpreter's bf16 tl.dot is wrong (see above)
-    x = torch.randn(5, 2 * K, generator=rng).to(device, dtype)
-    if fp8:
-        weight, scale = quantize_per_channel(0.1 * torch.randn(N, K, generator=rng))
-        weight, scale = weight.to(device), scale.to(device)
-    else:
-        weight, scale = (0.1 * torch.randn(N, K, generator=rng)).to(device, dtype), None
-    bias = torch.randn(N, generator=rng).to(device, dtype)
-    config = SplitKConfig(num_splits=num_splits, block_n=32, block_k=32)
-    fused = splitk_linear(x, weight, bias, poisoned_workspace(N, config, device), scale, act)
-    unfused_x = act_and_mul_for(device)(x, act)
-    unfused = splitk_linear(unfused_x, weight, bias, poisoned_workspace(N, config, device), scale)
-    assert torch.equal(fused, unfused)
