@@ -120,6 +120,13 @@ class SampledIds:
             self.done.wait()
         return self.array
 
+    def wait_elsewhere(self) -> np.ndarray:
+        """numpy(), from another thread than the engine's: waits on the event alone (the
+        fence's bookkeeping is the engine thread's)."""
+        if self.done is not None:
+            self.done.event.synchronize()
+        return self.array
+
     def tolist(self) -> list[int]:
         return self.numpy().tolist()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -225,6 +226,35 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
     assert together == alone
 
 
+def test_the_worker_fills_every_mask_but_a_requests_first(llm, monkeypatch):
+    """Once a request sampled, its matcher follows its ids and fills its next mask on
+    the masks' worker: the engine thread fills only each request's first mask (the
+    outputs stay exact: the other structured tests)."""
+    import threading
+
+    from engine.structured.masks import GrammarMasks
+
+    fill = GrammarMasks.fill
+    engine_rows: list[int] = []
+    worker_rows: list[int] = []
+
+    def counting(self, states, slots, generations):
+        main = threading.current_thread() is threading.main_thread()
+        (engine_rows if main else worker_rows).extend(slots)
+        fill(self, states, slots, generations)
+
+    monkeypatch.setattr(GrammarMasks, "fill", counting)
+    spec = GrammarSpec("regex", "[a-z]{30}")
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec) for i in range(8)
+    ]
+    outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
+    assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
+    assert len(engine_rows) == 8  # each request's first mask
+    # Every later one: each id but the last (EOS, which ends the grammar) is followed.
+    assert len(worker_rows) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+
+
 def test_abort_mid_grammar_frees_everything(llm):
     engine = llm.engine
     spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}})
@@ -303,63 +333,89 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
                 assert state.accept(token_id) is None
         return SimpleNamespace(structured=state, is_finished=False)
 
+    def mask(rows):
+        slots = np.arange(len(rows))
+        return grammars.masks.build(slots, np.zeros_like(slots), rows)
+
     rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
     assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
     logits = torch.zeros(3, llm.engine.vocab_size)
-    grammars.fill(rows).apply(logits)
+    mask(rows).apply(logits)
     allowed = logits > float("-inf")
     assert not allowed[0, eos] and allowed[1, eos]  # "" cannot end; "abb" can
     assert allowed[1, tokenizer.encode("b")[0]]
     assert allowed[0, tokenizer.encode("a")[0]] and not allowed[0, tokenizer.encode("b")[0]]
     assert allowed[2].all()  # no grammar: nothing masked
-    assert grammars.fill([row(None)]) is None
+    assert mask([row(None)]) is None
     choice = row(GrammarSpec.choice(["ab"]), "ab")  # complete: only EOS may follow
     logits = torch.zeros(1, llm.engine.vocab_size)
-    grammars.fill([choice]).apply(logits)
+    mask([choice]).apply(logits)
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
     assert choice.structured.accept(eos) == "stop"
     # An id the grammar refuses ends that request alone, as an abort.
     assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
 
 
-def test_padding_ids_past_the_tokenizer_are_masked_in_grammar_rows_only(llm):
+def check_padding_masks(tokenizer, device: str) -> None:
     """A model vocabulary padded past the tokenizer's (Qwen's 151936 rows for ~151k
     tokens): the matchers know the tokenizer's ids only, grammar rows mask the padding
-    ids, and rows without a grammar keep them."""
+    ids, and rows without a grammar keep them, also when a slot changes kind."""
     from types import SimpleNamespace
 
     from engine.structured.grammars import Grammars
 
-    tokenizer = llm.tokenizer
     vocab = len(tokenizer) + 100
-    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id], 4, torch.device("cpu"))
-    state = grammars.state("unit", GrammarSpec("regex", "[ab]+"))
-    state.compiled.result()
-    assert state.ready()
-    rows = [SimpleNamespace(structured=state, is_finished=False), None]
-    logits = torch.zeros(2, vocab)
-    grammars.fill(rows).apply(logits)
-    allowed = logits > float("-inf")
-    assert not allowed[0, len(tokenizer) :].any()
-    assert allowed[0, tokenizer.encode("a")[0]] and allowed[0, tokenizer.encode("b")[0]]
-    assert allowed[1].all()
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id], 4, torch.device(device))
+    masks = grammars.masks
+    assert masks.words < masks.width
+    a, b = tokenizer.encode("a")[0], tokenizer.encode("b")[0]
+
+    def row(regex: str | None):
+        if regex is None:
+            return SimpleNamespace(structured=None, is_finished=False)
+        state = grammars.state("unit", GrammarSpec("regex", regex))
+        state.compiled.result()
+        assert state.ready()
+        return SimpleNamespace(structured=state, is_finished=False)
+
+    def allowed(slots: list[int], rows) -> torch.Tensor:
+        logits = torch.zeros(len(rows), vocab, device=device)
+        slots = np.array(slots)
+        masks.build(slots, np.zeros_like(slots), rows).apply(logits)
+        return (logits > float("-inf")).cpu()
+
+    # Rows in another order than their slots; slot 1 has a grammar, slot 0 not.
+    first = allowed([1, 0], [row("[ab]+"), row(None)])
+    assert not first[0, len(tokenizer) :].any()
+    assert first[0, a] and first[0, b] and first[0].sum() == 2
+    assert first[1].all()
+    # Each slot changes kind: slot 0 now has a grammar ("b"), slot 1 not.
+    second = allowed([0, 1], [row("b"), row(None)])
+    assert not second[0, len(tokenizer) :].any()
+    assert second[0, b] and second[0].sum() == 1
+    assert second[1].all()
     grammars.close()
+
+
+def test_padding_ids_past_the_tokenizer_are_masked_in_grammar_rows_only(llm):
+    check_padding_masks(llm.tokenizer, "cpu")
 
 
 def test_preempted_grammar_requests_keep_their_matchers(tiny_gpt2_dir, monkeypatch):
     """Tight KV preempts running grammar rows, some with an id still on the device: their
     matchers accept it when it is read after they left, and every output still matches
     and equals the request's output alone (seeded)."""
-    from engine.structured.grammars import GrammarState
+    from engine.request import Request
 
     departed = []
-    accept = GrammarState.accept_departed
+    receive = Request.receive_departed
 
-    def counting(self, req, token_id):
-        departed.append(token_id)
-        accept(self, req, token_id)
+    def counting(self, token_id):
+        if self.structured is not None:
+            departed.append(token_id)
+        receive(self, token_id)
 
-    monkeypatch.setattr(GrammarState, "accept_departed", counting)
+    monkeypatch.setattr(Request, "receive_departed", counting)
     tight = LLM(tiny_gpt2_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96)
     params = [
         SamplingParams(max_tokens=60, temperature=1.0, seed=i, grammar=GrammarSpec("regex", REGEX))

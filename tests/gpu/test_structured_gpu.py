@@ -10,8 +10,15 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.loader import load_tokenizer
 from engine.structured.spec import GrammarSpec
-from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
+from tests.engine.test_structured import (
+    REGEX,
+    SCHEMA,
+    Reference,
+    check_padding_masks,
+    masked_greedy,
+)
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU
@@ -61,3 +68,8 @@ def test_mixed_batch_matches_alone_on_cuda(tiny_gpt2_dir):
         for p, sp in zip(prompts, params)
     ]
     assert together == alone
+
+
+def test_padding_ids_are_masked_in_grammar_rows_only_on_cuda(tiny_gpt2_dir):
+    """The per-slot host rows reach the device through a strided copy and a gather."""
+    check_padding_masks(load_tokenizer(tiny_gpt2_dir), "cuda")
