@@ -13,7 +13,8 @@ when nothing else is). Each step, on the same states, is timed:
   `BatchGrammarMatcher.batch_accept_token`, or as the engine does it:
   `GrammarMasks.follow` has its worker accept them and fill the next masks (its
   latency, handoff included), then `GrammarMasks.build` on the calling thread
-  (what is left for the engine thread: the gather and the copy); steps rotate;
+  (the engine thread's share: the plan, the copy and the gather; on a CPU device,
+  also a round trip to the worker); steps rotate;
 - fill, by each strategy: xgrammar's BatchGrammarMatcher with N threads; one
   `fill_next_token_bitmask` call per row, serially or in k chunks on a
   persistent ThreadPoolExecutor (near k-fold faster only if xgrammar releases
@@ -160,8 +161,9 @@ def run_model(name: str, args) -> dict:
         elif how == "loop":
             ok = [m.accept_token(t) for m, t in zip(matchers, ids)]
         else:
-            ended = masks.follow(np.array(ids), rows, generations, requests).result()
-            ok = [not ended]
+            ended = masks.follow(np.array(ids), rows, generations, requests)
+            masks.drain()  # the worker's whole job: accept, then fill
+            ok = [not ended.result()]
         elapsed = time.perf_counter() - start
         if how == "engine":
             start = time.perf_counter()

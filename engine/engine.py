@@ -291,9 +291,9 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once. Grammar rows read N-1 before sampling too (their mask
-        follows every id), and leave their own ids on the device: a worker thread
-        has their matchers accept them as they land and fill the next masks
+        own ids at once. Grammar rows' masks follow every id without the host
+        waiting: a worker thread has their matchers accept N-1's ids as they land
+        and fill step N's masks, and the device waits for it before sampling
         (engine/structured/masks.py).
         """
         if self._grammars is not None:
@@ -313,7 +313,7 @@ class Engine:
             )
             grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
-            if (sync or grammar) and prev is not None:
+            if sync and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
                 self.reader.read(prev)
                 prev = None
@@ -323,7 +323,7 @@ class Engine:
                 requests = self._requests(sampling) if grammar else None
                 with self._range("sample"):
                     bitmask = None
-                    if grammar:  # mostly filled already, while the device ran the forward
+                    if grammar:  # filled on the masks' worker while the device runs forward
                         masks = self.grammars.masks
                         bitmask = masks.build(sampling, batch.generation[sampling], requests)
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)

@@ -43,15 +43,15 @@ class GrammarError(RuntimeError):
 class GrammarState:
     """One choice's grammar: compiling, then a matcher that follows its output.
 
-    Once running, its matcher is moved by one thread at a time: the masks' worker
-    while a step's ids are followed, the engine thread otherwise (masks.py)."""
+    Once running, its matcher (and `done`) belong to the masks' worker thread
+    (masks.py); `mask_key` to the engine thread."""
 
     def __init__(self, request_id: str, compiled: Future[xgr.CompiledGrammar]) -> None:
         self.request_id = request_id
         self.compiled = compiled
         self.matcher: xgr.GrammarMatcher | None = None
         self.done = False  # the matcher ended (complete, or it refused an id)
-        # (slot, generation) of the host row holding the mask of the matcher's state
+        # (slot, generation) of the host row the worker was last asked to fill
         self.mask_key: tuple[int, int] | None = None
 
     def ready(self) -> bool:
@@ -71,7 +71,6 @@ class GrammarState:
     def accept(self, token_id: int) -> str | None:
         """Advance by an id the request sampled: None, or the finish reason that ends it
         ("stop": the grammar is complete)."""
-        self.mask_key = None  # the matcher moves
         if not self.matcher.accept_token(token_id):
             # The mask allowed no other id. Only a grammar that no token can continue
             # gets here (every logit masked): end this request, not the batch.
@@ -80,10 +79,6 @@ class GrammarState:
             return "abort"
         self.done = self.matcher.is_terminated()
         return "stop" if self.done else None
-
-    @property
-    def live(self) -> bool:
-        return self.matcher is not None and not self.done
 
 
 @dataclass

@@ -1,14 +1,22 @@
-"""GrammarMasks: a step's token bitmask, each grammar row's filled as soon as it can be.
+"""GrammarMasks: a step's token bitmask, filled off the engine thread.
 
-A row's mask for step N depends on step N-1's id, which lands on the host while
-the device runs forward N. The engine thread has its own work then (the outputs,
-the next schedule, the launch, the read), so the matchers' part runs on a worker
-thread: `follow` hands it a launched step's ids, and it waits for them, has each
-row's matcher accept its id, and fills the masks of the rows that go on, each in
-its slot's host row. xgrammar releases the GIL in both, so the two threads
-overlap. `build` then has the engine thread fill only the rows the worker could
-not know (a request's first sample, or one that came back after preemption), and
-gathers the sampling rows' masks on the device in the batch's order.
+A grammar row's mask for step N depends on step N-1's id, which lands on the host
+while the device runs forward N. So the matchers' work runs on one worker thread,
+in the order it is handed over:
+
+- `follow` (after a step is launched): wait for its ids, have each row's matcher
+  accept its id (the future it returns: the requests those ids ended), then fill
+  the rows' next masks, each in its slot's host row;
+- `build` (before a step samples): fill the rows the worker could not know (a
+  request's first sample, or one back from preemption), reset the host rows of
+  slots without a grammar now, then let the step's copy go: on CUDA the stream
+  waits for the worker (device_flag.py) and the engine thread runs on; elsewhere
+  the engine thread waits. The copy, the gather of the sampling rows' masks in
+  the batch's order, and the sampler queue behind it.
+
+xgrammar releases the GIL in both, so the worker and the engine thread overlap.
+Host rows are only written by the worker, after the step whose copy read them
+last has been waited for (its ids, sampled after the copy).
 
 Host rows are per slot and as wide as the tokenizer's vocabulary (what xgrammar
 fills); device rows are as wide as the logits, and past the tokenizer a grammar
@@ -17,7 +25,6 @@ row's bits are 0 (the model's padding ids are masked) and a plain row's -1.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,12 +35,12 @@ import torch
 import xgrammar as xgr
 
 from engine.staging import SampledIds
+from engine.structured.device_flag import DeviceFlag
 
 if TYPE_CHECKING:
     from engine.request import Request
     from engine.structured.grammars import GrammarState
 
-logger = logging.getLogger("pagoda.engine")
 # Rows per fill thread: a row costs microseconds, and a thread's start and join about
 # as much as a few rows.
 ROWS_PER_THREAD = 16
@@ -57,7 +64,6 @@ class FollowedRow:
 
     index: int
     slot: int
-    generation: int
     request: Request
 
 
@@ -74,28 +80,33 @@ class GrammarMasks:
         self.words = xgr.get_bitmask_shape(1, token_vocab)[1]  # what xgrammar fills
         self.width = xgr.get_bitmask_shape(1, vocab_size)[1]  # what the logits need
         pin = self.device.type == "cuda"
-        # [slots, words]: written only once the device copied it out (a step's ids
-        # are waited for first, and the copy was queued before their sampling).
+        # The worker's: [slots, words], and which rows hold a grammar's mask.
         self.host = torch.full((max_num_seqs, self.words), -1, dtype=torch.int32, pin_memory=pin)
         self.host_np = self.host.numpy()
-        self.host_grammar = np.zeros(max_num_seqs, dtype=bool)  # host row holds a grammar's
+        self.host_grammar = np.zeros(max_num_seqs, dtype=bool)
+        # The engine thread's: the device rows by slot, and whose padding bits are 0.
         self.slots = torch.full((max_num_seqs, self.width), -1, dtype=torch.int32, device=device)
-        self.tail_grammar = np.zeros(max_num_seqs, dtype=bool)  # its padding bits are 0
+        self.tail_grammar = np.zeros(max_num_seqs, dtype=bool)
         self.rows = torch.empty_like(self.slots)  # the gathered mask, in sampling order
-        self.index = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
-        self.index_np = self.index.numpy()
+        # The sampling slots, on their way: two buffers, as a copy may wait a step.
+        self.index = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self.device_index = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
         self.threads = threads
         self.batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-masks")
-        self.followed: Future | None = None  # the worker's last job
+        self.last: Future | None = None  # the worker's last job
+        self.failure: BaseException | None = None  # a job's, raised by the next build
+        self.flag = DeviceFlag.create(self.device)
+        self.num_built = 0
         if pin:  # Triton compiles the mask kernel at its first launch (one row, and more)
             for rows in (1, 2):
                 BatchBitmask(self.rows[:rows]).apply(
                     torch.zeros(rows, vocab_size, device=self.device)
                 )
 
-    def fill(self, states: Sequence[GrammarState], slots: list[int], generations) -> None:
+    # -- the worker's --------------------------------------------------------------
+
+    def fill(self, states: Sequence[GrammarState], slots: list[int]) -> None:
         """Fill these states' host rows (their matchers are where the next id starts)."""
         if not slots:
             return
@@ -106,10 +117,48 @@ class GrammarMasks:
         matchers = [s.matcher for s in states]
         batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
         self.host_grammar[slots] = True
-        for state, slot, generation in zip(states, slots, generations):
-            state.mask_key = (slot, generation)
 
-    # -- the worker ------------------------------------------------------------
+    def _follow(self, ids: SampledIds | np.ndarray, rows: list[FollowedRow], ended: Future) -> None:
+        try:
+            token_ids = (ids.wait_elsewhere() if isinstance(ids, SampledIds) else ids).tolist()
+            ends: list[tuple[Request, str]] = []
+            go_on: list[FollowedRow] = []
+            stopped: list[int] = []
+            for row in rows:  # accept_token each: batch_accept_token's result costs more
+                state = row.request.structured
+                # Ended by an earlier id: this one is void (the engine learns it later).
+                end = "void" if state.done else state.accept(token_ids[row.index])
+                if end is None:
+                    go_on.append(row)
+                else:
+                    stopped.append(row.slot)
+                    if end != "void":
+                        ends.append((row.request, end))
+        except BaseException as exc:
+            ended.set_exception(exc)
+            raise
+        ended.set_result(ends)
+        try:
+            self.fill([r.request.structured for r in go_on], [r.slot for r in go_on])
+            self.host_np[stopped] = -1  # the row's next id is void: any will do
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    def _prepare(self, states: list[GrammarState], slots: list[int], plain: np.ndarray, n: int):
+        try:
+            self.fill(states, slots)
+            plain = plain[self.host_grammar[plain]]  # a grammar's row before: all ones again
+            self.host_np[plain] = -1
+            self.host_grammar[plain] = False
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        finally:
+            if self.flag is not None:  # even after a failure: the stream must go on
+                self.flag.set(n)
+
+    # -- the engine thread's -------------------------------------------------------
 
     def follow(
         self,
@@ -119,84 +168,60 @@ class GrammarMasks:
         requests: Sequence[Request | None],
     ) -> Future:
         """Have the worker accept a launched step's ids (one per slot; requests: the
-        slots' as sampled) and fill the next masks. The future's result: the requests
-        whose grammar those ids ended, and how ([(req, reason)])."""
-        rows = [
-            FollowedRow(i, slot, generation, req)
-            for i, (slot, generation, req) in enumerate(
-                zip(slots.tolist(), generations.tolist(), requests)
-            )
-            if req is not None and not req.is_finished and req.structured is not None
-        ]
-        self.followed = self.worker.submit(self._follow, ids, rows)
-        return self.followed
-
-    def _follow(self, ids: SampledIds | np.ndarray, rows: list[FollowedRow]):
-        token_ids = (ids.wait_elsewhere() if isinstance(ids, SampledIds) else ids).tolist()
-        ended: list[tuple[Request, str]] = []
-        go_on: list[FollowedRow] = []
-        for row in rows:  # accept_token each: batch_accept_token's result costs more
-            end = row.request.structured.accept(token_ids[row.index])
-            if end is None:
-                go_on.append(row)
-            else:
-                ended.append((row.request, end))
-        self.fill(
-            [r.request.structured for r in go_on],
-            [r.slot for r in go_on],
-            [r.generation for r in go_on],
-        )
+        slots' as sampled) and fill the next masks. The future's result, once the ids
+        are accepted: the requests whose grammar they ended, and how ([(req, reason)])."""
+        rows: list[FollowedRow] = []
+        for i, (slot, generation, req) in enumerate(
+            zip(slots.tolist(), generations.tolist(), requests)
+        ):
+            if req is not None and not req.is_finished and req.structured is not None:
+                rows.append(FollowedRow(i, slot, req))
+                req.structured.mask_key = (slot, generation)  # its next mask: that row
+        ended: Future = Future()
+        self.last = self.worker.submit(self._follow, ids, rows, ended)
         return ended
-
-    def drain(self) -> None:
-        """Wait for the worker's last job: its rows are written, its matchers moved."""
-        if self.followed is not None:
-            self.followed.result()
-            self.followed = None
-
-    # -- a step's mask -----------------------------------------------------------
 
     def build(
         self, slots: np.ndarray, generations: np.ndarray, requests: Sequence[Request | None]
     ) -> BatchBitmask | None:
         """The bitmask of a batch of sampling rows (None for a void request), on the
-        device; None if no row has a live grammar. Every read id must have been
-        accepted (the launched steps read)."""
-        self.drain()
+        device; None if no row has a grammar. Every launched step must have been
+        followed."""
+        if self.failure is not None:
+            raise self.failure
         grammar = np.zeros(len(slots), dtype=bool)
         stale: list[GrammarState] = []
         stale_slots: list[int] = []
-        stale_generations: list[int] = []
         for i, (slot, generation, req) in enumerate(
             zip(slots.tolist(), generations.tolist(), requests)
         ):
             state = req.structured if req is not None else None
-            if state is None or not state.live or req.is_finished:
+            if state is None or req.is_finished or state.matcher is None:
                 continue
             grammar[i] = True
             if state.mask_key != (slot, generation):
                 stale.append(state)
                 stale_slots.append(slot)
-                stale_generations.append(generation)
+                state.mask_key = (slot, generation)
         if not grammar.any():
             return None
-        self.fill(stale, stale_slots, stale_generations)
-        plain = slots[~grammar]
-        plain = plain[self.host_grammar[plain]]  # a grammar's row before: all ones again
-        self.host_np[plain] = -1
-        self.host_grammar[plain] = False
+        self.num_built += 1
+        self.last = self.worker.submit(
+            self._prepare, stale, stale_slots, slots[~grammar], self.num_built
+        )
         if self.words < self.width:
             self._set_tails(slots, grammar)
         num, top = len(slots), int(slots.max()) + 1
-        self.index_np[:num] = slots
-        if self.device.type == "cpu":
-            self.slots[:top, : self.words] = self.host[:top]
-            torch.index_select(self.slots, 0, self.index[:num], out=self.rows[:num])
+        index = self.index[self.num_built % 2][:num]
+        index.numpy()[:] = slots
+        if self.flag is None:
+            self.drain()  # the host waits for the worker
         else:
-            self.slots[:top, : self.words].copy_(self.host[:top], non_blocking=True)
-            index = self.device_index[:num]
-            index.copy_(self.index[:num], non_blocking=True)
-            torch.index_select(self.slots, 0, index, out=self.rows[:num])
+            self.flag.wait(self.num_built)  # the stream does
+        self.slots[:top, : self.words].copy_(self.host[:top], non_blocking=True)
+        device_index = self.device_index[:num]
+        device_index.copy_(index, non_blocking=True)
+        torch.index_select(self.slots, 0, device_index, out=self.rows[:num])
         return BatchBitmask(self.rows[:num])
 
     def _set_tails(self, slots: np.ndarray, grammar: np.ndarray) -> None:
@@ -210,6 +235,12 @@ class GrammarMasks:
                 rows = torch.from_numpy(which).to(self.device)
                 self.slots[rows, self.words :] = value
                 self.tail_grammar[which] = kind
+
+    def drain(self) -> None:
+        """Wait for the worker's last job (and raise what it raised)."""
+        if self.last is not None:
+            self.last.result()
+            self.last = None
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)

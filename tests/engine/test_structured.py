@@ -226,22 +226,20 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
     assert together == alone
 
 
-def test_the_worker_fills_every_mask_but_a_requests_first(llm, monkeypatch):
-    """Once a request sampled, its matcher follows its ids and fills its next mask on
-    the masks' worker: the engine thread fills only each request's first mask (the
-    outputs stay exact: the other structured tests)."""
-    import threading
+def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, monkeypatch):
+    """Once a request sampled, its matcher follows its ids and fills its next mask in
+    the same job on the masks' worker: a separate fill happens only for each request's
+    first mask (the outputs stay exact: the other structured tests)."""
+    import sys
 
     from engine.structured.masks import GrammarMasks
 
     fill = GrammarMasks.fill
-    engine_rows: list[int] = []
-    worker_rows: list[int] = []
+    rows: dict[str, list[int]] = {"_prepare": [], "_follow": []}
 
-    def counting(self, states, slots, generations):
-        main = threading.current_thread() is threading.main_thread()
-        (engine_rows if main else worker_rows).extend(slots)
-        fill(self, states, slots, generations)
+    def counting(self, states, slots):
+        rows[sys._getframe(1).f_code.co_name].extend(slots)
+        fill(self, states, slots)
 
     monkeypatch.setattr(GrammarMasks, "fill", counting)
     spec = GrammarSpec("regex", "[a-z]{30}")
@@ -250,9 +248,9 @@ def test_the_worker_fills_every_mask_but_a_requests_first(llm, monkeypatch):
     ]
     outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
-    assert len(engine_rows) == 8  # each request's first mask
+    assert len(rows["_prepare"]) == 8  # each request's first mask
     # Every later one: each id but the last (EOS, which ends the grammar) is followed.
-    assert len(worker_rows) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert len(rows["_follow"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
 
 
 def test_abort_mid_grammar_frees_everything(llm):
