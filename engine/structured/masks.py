@@ -118,9 +118,17 @@ class GrammarMasks:
         batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
         self.host_grammar[slots] = True
 
-    def _follow(self, ids: SampledIds | np.ndarray, rows: list[FollowedRow], ended: Future) -> None:
+    def _follow(
+        self,
+        ids: np.ndarray,
+        landed: torch.cuda.Event | None,
+        rows: list[FollowedRow],
+        ended: Future,
+    ) -> None:
         try:
-            token_ids = (ids.wait_elsewhere() if isinstance(ids, SampledIds) else ids).tolist()
+            if landed is not None:
+                landed.synchronize()
+            token_ids = ids.tolist()
             ends: list[tuple[Request, str]] = []
             go_on: list[FollowedRow] = []
             stopped: list[int] = []
@@ -178,7 +186,8 @@ class GrammarMasks:
                 rows.append(FollowedRow(i, slot, req))
                 req.structured.mask_key = (slot, generation)  # its next mask: that row
         ended: Future = Future()
-        self.last = self.worker.submit(self._follow, ids, rows, ended)
+        landing = ids.landing() if isinstance(ids, SampledIds) else (ids, None)
+        self.last = self.worker.submit(self._follow, *landing, rows, ended)
         return ended
 
     def build(
@@ -232,7 +241,7 @@ class GrammarMasks:
         for value, kind in ((0, True), (-1, False)):
             which = slots[changed & (grammar == kind)]
             if len(which):
-                rows = torch.from_numpy(which).to(self.device)
+                rows = torch.from_numpy(which).to(self.device, non_blocking=True)
                 self.slots[rows, self.words :] = value
                 self.tail_grammar[which] = kind
 
@@ -244,3 +253,5 @@ class GrammarMasks:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.flag is not None:  # a cancelled job's wait must not hold the stream
+            self.flag.set(self.num_built)
