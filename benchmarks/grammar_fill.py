@@ -141,13 +141,13 @@ def run_model(name: str, args) -> dict:
     requests = [_Row(s) for s in states]
     rows = np.arange(args.batch)
     generations = np.zeros_like(rows)
+    every = np.ones(args.batch, dtype=bool)  # rows with a grammar
     masks = grammars.masks
     fills = strategies(grammars, narrow, args)
 
     def build_all(ms: list[xgr.GrammarMatcher], slots: np.ndarray) -> None:
-        for s in states:
-            s.mask_key = None  # every row is filled on this thread
-        masks.build(slots, generations, requests)
+        masks.filled_generation[:] = -1  # every row: a first mask
+        masks.build(slots, generations, every, requests)
 
     fills["masks_build"] = build_all
     rng = np.random.default_rng(args.seed)
@@ -161,17 +161,17 @@ def run_model(name: str, args) -> dict:
         elif how == "loop":
             ok = [m.accept_token(t) for m, t in zip(matchers, ids)]
         else:
-            ended = masks.follow(np.array(ids), rows, generations, requests)
+            ended = masks.follow(np.array(ids), rows, generations, every, requests)
             masks.drain()  # the worker's whole job: accept, then fill
             ok = [not ended.result()]
         elapsed = time.perf_counter() - start
         if how == "engine":
             start = time.perf_counter()
-            masks.build(rows, generations, requests)
+            masks.build(rows, generations, every, requests)
             built = time.perf_counter() - start
         assert all(ok)
+        masks.filled_generation[:] = -1  # the matchers moved
         for s in states:
-            s.mask_key = None
             if s.matcher.is_terminated():
                 s.matcher.reset()
                 s.done = False

@@ -320,12 +320,14 @@ class Engine:
                 if batch.departures != departures:
                     void = batch.generation[sampling] != generations
             if len(sampling):
-                requests = self._requests(sampling) if grammar else None
+                rows = batch.has_grammar[sampling] if grammar else None
+                grammar = rows is not None and rows.any()  # a read may have ended them
                 with self._range("sample"):
                     bitmask = None
                     if grammar:  # filled on the masks' worker while the device runs forward
                         masks = self.grammars.masks
-                        bitmask = masks.build(sampling, batch.generation[sampling], requests)
+                        generations = batch.generation[sampling]
+                        bitmask = masks.build(sampling, generations, rows, batch.requests)
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
                 mark = batch.launched(sampling)
                 if void is not None and void.any():  # read() drops them as departed
@@ -341,7 +343,7 @@ class Engine:
                     ids = self.runner.keep_sampled(token_ids)
                 step = LaunchedStep(sampling, mark, ids, logprobs)
                 if grammar:  # the matchers follow the ids on the masks' worker
-                    step.grammar = masks.follow(ids, sampling, mark.generations, requests)
+                    step.grammar = masks.follow(ids, sampling, generations, rows, batch.requests)
                 if sync:
                     self.reader.read(step)
                 else:
@@ -357,10 +359,6 @@ class Engine:
         if grammars.waiting:
             idle = not self.scheduler.running and self.inflight is None
             grammars.check_compiled(0.01 if idle else 0.0)
-
-    def _requests(self, slots: np.ndarray) -> list[Request | None]:
-        by_slot = self.batch.requests
-        return [by_slot[s] for s in slots.tolist()]
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

@@ -44,15 +44,13 @@ class GrammarState:
     """One choice's grammar: compiling, then a matcher that follows its output.
 
     Once running, its matcher (and `done`) belong to the masks' worker thread
-    (masks.py); `mask_key` to the engine thread."""
+    (masks.py)."""
 
     def __init__(self, request_id: str, compiled: Future[xgr.CompiledGrammar]) -> None:
         self.request_id = request_id
         self.compiled = compiled
         self.matcher: xgr.GrammarMatcher | None = None
         self.done = False  # the matcher ended (complete, or it refused an id)
-        # (slot, generation) of the host row the worker was last asked to fill
-        self.mask_key: tuple[int, int] | None = None
 
     def ready(self) -> bool:
         """Compiled (the scheduler admits the request only then)."""

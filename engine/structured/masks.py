@@ -87,6 +87,8 @@ class GrammarMasks:
         # The engine thread's: the device rows by slot, and whose padding bits are 0.
         self.slots = torch.full((max_num_seqs, self.width), -1, dtype=torch.int32, device=device)
         self.tail_grammar = np.zeros(max_num_seqs, dtype=bool)
+        # By slot: the generation whose next mask the worker was last asked to fill.
+        self.filled_generation = np.full(max_num_seqs, -1, dtype=np.int64)
         self.rows = torch.empty_like(self.slots)  # the gathered mask, in sampling order
         # The sampling slots, on their way: two buffers, as a copy may wait a step.
         self.index = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
@@ -173,50 +175,45 @@ class GrammarMasks:
         ids: SampledIds | np.ndarray,
         slots: np.ndarray,
         generations: np.ndarray,
-        requests: Sequence[Request | None],
+        grammar: np.ndarray,
+        by_slot: Sequence[Request | None],
     ) -> Future:
-        """Have the worker accept a launched step's ids (one per slot; requests: the
-        slots' as sampled) and fill the next masks. The future's result, once the ids
-        are accepted: the requests whose grammar they ended, and how ([(req, reason)])."""
-        rows: list[FollowedRow] = []
-        for i, (slot, generation, req) in enumerate(
-            zip(slots.tolist(), generations.tolist(), requests)
-        ):
-            if req is not None and not req.is_finished and req.structured is not None:
-                rows.append(FollowedRow(i, slot, req))
-                req.structured.mask_key = (slot, generation)  # its next mask: that row
+        """Have the worker accept a launched step's ids (one per slot; grammar: which
+        rows have one; by_slot: the batch's requests) and fill the next masks. The
+        future's result, once the ids are accepted: the requests whose grammar they
+        ended, and how ([(req, reason)])."""
+        index = np.flatnonzero(grammar)
+        grammar_slots = slots[index]
+        rows = [
+            FollowedRow(i, slot, by_slot[slot])
+            for i, slot in zip(index.tolist(), grammar_slots.tolist())
+        ]
+        self.filled_generation[grammar_slots] = generations[index]  # their next masks
         ended: Future = Future()
         landing = ids.landing() if isinstance(ids, SampledIds) else (ids, None)
         self.last = self.worker.submit(self._follow, *landing, rows, ended)
         return ended
 
     def build(
-        self, slots: np.ndarray, generations: np.ndarray, requests: Sequence[Request | None]
-    ) -> BatchBitmask | None:
-        """The bitmask of a batch of sampling rows (None for a void request), on the
-        device; None if no row has a grammar. Every launched step must have been
-        followed."""
+        self,
+        slots: np.ndarray,
+        generations: np.ndarray,
+        grammar: np.ndarray,
+        by_slot: Sequence[Request | None],
+    ) -> BatchBitmask:
+        """The bitmask of a batch of sampling rows (grammar: which rows have one, at
+        least one; by_slot: the batch's requests), on the device. Every launched step
+        must have been followed."""
         if self.failure is not None:
             raise self.failure
-        grammar = np.zeros(len(slots), dtype=bool)
-        stale: list[GrammarState] = []
-        stale_slots: list[int] = []
-        for i, (slot, generation, req) in enumerate(
-            zip(slots.tolist(), generations.tolist(), requests)
-        ):
-            state = req.structured if req is not None else None
-            if state is None or req.is_finished or state.matcher is None:
-                continue
-            grammar[i] = True
-            if state.mask_key != (slot, generation):
-                stale.append(state)
-                stale_slots.append(slot)
-                state.mask_key = (slot, generation)
-        if not grammar.any():
-            return None
+        # A row the worker was not asked to fill for this slot's request: its first.
+        stale = grammar & (self.filled_generation[slots] != generations)
+        stale_slots = slots[stale]
+        self.filled_generation[stale_slots] = generations[stale]
+        states = [by_slot[slot].structured for slot in stale_slots.tolist()]
         self.num_built += 1
         self.last = self.worker.submit(
-            self._prepare, stale, stale_slots, slots[~grammar], self.num_built
+            self._prepare, states, stale_slots.tolist(), slots[~grammar], self.num_built
         )
         if self.words < self.width:
             self._set_tails(slots, grammar)

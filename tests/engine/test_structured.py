@@ -331,9 +331,15 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
                 assert state.accept(token_id) is None
         return SimpleNamespace(structured=state, is_finished=False)
 
+    generation = iter(range(100))  # each call: new requests in the slots
+
     def mask(rows):
+        grammar = np.array([r.structured is not None for r in rows])
+        if not grammar.any():
+            return None
         slots = np.arange(len(rows))
-        return grammars.masks.build(slots, np.zeros_like(slots), rows)
+        generations = np.full_like(slots, next(generation))
+        return grammars.masks.build(slots, generations, grammar, rows)
 
     rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
     assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
@@ -376,19 +382,23 @@ def check_padding_masks(tokenizer, device: str) -> None:
         assert state.ready()
         return SimpleNamespace(structured=state, is_finished=False)
 
-    def allowed(slots: list[int], rows) -> torch.Tensor:
+    def allowed(slots: list[int], rows, generation: int) -> torch.Tensor:
         logits = torch.zeros(len(rows), vocab, device=device)
+        by_slot = [rows[slots.index(s)] for s in range(len(rows))]
+        grammar = np.array([r.structured is not None for r in rows])
         slots = np.array(slots)
-        masks.build(slots, np.zeros_like(slots), rows).apply(logits)
+        generations = np.full_like(slots, generation)
+        masks.build(slots, generations, grammar, by_slot).apply(logits)
         return (logits > float("-inf")).cpu()
 
     # Rows in another order than their slots; slot 1 has a grammar, slot 0 not.
-    first = allowed([1, 0], [row("[ab]+"), row(None)])
+    first = allowed([1, 0], [row("[ab]+"), row(None)], 0)
     assert not first[0, len(tokenizer) :].any()
     assert first[0, a] and first[0, b] and first[0].sum() == 2
     assert first[1].all()
-    # Each slot changes kind: slot 0 now has a grammar ("b"), slot 1 not.
-    second = allowed([0, 1], [row("b"), row(None)])
+    # Each slot changes kind (new requests: a new generation): slot 0 now has a
+    # grammar ("b"), slot 1 not.
+    second = allowed([0, 1], [row("b"), row(None)], 1)
     assert not second[0, len(tokenizer) :].any()
     assert second[0, b] and second[0].sum() == 1
     assert second[1].all()
