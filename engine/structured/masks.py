@@ -155,8 +155,15 @@ class GrammarMasks:
             self.failure = exc
             raise
 
-    def _prepare(self, states: list[GrammarState], slots: list[int], plain: np.ndarray, n: int):
+    def _prepare(
+        self, states: list[GrammarState], slots: list[int], plain: np.ndarray, n: int
+    ) -> None:
         try:
+            ended = [slot for state, slot in zip(states, slots) if state.done]
+            if ended:  # ended by an id not read yet: its row is void
+                self.host_np[ended] = -1
+                states = [state for state in states if not state.done]
+                slots = [slot for slot in slots if slot not in ended]
             self.fill(states, slots)
             plain = plain[self.host_grammar[plain]]  # a grammar's row before: all ones again
             self.host_np[plain] = -1

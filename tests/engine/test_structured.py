@@ -253,6 +253,31 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     assert len(rows["_follow"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
 
 
+def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch):
+    """A fill that raises on the worker thread is raised by the engine's step, not lost
+    (and nothing waits forever)."""
+    from engine.structured.masks import GrammarMasks
+
+    fill = GrammarMasks.fill
+    calls = []
+
+    def failing(self, states, slots):
+        calls.append(slots)
+        if len(calls) == 3:
+            raise RuntimeError("fill failed")
+        fill(self, states, slots)
+
+    monkeypatch.setattr(GrammarMasks, "fill", failing)
+    engine = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8).engine
+    params = SamplingParams(
+        max_tokens=30, temperature=1.0, seed=0, grammar=GrammarSpec.choice(["a" * 40])
+    )
+    engine.add_request("r", [1, 2, 3], params)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        for _ in range(10):
+            engine.step()
+
+
 def test_abort_mid_grammar_frees_everything(llm):
     engine = llm.engine
     spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}})
