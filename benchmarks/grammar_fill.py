@@ -18,8 +18,8 @@ when nothing else is). Each step, on the same states, is timed:
 - fill, by each strategy: xgrammar's BatchGrammarMatcher with N threads; one
   `fill_next_token_bitmask` call per row, serially or in k chunks on a
   persistent ThreadPoolExecutor (near k-fold faster only if xgrammar releases
-  the GIL); and `GrammarMasks.build` with every row to fill on the calling
-  thread (no worker: the fill, the full-width rows and the copy);
+  the GIL); and `GrammarMasks.build` with every row a first mask (its worker
+  fills them all), until the worker is done;
 - each row's own fill, with how many tokens its mask allows: the distribution
   says which grammar states are dear.
 """
@@ -148,6 +148,7 @@ def run_model(name: str, args) -> dict:
     def build_all(ms: list[xgr.GrammarMatcher], slots: np.ndarray) -> None:
         masks.filled_generation[:] = -1  # every row: a first mask
         masks.build(slots, generations, every, requests)
+        masks.drain()  # the fill is the worker's: until it is done
 
     fills["masks_build"] = build_all
     rng = np.random.default_rng(args.seed)
