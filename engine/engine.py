@@ -326,8 +326,8 @@ class Engine:
                     bitmask = None
                     if grammar:  # filled on the masks' worker while the device runs forward
                         masks = self.grammars.masks
-                        generations = batch.generation[sampling]
-                        bitmask = masks.build(sampling, generations, rows, batch.requests)
+                        occupants = batch.generation[sampling]  # whose rows these are
+                        bitmask = masks.build(sampling, occupants, rows, batch.requests)
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
                 mark = batch.launched(sampling)
                 if void is not None and void.any():  # read() drops them as departed
@@ -343,7 +343,7 @@ class Engine:
                     ids = self.runner.keep_sampled(token_ids)
                 step = LaunchedStep(sampling, mark, ids, logprobs)
                 if grammar:  # the matchers follow the ids on the masks' worker
-                    step.grammar = masks.follow(ids, sampling, generations, rows, batch.requests)
+                    step.grammar = masks.follow(ids, sampling, occupants, rows, batch.requests)
                 if sync:
                     self.reader.read(step)
                 else:
