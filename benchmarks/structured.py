@@ -9,7 +9,7 @@ request completes its JSON before max_tokens and both runs decode the same
 tokens at the same batch size). Reported: both throughputs and their ratio (also
 with the mask filled by other numbers of threads, `--fill-threads`), the time
 per step the engine thread spends building the mask and the masks' worker
-accepting ids and filling (`--host-wait`: the engine thread waits for the worker
+filling it (`--host-wait`: the engine thread waits for the worker
 before the sampler is queued, instead of the device), the first structured request's costs
 (the grammars' setup: tokenizer info and the mask kernel, once per engine; then
 the schema's compile), and the same schema sent again, which must compile nothing.
@@ -75,7 +75,7 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     timed = {}
     if grammars is not None:  # the engine thread's share (build), and the worker's
         masks = grammars.masks
-        timed = {"build": [0.0, 0], "_follow": [0.0, 0], "_prepare": [0.0, 0]}
+        timed = {"build": [0.0, 0], "fill": [0.0, 0]}
         for name, total in timed.items():
             setattr(masks, name, _timed(getattr(masks, name), total))
     _sync(llm)
@@ -95,8 +95,7 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     if timed and timed["build"][1]:
         steps = timed["build"][1]
         result["mask_build_ms_per_step"] = 1e3 * timed["build"][0] / steps  # engine thread
-        worker = timed["_follow"][0] + timed["_prepare"][0]
-        result["mask_worker_ms_per_step"] = 1e3 * worker / steps  # accept + fill
+        result["mask_fill_ms_per_step"] = 1e3 * timed["fill"][0] / steps  # the worker's
         result["mask_device_wait"] = masks.flag is not None
     return result
 
