@@ -7,8 +7,10 @@ requests decode `--output-len` tokens each, greedy, once with no constraint and
 once all under one JSON schema (a long array of small objects, so that no
 request completes its JSON before max_tokens and both runs decode the same
 tokens at the same batch size). Reported: both throughputs and their ratio (also
-with the bitmask filled by other numbers of threads, `--fill-threads`), the
-host time spent filling bitmasks per step, the first structured request's costs
+with the mask filled by other numbers of threads, `--fill-threads`), the time
+per step the engine thread spends building the mask and the masks' worker
+filling it (`--host-wait`: the engine thread waits for the worker
+before the sampler is queued, instead of the device), the first structured request's costs
 (the grammars' setup: tokenizer info and the mask kernel, once per engine; then
 the schema's compile), and the same schema sent again, which must compile nothing.
 """
@@ -23,11 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-import xgrammar as xgr
 
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.provenance import git_commit
 from engine import LLM, SamplingParams
+from engine.structured import masks as masks_module
 from engine.structured.spec import GrammarSpec
 
 
@@ -69,19 +71,13 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
         max_tokens=output_len, temperature=0.0, ignore_eos=True, final_only=True, grammar=grammar
     )
     prompt = llm.tokenizer.encode("Write the list as JSON:")
-    fill_s = [0.0, 0]
     grammars = engine._grammars
-    if grammars is not None:  # the host's share: filling the bitmask each step
-        fill = grammars.fill
-
-        def timed(requests):
-            start = time.perf_counter()
-            out = fill(requests)
-            fill_s[0] += time.perf_counter() - start
-            fill_s[1] += 1
-            return out
-
-        grammars.fill = timed
+    timed = {}
+    if grammars is not None:  # the engine thread's share (build), and the worker's
+        masks = grammars.masks
+        timed = {"build": [0.0, 0], "fill": [0.0, 0]}
+        for name, total in timed.items():
+            setattr(masks, name, _timed(getattr(masks, name), total))
     _sync(llm)
     start = time.perf_counter()
     for i in range(batch):
@@ -90,15 +86,32 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     while engine.has_unfinished_requests():
         finished += engine.step()
     total = time.perf_counter() - start
-    if grammars is not None:
-        del grammars.fill
+    for name in timed:
+        delattr(masks, name)
     tokens = sum(out.num_output_tokens for out in finished)
     assert tokens == batch * output_len, (tokens, batch * output_len)
     assert all(out.finish_reason == "length" for out in finished)
     result = {"total_s": total, "output_tokens": tokens, "tok_per_s": tokens / total}
-    if fill_s[1]:
-        result["bitmask_fill_ms_per_step"] = 1e3 * fill_s[0] / fill_s[1]
+    if timed and timed["build"][1]:
+        steps = timed["build"][1]
+        result["mask_build_ms_per_step"] = 1e3 * timed["build"][0] / steps  # engine thread
+        result["mask_fill_ms_per_step"] = 1e3 * timed["fill"][0] / steps  # the worker's
+        result["mask_device_wait"] = masks.flag is not None
     return result
+
+
+def _timed(method, total: list):
+    """method, adding its seconds and calls to total."""
+
+    def run(*args):
+        start = time.perf_counter()
+        try:
+            return method(*args)
+        finally:
+            total[0] += time.perf_counter() - start
+            total[1] += 1
+
+    return run
 
 
 def _sync(llm: LLM) -> None:
@@ -133,6 +146,8 @@ def compile_costs(llm: LLM, schema: dict) -> dict:
 
 
 def run_model(name: str, args) -> dict:
+    if args.host_wait:  # the engine thread waits for the masks, as on a device without
+        masks_module.DeviceFlag.create = staticmethod(lambda device: None)
     dtype = "float16" if name == "gpt2" else "bfloat16"
     if args.device == "cpu":
         dtype = "float32"
@@ -152,20 +167,20 @@ def run_model(name: str, args) -> dict:
     result["compile"] = compile_costs(llm, schema)
     spec = GrammarSpec.json_schema(schema)
     grammars = llm.engine.grammars
-    # The bitmask fill's threads: the engine's default, and each count asked for.
-    matchers = {"json_schema": grammars.batch_matcher}
+    # The mask fill's threads: the engine's choice, and each count asked for.
+    threads = {"json_schema": (grammars.masks.threads, masks_module.ROWS_PER_THREAD)}
     for n in args.fill_threads:
-        matchers[f"json_schema_fill_threads_{n}"] = xgr.BatchGrammarMatcher(n)
+        threads[f"json_schema_fill_threads_{n}"] = (n, 1)
     # Warm up both paths (Triton kernels compile at their first shapes).
     decode(llm, args.batch, 16, None)
     decode(llm, args.batch, 16, spec)
-    runs: dict[str, list[dict]] = {key: [] for key in ["none", *matchers]}
+    runs: dict[str, list[dict]] = {key: [] for key in ["none", *threads]}
     for _ in range(args.repeats):  # alternated, so drift hits all alike
         runs["none"].append(decode(llm, args.batch, args.output_len, None))
-        for key, matcher in matchers.items():
-            grammars.batch_matcher = matcher
+        for key, (n, rows_per_thread) in threads.items():
+            grammars.masks.threads, masks_module.ROWS_PER_THREAD = n, rows_per_thread
             runs[key].append(decode(llm, args.batch, args.output_len, spec))
-    grammars.batch_matcher = matchers["json_schema"]
+    grammars.masks.threads, masks_module.ROWS_PER_THREAD = threads["json_schema"]
     for key, values in runs.items():
         best = max(values, key=lambda r: r["tok_per_s"])
         result[key] = best | {"tok_per_s_runs": [r["tok_per_s"] for r in values]}
@@ -193,10 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[1],
         metavar="N",
-        help="also time the bitmask fill with N threads (the engine's default: half the "
-        "cores, at most 8)",
+        help="also time the mask fill with N threads (the engine's default: one per 16 "
+        "rows, at most half the cores and 8)",
     )
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="bounded")
+    p.add_argument(
+        "--host-wait",
+        action="store_true",
+        help="no device-side wait for the masks: the engine thread waits for the worker",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = p.parse_args(argv)
@@ -211,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "output_len": args.output_len,
         "schema": SCHEMAS[args.schema],
+        "host_wait": args.host_wait,
         "models": [run_model(name, args) for name in args.models],
     }
     text = json.dumps(result, indent=2)

@@ -291,8 +291,10 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once. Grammar rows read N-1 before sampling too (their mask
-        follows every id), and leave their own ids on the device.
+        own ids at once. Grammar rows' masks follow every id without the host
+        waiting: a worker thread has their matchers accept N-1's ids as they land
+        and fill step N's masks, and the device waits for it before sampling
+        (engine/structured/masks.py).
         """
         if self._grammars is not None:
             self._check_grammars()
@@ -311,51 +313,52 @@ class Engine:
             )
             grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
-            if (sync or grammar) and prev is not None:
+            if sync and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
                 self.reader.read(prev)
                 prev = None
                 if batch.departures != departures:
                     void = batch.generation[sampling] != generations
             if len(sampling):
+                rows = batch.has_grammar[sampling] if grammar else None
+                grammar = rows is not None and rows.any()  # a read may have ended them
                 with self._range("sample"):
-                    # Filled while the device runs the forward.
-                    bitmask = self.grammars.fill(self._requests(sampling)) if grammar else None
+                    bitmask = None
+                    if grammar:  # filled on the masks' worker while the device runs forward
+                        masks = self.grammars.masks
+                        occupants = batch.generation[sampling]  # whose rows these are
+                        bitmask = masks.build(sampling, occupants, rows, batch.requests)
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
                 mark = batch.launched(sampling)
                 if void is not None and void.any():  # read() drops them as departed
                     mark.departures = -1
                     mark.generations[void] = -1
                 self.num_sampled += len(sampling)
+                logprobs = None
                 if sync:
                     sampled = self.sampler.read(logits, token_ids, sampling)
                     ids = np.array(sampled.token_ids, dtype=np.int64)
-                    self.reader.read(LaunchedStep(sampling, mark, ids, sampled.logprobs))
+                    logprobs = sampled.logprobs
                 else:
                     ids = self.runner.keep_sampled(token_ids)
-                    self.inflight = LaunchedStep(sampling, mark, ids)
+                step = LaunchedStep(sampling, mark, ids, logprobs)
+                if grammar:  # the matchers follow the ids on the masks' worker
+                    step.grammar = masks.follow(ids, sampling, occupants, rows, batch.requests)
+                if sync:
+                    self.reader.read(step)
+                else:
+                    self.inflight = step
         if prev is not None:
             self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
 
     def _check_grammars(self) -> None:
         """Raise for grammars that failed to compile (with nothing to run,
-        wait a little for one to finish instead of spinning); finish the preempted
-        requests whose grammar an id read after they left ended."""
+        wait a little for one to finish instead of spinning)."""
         grammars = self._grammars
         if grammars.waiting:
             idle = not self.scheduler.running and self.inflight is None
             grammars.check_compiled(0.01 if idle else 0.0)
-        if grammars.ended:
-            ended = list(grammars.ended)
-            grammars.ended.clear()  # in place: the states hold this list
-            for req, reason in ended:
-                if not req.is_finished:
-                    self.reader.finish(req, reason)
-
-    def _requests(self, slots: np.ndarray) -> list[Request | None]:
-        by_slot = self.batch.requests
-        return [by_slot[s] for s in slots.tolist()]
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

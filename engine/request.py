@@ -200,8 +200,6 @@ class Request:
         """An id sampled before it was preempted, read since."""
         self.output_ids.append(token_id)
         self._num_inflight -= 1
-        if self.structured is not None:  # its matcher follows every id
-            self.structured.accept_departed(self, token_id)
 
     # -- token state, wherever it lives ----------------------------------------
 

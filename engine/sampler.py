@@ -30,7 +30,7 @@ from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured.grammars import BatchBitmask
+    from engine.structured.masks import BatchBitmask
 
 
 # The row of a request that a read just before sampling finished (engine.step): it is

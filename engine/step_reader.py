@@ -1,12 +1,13 @@
 """Reading a launched step's ids: into the batch, then their consequences for the few
-rows that have any (first tokens, stops by id, length or stop string, grammars, and
-the news of streamed requests). The engine launches steps; this is what it does
+rows that have any (first tokens, stops by id, length or stop string, ended grammars,
+and the news of streamed requests). The engine launches steps; this is what it does
 with their ids once they are on the host."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class LaunchedStep:
     mark: LaunchMark
     token_ids: SampledIds | np.ndarray
     logprobs: list[TokenLogprob | None] | None = None
+    # Its grammar rows' matchers following the ids: the requests they end ([(req, reason)])
+    grammar: Future[list[tuple[Request, str]]] | None = None
 
 
 class StepReader:
@@ -62,7 +65,7 @@ class StepReader:
                 ids = ids.numpy()
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
-            self._apply(self.batch.read(step.slots, step.mark, ids))
+            self._apply(self.batch.read(step.slots, step.mark, ids), step.grammar)
 
     def _keep_logprobs(self, step: LaunchedStep) -> None:
         batch = self.batch
@@ -80,7 +83,7 @@ class StepReader:
             if not req.scores_prompt:
                 batch.prompt_scored(slot)
 
-    def _apply(self, got: ReadTokens) -> None:
+    def _apply(self, got: ReadTokens, grammar: Future | None) -> None:
         """The read ids' consequences, for the few rows that have any: first tokens,
         stops, and the news of streamed requests."""
         batch = self.batch
@@ -102,8 +105,10 @@ class StepReader:
                 token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
             ):
                 self._check_token_stop(req, token_id)
-        if batch.num_grammar:  # after the stops: a stop id ends it first
-            self._accept_grammars(got)
+        if grammar is not None:  # after the stops: a stop id ends it first
+            for req, reason in grammar.result():  # preempted ones too
+                if not req.is_finished:
+                    self.finish(req, reason)
         if not got.streamed:
             return
         interval = self.config.stream_interval
@@ -121,21 +126,6 @@ class StepReader:
             emitted = req.num_emitted_tokens
             if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
                 news[req] = None
-
-    def _accept_grammars(self, got: ReadTokens) -> None:
-        """Each grammar row's matcher accepts its new id; a complete grammar
-        (or a refused id) finishes the request."""
-        rows = self.batch.has_grammar[got.slots]
-        if not rows.any():
-            return
-        by_slot = self.batch.requests
-        for slot, token_id in zip(got.slots[rows].tolist(), got.token_ids[rows].tolist()):
-            req = by_slot[slot]
-            if req is None or req.is_finished:
-                continue  # a stop id or the length limit ended it in this read
-            end = req.structured.accept(token_id)
-            if end is not None:
-                self.finish(req, end)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         """req just sampled token_id, one of its stop ids, or reached its length limit."""

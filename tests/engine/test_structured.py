@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 import xgrammar as xgr
@@ -225,6 +226,58 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
     assert together == alone
 
 
+def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, monkeypatch):
+    """Once a request sampled, its matcher follows its ids and fills its next mask in
+    the same job on the masks' worker: a separate fill happens only for each request's
+    first mask (the outputs stay exact: the other structured tests)."""
+    import sys
+
+    from engine.structured.masks import GrammarMasks
+
+    fill = GrammarMasks.fill
+    rows: dict[str, list[int]] = {"_prepare": [], "_follow": []}
+
+    def counting(self, states, slots):
+        rows[sys._getframe(1).f_code.co_name].extend(slots)
+        fill(self, states, slots)
+
+    monkeypatch.setattr(GrammarMasks, "fill", counting)
+    spec = GrammarSpec("regex", "[a-z]{30}")
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec) for i in range(8)
+    ]
+    outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
+    assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
+    assert len(rows["_prepare"]) == 8  # each request's first mask
+    # Every later one: each id but the last (EOS, which ends the grammar) is followed.
+    assert len(rows["_follow"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+
+
+def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch):
+    """A fill that raises on the worker thread is raised by the engine's step, not lost
+    (and nothing waits forever)."""
+    from engine.structured.masks import GrammarMasks
+
+    fill = GrammarMasks.fill
+    calls = []
+
+    def failing(self, states, slots):
+        calls.append(slots)
+        if len(calls) == 3:
+            raise RuntimeError("fill failed")
+        fill(self, states, slots)
+
+    monkeypatch.setattr(GrammarMasks, "fill", failing)
+    engine = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8).engine
+    params = SamplingParams(
+        max_tokens=30, temperature=1.0, seed=0, grammar=GrammarSpec.choice(["a" * 40])
+    )
+    engine.add_request("r", [1, 2, 3], params)
+    with pytest.raises(RuntimeError, match="fill failed"):
+        for _ in range(10):
+            engine.step()
+
+
 def test_abort_mid_grammar_frees_everything(llm):
     engine = llm.engine
     spec = GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}})
@@ -303,63 +356,99 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
                 assert state.accept(token_id) is None
         return SimpleNamespace(structured=state, is_finished=False)
 
+    generation = iter(range(100))  # each call: new requests in the slots
+
+    def mask(rows):
+        grammar = np.array([r.structured is not None for r in rows])
+        if not grammar.any():
+            return None
+        slots = np.arange(len(rows))
+        generations = np.full_like(slots, next(generation))
+        return grammars.masks.build(slots, generations, grammar, rows)
+
     rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
     assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
     logits = torch.zeros(3, llm.engine.vocab_size)
-    grammars.fill(rows).apply(logits)
+    mask(rows).apply(logits)
     allowed = logits > float("-inf")
     assert not allowed[0, eos] and allowed[1, eos]  # "" cannot end; "abb" can
     assert allowed[1, tokenizer.encode("b")[0]]
     assert allowed[0, tokenizer.encode("a")[0]] and not allowed[0, tokenizer.encode("b")[0]]
     assert allowed[2].all()  # no grammar: nothing masked
-    assert grammars.fill([row(None)]) is None
+    assert mask([row(None)]) is None
     choice = row(GrammarSpec.choice(["ab"]), "ab")  # complete: only EOS may follow
     logits = torch.zeros(1, llm.engine.vocab_size)
-    grammars.fill([choice]).apply(logits)
+    mask([choice]).apply(logits)
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
     assert choice.structured.accept(eos) == "stop"
     # An id the grammar refuses ends that request alone, as an abort.
     assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
 
 
-def test_padding_ids_past_the_tokenizer_are_masked_in_grammar_rows_only(llm):
+def check_padding_masks(tokenizer, device: str) -> None:
     """A model vocabulary padded past the tokenizer's (Qwen's 151936 rows for ~151k
     tokens): the matchers know the tokenizer's ids only, grammar rows mask the padding
-    ids, and rows without a grammar keep them."""
+    ids, and rows without a grammar keep them, also when a slot changes kind."""
     from types import SimpleNamespace
 
     from engine.structured.grammars import Grammars
 
-    tokenizer = llm.tokenizer
     vocab = len(tokenizer) + 100
-    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id], 4, torch.device("cpu"))
-    state = grammars.state("unit", GrammarSpec("regex", "[ab]+"))
-    state.compiled.result()
-    assert state.ready()
-    rows = [SimpleNamespace(structured=state, is_finished=False), None]
-    logits = torch.zeros(2, vocab)
-    grammars.fill(rows).apply(logits)
-    allowed = logits > float("-inf")
-    assert not allowed[0, len(tokenizer) :].any()
-    assert allowed[0, tokenizer.encode("a")[0]] and allowed[0, tokenizer.encode("b")[0]]
-    assert allowed[1].all()
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id], 4, torch.device(device))
+    masks = grammars.masks
+    assert masks.words < masks.width
+    a, b = tokenizer.encode("a")[0], tokenizer.encode("b")[0]
+
+    def row(regex: str | None):
+        if regex is None:
+            return SimpleNamespace(structured=None, is_finished=False)
+        state = grammars.state("unit", GrammarSpec("regex", regex))
+        state.compiled.result()
+        assert state.ready()
+        return SimpleNamespace(structured=state, is_finished=False)
+
+    def allowed(slots: list[int], rows, generation: int) -> torch.Tensor:
+        logits = torch.zeros(len(rows), vocab, device=device)
+        by_slot = [rows[slots.index(s)] for s in range(len(rows))]
+        grammar = np.array([r.structured is not None for r in rows])
+        slots = np.array(slots)
+        generations = np.full_like(slots, generation)
+        masks.build(slots, generations, grammar, by_slot).apply(logits)
+        return (logits > float("-inf")).cpu()
+
+    # Rows in another order than their slots; slot 1 has a grammar, slot 0 not.
+    first = allowed([1, 0], [row("[ab]+"), row(None)], 0)
+    assert not first[0, len(tokenizer) :].any()
+    assert first[0, a] and first[0, b] and first[0].sum() == 2
+    assert first[1].all()
+    # Each slot changes kind (new requests: a new generation): slot 0 now has a
+    # grammar ("b"), slot 1 not.
+    second = allowed([0, 1], [row("b"), row(None)], 1)
+    assert not second[0, len(tokenizer) :].any()
+    assert second[0, b] and second[0].sum() == 1
+    assert second[1].all()
     grammars.close()
+
+
+def test_padding_ids_past_the_tokenizer_are_masked_in_grammar_rows_only(llm):
+    check_padding_masks(llm.tokenizer, "cpu")
 
 
 def test_preempted_grammar_requests_keep_their_matchers(tiny_gpt2_dir, monkeypatch):
     """Tight KV preempts running grammar rows, some with an id still on the device: their
     matchers accept it when it is read after they left, and every output still matches
     and equals the request's output alone (seeded)."""
-    from engine.structured.grammars import GrammarState
+    from engine.request import Request
 
     departed = []
-    accept = GrammarState.accept_departed
+    receive = Request.receive_departed
 
-    def counting(self, req, token_id):
-        departed.append(token_id)
-        accept(self, req, token_id)
+    def counting(self, token_id):
+        if self.structured is not None:
+            departed.append(token_id)
+        receive(self, token_id)
 
-    monkeypatch.setattr(GrammarState, "accept_departed", counting)
+    monkeypatch.setattr(Request, "receive_departed", counting)
     tight = LLM(tiny_gpt2_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96)
     params = [
         SamplingParams(max_tokens=60, temperature=1.0, seed=i, grammar=GrammarSpec("regex", REGEX))

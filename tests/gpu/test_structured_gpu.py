@@ -10,8 +10,15 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.loader import load_tokenizer
 from engine.structured.spec import GrammarSpec
-from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
+from tests.engine.test_structured import (
+    REGEX,
+    SCHEMA,
+    Reference,
+    check_padding_masks,
+    masked_greedy,
+)
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU
@@ -61,3 +68,40 @@ def test_mixed_batch_matches_alone_on_cuda(tiny_gpt2_dir):
         for p, sp in zip(prompts, params)
     ]
     assert together == alone
+
+
+def test_padding_ids_are_masked_in_grammar_rows_only_on_cuda(tiny_gpt2_dir):
+    """The per-slot host rows reach the device through a strided copy and a gather."""
+    check_padding_masks(load_tokenizer(tiny_gpt2_dir), "cuda")
+
+
+def test_the_stream_waits_for_the_device_flag():
+    """What is queued after wait(n) runs only once a host thread set n: a copy queued
+    behind it reads what the host wrote just before setting the flag."""
+    import threading
+    import time
+
+    import torch
+
+    from engine.structured.device_flag import DeviceFlag
+
+    device = torch.device("cuda")
+    flag = DeviceFlag.create(device)
+    assert flag is not None
+    source = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    target = torch.zeros(1, dtype=torch.int32, device=device)
+    flag.wait(1)
+    target.copy_(source, non_blocking=True)
+
+    def later():
+        time.sleep(0.2)
+        source.fill_(7)
+        flag.set(1)
+
+    thread = threading.Thread(target=later)
+    start = time.perf_counter()
+    thread.start()
+    torch.cuda.synchronize()
+    thread.join()
+    assert time.perf_counter() - start >= 0.2
+    assert target.item() == 7
