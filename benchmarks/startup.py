@@ -2,13 +2,12 @@
 
     python -m benchmarks.startup --model llama3-8b --runs 4 --drop-caches \
         --out benchmarks/results/startup-llama3-8b-h100.json
-    python -m benchmarks.startup --model demo --runs 3          # the CPU, the demo model
+    python -m benchmarks.startup --model demo --runs 3  # on the CPU, the demo model
 
-The checkpoint is written to disk once (`--checkpoint-dir`, reused after): for
-llama3-8b, random bf16 shards at Llama-3-8B's shapes (16 GB, the size the
-weights really take to read); for gpt2 / qwen2-0.5b, benchmarks.checkpoints;
-`demo` starts the server on its embedded demo model; `--model-dir` any
-checkpoint. Each run starts the server as a subprocess, polls /health every
+The checkpoint is written to disk once and reused (benchmarks.checkpoints
+disk_checkpoint: for llama3-8b, random bf16 shards at Llama-3-8B's shapes, the
+16 GB the real weights take to read); `demo` starts the server on its embedded
+demo model; `--model-dir` serves any checkpoint. Each run starts the server as a subprocess, polls /health every
 few milliseconds, and stamps every log line as it arrives, so that the time to
 ready splits into phases at the startup log's lines (imports before the first
 line, weights, KV cache, decode and prefill graph capture, the rest).
@@ -25,6 +24,7 @@ every kernel.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing
 import os
@@ -34,7 +34,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -45,7 +44,6 @@ from pathlib import Path
 from benchmarks.provenance import git_commit
 
 POLL_S = 0.005  # a benchmark, not a test: the ready instant matters to the millisecond
-SHARD_BYTES = 4 << 30
 
 # The startup log's milestones, in the order they appear (engine/engine.py,
 # engine/model_runner.py, engine/cuda_graphs.py, server/app.py, uvicorn).
@@ -104,81 +102,20 @@ def drop_caches() -> bool:
         return False
 
 
-def write_random_shards(name: str, path: Path, dtype_name: str) -> None:
-    """A checkpoint at `name`'s shapes, random weights written as safetensors shards:
-    matrices N(0, 0.02), vectors 1 (as the loader's random fill). Drawn on the GPU
-    when there is one (an 8B model's 16 GB in seconds, not minutes)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.checkpoints import CONFIGS, synthetic_tokenizer
-
-    dtype = getattr(torch, dtype_name)
-    config = CONFIGS[name]()
-    tokenizer = synthetic_tokenizer(min(config.vocab_size, 50257))
-    config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
-    config.dtype = dtype
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=device).manual_seed(0)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    items = [(k, v) for k, v in model.state_dict().items()]
-    if config.tie_word_embeddings:
-        items = [(k, v) for k, v in items if k != "lm_head.weight"]
-    for i, (key, meta) in enumerate(items):
-        if meta.dim() > 1:
-            t = torch.empty(meta.shape, dtype=dtype, device=device).normal_(0, 0.02, generator=gen)
-        else:
-            t = torch.ones(meta.shape, dtype=dtype, device=device)
-        shard[key] = t.cpu()
-        size += t.numel() * t.element_size()
-        if size >= SHARD_BYTES or i == len(items) - 1:
-            fname = f"model-{len(set(weight_map.values())):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, fname))
-            shard, size = {}, 0
-    index = {"metadata": {}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(path)  # whole or not at all: a killed write is not reused
-
-
 def checkpoint(args: argparse.Namespace) -> str | None:
     """The model directory to serve (None: the demo model)."""
     if args.model_dir:
         return args.model_dir
     if args.model == "demo":
         return None
-    path = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / f"pagoda-startup-{args.model}")
-    if path.is_dir() and (path / "config.json").is_file():
-        return str(path)
-    start = time.perf_counter()
-    if args.model == "llama3-8b":
-        # In a process of its own: this one must not hold a CUDA context (and its
-        # memory) while the server sizes its KV cache.
-        writer = multiprocessing.get_context("spawn").Process(
-            target=write_random_shards, args=(args.model, path, args.dtype)
-        )
-        writer.start()
-        writer.join()
-        if writer.exitcode != 0:
-            raise SystemExit(f"writing the checkpoint failed (exit code {writer.exitcode})")
-        out = str(path)
-    else:
-        import torch
+    from benchmarks.checkpoints import disk_checkpoint
 
-        from benchmarks.checkpoints import build_checkpoint
-
-        out = build_checkpoint(args.model, path, getattr(torch, args.dtype))
-    print(f"checkpoint written to {out} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return out
+    # In a process of its own: this one must not hold a CUDA context (and its memory)
+    # while the server sizes its KV cache.
+    with concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        return pool.submit(disk_checkpoint, args.model, args.dtype, args.checkpoint_dir).result()
 
 
 def time_to_ready(
@@ -272,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model-dir", default=None, help="serve this checkpoint instead")
     p.add_argument("--checkpoint-dir", default=None, help="where to write (or find) it")
-    p.add_argument("--dtype", default="bfloat16", help="of the written checkpoint")
+    p.add_argument("--dtype", default="bfloat16", help="of a checkpoint written here")
     p.add_argument("--runs", type=int, default=3, help="server starts, one after another")
     p.add_argument(
         "--drop-caches",
