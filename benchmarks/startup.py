@@ -45,9 +45,12 @@ from benchmarks.provenance import git_commit
 
 POLL_S = 0.005  # a benchmark, not a test: the ready instant matters to the millisecond
 
-# The startup log's milestones, in the order they appear (engine/engine.py,
-# engine/model_runner.py, engine/cuda_graphs.py, server/app.py, uvicorn).
+# The startup log's milestones, in the order they appear (uvicorn, engine/engine.py,
+# engine/model_runner.py, engine/cuda_graphs.py, server/app.py). With
+# --engine-process, "app_startup" comes before the engine process is spawned.
 MARKERS = {
+    "app_startup": re.compile(r"Waiting for application startup"),  # uvicorn: the lifespan
+    "building": re.compile(r"pagoda\.engine.*: building the engine"),
     "loading": re.compile(r"pagoda\.engine.*: loading "),
     "weights_loaded": re.compile(r"pagoda\.engine.*: weights loaded"),
     "kv_cache": re.compile(r"pagoda\.engine.*: KV cache: "),
@@ -60,7 +63,10 @@ MARKERS = {
 }
 # Phase name -> (from marker, to marker); "spawn" is the Popen, "ready" the first 200.
 PHASES = {
-    "before_loading": ("spawn", "loading"),  # interpreter, imports, the model config
+    "before_loading": ("spawn", "loading"),  # all of the three below
+    "api_imports": ("spawn", "app_startup"),  # the interpreter, the HTTP side's modules
+    "engine_imports": ("app_startup", "building"),  # torch, Triton, the model code
+    "model_config": ("building", "loading"),  # transformers' config, the model on meta
     "weights": ("loading", "weights_loaded"),
     "kv_cache": ("weights_loaded", "kv_cache"),
     "decode_graphs": ("capturing_decode", "decode_captured"),

@@ -198,7 +198,7 @@ def _child_main(
     except BaseException as exc:
         clients.send_all(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    clients.ready(Ready(EngineInfo.of(engine, with_tokenizer=False), engine.get_stats()))
+    clients.ready(Ready(EngineInfo.of(engine), engine.get_stats()))
     ready.set()
 
     def read(client: int, inbox: Connection) -> None:
