@@ -91,6 +91,15 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="steps with prefill run eagerly (decode-only steps still replay CUDA graphs)",
     )
     e.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 24 ... "
+        "every 8; --max-num-seqs is always one): fewer capture faster, padding more rows",
+    )
+    e.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
@@ -280,6 +289,7 @@ def parse_configs(
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
             prefill_graphs=args.prefill_graphs,
+            cuda_graph_sizes=args.cuda_graph_sizes,
             async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,
