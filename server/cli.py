@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from engine.heap import pause_collection
 from server.config import TOOL_CALL_PARSERS, ServerConfig
 
 if TYPE_CHECKING:
@@ -348,13 +349,14 @@ def serve(
         from engine.tp_worker import serve_headless
 
         return serve_headless(engine_config)
-    from server.app import create_app
-    from server.http_server import serve_app
-
     if server_config.api_server_count > 1:
         from server.api_servers import run_api_servers
 
         return run_api_servers(engine_config, server_config, engine_factory)
+    pause_collection()  # until the lifespan freezes the startup heap (engine/heap.py)
+    from server.app import create_app
+    from server.http_server import serve_app
+
     app = create_app(engine_config, server_config, engine_factory)
     # SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
     return 0 if serve_app(app, server_config, None) else 1
