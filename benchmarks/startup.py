@@ -3,14 +3,17 @@
     python -m benchmarks.startup --model llama3-8b --runs 4 --drop-caches \
         --out benchmarks/results/startup-llama3-8b-h100.json
     python -m benchmarks.startup --model demo --runs 3  # on the CPU, the demo model
+    python -m benchmarks.startup --model llama3-8b \
+        --server-args="--cuda-graph-sizes 1 2 4 8 16 32 64 128 256"  # fewer decode graphs
 
 The checkpoint is written to disk once and reused (benchmarks.checkpoints
 disk_checkpoint: for llama3-8b, random bf16 shards at Llama-3-8B's shapes, the
 16 GB the real weights take to read); `demo` starts the server on its embedded
-demo model; `--model-dir` serves any checkpoint. Each run starts the server as a subprocess, polls /health every
-few milliseconds, and stamps every log line as it arrives, so that the time to
-ready splits into phases at the startup log's lines (imports before the first
-line, weights, KV cache, decode and prefill graph capture, the rest).
+demo model; `--model-dir` serves any checkpoint. Each run starts the server as
+a subprocess, polls /health every few milliseconds, and stamps every log line
+as it arrives, so that the time to ready splits into phases at the startup
+log's lines (the API side's imports, the engine's, the model config, weights,
+KV cache, decode and prefill graph capture, the rest).
 
 The first run reads the weights from disk only if the page cache does not hold
 them: `--drop-caches` empties it first (root only) and calls that run "cold";
@@ -222,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="empty the page cache before the first run (root only), making it cold",
     )
-    p.add_argument("--server-args", default="", help='more server flags, e.g. "--enforce-eager"')
+    p.add_argument(
+        "--server-args",
+        default="",
+        help='more server flags, given with "=": --server-args="--enforce-eager"',
+    )
     p.add_argument("--port", type=int, default=None, help="default: a free port")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
