@@ -99,8 +99,8 @@ _INITIALISERS = (
 
 def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.Module:
     """This rank's shard of the model on the meta device, its initialisers not run: every
-    weight comes from the checkpoint. Run, `normal_` on a meta tensor goes through
-    torch._refs, whose first use imports torch._dynamo: a second or more of startup."""
+    weight comes from the checkpoint, and `normal_` on a meta tensor would go through
+    torch._refs, whose first use imports torch._dynamo (a second or more of startup)."""
     with torch.device("meta"), _initialisers_skipped():
         return MODEL_TYPES[config.model_type](config, tp)
 
