@@ -32,6 +32,10 @@ class EngineConfig:
     # Steps with prefill tokens replay a CUDA graph per token bucket (engine.model_runner);
     # off: they run eagerly (decode-only steps still replay their graphs).
     prefill_graphs: bool = True
+    # Decode batch sizes to capture graphs for (vLLM's --cuda-graph-sizes); None: 1, 2,
+    # 4, then every 8. max_num_seqs is always one: a batch replays the smallest that
+    # holds it. Fewer sizes capture faster at startup and pad more rows per step.
+    cuda_graph_sizes: list[int] | None = None
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
     # --async-scheduling); off: every step's ids are read before the next is planned.
     async_scheduling: bool = True
@@ -74,6 +78,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         if self.log_stats_interval < 0:
             raise ValueError("log_stats_interval must be non-negative")
         if self.stream_interval < 1:
@@ -145,9 +153,13 @@ class EngineConfig:
         return -(-max_model_len // self.block_size)
 
     def cuda_graph_batch_sizes(self) -> list[int]:
-        """Decode batch buckets: 1, 2, 4, 8, then every 8 up to max_num_seqs."""
-        sizes = [b for b in (1, 2, 4) if b < self.max_num_seqs]
-        sizes += list(range(8, self.max_num_seqs, 8))
+        """Decode batch buckets: cuda_graph_sizes below max_num_seqs, else 1, 2, 4, 8,
+        then every 8; and max_num_seqs."""
+        if self.cuda_graph_sizes is not None:
+            sizes = sorted({b for b in self.cuda_graph_sizes if b < self.max_num_seqs})
+        else:
+            sizes = [b for b in (1, 2, 4) if b < self.max_num_seqs]
+            sizes += list(range(8, self.max_num_seqs, 8))
         return sizes + [self.max_num_seqs]
 
     def cuda_graph_bucket_table(self) -> list[int]:

@@ -21,8 +21,10 @@ replay (engine/step_channel.py), so its decode graphs do not copy it in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +50,8 @@ class CudaGraphs:
         self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
         # Only rank 0's logits mean anything (another rank's graphs take no argmax).
         self.driver = runner.tp.is_driver
+        # Captures run on a side stream: the legacy default stream cannot capture.
+        self.capture_stream = torch.cuda.Stream(runner.device) if config.use_cuda_graphs else None
         if config.use_cuda_graphs:
             sizes = config.cuda_graph_batch_sizes()
             logger.info("capturing decode graphs for batch sizes %s", _ranges(sizes))
@@ -178,7 +182,7 @@ class CudaGraphs:
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with capturing(graph, pool, self.capture_stream):
                 table.index_copy_(0, table_index, table_value)
                 logits = runner.forward(inp)  # the block-table gather included
                 if self.driver:
@@ -210,7 +214,7 @@ class CudaGraphs:
             # Another rank's graphs copy nothing in or out: one per bucket does.
             for i in range(runner.num_buffers if self.driver else 1):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with capturing(graph, pool, self.capture_stream):
                     if runner.channel is None:  # with several ranks, copied before the replay
                         runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
                     table.index_copy_(0, table_index[:bucket], table_value[:bucket])
@@ -225,6 +229,24 @@ class CudaGraphs:
                 self.decode[bucket].append(graph)
                 self.decode_logits[bucket].append(logits)
         torch.cuda.synchronize(runner.device)
+
+
+@contextlib.contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
+) -> Iterator[None]:
+    """torch.cuda.graph without what it does before each capture: synchronize, empty
+    the allocator's cache and the pinned host cache. Over a hundred captures in a row,
+    each handed the last warm-up's memory back to the driver, for the next warm-up to
+    allocate again (vLLM turns the emptying off during capture too). The captures
+    here follow a synchronize of their own; the work they record runs at replay."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            yield
+        finally:
+            graph.capture_end()
 
 
 def _ranges(sizes: list[int]) -> str:

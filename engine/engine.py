@@ -79,6 +79,7 @@ class Engine:
         model_dir = config.model or ensure_demo_model()
         self.model_dir = model_dir
         self.model_name = Path(model_dir).name if config.model else DEMO_MODEL_NAME
+        logger.info("building the engine for %s", model_dir)  # its modules are imported
         hf_config = load_config(model_dir)
         limit = max_model_len(hf_config)
         if config.max_model_len is None:

@@ -10,14 +10,32 @@ collection costs what the requests in flight have allocated. vLLM freezes its
 startup heap the same way. The cost: what is frozen is never collected, so a
 process that builds engine after engine (a test suite) should `gc.unfreeze()`
 between them, as tests/conftest.py does.
+
+Until then, the server does not collect at all (pause_collection): while
+startup builds that heap, each oldest-generation collection walks all of it so
+far, and the imports alone trigger several.
 """
 
 from __future__ import annotations
 
 import gc
 
+_paused = False  # collection was turned off by pause_collection, not by someone else
+
+
+def pause_collection() -> None:
+    """No collections until freeze_startup_heap (which turns them back on)."""
+    global _paused
+    if gc.isenabled():
+        gc.disable()
+        _paused = True
+
 
 def freeze_startup_heap() -> None:
     """Collect what startup left behind, then exempt every survivor from collection."""
+    global _paused
     gc.collect()
     gc.freeze()
+    if _paused:
+        gc.enable()
+        _paused = False

@@ -87,28 +87,27 @@ class AsyncEngine:
         # A thread that waits for the GIL gets it after this long at most; by default
         # (5 ms) a busy loop would stretch every decode step.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        if self._use_process:
-            process = EngineProcess(
-                self._config, self._factory, self._report, self._engine_exited,
-                GIL_SWITCH_INTERVAL_S, self._endpoint,
-            )  # fmt: skip
-            self._backend = process
-            # The tokenizer loads while the engine process builds (the demo model's
-            # directory is known only once the engine has written it).
-            model = self._config.model
-            tokenizer = (
-                asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, model)) if model else None
-            )
-            try:
+        # The API side's tokenizer and its byte table are made while the engine builds
+        # (the demo model's directory is known only once the engine has written it).
+        model = self._config.model
+        tokenizer = (
+            asyncio.ensure_future(asyncio.to_thread(_prepare_tokenizer, model)) if model else None
+        )
+        try:
+            if self._use_process:
+                process = EngineProcess(
+                    self._config, self._factory, self._report, self._engine_exited,
+                    GIL_SWITCH_INTERVAL_S, self._endpoint,
+                )  # fmt: skip
+                self._backend = process
                 info = await process.start()
-            except BaseException:
-                if tokenizer is not None:
-                    tokenizer.cancel()
-                raise
-            info.tokenizer = await (tokenizer or asyncio.to_thread(_load_tokenizer, info.model_dir))
-        else:
-            info = await self._start_thread()
-        await asyncio.to_thread(byte_table, info.tokenizer)  # built once, before a request
+            else:
+                info = await self._start_thread()
+        except BaseException:
+            if tokenizer is not None:
+                tokenizer.cancel()
+            raise
+        info.tokenizer = await (tokenizer or asyncio.to_thread(_prepare_tokenizer, info.model_dir))
         self.info = info
 
     async def _start_thread(self) -> EngineInfo:
@@ -121,7 +120,7 @@ class AsyncEngine:
         )
         self._thread.start()
         await ready
-        return EngineInfo.of(backend.engine, with_tokenizer=True)
+        return EngineInfo.of(backend.engine)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is in flight and stop the engine side."""
@@ -326,11 +325,13 @@ def _set_exception(future: asyncio.Future[None], exc: BaseException) -> None:
         future.set_exception(exc)
 
 
-def _load_tokenizer(model_dir: str):
-    """The API process's tokenizer. Not engine.models.loader's: that module brings the
-    model code (torch, Triton) into a process that never runs it. The engine process
-    loads the same directory's tokenizer, and its clear errors are the ones reported
-    (start() awaits the engine before this)."""
+def _prepare_tokenizer(model_dir: str):
+    """The API side's tokenizer, its byte table built (once, before a request). Not
+    engine.models.loader's: that module brings the model code (torch, Triton) into a
+    process that never runs it. The engine loads the same directory's tokenizer, and
+    its clear errors are the ones reported (start() awaits the engine before this)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    byte_table(tokenizer)
+    return tokenizer

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from engine.heap import pause_collection
 from server.config import TOOL_CALL_PARSERS, ServerConfig
 
 if TYPE_CHECKING:
@@ -89,6 +90,15 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         dest="prefill_graphs",
         action="store_false",
         help="steps with prefill run eagerly (decode-only steps still replay CUDA graphs)",
+    )
+    e.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 24 ... "
+        "every 8; --max-num-seqs is always one): fewer capture faster, padding more rows",
     )
     e.add_argument(
         "--no-async-scheduling",
@@ -280,6 +290,7 @@ def parse_configs(
             enable_prefix_caching=args.enable_prefix_caching,
             enforce_eager=args.enforce_eager,
             prefill_graphs=args.prefill_graphs,
+            cuda_graph_sizes=args.cuda_graph_sizes,
             async_scheduling=args.async_scheduling,
             seed=args.seed,
             nvtx=args.nvtx,
@@ -338,13 +349,14 @@ def serve(
         from engine.tp_worker import serve_headless
 
         return serve_headless(engine_config)
-    from server.app import create_app
-    from server.http_server import serve_app
-
     if server_config.api_server_count > 1:
         from server.api_servers import run_api_servers
 
         return run_api_servers(engine_config, server_config, engine_factory)
+    pause_collection()  # until the lifespan freezes the startup heap (engine/heap.py)
+    from server.app import create_app
+    from server.http_server import serve_app
+
     app = create_app(engine_config, server_config, engine_factory)
     # SIGINT/SIGTERM: drains connections, then the lifespan stops the engine.
     return 0 if serve_app(app, server_config, None) else 1

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
+from engine.heap import pause_collection
 from engine.request import TokenDeltas
 from server.engine_clients import Clients
 from server.engine_loop import Abort, Add, Credit, EngineFactory, EngineLoop, Listener, StepReport
@@ -179,6 +180,7 @@ def _child_main(
         level=log_level,
         format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
     )
+    pause_collection()  # until the engine's build freezes the startup heap (engine/heap.py)
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
     # Ctrl-C reaches the whole process group, and systemd or `kill -- -PGID` send
     # SIGTERM to it: the API processes drain their streams, which need this one,
@@ -198,7 +200,7 @@ def _child_main(
     except BaseException as exc:
         clients.send_all(Failed(f"{type(exc).__name__}: {exc}"))
         return
-    clients.ready(Ready(EngineInfo.of(engine, with_tokenizer=False), engine.get_stats()))
+    clients.ready(Ready(EngineInfo.of(engine), engine.get_stats()))
     ready.set()
 
     def read(client: int, inbox: Connection) -> None:

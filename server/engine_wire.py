@@ -53,8 +53,8 @@ _output_row = operator.attrgetter(*[f.name for f in dataclasses.fields(RequestOu
 @dataclass
 class EngineInfo:
     """What the API side needs of the engine: in the engine thread's layout read off
-    the engine, in the engine process's sent in Ready (the tokenizer then loaded
-    by the API process from model_dir)."""
+    the engine, in the engine process's sent in Ready. The tokenizer is the API
+    side's own, loaded from model_dir while the engine builds."""
 
     model_name: str
     model_dir: str
@@ -63,9 +63,8 @@ class EngineInfo:
     tokenizer: PreTrainedTokenizerBase | None = None
 
     @classmethod
-    def of(cls, engine: Engine, with_tokenizer: bool) -> EngineInfo:
-        tokenizer = engine.tokenizer if with_tokenizer else None
-        return cls(engine.model_name, engine.model_dir, engine.config, engine.vocab_size, tokenizer)
+    def of(cls, engine: Engine) -> EngineInfo:
+        return cls(engine.model_name, engine.model_dir, engine.config, engine.vocab_size)
 
     @property
     def max_model_len(self) -> int:

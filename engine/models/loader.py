@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -75,11 +76,49 @@ def load_config(model_dir: str) -> PretrainedConfig:
         if check is not None:
             check(config)
         checkpoint_fp8(config)  # a quantization scheme we cannot read fails here
-        with torch.device("meta"):  # builds the rotary embeddings, which check rope_scaling
-            MODEL_TYPES[config.model_type](config)
+        build_on_meta(config)  # builds the rotary embeddings, which check rope_scaling
     except ValueError as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
     return config
+
+
+# torch.nn.init's in-place initialisers, as nn.Linear, nn.Embedding and the norms call them.
+_INITIALISERS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+)
+
+
+def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.Module:
+    """This rank's shard of the model on the meta device, its initialisers not run: every
+    weight comes from the checkpoint, and `normal_` on a meta tensor would go through
+    torch._refs, whose first use imports torch._dynamo (a second or more of startup)."""
+    with torch.device("meta"), _initialisers_skipped():
+        return MODEL_TYPES[config.model_type](config, tp)
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    for name in saved:
+        setattr(nn.init, name, _return_tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def _return_tensor(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 def max_model_len(config: PretrainedConfig) -> int:
@@ -146,14 +185,15 @@ def load_model(
         quantization = "fp8"
     elif scheme is not None:
         logger.info("%s: FP8 checkpoint dequantized to %s on %s", model_dir, dtype, device)
-    with torch.device("meta"):
-        try:
-            model = MODEL_TYPES[config.model_type](config, tp)
-        except ValueError as e:  # a shape that does not split across the ranks
-            raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: {e}") from e
+    try:
+        model = build_on_meta(config, tp)
+    except ValueError as e:  # a shape that does not split across the ranks
+        raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: {e}") from e
     # Materialise without running the random initialisers, then fill from disk; cast on
     # the meta device first, so a bf16 model never takes fp32's memory on the device.
-    model = model.to(dtype).to_empty(device=device)
+    # Not to_empty(): empty_like of a meta tensor goes through torch._refs, whose first
+    # use imports sympy (a quarter of a second); _apply is what to_empty calls.
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
         return _finish(model, device, quantization), config

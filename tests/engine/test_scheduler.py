@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engine.block_table import BlockTable
@@ -184,6 +185,14 @@ def test_a_decode_batch_replays_the_smallest_bucket_that_holds_it():
     assert config.cuda_graph_batch_sizes() == [1, 2, 4, 8, 16, 20]
     table = config.cuda_graph_bucket_table()
     assert table[1:] == [1, 2, 4, 4, 8, 8, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 20, 20, 20, 20]
+
+
+def test_given_cuda_graph_sizes_replace_the_buckets_below_max_num_seqs():
+    config = EngineConfig(max_num_seqs=20, cuda_graph_sizes=[16, 4, 64, 4])
+    assert config.cuda_graph_batch_sizes() == [4, 16, 20]
+    assert config.cuda_graph_bucket_table()[1:] == [4] * 4 + [16] * 12 + [20] * 4
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(cuda_graph_sizes=[0, 8])
 
 
 def test_prefill_graph_token_buckets_double_then_step_by_256_to_the_budget():

@@ -106,6 +106,17 @@ def test_graphs_are_replayed_for_decode(tiny_gpt2_dir):
     assert replays and set(replays) <= {4}  # three sequences decode in the 4-bucket
 
 
+def test_given_cuda_graph_sizes_are_the_buckets_captured_and_replayed(tiny_gpt2_dir):
+    llm = LLM(tiny_gpt2_dir, device="cuda", dtype="float32", max_num_seqs=8, cuda_graph_sizes=[2])
+    runner = llm.engine.runner
+    assert sorted(runner.graphs.decode) == [2, 8]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    out = llm.generate(PROMPTS[:3], params, use_tqdm=False)  # decodes in the 8-bucket
+    assert runner.steps_by_path["graph"] > 0
+    eager = generate(tiny_gpt2_dir, PROMPTS[:3], MAX_NEW, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in out] == eager
+
+
 def test_decode_graph_takes_the_greedy_ids_that_the_sampler_would(tiny_gpt2_dir):
     """The graph's argmax lands in the buffer next step's inputs are gathered from; an
     all-greedy decode uses it as the step's ids, and it is the logits' argmax."""
