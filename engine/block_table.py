@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.input_batch import ONE
 from engine.staging import Fence, WaitClock
 
 
@@ -42,6 +43,7 @@ class BlockTable:
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
         self.flat = self.np.reshape(-1)  # a view
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
+        self.row_start = np.arange(max_num_seqs, dtype=np.int64) * max_blocks_per_seq  # in flat
         self.changed: list[int] = []  # flat indices of the entries written since the last send
         # With tensor parallelism: the span of rows [lo, hi) committed as a copy since
         # the step channel last took it (engine/step_channel.py), for the other ranks.
@@ -68,9 +70,9 @@ class BlockTable:
         """Row slots[i] gains blocks[i]: the decodes of a step that open a block each."""
         if self.sent is not None:
             self.sent.wait()
-        at = slots * self.width + self.num_blocks[slots]
-        self.flat[at] = blocks
-        self.num_blocks[slots] += 1
+        at = self.row_start[slots] + self.num_blocks[slots]
+        self.flat[at] = np.array(blocks, dtype=np.int32)  # a write that casts costs more
+        self.num_blocks[slots] += ONE
         self.changed += at.tolist()
 
     def clear_row(self, slot: int) -> None:

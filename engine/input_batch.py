@@ -50,13 +50,21 @@ class LaunchMark:
 # Rows of InputBatch.counts: one gather reads all of them for a step's slots.
 COMPUTED, TOKENS, KNOWN, LIMIT, CAPACITY, PROMPT, MIN_TOKENS = range(7)
 
+# A ufunc takes a 0-d array operand for less host time than a Python int (which
+# numpy converts on every call).
+ONE = np.array(1, dtype=np.int64)
+
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int) -> None:
         n = max_num_seqs
         # [slot, position] prompt then output ids the host knows. np.zeros maps fresh
-        # pages lazily: only the rows and positions written take memory.
-        self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int32)
+        # pages lazily: only the rows and positions written take memory. int64, the
+        # sampled ids' type: a fancy write that casts costs several times one that
+        # does not, and the step's ids are written through the flat view.
+        self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int64)
+        self.token_flat = self.token_ids.reshape(-1)  # a view
+        self.row_start = np.arange(n, dtype=np.int64) * (max_model_len + 1)  # by slot
         self.counts = np.zeros((7, n), dtype=np.int64)
         self.num_computed = self.counts[COMPUTED]  # KV computed or scheduled
         self.num_tokens = self.counts[TOKENS]  # known ids plus those on the device
@@ -102,6 +110,9 @@ class InputBatch:
         self.requests: list[Request | None] = [None] * n  # by slot
         self.running: list[Request] = []  # arrival order: the batch order
         self.slots = np.zeros(0, dtype=np.int64)  # their slots, in that order
+        # Bumped whenever `slots` changes (a request enters or leaves): what a reader
+        # derived from `slots` under one layout holds until the next.
+        self.layout = 0
         self.free_slots = list(range(n - 1, -1, -1))
         # Requests preempted with ids on the device, by (slot, generation): those ids
         # are theirs when read (see read()).
@@ -157,6 +168,7 @@ class InputBatch:
         self.requests[slot] = req
         self.running.append(req)
         self.slots = np.append(self.slots, slot)
+        self.layout += 1
         req.attach(self, slot)
         return slot
 
@@ -167,6 +179,7 @@ class InputBatch:
         index = self.running.index(req)
         del self.running[index]
         self.slots = np.delete(self.slots, index)
+        self.layout += 1
         req.detach(
             self.token_ids[slot, self.num_prompt[slot] : self.num_known[slot]].tolist(),
             int(self.num_computed[slot]),
@@ -199,7 +212,7 @@ class InputBatch:
     def launched(self, slots: np.ndarray) -> LaunchMark:
         """These rows sampled a token on the device; what read() needs to know which
         of them still belong to the same requests then."""
-        self.num_tokens[slots] += 1
+        self.num_tokens[slots] += ONE
         return LaunchMark(self.departures, self.generation[slots])
 
     def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens:
@@ -218,8 +231,8 @@ class InputBatch:
                         departed.append((req, int(token_ids[i])))
                 slots, token_ids = slots[live], token_ids[live]
         known = self.num_known[slots]
-        self.token_ids[slots, known] = token_ids
-        known += 1
+        self.token_flat[self.row_start[slots] + known] = token_ids
+        known += ONE
         self.num_known[slots] = known
         done = known >= self.max_num_tokens[slots]
         num_done = np.count_nonzero(done)

@@ -75,7 +75,8 @@ class ModelRunner:
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
-        self.block_shift = config.block_size.bit_length() - 1  # a power of two
+        # A power of two; a 0-d array, which a ufunc takes for less host time than an int.
+        self.block_shift = np.array(config.block_size.bit_length() - 1)
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
@@ -133,6 +134,11 @@ class ModelRunner:
         self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
         self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
+        # By host buffer: the InputBatch layout whose decode wrote its slot indices,
+        # query starts and logits rows (None: another step's, or none yet); and the
+        # layout whose decode gathered row i's input from sampled row i.
+        self.decode_layout: list[int | None] = [None] * self.num_buffers
+        self.gather_layout: list[int | None] = [None] * self.num_buffers
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's fence follows its last copy (a send, or the decode graph
@@ -143,6 +149,9 @@ class ModelRunner:
         self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], self.device, self.clock)
         # By slot: where its last sampled token is in StagedFields.words.
         self.sampled_at = np.zeros(seqs, dtype=np.int64)
+        # The InputBatch layout whose decode (all its slots, in order) last set
+        # sampled_at: row i of the batch at sampled row i. None: some other step's.
+        self.sampled_layout: int | None = None
         # By slot: where its block-table row starts in the table's flat view.
         self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
@@ -224,10 +233,17 @@ class ModelRunner:
             positions = buf["positions"][:n]
             positions[:] = starts
             token_slots, known = slots, out.num_known
-            qsl[: n + 1] = arange[: n + 1]
-            buf["logits_indices"][:n] = arange[:n]
+            # The buffer's last decode of the same batch layout wrote these already.
+            layout = out.layout
+            if layout is None or self.decode_layout[self.parity] != layout:
+                qsl[: n + 1] = arange[: n + 1]
+                buf["logits_indices"][:n] = arange[:n]
+                buf["slot_indices"][:n] = slots
+                self.decode_layout[self.parity] = layout
             max_query_len = 1
         else:
+            self.decode_layout[self.parity] = None
+            buf["slot_indices"][:n] = slots
             qsl[0] = 0
             np.cumsum(num_new, out=qsl[1 : n + 1])
             positions = buf["positions"][:num_tokens]
@@ -239,7 +255,6 @@ class ModelRunner:
             buf["logits_indices"][: len(sampling_last)] = sampling_last
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
-        buf["slot_indices"][:n] = slots
         # slot = block * block_size + offset, read off the block table's host mirror:
         # (block - index of the block in its row) * block_size + position.
         block_index = positions >> shift
@@ -249,17 +264,27 @@ class ModelRunner:
         slot_mapping += positions
         gather = buf["input_gather"][:num_tokens]
         on_device = positions >= known
-        if np.count_nonzero(on_device) == num_tokens:  # a decode's usual case: sampled last step
-            gather[:] = self.sampled_at[token_slots]
-        else:
+        layout = out.layout if out.is_decode_only else None
+        parity = self.parity
+        if np.count_nonzero(on_device) != num_tokens:
             on_host = ~on_device
             ids = buf["input_ids"][:num_tokens]
             ids[on_host] = self.batch.token_ids[token_slots[on_host], positions[on_host]]
             np.add(arange[:num_tokens], self.ids_offset, out=gather)
             gather[on_device] = self.sampled_at[token_slots[on_device]]
-        # The ids this step samples land in the sampled-ids buffer in sampling order.
-        sampling = out.sampling_slots
-        self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
+            self.gather_layout[parity] = None
+        elif layout is None or self.sampled_layout != layout:
+            gather[:] = self.sampled_at[token_slots]  # a decode's usual case: sampled last step
+            self.gather_layout[parity] = None
+        elif self.gather_layout[parity] != layout:  # row i's input: last step's sampled row i
+            gather[:] = self.sampled_words[:n]
+            self.gather_layout[parity] = layout
+        # The ids this step samples land in the sampled-ids buffer in sampling order
+        # (a decode of the last step's layout: as they did last step).
+        if layout is None or self.sampled_layout != layout:
+            sampling = out.sampling_slots
+            self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
+            self.sampled_layout = layout
         return max_query_len
 
     def next_buffers(self) -> None:

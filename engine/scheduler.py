@@ -51,6 +51,9 @@ class SchedulerOutput:
     # [num_seqs] int64: tokens computed after this step (starts + num_new_tokens).
     seq_lens: np.ndarray | None = None
     num_sampling: int = -1  # sequences that sample (-1: count `samples`)
+    # InputBatch.layout when the sequences are all its running requests (their slots
+    # are the batch's `slots`), else None: what was derived from those slots holds.
+    layout: int | None = None
 
     def __post_init__(self) -> None:
         num_seqs = len(self.slots)
@@ -90,6 +93,10 @@ class Scheduler:
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
         self.every_row.flags.writeable = False
+        # 0-d arrays: a ufunc takes them for less host time than Python ints.
+        self.block_shift = np.array(config.block_size.bit_length() - 1)  # a power of two
+        self.block_mask = np.array(config.block_size - 1)
+        self.ones = np.ones(config.max_num_seqs, dtype=np.int64)
 
     @property
     def running(self) -> list[Request]:
@@ -136,6 +143,8 @@ class Scheduler:
             preempted,
             ends,
             num_seqs if whole else -1,
+            # Always a subsequence of the batch's slots, in order: all of them, if as many.
+            self.batch.layout if num_seqs == len(self.batch) else None,
         )
 
     def _schedule_running(
@@ -154,7 +163,7 @@ class Scheduler:
         whole = not np.count_nonzero(at_limit)  # else num_new and ends differ for some
         if not whole:
             num_new[at_limit] = 0
-        total = int(np.add.reduce(num_new))
+        total = int(num_new.dot(self.ones[: len(num_new)]))  # a sum, for less than a reduction
         if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
@@ -192,11 +201,10 @@ class Scheduler:
         many running requests are left."""
         running = self.batch.running
         reqs = [running[i] for i in rows.tolist()]
-        shift = self.blocks.block_size.bit_length() - 1  # a power of two
         # The last block of each may be full now: the prefix cache may have it.
         self.blocks.note_filled(reqs)
-        bs = self.blocks.block_size
-        need = ((ends[rows] + bs - 1) >> shift) - (counts[CAPACITY][rows] >> shift)
+        # Capacities are whole blocks: (ends - capacity) / block_size, rounded up.
+        need = (ends[rows] - counts[CAPACITY][rows] + self.block_mask) >> self.block_shift
         fresh = self.blocks.grow(reqs, need.tolist())
         if fresh is not None:  # the usual case: blocks for everyone
             grown = slots[rows]
@@ -205,7 +213,7 @@ class Scheduler:
             else:
                 for req in reqs:
                     self.block_table.update_row(req.slot, req.block_ids)
-            self.batch.capacity[grown] += need << shift
+            self.batch.capacity[grown] += need << self.block_shift
             return len(running)
         num_new = ends - counts[COMPUTED]
         for i, req in zip(rows.tolist(), reqs):
