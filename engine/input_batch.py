@@ -53,6 +53,7 @@ COMPUTED, TOKENS, KNOWN, LIMIT, CAPACITY, PROMPT, MIN_TOKENS = range(7)
 # A ufunc takes a 0-d array operand for less host time than a Python int (which
 # numpy converts on every call).
 ONE = np.array(1, dtype=np.int64)
+NO_LIMIT = 1 << 62
 
 
 class InputBatch:
@@ -79,6 +80,10 @@ class InputBatch:
         self.stop_ids = np.full((n, 1), -1, dtype=np.int64)
         self.stop_count = np.zeros(vocab_size, dtype=np.int32)
         self.num_stopping = 0  # rows with any stop id
+        # A lower bound on every running row's max_num_tokens - num_tokens: while it is
+        # positive no row is at its length limit, and neither the scheduler nor a read
+        # looks for one. A launch adds at most one token to each row: one less.
+        self.headroom = NO_LIMIT
         # Rows whose first output id has not been read (num_known == num_prompt).
         self.num_awaiting_first = 0
         # What the sampler and the engine ask of every row, every step. Each flag
@@ -135,6 +140,7 @@ class InputBatch:
         self.num_tokens[slot] = n
         self.num_computed[slot] = req.num_computed_tokens
         self.max_num_tokens[slot] = req.max_num_tokens
+        self.headroom = min(self.headroom, req.max_num_tokens - n)
         params = req.params
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
@@ -213,12 +219,14 @@ class InputBatch:
         """These rows sampled a token on the device; what read() needs to know which
         of them still belong to the same requests then."""
         self.num_tokens[slots] += ONE
+        self.headroom -= 1
         return LaunchMark(self.departures, self.generation[slots])
 
-    def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens:
+    def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens | None:
         """Append a step's sampled ids [k] to the rows that sampled them, and find the
         rows they stop. Ids of a request that has left since are dropped, or, if it
-        was preempted, appended to its own list (it recomputes them)."""
+        was preempted, appended to its own list (it recomputes them). None: no row
+        needs a look (no stop, first token, stream, grammar or departed request)."""
         departed: list[tuple[Request, int]] = []
         if mark.departures != self.departures:
             live = self.generation[slots] == mark.generations
@@ -234,17 +242,19 @@ class InputBatch:
         self.token_flat[self.row_start[slots] + known] = token_ids
         known += ONE
         self.num_known[slots] = known
-        done = known >= self.max_num_tokens[slots]
-        num_done = np.count_nonzero(done)
+        done, num_done = None, 0
+        if self.headroom <= 0:  # a row may have reached its length limit
+            done = known >= self.max_num_tokens[slots]
+            num_done = np.count_nonzero(done)
         # Someone's stop id among the ids: whose, exactly?
         if self.num_stopping and np.count_nonzero(self.stop_count[token_ids]):
             stop = (self.stop_ids[slots] == token_ids[:, None]).any(1)
             stop &= known - self.num_prompt[slots] >= self.min_tokens[slots]
-            done |= stop
+            done = stop if done is None else done | stop
             num_done = np.count_nonzero(done)
         first = None
         if self.num_awaiting_first:
-            first = known == self.num_prompt[slots] + 1
+            first = known == self.num_prompt[slots] + ONE
             num_first = np.count_nonzero(first)
             self.num_awaiting_first -= num_first
             if not num_first:
@@ -255,6 +265,8 @@ class InputBatch:
             streamed = [self.requests[s] for s in slots[rows].tolist()]
             for req, token_id in zip(streamed, token_ids[rows].tolist()):
                 req.output_ids.append(token_id)
+        if not (num_done or first is not None or streamed or departed or self.num_grammar):
+            return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 
     # -- reads for one request -------------------------------------------------

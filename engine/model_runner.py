@@ -77,6 +77,7 @@ class ModelRunner:
         self.block_size = config.block_size
         # A power of two; a 0-d array, which a ufunc takes for less host time than an int.
         self.block_shift = np.array(config.block_size.bit_length() - 1)
+        self.block_mask = np.array(config.block_size - 1)
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
@@ -95,7 +96,12 @@ class ModelRunner:
 
         self.clock = WaitClock()
         self.block_table = BlockTable(
-            seqs, self.max_blocks_per_seq, self.device, self.clock, track_rows=self.tp.size > 1
+            seqs,
+            self.max_blocks_per_seq,
+            config.block_size,
+            self.device,
+            self.clock,
+            track_rows=self.tp.size > 1,
         )
         max_tokens = max(config.max_num_batched_tokens, seqs)
         i64, i32 = torch.int64, torch.int32
@@ -255,13 +261,14 @@ class ModelRunner:
             buf["logits_indices"][: len(sampling_last)] = sampling_last
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
-        # slot = block * block_size + offset, read off the block table's host mirror:
-        # (block - index of the block in its row) * block_size + position.
-        block_index = positions >> shift
-        blocks = self.block_table.flat.take(self.table_rows[token_slots] + block_index)
-        slot_mapping = buf["slot_mapping"][:num_tokens]
-        np.left_shift(blocks - block_index, shift, out=slot_mapping)
-        slot_mapping += positions
+        # slot = block * block_size + offset, read off the block table's host mirror.
+        entries = positions >> shift
+        entries += self.table_rows[token_slots]
+        np.add(
+            self.block_table.slot_starts[entries],
+            positions & self.block_mask,
+            out=buf["slot_mapping"][:num_tokens],
+        )
         gather = buf["input_gather"][:num_tokens]
         on_device = positions >= known
         layout = out.layout if out.is_decode_only else None

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
-from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, TOKENS, InputBatch
+from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, NO_LIMIT, TOKENS, InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
@@ -158,11 +158,14 @@ class Scheduler:
         counts = batch.counts.take(slots, axis=1)  # [7, n]: one gather for every column
         computed, num_tokens = counts[COMPUTED], counts[TOKENS]
         num_new = num_tokens - computed
-        # Its last token (at the length limit) is on the device: it finishes when read.
-        at_limit = num_tokens >= counts[LIMIT]
-        whole = not np.count_nonzero(at_limit)  # else num_new and ends differ for some
-        if not whole:
-            num_new[at_limit] = 0
+        whole = True  # every one gets all its tokens: ends are num_tokens
+        if batch.headroom <= 0:  # the bound says nothing: measure it
+            room = counts[LIMIT] - num_tokens
+            batch.headroom = int(np.minimum.reduce(room, initial=NO_LIMIT))
+            # Its last token (at the length limit) is on the device: it finishes when read.
+            if batch.headroom <= 0:
+                whole = False
+                num_new[room <= 0] = 0
         total = int(num_new.dot(self.ones[: len(num_new)]))  # a sum, for less than a reduction
         if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new

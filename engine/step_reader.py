@@ -62,7 +62,9 @@ class StepReader:
                 ids = ids.numpy()
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
-            self._apply(self.batch.read(step.slots, step.mark, ids))
+            got = self.batch.read(step.slots, step.mark, ids)
+            if got is not None:
+                self._apply(got)
 
     def _keep_logprobs(self, step: LaunchedStep) -> None:
         batch = self.batch
