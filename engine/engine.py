@@ -322,10 +322,7 @@ class Engine:
                     # Filled while the device runs the forward.
                     bitmask = self.grammars.fill(self._requests(sampling)) if grammar else None
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
-                mark = batch.launched(sampling)
-                if void is not None and void.any():  # read() drops them as departed
-                    mark.departures = -1
-                    mark.generations[void] = -1
+                mark = batch.launched(sampling, void)
                 self.num_sampled += len(sampling)
                 if sync:
                     sampled = self.sampler.read(logits, token_ids, sampling)

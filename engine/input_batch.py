@@ -84,6 +84,10 @@ class InputBatch:
         # positive no row is at its length limit, and neither the scheduler nor a read
         # looks for one. A launch adds at most one token to each row: one less.
         self.headroom = NO_LIMIT
+        # Tokens of the running rows not scheduled yet: the sum of num_tokens -
+        # num_computed, kept as the columns change (what a step that schedules every
+        # row in full schedules, without a sum over them).
+        self.num_unscheduled = 0
         # Rows whose first output id has not been read (num_known == num_prompt).
         self.num_awaiting_first = 0
         # What the sampler and the engine ask of every row, every step. Each flag
@@ -139,6 +143,7 @@ class InputBatch:
         self.num_known[slot] = n
         self.num_tokens[slot] = n
         self.num_computed[slot] = req.num_computed_tokens
+        self.num_unscheduled += n - req.num_computed_tokens
         self.max_num_tokens[slot] = req.max_num_tokens
         self.headroom = min(self.headroom, req.max_num_tokens - n)
         params = req.params
@@ -182,6 +187,7 @@ class InputBatch:
         """Take req's row back; its tokens and counts go back onto the Request."""
         slot = req.slot
         inflight = int(self.num_tokens[slot] - self.num_known[slot])
+        self.num_unscheduled -= self.num_tokens.item(slot) - self.num_computed.item(slot)
         index = self.running.index(req)
         del self.running[index]
         self.slots = np.delete(self.slots, index)
@@ -215,12 +221,31 @@ class InputBatch:
 
     # -- the step's counts ----------------------------------------------------
 
-    def launched(self, slots: np.ndarray) -> LaunchMark:
+    def scheduled(self, slots: np.ndarray, ends: np.ndarray, num_scheduled: int) -> None:
+        """These rows' KV is computed, or scheduled, up to `ends`: num_scheduled tokens
+        more than before, in all."""
+        self.num_computed[slots] = ends
+        self.num_unscheduled -= num_scheduled
+
+    def set_computed(self, slot: int, num_computed: int) -> None:
+        self.num_unscheduled += self.num_computed.item(slot) - num_computed
+        self.num_computed[slot] = num_computed
+
+    def launched(self, slots: np.ndarray, void: np.ndarray | None = None) -> LaunchMark:
         """These rows sampled a token on the device; what read() needs to know which
-        of them still belong to the same requests then."""
+        of them still belong to the same requests then. void: [k] bool, the rows
+        whose request left after the step was scheduled (a read before sampling
+        finished it): their ids are nobody's."""
         self.num_tokens[slots] += ONE
         self.headroom -= 1
-        return LaunchMark(self.departures, self.generation[slots])
+        mark = LaunchMark(self.departures, self.generation[slots])
+        if void is None or not void.any():
+            self.num_unscheduled += len(slots)
+        else:  # read() drops them as departed
+            self.num_unscheduled += len(slots) - int(np.count_nonzero(void))
+            mark.departures = -1
+            mark.generations[void] = -1
+        return mark
 
     def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens | None:
         """Append a step's sampled ids [k] to the rows that sampled them, and find the

@@ -140,11 +140,10 @@ class ModelRunner:
         self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
         self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
-        # By host buffer: the InputBatch layout whose decode wrote its slot indices,
-        # query starts and logits rows (None: another step's, or none yet); and the
-        # layout whose decode gathered row i's input from sampled row i.
-        self.decode_layout: list[int | None] = [None] * self.num_buffers
-        self.gather_layout: list[int | None] = [None] * self.num_buffers
+        # By host buffer: the InputBatch layout of the steady decode (see fill) that
+        # wrote its slot indices, query starts, logits rows and input gather last
+        # (None: another step, or none yet).
+        self.steady_layout: list[int | None] = [None] * self.num_buffers
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's fence follows its last copy (a send, or the decode graph
@@ -155,8 +154,8 @@ class ModelRunner:
         self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], self.device, self.clock)
         # By slot: where its last sampled token is in StagedFields.words.
         self.sampled_at = np.zeros(seqs, dtype=np.int64)
-        # The InputBatch layout whose decode (all its slots, in order) last set
-        # sampled_at: row i of the batch at sampled row i. None: some other step's.
+        # The InputBatch layout whose decode (all its rows, in order) last set
+        # sampled_at: row i of the batch at sampled row i. None: another step.
         self.sampled_layout: int | None = None
         # By slot: where its block-table row starts in the table's flat view.
         self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
@@ -234,21 +233,28 @@ class ModelRunner:
         buf, arange, shift = self.buf, self.arange, self.block_shift
         n, num_tokens = out.num_seqs, out.num_tokens
         slots, starts, num_new = out.slots, out.starts, out.num_new_tokens
-        qsl = buf["query_start_loc"]
+        qsl, gather, parity = buf["query_start_loc"], buf["input_gather"][:num_tokens], self.parity
         if out.is_decode_only:  # one token each: most of it is an arange
             positions = buf["positions"][:n]
             positions[:] = starts
             token_slots, known = slots, out.num_known
-            # The buffer's last decode of the same batch layout wrote these already.
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == n
+            # Steady: all the rows of last step's layout again, each input the id it
+            # sampled then (row i's, sampled row i), still on the device.
             layout = out.layout
-            if layout is None or self.decode_layout[self.parity] != layout:
+            steady = all_on_device and layout is not None and layout == self.sampled_layout
+            if not steady or self.steady_layout[parity] != layout:  # else in place already
                 qsl[: n + 1] = arange[: n + 1]
                 buf["logits_indices"][:n] = arange[:n]
                 buf["slot_indices"][:n] = slots
-                self.decode_layout[self.parity] = layout
+                if steady:
+                    gather[:] = self.sampled_words[:n]
+                self.steady_layout[parity] = layout if steady else None
             max_query_len = 1
         else:
-            self.decode_layout[self.parity] = None
+            self.steady_layout[parity] = None
+            steady = False
             buf["slot_indices"][:n] = slots
             qsl[0] = 0
             np.cumsum(num_new, out=qsl[1 : n + 1])
@@ -256,6 +262,8 @@ class ModelRunner:
             np.add(np.repeat(starts - qsl[:n], num_new), arange[:num_tokens], out=positions)
             token_slots = np.repeat(slots, num_new)
             known = np.repeat(out.num_known, num_new)
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == num_tokens
             last = qsl[1 : n + 1] - 1  # each sequence's last new token
             sampling_last = last[out.samples]
             buf["logits_indices"][: len(sampling_last)] = sampling_last
@@ -269,29 +277,20 @@ class ModelRunner:
             positions & self.block_mask,
             out=buf["slot_mapping"][:num_tokens],
         )
-        gather = buf["input_gather"][:num_tokens]
-        on_device = positions >= known
-        layout = out.layout if out.is_decode_only else None
-        parity = self.parity
-        if np.count_nonzero(on_device) != num_tokens:
+        if not all_on_device:
             on_host = ~on_device
             ids = buf["input_ids"][:num_tokens]
             ids[on_host] = self.batch.token_ids[token_slots[on_host], positions[on_host]]
             np.add(arange[:num_tokens], self.ids_offset, out=gather)
             gather[on_device] = self.sampled_at[token_slots[on_device]]
-            self.gather_layout[parity] = None
-        elif layout is None or self.sampled_layout != layout:
-            gather[:] = self.sampled_at[token_slots]  # a decode's usual case: sampled last step
-            self.gather_layout[parity] = None
-        elif self.gather_layout[parity] != layout:  # row i's input: last step's sampled row i
-            gather[:] = self.sampled_words[:n]
-            self.gather_layout[parity] = layout
+        elif not steady:  # a decode's usual case: sampled last step
+            gather[:] = self.sampled_at[token_slots]
         # The ids this step samples land in the sampled-ids buffer in sampling order
-        # (a decode of the last step's layout: as they did last step).
-        if layout is None or self.sampled_layout != layout:
+        # (a steady decode's: where they did last step).
+        if not steady:
             sampling = out.sampling_slots
             self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
-            self.sampled_layout = layout
+            self.sampled_layout = out.layout if out.is_decode_only else None
         return max_query_len
 
     def next_buffers(self) -> None:

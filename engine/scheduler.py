@@ -96,7 +96,6 @@ class Scheduler:
         # 0-d arrays: a ufunc takes them for less host time than Python ints.
         self.block_shift = np.array(config.block_size.bit_length() - 1)  # a power of two
         self.block_mask = np.array(config.block_size - 1)
-        self.ones = np.ones(config.max_num_seqs, dtype=np.int64)
 
     @property
     def running(self) -> list[Request]:
@@ -130,7 +129,7 @@ class Scheduler:
                 ends = counts[COMPUTED] + num_new
                 num_scheduled = int(num_new.sum())
                 whole = False
-        self.batch.num_computed[slots] = ends
+        self.batch.scheduled(slots, ends, num_scheduled)
         num_seqs = len(slots)
         return SchedulerOutput(
             slots,
@@ -166,7 +165,7 @@ class Scheduler:
             if batch.headroom <= 0:
                 whole = False
                 num_new[room <= 0] = 0
-        total = int(num_new.dot(self.ones[: len(num_new)]))  # a sum, for less than a reduction
+        total = batch.num_unscheduled if whole else int(np.add.reduce(num_new))
         if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
