@@ -56,7 +56,7 @@ class SchedulerOutput:
     layout: int | None = None
 
     def __post_init__(self) -> None:
-        num_seqs = len(self.slots)
+        self.num_seqs = num_seqs = len(self.slots)
         if self.seq_lens is None:
             self.seq_lens = self.starts + self.num_new_tokens
         if self.num_sampling < 0:
@@ -68,12 +68,8 @@ class SchedulerOutput:
         every = self.num_sampling == num_seqs
         self.sampling_slots = self.slots if every else self.slots[self.samples]
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.slots)
-
     def __bool__(self) -> bool:
-        return len(self.slots) > 0
+        return self.num_seqs > 0
 
 
 class Scheduler:
