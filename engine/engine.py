@@ -358,7 +358,7 @@ class Engine:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
         first output nor its last is added there instead (engine/outputs.py)."""
-        if not self.news:
+        if not self.reader.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
             news, self.reader.news = self.reader.news, {}
