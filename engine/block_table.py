@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.input_batch import ONE
 from engine.staging import Fence, WaitClock
 
 
@@ -21,6 +22,7 @@ class BlockTable:
         self,
         max_num_seqs: int,
         max_blocks_per_seq: int,
+        block_size: int,
         device: torch.device,
         clock: WaitClock,
         track_rows: bool = False,
@@ -41,7 +43,12 @@ class BlockTable:
         )
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
         self.flat = self.np.reshape(-1)  # a view
+        # The same entries as first KV slots (block * block_size), int64 like the slot
+        # mapping that adds positions to them: what a step's fill reads.
+        self.block_size = block_size
+        self.slot_starts = np.zeros(max_num_seqs * max_blocks_per_seq, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
+        self.row_start = np.arange(max_num_seqs, dtype=np.int64) * max_blocks_per_seq  # in flat
         self.changed: list[int] = []  # flat indices of the entries written since the last send
         # With tensor parallelism: the span of rows [lo, hi) committed as a copy since
         # the step channel last took it (engine/step_channel.py), for the other ranks.
@@ -58,9 +65,12 @@ class BlockTable:
         at = slot * self.width
         if len(block_ids) == have + 1:  # a decode opening a block: a scalar write
             self.flat[at + have] = block_ids[have]
+            self.slot_starts[at + have] = block_ids[have] * self.block_size
             self.changed.append(at + have)
         else:
-            self.np[slot, have : len(block_ids)] = block_ids[have:]
+            new = np.array(block_ids[have:], dtype=np.int64)
+            self.flat[at + have : at + len(block_ids)] = new
+            self.slot_starts[at + have : at + len(block_ids)] = new * self.block_size
             self.changed += range(at + have, at + len(block_ids))
         self.num_blocks[slot] = len(block_ids)
 
@@ -68,9 +78,11 @@ class BlockTable:
         """Row slots[i] gains blocks[i]: the decodes of a step that open a block each."""
         if self.sent is not None:
             self.sent.wait()
-        at = slots * self.width + self.num_blocks[slots]
-        self.flat[at] = blocks
-        self.num_blocks[slots] += 1
+        at = self.row_start[slots] + self.num_blocks[slots]
+        new = np.array(blocks, dtype=np.int64)
+        self.flat[at] = new.astype(np.int32)  # a write that casts costs more
+        self.slot_starts[at] = new * self.block_size
+        self.num_blocks[slots] += ONE
         self.changed += at.tolist()
 
     def clear_row(self, slot: int) -> None:

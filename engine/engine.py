@@ -330,10 +330,7 @@ class Engine:
                         occupants = batch.generation[sampling]  # whose rows these are
                         bitmask = masks.build(sampling, occupants, rows, batch.requests)
                     token_ids = self.sampler.sample(logits, sampling, self.runner.argmax, bitmask)
-                mark = batch.launched(sampling)
-                if void is not None and void.any():  # read() drops them as departed
-                    mark.departures = -1
-                    mark.generations[void] = -1
+                mark = batch.launched(sampling, void)
                 self.num_sampled += len(sampling)
                 logprobs = None
                 if sync:
@@ -365,7 +362,7 @@ class Engine:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
         first output nor its last is added there instead (engine/outputs.py)."""
-        if not self.news:
+        if not self.reader.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
             news, self.reader.news = self.reader.news, {}

@@ -50,13 +50,22 @@ class LaunchMark:
 # Rows of InputBatch.counts: one gather reads all of them for a step's slots.
 COMPUTED, TOKENS, KNOWN, LIMIT, CAPACITY, PROMPT, MIN_TOKENS = range(7)
 
+# A ufunc takes a 0-d array operand for less host time than a Python int (which
+# numpy converts on every call).
+ONE = np.array(1, dtype=np.int64)
+NO_LIMIT = 1 << 62
+
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, vocab_size: int) -> None:
         n = max_num_seqs
         # [slot, position] prompt then output ids the host knows. np.zeros maps fresh
-        # pages lazily: only the rows and positions written take memory.
-        self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int32)
+        # pages lazily: only the rows and positions written take memory. int64, the
+        # sampled ids' type: a fancy write that casts costs several times one that
+        # does not, and the step's ids are written through the flat view.
+        self.token_ids = np.zeros((n, max_model_len + 1), dtype=np.int64)
+        self.token_flat = self.token_ids.reshape(-1)  # a view
+        self.row_start = np.arange(n, dtype=np.int64) * (max_model_len + 1)  # by slot
         self.counts = np.zeros((7, n), dtype=np.int64)
         self.num_computed = self.counts[COMPUTED]  # KV computed or scheduled
         self.num_tokens = self.counts[TOKENS]  # known ids plus those on the device
@@ -71,6 +80,14 @@ class InputBatch:
         self.stop_ids = np.full((n, 1), -1, dtype=np.int64)
         self.stop_count = np.zeros(vocab_size, dtype=np.int32)
         self.num_stopping = 0  # rows with any stop id
+        # A lower bound on every running row's max_num_tokens - num_tokens: while it is
+        # positive no row is at its length limit, and neither the scheduler nor a read
+        # looks for one. A launch adds at most one token to each row: one less.
+        self.headroom = NO_LIMIT
+        # Tokens of the running rows not scheduled yet: the sum of num_tokens -
+        # num_computed, kept as the columns change (what a step that schedules every
+        # row in full schedules, without a sum over them).
+        self.num_unscheduled = 0
         # Rows whose first output id has not been read (num_known == num_prompt).
         self.num_awaiting_first = 0
         # What the sampler and the engine ask of every row, every step. Each flag
@@ -102,6 +119,9 @@ class InputBatch:
         self.requests: list[Request | None] = [None] * n  # by slot
         self.running: list[Request] = []  # arrival order: the batch order
         self.slots = np.zeros(0, dtype=np.int64)  # their slots, in that order
+        # Bumped whenever `slots` changes (a request enters or leaves): what a reader
+        # derived from `slots` under one layout holds until the next.
+        self.layout = 0
         self.free_slots = list(range(n - 1, -1, -1))
         # Requests preempted with ids on the device, by (slot, generation): those ids
         # are theirs when read (see read()).
@@ -123,7 +143,9 @@ class InputBatch:
         self.num_known[slot] = n
         self.num_tokens[slot] = n
         self.num_computed[slot] = req.num_computed_tokens
+        self.num_unscheduled += n - req.num_computed_tokens
         self.max_num_tokens[slot] = req.max_num_tokens
+        self.headroom = min(self.headroom, req.max_num_tokens - n)
         params = req.params
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
@@ -157,6 +179,7 @@ class InputBatch:
         self.requests[slot] = req
         self.running.append(req)
         self.slots = np.append(self.slots, slot)
+        self.layout += 1
         req.attach(self, slot)
         return slot
 
@@ -164,9 +187,11 @@ class InputBatch:
         """Take req's row back; its tokens and counts go back onto the Request."""
         slot = req.slot
         inflight = int(self.num_tokens[slot] - self.num_known[slot])
+        self.num_unscheduled -= self.num_tokens.item(slot) - self.num_computed.item(slot)
         index = self.running.index(req)
         del self.running[index]
         self.slots = np.delete(self.slots, index)
+        self.layout += 1
         req.detach(
             self.token_ids[slot, self.num_prompt[slot] : self.num_known[slot]].tolist(),
             int(self.num_computed[slot]),
@@ -196,16 +221,37 @@ class InputBatch:
 
     # -- the step's counts ----------------------------------------------------
 
-    def launched(self, slots: np.ndarray) -> LaunchMark:
-        """These rows sampled a token on the device; what read() needs to know which
-        of them still belong to the same requests then."""
-        self.num_tokens[slots] += 1
-        return LaunchMark(self.departures, self.generation[slots])
+    def scheduled(self, slots: np.ndarray, ends: np.ndarray, num_scheduled: int) -> None:
+        """These rows' KV is computed, or scheduled, up to `ends`: num_scheduled tokens
+        more than before, in all."""
+        self.num_computed[slots] = ends
+        self.num_unscheduled -= num_scheduled
 
-    def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens:
+    def set_computed(self, slot: int, num_computed: int) -> None:
+        self.num_unscheduled += self.num_computed.item(slot) - num_computed
+        self.num_computed[slot] = num_computed
+
+    def launched(self, slots: np.ndarray, void: np.ndarray | None = None) -> LaunchMark:
+        """These rows sampled a token on the device; what read() needs to know which
+        of them still belong to the same requests then. void: [k] bool, the rows
+        whose request left after the step was scheduled (a read before sampling
+        finished it): their ids are nobody's."""
+        self.num_tokens[slots] += ONE
+        self.headroom -= 1
+        mark = LaunchMark(self.departures, self.generation[slots])
+        if void is None or not void.any():
+            self.num_unscheduled += len(slots)
+        else:  # read() drops them as departed
+            self.num_unscheduled += len(slots) - int(np.count_nonzero(void))
+            mark.departures = -1
+            mark.generations[void] = -1
+        return mark
+
+    def read(self, slots: np.ndarray, mark: LaunchMark, token_ids: np.ndarray) -> ReadTokens | None:
         """Append a step's sampled ids [k] to the rows that sampled them, and find the
         rows they stop. Ids of a request that has left since are dropped, or, if it
-        was preempted, appended to its own list (it recomputes them)."""
+        was preempted, appended to its own list (it recomputes them). None: no row
+        needs a look (no stop, first token, stream, grammar or departed request)."""
         departed: list[tuple[Request, int]] = []
         if mark.departures != self.departures:
             live = self.generation[slots] == mark.generations
@@ -218,20 +264,22 @@ class InputBatch:
                         departed.append((req, int(token_ids[i])))
                 slots, token_ids = slots[live], token_ids[live]
         known = self.num_known[slots]
-        self.token_ids[slots, known] = token_ids
-        known += 1
+        self.token_flat[self.row_start[slots] + known] = token_ids
+        known += ONE
         self.num_known[slots] = known
-        done = known >= self.max_num_tokens[slots]
-        num_done = np.count_nonzero(done)
+        done, num_done = None, 0
+        if self.headroom <= 0:  # a row may have reached its length limit
+            done = known >= self.max_num_tokens[slots]
+            num_done = np.count_nonzero(done)
         # Someone's stop id among the ids: whose, exactly?
         if self.num_stopping and np.count_nonzero(self.stop_count[token_ids]):
             stop = (self.stop_ids[slots] == token_ids[:, None]).any(1)
             stop &= known - self.num_prompt[slots] >= self.min_tokens[slots]
-            done |= stop
+            done = stop if done is None else done | stop
             num_done = np.count_nonzero(done)
         first = None
         if self.num_awaiting_first:
-            first = known == self.num_prompt[slots] + 1
+            first = known == self.num_prompt[slots] + ONE
             num_first = np.count_nonzero(first)
             self.num_awaiting_first -= num_first
             if not num_first:
@@ -242,6 +290,8 @@ class InputBatch:
             streamed = [self.requests[s] for s in slots[rows].tolist()]
             for req, token_id in zip(streamed, token_ids[rows].tolist()):
                 req.output_ids.append(token_id)
+        if not (num_done or first is not None or streamed or departed or self.num_grammar):
+            return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 
     # -- reads for one request -------------------------------------------------

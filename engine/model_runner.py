@@ -75,7 +75,9 @@ class ModelRunner:
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
-        self.block_shift = config.block_size.bit_length() - 1  # a power of two
+        # A power of two; a 0-d array, which a ufunc takes for less host time than an int.
+        self.block_shift = np.array(config.block_size.bit_length() - 1)
+        self.block_mask = np.array(config.block_size - 1)
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
@@ -94,7 +96,12 @@ class ModelRunner:
 
         self.clock = WaitClock()
         self.block_table = BlockTable(
-            seqs, self.max_blocks_per_seq, self.device, self.clock, track_rows=self.tp.size > 1
+            seqs,
+            self.max_blocks_per_seq,
+            config.block_size,
+            self.device,
+            self.clock,
+            track_rows=self.tp.size > 1,
         )
         max_tokens = max(config.max_num_batched_tokens, seqs)
         i64, i32 = torch.int64, torch.int32
@@ -133,6 +140,10 @@ class ModelRunner:
         self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
         self.parity = 0  # which of the host buffers this step uses
         self.buf = self.staged.np  # numpy views to write through, by field name
+        # By host buffer: the InputBatch layout of the steady decode (see fill) that
+        # wrote its slot indices, query starts, logits rows and input gather last
+        # (None: another step, or none yet).
+        self.steady_layout: list[int | None] = [None] * self.num_buffers
         self.arange = np.arange(max_tokens + 1, dtype=np.int64)
         # A pinned buffer is rewritten only once the last copy out of it has run: each
         # staging buffer's fence follows its last copy (a send, or the decode graph
@@ -143,6 +154,9 @@ class ModelRunner:
         self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], self.device, self.clock)
         # By slot: where its last sampled token is in StagedFields.words.
         self.sampled_at = np.zeros(seqs, dtype=np.int64)
+        # The InputBatch layout whose decode (all its rows, in order) last set
+        # sampled_at: row i of the batch at sampled row i. None: another step.
+        self.sampled_layout: int | None = None
         # By slot: where its block-table row starts in the table's flat view.
         self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
@@ -219,47 +233,64 @@ class ModelRunner:
         buf, arange, shift = self.buf, self.arange, self.block_shift
         n, num_tokens = out.num_seqs, out.num_tokens
         slots, starts, num_new = out.slots, out.starts, out.num_new_tokens
-        qsl = buf["query_start_loc"]
+        qsl, gather, parity = buf["query_start_loc"], buf["input_gather"][:num_tokens], self.parity
         if out.is_decode_only:  # one token each: most of it is an arange
             positions = buf["positions"][:n]
             positions[:] = starts
             token_slots, known = slots, out.num_known
-            qsl[: n + 1] = arange[: n + 1]
-            buf["logits_indices"][:n] = arange[:n]
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == n
+            # Steady: all the rows of last step's layout again, each input the id it
+            # sampled then (row i's, sampled row i), still on the device.
+            layout = out.layout
+            steady = all_on_device and layout is not None and layout == self.sampled_layout
+            if not steady or self.steady_layout[parity] != layout:  # else in place already
+                qsl[: n + 1] = arange[: n + 1]
+                buf["logits_indices"][:n] = arange[:n]
+                buf["slot_indices"][:n] = slots
+                if steady:
+                    gather[:] = self.sampled_words[:n]
+                self.steady_layout[parity] = layout if steady else None
             max_query_len = 1
         else:
+            self.steady_layout[parity] = None
+            steady = False
+            buf["slot_indices"][:n] = slots
             qsl[0] = 0
             np.cumsum(num_new, out=qsl[1 : n + 1])
             positions = buf["positions"][:num_tokens]
             np.add(np.repeat(starts - qsl[:n], num_new), arange[:num_tokens], out=positions)
             token_slots = np.repeat(slots, num_new)
             known = np.repeat(out.num_known, num_new)
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == num_tokens
             last = qsl[1 : n + 1] - 1  # each sequence's last new token
             sampling_last = last[out.samples]
             buf["logits_indices"][: len(sampling_last)] = sampling_last
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
-        buf["slot_indices"][:n] = slots
-        # slot = block * block_size + offset, read off the block table's host mirror:
-        # (block - index of the block in its row) * block_size + position.
-        block_index = positions >> shift
-        blocks = self.block_table.flat.take(self.table_rows[token_slots] + block_index)
-        slot_mapping = buf["slot_mapping"][:num_tokens]
-        np.left_shift(blocks - block_index, shift, out=slot_mapping)
-        slot_mapping += positions
-        gather = buf["input_gather"][:num_tokens]
-        on_device = positions >= known
-        if np.count_nonzero(on_device) == num_tokens:  # a decode's usual case: sampled last step
-            gather[:] = self.sampled_at[token_slots]
-        else:
+        # slot = block * block_size + offset, read off the block table's host mirror.
+        entries = positions >> shift
+        entries += self.table_rows[token_slots]
+        np.add(
+            self.block_table.slot_starts[entries],
+            positions & self.block_mask,
+            out=buf["slot_mapping"][:num_tokens],
+        )
+        if not all_on_device:
             on_host = ~on_device
             ids = buf["input_ids"][:num_tokens]
             ids[on_host] = self.batch.token_ids[token_slots[on_host], positions[on_host]]
             np.add(arange[:num_tokens], self.ids_offset, out=gather)
             gather[on_device] = self.sampled_at[token_slots[on_device]]
-        # The ids this step samples land in the sampled-ids buffer in sampling order.
-        sampling = out.sampling_slots
-        self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
+        elif not steady:  # a decode's usual case: sampled last step
+            gather[:] = self.sampled_at[token_slots]
+        # The ids this step samples land in the sampled-ids buffer in sampling order
+        # (a steady decode's: where they did last step).
+        if not steady:
+            sampling = out.sampling_slots
+            self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
+            self.sampled_layout = out.layout if out.is_decode_only else None
         return max_query_len
 
     def next_buffers(self) -> None:

@@ -212,7 +212,7 @@ class Request:
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
         if self.batch is not None:
-            self.batch.num_computed[self.slot] = value
+            self.batch.set_computed(self.slot, value)
         else:
             self._num_computed = value
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
-from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, TOKENS, InputBatch
+from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, NO_LIMIT, TOKENS, InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
@@ -51,9 +51,12 @@ class SchedulerOutput:
     # [num_seqs] int64: tokens computed after this step (starts + num_new_tokens).
     seq_lens: np.ndarray | None = None
     num_sampling: int = -1  # sequences that sample (-1: count `samples`)
+    # InputBatch.layout when the sequences are all its running requests (their slots
+    # are the batch's `slots`), else None: what was derived from those slots holds.
+    layout: int | None = None
 
     def __post_init__(self) -> None:
-        num_seqs = len(self.slots)
+        self.num_seqs = num_seqs = len(self.slots)
         if self.seq_lens is None:
             self.seq_lens = self.starts + self.num_new_tokens
         if self.num_sampling < 0:
@@ -65,12 +68,8 @@ class SchedulerOutput:
         every = self.num_sampling == num_seqs
         self.sampling_slots = self.slots if every else self.slots[self.samples]
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.slots)
-
     def __bool__(self) -> bool:
-        return len(self.slots) > 0
+        return self.num_seqs > 0
 
 
 class Scheduler:
@@ -90,6 +89,9 @@ class Scheduler:
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
         self.every_row.flags.writeable = False
+        # 0-d arrays: a ufunc takes them for less host time than Python ints.
+        self.block_shift = np.array(config.block_size.bit_length() - 1)  # a power of two
+        self.block_mask = np.array(config.block_size - 1)
 
     @property
     def running(self) -> list[Request]:
@@ -123,7 +125,7 @@ class Scheduler:
                 ends = counts[COMPUTED] + num_new
                 num_scheduled = int(num_new.sum())
                 whole = False
-        self.batch.num_computed[slots] = ends
+        self.batch.scheduled(slots, ends, num_scheduled)
         num_seqs = len(slots)
         return SchedulerOutput(
             slots,
@@ -136,6 +138,8 @@ class Scheduler:
             preempted,
             ends,
             num_seqs if whole else -1,
+            # Always a subsequence of the batch's slots, in order: all of them, if as many.
+            self.batch.layout if num_seqs == len(self.batch) else None,
         )
 
     def _schedule_running(
@@ -149,12 +153,15 @@ class Scheduler:
         counts = batch.counts.take(slots, axis=1)  # [7, n]: one gather for every column
         computed, num_tokens = counts[COMPUTED], counts[TOKENS]
         num_new = num_tokens - computed
-        # Its last token (at the length limit) is on the device: it finishes when read.
-        at_limit = num_tokens >= counts[LIMIT]
-        whole = not np.count_nonzero(at_limit)  # else num_new and ends differ for some
-        if not whole:
-            num_new[at_limit] = 0
-        total = int(np.add.reduce(num_new))
+        whole = True  # every one gets all its tokens: ends are num_tokens
+        if batch.headroom <= 0:  # the bound says nothing: measure it
+            room = counts[LIMIT] - num_tokens
+            batch.headroom = int(np.minimum.reduce(room, initial=NO_LIMIT))
+            # Its last token (at the length limit) is on the device: it finishes when read.
+            if batch.headroom <= 0:
+                whole = False
+                num_new[room <= 0] = 0
+        total = batch.num_unscheduled if whole else int(np.add.reduce(num_new))
         if total > budget:  # first come, first served; one chunk crosses the line
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
@@ -192,11 +199,10 @@ class Scheduler:
         many running requests are left."""
         running = self.batch.running
         reqs = [running[i] for i in rows.tolist()]
-        shift = self.blocks.block_size.bit_length() - 1  # a power of two
         # The last block of each may be full now: the prefix cache may have it.
         self.blocks.note_filled(reqs)
-        bs = self.blocks.block_size
-        need = ((ends[rows] + bs - 1) >> shift) - (counts[CAPACITY][rows] >> shift)
+        # Capacities are whole blocks: (ends - capacity) / block_size, rounded up.
+        need = (ends[rows] - counts[CAPACITY][rows] + self.block_mask) >> self.block_shift
         fresh = self.blocks.grow(reqs, need.tolist())
         if fresh is not None:  # the usual case: blocks for everyone
             grown = slots[rows]
@@ -205,7 +211,7 @@ class Scheduler:
             else:
                 for req in reqs:
                     self.block_table.update_row(req.slot, req.block_ids)
-            self.batch.capacity[grown] += need << shift
+            self.batch.capacity[grown] += need << self.block_shift
             return len(running)
         num_new = ends - counts[COMPUTED]
         for i, req in zip(rows.tolist(), reqs):

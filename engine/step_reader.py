@@ -65,7 +65,11 @@ class StepReader:
                 ids = ids.numpy()
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
-            self._apply(self.batch.read(step.slots, step.mark, ids), step.grammar)
+            got = self.batch.read(step.slots, step.mark, ids)
+            if got is not None:
+                self._apply(got, step.grammar)
+            elif step.grammar is not None:  # its rows may all have left since
+                self._end_grammars(step.grammar)
 
     def _keep_logprobs(self, step: LaunchedStep) -> None:
         batch = self.batch
@@ -106,9 +110,7 @@ class StepReader:
             ):
                 self._check_token_stop(req, token_id)
         if grammar is not None:  # after the stops: a stop id ends it first
-            for req, reason in grammar.result():  # preempted ones too
-                if not req.is_finished:
-                    self.finish(req, reason)
+            self._end_grammars(grammar)
         if not got.streamed:
             return
         interval = self.config.stream_interval
@@ -126,6 +128,13 @@ class StepReader:
             emitted = req.num_emitted_tokens
             if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
                 news[req] = None
+
+    def _end_grammars(self, grammar: Future) -> None:
+        """Finish the requests whose grammar the step's ids completed (preempted ones
+        too)."""
+        for req, reason in grammar.result():
+            if not req.is_finished:
+                self.finish(req, reason)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
         """req just sampled token_id, one of its stop ids, or reached its length limit."""

@@ -226,3 +226,69 @@ def test_row_counts_follow_adds_reads_and_removals():
     batch.remove(plain)
     batch.add(plain)  # back, its outputs with it: not awaiting a first token
     assert counted(batch)["kept"] == counted(batch)["rows"] == (1, 0, 0)
+
+
+def test_layout_changes_whenever_the_running_slots_do():
+    batch = InputBatch(4, 64, 64)
+    a, b = request("a", [1, 2]), request("b", [3])
+    layouts = [batch.layout]
+    for r in (a, b):
+        batch.add(r)
+        layouts.append(batch.layout)
+    sample(batch, [a, b], [5, 6])  # a step changes counts, not slots
+    assert batch.layout == layouts[-1]
+    batch.remove(a)
+    layouts.append(batch.layout)
+    batch.add(a)  # back in the same slot: another layout all the same
+    layouts.append(batch.layout)
+    assert len(set(layouts)) == len(layouts)
+
+
+def test_headroom_bounds_every_rows_room_and_unscheduled_tokens_are_kept_summed():
+    batch = InputBatch(4, 64, 64)
+    a = request("a", [1, 2, 3], max_tokens=5, ignore_eos=True, final_only=True)  # limit 8
+    b = request("b", [4], max_tokens=2, ignore_eos=True, final_only=True)  # limit 3
+
+    def check() -> None:
+        slots = batch.slots
+        room = batch.max_num_tokens[slots] - batch.num_tokens[slots]
+        assert batch.headroom <= room.min()
+        unscheduled = batch.num_tokens[slots] - batch.num_computed[slots]
+        assert batch.num_unscheduled == unscheduled.sum()
+
+    for r in (a, b):
+        batch.add(r)
+        check()
+    assert batch.headroom == 2 and batch.num_unscheduled == 4
+    batch.scheduled(batch.slots, batch.num_tokens[batch.slots], 4)  # both prompts, whole
+    check()
+    assert batch.num_unscheduled == 0
+    got = sample(batch, [a, b], [7, 8])  # first tokens: headroom 1, no limit reached
+    check()
+    assert got.done is None and got.first.all()
+    batch.scheduled(batch.slots, batch.num_tokens[batch.slots], 2)
+    got = sample(batch, [a, b], [9, 10])  # b reaches its limit: the bound sent a look
+    check()
+    assert batch.headroom <= 0 and got.done.tolist() == [False, True]
+    a.num_computed_tokens = 1  # a recompute from position 1, say
+    check()
+    batch.remove(b)  # it finished; the bound stays a bound
+    check()
+    assert sample(batch, [a], [11]) is None  # nothing any row needs looked at
+    check()
+
+
+def test_a_row_voided_before_its_launch_counts_no_token():
+    batch = InputBatch(4, 64, 64)
+    a, b = request("a", [1, 2], ignore_eos=True), request("b", [3], ignore_eos=True)
+    for r in (a, b):
+        batch.add(r)
+    slots = batch.slots.copy()
+    batch.scheduled(slots, batch.num_tokens[slots], 3)
+    b.status = RequestStatus.FINISHED
+    batch.remove(b)  # a read just before sampling finished it
+    mark = batch.launched(slots, void=np.array([False, True]))
+    assert batch.num_unscheduled == 1  # a's token, not b's
+    got = batch.read(slots, mark, np.array([5, 6]))
+    assert got.slots.tolist() == [a.slot] and a.output_token_ids == [5]
+    assert b.output_token_ids == []

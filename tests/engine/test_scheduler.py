@@ -22,6 +22,7 @@ def setup(num_blocks=64, block_size=4, **config) -> Scheduler:
     table = BlockTable(
         config.max_num_seqs,
         config.max_blocks_per_seq(256),
+        block_size,
         torch.device("cpu"),
         WaitClock(),
     )
