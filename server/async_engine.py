@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import logging
 import sys
 import threading
@@ -90,6 +91,12 @@ class AsyncEngine:
         # The API side's tokenizer and its byte table are made while the engine builds
         # (the demo model's directory is known only once the engine has written it).
         model = self._config.model
+        if model and not self._use_process:
+            # Two threads are about to import transformers, which puts a lazy module in
+            # place of its own only at the end of its import: a thread importing it
+            # meanwhile can find names missing ("cannot import name 'AutoConfig'", seen
+            # on a cold start). The package first, then both.
+            await asyncio.to_thread(importlib.import_module, "transformers")
         tokenizer = (
             asyncio.ensure_future(asyncio.to_thread(_prepare_tokenizer, model)) if model else None
         )

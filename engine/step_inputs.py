@@ -1,0 +1,199 @@
+"""The step's inputs: its metadata written with numpy, straight from the InputBatch's
+columns, into a pinned staging buffer (engine/staging.py), and sent with one
+non-blocking copy into static device tensors.
+
+`StepInputs` is the ModelRunner's half that does this; the runner's constructor
+builds the state it uses (the staging buffers, the block table, the sampled-ids
+map), and the runner's execute and the CUDA graphs call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.block_table import BlockTable
+from engine.input_batch import InputBatch
+from engine.scheduler import SchedulerOutput
+from engine.staging import Fence, StagedFields
+
+
+@dataclass
+class ModelInput:
+    """Device views of the staged buffers for one step."""
+
+    input_gather: torch.Tensor  # [num_tokens] where in StagedFields.words each id is
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens], -1 = padding
+    seq_lens: torch.Tensor  # [num_seqs]
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    slot_indices: torch.Tensor  # [num_seqs] block-table row of each sequence
+    logits_indices: torch.Tensor  # [num_sampling] last new token's row of each sampling sequence
+    max_query_len: int
+    is_decode: bool
+
+
+class StepInputs:
+    """Writing and sending a step's inputs (a part of ModelRunner, which sets up every
+    attribute below in its constructor)."""
+
+    batch: InputBatch | None
+    block_table: BlockTable
+    staged: StagedFields
+    staged_sent: list[Fence]
+    stream: torch.cuda.Stream | None
+    buf: dict[str, np.ndarray]  # this step's host buffer, by field name
+    parity: int
+    num_buffers: int
+    table_pairs: list[int]
+    arange: np.ndarray
+    block_shift: np.ndarray
+    block_mask: np.ndarray
+    table_rows: np.ndarray
+    ids_offset: int
+    sampled_at: np.ndarray
+    sampled_words: np.ndarray
+    sampled_layout: int | None
+    steady_layout: list[int | None]
+
+    def fill(self, out: SchedulerOutput) -> int:
+        """Write the step's metadata into the pinned buffers; returns max_query_len.
+
+        Token i of sequence b sits at position starts[b] + (i - query_start[b]); its id
+        is in the InputBatch's token table if the host knows it, else it was sampled
+        last step and is still on the device, at its slot's row of the sampled ids."""
+        self.next_buffers()
+        buf, arange, shift = self.buf, self.arange, self.block_shift
+        n, num_tokens = out.num_seqs, out.num_tokens
+        slots, starts, num_new = out.slots, out.starts, out.num_new_tokens
+        qsl, gather, parity = buf["query_start_loc"], buf["input_gather"][:num_tokens], self.parity
+        if out.is_decode_only:  # one token each: most of it is an arange
+            positions = buf["positions"][:n]
+            positions[:] = starts
+            token_slots, known = slots, out.num_known
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == n
+            # Steady: all the rows of last step's layout again, each input the id it
+            # sampled then (row i's, sampled row i), still on the device.
+            layout = out.layout
+            steady = all_on_device and layout is not None and layout == self.sampled_layout
+            if not steady or self.steady_layout[parity] != layout:  # else in place already
+                qsl[: n + 1] = arange[: n + 1]
+                buf["logits_indices"][:n] = arange[:n]
+                buf["slot_indices"][:n] = slots
+                if steady:
+                    gather[:] = self.sampled_words[:n]
+                self.steady_layout[parity] = layout if steady else None
+            max_query_len = 1
+        else:
+            self.steady_layout[parity] = None
+            steady = False
+            buf["slot_indices"][:n] = slots
+            qsl[0] = 0
+            np.cumsum(num_new, out=qsl[1 : n + 1])
+            positions = buf["positions"][:num_tokens]
+            np.add(np.repeat(starts - qsl[:n], num_new), arange[:num_tokens], out=positions)
+            token_slots = np.repeat(slots, num_new)
+            known = np.repeat(out.num_known, num_new)
+            on_device = positions >= known
+            all_on_device = np.count_nonzero(on_device) == num_tokens
+            last = qsl[1 : n + 1] - 1  # each sequence's last new token
+            sampling_last = last[out.samples]
+            buf["logits_indices"][: len(sampling_last)] = sampling_last
+            max_query_len = int(num_new.max())
+        buf["seq_lens"][:n] = out.seq_lens
+        # slot = block * block_size + offset, read off the block table's host mirror.
+        entries = positions >> shift
+        entries += self.table_rows[token_slots]
+        np.add(
+            self.block_table.slot_starts[entries],
+            positions & self.block_mask,
+            out=buf["slot_mapping"][:num_tokens],
+        )
+        if not all_on_device:
+            on_host = ~on_device
+            ids = buf["input_ids"][:num_tokens]
+            ids[on_host] = self.batch.token_ids[token_slots[on_host], positions[on_host]]
+            np.add(arange[:num_tokens], self.ids_offset, out=gather)
+            gather[on_device] = self.sampled_at[token_slots[on_device]]
+        elif not steady:  # a decode's usual case: sampled last step
+            gather[:] = self.sampled_at[token_slots]
+        # The ids this step samples land in the sampled-ids buffer in sampling order
+        # (a steady decode's: where they did last step).
+        if not steady:
+            sampling = out.sampling_slots
+            self.sampled_at[sampling] = self.sampled_words[: len(sampling)]
+            self.sampled_layout = out.layout if out.is_decode_only else None
+        return max_query_len
+
+    def next_buffers(self) -> None:
+        """Move to the other host buffers (the step's), once the last copy out of its
+        staging buffer has run (two steps back: done long ago, as a rule)."""
+        self.parity = (self.parity + 1) % self.num_buffers
+        self.buf = self.staged.nps[self.parity]
+        if self.staged_sent:
+            self.staged_sent[self.parity].wait()
+
+    def send(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        is_decode: bool,
+        num_sampling: int | None = None,  # None: every sequence samples
+    ) -> ModelInput:
+        """The step's copies, and device views of what they fill."""
+        self.copy_staged()
+        return self.inputs(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
+
+    def inputs(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        is_decode: bool,
+        num_sampling: int | None = None,
+    ) -> ModelInput:
+        """Device views of the staged fields for a step of these sizes."""
+        gpu = self.staged.gpu
+        return ModelInput(
+            input_gather=gpu["input_gather"][:num_tokens],
+            positions=gpu["positions"][:num_tokens],
+            slot_mapping=gpu["slot_mapping"][:num_tokens],
+            seq_lens=gpu["seq_lens"][:num_seqs],
+            query_start_loc=gpu["query_start_loc"][: num_seqs + 1],
+            slot_indices=gpu["slot_indices"][:num_seqs],
+            logits_indices=gpu["logits_indices"][
+                : num_seqs if num_sampling is None else num_sampling
+            ],
+            max_query_len=max_query_len,
+            is_decode=is_decode,
+        )
+
+    def copy_staged(self) -> None:
+        """One non-blocking copy of the staged fields into the static device tensors,
+        plus the block-table rows that changed."""
+        self.block_table.commit()
+        self.staged.send(self.parity)
+        if self.staged_sent:
+            self.staged_sent[self.parity].record(self.stream)
+
+    def stage_table_changes(self, capacity: int) -> None:
+        """Put the block-table entries written since the last send into the staging
+        buffer, as (flat index, block) pairs the step's graph writes (up to
+        `capacity` of them; if there are more, the rows are copied instead): a copy
+        of the rows is a driver call of its own."""
+        table = self.block_table
+        changed = table.take_changes(capacity)
+        if changed is None:
+            table.commit()
+            changed = []
+        k, held = len(changed), self.table_pairs[self.parity]
+        if k:
+            self.buf["table_index"][:k] = changed
+            self.buf["table_value"][:k] = table.flat[changed]
+        if held > k:
+            self.buf["table_index"][k:held] = table.pad
+        self.table_pairs[self.parity] = k
