@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 
 PROMPT_LENGTHS = (16, 32, 48, 64)
 BAR = 0.95  # issue 35: >= 95% of tokens agree, 64 requests x 128 tokens
@@ -290,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(transformers against itself {result['transformers_self']['top1_agreement']:.4f})",
         file=sys.stderr,
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -37,7 +37,7 @@ import torch
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_vs_floor
 from benchmarks.offline import run_pagoda, start_decoding
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
 from kernels.fp8 import fp8_linear, quantize_per_channel, quantize_per_token
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_checkpoint(MODEL, Path(tempfile.gettempdir()) / f"pagoda-bench-{MODEL}")
     if args.only:
         result = run_config(args.only, args, model_dir, args.work)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         return 0
 
     result: dict = {
@@ -274,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {json.dumps(result['configs'][name])}", flush=True)
     result["summary"] = summary(result["configs"])
     print(json.dumps(result["summary"], indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 from benchmarks.kernels import copy_bandwidth_gbps, graph_median_us
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config, select_experts
 
 NUM_EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             best = r["sweep"][0]
             print(f"  best tiles: {best}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

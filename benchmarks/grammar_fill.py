@@ -41,7 +41,7 @@ import torch
 import xgrammar as xgr
 
 from benchmarks.checkpoints import CONFIGS, synthetic_tokenizer
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from benchmarks.structured import SCHEMAS
 from engine.structured.grammars import Grammars, GrammarState
 from engine.structured.spec import GrammarSpec
@@ -284,10 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "schema": args.schema,
         "models": [run_model(name, args) for name in args.models],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
+from benchmarks.provenance import write_result
 
 
 class TokenTimes:
@@ -141,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 
 
@@ -465,9 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_ms = result["transformers_static_compile"]["decode_ms_per_token"]
         line += f"; transformers static+compile {hf_ms:.2f} ms/token"
     print(line)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -1,9 +1,11 @@
-"""Which commit a benchmark result came from."""
+"""Which commit a benchmark result came from, and the result file itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from pathlib import Path
 
 
 def git_commit() -> str | None:
@@ -23,3 +25,11 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sha + ("-dirty" if dirty else "")
+
+
+def write_result(path: Path | None, result: dict) -> None:
+    """The result as indented JSON at path (its directory made); nothing if path is None."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")

@@ -44,7 +44,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 
 POLL_S = 0.005  # a benchmark, not a test: the ready instant matters to the millisecond
 
@@ -271,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [asdict(r) for r in runs],
     }
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0 if all(r.ready_s is not None for r in runs) else 1
 
 

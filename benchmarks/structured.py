@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.structured import masks as masks_module
 from engine.structured.spec import GrammarSpec
@@ -234,10 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "host_wait": args.host_wait,
         "models": [run_model(name, args) for name in args.models],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    write_result(args.out, result)
     return 0
 
 

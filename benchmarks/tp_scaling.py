@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.checkpoints import CONFIGS, build_checkpoint
 from benchmarks.offline import copy_bandwidth, decode_floor_ms, run_pagoda
-from benchmarks.provenance import git_commit
+from benchmarks.provenance import git_commit, write_result
 from engine import LLM
 from engine.tp_group import WORKER_ENV
 
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             run["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(run), flush=True)
         result["runs"].append(run)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 
