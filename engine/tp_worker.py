@@ -15,6 +15,7 @@ which runs its ranks and no HTTP.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.prompt_logprobs import SCORE_ROWS
 from engine.step_channel import DECODE_GRAPH, EAGER, PREFILL_GRAPH, STOP, StepHeader
-from engine.tp_group import Workers, init_method, join, leave
+from engine.tp_group import Workers, init_method, join
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -46,7 +47,11 @@ def worker_main(config: EngineConfig, rank: int, address: str) -> None:
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)
-    leave()
+    # Rank 0 leaves as well: exit without tearing the group down. gloo's teardown
+    # while the peers close their sockets can abort the process (std::terminate,
+    # seen under load), and nothing here needs saving.
+    logging.shutdown()
+    os._exit(0)
 
 
 def build_runner(config: EngineConfig, membership) -> ModelRunner:
