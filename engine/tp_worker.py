@@ -38,12 +38,7 @@ def worker_main(config: EngineConfig, rank: int, address: str) -> None:
     )
     try:
         membership = join(config, rank, address)
-        runner = build_runner(membership.config, membership)
-        while True:
-            header, score_rows = runner.channel.receive()
-            if header.path == STOP:
-                break
-            replay(runner, header, score_rows)
+        follow_steps(build_runner(membership.config, membership))
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)
@@ -52,6 +47,15 @@ def worker_main(config: EngineConfig, rank: int, address: str) -> None:
     # seen under load), and nothing here needs saving.
     logging.shutdown()
     os._exit(0)
+
+
+def follow_steps(runner: ModelRunner) -> None:
+    """Replay rank 0's steps as they are published, until it sends STOP."""
+    while True:
+        header, score_rows = runner.channel.receive()
+        if header.path == STOP:
+            return
+        replay(runner, header, score_rows)
 
 
 def build_runner(config: EngineConfig, membership) -> ModelRunner:

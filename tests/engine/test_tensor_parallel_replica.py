@@ -22,17 +22,12 @@ from tests.server.conftest import free_port
 
 def _recording_rank(config, address: str, path: str) -> None:
     """Rank 1 as a second "node": the worker's own loop, then its state saved to path."""
-    from engine.step_channel import STOP
     from engine.tp_group import join, leave
-    from engine.tp_worker import build_runner, replay
+    from engine.tp_worker import build_runner, follow_steps
 
     membership = join(config, 1, address)
     runner = build_runner(membership.config, membership)
-    while True:
-        header, score_rows = runner.channel.receive()
-        if header.path == STOP:
-            break
-        replay(runner, header, score_rows)
+    follow_steps(runner)
     torch.save(replica_state(runner), path)
     leave()
 
