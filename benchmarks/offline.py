@@ -103,7 +103,10 @@ def run_pagoda(
         "decode_s": max(m.finished_time for m in metrics)
         - max(m.first_token_time for m in metrics),
         "ttft_ms": {"p50": 1e3 * statistics.median(ttft), "mean": 1e3 * statistics.mean(ttft)},
-        "tpot_ms": {"p50": 1e3 * statistics.median(tpot), "mean": 1e3 * statistics.mean(tpot)},
+        "tpot_ms": {  # none when every request produced one token
+            "p50": 1e3 * statistics.median(tpot) if tpot else None,
+            "mean": 1e3 * statistics.mean(tpot) if tpot else None,
+        },
         "decode_step_ms": {
             "p50": 1e3 * statistics.median(step_s) if step_s else None,
             "count": len(step_s),
@@ -397,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     prompts, output_lens = workload(args, llm.tokenizer)
     # Warm up on the run's own batch, as transformers is warmed up below: the first
-    # launch at a new shape compiles Triton kernels.
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # launch at a new shape compiles Triton kernels. A prompt at the length limit warms
+    # up on one token.
+    warm = max(1, min(8, max_len - max(map(len, prompts))))
+    llm.generate(prompts, SamplingParams(max_tokens=warm, ignore_eos=True), use_tqdm=False)
 
     result = {
         "benchmark": "offline",
