@@ -115,9 +115,9 @@ def run_pagoda(
 
 
 def run_hf(model_dir: str, dtype: torch.dtype, prompt: list[int], n: int, output_len: int) -> dict:
-    from transformers import AutoModelForCausalLM
+    from benchmarks.hf_compile import load_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    model = load_model(model_dir, dtype)  # random-weight shapes drawn on the GPU
     model.generation_config.eos_token_id = None
     input_ids = torch.tensor([prompt] * n, device="cuda")
     kwargs = dict(attention_mask=torch.ones_like(input_ids), do_sample=False, pad_token_id=0)

@@ -130,6 +130,7 @@ class SplitKConfig:
 class SplitKWorkspace:
     """The splits' fp32 partials and the per-column-tile arrival counters, allocated once
     for up to `max_m` rows of an N-column output (CUDA graphs: no per-call allocation).
+    `config` launches up to SMALL_M rows, `rows_config` (default: the same) more.
 
     The counters start at zero and every launch leaves them at zero. One workspace serves
     one launch at a time: launches on one stream run one after another.
@@ -141,15 +142,20 @@ class SplitKWorkspace:
         device: torch.device,
         max_m: int = SPLITK_MAX_M,
         config: SplitKConfig = SplitKConfig(),
+        rows_config: SplitKConfig | None = None,
     ) -> None:
         self.n = n
         self.max_m = max_m
-        self.config = config
+        self.configs = (config, config if rows_config is None else rows_config)
+        splits = max(c.num_splits for c in self.configs)
         # [num_splits, max_m, n]; unused with one split, so it shrinks to one element.
-        shape = (config.num_splits, max_m, n) if config.num_splits > 1 else (1, 1, 1)
+        shape = (splits, max_m, n) if splits > 1 else (1, 1, 1)
         self.partials = torch.empty(shape, dtype=torch.float32, device=device)
-        num_col_tiles = triton.cdiv(n, config.block_n)
+        num_col_tiles = triton.cdiv(n, min(c.block_n for c in self.configs))
         self.counters = torch.zeros(num_col_tiles, dtype=torch.int32, device=device)
+
+    def config_for(self, m: int) -> SplitKConfig:
+        return self.configs[m > SMALL_M]
 
 
 _SHARED: dict[tuple[int, torch.device, bool], SplitKWorkspace] = {}
@@ -158,19 +164,26 @@ _SHARED: dict[tuple[int, torch.device, bool], SplitKWorkspace] = {}
 def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKWorkspace:
     """One workspace per output width (and weight dtype), shared by every layer of that
     width: launches on one stream run one after another, and each leaves the counters at
-    zero. Its K splits fill about four waves of the GPU's SMs with column tiles, two for
-    FP8 weights (wide outputs need none): as measured in Llama-3-8B's decode graph, where
-    the isolated-kernel optimum (deeper K tiles for FP8) was slower."""
+    zero. Up to SMALL_M rows its K splits fill about four waves of the GPU's SMs with
+    column tiles, two for FP8 weights (wide outputs need none): as measured in
+    Llama-3-8B's decode graph, where the isolated-kernel optimum (deeper K tiles for FP8)
+    was slower. More rows (a down projection at batch 64) make each tile a real GEMM:
+    about one wave, wider tiles for wide outputs and a deeper pipeline (measured at
+    m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down projections)."""
     key = (n, device, fp8)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if n >= WIDE_N:
             config = SplitKConfig(num_splits=1, block_n=64, block_k=256, num_stages=4)
+            _SHARED[key] = SplitKWorkspace(n, device, config=config)
         else:
             tiles = triton.cdiv(n, SplitKConfig.block_n)
             waves = 2 if fp8 else 4
             config = SplitKConfig(num_splits=max(1, min(4, -(-waves * sms // tiles))))
-        _SHARED[key] = SplitKWorkspace(n, device, config=config)
+            block_n = 64 if n >= 2048 else 32
+            splits = max(1, min(4, sms // triton.cdiv(n, block_n)))
+            rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
+            _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
     return _SHARED[key]
 
 
@@ -192,7 +205,7 @@ def splitk_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    config, partials = workspace.config, workspace.partials
+    config, partials = workspace.config_for(m), workspace.partials
     grid = (triton.cdiv(n, config.block_n), config.num_splits)
     _splitk_linear_kernel[grid](
         x,

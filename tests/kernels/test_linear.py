@@ -1,4 +1,4 @@
-"""splitk_linear (Triton, split-K reduced in one launch) against linear_ref, and DownProjection."""
+"""splitk_linear (Triton, split-K reduced in one launch) against linear_ref, and dense()."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.linear import (
+    SMALL_M,
     SplitKConfig,
     SplitKWorkspace,
     dense,
@@ -62,6 +63,23 @@ def test_splitk_linear_matches_reference_fp16_default_config(m, rng, device):
     want = linear_ref(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     assert torch.equal(splitk_linear(x, weight, bias, workspace), got)
+
+
+def test_splitk_workspace_switches_config_by_rows(rng, device):
+    # One workspace, two launch configs (up to SMALL_M rows and more) that differ in
+    # tiles and splits, used in turn: both sum right, and each leaves the shared
+    # counters at zero for the other.
+    few = SplitKConfig(num_splits=4, block_n=32, block_k=32)
+    many = SplitKConfig(num_splits=2, block_n=64, block_k=64)
+    workspace = SplitKWorkspace(N, device, config=few, rows_config=many)
+    workspace.partials.fill_(float("nan"))
+    assert workspace.config_for(SMALL_M) == few and workspace.config_for(SMALL_M + 1) == many
+    weight = (0.1 * torch.randn(N, K, generator=rng)).to(device)
+    for m in (3, 40, 16, 64):
+        x = torch.randn(m, K, generator=rng).to(device)
+        got = splitk_linear(x, weight, None, workspace)
+        torch.testing.assert_close(got, linear_ref(x, weight, None), rtol=1e-4, atol=1e-5)
+        assert not workspace.counters.any()
 
 
 def test_splitk_linear_reads_strided_rows(rng, device):
