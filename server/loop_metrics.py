@@ -18,18 +18,21 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 
-class Slots:
+class Slots(Collector):
     """Hands out float64 slots; once every metric has taken its share, bind() gives
     the numbers their storage: one row per API process, of which this process
     writes only its own, on its event loop (no lock), while reads sum all rows,
-    so any API process answers /metrics for all of them."""
+    so any API process answers /metrics for all of them. Collects its metrics."""
 
     def __init__(self) -> None:
         self.size = 0
         self.own: memoryview = memoryview(b"")  # this process's row
         self.rows: list[memoryview] = []  # every process's row, this one included
+        self.metrics: list[LoopHistogram | LoopCounter] = []  # in the order they were made
 
-    def take(self, n: int) -> int:
+    def take(self, n: int, metric: LoopHistogram | LoopCounter | None = None) -> int:
+        if metric is not None:
+            self.metrics.append(metric)
         self.size += n
         return self.size - n
 
@@ -43,6 +46,10 @@ class Slots:
     def total(self, slot: int) -> float:
         return sum(row[slot] for row in self.rows)
 
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            yield metric.family()
+
 
 @dataclass
 class MetricsShare:
@@ -55,11 +62,7 @@ class MetricsShare:
 
 
 class LoopHistogram:
-    """A histogram fed only from the event loop: plain counts, no lock.
-
-    prometheus_client's metrics take a mutex per observation; at one or more
-    observations per token per stream that was over a third of the loop's time
-    under load. Scrapes run on the same loop, so nothing here needs a lock."""
+    """A histogram fed only from the event loop: plain counts, no lock."""
 
     def __init__(
         self, name: str, documentation: str, buckets: tuple[float, ...], slots: Slots
@@ -67,7 +70,7 @@ class LoopHistogram:
         self.name, self.documentation = name, documentation
         self.bounds = list(buckets)
         self.slots = slots
-        self.base = slots.take(len(buckets) + 2)  # counts (the last bucket is +Inf), sum
+        self.base = slots.take(len(buckets) + 2, self)  # counts (the last bucket is +Inf), sum
         self.sum_slot = self.base + len(buckets) + 1
 
     def observe(self, value: float) -> None:
@@ -86,8 +89,8 @@ class LoopHistogram:
 
 
 class LoopCounter:
-    """A counter fed only from the event loop (see LoopHistogram), optionally by one
-    label whose values are known up front (a label value not yet counted is not shown)."""
+    """A counter fed only from the event loop, optionally by one label whose values
+    are known up front (a label value not yet counted is not shown)."""
 
     def __init__(
         self,
@@ -99,7 +102,7 @@ class LoopCounter:
     ) -> None:
         self.name, self.documentation, self.label = name, documentation, label
         self.slots = slots
-        self.base = slots.take(len(label_values))
+        self.base = slots.take(len(label_values), self)
         self.index = {value: self.base + i for i, value in enumerate(label_values)}
 
     def inc(self, amount: float = 1.0, label_value: str = "") -> None:
@@ -115,12 +118,3 @@ class LoopCounter:
             elif total:
                 family.add_metric([value], total)
         return family
-
-
-class LoopMetricsCollector(Collector):
-    def __init__(self, metrics: list[LoopHistogram | LoopCounter]) -> None:
-        self._metrics = metrics
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self._metrics:
-            yield metric.family()

@@ -10,25 +10,16 @@ every scrape sums the rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.request import RequestOutput
-from server.loop_metrics import (
-    LoopCounter,
-    LoopHistogram,
-    LoopMetricsCollector,
-    MetricsShare,
-    Slots,
-)
+from server.loop_metrics import LoopCounter, LoopHistogram, MetricsShare, Slots
 
 if TYPE_CHECKING:
     from engine.engine import EngineStats
@@ -36,71 +27,20 @@ if TYPE_CHECKING:
 
 # Latency buckets in seconds (vLLM's, trimmed).
 _TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
 _ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-FINISH_REASONS = ("stop", "length", "abort")
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0,
+)  # fmt: skip
 # Token counts: vLLM's 1-2-5 series.
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
-_REQUEST_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-)
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class EngineWatch(Protocol):
@@ -172,26 +112,19 @@ class Metrics:
     def __init__(self, share: MetricsShare | None = None) -> None:
         self.registry = CollectorRegistry()
         slots = self._slots = Slots()
-        self.ttft = LoopHistogram(
-            "pagoda:time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            _TTFT_BUCKETS,
-            slots,
+        hist = functools.partial(LoopHistogram, slots=slots)
+        tokens, seconds = _TOKEN_BUCKETS, _REQUEST_BUCKETS
+        self.ttft = hist(
+            "pagoda:time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
         )
-        self.itl = LoopHistogram(
+        self.itl = hist(
             "pagoda:inter_token_latency_seconds",
             "Between consecutive generated tokens of a choice.",
             _ITL_BUCKETS,
-            slots,
         )
-        self.e2e = LoopHistogram(
-            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS, slots
-        )
-        self.queue_time = LoopHistogram(
-            "pagoda:request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.e2e = hist("pagoda:e2e_request_latency_seconds", "Arrival to finish.", seconds)
+        self.queue_time = hist(
+            "pagoda:request_queue_time_seconds", "Arrival to first scheduled.", seconds
         )
         self.prompt_tokens = LoopCounter("pagoda:prompt_tokens", "Prefilled prompt tokens.", slots)
         self.generation_tokens = LoopCounter("pagoda:generation_tokens", "Generated tokens.", slots)
@@ -202,72 +135,36 @@ class Metrics:
             "finished_reason",
             FINISH_REASONS,
         )
-        tokens = _TOKEN_BUCKETS
-        self.iteration_tokens = LoopHistogram(
+        self.iteration_tokens = hist(
             "pagoda:iteration_tokens_total",
             "Tokens per engine step: generated, and prompts' uncached tokens at their first.",
             tokens,
-            slots,
         )
-        self.request_prompt_tokens = LoopHistogram(
-            "pagoda:request_prompt_tokens", "Prompt tokens of a finished request.", tokens, slots
+        self.request_prompt_tokens = hist(
+            "pagoda:request_prompt_tokens", "Prompt tokens of a finished request.", tokens
         )
-        self.request_generation_tokens = LoopHistogram(
-            "pagoda:request_generation_tokens",
-            "Generated tokens of a finished choice.",
-            tokens,
-            slots,
+        self.request_generation_tokens = hist(
+            "pagoda:request_generation_tokens", "Generated tokens of a finished choice.", tokens
         )
-        self.params_n = LoopHistogram(
-            "pagoda:request_params_n", "The n of each request.", (1, 2, 5, 10, 20), slots
+        self.params_n = hist("pagoda:request_params_n", "The n of each request.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist(
+            "pagoda:request_params_max_tokens", "The max_tokens of each request.", tokens
         )
-        self.params_max_tokens = LoopHistogram(
-            "pagoda:request_params_max_tokens", "The max_tokens of each request.", tokens, slots
+        self.inference_time = hist(
+            "pagoda:request_inference_time_seconds", "First scheduled to finished.", seconds
         )
-        self.inference_time = LoopHistogram(
-            "pagoda:request_inference_time_seconds",
-            "First scheduled to finished.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.prefill_time = hist(
+            "pagoda:request_prefill_time_seconds", "First scheduled to first token.", seconds
         )
-        self.prefill_time = LoopHistogram(
-            "pagoda:request_prefill_time_seconds",
-            "First scheduled to first token.",
-            _REQUEST_BUCKETS,
-            slots,
-        )
-        self.decode_time = LoopHistogram(
-            "pagoda:request_decode_time_seconds",
-            "First token to finished.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.decode_time = hist(
+            "pagoda:request_decode_time_seconds", "First token to finished.", seconds
         )
         # Requests this API process has submitted to the engine, ever: summed over
         # the processes and less the engine's count of those it has taken in, the
         # ones on their way (see AsyncEngine.num_waiting).
         self._submitted_slot = slots.take(1)
         slots.bind(share)
-        self.registry.register(
-            LoopMetricsCollector(
-                [
-                    self.ttft,
-                    self.itl,
-                    self.e2e,
-                    self.queue_time,
-                    self.prompt_tokens,
-                    self.generation_tokens,
-                    self.request_success,
-                    self.iteration_tokens,
-                    self.request_prompt_tokens,
-                    self.request_generation_tokens,
-                    self.params_n,
-                    self.params_max_tokens,
-                    self.inference_time,
-                    self.prefill_time,
-                    self.decode_time,
-                ]
-            )
-        )
+        self.registry.register(slots)
 
     @staticmethod
     def num_slots() -> int:
