@@ -87,16 +87,12 @@ class Prompts:
         future = asyncio.get_running_loop().run_in_executor(lane, job)
         if raw is None:
             return await future
-        watch = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
-            await asyncio.wait({future, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if not future.done():
+            return await unless_disconnected(raw, future)
+        except ClientDisconnected:
             dropped.set()
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
-            raise ClientDisconnected
-        return future.result()
+            raise
 
     # ------------------------------------------------------------ on a lane
 
@@ -173,9 +169,21 @@ class Prompts:
         return text
 
 
-async def wait_for_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
+async def unless_disconnected(raw: Request, work: asyncio.Future[T]) -> T:
+    """work's result; ClientDisconnected if the client leaves first (work goes on)."""
+
+    async def disconnect() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientDisconnected
+    return work.result()
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
-from server.prompts import ClientDisconnected, Prompts, wait_for_disconnect
+from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -72,20 +72,12 @@ class Usage:
         self._prompt: dict[str, tuple[int, int]] = {}  # (prompt tokens, cached ones)
         self._completion: dict[tuple[str, int], int] = {}
 
-    def record(
-        self, request_id: str, index: int, num_prompt: int, num_output: int, num_cached: int
-    ) -> None:
-        self._prompt[request_id] = num_prompt, num_cached
-        self._completion[(request_id, index)] = num_output
+    def record(self, request_id: str, index: int, counts: ChoiceState | RequestOutput) -> None:
+        self._prompt[request_id] = counts.num_prompt_tokens, counts.num_cached_tokens
+        self._completion[(request_id, index)] = counts.num_output_tokens
 
     def add(self, out: RequestOutput) -> None:
-        self.record(
-            out.request_id,
-            out.index,
-            out.num_prompt_tokens,
-            out.num_output_tokens,
-            out.num_cached_tokens,
-        )
+        self.record(out.request_id, out.index, out)
 
     def info(self) -> UsageInfo:
         prompt = sum(n for n, _ in self._prompt.values())
@@ -239,17 +231,12 @@ class Serving:
             return choices
 
         work = asyncio.ensure_future(consume())
-        watch = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await unless_disconnected(raw, work)
         finally:
-            watch.cancel()
             if not work.done():
                 work.cancel()
                 stream.abort()
-        if not work.done() or work.cancelled():
-            raise ClientDisconnected
-        return work.result()
 
     def sse(self, stream: RequestStream, payloads: AsyncIterator[str]) -> StreamingResponse:
         return _SSEResponse(stream, _sse_events(stream, payloads))

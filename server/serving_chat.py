@@ -92,9 +92,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         )
         if req.prompt_logprobs is not None and state.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_out(s, state.prompt_logprobs)
-        usage.record(
-            rid, index, state.num_prompt_tokens, state.num_output_tokens, state.num_cached_tokens
-        )
+        usage.record(rid, index, state)
     response = ChatCompletionResponse(
         id=request_id,
         created=created,

@@ -137,10 +137,7 @@ class _Answer:
                 _extend_logprobs(s, choice.logprobs, state.logprobs, offset, req.logprobs)
             self._extras(choice, prompt, state.token_ids, state.prompt_logprobs)
             choices.append(choice)
-            usage.record(
-                rid, index, state.num_prompt_tokens, state.num_output_tokens,
-                state.num_cached_tokens,
-            )  # fmt: skip
+            usage.record(rid, index, state)
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
