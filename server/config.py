@@ -24,9 +24,7 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # an idle kept-alive connection (uvicorn's)
     max_connections: int = 4096  # open connections past which new ones get 503
     log_level: str = "info"
-    # uvicorn's line per request is ~7% of an API process's event-loop samples under
-    # load (py-spy on benchmarks.api_cost); vLLM's flag of the same name turns it off.
-    access_log: bool = True
+    access_log: bool = True  # uvicorn's line per request, a cost on a busy event loop
     # The engine in its own process instead of a thread of this one: the event loop
     # and the engine's host work stop sharing one GIL (vLLM's layout).
     engine_process: bool = False

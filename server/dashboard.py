@@ -1,15 +1,10 @@
 """GET /dashboard: one page that polls /metrics every second and plots the last ten
 minutes; GET /dashboard/info: what its header shows (model, uptime, configuration).
 
-The page (server/static/dashboard.html) is a single file with no dependencies
-(plain SVG), so it needs nothing beyond this server. Every number it plots comes
-from /metrics, the same `pagoda:` series Prometheus scrapes (docker/ has the
-Grafana dashboard over them): the page keeps their recent history and takes
-deltas, rates from counters and p50/p99 from histogram bucket deltas as
-Prometheus's histogram_quantile computes them. With --api-server-count N,
-/metrics sums every API process, so whichever process answers, the page shows the
-whole server. With --api-key, /dashboard/info wants the key like /v1/*: the page
-asks for it and sends it as a Bearer header on each of its requests.
+The page (server/static/dashboard.html) is one dependency-free file (plain SVG).
+It plots the `pagoda:` series Prometheus scrapes, taking rates from counter
+deltas and p50/p99 from histogram bucket deltas as histogram_quantile does.
+With --api-key, /dashboard/info wants the key like /v1/*: the page asks for it.
 """
 
 from __future__ import annotations
@@ -62,8 +57,7 @@ def describe(engine: Any, model_name: str, server_config: ServerConfig) -> Dashb
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,
         prefix_caching=config.enable_prefix_caching,
-        # EngineConfig gains the field with tensor parallelism; one GPU until then.
-        tensor_parallel_size=getattr(config, "tensor_parallel_size", 1),
+        tensor_parallel_size=config.tensor_parallel_size,
         api_server_count=server_config.api_server_count,
     )
 

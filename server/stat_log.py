@@ -4,13 +4,10 @@
     running 256, waiting 109, KV cache 14.3%; host: working 100%, waiting on the
     device 0%, idle 0%
 
-(GPT-2 on the H100, 512 requests in flight: benchmarks/results/serving-h100-stats-line.json,
-logged when the prefill graph path was still "piecewise".)
-
 Under load it says which side sets the pace: a host working ~100% of the time
 is the limit (the device waits for it); a host waiting on the device is not.
-The step mix says how many steps missed the decode CUDA graph because they
-carried prefill tokens. Logged only for intervals in which steps ran.
+The step mix says how many steps missed the decode CUDA graph. Logged only for
+intervals in which steps ran.
 """
 
 from __future__ import annotations
