@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,11 +53,7 @@ class CudaGraphs:
         # Captures run on a side stream: the legacy default stream cannot capture.
         self.capture_stream = torch.cuda.Stream(runner.device) if config.use_cuda_graphs else None
         if config.use_cuda_graphs:
-            sizes = config.cuda_graph_batch_sizes()
-            logger.info("capturing decode graphs for batch sizes %s", _ranges(sizes))
-            start = time.perf_counter()
-            self._capture_decode()
-            logger.info("decode graphs captured in %.1f s", time.perf_counter() - start)
+            _timed("decode", "batch sizes", config.cuda_graph_batch_sizes(), self._capture_decode)
         if config.use_cuda_graphs and self.driver:
             # By buffer, then batch size: the logits rows of its bucket's graph.
             self.decode_rows = [
@@ -68,11 +64,7 @@ class CudaGraphs:
                 for i in range(runner.num_buffers)
             ]
         if config.use_prefill_graphs:
-            sizes = config.prefill_graph_sizes()
-            logger.info("capturing prefill graphs for %s tokens", _ranges(sizes))
-            start = time.perf_counter()
-            self._capture_prefill()
-            logger.info("prefill graphs captured in %.1f s", time.perf_counter() - start)
+            _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
 
     def fits_decode(self, num_seqs: int) -> bool:
         return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
@@ -249,8 +241,10 @@ def capturing(
             graph.capture_end()
 
 
-def _ranges(sizes: list[int]) -> str:
-    """[1, 2, 4, 8, 16, ..., 256] as "1, 2, 4, ..., 256 (35 sizes)"."""
-    if len(sizes) <= 6:
-        return ", ".join(map(str, sizes))
-    return f"{', '.join(map(str, sizes[:3]))}, ..., {sizes[-1]} ({len(sizes)} sizes)"
+def _timed(kind: str, what: str, sizes: list[int], capture: Callable[[], None]) -> None:
+    """Run capture, logging which sizes (as "1, 2, 4, ..., 256 (35 sizes)") and how long."""
+    shown = sizes if len(sizes) <= 6 else [*sizes[:3], "...", f"{sizes[-1]} ({len(sizes)} sizes)"]
+    logger.info("capturing %s graphs for %s %s", kind, what, ", ".join(map(str, shown)))
+    start = time.perf_counter()
+    capture()
+    logger.info("%s graphs captured in %.1f s", kind, time.perf_counter() - start)
