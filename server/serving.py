@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.request import RequestOutput, TokenLogprob
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
@@ -35,6 +35,11 @@ from server.protocol import (
 from server.request_stream import RequestStream
 
 logger = logging.getLogger("pagoda.server")
+# Sampling fields whose null means SamplingParams' default.
+_OPTIONAL_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
 
 
 @dataclass
@@ -166,50 +171,23 @@ class Serving:
             raise APIError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-            # The sampler seeds a torch.Generator, which takes 64 bits; past that the
-            # engine step itself would fail.
-            raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
-        bad_keys = [k for k in req.logit_bias or {} if not k.strip().lstrip("-").isdigit()]
-        if bad_keys:
-            raise APIError(
-                f"logit_bias keys must be token ids; not: {', '.join(map(repr, bad_keys[:5]))}.",
-                param="logit_bias",
-            )
-        logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        extra = {}
-        if prompt_logprobs is not None:
-            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-                raise APIError(
-                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}.",
-                    param="prompt_logprobs",
-                )
-            extra["prompt_logprobs"] = prompt_logprobs
-        values = {
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "min_p": req.min_p,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty,
-        }
+        optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING}  # null: OpenAI's default
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 n=req.n,
                 seed=req.seed,
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                stop_token_ids=list(req.stop_token_ids or []),
-                logit_bias=logit_bias or None,
+                stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [],
+                logit_bias=req.logit_bias or None,  # its keys are JSON's strings: made ids there
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 grammar=grammar,
-                **{k: v for k, v in values.items() if v is not None},  # null = OpenAI's default
-                **extra,
+                **{k: v for k, v in optional.items() if v is not None},
             )
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
