@@ -258,15 +258,12 @@ class Serving:
             k: v for k, v in tokenizer.init_kwargs.items() if _is_json(v) and k != "name_or_path"
         }
         special = {k: str(v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
-        return (
-            config
-            | special
-            | {
-                "tokenizer_class": type(tokenizer).__name__,
-                "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": self.max_model_len,
-            }
-        )
+        own = {
+            "tokenizer_class": type(tokenizer).__name__,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": self.max_model_len,
+        }
+        return config | special | own
 
 
 def prompt_logprobs_out(

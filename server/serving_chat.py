@@ -120,13 +120,13 @@ async def _chunks(
     continuous = bool(options and options.continuous_usage_stats)
     usage = Usage()
 
-    def chunk(choice: ChatStreamChoice, **extra: object) -> str:
+    def chunk(choices: list[ChatStreamChoice], last: bool = False, **extra: object) -> str:
         return ChatCompletionChunk(
             id=request_id,
             created=created,
             model=s.model_name,
-            choices=[choice],
-            usage=usage.info() if continuous else None,
+            choices=choices,
+            usage=usage.info() if continuous or last else None,
             **extra,
         ).model_dump_json()
 
@@ -140,7 +140,7 @@ async def _chunks(
     for index in range(req.n):
         delta = {"role": "assistant"}
         delta |= {"content": echo} if calls is None else calls[index].feed(echo, False)
-        yield chunk(ChatStreamChoice(index=index, delta=delta), **ids)
+        yield chunk([ChatStreamChoice(index=index, delta=delta)], **ids)
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
@@ -154,20 +154,17 @@ async def _chunks(
                     finish_reason = calls[out.index].finish_reason(finish_reason)
             if not (delta or out.finished or logprobs and logprobs.content):
                 continue  # e.g. a token held back until its UTF-8 character completes
-            yield chunk(
-                ChatStreamChoice(
-                    index=out.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=out.stop_reason if out.finished else None,
-                    token_ids=out.new_token_ids if req.return_token_ids else None,
-                )
+            choice = ChatStreamChoice(
+                index=out.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                stop_reason=out.stop_reason if out.finished else None,
+                token_ids=out.new_token_ids if req.return_token_ids else None,
             )
+            yield chunk([choice])
     if include_usage:
-        yield ChatCompletionChunk(
-            id=request_id, created=created, model=s.model_name, choices=[], usage=usage.info()
-        ).model_dump_json()
+        yield chunk([], last=True)
 
 
 def _logprobs(s: Serving, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:

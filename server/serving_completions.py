@@ -167,13 +167,13 @@ class _Answer:
         continuous = bool(options and options.continuous_usage_stats)
         usage = Usage()
 
-        def chunk(choices: list[CompletionChoice]) -> str:
+        def chunk(choices: list[CompletionChoice], last: bool = False) -> str:
             return CompletionResponse(
                 id=self.request_id,
                 created=self.created,
                 model=s.model_name,
                 choices=choices,
-                usage=usage.info() if continuous else None,
+                usage=usage.info() if continuous or last else None,
             ).model_dump_json()
 
         text_chunk = TextChunks(self.request_id, self.created, s.model_name)
@@ -231,13 +231,7 @@ class _Answer:
                 self._extras(choice, prompt if opening else None, token_ids, plogprobs)
                 yield chunk([choice])
         if include_usage:
-            yield CompletionResponse(
-                id=self.request_id,
-                created=self.created,
-                model=s.model_name,
-                choices=[],
-                usage=usage.info(),
-            ).model_dump_json()
+            yield chunk([], last=True)
 
 
 class TextChunks:
