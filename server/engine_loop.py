@@ -86,17 +86,17 @@ class Abort:
 
 
 class Credit(Protocol):
-    """1 while the listener has taken the last report in (0: outputs wait)."""
+    """1 while the listener has taken the last report in (0: outputs wait). In the
+    engine process, a shared-memory byte per API process, set there, not a message."""
 
     value: int
 
 
+@dataclass
 class Flag:
-    """Credit: 1 while the listener has taken the last report in. In the engine
-    process it is a shared-memory byte per API process, set there, not a message."""
+    """A Credit kept in this process."""
 
-    def __init__(self) -> None:
-        self.value = 1
+    value: int = 1
 
 
 class EngineLoop:
@@ -115,7 +115,9 @@ class EngineLoop:
         self._stopping = False
         self._woken = False
         self._credit = Flag() if credit is None else credit
-        self._active: dict[str, int] = {}  # engine request id -> unfinished choices
+        # Engine request id -> unfinished choices: the ids added and not yet finished,
+        # failed or aborted (the owning thread's to change).
+        self.active: dict[str, int] = {}
         self._stat_log: StatLog | None = None
         self._taken_in = 0
         self.engine: Engine | None = None
@@ -154,14 +156,13 @@ class EngineLoop:
         request fails with a 500. The other ranks stop with it."""
         try:
             self._serve()
-        except WorkerFailed as exc:
-            logger.error("engine stopped: %s", exc)
-            self._fail_all(APIError(f"The engine stopped: {exc}.", 500))
-            with self._cond:
-                self._stopping = True
-        except BaseException:
-            logger.exception("engine loop died")
-            self._fail_all(APIError("The engine thread died.", 500))
+        except BaseException as exc:
+            if isinstance(exc, WorkerFailed):
+                logger.error("engine stopped: %s", exc)
+                self._fail_all(APIError(f"The engine stopped: {exc}.", 500))
+            else:
+                logger.exception("engine loop died")
+                self._fail_all(APIError("The engine thread died.", 500))
             with self._cond:
                 self._stopping = True
         finally:
@@ -207,17 +208,11 @@ class EngineLoop:
         stats = self.engine.get_stats()
         self._listener(StepReport(batch, deltas, time.time(), stats, self._taken_in))
 
-    @property
-    def active(self) -> dict[str, int]:
-        """Ids added and not yet finished, failed or aborted (the owning thread's
-        view; a dict, so that a report can test each of its ids without a call)."""
-        return self._active
-
     def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
         added = []
         for item in inbox:
             if isinstance(item, Abort):
-                if self._active.pop(item.request_id, None) is not None:
+                if self.active.pop(item.request_id, None) is not None:
                     self._abort_in_engine(item.request_id)
                 batch.pop(item.request_id, None)
                 continue
@@ -226,7 +221,7 @@ class EngineLoop:
                 self.engine.add_request(
                     item.request_id, item.prompt_token_ids, item.params, item.arrival_time
                 )
-                self._active[item.request_id] = item.params.n
+                self.active[item.request_id] = item.params.n
             except RequestRejected as exc:
                 batch[item.request_id] = APIError(str(exc), 400, param=exc.param)
             except ValueError as exc:
@@ -251,23 +246,23 @@ class EngineLoop:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.
             logger.exception("engine step failed")
-            touched = getattr(exc, "request_ids", None) or list(self._active)
+            touched = getattr(exc, "request_ids", None) or list(self.active)
             error = APIError("The engine failed while generating.", 500)
             for rid in touched:
-                if self._active.pop(rid, None) is not None:
+                if self.active.pop(rid, None) is not None:
                     self._abort_in_engine(rid)
                 batch[rid] = error
             return
         for out in outputs:
-            if out.request_id not in self._active:
+            if out.request_id not in self.active:
                 continue
             entry = batch.setdefault(out.request_id, [])
             if isinstance(entry, list):
                 entry.append(out)
             if out.finished:
-                self._active[out.request_id] -= 1
-                if self._active[out.request_id] == 0:
-                    del self._active[out.request_id]
+                self.active[out.request_id] -= 1
+                if self.active[out.request_id] == 0:
+                    del self.active[out.request_id]
 
     def _abort_in_engine(self, request_id: str) -> None:
         try:
@@ -277,10 +272,10 @@ class EngineLoop:
 
     def _fail_all(self, error: APIError) -> None:
         batch: Batch = {}
-        for rid in list(self._active):
+        for rid in list(self.active):
             self._abort_in_engine(rid)
             batch[rid] = error
-        self._active.clear()
+        self.active.clear()
         with self._cond:  # requests still in the inbox fail too
             added = []
             for item in self._inbox:
