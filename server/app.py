@@ -24,7 +24,7 @@ from server.config import ServerConfig
 from server.dashboard import add_dashboard
 from server.engine_loop import EngineFactory, build_engine
 from server.engine_wire import EngineEndpoint
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from server.middleware import ApiKeyAuth, BodySizeLimit, RequestId
 from server.prompts import ClientDisconnected
@@ -188,11 +188,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if exc.status_code != 404 else f"Not found: {request.url.path}"
-        return JSONResponse(
-            error_body(str(message), exc.status_code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+        return APIError(str(message), exc.status_code, headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
@@ -201,4 +197,4 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)  # the text stays in the log
-        return JSONResponse(error_body("Internal server error.", 500), status_code=500)
+        return APIError("Internal server error.", 500).response()
