@@ -116,10 +116,7 @@ class Sampler:
         return [by_slot[s] or _VOID for s in slots.tolist()]
 
     def process_logits(
-        self,
-        logits: torch.Tensor,
-        requests: Sequence[Request],
-        bitmask: BatchBitmask | None = None,
+        self, logits: torch.Tensor, requests: Sequence[Request], bitmask: BatchBitmask | None = None
     ) -> torch.Tensor:
         """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
         fp32 [B, V] tensor."""
@@ -172,17 +169,10 @@ class Sampler:
         params = [requests[i].params for i in rows]
         row_index = torch.tensor(rows, device=self.device)
         sub = x[row_index]  # [P, V]
-        # [3, P] -> three [P, 1] columns, one host-to-device copy
-        penalties = torch.tensor(
-            [
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-            ],
-            dtype=x.dtype,
-            device=self.device,
-        ).unsqueeze(-1)
-        repetition, frequency, presence = penalties
+        # [P, 3] -> three [P, 1] columns, one host-to-device copy
+        values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+        penalties = torch.tensor(values, dtype=x.dtype, device=self.device)
+        repetition, frequency, presence = penalties.T.unsqueeze(-1)
 
         # How often each vocabulary entry was generated (OpenAI's penalties
         # count output tokens only). Padding goes to an extra column V.

@@ -37,10 +37,7 @@ logger = logging.getLogger("pagoda.server")
 
 
 def spawn_engine(
-    config: EngineConfig,
-    factory: EngineFactory,
-    switch_interval: float,
-    num_clients: int = 1,
+    config: EngineConfig, factory: EngineFactory, switch_interval: float, num_clients: int = 1
 ) -> tuple[BaseProcess, list[EngineEndpoint]]:
     """Start the engine process for `num_clients` API processes; returns it and their
     endpoints. It has not built its engine yet: each endpoint gets "ready" when it has."""
@@ -177,8 +174,7 @@ def _child_main(
     log_level: int,
 ) -> None:
     logging.basicConfig(
-        level=log_level,
-        format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s",
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
     pause_collection()  # until the engine's build freezes the startup heap (engine/heap.py)
     sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put

@@ -39,11 +39,7 @@ def check_config(config) -> None:
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self,
-        config,
-        rotary: RotaryEmbedding,
-        sliding_window: int,
-        tp: TensorParallel = SINGLE,
+        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps

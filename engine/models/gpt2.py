@@ -8,13 +8,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import (
-    ACTIVATIONS,
-    AttentionMetadata,
-    LayerNorm,
-    LMHead,
-    PagedAttention,
-)
+from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHead, PagedAttention
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
