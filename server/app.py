@@ -40,7 +40,7 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.serving import Serving, disconnected_response
+from server.serving import Serving
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
@@ -192,7 +192,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
-        return disconnected_response()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.request import RequestOutput, TokenLogprob
@@ -330,7 +330,3 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.abort()
-
-
-def disconnected_response() -> Response:
-    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
 from server.errors import APIError
-from server.prompts import ClientDisconnected, template_message
+from server.prompts import template_message
 from server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -24,7 +24,7 @@ from server.protocol import (
     TopLogprob,
 )
 from server.request_stream import RequestStream
-from server.serving import Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.serving import Serving, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
@@ -57,10 +57,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return s.check_prompt(ids, params, "messages", truncate)
 
     size = sum(len(str(m.content or "")) for m in req.messages)
-    try:
-        prompt_ids = await prompts.run(raw, size, prepare)
-    except ClientDisconnected:
-        return disconnected_response()
+    prompt_ids = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499
     # vLLM's echo: an open assistant message is repeated at the head of the answer.
     last = req.messages[-1]
     echo = template_message(last)["content"] if req.echo and last.role == "assistant" else ""
@@ -71,10 +68,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)
         return s.sse(stream, chunks)
 
-    try:
-        states = await s.collect(raw, stream)
-    except ClientDisconnected:
-        return disconnected_response()
+    states = await s.collect(raw, stream)
     usage = Usage()
     choices = []
     prompt_logprobs = None

@@ -13,7 +13,6 @@ from fastapi.responses import Response
 
 from engine.request import TokenLogprob
 from server.errors import APIError
-from server.prompts import ClientDisconnected
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,7 +20,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import ChoiceState, Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.serving import ChoiceState, Serving, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 
 
@@ -72,10 +71,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     # round trip (a thread wake and two GIL hand-offs) per request.
     text_chars = sum(len(t) for t in texts if isinstance(t, str))
     if req.echo or text_chars:
-        try:
-            prompts = await prompts_.run(raw, text_chars, prepare)
-        except ClientDisconnected:
-            return disconnected_response()
+        prompts = await prompts_.run(raw, text_chars, prepare)  # ClientDisconnected: the app's 499
     else:
         prompts = prepare()
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -83,10 +79,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
         return s.sse(stream, answer.chunks())
-    try:
-        states = await s.collect(raw, stream)
-    except ClientDisconnected:
-        return disconnected_response()
+    states = await s.collect(raw, stream)
     return Response(answer.response(states).model_dump_json(), media_type="application/json")
 
 
