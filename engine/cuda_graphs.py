@@ -148,12 +148,9 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def _capture_prefill(self) -> None:
-        """One graph per token bucket for max_num_seqs sequences, the largest first, in
-        one memory pool (they never run at once). The bound on query lengths (it
-        picks the attention's tile height) is the bucket's size or max_model_len.
-        Like a decode graph, each writes the block-table entries the staging buffer
-        carries, and takes logits for max_num_seqs rows and their argmax into the
-        device buffer the next step's inputs are gathered from."""
+        """One graph per token bucket, the largest first, in one memory pool (they never
+        run at once). The bound on query lengths (it picks the attention's tile height)
+        is the bucket's size or max_model_len."""
         runner = self.runner
         config = runner.config
         sizes = config.prefill_graph_sizes()

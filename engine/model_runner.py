@@ -1,11 +1,9 @@
 """Tensors in, logits out: the KV cache, the step's inputs, and the forward.
 
-A step's metadata is written with numpy, straight from the InputBatch's columns,
-into a pinned staging buffer and sent with one non-blocking copy into static
-device tensors (engine/step_inputs.py, engine/staging.py). Input ids are gathered on the
-device, from the host's ids or from the previous step's sampled ids, which
-never have to visit the host first. Decode-only steps and steps with up to
-2048 tokens replay CUDA graphs (engine/cuda_graphs.py); the rest run eagerly.
+A step's inputs are written and sent in one copy (engine/step_inputs.py); input ids
+are gathered on the device, from the host's ids or from the previous step's sampled
+ids, which never visit the host first. Decode-only steps and steps with up to 2048
+tokens replay CUDA graphs (engine/cuda_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations

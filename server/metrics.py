@@ -2,10 +2,8 @@
 
 Each app owns a CollectorRegistry (tests build several apps in one process).
 Gauges and the engine's cumulative counters are read at scrape time from the
-stats snapshot the engine thread publishes after every step; latencies and
-token counts are observed on the event loop as outputs arrive. With several
-API processes, those numbers live in shared memory, a row per process, and
-every scrape sums the rows.
+stats snapshot the engine publishes after every step; latencies and token counts
+are observed on the event loop as outputs arrive (server/loop_metrics.py).
 """
 
 from __future__ import annotations
