@@ -212,10 +212,6 @@ class Workers:
         """Some worker has not been reaped yet."""
         return self._watcher.is_alive()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes.values()]
-
 
 def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:
     """Rank 0: spawn this node's other ranks and join the group with them. Joining waits
