@@ -37,7 +37,7 @@ class EngineConfig:
     async_scheduling: bool = True
     seed: int = 0
     nvtx: bool = False
-    log_stats_interval: float = 10.0  # server/stat_log.py; 0: none
+    log_stats_interval: float = 10.0  # server/engine_loop.py's StatLog; 0: none
     stream_interval: int = 1  # SGLang's --stream-interval
     quantization: str | None = None  # engine/models/quantization.py
     kv_cache_dtype: str = "auto"  # "auto": the model dtype
