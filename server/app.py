@@ -12,13 +12,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
-from server import openapi
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.dashboard import add_dashboard
@@ -35,6 +35,7 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -49,6 +50,22 @@ try:
     __version__ = package_version("pagoda")
 except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0.1.0"
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# /openapi.json as the server behaves: every error is the OpenAI error body (never
+# FastAPI's 422), and every route can answer 401 (with --api-key) and 413 (a body over
+# the limit); streams are text/event-stream, /metrics is text.
+_COMMON = _errors(400, 401, 404, 413)
+_GENERATE = {
+    **_errors(400, 401, 404, 413, 500, 503),
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}
+_HEALTH = _errors(503)
+_METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 def create_app(
@@ -93,7 +110,7 @@ def create_app(
     _add_routes(app, metrics)
     add_dashboard(app, server_config)
     _add_error_handlers(app)
-    openapi.install(app)
+    _drop_422s(app)
     # Starlette runs the last-added middleware first: CORS answers preflights before auth.
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     if server_config.api_key:
@@ -114,42 +131,40 @@ def _serving(request: Request) -> Serving:
 
 
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=openapi.GENERATE)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATE)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_serving(request), body, request)
 
-    @app.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=openapi.GENERATE
-    )
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATE)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_serving(request), body, request)
 
-    @app.get("/v1/models", responses=openapi.COMMON)
+    @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:
         return _serving(request).models()
 
-    @app.get("/v1/models/{model_id:path}", responses=openapi.COMMON)
+    @app.get("/v1/models/{model_id:path}", responses=_COMMON)
     async def model(model_id: str, request: Request) -> ModelCard:
         serving = _serving(request)
         serving.check_model(model_id)
         return serving.models().data[0]
 
-    @app.post("/tokenize", responses=openapi.COMMON)
+    @app.post("/tokenize", responses=_COMMON)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         return await _serving(request).tokenize(body, request)
 
-    @app.post("/detokenize", responses=openapi.COMMON)
+    @app.post("/detokenize", responses=_COMMON)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         return await _serving(request).detokenize(body, request)
 
-    @app.get("/tokenizer_info", responses=openapi.COMMON)
+    @app.get("/tokenizer_info", responses=_COMMON)
     async def tokenizer_info(request: Request) -> dict[str, Any]:
         return _serving(request).tokenizer_info()
 
     # HEAD and POST variants answer the same, undocumented (one operation per path).
-    @app.get("/health", responses=openapi.HEALTH)
+    @app.get("/health", responses=_HEALTH)
     @app.head("/health", include_in_schema=False)
-    @app.get("/ping", responses=openapi.HEALTH)
+    @app.get("/ping", responses=_HEALTH)
     @app.post("/ping", include_in_schema=False)
     async def health(request: Request) -> Response:
         if not request.app.state.async_engine.is_alive:
@@ -160,7 +175,7 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_METRICS)
     @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -198,3 +213,21 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)  # the text stays in the log
         return APIError("Internal server error.", 500).response()
+
+
+def _drop_422s(app: FastAPI) -> None:
+    """Drop the 422 FastAPI documents for every body: validation errors are 400s."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

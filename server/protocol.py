@@ -238,6 +238,19 @@ def _omitted_if_none() -> Any:
     return Field(default=None, exclude_if=lambda v: v is None)
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every error is answered with (server/errors.py builds it)."""
+
+    error: ErrorInfo
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # served by the prefix cache
 
