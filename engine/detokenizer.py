@@ -110,11 +110,9 @@ class IncrementalDetokenizer:
             # Either way, decode the output on its own.
             context = []
         self.context = context
-        self.stream = (
-            DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
-            if self.table is None
-            else None
-        )
+        self.stream = None
+        if self.table is None:
+            self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
 
         self._text = ""  # decoded text of the output's complete characters
         self._pending: list[int] = []  # ids since the last complete piece (a partial char)

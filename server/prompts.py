@@ -51,8 +51,8 @@ class Prompts:
             ThreadPoolExecutor(
                 1,
                 thread_name_prefix=f"pagoda-tokenizer-{name}",
-                initializer=self._set_tokenizer,
-                initargs=(copy.deepcopy(tokenizer),),
+                initializer=setattr,
+                initargs=(self._local, "tokenizer", copy.deepcopy(tokenizer)),
             )
             for name in ("small", "large")
         ]
@@ -61,9 +61,6 @@ class Prompts:
         # (whitespace, accents): the bound leaves a factor of 4 for that.
         self._max_chars = 4 * max(len(t or "") for t in vocab) * max_model_len
         self._token_text: dict[int, str] = {}
-
-    def _set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._local.tokenizer = tokenizer
 
     @property
     def _tokenizer(self) -> PreTrainedTokenizerBase:

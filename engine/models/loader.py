@@ -147,8 +147,6 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, WeightSlice]]:
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, reader.get_slice(name)
-        except ModelLoadError:
-            raise
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot be read as safetensors: {e}") from e
 

@@ -63,10 +63,8 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.is_cuda and rows.shape[0] <= FP8_SPLITK_MAX_M and rows.stride(1) == 1:
-            # Small batches: weight-only FP8 in the split-K kernel reads the weights at
-            # their byte each, where _scaled_mm's kernels for skinny products are far
-            # from that (benchmarks.fp8's gemm_us); at batch 64 _scaled_mm measured
-            # faster overall.
+            # Small batches: weight-only FP8 in the split-K kernel reads each weight's
+            # byte once, where _scaled_mm's kernels for skinny products fall far short.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
             out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
         else:
