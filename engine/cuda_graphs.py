@@ -224,11 +224,10 @@ class CudaGraphs:
 def capturing(
     graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
 ) -> Iterator[None]:
-    """torch.cuda.graph without what it does before each capture: synchronize, empty
-    the allocator's cache and the pinned host cache. Over a hundred captures in a row,
-    each handed the last warm-up's memory back to the driver, for the next warm-up to
-    allocate again (vLLM turns the emptying off during capture too). The captures
-    here follow a synchronize of their own; the work they record runs at replay."""
+    """torch.cuda.graph without its synchronize and cache emptying before each capture,
+    which over a hundred captures in a row hand each warm-up's memory back to the
+    driver for the next to allocate again (vLLM skips the emptying too). The captures
+    here follow a synchronize of their own."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)

@@ -210,15 +210,11 @@ class ModelRunner(StepInputs):
         """Logits [num_sampling, vocab] at the last new token of each sequence that
         samples (out.samples: every one but the prefill chunks that stop short).
 
-        After a graph, `argmax` holds their argmax ids on the device (None after an
-        eager step); `argmax_on_host` says whether the graph copied them to the host
-        too (a decode graph does). A graph replay runs no torch op, so only the other
-        paths enter inference mode.
-
-        `prompt_scores` holds the prompt logprobs of the step's sequences that score
-        their prompts (engine/prompt_logprobs.py), read back to the host; None when
-        none does. A decode step has none: a scoring prefill chunk samples nothing
-        unless it reaches the prompt's end."""
+        Also sets `argmax` (after a graph, their argmax ids on the device; None after
+        an eager step), `argmax_on_host` (the graph copied them to the host too, as a
+        decode graph does) and `prompt_scores` (engine/prompt_logprobs.py; None when
+        no sequence scores its prompt, as in every decode step). A graph replay runs
+        no torch op, so only the other paths enter inference mode."""
         max_query_len = self.fill(out)
         self.argmax = None
         self.argmax_on_host = False

@@ -9,8 +9,7 @@ interpreter; the API server keeps the loop to itself.
 The engine process serves one or more API processes (`--api-server-count`),
 each over its own two pipes of messages (server/engine_wire.py); a reader
 thread on each side turns messages into calls, and Clients splits each step's
-report by API process. The child is spawned, never forked:
-CUDA cannot be initialised in a forked child.
+report by API process. The child is spawned: CUDA cannot start in a forked one.
 """
 
 from __future__ import annotations
