@@ -23,8 +23,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-WHITESPACE = " \t\r\n"
 _WS = re.compile(r"[ \t\r\n]*")
+_SCALAR = re.compile(r"[^,}\] \t\r\n]*")
 _STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*"')  # an escape takes the character after it
 
 
@@ -214,9 +214,7 @@ def _value_end(text: str, i: int) -> int | None:
                     return j + 1
             j += 1
         return None
-    j = i  # a number, true, false or null: up to the next delimiter
-    while j < n and text[j] not in ",}]" + WHITESPACE:
-        j += 1
+    j = _SCALAR.match(text, i).end()  # a number, true, false or null: up to a delimiter
     return j if j < n else None
 
 
