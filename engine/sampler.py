@@ -278,12 +278,8 @@ class Sampler:
 
         # Everything in one float64 tensor (exact for ids, ranks and fp32
         # values) so the host waits on a single copy.
-        packed = torch.cat(
-            [
-                token_ids.double(),
-                torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1).double().flatten(),
-            ]
-        ).tolist()
+        per_row = torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1)  # [R, 2 + 2K]
+        packed = torch.cat([token_ids.double(), per_row.double().flatten()]).tolist()
         batch_size = len(requests)
         token_list = [int(t) for t in packed[:batch_size]]
         logprobs: list[TokenLogprob | None] = [None] * batch_size
@@ -291,14 +287,9 @@ class Sampler:
         for r, i in enumerate(rows):
             fields = packed[batch_size + r * width : batch_size + (r + 1) * width]
             k = requests[i].params.logprobs
-            top_id_list = fields[2 : 2 + num_top]
-            top_lp_list = fields[2 + num_top :]
-            logprobs[i] = TokenLogprob(
-                token_id=token_list[i],
-                logprob=fields[0],
-                rank=int(fields[1]),
-                top=[(int(t), lp) for t, lp in zip(top_id_list[:k], top_lp_list[:k], strict=True)],
-            )
+            top = zip(fields[2 : 2 + k], fields[2 + num_top : 2 + num_top + k], strict=True)
+            top_list = [(int(t), lp) for t, lp in top]
+            logprobs[i] = TokenLogprob(token_list[i], fields[0], int(fields[1]), top_list)
         return SamplerOutput(token_list, logprobs)
 
 
