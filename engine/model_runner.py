@@ -282,8 +282,5 @@ class ModelRunner(StepInputs):
 def _with_kv_scales(ops: AttentionOps, layer: PagedAttention) -> AttentionOps:
     """The cache kernels bound to one layer's FP8 k/v scales."""
     scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
-    return AttentionOps(
-        functools.partial(ops.store, **scales),
-        functools.partial(ops.decode, **scales),
-        functools.partial(ops.prefill, **scales),
-    )
+    kernels = (ops.store, ops.decode, ops.prefill)
+    return AttentionOps(*(functools.partial(op, **scales) for op in kernels))

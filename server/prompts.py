@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import threading
@@ -60,7 +61,8 @@ class Prompts:
         # The most characters one token can cover. A normalizer may drop characters
         # (whitespace, accents): the bound leaves a factor of 4 for that.
         self._max_chars = 4 * max(len(t or "") for t in vocab) * max_model_len
-        self._token_text: dict[int, str] = {}
+        # On the loop: one token's text (logprobs name their tokens by it), remembered.
+        self.token_text: Callable[[int], str] = functools.cache(lambda t: tokenizer.decode([t]))
 
     @property
     def _tokenizer(self) -> PreTrainedTokenizerBase:
@@ -156,14 +158,6 @@ class Prompts:
             ) from exc
         # The template already wrote any BOS it wants.
         return self.encode(text, add_special_tokens=False)
-
-    # ------------------------------------------------------------ on the loop
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
 
 
 async def unless_disconnected(raw: Request, work: asyncio.Future[T]) -> T:
