@@ -26,14 +26,15 @@ _SERVER = ServerConfig()
 
 def _adder(group: Any, config: object) -> Callable[..., None]:
     """add(*flags, help=..., **kw): a flag of `group` whose default is config's field
-    `dest` (the first flag's name), of that default's type unless told otherwise."""
+    `dest` (the first flag's name), of that default's type unless told otherwise; a
+    switch (store_true, store_false) defaults to the value it does not store."""
 
     def add(*flags: str, help: str | None = None, **kw: Any) -> None:
         kw.setdefault("dest", flags[0].removeprefix("--").replace("-", "_"))
-        if "default" not in kw:
-            kw["default"] = getattr(config, kw["dest"])
-        if "action" not in kw and type(kw["default"]) in (int, float, str):
-            kw.setdefault("type", type(kw["default"]))
+        if "action" not in kw:
+            kw.setdefault("default", getattr(config, kw["dest"]))
+            if type(kw["default"]) in (int, float, str):
+                kw.setdefault("type", type(kw["default"]))
         group.add_argument(*flags, help=help, **kw)
 
     return add
@@ -126,13 +127,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     t(
         "--headless",
         action="store_true",
-        default=False,
         help="run this node's ranks only, no HTTP (nodes other than 0)",
     )
     e(
         "--disable-log-stats",
         action="store_true",
-        default=False,
         help=f"no engine stats line every {_ENGINE.log_stats_interval:g} s under load",
     )
     e(
