@@ -46,8 +46,12 @@ import torch
 from benchmarks.offline import _timed, start_decoding
 from engine import LLM, SamplingParams
 from engine.request import TokenDeltas
-from server.engine_clients import Clients
 from server.engine_loop import Add, StepReport
+
+try:
+    from server.engine_process import Clients
+except ImportError:  # a tree from before Clients moved into engine_process.py (for A/B runs)
+    from server.engine_clients import Clients
 
 PHASES = ["schedule", "fill", "execute", "sample", "process", "outputs", "report"]
 

@@ -29,34 +29,19 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    # Steps with prefill tokens replay a CUDA graph per token bucket (engine.model_runner);
-    # off: they run eagerly (decode-only steps still replay their graphs).
-    prefill_graphs: bool = True
-    # Decode batch sizes to capture graphs for (vLLM's --cuda-graph-sizes); None: 1, 2,
-    # 4, then every 8. max_num_seqs is always one: a batch replays the smallest that
-    # holds it. Fewer sizes capture faster at startup and pad more rows per step.
-    cuda_graph_sizes: list[int] | None = None
+    # The fields below are documented by their flags' help (server/cli.py).
+    prefill_graphs: bool = True  # steps with prefill replay graphs by token bucket
+    cuda_graph_sizes: list[int] | None = None  # None: see cuda_graph_batch_sizes
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
-    # --async-scheduling); off: every step's ids are read before the next is planned.
+    # --async-scheduling).
     async_scheduling: bool = True
-    seed: int = 0  # seeds the engine generator used by unseeded requests
-    nvtx: bool = False  # NVTX ranges around step phases, for nsys
-    # Seconds between the server's engine stats lines (server/stat_log.py); 0: none.
-    # vLLM's --disable-log-stats is an engine argument too.
-    log_stats_interval: float = 10.0
-    # A streaming choice's output is built every this many tokens (its first and
-    # last at once), SGLang's --stream-interval: fewer, larger deltas for less host
-    # work per token, where the engine's host side is the limit.
-    stream_interval: int = 1
-    # "fp8": dense projections in float8_e4m3fn, per-channel scales, activations per
-    # token (engine/models/quantization.py); FP8 checkpoints turn it on by themselves.
-    quantization: str | None = None
-    # "fp8": the KV cache in float8_e4m3fn (twice the blocks); "auto": the model dtype.
-    kv_cache_dtype: str = "auto"
-    # Tensor parallelism (engine/tp_group.py): the model split over this many ranks, one
-    # process and device each, spread evenly over nnodes machines. Node 0 schedules
-    # and samples; the others run `python -m server --headless`. master_port 0: one
-    # free port is picked (a single node only).
+    seed: int = 0
+    nvtx: bool = False
+    log_stats_interval: float = 10.0  # server/engine_loop.py's StatLog; 0: none
+    stream_interval: int = 1  # SGLang's --stream-interval
+    quantization: str | None = None  # engine/models/quantization.py
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype
+    # Tensor parallelism (engine/tp_group.py): ranks spread evenly over nnodes machines.
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0

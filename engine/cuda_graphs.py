@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,11 +53,7 @@ class CudaGraphs:
         # Captures run on a side stream: the legacy default stream cannot capture.
         self.capture_stream = torch.cuda.Stream(runner.device) if config.use_cuda_graphs else None
         if config.use_cuda_graphs:
-            sizes = config.cuda_graph_batch_sizes()
-            logger.info("capturing decode graphs for batch sizes %s", _ranges(sizes))
-            start = time.perf_counter()
-            self._capture_decode()
-            logger.info("decode graphs captured in %.1f s", time.perf_counter() - start)
+            _timed("decode", "batch sizes", config.cuda_graph_batch_sizes(), self._capture_decode)
         if config.use_cuda_graphs and self.driver:
             # By buffer, then batch size: the logits rows of its bucket's graph.
             self.decode_rows = [
@@ -68,11 +64,7 @@ class CudaGraphs:
                 for i in range(runner.num_buffers)
             ]
         if config.use_prefill_graphs:
-            sizes = config.prefill_graph_sizes()
-            logger.info("capturing prefill graphs for %s tokens", _ranges(sizes))
-            start = time.perf_counter()
-            self._capture_prefill()
-            logger.info("prefill graphs captured in %.1f s", time.perf_counter() - start)
+            _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
 
     def fits_decode(self, num_seqs: int) -> bool:
         return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
@@ -156,12 +148,9 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def _capture_prefill(self) -> None:
-        """One graph per token bucket for max_num_seqs sequences, the largest first, in
-        one memory pool (they never run at once). The bound on query lengths (it
-        picks the attention's tile height) is the bucket's size or max_model_len.
-        Like a decode graph, each writes the block-table entries the staging buffer
-        carries, and takes logits for max_num_seqs rows and their argmax into the
-        device buffer the next step's inputs are gathered from."""
+        """One graph per token bucket, the largest first, in one memory pool (they never
+        run at once). The bound on query lengths (it picks the attention's tile height)
+        is the bucket's size or max_model_len."""
         runner = self.runner
         config = runner.config
         sizes = config.prefill_graph_sizes()
@@ -235,11 +224,10 @@ class CudaGraphs:
 def capturing(
     graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
 ) -> Iterator[None]:
-    """torch.cuda.graph without what it does before each capture: synchronize, empty
-    the allocator's cache and the pinned host cache. Over a hundred captures in a row,
-    each handed the last warm-up's memory back to the driver, for the next warm-up to
-    allocate again (vLLM turns the emptying off during capture too). The captures
-    here follow a synchronize of their own; the work they record runs at replay."""
+    """torch.cuda.graph without its synchronize and cache emptying before each capture,
+    which over a hundred captures in a row hand each warm-up's memory back to the
+    driver for the next to allocate again (vLLM skips the emptying too). The captures
+    here follow a synchronize of their own."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
@@ -249,8 +237,10 @@ def capturing(
             graph.capture_end()
 
 
-def _ranges(sizes: list[int]) -> str:
-    """[1, 2, 4, 8, 16, ..., 256] as "1, 2, 4, ..., 256 (35 sizes)"."""
-    if len(sizes) <= 6:
-        return ", ".join(map(str, sizes))
-    return f"{', '.join(map(str, sizes[:3]))}, ..., {sizes[-1]} ({len(sizes)} sizes)"
+def _timed(kind: str, what: str, sizes: list[int], capture: Callable[[], None]) -> None:
+    """Run capture, logging which sizes (as "1, 2, 4, ..., 256 (35 sizes)") and how long."""
+    shown = sizes if len(sizes) <= 6 else [*sizes[:3], "...", f"{sizes[-1]} ({len(sizes)} sizes)"]
+    logger.info("capturing %s graphs for %s %s", kind, what, ", ".join(map(str, shown)))
+    start = time.perf_counter()
+    capture()
+    logger.info("%s graphs captured in %.1f s", kind, time.perf_counter() - start)

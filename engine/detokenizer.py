@@ -3,16 +3,16 @@
 Decoding token by token is wrong for byte-level BPE: a character may span
 tokens (emoji, CJK), and SentencePiece-style tokenizers decode a token
 differently at the start of a text (leading-space handling). tokenizers'
-DecodeStream solves both in Rust, about a microsecond a token: it returns a
-token's text once it is complete, None while a character is still partial
-(or for a skipped special token). Seeding it with the prompt's last tokens
-makes the first output token decode as it would inside the full text.
+DecodeStream solves both in Rust: it returns a token's text once it is
+complete, None while a character is still partial (or for a skipped special
+token). Seeding it with the prompt's last tokens makes the first output token
+decode as it would inside the full text.
 
 Byte-level BPE (GPT-2, Qwen2, Llama 3) has a faster road: every token is a
 fixed byte string, so a step's tokens are a join of table entries and one
-incremental UTF-8 decode, both in C, ~10x cheaper than DecodeStream. The
-table is built once per tokenizer and checked against the tokenizer's own
-decode of every id; any disagreement keeps DecodeStream.
+incremental UTF-8 decode, both in C. The table is built once per tokenizer and
+checked against the tokenizer's own decode of every id; any disagreement keeps
+DecodeStream.
 """
 
 from __future__ import annotations
@@ -110,11 +110,9 @@ class IncrementalDetokenizer:
             # Either way, decode the output on its own.
             context = []
         self.context = context
-        self.stream = (
-            DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
-            if self.table is None
-            else None
-        )
+        self.stream = None
+        if self.table is None:
+            self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
 
         self._text = ""  # decoded text of the output's complete characters
         self._pending: list[int] = []  # ids since the last complete piece (a partial char)
@@ -163,7 +161,7 @@ class IncrementalDetokenizer:
     def decode_all(self, token_ids: list[int]) -> None:
         """Decode a whole output in one call: for a request that reports only when done
         and has no stop strings to watch. The same text as update() token by token
-        (decode of the output, read after the prompt's context), a hundred times cheaper."""
+        (decode of the output, read after the prompt's context)."""
         assert not self._text and not self._pending, "decode_all replaces update, not follows it"
         if self.table is not None:
             self._text = self._bytes(token_ids).decode("utf-8", "replace")

@@ -40,11 +40,7 @@ from engine.models.loader import (
     max_model_len,
 )
 from engine.outputs import take_outputs
-from engine.request import (
-    Request,
-    RequestOutput,
-    TokenDeltas,
-)
+from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -138,12 +134,7 @@ class Engine:
         nvtx = config.nvtx and device.type == "cuda"
         self._range = torch.cuda.nvtx.range if nvtx else _no_range
         self.reader = StepReader(
-            self.batch,
-            self.blocks,
-            self.scheduler,
-            self.eos_set,
-            config,
-            self._range,
+            self.batch, self.blocks, self.scheduler, self.eos_set, config, self._range
         )
         logger.info("engine ready in %.1f s", _since(start))
 

@@ -1,19 +1,15 @@
 """Keep the garbage collector off the startup heap.
 
 Once torch, transformers, the model and the tokenizer are loaded, a process
-tracks on the order of a million objects, all of which live until it exits.
-CPython's oldest-generation collection walks every one of them: on the H100
-host, under serving load, each such pause took 200-370 ms, in the engine
-process (no GPU step is launched meanwhile) and in every API process (none of
-its streams moves). Frozen objects are never walked again, so a full
-collection costs what the requests in flight have allocated. vLLM freezes its
-startup heap the same way. The cost: what is frozen is never collected, so a
-process that builds engine after engine (a test suite) should `gc.unfreeze()`
-between them, as tests/conftest.py does.
+tracks on the order of a million objects, all of which live until it exits, and
+CPython's oldest-generation collection walks every one of them: a pause in which
+no GPU step is launched and no stream moves. Frozen objects are never walked
+again (vLLM freezes its startup heap the same way); what is frozen is never
+collected, so a process that builds engine after engine (a test suite) should
+`gc.unfreeze()` between them, as tests/conftest.py does.
 
-Until then, the server does not collect at all (pause_collection): while
-startup builds that heap, each oldest-generation collection walks all of it so
-far, and the imports alone trigger several.
+Until then, the server does not collect at all (pause_collection): the imports
+alone trigger several full collections of the heap built so far.
 """
 
 from __future__ import annotations

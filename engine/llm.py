@@ -98,10 +98,8 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         result.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
-                        choice.finish_reason, choice.stop_reason = (
-                            out.finish_reason,
-                            out.stop_reason,
-                        )
+                        choice.finish_reason = out.finish_reason
+                        choice.stop_reason = out.stop_reason
                         if all(c.finish_reason for c in result.outputs):
                             bar.update(1)
         return [results[str(i)] for i in range(len(prompts))]

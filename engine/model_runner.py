@@ -1,11 +1,9 @@
 """Tensors in, logits out: the KV cache, the step's inputs, and the forward.
 
-A step's metadata is written with numpy, straight from the InputBatch's columns,
-into a pinned staging buffer and sent with one non-blocking copy into static
-device tensors (engine/step_inputs.py, engine/staging.py). Input ids are gathered on the
-device, from the host's ids or from the previous step's sampled ids, which
-never have to visit the host first. Decode-only steps and steps with up to
-2048 tokens replay CUDA graphs (engine/cuda_graphs.py); the rest run eagerly.
+A step's inputs are written and sent in one copy (engine/step_inputs.py); input ids
+are gathered on the device, from the host's ids or from the previous step's sampled
+ids, which never visit the host first. Decode-only steps and steps with up to 2048
+tokens replay CUDA graphs (engine/cuda_graphs.py); the rest run eagerly.
 """
 
 from __future__ import annotations
@@ -212,15 +210,11 @@ class ModelRunner(StepInputs):
         """Logits [num_sampling, vocab] at the last new token of each sequence that
         samples (out.samples: every one but the prefill chunks that stop short).
 
-        After a graph, `argmax` holds their argmax ids on the device (None after an
-        eager step); `argmax_on_host` says whether the graph copied them to the host
-        too (a decode graph does). A graph replay runs no torch op, so only the other
-        paths enter inference mode.
-
-        `prompt_scores` holds the prompt logprobs of the step's sequences that score
-        their prompts (engine/prompt_logprobs.py), read back to the host; None when
-        none does. A decode step has none: a scoring prefill chunk samples nothing
-        unless it reaches the prompt's end."""
+        Also sets `argmax` (after a graph, their argmax ids on the device; None after
+        an eager step), `argmax_on_host` (the graph copied them to the host too, as a
+        decode graph does) and `prompt_scores` (engine/prompt_logprobs.py; None when
+        no sequence scores its prompt, as in every decode step). A graph replay runs
+        no torch op, so only the other paths enter inference mode."""
         max_query_len = self.fill(out)
         self.argmax = None
         self.argmax_on_host = False
@@ -288,8 +282,5 @@ class ModelRunner(StepInputs):
 def _with_kv_scales(ops: AttentionOps, layer: PagedAttention) -> AttentionOps:
     """The cache kernels bound to one layer's FP8 k/v scales."""
     scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
-    return AttentionOps(
-        functools.partial(ops.store, **scales),
-        functools.partial(ops.decode, **scales),
-        functools.partial(ops.prefill, **scales),
-    )
+    kernels = (ops.store, ops.decode, ops.prefill)
+    return AttentionOps(*(functools.partial(op, **scales) for op in kernels))

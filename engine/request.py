@@ -139,14 +139,12 @@ class Request:
         # Sampled ids that end it (EOS unless ignored, stop_token_ids): set by the engine.
         self.stop_ids: frozenset[int] = frozenset()
         self.status = RequestStatus.WAITING
-        # Off the batch: generated ids, tokens whose KV is computed (the prefix cache's
-        # hits before admission), ids sampled on the device and not read yet.
         # Generated ids, off the batch; a streamed request's also while it runs.
         self.output_ids: list[int] = []
         # Looked at one by one as its ids are read: streamed, or stop strings to match.
         self.streamed = not params.final_only or bool(params.stop)
-        self._num_computed = 0
-        self._num_inflight = 0
+        self._num_computed = 0  # off the batch (the prefix cache's hits before admission)
+        self._num_inflight = 0  # off the batch: ids sampled on the device, not read yet
         self.batch: InputBatch | None = None  # while running
         self.slot: int = -1  # its row of the batch and of the block table while running
         self.num_cached_tokens = 0

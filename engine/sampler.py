@@ -116,10 +116,7 @@ class Sampler:
         return [by_slot[s] or _VOID for s in slots.tolist()]
 
     def process_logits(
-        self,
-        logits: torch.Tensor,
-        requests: Sequence[Request],
-        bitmask: BatchBitmask | None = None,
+        self, logits: torch.Tensor, requests: Sequence[Request], bitmask: BatchBitmask | None = None
     ) -> torch.Tensor:
         """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
         fp32 [B, V] tensor."""
@@ -172,17 +169,10 @@ class Sampler:
         params = [requests[i].params for i in rows]
         row_index = torch.tensor(rows, device=self.device)
         sub = x[row_index]  # [P, V]
-        # [3, P] -> three [P, 1] columns, one host-to-device copy
-        penalties = torch.tensor(
-            [
-                [p.repetition_penalty for p in params],
-                [p.frequency_penalty for p in params],
-                [p.presence_penalty for p in params],
-            ],
-            dtype=x.dtype,
-            device=self.device,
-        ).unsqueeze(-1)
-        repetition, frequency, presence = penalties
+        # [P, 3] -> three [P, 1] columns, one host-to-device copy
+        values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+        penalties = torch.tensor(values, dtype=x.dtype, device=self.device)
+        repetition, frequency, presence = penalties.T.unsqueeze(-1)
 
         # How often each vocabulary entry was generated (OpenAI's penalties
         # count output tokens only). Padding goes to an extra column V.
@@ -288,12 +278,8 @@ class Sampler:
 
         # Everything in one float64 tensor (exact for ids, ranks and fp32
         # values) so the host waits on a single copy.
-        packed = torch.cat(
-            [
-                token_ids.double(),
-                torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1).double().flatten(),
-            ]
-        ).tolist()
+        per_row = torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1)  # [R, 2 + 2K]
+        packed = torch.cat([token_ids.double(), per_row.double().flatten()]).tolist()
         batch_size = len(requests)
         token_list = [int(t) for t in packed[:batch_size]]
         logprobs: list[TokenLogprob | None] = [None] * batch_size
@@ -301,14 +287,9 @@ class Sampler:
         for r, i in enumerate(rows):
             fields = packed[batch_size + r * width : batch_size + (r + 1) * width]
             k = requests[i].params.logprobs
-            top_id_list = fields[2 : 2 + num_top]
-            top_lp_list = fields[2 + num_top :]
-            logprobs[i] = TokenLogprob(
-                token_id=token_list[i],
-                logprob=fields[0],
-                rank=int(fields[1]),
-                top=[(int(t), lp) for t, lp in zip(top_id_list[:k], top_lp_list[:k], strict=True)],
-            )
+            top = zip(fields[2 : 2 + k], fields[2 + num_top : 2 + num_top + k], strict=True)
+            top_list = [(int(t), lp) for t, lp in top]
+            logprobs[i] = TokenLogprob(token_list[i], fields[0], int(fields[1]), top_list)
         return SamplerOutput(token_list, logprobs)
 
 

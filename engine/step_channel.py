@@ -3,13 +3,11 @@
 Rank 0 schedules, fills the step's metadata and chooses its path; the workers
 need only enough to replay it: a fixed-size header (path, bucket, counts) over
 the gloo control group, host to host, then one broadcast of the whole staged
-device buffer over the tensors' group. That buffer holds the step's metadata
-words (input gather, positions, slot mapping, sequence lengths, query offsets,
-block-table rows and logit rows, and the block-table entries a graph writes)
-and, in its device-only tail, the ids rank 0 sampled last step, which this
-step's inputs are gathered from. Block-table rows sent as a copy rather than as
-pairs follow as a broadcast of that span; a step that scores prompts sends its
-scoring rows. Nothing is pickled per step.
+device buffer over the tensors' group (the step's metadata and, in its
+device-only tail, the ids rank 0 sampled last step, which this step's inputs
+are gathered from). Block-table rows sent as a copy rather than as pairs follow
+as a broadcast of their span; a step that scores prompts sends its scoring rows.
+Nothing is pickled per step.
 """
 
 from __future__ import annotations

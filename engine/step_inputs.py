@@ -1,11 +1,6 @@
 """The step's inputs: its metadata written with numpy, straight from the InputBatch's
 columns, into a pinned staging buffer (engine/staging.py), and sent with one
-non-blocking copy into static device tensors.
-
-`StepInputs` is the ModelRunner's half that does this; the runner's constructor
-builds the state it uses (the staging buffers, the block table, the sampled-ids
-map), and the runner's execute and the CUDA graphs call it.
-"""
+non-blocking copy into static device tensors."""
 
 from __future__ import annotations
 
@@ -36,8 +31,8 @@ class ModelInput:
 
 
 class StepInputs:
-    """Writing and sending a step's inputs (a part of ModelRunner, which sets up every
-    attribute below in its constructor)."""
+    """ModelRunner's half that writes and sends a step's inputs; the runner's
+    constructor sets up every attribute below, its execute and the CUDA graphs call it."""
 
     batch: InputBatch | None
     block_table: BlockTable

@@ -94,14 +94,13 @@ def join(config: EngineConfig, rank: int, address: str) -> Membership:
     me = (rank, rank // config.ranks_per_node, socket.gethostname(), str(device), os.getpid())
     dist.all_gather_object(layout, me, group=control)
     if rank == 0:
+        ranks = "; ".join(f"rank {r} node {n} ({h}) {d} pid {pid}" for r, n, h, d, pid in layout)
         logger.info(
             "tensor parallel: %d ranks on %d node(s), %d per node: %s",
             config.tensor_parallel_size,
             config.nnodes,
             config.ranks_per_node,
-            "; ".join(
-                f"rank {r} node {n} ({host}) {dev} pid {pid}" for r, n, host, dev, pid in layout
-            ),
+            ranks,
         )
     tp = TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD)
     return Membership(tp, control, config)
@@ -211,10 +210,6 @@ class Workers:
     def alive(self) -> bool:
         """Some worker has not been reaped yet."""
         return self._watcher.is_alive()
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes.values()]
 
 
 def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:

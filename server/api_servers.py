@@ -75,11 +75,9 @@ def run_api_servers(
 def bind_sockets(server_config: ServerConfig, count: int) -> list[socket.socket]:
     """A listening socket for each API process, all on the one port (SO_REUSEPORT),
     so that the kernel spreads connections over the processes evenly, by address.
-    From one shared socket, the process that happens to be in accept() takes a
-    burst of them, and a client that keeps its connections (the OpenAI SDK, any
-    pooled HTTP client) stays with it: on the CPU box, 57 of 64 connections of a
-    closed loop went to one of four processes, and 64 of 64 opened at once. Without
-    SO_REUSEPORT (not Linux), they share one socket, as uvicorn's own workers do."""
+    From one shared socket, whichever process is in accept() takes a burst of them,
+    and a client that keeps its connections stays with it. Without SO_REUSEPORT
+    (not Linux), they share one socket, as uvicorn's own workers do."""
     import uvicorn
 
     config = uvicorn.Config(

@@ -2,29 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
+from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
-from server import openapi
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.dashboard import add_dashboard
 from server.engine_loop import EngineFactory, build_engine
 from server.engine_wire import EngineEndpoint
-from server.errors import APIError, error_body
+from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from server.middleware import ApiKeyAuth, BodySizeLimit, RequestId
 from server.prompts import ClientDisconnected
@@ -35,12 +38,13 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.serving import Serving, disconnected_response
+from server.serving import Serving
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
 
@@ -49,6 +53,22 @@ try:
     __version__ = package_version("pagoda")
 except PackageNotFoundError:  # run from a checkout that was never installed
     __version__ = "0.1.0"
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+# /openapi.json as the server behaves: every error is the OpenAI error body (never
+# FastAPI's 422), and every route can answer 401 (with --api-key) and 413 (a body over
+# the limit); streams are text/event-stream, /metrics is text.
+_COMMON = _errors(400, 401, 404, 413)
+_GENERATE = {
+    **_errors(400, 401, 404, 413, 500, 503),
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}
+_HEALTH = _errors(503)
+_METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 def create_app(
@@ -91,9 +111,9 @@ def create_app(
     app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     _add_routes(app, metrics)
-    add_dashboard(app, server_config)
+    _add_dashboard(app, server_config)
     _add_error_handlers(app)
-    openapi.install(app)
+    _drop_422s(app)
     # Starlette runs the last-added middleware first: CORS answers preflights before auth.
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_request_body_bytes)
     if server_config.api_key:
@@ -114,42 +134,40 @@ def _serving(request: Request) -> Serving:
 
 
 def _add_routes(app: FastAPI, metrics: Metrics) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=openapi.GENERATE)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATE)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(_serving(request), body, request)
 
-    @app.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=openapi.GENERATE
-    )
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATE)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_serving(request), body, request)
 
-    @app.get("/v1/models", responses=openapi.COMMON)
+    @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:
         return _serving(request).models()
 
-    @app.get("/v1/models/{model_id:path}", responses=openapi.COMMON)
+    @app.get("/v1/models/{model_id:path}", responses=_COMMON)
     async def model(model_id: str, request: Request) -> ModelCard:
         serving = _serving(request)
         serving.check_model(model_id)
         return serving.models().data[0]
 
-    @app.post("/tokenize", responses=openapi.COMMON)
+    @app.post("/tokenize", responses=_COMMON)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         return await _serving(request).tokenize(body, request)
 
-    @app.post("/detokenize", responses=openapi.COMMON)
+    @app.post("/detokenize", responses=_COMMON)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         return await _serving(request).detokenize(body, request)
 
-    @app.get("/tokenizer_info", responses=openapi.COMMON)
+    @app.get("/tokenizer_info", responses=_COMMON)
     async def tokenizer_info(request: Request) -> dict[str, Any]:
         return _serving(request).tokenizer_info()
 
     # HEAD and POST variants answer the same, undocumented (one operation per path).
-    @app.get("/health", responses=openapi.HEALTH)
+    @app.get("/health", responses=_HEALTH)
     @app.head("/health", include_in_schema=False)
-    @app.get("/ping", responses=openapi.HEALTH)
+    @app.get("/ping", responses=_HEALTH)
     @app.post("/ping", include_in_schema=False)
     async def health(request: Request) -> Response:
         if not request.app.state.async_engine.is_alive:
@@ -160,10 +178,77 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_METRICS)
     @app.head("/metrics", include_in_schema=False)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@dataclass
+class DashboardInfo:
+    model: str  # the served model name, as /v1/models lists it
+    uptime_s: float  # since this API process built its app
+    device: str
+    dtype: str  # resolved as the engine resolves it ("auto" is never shown)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int | None  # None: sized from free device memory at startup
+    prefix_caching: bool
+    tensor_parallel_size: int
+    api_server_count: int
+
+
+def _describe(engine: Any, model_name: str, server_config: ServerConfig) -> DashboardInfo:
+    """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
+    from engine.models.loader import checkpoint_dtype, load_config
+
+    config: EngineConfig = engine.config  # `engine`: the EngineInfo
+    dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
+    return DashboardInfo(
+        model=model_name,
+        uptime_s=0.0,
+        device=str(config.torch_device),
+        dtype=str(dtype).removeprefix("torch."),
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len or 0,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        prefix_caching=config.enable_prefix_caching,
+        tensor_parallel_size=config.tensor_parallel_size,
+        api_server_count=server_config.api_server_count,
+    )
+
+
+def _add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
+    """GET /dashboard: one page (server/static/dashboard.html, plain SVG) that polls
+    /metrics every second and plots the last ten minutes, rates from counter deltas
+    and p50/p99 from histogram bucket deltas as histogram_quantile takes them; GET
+    /dashboard/info: what its header shows (with --api-key, the page asks for it)."""
+    page = (files("server") / "static" / "dashboard.html").read_bytes()
+    started = time.monotonic()
+    described: list[DashboardInfo] = []  # worked out on the first request, once
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        return Response(page, media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
+    @app.get("/dashboard/info", include_in_schema=False)  # with --api-key, behind it
+    async def dashboard_info(request: Request) -> Response:
+        if not described:
+            state = request.app.state
+            described.append(
+                await asyncio.to_thread(
+                    _describe, state.async_engine.info, state.serving.model_name, server_config
+                )
+            )
+        info = replace(described[0], uptime_s=time.monotonic() - started)
+        return JSONResponse(asdict(info), headers=_NO_CACHE)
+
+
+_NO_CACHE = {"Cache-Control": "no-store"}
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -188,17 +273,31 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if exc.status_code != 404 else f"Not found: {request.url.path}"
-        return JSONResponse(
-            error_body(str(message), exc.status_code),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+        return APIError(str(message), exc.status_code, headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
-        return disconnected_response()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)  # the text stays in the log
-        return JSONResponse(error_body("Internal server error.", 500), status_code=500)
+        return APIError("Internal server error.", 500).response()
+
+
+def _drop_422s(app: FastAPI) -> None:
+    """Drop the 422 FastAPI documents for every body: validation errors are 400s."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

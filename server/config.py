@@ -24,22 +24,13 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # an idle kept-alive connection (uvicorn's)
     max_connections: int = 4096  # open connections past which new ones get 503
     log_level: str = "info"
-    # uvicorn's line per request is ~7% of an API process's event-loop samples under
-    # load (py-spy on benchmarks.api_cost); vLLM's flag of the same name turns it off.
-    access_log: bool = True
-    # The engine in its own process instead of a thread of this one: the event loop
-    # and the engine's host work stop sharing one GIL (vLLM's layout).
-    engine_process: bool = False
-    # HTTP served by this many processes sharing one listening socket and one
-    # engine process (vLLM's --api-server-count); more than 1 implies engine_process.
-    api_server_count: int = 1
-    # Tool calling with tool_choice "auto": the output's calls found by this parser
-    # (server/tool_parsers.py; vLLM's flags of the same names).
+    # The fields below are documented by their flags' help (server/cli.py).
+    access_log: bool = True  # uvicorn's line per request, a cost on a busy event loop
+    engine_process: bool = False  # server/engine_process.py
+    api_server_count: int = 1  # server/api_servers.py; > 1 implies engine_process
     enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    # A node other than 0 of a multi-node tensor-parallel engine: it runs its ranks
-    # (engine/tp_worker.py) and serves no HTTP.
-    headless: bool = False
+    tool_call_parser: str | None = None  # server/tool_parsers.py
+    headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:
         if self.api_server_count < 1:

@@ -20,16 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.checks import RequestRejected
-from engine.config import EngineConfig
+from engine.config import STEP_PATHS, EngineConfig
 from engine.distributed import WorkerFailed
 from engine.heap import freeze_startup_heap
 from engine.request import RequestOutput, TokenDeltas
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
-from server.stat_log import StatLog
 
 if TYPE_CHECKING:
     from engine.engine import Engine, EngineStats
@@ -86,17 +85,17 @@ class Abort:
 
 
 class Credit(Protocol):
-    """1 while the listener has taken the last report in (0: outputs wait)."""
+    """1 while the listener has taken the last report in (0: outputs wait). In the
+    engine process, a shared-memory byte per API process, set there, not a message."""
 
     value: int
 
 
+@dataclass
 class Flag:
-    """Credit: 1 while the listener has taken the last report in. In the engine
-    process it is a shared-memory byte per API process, set there, not a message."""
+    """A Credit kept in this process."""
 
-    def __init__(self) -> None:
-        self.value = 1
+    value: int = 1
 
 
 class EngineLoop:
@@ -115,7 +114,9 @@ class EngineLoop:
         self._stopping = False
         self._woken = False
         self._credit = Flag() if credit is None else credit
-        self._active: dict[str, int] = {}  # engine request id -> unfinished choices
+        # Engine request id -> unfinished choices: the ids added and not yet finished,
+        # failed or aborted (the owning thread's to change).
+        self.active: dict[str, int] = {}
         self._stat_log: StatLog | None = None
         self._taken_in = 0
         self.engine: Engine | None = None
@@ -154,14 +155,13 @@ class EngineLoop:
         request fails with a 500. The other ranks stop with it."""
         try:
             self._serve()
-        except WorkerFailed as exc:
-            logger.error("engine stopped: %s", exc)
-            self._fail_all(APIError(f"The engine stopped: {exc}.", 500))
-            with self._cond:
-                self._stopping = True
-        except BaseException:
-            logger.exception("engine loop died")
-            self._fail_all(APIError("The engine thread died.", 500))
+        except BaseException as exc:
+            if isinstance(exc, WorkerFailed):
+                logger.error("engine stopped: %s", exc)
+                self._fail_all(APIError(f"The engine stopped: {exc}.", 500))
+            else:
+                logger.exception("engine loop died")
+                self._fail_all(APIError("The engine thread died.", 500))
             with self._cond:
                 self._stopping = True
         finally:
@@ -207,17 +207,11 @@ class EngineLoop:
         stats = self.engine.get_stats()
         self._listener(StepReport(batch, deltas, time.time(), stats, self._taken_in))
 
-    @property
-    def active(self) -> dict[str, int]:
-        """Ids added and not yet finished, failed or aborted (the owning thread's
-        view; a dict, so that a report can test each of its ids without a call)."""
-        return self._active
-
     def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
         added = []
         for item in inbox:
             if isinstance(item, Abort):
-                if self._active.pop(item.request_id, None) is not None:
+                if self.active.pop(item.request_id, None) is not None:
                     self._abort_in_engine(item.request_id)
                 batch.pop(item.request_id, None)
                 continue
@@ -226,7 +220,7 @@ class EngineLoop:
                 self.engine.add_request(
                     item.request_id, item.prompt_token_ids, item.params, item.arrival_time
                 )
-                self._active[item.request_id] = item.params.n
+                self.active[item.request_id] = item.params.n
             except RequestRejected as exc:
                 batch[item.request_id] = APIError(str(exc), 400, param=exc.param)
             except ValueError as exc:
@@ -251,23 +245,23 @@ class EngineLoop:
             # Fail what the step touched (all running requests, unless the engine says
             # which) and keep serving the rest.
             logger.exception("engine step failed")
-            touched = getattr(exc, "request_ids", None) or list(self._active)
+            touched = getattr(exc, "request_ids", None) or list(self.active)
             error = APIError("The engine failed while generating.", 500)
             for rid in touched:
-                if self._active.pop(rid, None) is not None:
+                if self.active.pop(rid, None) is not None:
                     self._abort_in_engine(rid)
                 batch[rid] = error
             return
         for out in outputs:
-            if out.request_id not in self._active:
+            if out.request_id not in self.active:
                 continue
             entry = batch.setdefault(out.request_id, [])
             if isinstance(entry, list):
                 entry.append(out)
             if out.finished:
-                self._active[out.request_id] -= 1
-                if self._active[out.request_id] == 0:
-                    del self._active[out.request_id]
+                self.active[out.request_id] -= 1
+                if self.active[out.request_id] == 0:
+                    del self.active[out.request_id]
 
     def _abort_in_engine(self, request_id: str) -> None:
         try:
@@ -277,10 +271,10 @@ class EngineLoop:
 
     def _fail_all(self, error: APIError) -> None:
         batch: Batch = {}
-        for rid in list(self._active):
+        for rid in list(self.active):
             self._abort_in_engine(rid)
             batch[rid] = error
-        self._active.clear()
+        self.active.clear()
         with self._cond:  # requests still in the inbox fail too
             added = []
             for item in self._inbox:
@@ -290,3 +284,50 @@ class EngineLoop:
             self._inbox.clear()
         if batch or added:
             self._report(batch, TokenDeltas(), added)
+
+
+class StatLog:
+    """The engine's periodic stats line (vLLM's LoggingStatLogger), logged only for
+    intervals in which steps ran:
+
+        engine: 311 steps/s (graph 84%, prefill graph 16%, eager 0%), 78907 sampled
+        tok/s, running 256, waiting 109, KV cache 14.3%; host: working 100%, waiting
+        on the device 0%, idle 0%
+
+    Under load it says which side sets the pace: a host working ~100% of the time is
+    the limit (the device waits for it); a host waiting on the device is not. The step
+    mix says how many steps missed the decode CUDA graph."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._start = time.monotonic()
+        self._idle_s = 0.0
+        self._last: dict[str, float] | None = None
+
+    def idle(self, seconds: float) -> None:
+        """The loop slept this long with nothing to do."""
+        self._idle_s += seconds
+
+    def maybe_log(self, engine: Any) -> None:
+        now = time.monotonic()
+        if now - self._start < self.interval_s:
+            return
+        runner = engine.runner
+        totals = {**runner.steps_by_path, "wait": runner.wait_s, "sampled": engine.num_sampled}
+        last, self._last = self._last or dict.fromkeys(totals, 0), totals
+        elapsed, idle = now - self._start, self._idle_s
+        self._start, self._idle_s = now, 0.0
+        delta = {k: totals[k] - last[k] for k in totals}
+        steps = sum(delta[p] for p in STEP_PATHS)
+        if not steps:
+            return
+        mix = ", ".join(f"{p} {100 * delta[p] / steps:.0f}%" for p in STEP_PATHS)
+        stats = engine.get_stats()
+        working = max(0.0, elapsed - delta["wait"] - idle)
+        logger.info(
+            "engine: %.0f steps/s (%s), %.0f sampled tok/s, running %d, waiting %d, "
+            "KV cache %.1f%%; host: working %.0f%%, waiting on the device %.0f%%, idle %.0f%%",
+            steps / elapsed, mix, delta["sampled"] / elapsed, stats.num_running,
+            stats.num_waiting, 100 * stats.kv_cache_usage, 100 * working / elapsed,
+            100 * delta["wait"] / elapsed, 100 * idle / elapsed,
+        )  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fastapi.responses import JSONResponse
 
 # The `type` OpenAI uses for each status we answer with.
@@ -25,23 +27,18 @@ def error_body(
     }
 
 
+@dataclass(eq=False)  # compared and hashed as the exception it is
 class APIError(Exception):
     """Raised anywhere below a route; the app's handler turns it into the error body."""
 
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.headers = headers
+    message: str
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param, self.code)

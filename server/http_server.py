@@ -1,19 +1,16 @@
 """uvicorn as Pagoda runs it: slow clients timed out, connections capped, and a
 shutdown that ends every open stream with an error event instead of cutting it.
 
-uvicorn closes idle keep-alive connections, but not a connection that never
-finishes its request: one that sends nothing, sends its headers a byte at a
-time (slowloris), or never completes its body holds a socket and a file
-descriptor forever. The protocol below closes a connection whose headers are
-not complete `header_timeout` seconds after it opened (or after its previous
-response), or whose body is not complete `body_timeout` seconds after its
-headers; and past `max_connections` open connections it answers 503 with the
-OpenAI error body and closes.
+uvicorn closes idle keep-alive connections, but not one that never finishes its
+request (silent, slowloris, or a body never completed), which holds a socket
+forever. The protocol below closes a connection whose headers are not complete
+`header_timeout` seconds after it opened (or after its previous response), or
+whose body is not complete `body_timeout` seconds after its headers; past
+`max_connections` open connections it answers 503 and closes.
 
 On SIGTERM uvicorn stops accepting, then waits for open requests. After
-`shutdown_timeout` seconds the server fails every stream still open with a 503
-(`data: {"error": ...}` then `data: [DONE]`, or the error body if not streamed),
-so that each ends cleanly before uvicorn's own deadline cancels what is left.
+`shutdown_timeout` seconds every stream still open fails with a 503 error event
+(or body), so that each ends cleanly before uvicorn's own deadline cancels it.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import contextlib
 import json
 import signal
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -103,13 +99,12 @@ def uvicorn_config(app: Any, server_config: ServerConfig) -> uvicorn.Config:
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server that, once shutting down for `grace` seconds, calls `drain`:
-    which fails the app's open streams (AsyncEngine.fail_streams)."""
+    """A uvicorn server for `app` (server.app.create_app) that, once shutting down for
+    shutdown_timeout seconds, fails the app's open streams."""
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[], None], grace: float) -> None:
-        super().__init__(config)
-        self._drain = drain
-        self._grace = grace
+    def __init__(self, app: Any, server_config: ServerConfig) -> None:
+        super().__init__(uvicorn_config(app, server_config))
+        self._app, self._grace = app, server_config.shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         deadline = asyncio.get_running_loop().call_later(self._grace, self._drain)
@@ -118,15 +113,8 @@ class DrainingServer(uvicorn.Server):
         finally:
             deadline.cancel()
 
-
-def draining_server(app: Any, server_config: ServerConfig) -> DrainingServer:
-    """The server for `app` (built by server.app.create_app)."""
-
-    def drain() -> None:
-        app.state.async_engine.fail_streams(APIError("The server is shutting down.", 503))
-
-    config = uvicorn_config(app, server_config)
-    return DrainingServer(config, drain, server_config.shutdown_timeout)
+    def _drain(self) -> None:
+        self._app.state.async_engine.fail_streams(APIError("The server is shutting down.", 503))
 
 
 def serve_app(app: Any, server_config: ServerConfig, sockets: list[socket.socket] | None) -> bool:
@@ -135,7 +123,7 @@ def serve_app(app: Any, server_config: ServerConfig, sockets: list[socket.socket
     uvicorn re-raises the signal it stopped on once done; with SIGTERM's default
     action that would end the process as killed (exit -15) after a clean drain.
     Here it finds a handler that ignores it, so every layout exits 0."""
-    server = draining_server(app, server_config)
+    server = DrainingServer(app, server_config)
     signal.signal(signal.SIGTERM, lambda *_: None)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, re-raised by uvicorn likewise
         server.run(sockets=sockets)

@@ -2,33 +2,32 @@
 
 Each app owns a CollectorRegistry (tests build several apps in one process).
 Gauges and the engine's cumulative counters are read at scrape time from the
-stats snapshot the engine thread publishes after every step; latencies and
-token counts are observed on the event loop as outputs arrive. With several
-API processes, those numbers live in shared memory, a row per process, and
-every scrape sums the rows.
+stats snapshot the engine publishes after every step. Latencies and token counts
+are observed on the event loop as outputs arrive, and not into prometheus_client's
+metrics, which take a mutex per observation (one or more per token per stream):
+each API process writes plain counts into its own row of a float64 buffer (shared
+memory with several API processes), on its event loop, with no lock; a scrape, on
+the same loop, sums every row.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
 from engine.request import RequestOutput
-from server.loop_metrics import (
-    LoopCounter,
-    LoopHistogram,
-    LoopMetricsCollector,
-    MetricsShare,
-    Slots,
-)
 
 if TYPE_CHECKING:
     from engine.engine import EngineStats
@@ -36,71 +35,20 @@ if TYPE_CHECKING:
 
 # Latency buckets in seconds (vLLM's, trimmed).
 _TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
 _ITL_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-FINISH_REASONS = ("stop", "length", "abort")
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0,
+)  # fmt: skip
 # Token counts: vLLM's 1-2-5 series.
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
-_REQUEST_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-)
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class EngineWatch(Protocol):
@@ -172,26 +120,19 @@ class Metrics:
     def __init__(self, share: MetricsShare | None = None) -> None:
         self.registry = CollectorRegistry()
         slots = self._slots = Slots()
-        self.ttft = LoopHistogram(
-            "pagoda:time_to_first_token_seconds",
-            "Arrival to first generated token.",
-            _TTFT_BUCKETS,
-            slots,
+        hist = functools.partial(LoopHistogram, slots=slots)
+        tokens, seconds = _TOKEN_BUCKETS, _REQUEST_BUCKETS
+        self.ttft = hist(
+            "pagoda:time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
         )
-        self.itl = LoopHistogram(
+        self.itl = hist(
             "pagoda:inter_token_latency_seconds",
             "Between consecutive generated tokens of a choice.",
             _ITL_BUCKETS,
-            slots,
         )
-        self.e2e = LoopHistogram(
-            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS, slots
-        )
-        self.queue_time = LoopHistogram(
-            "pagoda:request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.e2e = hist("pagoda:e2e_request_latency_seconds", "Arrival to finish.", seconds)
+        self.queue_time = hist(
+            "pagoda:request_queue_time_seconds", "Arrival to first scheduled.", seconds
         )
         self.prompt_tokens = LoopCounter("pagoda:prompt_tokens", "Prefilled prompt tokens.", slots)
         self.generation_tokens = LoopCounter("pagoda:generation_tokens", "Generated tokens.", slots)
@@ -202,72 +143,36 @@ class Metrics:
             "finished_reason",
             FINISH_REASONS,
         )
-        tokens = _TOKEN_BUCKETS
-        self.iteration_tokens = LoopHistogram(
+        self.iteration_tokens = hist(
             "pagoda:iteration_tokens_total",
             "Tokens per engine step: generated, and prompts' uncached tokens at their first.",
             tokens,
-            slots,
         )
-        self.request_prompt_tokens = LoopHistogram(
-            "pagoda:request_prompt_tokens", "Prompt tokens of a finished request.", tokens, slots
+        self.request_prompt_tokens = hist(
+            "pagoda:request_prompt_tokens", "Prompt tokens of a finished request.", tokens
         )
-        self.request_generation_tokens = LoopHistogram(
-            "pagoda:request_generation_tokens",
-            "Generated tokens of a finished choice.",
-            tokens,
-            slots,
+        self.request_generation_tokens = hist(
+            "pagoda:request_generation_tokens", "Generated tokens of a finished choice.", tokens
         )
-        self.params_n = LoopHistogram(
-            "pagoda:request_params_n", "The n of each request.", (1, 2, 5, 10, 20), slots
+        self.params_n = hist("pagoda:request_params_n", "The n of each request.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist(
+            "pagoda:request_params_max_tokens", "The max_tokens of each request.", tokens
         )
-        self.params_max_tokens = LoopHistogram(
-            "pagoda:request_params_max_tokens", "The max_tokens of each request.", tokens, slots
+        self.inference_time = hist(
+            "pagoda:request_inference_time_seconds", "First scheduled to finished.", seconds
         )
-        self.inference_time = LoopHistogram(
-            "pagoda:request_inference_time_seconds",
-            "First scheduled to finished.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.prefill_time = hist(
+            "pagoda:request_prefill_time_seconds", "First scheduled to first token.", seconds
         )
-        self.prefill_time = LoopHistogram(
-            "pagoda:request_prefill_time_seconds",
-            "First scheduled to first token.",
-            _REQUEST_BUCKETS,
-            slots,
-        )
-        self.decode_time = LoopHistogram(
-            "pagoda:request_decode_time_seconds",
-            "First token to finished.",
-            _REQUEST_BUCKETS,
-            slots,
+        self.decode_time = hist(
+            "pagoda:request_decode_time_seconds", "First token to finished.", seconds
         )
         # Requests this API process has submitted to the engine, ever: summed over
         # the processes and less the engine's count of those it has taken in, the
         # ones on their way (see AsyncEngine.num_waiting).
         self._submitted_slot = slots.take(1)
         slots.bind(share)
-        self.registry.register(
-            LoopMetricsCollector(
-                [
-                    self.ttft,
-                    self.itl,
-                    self.e2e,
-                    self.queue_time,
-                    self.prompt_tokens,
-                    self.generation_tokens,
-                    self.request_success,
-                    self.iteration_tokens,
-                    self.request_prompt_tokens,
-                    self.request_generation_tokens,
-                    self.params_n,
-                    self.params_max_tokens,
-                    self.inference_time,
-                    self.prefill_time,
-                    self.decode_time,
-                ]
-            )
-        )
+        self.registry.register(slots)
 
     @staticmethod
     def num_slots() -> int:
@@ -344,3 +249,105 @@ class Metrics:
     def on_abort(self, num_choices: int) -> None:
         if num_choices:
             self.request_success.inc(num_choices, "abort")
+
+
+class Slots(Collector):
+    """Hands out float64 slots; once every metric has taken its share, bind() gives
+    the numbers their storage: one row per API process, of which this process
+    writes only its own, on its event loop (no lock), while reads sum all rows,
+    so any API process answers /metrics for all of them. Collects its metrics."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.own: memoryview = memoryview(b"")  # this process's row
+        self.rows: list[memoryview] = []  # every process's row, this one included
+        self.metrics: list[LoopHistogram | LoopCounter] = []  # in the order they were made
+
+    def take(self, n: int, metric: LoopHistogram | LoopCounter | None = None) -> int:
+        if metric is not None:
+            self.metrics.append(metric)
+        self.size += n
+        return self.size - n
+
+    def bind(self, share: MetricsShare | None) -> None:
+        if share is None:
+            share = MetricsShare(bytearray(8 * self.size), 0, 1)
+        flat = memoryview(share.buffer).cast("B").cast("d")
+        self.rows = [flat[i * self.size : (i + 1) * self.size] for i in range(share.count)]
+        self.own = self.rows[share.index]
+
+    def total(self, slot: int) -> float:
+        return sum(row[slot] for row in self.rows)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            yield metric.family()
+
+
+@dataclass
+class MetricsShare:
+    """Where API process `index` of `count` keeps its numbers: a shared float64
+    buffer of count * Metrics.num_slots() (a multiprocessing RawArray)."""
+
+    buffer: Any
+    index: int
+    count: int
+
+
+class LoopHistogram:
+    """A histogram fed only from the event loop: plain counts, no lock."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], slots: Slots
+    ) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.slots = slots
+        self.base = slots.take(len(buckets) + 2, self)  # counts (the last bucket is +Inf), sum
+        self.sum_slot = self.base + len(buckets) + 1
+
+    def observe(self, value: float) -> None:
+        row = self.slots.own
+        row[self.base + bisect.bisect_left(self.bounds, value)] += 1
+        row[self.sum_slot] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0.0, []
+        for i, bound in enumerate([*map(str, self.bounds), "+Inf"]):
+            cumulative += self.slots.total(self.base + i)
+            buckets.append((bound, cumulative))
+        family.add_metric([], buckets, self.slots.total(self.sum_slot))
+        return family
+
+
+class LoopCounter:
+    """A counter fed only from the event loop, optionally by one label whose values
+    are known up front (a label value not yet counted is not shown)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        slots: Slots,
+        label: str | None = None,
+        label_values: tuple[str, ...] = ("",),
+    ) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.slots = slots
+        self.base = slots.take(len(label_values), self)
+        self.index = {value: self.base + i for i, value in enumerate(label_values)}
+
+    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
+        self.slots.own[self.index[label_value]] += amount
+
+    def family(self) -> Metric:
+        labels = [self.label] if self.label else []
+        family = CounterMetricFamily(self.name, self.documentation, labels=labels)
+        for value, slot in self.index.items():
+            total = self.slots.total(slot)
+            if self.label is None:
+                family.add_metric([], total)
+            elif total:
+                family.add_metric([value], total)
+        return family

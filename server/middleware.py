@@ -11,8 +11,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_body
 
-# What --api-key protects; /health and /metrics stay open for probes and scrapers.
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# What --api-key protects; /health and /metrics stay open for probes and scrapers, and
+# /dashboard for a browser (the page holds no data: it asks for the key).
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/info")
 
 
 class ApiKeyAuth:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import threading
@@ -51,8 +52,8 @@ class Prompts:
             ThreadPoolExecutor(
                 1,
                 thread_name_prefix=f"pagoda-tokenizer-{name}",
-                initializer=self._set_tokenizer,
-                initargs=(copy.deepcopy(tokenizer),),
+                initializer=setattr,
+                initargs=(self._local, "tokenizer", copy.deepcopy(tokenizer)),
             )
             for name in ("small", "large")
         ]
@@ -60,10 +61,8 @@ class Prompts:
         # The most characters one token can cover. A normalizer may drop characters
         # (whitespace, accents): the bound leaves a factor of 4 for that.
         self._max_chars = 4 * max(len(t or "") for t in vocab) * max_model_len
-        self._token_text: dict[int, str] = {}
-
-    def _set_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._local.tokenizer = tokenizer
+        # On the loop: one token's text (logprobs name their tokens by it), remembered.
+        self.token_text: Callable[[int], str] = functools.cache(lambda t: tokenizer.decode([t]))
 
     @property
     def _tokenizer(self) -> PreTrainedTokenizerBase:
@@ -87,16 +86,12 @@ class Prompts:
         future = asyncio.get_running_loop().run_in_executor(lane, job)
         if raw is None:
             return await future
-        watch = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
-            await asyncio.wait({future, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if not future.done():
+            return await unless_disconnected(raw, future)
+        except ClientDisconnected:
             dropped.set()
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
-            raise ClientDisconnected
-        return future.result()
+            raise
 
     # ------------------------------------------------------------ on a lane
 
@@ -164,18 +159,22 @@ class Prompts:
         # The template already wrote any BOS it wants.
         return self.encode(text, add_special_tokens=False)
 
-    # ------------------------------------------------------------ on the loop
 
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+async def unless_disconnected(raw: Request, work: asyncio.Future[T]) -> T:
+    """work's result; ClientDisconnected if the client leaves first (work goes on)."""
 
+    async def disconnect() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
 
-async def wait_for_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
+    watch = asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientDisconnected
+    return work.result()
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

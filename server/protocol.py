@@ -233,6 +233,24 @@ class DetokenizeRequest(_Request):
 # ---------------------------------------------------------------- responses
 
 
+def _omitted_if_none() -> Any:
+    """A field left out of the JSON while None (vLLM's extras, sent only when asked for)."""
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every error is answered with (server/errors.py builds it)."""
+
+    error: ErrorInfo
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # served by the prefix cache
 
@@ -268,11 +286,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop token id or string that ended it
     # vLLM, on request: the prompt's ids (first chunk or response), the choice's ids
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
-        default=None, exclude_if=lambda v: v is None
-    )
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+    token_ids: list[int] | None = _omitted_if_none()
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omitted_if_none()
 
 
 class CompletionResponse(BaseModel):
@@ -312,7 +328,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = _omitted_if_none()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -322,10 +338,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
-        default=None, exclude_if=lambda v: v is None
-    )
+    prompt_token_ids: list[int] | None = _omitted_if_none()
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = _omitted_if_none()
 
 
 class ChatStreamChoice(BaseModel):
@@ -335,7 +349,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_ids: list[int] | None = _omitted_if_none()
 
 
 class ChatCompletionChunk(BaseModel):
@@ -345,7 +359,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = Field(default=None, exclude_if=lambda v: v is None)
+    prompt_token_ids: list[int] | None = _omitted_if_none()
 
 
 class ModelCard(BaseModel):
@@ -365,7 +379,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
-    token_strs: list[str] | None = Field(default=None, exclude_if=lambda v: v is None)
+    token_strs: list[str] | None = _omitted_if_none()
 
 
 class DetokenizeResponse(BaseModel):

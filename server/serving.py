@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.request import RequestOutput, TokenLogprob
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.errors import APIError, error_body, from_value_error
-from server.prompts import ClientDisconnected, Prompts, wait_for_disconnect
+from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -35,6 +35,11 @@ from server.protocol import (
 from server.request_stream import RequestStream
 
 logger = logging.getLogger("pagoda.server")
+# Sampling fields whose null means SamplingParams' default.
+_OPTIONAL_SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
 
 
 @dataclass
@@ -72,20 +77,12 @@ class Usage:
         self._prompt: dict[str, tuple[int, int]] = {}  # (prompt tokens, cached ones)
         self._completion: dict[tuple[str, int], int] = {}
 
-    def record(
-        self, request_id: str, index: int, num_prompt: int, num_output: int, num_cached: int
-    ) -> None:
-        self._prompt[request_id] = num_prompt, num_cached
-        self._completion[(request_id, index)] = num_output
+    def record(self, request_id: str, index: int, counts: ChoiceState | RequestOutput) -> None:
+        self._prompt[request_id] = counts.num_prompt_tokens, counts.num_cached_tokens
+        self._completion[(request_id, index)] = counts.num_output_tokens
 
     def add(self, out: RequestOutput) -> None:
-        self.record(
-            out.request_id,
-            out.index,
-            out.num_prompt_tokens,
-            out.num_output_tokens,
-            out.num_cached_tokens,
-        )
+        self.record(out.request_id, out.index, out)
 
     def info(self) -> UsageInfo:
         prompt = sum(n for n, _ in self._prompt.values())
@@ -174,50 +171,23 @@ class Serving:
             raise APIError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-            # The sampler seeds a torch.Generator, which takes 64 bits; past that the
-            # engine step itself would fail.
-            raise APIError(f"seed must fit in 64 bits, got {req.seed}.", param="seed")
-        bad_keys = [k for k in req.logit_bias or {} if not k.strip().lstrip("-").isdigit()]
-        if bad_keys:
-            raise APIError(
-                f"logit_bias keys must be token ids; not: {', '.join(map(repr, bad_keys[:5]))}.",
-                param="logit_bias",
-            )
-        logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        extra = {}
-        if prompt_logprobs is not None:
-            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-                raise APIError(
-                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}.",
-                    param="prompt_logprobs",
-                )
-            extra["prompt_logprobs"] = prompt_logprobs
-        values = {
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "min_p": req.min_p,
-            "presence_penalty": req.presence_penalty,
-            "frequency_penalty": req.frequency_penalty,
-            "repetition_penalty": req.repetition_penalty,
-        }
+        optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING}  # null: OpenAI's default
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 n=req.n,
                 seed=req.seed,
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                stop_token_ids=list(req.stop_token_ids or []),
-                logit_bias=logit_bias or None,
+                stop=req.stop or [],
+                stop_token_ids=req.stop_token_ids or [],
+                logit_bias=req.logit_bias or None,  # its keys are JSON's strings: made ids there
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 grammar=grammar,
-                **{k: v for k, v in values.items() if v is not None},  # null = OpenAI's default
-                **extra,
+                **{k: v for k, v in optional.items() if v is not None},
             )
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
@@ -239,17 +209,12 @@ class Serving:
             return choices
 
         work = asyncio.ensure_future(consume())
-        watch = asyncio.ensure_future(wait_for_disconnect(raw))
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return await unless_disconnected(raw, work)
         finally:
-            watch.cancel()
             if not work.done():
                 work.cancel()
                 stream.abort()
-        if not work.done() or work.cancelled():
-            raise ClientDisconnected
-        return work.result()
 
     def sse(self, stream: RequestStream, payloads: AsyncIterator[str]) -> StreamingResponse:
         return _SSEResponse(stream, _sse_events(stream, payloads))
@@ -293,15 +258,12 @@ class Serving:
             k: v for k, v in tokenizer.init_kwargs.items() if _is_json(v) and k != "name_or_path"
         }
         special = {k: str(v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
-        return (
-            config
-            | special
-            | {
-                "tokenizer_class": type(tokenizer).__name__,
-                "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": self.max_model_len,
-            }
-        )
+        own = {
+            "tokenizer_class": type(tokenizer).__name__,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": self.max_model_len,
+        }
+        return config | special | own
 
 
 def prompt_logprobs_out(
@@ -368,7 +330,3 @@ class _SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.abort()
-
-
-def disconnected_response() -> Response:
-    return Response(status_code=499)  # nobody reads it; nginx's "client closed request"

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
 from server.errors import APIError
-from server.prompts import ClientDisconnected, template_message
+from server.prompts import template_message
 from server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -24,7 +24,7 @@ from server.protocol import (
     TopLogprob,
 )
 from server.request_stream import RequestStream
-from server.serving import Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.serving import Serving, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
@@ -57,10 +57,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         return s.check_prompt(ids, params, "messages", truncate)
 
     size = sum(len(str(m.content or "")) for m in req.messages)
-    try:
-        prompt_ids = await prompts.run(raw, size, prepare)
-    except ClientDisconnected:
-        return disconnected_response()
+    prompt_ids = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499
     # vLLM's echo: an open assistant message is repeated at the head of the answer.
     last = req.messages[-1]
     echo = template_message(last)["content"] if req.echo and last.role == "assistant" else ""
@@ -71,10 +68,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)
         return s.sse(stream, chunks)
 
-    try:
-        states = await s.collect(raw, stream)
-    except ClientDisconnected:
-        return disconnected_response()
+    states = await s.collect(raw, stream)
     usage = Usage()
     choices = []
     prompt_logprobs = None
@@ -92,9 +86,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         )
         if req.prompt_logprobs is not None and state.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_out(s, state.prompt_logprobs)
-        usage.record(
-            rid, index, state.num_prompt_tokens, state.num_output_tokens, state.num_cached_tokens
-        )
+        usage.record(rid, index, state)
     response = ChatCompletionResponse(
         id=request_id,
         created=created,
@@ -122,13 +114,13 @@ async def _chunks(
     continuous = bool(options and options.continuous_usage_stats)
     usage = Usage()
 
-    def chunk(choice: ChatStreamChoice, **extra: object) -> str:
+    def chunk(choices: list[ChatStreamChoice], last: bool = False, **extra: object) -> str:
         return ChatCompletionChunk(
             id=request_id,
             created=created,
             model=s.model_name,
-            choices=[choice],
-            usage=usage.info() if continuous else None,
+            choices=choices,
+            usage=usage.info() if continuous or last else None,
             **extra,
         ).model_dump_json()
 
@@ -142,7 +134,7 @@ async def _chunks(
     for index in range(req.n):
         delta = {"role": "assistant"}
         delta |= {"content": echo} if calls is None else calls[index].feed(echo, False)
-        yield chunk(ChatStreamChoice(index=index, delta=delta), **ids)
+        yield chunk([ChatStreamChoice(index=index, delta=delta)], **ids)
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
@@ -156,20 +148,17 @@ async def _chunks(
                     finish_reason = calls[out.index].finish_reason(finish_reason)
             if not (delta or out.finished or logprobs and logprobs.content):
                 continue  # e.g. a token held back until its UTF-8 character completes
-            yield chunk(
-                ChatStreamChoice(
-                    index=out.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=out.stop_reason if out.finished else None,
-                    token_ids=out.new_token_ids if req.return_token_ids else None,
-                )
+            choice = ChatStreamChoice(
+                index=out.index,
+                delta=delta,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                stop_reason=out.stop_reason if out.finished else None,
+                token_ids=out.new_token_ids if req.return_token_ids else None,
             )
+            yield chunk([choice])
     if include_usage:
-        yield ChatCompletionChunk(
-            id=request_id, created=created, model=s.model_name, choices=[], usage=usage.info()
-        ).model_dump_json()
+        yield chunk([], last=True)
 
 
 def _logprobs(s: Serving, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:

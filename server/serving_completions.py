@@ -13,7 +13,6 @@ from fastapi.responses import Response
 
 from engine.request import TokenLogprob
 from server.errors import APIError
-from server.prompts import ClientDisconnected
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,7 +20,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import ChoiceState, Serving, Usage, disconnected_response, prompt_logprobs_out
+from server.serving import ChoiceState, Serving, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 
 
@@ -72,10 +71,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     # round trip (a thread wake and two GIL hand-offs) per request.
     text_chars = sum(len(t) for t in texts if isinstance(t, str))
     if req.echo or text_chars:
-        try:
-            prompts = await prompts_.run(raw, text_chars, prepare)
-        except ClientDisconnected:
-            return disconnected_response()
+        prompts = await prompts_.run(raw, text_chars, prepare)  # ClientDisconnected: the app's 499
     else:
         prompts = prepare()
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -83,10 +79,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
         return s.sse(stream, answer.chunks())
-    try:
-        states = await s.collect(raw, stream)
-    except ClientDisconnected:
-        return disconnected_response()
+    states = await s.collect(raw, stream)
     return Response(answer.response(states).model_dump_json(), media_type="application/json")
 
 
@@ -137,10 +130,7 @@ class _Answer:
                 _extend_logprobs(s, choice.logprobs, state.logprobs, offset, req.logprobs)
             self._extras(choice, prompt, state.token_ids, state.prompt_logprobs)
             choices.append(choice)
-            usage.record(
-                rid, index, state.num_prompt_tokens, state.num_output_tokens,
-                state.num_cached_tokens,
-            )  # fmt: skip
+            usage.record(rid, index, state)
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -170,13 +160,13 @@ class _Answer:
         continuous = bool(options and options.continuous_usage_stats)
         usage = Usage()
 
-        def chunk(choices: list[CompletionChoice]) -> str:
+        def chunk(choices: list[CompletionChoice], last: bool = False) -> str:
             return CompletionResponse(
                 id=self.request_id,
                 created=self.created,
                 model=s.model_name,
                 choices=choices,
-                usage=usage.info() if continuous else None,
+                usage=usage.info() if continuous or last else None,
             ).model_dump_json()
 
         text_chunk = TextChunks(self.request_id, self.created, s.model_name)
@@ -234,13 +224,7 @@ class _Answer:
                 self._extras(choice, prompt if opening else None, token_ids, plogprobs)
                 yield chunk([choice])
         if include_usage:
-            yield CompletionResponse(
-                id=self.request_id,
-                created=self.created,
-                model=s.model_name,
-                choices=[],
-                usage=usage.info(),
-            ).model_dump_json()
+            yield chunk([], last=True)
 
 
 class TextChunks:

@@ -73,17 +73,7 @@ def _structured_outputs(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
     so = req.structured_outputs
     if so is None:
         return []
-    given = {
-        name: value
-        for name, value in (
-            ("json", so.json_),
-            ("regex", so.regex),
-            ("choice", so.choice),
-            ("grammar", so.grammar),
-            ("json_object", so.json_object or None),
-        )
-        if value is not None
-    }
+    given = {name.rstrip("_"): v for name, v in so if v is not None and v is not False}
     if len(given) != 1:
         raise APIError(
             "structured_outputs must set exactly one of json, regex, choice, grammar, "

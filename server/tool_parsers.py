@@ -20,9 +20,12 @@ cut out of the call object, never re-serialized.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
-WHITESPACE = " \t\r\n"
+_WS = re.compile(r"[ \t\r\n]*")
+_SCALAR = re.compile(r"[^,}\] \t\r\n]*")
+_STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*"')  # an escape takes the character after it
 
 
 @dataclass
@@ -179,24 +182,13 @@ def _call_sequence(
 
 
 def _skip_ws(text: str, i: int) -> int:
-    n = len(text)
-    while i < n and text[i] in WHITESPACE:
-        i += 1
-    return i
+    return _WS.match(text, i).end()
 
 
 def _string_end(text: str, i: int) -> int | None:
-    """Just past the JSON string starting at text[i] == '"'."""
-    j, n = i + 1, len(text)
-    while j < n:
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    """Just past the JSON string starting at text[i] == '"' (None: not closed yet)."""
+    match = _STRING.match(text, i)
+    return None if match is None else match.end()
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -222,9 +214,7 @@ def _value_end(text: str, i: int) -> int | None:
                     return j + 1
             j += 1
         return None
-    j = i  # a number, true, false or null: up to the next delimiter
-    while j < n and text[j] not in ",}]" + WHITESPACE:
-        j += 1
+    j = _SCALAR.match(text, i).end()  # a number, true, false or null: up to a delimiter
     return j if j < n else None
 
 

@@ -13,14 +13,13 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import (
     AttentionMetadata,
-    LMHead,
     RMSNorm,
     RotaryEmbedding,
     layer_sliding_windows,
     rope_settings,
 )
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from engine.models.parallel import TensorSlice, VocabParallelEmbedding, WeightSlice, read
+from engine.models.parallel import TensorSlice, WeightSlice, read
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
 # weights HF applies as (1 + weight): folded in at load.
@@ -39,11 +38,7 @@ def check_config(config) -> None:
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self,
-        config,
-        rotary: RotaryEmbedding,
-        sliding_window: int,
-        tp: TensorParallel = SINGLE,
+        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -72,39 +67,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     check_config = staticmethod(check_config)
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.tp = tp
+        super().__init__(config, tp)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.embed_scale = config.hidden_size**0.5
+
+    def make_layers(self, config) -> list[nn.Module]:
         self.rotary_local, self.rotary_global = (
             RotaryEmbedding(
                 config.head_dim, config.max_position_embeddings, *rope_settings(config, kind)
             )
             for kind in ("sliding_attention", "full_attention")
         )
-        windows = layer_sliding_windows(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(
-                config, self.rotary_local if window else self.rotary_global, window, tp
-            )
-            for window in windows
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+        return [
+            Gemma3DecoderLayer(config, self.rotary_local if w else self.rotary_global, w, self.tp)
+            for w in layer_sliding_windows(config)
+        ]
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # As HF: the scale rounded to the weights' dtype first (a host value: no sync).
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [num_seqs, vocab_size]

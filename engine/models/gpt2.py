@@ -8,13 +8,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import (
-    ACTIVATIONS,
-    AttentionMetadata,
-    LayerNorm,
-    LMHead,
-    PagedAttention,
-)
+from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHead, PagedAttention
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -73,7 +67,6 @@ class GPT2ForCausalLM(nn.Module):
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.max_positions = config.n_positions
         self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, tp)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # replicated
         self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.n_layer))

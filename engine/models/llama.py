@@ -145,29 +145,34 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.max_positions = config.max_position_embeddings
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(self.make_layers(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+
+    def make_layers(self, config) -> list[nn.Module]:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         windows = layer_sliding_windows(config)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i), tp)
+        return [
+            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i), self.tp)
             for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+        ]
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         return LlamaMLP(config, self.tp)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm(x, residual)[0]

@@ -82,21 +82,6 @@ def load_config(model_dir: str) -> PretrainedConfig:
     return config
 
 
-# torch.nn.init's in-place initialisers, as nn.Linear, nn.Embedding and the norms call them.
-_INITIALISERS = (
-    "uniform_",
-    "normal_",
-    "trunc_normal_",
-    "constant_",
-    "ones_",
-    "zeros_",
-    "xavier_uniform_",
-    "xavier_normal_",
-    "kaiming_uniform_",
-    "kaiming_normal_",
-)
-
-
 def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.Module:
     """This rank's shard of the model on the meta device, its initialisers not run: every
     weight comes from the checkpoint, and `normal_` on a meta tensor would go through
@@ -107,7 +92,9 @@ def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.M
 
 @contextlib.contextmanager
 def _initialisers_skipped() -> Iterator[None]:
-    saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+    """torch.nn.init's in-place initialisers (nn.Linear's, nn.Embedding's, ...) made no-ops."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {name: getattr(nn.init, name) for name in names}
     for name in saved:
         setattr(nn.init, name, _return_tensor)
     try:
@@ -160,8 +147,6 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, WeightSlice]]:
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, reader.get_slice(name)
-        except ModelLoadError:
-            raise
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot be read as safetensors: {e}") from e
 

@@ -63,10 +63,8 @@ class Fp8Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.is_cuda and rows.shape[0] <= FP8_SPLITK_MAX_M and rows.stride(1) == 1:
-            # Small batches: weight-only FP8 in the split-K kernel reads the weights at
-            # their byte each, where _scaled_mm's kernels for skinny products are far
-            # from that (benchmarks.fp8's gemm_us); at batch 64 _scaled_mm measured
-            # faster overall.
+            # Small batches: weight-only FP8 in the split-K kernel reads each weight's
+            # byte once, where _scaled_mm's kernels for skinny products fall far short.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
             out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
         else:
@@ -146,35 +144,32 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
     blocks = set()
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
-        scheme = f"{w.get('num_bits')}-bit {w.get('type')} weights, strategy {w.get('strategy')}"
-        if w.get("num_bits") != 8 or w.get("type") != "float":
+        if _bits(w) != "8-bit float" or w.get("strategy") not in ("channel", "tensor", "block"):
             raise ValueError(
-                f"unsupported compressed-tensors scheme in config_groups.{name}: {scheme}; "
-                f"supported: {SUPPORTED}"
-            )
-        if w.get("strategy") not in ("channel", "tensor", "block"):
-            raise ValueError(
-                f"unsupported compressed-tensors strategy in config_groups.{name}: {scheme}; "
-                f"supported: {SUPPORTED}"
+                f"unsupported compressed-tensors scheme in config_groups.{name}: {_bits(w)} "
+                f"weights, strategy {w.get('strategy')}; supported: {SUPPORTED}"
             )
         acts = group.get("input_activations")
-        if acts and (acts.get("num_bits") != 8 or acts.get("type") != "float"):
+        if acts and _bits(acts) != "8-bit float":
             raise ValueError(
                 f"unsupported compressed-tensors input_activations in config_groups.{name}: "
-                f"{acts.get('num_bits')}-bit {acts.get('type')} (only 8-bit float)"
+                f"{_bits(acts)} (only 8-bit float)"
             )
         if w.get("strategy") == "block":
             blocks.add(tuple(w.get("block_structure") or ()))
     kv = qc.get("kv_cache_scheme")
-    if kv and (kv.get("num_bits") != 8 or kv.get("type") != "float"):
+    if kv and _bits(kv) != "8-bit float":
         raise ValueError(
-            f"unsupported compressed-tensors kv_cache_scheme: {kv.get('num_bits')}-bit "
-            f"{kv.get('type')} (only 8-bit float)"
+            f"unsupported compressed-tensors kv_cache_scheme: {_bits(kv)} (only 8-bit float)"
         )
     if len(blocks) > 1:
         raise ValueError(f"compressed-tensors groups with different block structures {blocks}")
     block = blocks.pop() if blocks else None
     return Fp8Checkpoint("compressed-tensors", ("weight_scale",), block or None)
+
+
+def _bits(scheme: dict) -> str:
+    return f"{scheme.get('num_bits')}-bit {scheme.get('type')}"
 
 
 def dequantize_weight(

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 import pytest
 
 from benchmarks import serving
-from server.stat_log import StatLog
+from server.engine_loop import StatLog
 from tests.server.test_stat_log import FakeEngine
 
 

@@ -24,7 +24,7 @@ import pytest
 from engine.config import EngineConfig
 from server.app import create_app
 from server.config import ServerConfig
-from server.http_server import draining_server
+from server.http_server import DrainingServer
 
 MAX_MODEL_LEN = 256
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ class LiveServer:
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         server_config = server_config or ServerConfig(shutdown_timeout=5.0)
-        self.server = draining_server(app, dataclasses.replace(server_config, log_level="warning"))
+        self.server = DrainingServer(app, dataclasses.replace(server_config, log_level="warning"))
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
         )

@@ -28,9 +28,8 @@ from server.api_servers import bind_sockets
 from server.app import build_engine
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.engine_clients import Clients
 from server.engine_loop import Abort, Add, StepReport
-from server.engine_process import spawn_engine
+from server.engine_process import Clients, spawn_engine
 from server.engine_wire import EngineInfo, WireReport
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare

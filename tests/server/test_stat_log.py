@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import httpx
 
 from engine.engine import EngineStats
-from server import stat_log
+from server import engine_loop
 from server.app import create_app
 from server.config import ServerConfig
-from server.stat_log import StatLog
+from server.engine_loop import StatLog
 from tests.server.conftest import LiveServer, engine_config
 
 
@@ -28,7 +28,7 @@ class FakeEngine:
 
 def test_the_line_splits_steps_by_path_and_time_by_what_the_host_did(monkeypatch, caplog):
     clock = [100.0]
-    monkeypatch.setattr(stat_log.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(engine_loop.time, "monotonic", lambda: clock[0])
     engine, log = FakeEngine(), StatLog(interval_s=10.0)
     caplog.set_level(logging.INFO, logger="pagoda.server")
 
