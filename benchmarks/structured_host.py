@@ -163,7 +163,7 @@ def run(args) -> dict:
         masks.drain()  # the device's wait: the masks are in (the worker's job counts)
         ids = pick_ids()
         start = time.perf_counter()
-        ended = masks.follow(ids, slots, generations, grammar, by_slot)
+        ended = masks.follow(ids, slots, generations, grammar)
         followed = time.perf_counter() - start
         start = time.perf_counter()
         ended_requests = ended.result()

@@ -68,7 +68,8 @@ class GrammarState:
 
     def accept(self, token_id: int) -> str | None:
         """Advance by an id the request sampled: None, or the finish reason that ends it
-        ("stop": the grammar is complete)."""
+        ("stop": the grammar is complete). One row's; the masks' worker has a whole
+        step's ids accepted in one call (masks.py)."""
         if not self.matcher.accept_token(token_id):
             # The mask allowed no other id. Only a grammar that no token can continue
             # gets here (every logit masked): end this request, not the batch.
@@ -111,7 +112,9 @@ class Grammars:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
         self.cache: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
         self.stats = CompileStats()
-        self.masks = GrammarMasks(token_vocab, vocab_size, max_num_seqs, device, max_threads)
+        self.masks = GrammarMasks(
+            token_vocab, vocab_size, max_num_seqs, device, max_threads, info.stop_token_ids
+        )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 
     # -- requests ------------------------------------------------------------

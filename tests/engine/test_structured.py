@@ -237,9 +237,9 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     fill = GrammarMasks.fill
     rows: dict[str, list[int]] = {"_prepare": [], "_follow": []}
 
-    def counting(self, states, slots):
+    def counting(self, matchers, slots):
         rows[sys._getframe(1).f_code.co_name].extend(slots)
-        fill(self, states, slots)
+        fill(self, matchers, slots)
 
     monkeypatch.setattr(GrammarMasks, "fill", counting)
     spec = GrammarSpec("regex", "[a-z]{30}")
@@ -261,11 +261,11 @@ def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch
     fill = GrammarMasks.fill
     calls = []
 
-    def failing(self, states, slots):
+    def failing(self, matchers, slots):
         calls.append(slots)
         if len(calls) == 3:
             raise RuntimeError("fill failed")
-        fill(self, states, slots)
+        fill(self, matchers, slots)
 
     monkeypatch.setattr(GrammarMasks, "fill", failing)
     engine = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8).engine
