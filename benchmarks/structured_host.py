@@ -1,7 +1,11 @@
 """The host's per-step cost of structured outputs, on the CPU: GrammarMasks without a model.
 
     python -m benchmarks.structured_host --out benchmarks/results/structured-host-cpu.json
-    python -m benchmarks.structured_host --before OLD.json --out NEW.json  # A/B
+    python -m benchmarks.structured_host --before-tree /tmp/old --fill-threads 1 2 --out X.json
+
+The second runs this tree and another in turn (`--pairs` runs each; each in its
+own process), e.g. a commit's files: `git archive C | tar -x -C /tmp/old; echo C >
+/tmp/old/COMMIT; cp benchmarks/structured_host.py /tmp/old/benchmarks/`.
 
 `--batch` rows of GPT-2's vocabulary (the synthetic 50257-token tokenizer
 benchmarks/checkpoints.py builds), all under the "plain" schema of
@@ -17,20 +21,24 @@ dispatch but move no data, as on a GPU, where they are launches. Timed per step:
 - engine: the engine thread's time in `follow` and in `build` (the worker idle);
 - worker wall: from `follow` returning until the worker's jobs are done (accept
   the ids, fill the next masks), the engine thread blocked meanwhile;
-- worker GIL: the worker thread's CPU time in those jobs (and in the one
-  `build` hands it, if any) less its CPU time inside xgrammar's mask fill, which
-  runs without the GIL: what the worker runs holding it, which the engine thread
-  waits out whenever it wants the GIL meanwhile (the other xgrammar calls' C++
-  work is counted in: an upper bound).
+- worker GIL: the CPU time of the threads running those jobs (the worker's, and
+  the fill threads' parts where the tree has them) less their CPU time inside the
+  xgrammar calls that release the GIL (accepts and fills): what they run holding
+  it, which the engine thread waits out whenever it wants the GIL meanwhile.
+  Measured over steps of their own after the others: the timing of each call
+  costs time itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,6 +50,7 @@ import xgrammar as xgr
 from benchmarks.checkpoints import synthetic_tokenizer
 from benchmarks.provenance import git_commit, write_result
 from benchmarks.structured import SCHEMAS
+from engine.structured import masks as masks_module
 from engine.structured.grammars import Grammars, GrammarState
 from engine.structured.spec import GrammarSpec
 
@@ -67,39 +76,65 @@ class _DeviceWait:
         pass
 
 
-class _WorkerClock:
-    """The worker thread's CPU time in GrammarMasks' jobs, less its CPU time inside the
-    mask fill (xgrammar's C++, which releases the GIL): what it runs holding the GIL,
-    give or take the C++ of the other xgrammar calls (counted in)."""
+class _PythonClock:
+    """CPU time of the threads running GrammarMasks' jobs (the worker's, and the fill
+    threads' parts where the tree has them), less their CPU time inside the xgrammar
+    calls that release the GIL: what those threads run holding it."""
+
+    RELEASING = [
+        (xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask"),
+        (xgr.GrammarMatcher, "accept_token"),
+        (xgr.GrammarMatcher, "is_terminated"),
+        (masks_module, "accept_all"),
+    ]
 
     def __init__(self, masks) -> None:
+        self.lock = threading.Lock()
+        self.local = threading.local()
         self.held = 0.0
-        self.in_fill = 0.0
-        for name in ("_follow", "_prepare"):
-            setattr(masks, name, self._job(getattr(masks, name)))
-        fill = xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
+        for name in ("_follow", "_prepare", "_fill_part"):
+            if hasattr(masks, name):
+                setattr(masks, name, self._job(getattr(masks, name)))
+        for owner, name in self.RELEASING:
+            if hasattr(owner, name):
+                setattr(owner, name, self._releasing(getattr(owner, name)))
 
-        def timed_fill(batch, *args, **kwargs):
-            start = time.thread_time()
-            try:
-                return fill(batch, *args, **kwargs)
-            finally:
-                self.in_fill += time.thread_time() - start
-
-        xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask = timed_fill
+    def _state(self):
+        local = self.local
+        if not hasattr(local, "depth"):
+            local.depth, local.released = 0, 0.0
+        return local
 
     def _job(self, method):
         def run(*args):
-            start, fill = time.thread_time(), self.in_fill
+            local = self._state()
+            local.depth += 1
+            start, released = time.thread_time(), local.released
             try:
                 return method(*args)
             finally:
-                self.held += time.thread_time() - start - (self.in_fill - fill)
+                local.depth -= 1
+                if not local.depth:  # the outermost job on this thread
+                    spent = time.thread_time() - start - (local.released - released)
+                    with self.lock:
+                        self.held += spent
+
+        return run
+
+    def _releasing(self, function):
+        def run(*args, **kwargs):
+            local = self._state()
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                local.released += time.thread_time() - start
 
         return run
 
     def take(self) -> float:
-        held, self.held = self.held, 0.0
+        with self.lock:
+            held, self.held = self.held, 0.0
         return held
 
 
@@ -152,18 +187,21 @@ def run(args) -> dict:
             ids[i] = rng.choice(choices if len(choices) else allowed)
         return ids
 
-    clock = _WorkerClock(masks)
-    follow_s, build_s, wall_s, gil_s = [], [], [], []
+    # --before runs this script on an older tree, whose follow took the batch's requests.
+    follow_extra = (by_slot,) if "by_slot" in inspect.signature(masks.follow).parameters else ()
     ended_rows = 0
-    for step in range(args.warmup + args.steps):
-        measured = step >= args.warmup
+
+    def step() -> tuple[float, float, float]:
+        """One step; the engine thread's seconds in build and follow, and the worker's
+        window."""
+        nonlocal ended_rows
         start = time.perf_counter()
         masks.build(slots, generations, grammar, by_slot)
         built = time.perf_counter() - start
         masks.drain()  # the device's wait: the masks are in (the worker's job counts)
         ids = pick_ids()
         start = time.perf_counter()
-        ended = masks.follow(ids, slots, generations, grammar)
+        ended = masks.follow(ids, slots, generations, grammar, *follow_extra)
         followed = time.perf_counter() - start
         start = time.perf_counter()
         ended_requests = ended.result()
@@ -174,13 +212,21 @@ def run(args) -> dict:
             generations[slot] += 1
             by_slot[slot] = new_request(slot)
             ended_rows += 1
-        if measured:
-            follow_s.append(followed)
+        return built, followed, window
+
+    # The times first, then (the clock's wrappers cost time themselves) the GIL's.
+    build_s, follow_s, wall_s = [], [], []
+    for i in range(args.warmup + args.steps):
+        built, followed, window = step()
+        if i >= args.warmup:
             build_s.append(built)
+            follow_s.append(followed)
             wall_s.append(window)
-            gil_s.append(clock.take())
-        else:
-            clock.take()
+    clock = _PythonClock(masks)
+    gil_s = []
+    for _ in range(args.steps):
+        step()
+        gil_s.append(clock.take())
     engine_s = [f + b for f, b in zip(follow_s, build_s)]
     return {
         "engine_us_per_step": {
@@ -194,17 +240,64 @@ def run(args) -> dict:
     }
 
 
+def medians(runs: list[dict]) -> dict:
+    """Per figure, the median over runs of their medians."""
+    first = runs[0]
+    if "median_us" in first:
+        return {"median_us": round(statistics.median(r["median_us"] for r in runs), 1)}
+    return {k: medians([r[k] for r in runs]) for k, v in first.items() if isinstance(v, dict)}
+
+
+def ab(args) -> dict:
+    """This tree and --before-tree in turn, `--pairs` times per fill-thread count, each
+    run in its own process (so each imports its own tree)."""
+    trees = {"before": args.before_tree.resolve(), "after": Path.cwd()}
+    out: dict = {"before_commit": _tree_commit(trees["before"]), "by_fill_threads": {}}
+    for threads in args.fill_threads:
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        for _ in range(args.pairs):
+            for name, root in trees.items():
+                command = [sys.executable, "-m", "benchmarks.structured_host"]
+                command += ["--fill-threads", str(threads), "--steps", str(args.steps)]
+                command += ["--warmup", str(args.warmup), "--batch", str(args.batch)]
+                command += ["--schema", args.schema, "--seed", str(args.seed)]
+                env = dict(os.environ, PYTHONPATH=str(root))
+                done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{name} tree failed:\n{done.stderr}")
+                runs[name].append(json.loads(done.stdout)["run"])
+        out["by_fill_threads"][str(threads)] = {
+            name: {"median_of_runs": medians(r), "runs": r} for name, r in runs.items()
+        }
+    return out
+
+
+def _tree_commit(root: Path) -> str | None:
+    """The commit a tree without .git was taken from, as --before-tree's COMMIT file
+    says."""
+    marker = root / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--schema", choices=sorted(SCHEMAS), default="plain")
-    p.add_argument("--steps", type=int, default=400, help="timed steps")
+    p.add_argument("--steps", type=int, default=400, help="timed steps (and as many for the GIL)")
     p.add_argument("--warmup", type=int, default=40)
-    p.add_argument("--fill-threads", type=int, default=1, help="the mask fill's threads")
+    p.add_argument(
+        "--fill-threads", type=int, nargs="+", default=[1], help="the mask fill's threads"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--before", type=Path, default=None, help="a result to put beside this one")
+    p.add_argument(
+        "--before-tree",
+        type=Path,
+        default=None,
+        help="another tree's root (a COMMIT file in it names its commit): run both in turn",
+    )
+    p.add_argument("--pairs", type=int, default=3, help="with --before-tree: runs of each")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -219,12 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "vocab": GPT2_VOCAB,
         "schema": args.schema,
-        "fill_threads": args.fill_threads,
-        "run": run(args),
     }
-    if args.before is not None:
-        before = json.loads(args.before.read_text())
-        result["before"] = {k: before[k] for k in ("command", "date", "commit", "run")}
+    if args.before_tree is not None:
+        result |= ab(args)
+    else:
+        (threads,) = args.fill_threads
+        result |= {"fill_threads": threads, "run": run(args)}
     print(json.dumps(result, indent=2))
     write_result(args.out, result)
     return 0

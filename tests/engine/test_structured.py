@@ -385,6 +385,77 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
 
 
+def test_masks_filled_in_parts_on_the_fill_threads_are_each_rows_own(llm):
+    """64 rows under different grammars, at different points: the masks the worker
+    fills in parts (on it and the fill threads), first and after following a step's
+    ids, are each matcher's own, and a row whose id ends its grammar ends as "stop"."""
+    from types import SimpleNamespace
+
+    from engine.structured.grammars import Grammars
+
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_id
+    vocab = llm.engine.vocab_size
+    grammars = Grammars(tokenizer, vocab, [eos], 64, torch.device("cpu"), max_threads=4)
+    masks = grammars.masks
+    specs = [
+        GrammarSpec.json_schema(SCHEMA),
+        GrammarSpec("regex", REGEX),
+        GrammarSpec.choice(CHOICES),
+        GrammarSpec("grammar", EBNF),
+    ]
+
+    def own(matcher) -> np.ndarray:
+        bits = torch.zeros(1, masks.words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bits, 0)
+        return bits[0].numpy()
+
+    def allowed_ids(matcher, n: int) -> np.ndarray:
+        return np.unpackbits(own(matcher).view(np.uint8), bitorder="little")[:n]
+
+    rows = []
+    for i in range(64):
+        state = grammars.state(f"r{i}", specs[i % 4])
+        state.compiled.result()
+        assert state.ready()
+        for _ in range(i % 7):  # up to i % 7 steps in: each its lowest allowed id but EOS
+            allowed = np.flatnonzero(allowed_ids(state.matcher, len(tokenizer)))
+            allowed = allowed[allowed != eos]
+            if not len(allowed):
+                break
+            assert state.accept(int(allowed[0])) is None
+        rows.append(SimpleNamespace(structured=state, request_id=f"r{i}", is_finished=False))
+    done = xgr.GrammarMatcher(grammars._compile(GrammarSpec.choice(["red"])))
+    for token_id in tokenizer.encode("red"):
+        assert done.accept_token(token_id)
+    rows[5].structured.matcher = done  # only EOS may follow: its id ends it
+
+    slots = np.arange(64)
+    generations = np.zeros(64, dtype=np.int64)
+    grammar = np.ones(64, dtype=bool)
+    first = masks.build(slots, generations, grammar, rows).bits.numpy()
+    for i in range(64):
+        assert (first[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
+    # Each row's lowest allowed id but EOS, if any (row 5: EOS); the worker follows them.
+    bits = np.unpackbits(first[:, : masks.words].view(np.uint8), axis=1, bitorder="little")
+    ids = []
+    for i in range(64):
+        allowed = np.flatnonzero(bits[i, : len(tokenizer)])
+        ids.append(allowed[allowed != eos][0] if (allowed != eos).any() else eos)
+    stopped = [i for i in range(64) if ids[i] == eos]
+    assert 5 in stopped
+    ended = masks.follow(np.array(ids), slots, generations, grammar).result()
+    assert [(r.request_id, reason) for r, reason in ended] == [(f"r{i}", "stop") for i in stopped]
+    second = masks.build(slots, generations, grammar, rows).bits.numpy()
+    for i in range(64):
+        if i in stopped:
+            assert (second[i] == -1).all()  # its next id is void
+        else:
+            assert (second[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
+    assert len(masks.fillers) == 4  # the rows went in four parts
+    grammars.close()
+
+
 def check_padding_masks(tokenizer, device: str) -> None:
     """A model vocabulary padded past the tokenizer's (Qwen's 151936 rows for ~151k
     tokens): the matchers know the tokenizer's ids only, grammar rows mask the padding
