@@ -154,12 +154,10 @@ def summary(values_s: list[float]) -> dict:
     }
 
 
-def run(args) -> dict:
+def run(args, threads: int) -> dict:
     tokenizer = synthetic_tokenizer(GPT2_VOCAB)
     eos = tokenizer.eos_token_id
-    grammars = Grammars(
-        tokenizer, GPT2_VOCAB, [eos], args.batch, torch.device("meta"), args.fill_threads
-    )
+    grammars = Grammars(tokenizer, GPT2_VOCAB, [eos], args.batch, torch.device("meta"), threads)
     compiled = grammars._compile(GrammarSpec.json_schema(SCHEMAS[args.schema]))
     masks = grammars.masks
     masks.flag = _DeviceWait()
@@ -317,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         result |= ab(args)
     else:
         (threads,) = args.fill_threads
-        result |= {"fill_threads": threads, "run": run(args)}
+        result |= {"fill_threads": threads, "run": run(args, threads)}
     print(json.dumps(result, indent=2))
     write_result(args.out, result)
     return 0
