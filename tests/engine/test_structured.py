@@ -498,6 +498,11 @@ def check_padding_masks(tokenizer, device: str) -> None:
     assert not second[0, len(tokenizer) :].any()
     assert second[0, b] and second[0].sum() == 1
     assert second[1].all()
+    # And back, in the first step's order again (its gather's slots kept on the device).
+    third = allowed([1, 0], [row("a"), row(None)], 2)
+    assert not third[0, len(tokenizer) :].any()
+    assert third[0, a] and third[0].sum() == 1
+    assert third[1].all()
     grammars.close()
 
 
