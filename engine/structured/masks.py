@@ -201,7 +201,7 @@ class GrammarMasks:
     def _accept(
         self, matchers: list[xgr.GrammarMatcher], slots: np.ndarray, ids: np.ndarray
     ) -> tuple[list[tuple[Request, str]], np.ndarray | None]:
-        """The rows' matchers accept their ids: the requests that ends, and how; and
+        """The rows' matchers accept their ids: the requests this ends, and how; and
         which rows ended (None: none did)."""
         refused = accept_all(matchers, ids.tolist())
         stops = self.is_stop[ids]  # accepted: the grammar is complete

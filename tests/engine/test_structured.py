@@ -353,8 +353,8 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
             state.compiled.result()
             assert state.ready()
             for token_id in tokenizer.encode(text):
-                assert state.accept(token_id) is None
-        return SimpleNamespace(structured=state, is_finished=False)
+                assert state.matcher.accept_token(token_id)
+        return SimpleNamespace(structured=state, request_id="unit", is_finished=False)
 
     generation = iter(range(100))  # each call: new requests in the slots
 
@@ -367,7 +367,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
         return grammars.masks.build(slots, generations, grammar, rows)
 
     rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
-    assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
+    assert rows[1].structured.matcher.accept_token(tokenizer.encode("b")[0])  # "abb": goes on
     logits = torch.zeros(3, llm.engine.vocab_size)
     mask(rows).apply(logits)
     allowed = logits > float("-inf")
@@ -380,9 +380,20 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     logits = torch.zeros(1, llm.engine.vocab_size)
     mask([choice]).apply(logits)
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
-    assert choice.structured.accept(eos) == "stop"
+
+    def follow(rows, ids: list[int]) -> list[tuple[object, str]]:
+        """The worker's accept of a step's ids (the rows' last mask built just before)."""
+        slots = np.arange(len(rows))
+        every = np.ones(len(rows), dtype=bool)
+        return grammars.masks.follow(np.array(ids), slots, slots, every).result()
+
+    assert follow([choice], [eos]) == [(choice, "stop")]
+    assert choice.structured.done
     # An id the grammar refuses ends that request alone, as an abort.
-    assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
+    again = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"))]
+    mask(again)
+    a, z = tokenizer.encode("a")[0], tokenizer.encode("z")[0]
+    assert follow(again, [z, a]) == [(again[0], "abort")]
 
 
 def test_masks_filled_in_parts_on_the_fill_threads_are_each_rows_own(llm):
@@ -423,7 +434,7 @@ def test_masks_filled_in_parts_on_the_fill_threads_are_each_rows_own(llm):
             allowed = allowed[allowed != eos]
             if not len(allowed):
                 break
-            assert state.accept(int(allowed[0])) is None
+            assert state.matcher.accept_token(int(allowed[0]))
         rows.append(SimpleNamespace(structured=state, request_id=f"r{i}", is_finished=False))
     done = xgr.GrammarMatcher(grammars._compile(GrammarSpec.choice(["red"])))
     for token_id in tokenizer.encode("red"):
