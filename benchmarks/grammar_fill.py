@@ -162,7 +162,7 @@ def run_model(name: str, args) -> dict:
         elif how == "loop":
             ok = [m.accept_token(t) for m, t in zip(matchers, ids)]
         else:
-            ended = masks.follow(np.array(ids), rows, generations, every, requests)
+            ended = masks.follow(np.array(ids), rows, generations, every)
             masks.drain()  # the worker's whole job: accept, then fill
             ok = [not ended.result()]
         elapsed = time.perf_counter() - start

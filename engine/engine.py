@@ -332,7 +332,7 @@ class Engine:
                     ids = self.runner.keep_sampled(token_ids)
                 step = LaunchedStep(sampling, mark, ids, logprobs)
                 if grammar:  # the matchers follow the ids on the masks' worker
-                    step.grammar = masks.follow(ids, sampling, occupants, rows, batch.requests)
+                    step.grammar = masks.follow(ids, sampling, occupants, rows)
                 if sync:
                     self.reader.read(step)
                 else:

@@ -104,8 +104,7 @@ class InputBatch:
         self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
-        # A grammar's matcher follows every read id, and its mask needs
-        # them before its rows sample.
+        # A grammar's rows sample under its mask (engine/structured/masks.py).
         self.has_grammar = np.zeros(n, dtype=bool)
         self.num_grammar = 0
         self.temperature = np.ones(n, dtype=np.float32)
@@ -251,7 +250,7 @@ class InputBatch:
         """Append a step's sampled ids [k] to the rows that sampled them, and find the
         rows they stop. Ids of a request that has left since are dropped, or, if it
         was preempted, appended to its own list (it recomputes them). None: no row
-        needs a look (no stop, first token, stream, grammar or departed request)."""
+        needs a look (no stop, first token, stream or departed request)."""
         departed: list[tuple[Request, int]] = []
         if mark.departures != self.departures:
             live = self.generation[slots] == mark.generations
@@ -290,7 +289,7 @@ class InputBatch:
             streamed = [self.requests[s] for s in slots[rows].tolist()]
             for req, token_id in zip(streamed, token_ids[rows].tolist()):
                 req.output_ids.append(token_id)
-        if not (num_done or first is not None or streamed or departed or self.num_grammar):
+        if not (num_done or first is not None or streamed or departed):
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 

@@ -15,7 +15,6 @@ end, and the only token there once it must: the request then ends on EOS as usua
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +26,6 @@ import xgrammar as xgr
 from engine.structured.masks import GrammarMasks
 from engine.structured.spec import GrammarSpec, build_grammar
 
-logger = logging.getLogger("pagoda.engine")
 CACHE_SIZE = 1024  # compiled grammars kept (least recently used dropped first)
 
 
@@ -43,8 +41,8 @@ class GrammarError(RuntimeError):
 class GrammarState:
     """One choice's grammar: compiling, then a matcher that follows its output.
 
-    Once running, its matcher (and `done`) belong to the masks' worker thread
-    (masks.py)."""
+    Once running, its matcher (and `done`) belong to the masks' worker thread, which
+    has a step's ids accepted and ends the grammars they complete (masks.py)."""
 
     def __init__(self, request_id: str, compiled: Future[xgr.CompiledGrammar]) -> None:
         self.request_id = request_id
@@ -65,18 +63,6 @@ class GrammarState:
     @property
     def failed(self) -> bool:
         return self.compiled.done() and self.compiled.exception() is not None
-
-    def accept(self, token_id: int) -> str | None:
-        """Advance by an id the request sampled: None, or the finish reason that ends it
-        ("stop": the grammar is complete)."""
-        if not self.matcher.accept_token(token_id):
-            # The mask allowed no other id. Only a grammar that no token can continue
-            # gets here (every logit masked): end this request, not the batch.
-            logger.error("%s: token %d is outside its grammar", self.request_id, token_id)
-            self.done = True
-            return "abort"
-        self.done = self.matcher.is_terminated()
-        return "stop" if self.done else None
 
 
 @dataclass
@@ -111,7 +97,9 @@ class Grammars:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
         self.cache: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
         self.stats = CompileStats()
-        self.masks = GrammarMasks(token_vocab, vocab_size, max_num_seqs, device, max_threads)
+        self.masks = GrammarMasks(
+            token_vocab, vocab_size, max_num_seqs, device, max_threads, info.stop_token_ids
+        )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 
     # -- requests ------------------------------------------------------------

@@ -237,9 +237,9 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     fill = GrammarMasks.fill
     rows: dict[str, list[int]] = {"_prepare": [], "_follow": []}
 
-    def counting(self, states, slots):
+    def counting(self, matchers, slots):
         rows[sys._getframe(1).f_code.co_name].extend(slots)
-        fill(self, states, slots)
+        fill(self, matchers, slots)
 
     monkeypatch.setattr(GrammarMasks, "fill", counting)
     spec = GrammarSpec("regex", "[a-z]{30}")
@@ -261,11 +261,11 @@ def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch
     fill = GrammarMasks.fill
     calls = []
 
-    def failing(self, states, slots):
+    def failing(self, matchers, slots):
         calls.append(slots)
         if len(calls) == 3:
             raise RuntimeError("fill failed")
-        fill(self, states, slots)
+        fill(self, matchers, slots)
 
     monkeypatch.setattr(GrammarMasks, "fill", failing)
     engine = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8).engine
@@ -353,8 +353,8 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
             state.compiled.result()
             assert state.ready()
             for token_id in tokenizer.encode(text):
-                assert state.accept(token_id) is None
-        return SimpleNamespace(structured=state, is_finished=False)
+                assert state.matcher.accept_token(token_id)
+        return SimpleNamespace(structured=state, request_id="unit", is_finished=False)
 
     generation = iter(range(100))  # each call: new requests in the slots
 
@@ -367,7 +367,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
         return grammars.masks.build(slots, generations, grammar, rows)
 
     rows = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"), "ab"), row(None)]
-    assert rows[1].structured.accept(tokenizer.encode("b")[0]) is None  # "abb": may go on
+    assert rows[1].structured.matcher.accept_token(tokenizer.encode("b")[0])  # "abb": goes on
     logits = torch.zeros(3, llm.engine.vocab_size)
     mask(rows).apply(logits)
     allowed = logits > float("-inf")
@@ -380,9 +380,91 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     logits = torch.zeros(1, llm.engine.vocab_size)
     mask([choice]).apply(logits)
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
-    assert choice.structured.accept(eos) == "stop"
+
+    def follow(rows, ids: list[int]) -> list[tuple[object, str]]:
+        """The worker's accept of a step's ids (the rows' last mask built just before)."""
+        slots = np.arange(len(rows))
+        every = np.ones(len(rows), dtype=bool)
+        return grammars.masks.follow(np.array(ids), slots, slots, every).result()
+
+    assert follow([choice], [eos]) == [(choice, "stop")]
+    assert choice.structured.done
     # An id the grammar refuses ends that request alone, as an abort.
-    assert rows[0].structured.accept(tokenizer.encode("z")[0]) == "abort"
+    again = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"))]
+    mask(again)
+    a, z = tokenizer.encode("a")[0], tokenizer.encode("z")[0]
+    assert follow(again, [z, a]) == [(again[0], "abort")]
+
+
+def test_masks_filled_in_parts_on_the_fill_threads_are_each_rows_own(llm):
+    """64 rows under different grammars, at different points: the masks the worker
+    fills in parts (on it and the fill threads), first and after following a step's
+    ids, are each matcher's own, and a row whose id ends its grammar ends as "stop"."""
+    from types import SimpleNamespace
+
+    from engine.structured.grammars import Grammars
+
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_id
+    vocab = llm.engine.vocab_size
+    grammars = Grammars(tokenizer, vocab, [eos], 64, torch.device("cpu"), max_threads=4)
+    masks = grammars.masks
+    specs = [
+        GrammarSpec.json_schema(SCHEMA),
+        GrammarSpec("regex", REGEX),
+        GrammarSpec.choice(CHOICES),
+        GrammarSpec("grammar", EBNF),
+    ]
+
+    def own(matcher) -> np.ndarray:
+        bits = torch.zeros(1, masks.words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bits, 0)
+        return bits[0].numpy()
+
+    def allowed_ids(matcher, n: int) -> np.ndarray:
+        return np.unpackbits(own(matcher).view(np.uint8), bitorder="little")[:n]
+
+    rows = []
+    for i in range(64):
+        state = grammars.state(f"r{i}", specs[i % 4])
+        state.compiled.result()
+        assert state.ready()
+        for _ in range(i % 7):  # up to i % 7 steps in: each its lowest allowed id but EOS
+            allowed = np.flatnonzero(allowed_ids(state.matcher, len(tokenizer)))
+            allowed = allowed[allowed != eos]
+            if not len(allowed):
+                break
+            assert state.matcher.accept_token(int(allowed[0]))
+        rows.append(SimpleNamespace(structured=state, request_id=f"r{i}", is_finished=False))
+    done = xgr.GrammarMatcher(grammars._compile(GrammarSpec.choice(["red"])))
+    for token_id in tokenizer.encode("red"):
+        assert done.accept_token(token_id)
+    rows[5].structured.matcher = done  # only EOS may follow: its id ends it
+
+    slots = np.arange(64)
+    generations = np.zeros(64, dtype=np.int64)
+    grammar = np.ones(64, dtype=bool)
+    first = masks.build(slots, generations, grammar, rows).bits.numpy()
+    for i in range(64):
+        assert (first[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
+    # Each row's lowest allowed id but EOS, if any (row 5: EOS); the worker follows them.
+    bits = np.unpackbits(first[:, : masks.words].view(np.uint8), axis=1, bitorder="little")
+    ids = []
+    for i in range(64):
+        allowed = np.flatnonzero(bits[i, : len(tokenizer)])
+        ids.append(allowed[allowed != eos][0] if (allowed != eos).any() else eos)
+    stopped = [i for i in range(64) if ids[i] == eos]
+    assert 5 in stopped
+    ended = masks.follow(np.array(ids), slots, generations, grammar).result()
+    assert [(r.request_id, reason) for r, reason in ended] == [(f"r{i}", "stop") for i in stopped]
+    second = masks.build(slots, generations, grammar, rows).bits.numpy()
+    for i in range(64):
+        if i in stopped:
+            assert (second[i] == -1).all()  # its next id is void
+        else:
+            assert (second[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
+    assert len(masks.fillers) == 4  # the rows went in four parts
+    grammars.close()
 
 
 def check_padding_masks(tokenizer, device: str) -> None:
@@ -427,6 +509,11 @@ def check_padding_masks(tokenizer, device: str) -> None:
     assert not second[0, len(tokenizer) :].any()
     assert second[0, b] and second[0].sum() == 1
     assert second[1].all()
+    # And back, in the first step's order again (its gather's slots kept on the device).
+    third = allowed([1, 0], [row("a"), row(None)], 2)
+    assert not third[0, len(tokenizer) :].any()
+    assert third[0, a] and third[0].sum() == 1
+    assert third[1].all()
     grammars.close()
 
 
