@@ -17,9 +17,8 @@ in the order it is handed over:
 
 Both threads share the GIL, so each holds it as briefly as it can: per step the
 engine thread does a few array operations and queues a job, and the worker makes
-one xgrammar call for the whole batch's ids and one per part of its masks, the
-parts filled at once on the worker and the fill threads (each call releases the
-GIL), with array operations around them. Per-slot state lives in arrays and
+one xgrammar call for the whole batch's ids and one for its masks (each releases
+the GIL), with array operations around them. Per-slot state lives in arrays and
 lists by slot, set when a request's first mask is asked for, not rebuilt per step;
 the worker's (matchers, owners, which ended) is only written by the worker, in job
 order, so a job sees the slots as they were when it was queued.
@@ -54,10 +53,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagoda.engine")
 
-# Rows per fill thread: a row costs microseconds, and handing a part to a thread and
-# taking it back about as much as a few rows.
+# Rows per fill thread: a row costs microseconds, and a thread's start and join about
+# as much as a few rows.
 ROWS_PER_THREAD = 16
-MAX_FILL_THREADS = 16
 
 
 def accept_all(matchers: list[xgr.GrammarMatcher], token_ids: list[int]) -> list[int] | None:
@@ -121,11 +119,7 @@ class GrammarMasks:
         self.first_slots = np.arange(max_num_seqs, dtype=np.int64)
         self.threads = threads  # the fill's, the worker's own included
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-masks")
-        # Started as the fill first needs them; each part's matcher runs on its thread.
-        self.fill_threads = ThreadPoolExecutor(
-            MAX_FILL_THREADS - 1, thread_name_prefix="pagoda-grammar-fill"
-        )
-        self.fillers: list[xgr.BatchGrammarMatcher] = []
+        self.batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
         self.num_jobs = 0  # handed to the worker; each sets the flag to its number when done
         self.last: Future | None = None  # the worker's last job
         self.failure: BaseException | None = None  # a job's, raised by the next build
@@ -140,26 +134,15 @@ class GrammarMasks:
     # -- the worker's --------------------------------------------------------------
 
     def fill(self, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:
-        """Fill these matchers' host rows (each where its next id starts): the rows in
-        parts, one on this thread and the others on the fill threads, each part one
-        xgrammar call (which releases the GIL). xgrammar's own threaded batch call
-        starts its threads at every call, which costs more than a part's fill."""
+        """Fill these matchers' host rows (each where its next id starts), in one
+        xgrammar call that releases the GIL and splits the rows over its threads."""
         if not slots:
             return
-        parts = min(self.threads, MAX_FILL_THREADS, max(1, len(slots) // ROWS_PER_THREAD))
-        while len(self.fillers) < parts:
-            self.fillers.append(xgr.BatchGrammarMatcher(1))  # runs on its caller's thread
-        # Interleaved: a run of neighbouring rows in costly states spreads over the parts.
-        helped = [
-            self.fill_threads.submit(self._fill_part, p, matchers[p::parts], slots[p::parts])
-            for p in range(1, parts)
-        ]
-        self._fill_part(0, matchers[::parts], slots[::parts])
-        for part in helped:
-            part.result()
-
-    def _fill_part(self, part: int, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:
-        self.fillers[part].batch_fill_next_token_bitmask(matchers, self.host, slots)
+        threads = min(self.threads, max(1, len(slots) // ROWS_PER_THREAD))
+        batch = self.batch_matchers.get(threads)
+        if batch is None:
+            batch = self.batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
 
     def _follow(
         self,
@@ -357,6 +340,5 @@ class GrammarMasks:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
-        self.fill_threads.shutdown(wait=False, cancel_futures=True)
         if self.flag is not None:  # a cancelled job's wait must not hold the stream
             self.flag.set(self.num_jobs)
