@@ -21,10 +21,10 @@ dispatch but move no data, as on a GPU, where they are launches. Timed per step:
 - engine: the engine thread's time in `follow` and in `build` (the worker idle);
 - worker wall: from `follow` returning until the worker's jobs are done (accept
   the ids, fill the next masks), the engine thread blocked meanwhile;
-- worker GIL: the CPU time of the threads running those jobs (the worker's, and
-  the fill threads' parts where the tree has them) less their CPU time inside the
-  xgrammar calls that release the GIL (accepts and fills): what they run holding
-  it, which the engine thread waits out whenever it wants the GIL meanwhile.
+- worker GIL: the CPU time of the thread running those jobs (the worker) less its
+  CPU time inside the xgrammar calls that release the GIL (accepts and fills): what
+  it runs holding it, which the engine thread waits out whenever it wants the GIL
+  meanwhile.
   Measured over steps of their own after the others: the timing of each call
   costs time itself.
 """
@@ -77,9 +77,8 @@ class _DeviceWait:
 
 
 class _PythonClock:
-    """CPU time of the threads running GrammarMasks' jobs (the worker's, and the fill
-    threads' parts where the tree has them), less their CPU time inside the xgrammar
-    calls that release the GIL: what those threads run holding it."""
+    """CPU time of the thread running GrammarMasks' jobs (the worker), less its CPU time
+    inside the xgrammar calls that release the GIL: what it runs holding it."""
 
     RELEASING = [
         (xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask"),
@@ -92,7 +91,7 @@ class _PythonClock:
         self.lock = threading.Lock()
         self.local = threading.local()
         self.held = 0.0
-        for name in ("_follow", "_prepare", "_fill_part"):
+        for name in ("_follow", "_prepare"):
             if hasattr(masks, name):
                 setattr(masks, name, self._job(getattr(masks, name)))
         for owner, name in self.RELEASING:
