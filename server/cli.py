@@ -81,7 +81,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e("--enforce-eager", action="store_true", help="no CUDA graphs")
     e(
         "--no-prefill-graphs",
-        "--no-piecewise-graphs",  # the name before prefill steps became one graph each
         dest="prefill_graphs",
         action="store_false",
         help="steps with prefill run eagerly (decode-only steps still replay CUDA graphs)",
