@@ -1,14 +1,10 @@
-"""The engine: add requests, step, read deltas. Single-threaded by design.
+"""The engine: add requests, step, read deltas. Single-threaded by design; the
+server drives it from one background thread.
 
-step(): schedule → launch the forward and the sampler → while the GPU runs,
-read the previous step's ids into the InputBatch, apply stops, and note which
-requests have news. The server drives it from one background thread.
-
-Outputs are built when asked for, not per token: a step notes which requests
-have news, and `step(emit=True)` or `take_outputs()` turns all of it into one
-RequestOutput per choice. A consumer that falls behind (the server's event
-loop under load) asks less often and gets fewer, larger deltas, so the cost
-of detokenizing and building outputs follows its pace, not the token rate.
+Outputs are built when asked for (`step(emit=True)` or `take_outputs()`), not
+per token: a consumer that falls behind (the server's event loop under load)
+asks less often and gets fewer, larger deltas, so the cost of detokenizing and
+building outputs follows its pace, not the token rate.
 """
 
 from __future__ import annotations
@@ -51,12 +47,6 @@ if TYPE_CHECKING:  # xgrammar is imported with the first structured request
     from engine.structured.grammars import Grammars
 
 logger = logging.getLogger("pagoda.engine")
-
-_NO_RANGE = contextlib.nullcontext()
-
-
-def _no_range(name: str) -> contextlib.AbstractContextManager:
-    return _NO_RANGE
 
 
 @dataclass
@@ -106,7 +96,8 @@ class Engine:
                 model_dir, device, dtype, hf_config, tp=tp, quantization=config.quantization
             )
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
+            seconds = time.perf_counter() - start
+            logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, seconds)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
             self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
@@ -132,11 +123,11 @@ class Engine:
         self._grammars: Grammars | None = None  # built with the first structured request
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
-        self._range = torch.cuda.nvtx.range if nvtx else _no_range
+        self._range = torch.cuda.nvtx.range if nvtx else contextlib.nullcontext
         self.reader = StepReader(
             self.batch, self.blocks, self.scheduler, self.eos_set, config, self._range
         )
-        logger.info("engine ready in %.1f s", _since(start))
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     # -- tensor parallelism -----------------------------------------------
 
@@ -288,8 +279,10 @@ class Engine:
         and fill step N's masks, and the device waits for it before sampling
         (engine/structured/masks.py).
         """
-        if self._grammars is not None:
-            self._check_grammars()
+        grammars = self._grammars
+        if grammars is not None and grammars.waiting:  # raises for failed compilations
+            idle = not self.scheduler.running and self.inflight is None
+            grammars.check_compiled(0.01 if idle else 0.0)  # idle: wait a little, not spin
         with self._range("schedule"):
             out = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
@@ -341,14 +334,6 @@ class Engine:
             self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
 
-    def _check_grammars(self) -> None:
-        """Raise for grammars that failed to compile (with nothing to run,
-        wait a little for one to finish instead of spinning)."""
-        grammars = self._grammars
-        if grammars.waiting:
-            idle = not self.scheduler.running and self.inflight is None
-            grammars.check_compiled(0.01 if idle else 0.0)
-
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
@@ -366,7 +351,3 @@ def _eos_token_ids(hf_config, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted({i for i in ids if i is not None})
-
-
-def _since(start: float) -> float:
-    return time.perf_counter() - start
