@@ -93,7 +93,9 @@ class Sampler:
             bitmask.apply(logits)
             return logits.argmax(-1)
         requests = self._requests(slots)
-        if bitmask is None and all(self._argmax_only(req) for req in requests):
+        if bitmask is None and all(
+            r.params.greedy_plain and not self._min_tokens_active(r) for r in requests
+        ):
             return logits.argmax(-1) if argmax is None else argmax
 
         x = self.process_logits(logits, requests, bitmask)  # [B, V] fp32
@@ -128,18 +130,6 @@ class Sampler:
         self._apply_penalties(x, requests)
         self._apply_min_tokens(x, requests)
         return x
-
-    def _argmax_only(self, req: Request) -> bool:
-        params = req.params
-        if params.argmax_only:
-            return True
-        return (
-            params.greedy
-            and not params.has_penalties
-            and not params.logit_bias
-            and params.logprobs is None
-            and not self._min_tokens_active(req)
-        )
 
     def _min_tokens_active(self, req: Request) -> bool:
         params = req.params

@@ -56,14 +56,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
         self._validate()
         # The hot decode path asks this of every request every step: answer once.
-        # Greedy with nothing to apply but a grammar's mask: the masked logits' argmax.
-        self.argmax_masked = (
-            self.greedy
-            and not self.has_penalties
-            and not self.logit_bias
-            and self.logprobs is None
-            and self.min_tokens == 0
+        # Greedy with nothing to apply but a grammar's mask (and min_tokens' while it
+        # lasts): the masked logits' argmax.
+        self.greedy_plain = (
+            self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
         )
+        self.argmax_masked = self.greedy_plain and self.min_tokens == 0
         self.argmax_only = self.argmax_masked and self.grammar is None
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
