@@ -46,6 +46,9 @@ class BlockTable:
         # The same entries as first KV slots (block * block_size), int64 like the slot
         # mapping that adds positions to them: what a step's fill reads.
         self.block_size = block_size
+        # Positions to blocks and offsets (a power of two); 0-d arrays: see input_batch.ONE.
+        self.block_shift = np.array(block_size.bit_length() - 1)
+        self.block_mask = np.array(block_size - 1)
         self.slot_starts = np.zeros(max_num_seqs * max_blocks_per_seq, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
         self.row_start = np.arange(max_num_seqs, dtype=np.int64) * max_blocks_per_seq  # in flat

@@ -58,9 +58,6 @@ class ModelRunner(StepInputs):
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
-        # A power of two; a 0-d array, which a ufunc takes for less host time than an int.
-        self.block_shift = np.array(config.block_size.bit_length() - 1)
-        self.block_mask = np.array(config.block_size - 1)
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
@@ -140,8 +137,6 @@ class ModelRunner(StepInputs):
         # The InputBatch layout whose decode (all its rows, in order) last set
         # sampled_at: row i of the batch at sampled row i. None: another step.
         self.sampled_layout: int | None = None
-        # By slot: where its block-table row starts in the table's flat view.
-        self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
         self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
@@ -247,20 +242,19 @@ class ModelRunner(StepInputs):
             self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
             return self.model.compute_logits(hidden[inp.logits_indices])
 
-    def _meta(self, inp: ModelInput) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=inp.slot_mapping,
-            # Gathered here so that a captured graph gathers on every replay.
-            block_table=self.block_table.gpu[inp.slot_indices],  # [num_seqs, max_blocks_per_seq]
-            seq_lens=inp.seq_lens,
-            query_start_loc=inp.query_start_loc,
-            max_query_len=inp.max_query_len,
-            is_decode=inp.is_decode,
-        )
-
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:
-        input_ids = self.staged.words[inp.input_gather]  # in a graph: gathered every replay
-        return self.model(input_ids, inp.positions, self._meta(inp))
+        # Gathered here, so that a captured graph gathers the ids and rows on every replay.
+        input_ids = self.staged.words[inp.input_gather]
+        block_table = self.block_table.gpu[inp.slot_indices]  # [num_seqs, max_blocks_per_seq]
+        meta = AttentionMetadata(
+            inp.slot_mapping,
+            block_table,
+            inp.seq_lens,
+            inp.query_start_loc,
+            inp.max_query_len,
+            inp.is_decode,
+        )
+        return self.model(input_ids, inp.positions, meta)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         hidden = self.hidden_states(inp)

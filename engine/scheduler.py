@@ -89,9 +89,7 @@ class Scheduler:
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
         self.every_row.flags.writeable = False
-        # 0-d arrays: a ufunc takes them for less host time than Python ints.
-        self.block_shift = np.array(config.block_size.bit_length() - 1)  # a power of two
-        self.block_mask = np.array(config.block_size - 1)
+        self.block_shift, self.block_mask = block_table.block_shift, block_table.block_mask
 
     @property
     def running(self) -> list[Request]:

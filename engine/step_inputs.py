@@ -44,9 +44,6 @@ class StepInputs:
     num_buffers: int
     table_pairs: list[int]
     arange: np.ndarray
-    block_shift: np.ndarray
-    block_mask: np.ndarray
-    table_rows: np.ndarray
     ids_offset: int
     sampled_at: np.ndarray
     sampled_words: np.ndarray
@@ -60,7 +57,7 @@ class StepInputs:
         is in the InputBatch's token table if the host knows it, else it was sampled
         last step and is still on the device, at its slot's row of the sampled ids."""
         self.next_buffers()
-        buf, arange, shift = self.buf, self.arange, self.block_shift
+        buf, arange, table = self.buf, self.arange, self.block_table
         n, num_tokens = out.num_seqs, out.num_tokens
         slots, starts, num_new = out.slots, out.starts, out.num_new_tokens
         qsl, gather, parity = buf["query_start_loc"], buf["input_gather"][:num_tokens], self.parity
@@ -100,11 +97,11 @@ class StepInputs:
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
         # slot = block * block_size + offset, read off the block table's host mirror.
-        entries = positions >> shift
-        entries += self.table_rows[token_slots]
+        entries = positions >> table.block_shift
+        entries += table.row_start[token_slots]
         np.add(
-            self.block_table.slot_starts[entries],
-            positions & self.block_mask,
+            table.slot_starts[entries],
+            positions & table.block_mask,
             out=buf["slot_mapping"][:num_tokens],
         )
         if not all_on_device:
@@ -131,17 +128,10 @@ class StepInputs:
         if self.staged_sent:
             self.staged_sent[self.parity].wait()
 
-    def send(
-        self,
-        num_tokens: int,
-        num_seqs: int,
-        max_query_len: int,
-        is_decode: bool,
-        num_sampling: int | None = None,  # None: every sequence samples
-    ) -> ModelInput:
-        """The step's copies, and device views of what they fill."""
+    def send(self, *sizes: int) -> ModelInput:
+        """The step's copies, and device views of what they fill (`inputs(*sizes)`)."""
         self.copy_staged()
-        return self.inputs(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
+        return self.inputs(*sizes)
 
     def inputs(
         self,
@@ -149,7 +139,7 @@ class StepInputs:
         num_seqs: int,
         max_query_len: int,
         is_decode: bool,
-        num_sampling: int | None = None,
+        num_sampling: int | None = None,  # None: every sequence samples
     ) -> ModelInput:
         """Device views of the staged fields for a step of these sizes."""
         gpu = self.staged.gpu
