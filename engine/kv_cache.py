@@ -48,9 +48,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def find_cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks holding a prefix of req's tokens (nothing is claimed yet).
 
@@ -89,7 +86,7 @@ class BlockManager:
         revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0) if cached_blocks else 0
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(req.block_ids) + len(cached_blocks)
-        needed = self.blocks_needed(num_computed + num_new_tokens) - have
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - have
         if max(needed, 0) + revived > self.num_free_blocks:
             return False
         for block in cached_blocks:

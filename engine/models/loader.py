@@ -96,16 +96,12 @@ def _initialisers_skipped() -> Iterator[None]:
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
     saved = {name: getattr(nn.init, name) for name in names}
     for name in saved:
-        setattr(nn.init, name, _return_tensor)
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-def _return_tensor(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return tensor
 
 
 def max_model_len(config: PretrainedConfig) -> int:
