@@ -60,7 +60,8 @@ class GrammarSpec:
 
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """The spec's Grammar; ValueError saying what is wrong with an invalid one."""
+    """The spec's Grammar; ValueError saying what is wrong with an invalid one (any
+    thread, no tokenizer: the check the server runs before queueing)."""
     import xgrammar as xgr  # here: SamplingParams imports this module, and most never need it
 
     try:
@@ -80,11 +81,6 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.spec)
     except RuntimeError as exc:  # xgrammar reports parse errors as RuntimeError
         raise ValueError(f"invalid {_NAMES[spec.kind]}: {_reason(exc)}") from None
-
-
-def check(spec: GrammarSpec) -> None:
-    """Raise ValueError if the spec cannot be compiled (any thread, no tokenizer)."""
-    build_grammar(spec)
 
 
 _NAMES = {
