@@ -261,26 +261,33 @@ class Sampler:
         num_top = max(requests[i].params.logprobs for i in rows)
         row_index = torch.tensor(rows, device=self.device)
         raw = logits[row_index].float().log_softmax(-1)  # [R, V]
-        sampled = token_ids[row_index].unsqueeze(-1)  # [R, 1]
-        sampled_logprob = raw.gather(1, sampled)  # [R, 1]
-        rank = (raw > sampled_logprob).sum(-1, keepdim=True) + 1  # [R, 1]
-        top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [R, K], best first
-
-        # Everything in one float64 tensor (exact for ids, ranks and fp32
-        # values) so the host waits on a single copy.
-        per_row = torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1)  # [R, 2 + 2K]
-        packed = torch.cat([token_ids.double(), per_row.double().flatten()]).tolist()
+        per_row = logprob_rows(raw, token_ids[row_index], num_top)  # [R, 2 + 2K]
+        # The ids too, so that the host waits on a single copy.
+        packed = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
         batch_size = len(requests)
         token_list = [int(t) for t in packed[:batch_size]]
         logprobs: list[TokenLogprob | None] = [None] * batch_size
         width = 2 + 2 * num_top
         for r, i in enumerate(rows):
-            fields = packed[batch_size + r * width : batch_size + (r + 1) * width]
-            k = requests[i].params.logprobs
-            top = zip(fields[2 : 2 + k], fields[2 + num_top : 2 + num_top + k], strict=True)
-            top_list = [(int(t), lp) for t, lp in top]
-            logprobs[i] = TokenLogprob(token_list[i], fields[0], int(fields[1]), top_list)
+            row = packed[batch_size + r * width : batch_size + (r + 1) * width]
+            logprobs[i] = token_logprob(token_list[i], row, num_top, requests[i].params.logprobs)
         return SamplerOutput(token_list, logprobs)
+
+
+def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, 2 + 2k] float64 (exact for ids, ranks and fp32 values, so one copy reads it
+    back): each row's target logprob, its rank (1: the most likely), then the k most
+    likely ids and their logprobs, best first. logprobs: [R, V] log_softmax; targets: [R]."""
+    own = logprobs.gather(1, targets[:, None])  # [R, 1]
+    rank = (logprobs > own).sum(-1, keepdim=True) + 1  # [R, 1]
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [R, k]
+    return torch.cat([t.double() for t in (own, rank, top_ids, top_logprobs)], dim=1)
+
+
+def token_logprob(token_id: int, row: list[float], k: int, num_top: int) -> TokenLogprob:
+    """A logprob_rows row read back, with the num_top (<= k) alternatives asked for."""
+    top = zip(row[2 : 2 + num_top], row[2 + k : 2 + k + num_top], strict=True)
+    return TokenLogprob(token_id, row[0], int(row[1]), [(int(t), lp) for t, lp in top])
 
 
 def _apply_top_k_top_p(
