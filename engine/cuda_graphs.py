@@ -72,8 +72,6 @@ class CudaGraphs:
     def fits_prefill(self, num_tokens: int) -> bool:
         return num_tokens < len(self.prefill_bucket)
 
-    # -- replay -------------------------------------------------------------
-
     def replay_decode(self, num_seqs: int) -> torch.Tensor:
         """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
         runner = self.runner
@@ -108,8 +106,6 @@ class CudaGraphs:
         runner.argmax = runner.sampled.device_rows[num_sampling]
         return logits[:num_sampling]
 
-    # -- padding ------------------------------------------------------------
-
     def pad_decode(self, start: int, end: int) -> None:
         """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
         self.pad_tokens(start, end)
@@ -139,8 +135,6 @@ class CudaGraphs:
         buf["seq_lens"][start:end] = 0
         buf["slot_indices"][start:end] = 0
         buf["logits_indices"][num_sampling:end] = 0
-
-    # -- capture ------------------------------------------------------------
 
     @torch.inference_mode()
     def _capture_prefill(self) -> None:

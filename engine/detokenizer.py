@@ -192,8 +192,6 @@ class IncrementalDetokenizer:
         self._emitted_len = end
         return delta
 
-    # ---- helpers ----
-
     def _bytes(self, token_ids: list[int]) -> bytes:
         table = self.table
         try:

@@ -129,8 +129,6 @@ class Engine:
         )
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
-    # -- tensor parallelism -----------------------------------------------
-
     def workers_failed(self, exc: BaseException) -> None:
         """Raise WorkerFailed if a rank's death explains exc (a failed collective)."""
         if self.workers is not None and not isinstance(exc, WorkerFailed):
@@ -157,8 +155,6 @@ class Engine:
     def news(self) -> dict[Request, None]:
         """Requests with output not taken yet (ordered)."""
         return self.reader.news
-
-    # -- requests ---------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
@@ -243,8 +239,6 @@ class Engine:
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
         )
-
-    # -- the loop ---------------------------------------------------------
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """Run one step (see _step); with tensor parallelism, a rank that died fails it."""

@@ -154,8 +154,6 @@ class ModelRunner(StepInputs):
         """Seconds the host spent blocked on the device."""
         return self.clock.seconds
 
-    # -- KV cache ---------------------------------------------------------
-
     def bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
         per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
@@ -198,8 +196,6 @@ class ModelRunner(StepInputs):
             layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.ops = ops if self.kv_dtype != FP8_DTYPE else _with_kv_scales(ops, layer)
-
-    # -- forward ----------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling, vocab] at the last new token of each sequence that
@@ -261,8 +257,6 @@ class ModelRunner(StepInputs):
         if not inp.is_decode:  # a decode's rows are its sequences already
             hidden = hidden[inp.logits_indices]
         return self.model.compute_logits(hidden)
-
-    # -- sampled ids --------------------------------------------------------
 
     def keep_sampled(self, token_ids: torch.Tensor) -> SampledIds:
         """Keep a step's sampled ids on the device for the next step's inputs, and

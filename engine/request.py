@@ -183,8 +183,6 @@ class Request:
         assert scores is not None and first <= len(scores)
         scores.extend(entries[len(scores) - first :])
 
-    # -- the batch row ---------------------------------------------------------
-
     def attach(self, batch: InputBatch, slot: int) -> None:
         self.batch, self.slot = batch, slot
 
@@ -198,8 +196,6 @@ class Request:
         """An id sampled before it was preempted, read since."""
         self.output_ids.append(token_id)
         self._num_inflight -= 1
-
-    # -- token state, wherever it lives ----------------------------------------
 
     @property
     def num_computed_tokens(self) -> int:

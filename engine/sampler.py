@@ -138,8 +138,6 @@ class Sampler:
             self.eos_token_ids or params.stop_token_ids
         )
 
-    # ---- logits processing (in place on the fp32 copy) ----
-
     def _apply_logit_bias(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
         rows, cols, values = [], [], []
         for i, req in enumerate(requests):
@@ -204,8 +202,6 @@ class Sampler:
             index = torch.tensor([rows, cols], device=self.device)  # [2, num_banned]
             x[index[0], index[1]] = float("-inf")
 
-    # ---- sampling ----
-
     def _sample(self, x: torch.Tensor, requests: list[Request], slots: np.ndarray) -> torch.Tensor:
         """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
 
@@ -251,8 +247,6 @@ class Sampler:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.params.seed)
         return req.generator
-
-    # ---- logprobs ----
 
     def _with_logprobs(
         self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]

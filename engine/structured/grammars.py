@@ -101,8 +101,6 @@ class Grammars:
         )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 
-    # -- requests ------------------------------------------------------------
-
     def state(self, request_id: str, spec: GrammarSpec) -> GrammarState:
         """A new choice's state; its grammar compiles in the pool unless cached."""
         compiled = self.cache.pop(spec, None)
