@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
@@ -277,18 +276,15 @@ class LMHead(nn.Module):
     50257 is slow). Vocab-parallel: each rank holds its share of the padded rows (64 * size
     of them), and the shares' logits are gathered (TensorParallel.gather_logits)."""
 
-    def __init__(
-        self, vocab_size: int, hidden_size: int, bias: bool = False, tp: TensorParallel = SINGLE
-    ) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp = tp
         self.vocab_start, rows = vocab_rows(vocab_size, 64, tp)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
+        logits = dense(hidden, self.weight, None)  # [rows, this rank's vocab]
         if self.tp.size > 1:
             logits = self.tp.gather_logits(logits)
         return logits[:, : self.vocab_size]
@@ -296,19 +292,6 @@ class LMHead(nn.Module):
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         """This rank's rows of a [vocab, hidden] matrix; the padding rows stay zero."""
         load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_new": gelu_tanh,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-}
 
 
 class HeadNorm(nn.Module):

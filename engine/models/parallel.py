@@ -230,10 +230,7 @@ class RowParallelLinear(nn.Linear):
         param = getattr(self, leaf).data
         if leaf == "bias":
             bias = read(weight, [self.out_features])
-            if self.tp.is_driver:
-                param.copy_(bias)
-            else:
-                param.zero_()
+            param.copy_(bias if self.tp.is_driver else torch.zeros_like(bias))
             return
         cols = ((self.in_start, self.in_start + self.in_features),)
         param.copy_(read(weight, [self.out_features, self.full_in_features], cols, dim=1))
