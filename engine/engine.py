@@ -271,8 +271,7 @@ class Engine:
         own ids at once. Grammar rows' masks follow every id without the host
         waiting: a worker thread has their matchers accept N-1's ids as they land
         and fill step N's masks, and the device waits for it before sampling
-        (engine/structured/masks.py).
-        """
+        (engine/structured/masks.py)."""
         grammars = self._grammars
         if grammars is not None and grammars.waiting:  # raises for failed compilations
             idle = not self.scheduler.running and self.inflight is None

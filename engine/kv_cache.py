@@ -52,8 +52,7 @@ class BlockManager:
         """The cached blocks holding a prefix of req's tokens (nothing is claimed yet).
 
         At least the last token is always left to compute (its logits are needed),
-        and whole blocks only, so the block it lands in is a fresh one.
-        """
+        and whole blocks only, so the block it lands in is a fresh one."""
         if not self.enable_prefix_caching:
             return []
         if self.unhashed:  # what running requests filled is findable from now on
@@ -76,8 +75,7 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give req blocks for num_new_tokens more tokens (after claiming cached_blocks).
 
-        Returns False, changing nothing, when there are not enough free blocks.
-        """
+        Returns False, changing nothing, when there are not enough free blocks."""
         if (
             not cached_blocks
             and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size

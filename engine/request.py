@@ -71,8 +71,7 @@ class TokenDeltas:
     Such a choice's RequestOutput differs from its previous one only in its new ids
     and count, so the engine process reports it as list entries, not an object whose
     fields are pickled and rebuilt. The API process rebuilds each output from the
-    choice's previous one (`follow`).
-    """
+    choice's previous one (`follow`)."""
 
     request_ids: list[str] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)

@@ -205,8 +205,7 @@ class Sampler:
     def _sample(self, x: torch.Tensor, requests: list[Request], slots: np.ndarray) -> torch.Tensor:
         """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
 
-        Scales and masks x in place.
-        """
+        Scales and masks x in place."""
         params = [req.params for req in requests]
         batch = self.batch
         top_k = batch.top_k[slots]
@@ -291,8 +290,7 @@ def _apply_top_k_top_p(
 
     x: [B, V]; top_k, top_p: [B, 1] (top_k == V means off; top_p == 1 means off).
     One ascending sort serves both: top_k keeps the last k columns, top_p drops
-    the leading columns whose cumulative mass stays within 1 - top_p.
-    """
+    the leading columns whose cumulative mass stays within 1 - top_p."""
     sorted_logits, order = x.sort(dim=-1)  # [B, V] ascending
     if top_k is not None:
         kth_col = (x.size(1) - top_k).long()  # [B, 1]

@@ -211,8 +211,7 @@ def longrope_cos_sin(
     Per position, so a cached key never changes. transformers instead re-runs a
     sequence's whole context with the long factors once it passes the original length
     (Phi3ForCausalLM.prepare_inputs_for_generation): the two agree token for token
-    while prompt + generation fit original_max_position_embeddings, and differ after.
-    """
+    while prompt + generation fit original_max_position_embeddings, and differ after."""
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_positions / original
     attention_factor = scaling.get("attention_factor")
