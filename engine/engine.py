@@ -28,13 +28,7 @@ from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
-from engine.models.loader import (
-    checkpoint_dtype,
-    load_config,
-    load_model,
-    load_tokenizer,
-    max_model_len,
-)
+from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.outputs import take_outputs
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
@@ -75,7 +69,6 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         device = config.torch_device
-        dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         # Tensor parallelism: the other ranks start loading beside this one.
         self.workers: Workers | None = None
         membership: Membership | None = None
@@ -84,20 +77,7 @@ class Engine:
         try:
             tp = membership.tp if membership is not None else SINGLE
             start = time.perf_counter()
-            logger.info(
-                "loading %s (%s, %d layers) on %s in %s",
-                model_dir,
-                hf_config.model_type,
-                hf_config.num_hidden_layers,
-                device,
-                str(dtype).removeprefix("torch."),
-            )
-            self.model, _ = load_model(
-                model_dir, device, dtype, hf_config, tp=tp, quantization=config.quantization
-            )
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            seconds = time.perf_counter() - start
-            logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, seconds)
+            self.model = load_for_engine(config, model_dir, hf_config, tp)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
             self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
