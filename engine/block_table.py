@@ -65,16 +65,11 @@ class BlockTable:
             return
         if self.sent is not None:
             self.sent.wait()
-        at = slot * self.width
-        if len(block_ids) == have + 1:  # a decode opening a block: a scalar write
-            self.flat[at + have] = block_ids[have]
-            self.slot_starts[at + have] = block_ids[have] * self.block_size
-            self.changed.append(at + have)
-        else:
-            new = np.array(block_ids[have:], dtype=np.int64)
-            self.flat[at + have : at + len(block_ids)] = new
-            self.slot_starts[at + have : at + len(block_ids)] = new * self.block_size
-            self.changed += range(at + have, at + len(block_ids))
+        start, end = slot * self.width + have, slot * self.width + len(block_ids)
+        new = np.array(block_ids[have:], dtype=np.int64)
+        self.flat[start:end] = new
+        self.slot_starts[start:end] = new * self.block_size
+        self.changed += range(start, end)
         self.num_blocks[slot] = len(block_ids)
 
     def append_one(self, slots: np.ndarray, blocks: list[int]) -> None:

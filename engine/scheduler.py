@@ -170,14 +170,9 @@ class Scheduler:
         grows = ends > counts[CAPACITY]
         if np.count_nonzero(grows):
             kept = self._grow(grows.nonzero()[0], slots, counts, ends, preempted)
-            if kept < len(slots):
-                slots, counts, num_new, ends = (
-                    slots[:kept],
-                    counts[:, :kept],
-                    num_new[:kept],
-                    ends[:kept],
-                )
-                total = int(np.add.reduce(num_new))
+            if kept < len(slots):  # the rest were preempted: dropped below
+                num_new[kept:] = 0
+                whole = False
         if not whole:
             keep = num_new > 0
             slots, counts, num_new, ends = slots[keep], counts[:, keep], num_new[keep], ends[keep]
