@@ -66,12 +66,6 @@ class CudaGraphs:
         if config.use_cuda_graphs and config.prefill_graphs:
             _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
 
-    def fits_decode(self, num_seqs: int) -> bool:
-        return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
-
-    def fits_prefill(self, num_tokens: int) -> bool:
-        return num_tokens < len(self.prefill_bucket)
-
     def replay_decode(self, num_seqs: int) -> torch.Tensor:
         """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
         runner = self.runner

@@ -76,12 +76,7 @@ class BlockManager:
         """Give req blocks for num_new_tokens more tokens (after claiming cached_blocks).
 
         Returns False, changing nothing, when there are not enough free blocks."""
-        if (
-            not cached_blocks
-            and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size
-        ):
-            return True  # most decode steps: the last block has room
-        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0) if cached_blocks else 0
+        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(req.block_ids) + len(cached_blocks)
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - have

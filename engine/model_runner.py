@@ -211,12 +211,12 @@ class ModelRunner(StepInputs):
         self.argmax_on_host = False
         self.prompt_scores = None
         num_seqs, num_tokens = out.num_seqs, out.num_tokens
-        if out.is_decode_only and self.graphs.fits_decode(num_seqs):
+        if out.is_decode_only and self.graphs.decode:  # a bucket holds any batch
             return self.graphs.replay_decode(num_seqs)
         num_sampling = int(out.samples.sum())
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         with torch.inference_mode():
-            if scoring is None and self.graphs.fits_prefill(num_tokens):
+            if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             if self.channel is not None:
