@@ -107,6 +107,7 @@ class Engine:
         self.reader = StepReader(
             self.batch, self.blocks, self.scheduler, self.eos_set, config, self._range
         )
+        self.requests = self.reader.requests  # client id -> its n choices, while any runs
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     def workers_failed(self, exc: BaseException) -> None:
@@ -125,11 +126,6 @@ class Engine:
                 channel.stop()
         workers.join(timeout=10.0)
         leave()
-
-    @property
-    def requests(self) -> dict[str, list[Request]]:
-        """Client id -> its n choices, while any is unfinished."""
-        return self.reader.requests
 
     @property
     def news(self) -> dict[Request, None]:

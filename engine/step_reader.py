@@ -120,8 +120,10 @@ class StepReader:
             if req.status is finished:
                 continue  # its news is noted already
             params = req.params
-            if params.stop:
-                self._detokenize(req)  # a stop string must end it now, not when asked
+            if params.stop:  # a stop string must end it now, not when asked
+                stop_string = detokenize(req)
+                if stop_string is not None:
+                    self.finish(req, "stop", stop_string)
                 if req.status is finished or params.final_only:
                     continue
             # Streamed: every `interval` tokens, the first at once.
@@ -153,9 +155,3 @@ class StepReader:
         siblings = self.requests.get(req.request_id, [])
         if all(r.is_finished for r in siblings):
             self.requests.pop(req.request_id, None)
-
-    def _detokenize(self, req: Request) -> None:
-        """Decode what req gained since last time; finish it at a stop string."""
-        stop_string = detokenize(req)
-        if stop_string is not None:
-            self.finish(req, "stop", stop_string)

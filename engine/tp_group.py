@@ -158,7 +158,7 @@ class Workers:
         }
         # Registered after multiprocessing's own exit handler, so it runs first: the
         # daemon workers that handler then terminates are not reported as failures.
-        atexit.register(self._exiting)
+        atexit.register(setattr, self, "stopping", True)
         self._watcher = threading.Thread(target=self._watch, name="pagoda-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -183,9 +183,6 @@ class Workers:
                     for _, other in list(running.values()):  # they cannot go on alone
                         other.kill()
                     _abort_nccl()
-
-    def _exiting(self) -> None:
-        self.stopping = True
 
     def check(self) -> None:
         if self.failure is not None:
