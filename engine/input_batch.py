@@ -149,9 +149,8 @@ class InputBatch:
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
         if len(stops) > self.stop_ids.shape[1]:
-            wider = np.full((len(self.requests), len(stops)), -1, dtype=np.int64)
-            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
-            self.stop_ids = wider
+            more = len(stops) - self.stop_ids.shape[1]
+            self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, more)), constant_values=-1)
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stops)] = stops
         if stops and stops[-1] >= len(self.stop_count):  # an EOS past the model's vocab

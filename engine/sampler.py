@@ -102,16 +102,14 @@ class Sampler:
 
         is_greedy = np.array([req.params.greedy for req in requests])
         if is_greedy.all():
-            token_ids = x.argmax(-1)  # [B]
-        elif not is_greedy.any():
-            token_ids = self._sample(x, requests, slots)
-        else:
-            # Masks and temperature never move the argmax, so greedy rows can
-            # take it now and the random rows are sampled over the whole batch.
-            greedy_ids = x.argmax(-1)
-            mask = torch.from_numpy(is_greedy).to(self.device)  # [B]
-            token_ids = torch.where(mask, greedy_ids, self._sample(x, requests, slots))
-        return token_ids
+            return x.argmax(-1)  # [B]
+        if not is_greedy.any():
+            return self._sample(x, requests, slots)
+        # Masks and temperature never move the argmax, so greedy rows can take it now
+        # and the random rows are sampled over the whole batch.
+        greedy_ids = x.argmax(-1)
+        mask = torch.from_numpy(is_greedy).to(self.device)  # [B]
+        return torch.where(mask, greedy_ids, self._sample(x, requests, slots))
 
     def _requests(self, slots: np.ndarray) -> list[Request]:
         by_slot = self.batch.requests
