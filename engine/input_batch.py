@@ -138,7 +138,7 @@ class InputBatch:
         tokens = req.all_token_ids
         n = len(tokens)
         self.token_ids[slot, :n] = tokens
-        self.num_prompt[slot] = req.num_prompt_tokens
+        self.num_prompt[slot] = num_prompt = len(req.prompt_token_ids)
         self.num_known[slot] = n
         self.num_tokens[slot] = n
         self.num_computed[slot] = req.num_computed_tokens
@@ -157,7 +157,7 @@ class InputBatch:
             self.stop_count = np.pad(self.stop_count, (0, stops[-1] + 1 - len(self.stop_count)))
         self.stop_count[stops] += 1
         self.num_stopping += bool(stops)
-        self.num_awaiting_first += n == req.num_prompt_tokens
+        self.num_awaiting_first += n == num_prompt
         self.capacity[slot] = 0  # the scheduler gives it blocks next
         self.argmax_only[slot] = params.argmax_only
         self.argmax_masked[slot] = params.argmax_masked

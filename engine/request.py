@@ -211,10 +211,7 @@ class Request:
 
     def num_full_tokens(self) -> int:
         """Tokens both known and computed (or scheduled): what the prefix cache may hold."""
-        batch = self.batch
-        if batch is not None:
-            return min(batch.num_computed.item(self.slot), batch.num_known.item(self.slot))
-        return min(self._num_computed, self.num_tokens)
+        return min(self.num_computed_tokens, self.num_tokens)
 
     @property
     def num_inflight(self) -> int:
@@ -249,21 +246,15 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.output_ids_from(0)
 
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """Known ids at positions [start, end), prompt included."""
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """Known ids at positions [start, end), prompt included (end None: all known)."""
         if self.batch is not None:
             return self.batch.token_slice(self.slot, start, end)
         return (self.prompt_token_ids + self.output_ids)[start:end]
 
     @property
     def all_token_ids(self) -> list[int]:
-        if self.batch is not None:
-            return self.batch.token_slice(self.slot, 0)
-        return self.prompt_token_ids + self.output_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.token_slice(0)
 
     @property
     def is_finished(self) -> bool:
