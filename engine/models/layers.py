@@ -69,12 +69,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         # Set by the model runner once the cache is allocated.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.k_cache = self.v_cache = torch.empty(0)
         self.ops: AttentionOps | None = None
         # An FP8 cache holds K / k_scale and V / v_scale (from the checkpoint, else 1.0).
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
