@@ -208,7 +208,9 @@ class ModelRunner(StepInputs):
         start their copy to the host."""
         if token_ids is self.argmax and self.argmax_on_host:  # a decode graph's: copied out
             parity = self.parity
-            return self.sampled.copied_by_graph(token_ids.numel(), parity, self.staged_sent[parity])
+            return SampledIds(
+                self.sampled.host_np[parity][: token_ids.numel()], self.staged_sent[parity]
+            )
         return self.sampled.keep(token_ids, self.parity)
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.parallel import WeightSlice, load_vocab_rows, read, split, vocab_rows
+from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
@@ -286,9 +286,7 @@ class LMHead(nn.Module):
             logits = self.tp.gather_logits(logits)
         return logits[:, : self.vocab_size]
 
-    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
-        """This rank's rows of a [vocab, hidden] matrix; the padding rows stay zero."""
-        load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
+    load_shard = VocabParallelEmbedding.load_shard  # the same rows of the same matrix
 
 
 class HeadNorm(nn.Module):

@@ -243,17 +243,6 @@ def vocab_rows(vocab_size: int, multiple: int, tp: TensorParallel) -> tuple[int,
     return tp.shard(padded)
 
 
-def load_vocab_rows(param: torch.Tensor, weight: WeightSlice, vocab_size: int, start: int) -> None:
-    """This rank's rows of a [vocab, hidden] matrix; rows past the vocabulary stay zero."""
-    shape = [vocab_size, param.shape[1]]
-    stop = min(start + param.shape[0], vocab_size)
-    param.zero_()
-    if stop > start:
-        param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
-    else:  # a small vocabulary over many ranks: all of this rank's rows are padding
-        check_shape(weight, shape)
-
-
 class VocabParallelEmbedding(nn.Embedding):
     """Embedding rows split across ranks: each rank looks up the ids in its range, the
     others give zeros, and all_reduce sums the one non-zero row. nn.Embedding at size 1."""
@@ -273,4 +262,13 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
-        load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
+        """This rank's rows of a [vocab, hidden] matrix (LMHead's too); rows past the
+        vocabulary stay zero."""
+        param, start = self.weight.data, self.vocab_start
+        shape = [self.vocab_size, param.shape[1]]
+        stop = min(start + param.shape[0], self.vocab_size)
+        param.zero_()
+        if stop > start:
+            param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
+        else:  # a small vocabulary over many ranks: all of this rank's rows are padding
+            check_shape(weight, shape)
