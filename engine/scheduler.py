@@ -237,7 +237,8 @@ class Scheduler:
                 continue
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
-            if req.wait_for is not None and not self._prefilled(req.wait_for):
+            first = req.wait_for  # its prompt's blocks are cached once its first id is read
+            if first is not None and not (first.is_finished or first.num_output_tokens):
                 break  # FIFO: nothing overtakes a request held for its sibling
             # Prompt logprobs need the logits at every prompt position: no cache hits.
             fresh = req.num_computed_tokens == 0 and not req.scores_prompt
@@ -256,11 +257,6 @@ class Scheduler:
             admitted.append(req)
             budget -= todo
         self.waiting.extendleft(reversed(compiling))
-
-    @staticmethod
-    def _prefilled(req: Request) -> bool:
-        """Its prompt's blocks are in the prefix cache: its first token has been read."""
-        return req.is_finished or req.num_output_tokens > 0
 
     def _preempt(self, req: Request) -> None:
         self.batch.remove(req)
