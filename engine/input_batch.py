@@ -129,8 +129,6 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.running)
 
-    # -- requests enter and leave -------------------------------------------
-
     def add(self, req: Request) -> int:
         """Give req a slot and its row: its tokens (prompt, and any output a preemption
         left), counts and sampling columns. Returns the slot."""
@@ -217,8 +215,6 @@ class InputBatch:
         self.num_scoring -= bool(self.scores_prompt[slot])
         self.scores_prompt[slot] = False
 
-    # -- the step's counts ----------------------------------------------------
-
     def scheduled(self, slots: np.ndarray, ends: np.ndarray, num_scheduled: int) -> None:
         """These rows' KV is computed, or scheduled, up to `ends`: num_scheduled tokens
         more than before, in all."""
@@ -291,8 +287,6 @@ class InputBatch:
         if not (num_done or first is not None or streamed or departed):
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
-
-    # -- reads for one request -------------------------------------------------
 
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""

@@ -155,10 +155,8 @@ class BlockManager:
                 block_hash[block] = parent
 
     def note_filled(self, reqs: list[Request]) -> None:
-        """reqs' last blocks may have filled (decodes opened the next ones): their
-        filled blocks are registered before the next lookup, or sooner, when the
-        host waits for the device (hash_unhashed). Hashing is most of a block
-        opening's host work, and a lookup is the only reader of what it registers."""
+        """reqs' last blocks may have filled (decodes opened the next ones): registered
+        lazily, as the module docstring says (hashing is most of a block opening's work)."""
         if self.enable_prefix_caching:
             self.unhashed.update(dict.fromkeys(reqs))
 

@@ -112,9 +112,6 @@ def load_weight(
         raise ValueError(f"{name}: {e}") from e
 
 
-# -- shard arithmetic ---------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Section:
     """One part of a fused weight (q, k or v; gate or up) as the checkpoint holds it:
@@ -176,9 +173,6 @@ def head_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParal
     kv = Section(num_kv_heads * head_dim, kv_rows)
     q = split(num_heads * head_dim, tp, "q rows")
     return HeadShard(num_heads // tp.size, kv_heads, head_dim, (q, kv, kv))
-
-
-# -- layers -------------------------------------------------------------------
 
 
 class ColumnParallelLinear(nn.Linear):

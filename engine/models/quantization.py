@@ -91,9 +91,6 @@ def quantize_model(model: nn.Module) -> int:
     return count
 
 
-# -- FP8 checkpoints -----------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Fp8Checkpoint:
     """How a checkpoint stores its FP8 weights (from config.json's quantization_config)."""
