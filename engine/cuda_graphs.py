@@ -162,9 +162,7 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def _capture_decode(self) -> None:
-        # Every replay's fill writes the same static storage the capture read. Each
-        # bucket has a graph per staging buffer: it copies that buffer in first, and
-        # its greedy ids out to the same step's sampled-ids buffer last.
+        # Every replay's fill writes the same static storage the capture read.
         runner = self.runner
         pool = None
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)

@@ -84,7 +84,7 @@ class Engine:
             self.eos_set = frozenset(self.eos_token_ids)
 
             self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
-            self.runner = ModelRunner(config, self.model, hf_config, self.batch, membership)
+            self.runner = ModelRunner(config, self.model, self.batch, membership)
         except BaseException as exc:
             if self.workers is not None:
                 try:

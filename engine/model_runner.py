@@ -42,7 +42,6 @@ class ModelRunner(StepInputs):
         self,
         config: EngineConfig,
         model: nn.Module,
-        hf_config,
         batch: InputBatch | None,
         membership: Membership | None = None,
     ) -> None:

@@ -65,7 +65,7 @@ def build_runner(config: EngineConfig, membership) -> ModelRunner:
     model_dir = config.model or ensure_demo_model()
     hf_config = load_config(model_dir)
     model = load_for_engine(config, model_dir, hf_config, membership.tp)
-    return ModelRunner(config, model, hf_config, None, membership)
+    return ModelRunner(config, model, None, membership)
 
 
 @torch.inference_mode()
