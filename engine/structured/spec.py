@@ -65,14 +65,9 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     import xgrammar as xgr  # here: SamplingParams imports this module, and most never need it
 
     try:
-        if spec.kind == "json":
-            return _strict_strings(
-                xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            )
-        if spec.kind == "json_object":
-            return _strict_strings(
-                xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-            )
+        if spec.kind in ("json", "json_object"):
+            schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+            return _strict_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
