@@ -16,7 +16,7 @@ logprobs, and each row's logprob, rank and top-k go to the host in one copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,12 +47,8 @@ class PromptScores:
     """A step's prompt logprobs, on the host: each scoring sequence's run of entries."""
 
     slots: list[int]
-    firsts: list[int]
+    firsts: list[int]  # the first prompt token each sequence's entries score
     entries: list[list[TokenLogprob]]
-
-    def __iter__(self) -> Iterator[tuple[int, int, list[TokenLogprob]]]:
-        """(slot, first prompt token scored, entries from it on) per sequence."""
-        return iter(zip(self.slots, self.firsts, self.entries, strict=True))
 
 
 def plan_scoring(out: SchedulerOutput, batch: InputBatch) -> PromptScoring | None:

@@ -81,7 +81,7 @@ class StepReader:
 
     def keep_prompt_logprobs(self, scores: PromptScores) -> None:
         batch = self.batch
-        for slot, first, entries in scores:
+        for slot, first, entries in zip(scores.slots, scores.firsts, scores.entries, strict=True):
             req = batch.requests[slot]
             req.add_prompt_logprobs(first, entries)
             if not req.scores_prompt:
