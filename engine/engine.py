@@ -56,8 +56,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = config.model or ensure_demo_model()
-        self.model_dir = model_dir
+        self.model_dir = model_dir = config.model or ensure_demo_model()
         self.model_name = Path(model_dir).name if config.model else DEMO_MODEL_NAME
         logger.info("building the engine for %s", model_dir)  # its modules are imported
         hf_config = load_config(model_dir)
