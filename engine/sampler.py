@@ -68,9 +68,23 @@ class Sampler:
     ) -> SamplerOutput:
         """The sampled ids on the host, with the logprobs the requests asked for."""
         requests = self._requests(slots)
-        if all(req.params.logprobs is None for req in requests):
+        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        if not rows:
             return SamplerOutput(token_ids.tolist(), [None] * len(requests))
-        return self._with_logprobs(logits, token_ids, requests)
+        num_top = max(requests[i].params.logprobs for i in rows)
+        row_index = torch.tensor(rows, device=self.device)
+        raw = logits[row_index].float().log_softmax(-1)  # [R, V]
+        per_row = logprob_rows(raw, token_ids[row_index], num_top)  # [R, 2 + 2K]
+        # The ids too, so that the host waits on a single copy.
+        packed = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
+        batch_size = len(requests)
+        token_list = [int(t) for t in packed[:batch_size]]
+        logprobs: list[TokenLogprob | None] = [None] * batch_size
+        width = 2 + 2 * num_top
+        for r, i in enumerate(rows):
+            row = packed[batch_size + r * width : batch_size + (r + 1) * width]
+            logprobs[i] = token_logprob(token_list[i], row, num_top, requests[i].params.logprobs)
+        return SamplerOutput(token_list, logprobs)
 
     def sample(
         self,
@@ -244,25 +258,6 @@ class Sampler:
             req.generator = torch.Generator(device=self.device)
             req.generator.manual_seed(req.params.seed)
         return req.generator
-
-    def _with_logprobs(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
-    ) -> SamplerOutput:
-        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
-        num_top = max(requests[i].params.logprobs for i in rows)
-        row_index = torch.tensor(rows, device=self.device)
-        raw = logits[row_index].float().log_softmax(-1)  # [R, V]
-        per_row = logprob_rows(raw, token_ids[row_index], num_top)  # [R, 2 + 2K]
-        # The ids too, so that the host waits on a single copy.
-        packed = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
-        batch_size = len(requests)
-        token_list = [int(t) for t in packed[:batch_size]]
-        logprobs: list[TokenLogprob | None] = [None] * batch_size
-        width = 2 + 2 * num_top
-        for r, i in enumerate(rows):
-            row = packed[batch_size + r * width : batch_size + (r + 1) * width]
-            logprobs[i] = token_logprob(token_list[i], row, num_top, requests[i].params.logprobs)
-        return SamplerOutput(token_list, logprobs)
 
 
 def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
