@@ -60,8 +60,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.batch = batch
         # Shared by every unseeded row; seeded rows own a generator each.
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def read(
         self, logits: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray
@@ -250,14 +249,10 @@ class Sampler:
             if req.params.seed is not None and not req.params.greedy:
                 # A seeded row draws only from its own stream, so its tokens
                 # do not depend on what else shares the batch.
-                noise[row].exponential_(generator=self._generator_of(req))
+                if req.generator is None:
+                    req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+                noise[row].exponential_(generator=req.generator)
         return probs.div_(noise).argmax(-1)
-
-    def _generator_of(self, req: Request) -> torch.Generator:
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(req.params.seed)
-        return req.generator
 
 
 def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
