@@ -55,13 +55,6 @@ class Membership:
     config: EngineConfig
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    base = config.torch_device
-    if base.type != "cuda":
-        return base
-    return torch.device("cuda", (base.index or 0) + rank % config.ranks_per_node)
-
-
 def init_method(config: EngineConfig) -> str:
     """Rank 0's TCP rendezvous address; port 0 picks a free one (a single node)."""
     port = config.master_port
@@ -74,8 +67,9 @@ def init_method(config: EngineConfig) -> str:
 
 def join(config: EngineConfig, rank: int, address: str) -> Membership:
     """Join the group as `rank`; every rank leaves with rank 0's engine config."""
-    device = rank_device(config, rank)
-    if device.type == "cuda":
+    device = config.torch_device
+    if device.type == "cuda":  # the node's device rank % ranks_per_node
+        device = torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
