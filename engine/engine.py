@@ -107,6 +107,7 @@ class Engine:
             self.batch, self.blocks, self.scheduler, self.eos_set, config, self._range
         )
         self.requests = self.reader.requests  # client id -> its n choices, while any runs
+        self.news = self.reader.news  # requests with output not taken yet (ordered)
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     def workers_failed(self, exc: BaseException) -> None:
@@ -125,11 +126,6 @@ class Engine:
                 channel.stop()
         workers.join(timeout=10.0)
         leave()
-
-    @property
-    def news(self) -> dict[Request, None]:
-        """Requests with output not taken yet (ordered)."""
-        return self.reader.news
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
@@ -306,11 +302,12 @@ class Engine:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
         first output nor its last is added there instead (engine/outputs.py)."""
-        if not self.reader.news:
+        if not self.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
-            news, self.reader.news = self.reader.news, {}
-            return take_outputs(news, deltas)
+            outputs = take_outputs(self.news, deltas)
+            self.news.clear()
+            return outputs
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:
