@@ -32,8 +32,7 @@ class EngineConfig:
     # The fields below are documented by their flags' help (server/cli.py).
     prefill_graphs: bool = True  # steps with prefill replay graphs by token bucket
     cuda_graph_sizes: list[int] | None = None  # None: see cuda_graph_batch_sizes
-    # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
-    # --async-scheduling).
+    # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's --async-scheduling).
     async_scheduling: bool = True
     seed: int = 0
     nvtx: bool = False

@@ -47,8 +47,7 @@ class LLM:
         freeze_startup_heap()  # no full collection pauses a long generate() on the model's objects
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (daemons: they also end with this
-        process)."""
+        """Stop the tensor-parallel workers, if any (daemons: they also end with this process)."""
         self.engine.shutdown()
 
     def generate(

@@ -132,8 +132,7 @@ class StepReader:
                 news[req] = None
 
     def _end_grammars(self, grammar: Future) -> None:
-        """Finish the requests whose grammar the step's ids completed (preempted ones
-        too)."""
+        """Finish the requests whose grammar the step's ids completed (preempted ones too)."""
         for req, reason in grammar.result():
             if not req.is_finished:
                 self.finish(req, reason)
