@@ -313,6 +313,4 @@ class Engine:
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted({i for i in ids if i is not None})
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
