@@ -33,7 +33,6 @@ class BlockTable:
         self.stream = torch.cuda.current_stream(device) if self.on_cuda else None
         shape = (max_num_seqs, max_blocks_per_seq)
         self.cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=self.on_cuda)
-        self.np = self.cpu.numpy()  # a view: writes land in the pinned buffer
         self.width = max_blocks_per_seq
         # On the device, a spare last row: where the decode graph's unused pairs write.
         self.gpu = (
@@ -42,10 +41,13 @@ class BlockTable:
             else self.cpu
         )
         self.pad = max_num_seqs * max_blocks_per_seq  # flat index of the spare row
-        self.flat = self.np.reshape(-1)  # a view
+        self.flat = self.cpu.numpy().reshape(-1)  # a view: writes land in the pinned buffer
+        self.block_size = block_size
+        # Positions to blocks and offsets (a power of two); 0-d arrays: see input_batch.ONE.
+        self.block_shift = np.array(block_size.bit_length() - 1)
+        self.block_mask = np.array(block_size - 1)
         # The same entries as first KV slots (block * block_size), int64 like the slot
         # mapping that adds positions to them: what a step's fill reads.
-        self.block_size = block_size
         self.slot_starts = np.zeros(max_num_seqs * max_blocks_per_seq, dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # valid entries per row
         self.row_start = np.arange(max_num_seqs, dtype=np.int64) * max_blocks_per_seq  # in flat
@@ -62,16 +64,11 @@ class BlockTable:
             return
         if self.sent is not None:
             self.sent.wait()
-        at = slot * self.width
-        if len(block_ids) == have + 1:  # a decode opening a block: a scalar write
-            self.flat[at + have] = block_ids[have]
-            self.slot_starts[at + have] = block_ids[have] * self.block_size
-            self.changed.append(at + have)
-        else:
-            new = np.array(block_ids[have:], dtype=np.int64)
-            self.flat[at + have : at + len(block_ids)] = new
-            self.slot_starts[at + have : at + len(block_ids)] = new * self.block_size
-            self.changed += range(at + have, at + len(block_ids))
+        start, end = slot * self.width + have, slot * self.width + len(block_ids)
+        new = np.array(block_ids[have:], dtype=np.int64)
+        self.flat[start:end] = new
+        self.slot_starts[start:end] = new * self.block_size
+        self.changed += range(start, end)
         self.num_blocks[slot] = len(block_ids)
 
     def append_one(self, slots: np.ndarray, blocks: list[int]) -> None:

@@ -32,8 +32,7 @@ class EngineConfig:
     # The fields below are documented by their flags' help (server/cli.py).
     prefill_graphs: bool = True  # steps with prefill replay graphs by token bucket
     cuda_graph_sizes: list[int] | None = None  # None: see cuda_graph_batch_sizes
-    # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's
-    # --async-scheduling).
+    # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's --async-scheduling).
     async_scheduling: bool = True
     seed: int = 0
     nvtx: bool = False
@@ -71,15 +70,12 @@ class EngineConfig:
             raise ValueError("log_stats_interval must be non-negative")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
-            )
-        if self.uses_fp8 and self.torch_device.type == "cpu":
+        for name, choices in (("quantization", QUANTIZATIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        fp8 = self.quantization == "fp8" or self.kv_cache_dtype == "fp8"
+        if fp8 and self.torch_device.type == "cpu":
             raise ValueError(
                 "--quantization fp8 and --kv-cache-dtype fp8 need a CUDA GPU with FP8 support "
                 "(compute capability 8.9+: Ada, Hopper); the device here is the CPU"
@@ -123,16 +119,8 @@ class EngineConfig:
         return torch.bfloat16
 
     @property
-    def uses_fp8(self) -> bool:
-        return self.quantization == "fp8" or self.kv_cache_dtype == "fp8"
-
-    @property
     def use_cuda_graphs(self) -> bool:
         return self.torch_device.type == "cuda" and not self.enforce_eager
-
-    @property
-    def use_prefill_graphs(self) -> bool:
-        return self.use_cuda_graphs and self.prefill_graphs
 
     def max_blocks_per_seq(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)

@@ -41,7 +41,7 @@ class CudaGraphs:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         config = runner.config
-        # By bucket: one graph per staging buffer, each copying that buffer in.
+        # By bucket: one graph per staging buffer, each copying that buffer in; their logits.
         self.decode: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.decode_logits: dict[int, list[torch.Tensor]] = {}
         self.decode_bucket = config.cuda_graph_bucket_table()
@@ -63,16 +63,8 @@ class CudaGraphs:
                 ]
                 for i in range(runner.num_buffers)
             ]
-        if config.use_prefill_graphs:
+        if config.use_cuda_graphs and config.prefill_graphs:
             _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
-
-    def fits_decode(self, num_seqs: int) -> bool:
-        return bool(self.decode) and num_seqs <= self.runner.max_num_seqs
-
-    def fits_prefill(self, num_tokens: int) -> bool:
-        return num_tokens < len(self.prefill_bucket)
-
-    # -- replay -------------------------------------------------------------
 
     def replay_decode(self, num_seqs: int) -> torch.Tensor:
         """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
@@ -108,16 +100,10 @@ class CudaGraphs:
         runner.argmax = runner.sampled.device_rows[num_sampling]
         return logits[:num_sampling]
 
-    # -- padding ------------------------------------------------------------
-
     def pad_decode(self, start: int, end: int) -> None:
         """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
-        runner = self.runner
-        buf, arange = runner.buf, runner.arange
-        buf["input_ids"][start:end] = 0
-        buf["input_gather"][start:end] = runner.ids_offset + arange[start:end]
-        buf["positions"][start:end] = 0
-        buf["slot_mapping"][start:end] = -1
+        self.pad_tokens(start, end)
+        buf, arange = self.runner.buf, self.runner.arange
         buf["seq_lens"][start:end] = 0
         buf["slot_indices"][start:end] = 0
         buf["query_start_loc"][start + 1 : end + 1] = arange[start + 1 : end + 1]
@@ -144,8 +130,6 @@ class CudaGraphs:
         buf["slot_indices"][start:end] = 0
         buf["logits_indices"][num_sampling:end] = 0
 
-    # -- capture ------------------------------------------------------------
-
     @torch.inference_mode()
     def _capture_prefill(self) -> None:
         """One graph per token bucket, the largest first, in one memory pool (they never
@@ -156,12 +140,8 @@ class CudaGraphs:
         sizes = config.prefill_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         seqs = runner.max_num_seqs
-        sampled = runner.staged.gpu["sampled_ids"]
-        table = runner.block_table.gpu.view(-1)
-        table_index, table_value = (
-            runner.staged.gpu["table_index"],
-            runner.staged.gpu["table_value"],
-        )
+        gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
+        sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
         for bucket in reversed(sizes):
             self.pad_tokens(0, bucket)
             runner.buf["query_start_loc"][0] = 0
@@ -172,7 +152,7 @@ class CudaGraphs:
             torch.cuda.synchronize(runner.device)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, pool, self.capture_stream):
-                table.index_copy_(0, table_index, table_value)
+                table.index_copy_(0, index, values)
                 logits = runner.forward(inp)  # the block-table gather included
                 if self.driver:
                     torch.argmax(logits, dim=-1, out=sampled[:seqs])
@@ -182,17 +162,11 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def _capture_decode(self) -> None:
-        # Every replay's fill writes the same static storage the capture read. Each
-        # bucket has a graph per staging buffer: it copies that buffer in first, and
-        # its greedy ids out to the same step's sampled-ids buffer last.
+        # Every replay's fill writes the same static storage the capture read.
         runner = self.runner
         pool = None
-        sampled = runner.staged.gpu["sampled_ids"]
-        table = runner.block_table.gpu.view(-1)
-        table_index, table_value = (
-            runner.staged.gpu["table_index"],
-            runner.staged.gpu["table_value"],
-        )
+        gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
+        sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
         for bucket in reversed(runner.config.cuda_graph_batch_sizes()):
             runner.buf["query_start_loc"][0] = 0
             self.pad_decode(0, bucket)
@@ -206,7 +180,7 @@ class CudaGraphs:
                 with capturing(graph, pool, self.capture_stream):
                     if runner.channel is None:  # with several ranks, copied before the replay
                         runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
-                    table.index_copy_(0, table_index[:bucket], table_value[:bucket])
+                    table.index_copy_(0, index[:bucket], values[:bucket])
                     logits = runner.forward(inp)
                     # Greedy ids, where keep_sampled would put them: a batch that needs
                     # the sampler overwrites them after the replay, and copies its own

@@ -179,8 +179,7 @@ class IncrementalDetokenizer:
         """Text not handed out before that is safe to emit now.
 
         Unless finished (or stopped), hold back an incomplete trailing character
-        and any suffix that could be the start of a stop string.
-        """
+        and any suffix that could be the start of a stop string."""
         if finished or self._stopped_text is not None:
             text = self.output_text
             end = len(text)
@@ -191,8 +190,6 @@ class IncrementalDetokenizer:
         delta = text[self._emitted_len : end]
         self._emitted_len = end
         return delta
-
-    # ---- helpers ----
 
     def _bytes(self, token_ids: list[int]) -> bytes:
         table = self.table

@@ -1,14 +1,10 @@
-"""The engine: add requests, step, read deltas. Single-threaded by design.
+"""The engine: add requests, step, read deltas. Single-threaded by design; the
+server drives it from one background thread.
 
-step(): schedule → launch the forward and the sampler → while the GPU runs,
-read the previous step's ids into the InputBatch, apply stops, and note which
-requests have news. The server drives it from one background thread.
-
-Outputs are built when asked for, not per token: a step notes which requests
-have news, and `step(emit=True)` or `take_outputs()` turns all of it into one
-RequestOutput per choice. A consumer that falls behind (the server's event
-loop under load) asks less often and gets fewer, larger deltas, so the cost
-of detokenizing and building outputs follows its pace, not the token rate.
+Outputs are built when asked for (`step(emit=True)` or `take_outputs()`), not
+per token: a consumer that falls behind (the server's event loop under load)
+asks less often and gets fewer, larger deltas, so the cost of detokenizing and
+building outputs follows its pace, not the token rate.
 """
 
 from __future__ import annotations
@@ -32,13 +28,7 @@ from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
-from engine.models.loader import (
-    checkpoint_dtype,
-    load_config,
-    load_model,
-    load_tokenizer,
-    max_model_len,
-)
+from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.outputs import take_outputs
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
@@ -51,12 +41,6 @@ if TYPE_CHECKING:  # xgrammar is imported with the first structured request
     from engine.structured.grammars import Grammars
 
 logger = logging.getLogger("pagoda.engine")
-
-_NO_RANGE = contextlib.nullcontext()
-
-
-def _no_range(name: str) -> contextlib.AbstractContextManager:
-    return _NO_RANGE
 
 
 @dataclass
@@ -72,8 +56,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_dir = config.model or ensure_demo_model()
-        self.model_dir = model_dir
+        self.model_dir = model_dir = config.model or ensure_demo_model()
         self.model_name = Path(model_dir).name if config.model else DEMO_MODEL_NAME
         logger.info("building the engine for %s", model_dir)  # its modules are imported
         hf_config = load_config(model_dir)
@@ -85,7 +68,6 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
         device = config.torch_device
-        dtype = config.torch_dtype(checkpoint_dtype(hf_config))
         # Tensor parallelism: the other ranks start loading beside this one.
         self.workers: Workers | None = None
         membership: Membership | None = None
@@ -94,26 +76,14 @@ class Engine:
         try:
             tp = membership.tp if membership is not None else SINGLE
             start = time.perf_counter()
-            logger.info(
-                "loading %s (%s, %d layers) on %s in %s",
-                model_dir,
-                hf_config.model_type,
-                hf_config.num_hidden_layers,
-                device,
-                str(dtype).removeprefix("torch."),
-            )
-            self.model, _ = load_model(
-                model_dir, device, dtype, hf_config, tp=tp, quantization=config.quantization
-            )
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, _since(start))
+            self.model = load_for_engine(config, model_dir, hf_config, tp)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
             self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
             self.eos_set = frozenset(self.eos_token_ids)
 
             self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
-            self.runner = ModelRunner(config, self.model, hf_config, self.batch, membership)
+            self.runner = ModelRunner(config, self.model, self.batch, membership)
         except BaseException as exc:
             if self.workers is not None:
                 try:
@@ -132,13 +102,13 @@ class Engine:
         self._grammars: Grammars | None = None  # built with the first structured request
         # NVTX ranges around the step's phases, for nsys.
         nvtx = config.nvtx and device.type == "cuda"
-        self._range = torch.cuda.nvtx.range if nvtx else _no_range
+        self._range = torch.cuda.nvtx.range if nvtx else contextlib.nullcontext
         self.reader = StepReader(
             self.batch, self.blocks, self.scheduler, self.eos_set, config, self._range
         )
-        logger.info("engine ready in %.1f s", _since(start))
-
-    # -- tensor parallelism -----------------------------------------------
+        self.requests = self.reader.requests  # client id -> its n choices, while any runs
+        self.news = self.reader.news  # requests with output not taken yet (ordered)
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     def workers_failed(self, exc: BaseException) -> None:
         """Raise WorkerFailed if a rank's death explains exc (a failed collective)."""
@@ -156,18 +126,6 @@ class Engine:
                 channel.stop()
         workers.join(timeout=10.0)
         leave()
-
-    @property
-    def requests(self) -> dict[str, list[Request]]:
-        """Client id -> its n choices, while any is unfinished."""
-        return self.reader.requests
-
-    @property
-    def news(self) -> dict[Request, None]:
-        """Requests with output not taken yet (ordered)."""
-        return self.reader.news
-
-    # -- requests ---------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
@@ -253,8 +211,6 @@ class Engine:
             prefix_cache_hits=self.blocks.prefix_hits,
         )
 
-    # -- the loop ---------------------------------------------------------
-
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """Run one step (see _step); with tensor parallelism, a rank that died fails it."""
         workers = self.workers
@@ -286,10 +242,11 @@ class Engine:
         own ids at once. Grammar rows' masks follow every id without the host
         waiting: a worker thread has their matchers accept N-1's ids as they land
         and fill step N's masks, and the device waits for it before sampling
-        (engine/structured/masks.py).
-        """
-        if self._grammars is not None:
-            self._check_grammars()
+        (engine/structured/masks.py)."""
+        grammars = self._grammars
+        if grammars is not None and grammars.waiting:  # raises for failed compilations
+            idle = not self.scheduler.running and self.inflight is None
+            grammars.check_compiled(0.01 if idle else 0.0)  # idle: wait a little, not spin
         with self._range("schedule"):
             out = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
@@ -341,32 +298,19 @@ class Engine:
             self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
 
-    def _check_grammars(self) -> None:
-        """Raise for grammars that failed to compile (with nothing to run,
-        wait a little for one to finish instead of spinning)."""
-        grammars = self._grammars
-        if grammars.waiting:
-            idle = not self.scheduler.running and self.inflight is None
-            grammars.check_compiled(0.01 if idle else 0.0)
-
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
         first output nor its last is added there instead (engine/outputs.py)."""
-        if not self.reader.news:
+        if not self.news:
             return []  # most steps of final-only requests
         with self._range("outputs"):
-            news, self.reader.news = self.reader.news, {}
-            return take_outputs(news, deltas)
+            outputs = take_outputs(self.news, deltas)
+            self.news.clear()
+            return outputs
 
 
 def _eos_token_ids(hf_config, tokenizer) -> list[int]:
     ids = getattr(hf_config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return sorted({i for i in ids if i is not None})
-
-
-def _since(start: float) -> float:
-    return time.perf_counter() - start
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})

@@ -129,8 +129,6 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.running)
 
-    # -- requests enter and leave -------------------------------------------
-
     def add(self, req: Request) -> int:
         """Give req a slot and its row: its tokens (prompt, and any output a preemption
         left), counts and sampling columns. Returns the slot."""
@@ -138,7 +136,7 @@ class InputBatch:
         tokens = req.all_token_ids
         n = len(tokens)
         self.token_ids[slot, :n] = tokens
-        self.num_prompt[slot] = req.num_prompt_tokens
+        self.num_prompt[slot] = num_prompt = len(req.prompt_token_ids)
         self.num_known[slot] = n
         self.num_tokens[slot] = n
         self.num_computed[slot] = req.num_computed_tokens
@@ -149,16 +147,15 @@ class InputBatch:
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
         if len(stops) > self.stop_ids.shape[1]:
-            wider = np.full((len(self.requests), len(stops)), -1, dtype=np.int64)
-            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
-            self.stop_ids = wider
+            more = len(stops) - self.stop_ids.shape[1]
+            self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, more)), constant_values=-1)
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stops)] = stops
         if stops and stops[-1] >= len(self.stop_count):  # an EOS past the model's vocab
             self.stop_count = np.pad(self.stop_count, (0, stops[-1] + 1 - len(self.stop_count)))
         self.stop_count[stops] += 1
         self.num_stopping += bool(stops)
-        self.num_awaiting_first += n == req.num_prompt_tokens
+        self.num_awaiting_first += n == num_prompt
         self.capacity[slot] = 0  # the scheduler gives it blocks next
         self.argmax_only[slot] = params.argmax_only
         self.argmax_masked[slot] = params.argmax_masked
@@ -217,8 +214,6 @@ class InputBatch:
         """The row's prompt logprobs are all computed (or it left)."""
         self.num_scoring -= bool(self.scores_prompt[slot])
         self.scores_prompt[slot] = False
-
-    # -- the step's counts ----------------------------------------------------
 
     def scheduled(self, slots: np.ndarray, ends: np.ndarray, num_scheduled: int) -> None:
         """These rows' KV is computed, or scheduled, up to `ends`: num_scheduled tokens
@@ -292,8 +287,6 @@ class InputBatch:
         if not (num_done or first is not None or streamed or departed):
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
-
-    # -- reads for one request -------------------------------------------------
 
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""

@@ -48,15 +48,11 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def find_cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks holding a prefix of req's tokens (nothing is claimed yet).
 
         At least the last token is always left to compute (its logits are needed),
-        and whole blocks only, so the block it lands in is a fresh one.
-        """
+        and whole blocks only, so the block it lands in is a fresh one."""
         if not self.enable_prefix_caching:
             return []
         if self.unhashed:  # what running requests filled is findable from now on
@@ -79,17 +75,11 @@ class BlockManager:
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give req blocks for num_new_tokens more tokens (after claiming cached_blocks).
 
-        Returns False, changing nothing, when there are not enough free blocks.
-        """
-        if (
-            not cached_blocks
-            and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size
-        ):
-            return True  # most decode steps: the last block has room
-        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0) if cached_blocks else 0
+        Returns False, changing nothing, when there are not enough free blocks."""
+        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
         num_computed = req.num_computed_tokens + len(cached_blocks) * self.block_size
         have = len(req.block_ids) + len(cached_blocks)
-        needed = self.blocks_needed(num_computed + num_new_tokens) - have
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - have
         if max(needed, 0) + revived > self.num_free_blocks:
             return False
         for block in cached_blocks:
@@ -165,10 +155,8 @@ class BlockManager:
                 block_hash[block] = parent
 
     def note_filled(self, reqs: list[Request]) -> None:
-        """reqs' last blocks may have filled (decodes opened the next ones): their
-        filled blocks are registered before the next lookup, or sooner, when the
-        host waits for the device (hash_unhashed). Hashing is most of a block
-        opening's host work, and a lookup is the only reader of what it registers."""
+        """reqs' last blocks may have filled (decodes opened the next ones): registered
+        lazily, as the module docstring says (hashing is most of a block opening's work)."""
         if self.enable_prefix_caching:
             self.unhashed.update(dict.fromkeys(reqs))
 

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from engine.heap import freeze_startup_heap
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.structured.spec import check as check_grammar
+from engine.structured.spec import build_grammar
 
 
 @dataclass
@@ -47,8 +47,7 @@ class LLM:
         freeze_startup_heap()  # no full collection pauses a long generate() on the model's objects
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (daemons: they also end with this
-        process)."""
+        """Stop the tensor-parallel workers, if any (daemons: they also end with this process)."""
         self.engine.shutdown()
 
     def generate(
@@ -72,7 +71,7 @@ class LLM:
         for ids, p in zip(token_ids, params):
             self.engine.check_request(ids, p)
             if p.grammar is not None:
-                check_grammar(p.grammar)
+                build_grammar(p.grammar)  # raises for an invalid one
 
         results: dict[str, GenerationOutput] = {}
         for i, (prompt, ids, p) in enumerate(zip(prompts, token_ids, params)):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -23,7 +22,7 @@ from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
-from engine.staging import Fence, SampledIds, SampledTransport, StagedFields, WaitClock
+from engine.staging import SampledIds, WaitClock
 from engine.step_channel import EAGER, StepChannel, StepHeader
 from engine.step_inputs import ModelInput, StepInputs
 from engine.tp_group import Membership, all_ranks_min
@@ -43,14 +42,12 @@ class ModelRunner(StepInputs):
         self,
         config: EngineConfig,
         model: nn.Module,
-        hf_config,
         batch: InputBatch | None,
         membership: Membership | None = None,
     ) -> None:
         self.config = config
         self.tp = membership.tp if membership is not None else SINGLE
         self.model = model
-        self.batch = batch
         self.device = config.torch_device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = self.dtype
@@ -58,9 +55,6 @@ class ModelRunner(StepInputs):
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
-        # A power of two; a 0-d array, which a ufunc takes for less host time than an int.
-        self.block_shift = np.array(config.block_size.bit_length() - 1)
-        self.block_mask = np.array(config.block_size - 1)
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
@@ -86,62 +80,7 @@ class ModelRunner(StepInputs):
             self.clock,
             track_rows=self.tp.size > 1,
         )
-        max_tokens = max(config.max_num_batched_tokens, seqs)
-        i64, i32 = torch.int64, torch.int32
-        on_cuda = self.device.type == "cuda"
-        # Block-table entries a step's graph writes itself: a decode opens at most one
-        # block per sequence, and a step with prompts about one per block_size new
-        # tokens more (prefix-cache hits, beyond that, go as a copy of their rows).
-        self.table_capacity = seqs + max_tokens // config.block_size
-        # On CUDA every host buffer comes twice, used by alternate steps: a step is
-        # written while the last one's copies may still be queued, and the ids of one
-        # are read while the next one's are on their way.
-        self.num_buffers = 2 if on_cuda else 1
-        # Input ids are gathered on the device from the host's ids and the last step's
-        # sampled ids (device-only), so a decode never waits for the host to read them.
-        tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
-        self.staged = StagedFields(
-            {
-                **dict.fromkeys(tokens_fields, (max_tokens, i64)),
-                "slot_indices": (seqs, i64),
-                "logits_indices": (seqs, i64),
-                "seq_lens": (seqs, i32),
-                "query_start_loc": (seqs + 1, i32),
-                # Block-table entries a graph writes (BlockTable.take_changes).
-                "table_index": (self.table_capacity, i64),
-                "table_value": (self.table_capacity, i32),
-            },
-            self.device,
-            device_only={"sampled_ids": (seqs, i64)},
-            copies=self.num_buffers,
-        )
-        for views in self.staged.nps:  # unused pairs write the table's spare row
-            views["table_index"][:] = self.block_table.pad
-        self.table_pairs = [0] * self.num_buffers  # pairs in use in each host buffer
-        self.ids_offset = self.staged.offset["input_ids"]
-        # Where in StagedFields.words each row of the sampled ids sits.
-        self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
-        self.parity = 0  # which of the host buffers this step uses
-        self.buf = self.staged.np  # numpy views to write through, by field name
-        # By host buffer: the InputBatch layout of the steady decode (see fill) that
-        # wrote its slot indices, query starts, logits rows and input gather last
-        # (None: another step, or none yet).
-        self.steady_layout: list[int | None] = [None] * self.num_buffers
-        self.arange = np.arange(max_tokens + 1, dtype=np.int64)
-        # A pinned buffer is rewritten only once the last copy out of it has run: each
-        # staging buffer's fence follows its last copy (a send, or the decode graph
-        # that copies it in).
-        self.staged_sent = [Fence(self.clock) for _ in range(self.num_buffers)] if on_cuda else []
-        # Recording on a stream object kept here skips building one per call.
-        self.stream = torch.cuda.current_stream(self.device) if on_cuda else None
-        self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], self.device, self.clock)
-        # By slot: where its last sampled token is in StagedFields.words.
-        self.sampled_at = np.zeros(seqs, dtype=np.int64)
-        # The InputBatch layout whose decode (all its rows, in order) last set
-        # sampled_at: row i of the batch at sampled row i. None: another step.
-        self.sampled_layout: int | None = None
-        # By slot: where its block-table row starts in the table's flat view.
-        self.table_rows = np.arange(seqs, dtype=np.int64) * self.max_blocks_per_seq
+        super().__init__(config, batch, self.block_table, self.clock)  # the staging buffers
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
         self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
@@ -158,8 +97,6 @@ class ModelRunner(StepInputs):
     def wait_s(self) -> float:
         """Seconds the host spent blocked on the device."""
         return self.clock.seconds
-
-    # -- KV cache ---------------------------------------------------------
 
     def bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
@@ -204,8 +141,6 @@ class ModelRunner(StepInputs):
             layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.ops = ops if self.kv_dtype != FP8_DTYPE else _with_kv_scales(ops, layer)
 
-    # -- forward ----------------------------------------------------------
-
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling, vocab] at the last new token of each sequence that
         samples (out.samples: every one but the prefill chunks that stop short).
@@ -220,12 +155,12 @@ class ModelRunner(StepInputs):
         self.argmax_on_host = False
         self.prompt_scores = None
         num_seqs, num_tokens = out.num_seqs, out.num_tokens
-        if out.is_decode_only and self.graphs.fits_decode(num_seqs):
+        if out.is_decode_only and self.graphs.decode:  # a bucket holds any batch
             return self.graphs.replay_decode(num_seqs)
         num_sampling = int(out.samples.sum())
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         with torch.inference_mode():
-            if scoring is None and self.graphs.fits_prefill(num_tokens):
+            if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             if self.channel is not None:
@@ -247,20 +182,19 @@ class ModelRunner(StepInputs):
             self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
             return self.model.compute_logits(hidden[inp.logits_indices])
 
-    def _meta(self, inp: ModelInput) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=inp.slot_mapping,
-            # Gathered here so that a captured graph gathers on every replay.
-            block_table=self.block_table.gpu[inp.slot_indices],  # [num_seqs, max_blocks_per_seq]
-            seq_lens=inp.seq_lens,
-            query_start_loc=inp.query_start_loc,
-            max_query_len=inp.max_query_len,
-            is_decode=inp.is_decode,
-        )
-
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:
-        input_ids = self.staged.words[inp.input_gather]  # in a graph: gathered every replay
-        return self.model(input_ids, inp.positions, self._meta(inp))
+        # Gathered here, so that a captured graph gathers the ids and rows on every replay.
+        input_ids = self.staged.words[inp.input_gather]
+        block_table = self.block_table.gpu[inp.slot_indices]  # [num_seqs, max_blocks_per_seq]
+        meta = AttentionMetadata(
+            inp.slot_mapping,
+            block_table,
+            inp.seq_lens,
+            inp.query_start_loc,
+            inp.max_query_len,
+            inp.is_decode,
+        )
+        return self.model(input_ids, inp.positions, meta)
 
     def forward(self, inp: ModelInput) -> torch.Tensor:
         hidden = self.hidden_states(inp)
@@ -268,14 +202,14 @@ class ModelRunner(StepInputs):
             hidden = hidden[inp.logits_indices]
         return self.model.compute_logits(hidden)
 
-    # -- sampled ids --------------------------------------------------------
-
     def keep_sampled(self, token_ids: torch.Tensor) -> SampledIds:
         """Keep a step's sampled ids on the device for the next step's inputs, and
         start their copy to the host."""
         if token_ids is self.argmax and self.argmax_on_host:  # a decode graph's: copied out
             parity = self.parity
-            return self.sampled.copied_by_graph(token_ids.numel(), parity, self.staged_sent[parity])
+            return SampledIds(
+                self.sampled.host_np[parity][: token_ids.numel()], self.staged_sent[parity]
+            )
         return self.sampled.keep(token_ids, self.parity)
 
 

@@ -29,14 +29,11 @@ def detokenize(req: Request) -> str | None:
 def take_outputs(news: dict[Request, None], deltas: TokenDeltas | None) -> list[RequestOutput]:
     """One RequestOutput per request in news; with deltas, a plain stream's between
     its first output and its last goes there as ids instead."""
-    if deltas is None:
-        outputs = [build_output(req) for req in news]
-        return [out for out in outputs if out is not None]
     finished = RequestStatus.FINISHED
     outputs = []
     for req in news:
         emitted = req.num_emitted_tokens
-        if req.params.plain and emitted and req.status is not finished:
+        if deltas is not None and req.params.plain and emitted and req.status is not finished:
             new_ids = req.output_ids_from(emitted)
             req.num_emitted_tokens = emitted + len(new_ids)
             deltas.request_ids.append(req.request_id)

@@ -16,7 +16,7 @@ logprobs, and each row's logprob, rank and top-k go to the host in one copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ import torch
 
 from engine.input_batch import InputBatch
 from engine.request import TokenLogprob
+from engine.sampler import logprob_rows, token_logprob
 from engine.scheduler import SchedulerOutput
 
 SCORE_ROWS = 512  # hidden-state rows turned into logits at once
@@ -46,12 +47,8 @@ class PromptScores:
     """A step's prompt logprobs, on the host: each scoring sequence's run of entries."""
 
     slots: list[int]
-    firsts: list[int]
+    firsts: list[int]  # the first prompt token each sequence's entries score
     entries: list[list[TokenLogprob]]
-
-    def __iter__(self) -> Iterator[tuple[int, int, list[TokenLogprob]]]:
-        """(slot, first prompt token scored, entries from it on) per sequence."""
-        return iter(zip(self.slots, self.firsts, self.entries, strict=True))
 
 
 def plan_scoring(out: SchedulerOutput, batch: InputBatch) -> PromptScoring | None:
@@ -90,28 +87,17 @@ def score_prompts(
     targets = torch.from_numpy(scoring.token_ids).to(device)
     k = max(scoring.num_top)
     num_rows = len(scoring.rows)
-    # Per row: logprob, rank, top ids, top logprobs; float64 holds ids and ranks exactly.
     packed = torch.empty(num_rows, 2 + 2 * k, dtype=torch.float64, device=device)
     for i in range(0, num_rows, SCORE_ROWS):
         j = min(i + SCORE_ROWS, num_rows)
         logprobs = compute_logits(hidden[rows[i:j]]).float().log_softmax(-1)  # [j - i, vocab]
-        own = logprobs.gather(1, targets[i:j, None])  # [j - i, 1]
-        packed[i:j, 0:1] = own
-        packed[i:j, 1:2] = (logprobs > own).sum(-1, keepdim=True) + 1
-        if k:
-            top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # best first
-            packed[i:j, 2 : 2 + k] = top_ids
-            packed[i:j, 2 + k :] = top_logprobs
+        packed[i:j] = logprob_rows(logprobs, targets[i:j], k)
     values = packed.tolist()
     token_ids = scoring.token_ids.tolist()
     entries: list[list[TokenLogprob]] = []
     row = 0
     for count, num_top in zip(scoring.counts, scoring.num_top, strict=True):
-        run = []
-        for r in range(row, row + count):
-            v = values[r]
-            top = [(int(t), lp) for t, lp in zip(v[2 : 2 + num_top], v[2 + k : 2 + k + num_top])]
-            run.append(TokenLogprob(token_ids[r], v[0], int(v[1]), top))
-        entries.append(run)
+        run = range(row, row + count)
+        entries.append([token_logprob(token_ids[r], values[r], k, num_top) for r in run])
         row += count
     return PromptScores(scoring.slots, scoring.firsts, entries)

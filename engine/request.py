@@ -71,8 +71,7 @@ class TokenDeltas:
     Such a choice's RequestOutput differs from its previous one only in its new ids
     and count, so the engine process reports it as list entries, not an object whose
     fields are pickled and rebuilt. The API process rebuilds each output from the
-    choice's previous one (`follow`).
-    """
+    choice's previous one (`follow`)."""
 
     request_ids: list[str] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)
@@ -183,8 +182,6 @@ class Request:
         assert scores is not None and first <= len(scores)
         scores.extend(entries[len(scores) - first :])
 
-    # -- the batch row ---------------------------------------------------------
-
     def attach(self, batch: InputBatch, slot: int) -> None:
         self.batch, self.slot = batch, slot
 
@@ -198,8 +195,6 @@ class Request:
         """An id sampled before it was preempted, read since."""
         self.output_ids.append(token_id)
         self._num_inflight -= 1
-
-    # -- token state, wherever it lives ----------------------------------------
 
     @property
     def num_computed_tokens(self) -> int:
@@ -216,10 +211,7 @@ class Request:
 
     def num_full_tokens(self) -> int:
         """Tokens both known and computed (or scheduled): what the prefix cache may hold."""
-        batch = self.batch
-        if batch is not None:
-            return min(batch.num_computed.item(self.slot), batch.num_known.item(self.slot))
-        return min(self._num_computed, self.num_tokens)
+        return min(self.num_computed_tokens, self.num_tokens)
 
     @property
     def num_inflight(self) -> int:
@@ -254,21 +246,15 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.output_ids_from(0)
 
-    def token_slice(self, start: int, end: int) -> list[int]:
-        """Known ids at positions [start, end), prompt included."""
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """Known ids at positions [start, end), prompt included (end None: all known)."""
         if self.batch is not None:
             return self.batch.token_slice(self.slot, start, end)
         return (self.prompt_token_ids + self.output_ids)[start:end]
 
     @property
     def all_token_ids(self) -> list[int]:
-        if self.batch is not None:
-            return self.batch.token_slice(self.slot, 0)
-        return self.prompt_token_ids + self.output_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.token_slice(0)
 
     @property
     def is_finished(self) -> bool:

@@ -60,17 +60,30 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.batch = batch
         # Shared by every unseeded row; seeded rows own a generator each.
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def read(
         self, logits: torch.Tensor, token_ids: torch.Tensor, slots: np.ndarray
     ) -> SamplerOutput:
         """The sampled ids on the host, with the logprobs the requests asked for."""
         requests = self._requests(slots)
-        if all(req.params.logprobs is None for req in requests):
+        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+        if not rows:
             return SamplerOutput(token_ids.tolist(), [None] * len(requests))
-        return self._with_logprobs(logits, token_ids, requests)
+        num_top = max(requests[i].params.logprobs for i in rows)
+        row_index = torch.tensor(rows, device=self.device)
+        raw = logits[row_index].float().log_softmax(-1)  # [R, V]
+        per_row = logprob_rows(raw, token_ids[row_index], num_top)  # [R, 2 + 2K]
+        # The ids too, so that the host waits on a single copy.
+        packed = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
+        batch_size = len(requests)
+        token_list = [int(t) for t in packed[:batch_size]]
+        logprobs: list[TokenLogprob | None] = [None] * batch_size
+        width = 2 + 2 * num_top
+        for r, i in enumerate(rows):
+            row = packed[batch_size + r * width : batch_size + (r + 1) * width]
+            logprobs[i] = token_logprob(token_list[i], row, num_top, requests[i].params.logprobs)
+        return SamplerOutput(token_list, logprobs)
 
     def sample(
         self,
@@ -93,23 +106,23 @@ class Sampler:
             bitmask.apply(logits)
             return logits.argmax(-1)
         requests = self._requests(slots)
-        if bitmask is None and all(self._argmax_only(req) for req in requests):
+        if bitmask is None and all(
+            r.params.greedy_plain and not self._min_tokens_active(r) for r in requests
+        ):
             return logits.argmax(-1) if argmax is None else argmax
 
         x = self.process_logits(logits, requests, bitmask)  # [B, V] fp32
 
         is_greedy = np.array([req.params.greedy for req in requests])
         if is_greedy.all():
-            token_ids = x.argmax(-1)  # [B]
-        elif not is_greedy.any():
-            token_ids = self._sample(x, requests, slots)
-        else:
-            # Masks and temperature never move the argmax, so greedy rows can
-            # take it now and the random rows are sampled over the whole batch.
-            greedy_ids = x.argmax(-1)
-            mask = torch.from_numpy(is_greedy).to(self.device)  # [B]
-            token_ids = torch.where(mask, greedy_ids, self._sample(x, requests, slots))
-        return token_ids
+            return x.argmax(-1)  # [B]
+        if not is_greedy.any():
+            return self._sample(x, requests, slots)
+        # Masks and temperature never move the argmax, so greedy rows can take it now
+        # and the random rows are sampled over the whole batch.
+        greedy_ids = x.argmax(-1)
+        mask = torch.from_numpy(is_greedy).to(self.device)  # [B]
+        return torch.where(mask, greedy_ids, self._sample(x, requests, slots))
 
     def _requests(self, slots: np.ndarray) -> list[Request]:
         by_slot = self.batch.requests
@@ -129,26 +142,12 @@ class Sampler:
         self._apply_min_tokens(x, requests)
         return x
 
-    def _argmax_only(self, req: Request) -> bool:
-        params = req.params
-        if params.argmax_only:
-            return True
-        return (
-            params.greedy
-            and not params.has_penalties
-            and not params.logit_bias
-            and params.logprobs is None
-            and not self._min_tokens_active(req)
-        )
-
     def _min_tokens_active(self, req: Request) -> bool:
         params = req.params
         # Tokens still on the device count: the one sampled now comes after them.
         return req.num_generated_tokens < params.min_tokens and bool(
             self.eos_token_ids or params.stop_token_ids
         )
-
-    # ---- logits processing (in place on the fp32 copy) ----
 
     def _apply_logit_bias(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
         rows, cols, values = [], [], []
@@ -214,13 +213,10 @@ class Sampler:
             index = torch.tensor([rows, cols], device=self.device)  # [2, num_banned]
             x[index[0], index[1]] = float("-inf")
 
-    # ---- sampling ----
-
     def _sample(self, x: torch.Tensor, requests: list[Request], slots: np.ndarray) -> torch.Tensor:
         """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
 
-        Scales and masks x in place.
-        """
+        Scales and masks x in place."""
         params = [req.params for req in requests]
         batch = self.batch
         top_k = batch.top_k[slots]
@@ -253,44 +249,26 @@ class Sampler:
             if req.params.seed is not None and not req.params.greedy:
                 # A seeded row draws only from its own stream, so its tokens
                 # do not depend on what else shares the batch.
-                noise[row].exponential_(generator=self._generator_of(req))
+                if req.generator is None:
+                    req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
+                noise[row].exponential_(generator=req.generator)
         return probs.div_(noise).argmax(-1)
 
-    def _generator_of(self, req: Request) -> torch.Generator:
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device)
-            req.generator.manual_seed(req.params.seed)
-        return req.generator
 
-    # ---- logprobs ----
+def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """[R, 2 + 2k] float64 (exact for ids, ranks and fp32 values, so one copy reads it
+    back): each row's target logprob, its rank (1: the most likely), then the k most
+    likely ids and their logprobs, best first. logprobs: [R, V] log_softmax; targets: [R]."""
+    own = logprobs.gather(1, targets[:, None])  # [R, 1]
+    rank = (logprobs > own).sum(-1, keepdim=True) + 1  # [R, 1]
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [R, k]
+    return torch.cat([t.double() for t in (own, rank, top_ids, top_logprobs)], dim=1)
 
-    def _with_logprobs(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[Request]
-    ) -> SamplerOutput:
-        rows = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
-        num_top = max(requests[i].params.logprobs for i in rows)
-        row_index = torch.tensor(rows, device=self.device)
-        raw = logits[row_index].float().log_softmax(-1)  # [R, V]
-        sampled = token_ids[row_index].unsqueeze(-1)  # [R, 1]
-        sampled_logprob = raw.gather(1, sampled)  # [R, 1]
-        rank = (raw > sampled_logprob).sum(-1, keepdim=True) + 1  # [R, 1]
-        top_logprobs, top_ids = raw.topk(num_top, dim=-1)  # [R, K], best first
 
-        # Everything in one float64 tensor (exact for ids, ranks and fp32
-        # values) so the host waits on a single copy.
-        per_row = torch.cat([sampled_logprob, rank, top_ids, top_logprobs], dim=1)  # [R, 2 + 2K]
-        packed = torch.cat([token_ids.double(), per_row.double().flatten()]).tolist()
-        batch_size = len(requests)
-        token_list = [int(t) for t in packed[:batch_size]]
-        logprobs: list[TokenLogprob | None] = [None] * batch_size
-        width = 2 + 2 * num_top
-        for r, i in enumerate(rows):
-            fields = packed[batch_size + r * width : batch_size + (r + 1) * width]
-            k = requests[i].params.logprobs
-            top = zip(fields[2 : 2 + k], fields[2 + num_top : 2 + num_top + k], strict=True)
-            top_list = [(int(t), lp) for t, lp in top]
-            logprobs[i] = TokenLogprob(token_list[i], fields[0], int(fields[1]), top_list)
-        return SamplerOutput(token_list, logprobs)
+def token_logprob(token_id: int, row: list[float], k: int, num_top: int) -> TokenLogprob:
+    """A logprob_rows row read back, with the num_top (<= k) alternatives asked for."""
+    top = zip(row[2 : 2 + num_top], row[2 + k : 2 + k + num_top], strict=True)
+    return TokenLogprob(token_id, row[0], int(row[1]), [(int(t), lp) for t, lp in top])
 
 
 def _apply_top_k_top_p(
@@ -300,8 +278,7 @@ def _apply_top_k_top_p(
 
     x: [B, V]; top_k, top_p: [B, 1] (top_k == V means off; top_p == 1 means off).
     One ascending sort serves both: top_k keeps the last k columns, top_p drops
-    the leading columns whose cumulative mass stays within 1 - top_p.
-    """
+    the leading columns whose cumulative mass stays within 1 - top_p."""
     sorted_logits, order = x.sort(dim=-1)  # [B, V] ascending
     if top_k is not None:
         kth_col = (x.size(1) - top_k).long()  # [B, 1]

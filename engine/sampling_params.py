@@ -56,14 +56,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
         self._validate()
         # The hot decode path asks this of every request every step: answer once.
-        # Greedy with nothing to apply but a grammar's mask: the masked logits' argmax.
-        self.argmax_masked = (
-            self.greedy
-            and not self.has_penalties
-            and not self.logit_bias
-            and self.logprobs is None
-            and self.min_tokens == 0
+        # Greedy with nothing to apply but a grammar's mask (and min_tokens' while it
+        # lasts): the masked logits' argmax.
+        self.greedy_plain = (
+            self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
         )
+        self.argmax_masked = self.greedy_plain and self.min_tokens == 0
         self.argmax_only = self.argmax_masked and self.grammar is None
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
@@ -73,55 +71,50 @@ class SamplingParams:
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None
 
     def _validate(self) -> None:
-        def bad(param: str, why: str) -> ValueError:
-            return ValueError(f"{param} {why}")
-
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
-            raise bad("temperature", f"must be in [0, 2], got {self.temperature}")
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise bad("seed", f"must fit in 64 bits, got {self.seed}")
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.n < 1 or self.n > 128:
-            raise bad("n", f"must be in [1, 128], got {self.n}")
+            raise ValueError(f"n must be in [1, 128], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise bad(name, f"must be in [-2, 2], got {value}")
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise bad(
-                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
-            )
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.min_tokens < 0:
-            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(
-                "min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if self.grammar is not None and self.min_tokens:
             # The grammar may allow nothing but EOS, which min_tokens forbids.
-            raise bad("min_tokens", "cannot be combined with structured outputs")
+            raise ValueError("min_tokens cannot be combined with structured outputs")
         if any(not s for s in self.stop):
-            raise bad("stop", "must not contain empty strings")
+            raise ValueError("stop must not contain empty strings")
         if self.stop and not self.detokenize:
-            raise bad("stop", "needs detokenize: a stop string is matched in the text")
+            raise ValueError("stop needs detokenize: a stop string is matched in the text")
         if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative token ids")
+            raise ValueError("stop_token_ids must be non-negative token ids")
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0:
-                raise bad("logit_bias", f"has a negative token id {token_id}")
+                raise ValueError(f"logit_bias has a negative token id {token_id}")
             if not -100.0 <= bias <= 100.0:
-                raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:

@@ -89,9 +89,7 @@ class Scheduler:
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
         self.every_row.flags.writeable = False
-        # 0-d arrays: a ufunc takes them for less host time than Python ints.
-        self.block_shift = np.array(config.block_size.bit_length() - 1)  # a power of two
-        self.block_mask = np.array(config.block_size - 1)
+        self.block_shift, self.block_mask = block_table.block_shift, block_table.block_mask
 
     @property
     def running(self) -> list[Request]:
@@ -172,14 +170,9 @@ class Scheduler:
         grows = ends > counts[CAPACITY]
         if np.count_nonzero(grows):
             kept = self._grow(grows.nonzero()[0], slots, counts, ends, preempted)
-            if kept < len(slots):
-                slots, counts, num_new, ends = (
-                    slots[:kept],
-                    counts[:, :kept],
-                    num_new[:kept],
-                    ends[:kept],
-                )
-                total = int(np.add.reduce(num_new))
+            if kept < len(slots):  # the rest were preempted: dropped below
+                num_new[kept:] = 0
+                whole = False
         if not whole:
             keep = num_new > 0
             slots, counts, num_new, ends = slots[keep], counts[:, keep], num_new[keep], ends[keep]
@@ -244,7 +237,8 @@ class Scheduler:
                 continue
             if req.num_inflight:
                 break  # preempted with a token in flight: recompute once its id is known
-            if req.wait_for is not None and not self._prefilled(req.wait_for):
+            first = req.wait_for  # its prompt's blocks are cached once its first id is read
+            if first is not None and not (first.is_finished or first.num_output_tokens):
                 break  # FIFO: nothing overtakes a request held for its sibling
             # Prompt logprobs need the logits at every prompt position: no cache hits.
             fresh = req.num_computed_tokens == 0 and not req.scores_prompt
@@ -263,11 +257,6 @@ class Scheduler:
             admitted.append(req)
             budget -= todo
         self.waiting.extendleft(reversed(compiling))
-
-    @staticmethod
-    def _prefilled(req: Request) -> bool:
-        """Its prompt's blocks are in the prefix cache: its first token has been read."""
-        return req.is_finished or req.num_output_tokens > 0
 
     def _preempt(self, req: Request) -> None:
         self.batch.remove(req)

@@ -175,7 +175,3 @@ class SampledTransport:
         done = self.done[parity]
         done.record(self.stream)
         return SampledIds(self.host_np[parity][:k], done)
-
-    def copied_by_graph(self, k: int, parity: int, fence: Fence) -> SampledIds:
-        """Ids a decode graph copied to host buffer `parity` itself (fence follows it)."""
-        return SampledIds(self.host_np[parity][:k], fence)

@@ -57,10 +57,8 @@ class StepChannel:
         self.header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         self.header_np = self.header.numpy()
 
-    # -- rank 0 ---------------------------------------------------------------
-
     def publish(self, header: StepHeader, score_rows: torch.Tensor | None = None) -> None:
-        """After the step's staged copy: send the workers what this step runs on."""
+        """Rank 0, after the step's staged copy: send the workers what this step runs on."""
         table = self.block_table
         if table.rows_sent is not None:
             header.table_lo, header.table_hi = table.rows_sent
@@ -70,16 +68,14 @@ class StepChannel:
         self._send_all(header, score_rows)
 
     def stop(self) -> None:
-        """The workers leave their loop."""
+        """Rank 0: the workers leave their loop."""
         self.header_np[:] = 0
         self.header_np[0] = STOP
         dist.broadcast(self.header, src=0, group=self.control)
 
-    # -- workers --------------------------------------------------------------
-
     def receive(self) -> tuple[StepHeader, torch.Tensor | None]:
-        """The next step's header, its staged buffer and table rows in place; and its
-        scoring rows, if any."""
+        """A worker: the next step's header, its staged buffer and table rows in place;
+        and its scoring rows, if any."""
         dist.broadcast(self.header, src=0, group=self.control)
         header = StepHeader(*self.header_np[: len(StepHeader.__dataclass_fields__)].tolist())
         if header.path == STOP:
@@ -89,8 +85,6 @@ class StepChannel:
             score_rows = torch.empty(header.num_score_rows, dtype=torch.int64, device=self.device)
         self._send_all(header, score_rows)
         return header, score_rows
-
-    # -- both -----------------------------------------------------------------
 
     def _send_all(self, header: StepHeader, score_rows: torch.Tensor | None) -> None:
         """The broadcasts, in one order on every rank (rank 0 sends, the rest receive)."""

@@ -10,9 +10,10 @@ import numpy as np
 import torch
 
 from engine.block_table import BlockTable
+from engine.config import EngineConfig
 from engine.input_batch import InputBatch
 from engine.scheduler import SchedulerOutput
-from engine.staging import Fence, StagedFields
+from engine.staging import Fence, SampledTransport, StagedFields, WaitClock
 
 
 @dataclass
@@ -31,27 +32,73 @@ class ModelInput:
 
 
 class StepInputs:
-    """ModelRunner's half that writes and sends a step's inputs; the runner's
-    constructor sets up every attribute below, its execute and the CUDA graphs call it."""
+    """ModelRunner's half that writes and sends a step's inputs (its execute and the CUDA
+    graphs call it)."""
 
-    batch: InputBatch | None
-    block_table: BlockTable
-    staged: StagedFields
-    staged_sent: list[Fence]
-    stream: torch.cuda.Stream | None
-    buf: dict[str, np.ndarray]  # this step's host buffer, by field name
-    parity: int
-    num_buffers: int
-    table_pairs: list[int]
-    arange: np.ndarray
-    block_shift: np.ndarray
-    block_mask: np.ndarray
-    table_rows: np.ndarray
-    ids_offset: int
-    sampled_at: np.ndarray
-    sampled_words: np.ndarray
-    sampled_layout: int | None
-    steady_layout: list[int | None]
+    def __init__(
+        self,
+        config: EngineConfig,
+        batch: InputBatch | None,
+        block_table: BlockTable,
+        clock: WaitClock,
+    ) -> None:
+        """The pinned staging buffers, their device twins, and what a fill reuses."""
+        self.batch, self.block_table = batch, block_table
+        device, seqs = config.torch_device, config.max_num_seqs
+        max_tokens = max(config.max_num_batched_tokens, seqs)
+        i64, i32 = torch.int64, torch.int32
+        on_cuda = device.type == "cuda"
+        # Block-table entries a step's graph writes itself: a decode opens at most one
+        # block per sequence, and a step with prompts about one per block_size new
+        # tokens more (prefix-cache hits, beyond that, go as a copy of their rows).
+        self.table_capacity = seqs + max_tokens // config.block_size
+        # On CUDA every host buffer comes twice, used by alternate steps: a step is
+        # written while the last one's copies may still be queued, and the ids of one
+        # are read while the next one's are on their way.
+        self.num_buffers = 2 if on_cuda else 1
+        # Input ids are gathered on the device from the host's ids and the last step's
+        # sampled ids (device-only), so a decode never waits for the host to read them.
+        tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
+        self.staged = StagedFields(
+            {
+                **dict.fromkeys(tokens_fields, (max_tokens, i64)),
+                "slot_indices": (seqs, i64),
+                "logits_indices": (seqs, i64),
+                "seq_lens": (seqs, i32),
+                "query_start_loc": (seqs + 1, i32),
+                # Block-table entries a graph writes (BlockTable.take_changes).
+                "table_index": (self.table_capacity, i64),
+                "table_value": (self.table_capacity, i32),
+            },
+            device,
+            device_only={"sampled_ids": (seqs, i64)},
+            copies=self.num_buffers,
+        )
+        for views in self.staged.nps:  # unused pairs write the table's spare row
+            views["table_index"][:] = self.block_table.pad
+        self.table_pairs = [0] * self.num_buffers  # pairs in use in each host buffer
+        self.ids_offset = self.staged.offset["input_ids"]
+        # Where in StagedFields.words each row of the sampled ids sits.
+        self.sampled_words = self.staged.offset["sampled_ids"] + np.arange(seqs, dtype=np.int64)
+        self.parity = 0  # which of the host buffers this step uses
+        self.buf = self.staged.np  # numpy views to write through, by field name
+        # By host buffer: the InputBatch layout of the steady decode (see fill) that
+        # wrote its slot indices, query starts, logits rows and input gather last
+        # (None: another step, or none yet).
+        self.steady_layout: list[int | None] = [None] * self.num_buffers
+        self.arange = np.arange(max_tokens + 1, dtype=np.int64)
+        # A pinned buffer is rewritten only once the last copy out of it has run: each
+        # staging buffer's fence follows its last copy (a send, or the decode graph
+        # that copies it in).
+        self.staged_sent = [Fence(clock) for _ in range(self.num_buffers)] if on_cuda else []
+        # Recording on a stream object kept here skips building one per call.
+        self.stream = torch.cuda.current_stream(device) if on_cuda else None
+        self.sampled = SampledTransport(self.staged.gpu["sampled_ids"], device, clock)
+        # By slot: where its last sampled token is in StagedFields.words.
+        self.sampled_at = np.zeros(seqs, dtype=np.int64)
+        # The InputBatch layout whose decode (all its rows, in order) last set
+        # sampled_at: row i of the batch at sampled row i. None: another step.
+        self.sampled_layout: int | None = None
 
     def fill(self, out: SchedulerOutput) -> int:
         """Write the step's metadata into the pinned buffers; returns max_query_len.
@@ -60,7 +107,7 @@ class StepInputs:
         is in the InputBatch's token table if the host knows it, else it was sampled
         last step and is still on the device, at its slot's row of the sampled ids."""
         self.next_buffers()
-        buf, arange, shift = self.buf, self.arange, self.block_shift
+        buf, arange, table = self.buf, self.arange, self.block_table
         n, num_tokens = out.num_seqs, out.num_tokens
         slots, starts, num_new = out.slots, out.starts, out.num_new_tokens
         qsl, gather, parity = buf["query_start_loc"], buf["input_gather"][:num_tokens], self.parity
@@ -100,11 +147,11 @@ class StepInputs:
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
         # slot = block * block_size + offset, read off the block table's host mirror.
-        entries = positions >> shift
-        entries += self.table_rows[token_slots]
+        entries = positions >> table.block_shift
+        entries += table.row_start[token_slots]
         np.add(
-            self.block_table.slot_starts[entries],
-            positions & self.block_mask,
+            table.slot_starts[entries],
+            positions & table.block_mask,
             out=buf["slot_mapping"][:num_tokens],
         )
         if not all_on_device:
@@ -131,17 +178,10 @@ class StepInputs:
         if self.staged_sent:
             self.staged_sent[self.parity].wait()
 
-    def send(
-        self,
-        num_tokens: int,
-        num_seqs: int,
-        max_query_len: int,
-        is_decode: bool,
-        num_sampling: int | None = None,  # None: every sequence samples
-    ) -> ModelInput:
-        """The step's copies, and device views of what they fill."""
+    def send(self, *sizes: int) -> ModelInput:
+        """The step's copies, and device views of what they fill (`inputs(*sizes)`)."""
         self.copy_staged()
-        return self.inputs(num_tokens, num_seqs, max_query_len, is_decode, num_sampling)
+        return self.inputs(*sizes)
 
     def inputs(
         self,
@@ -149,7 +189,7 @@ class StepInputs:
         num_seqs: int,
         max_query_len: int,
         is_decode: bool,
-        num_sampling: int | None = None,
+        num_sampling: int | None = None,  # None: every sequence samples
     ) -> ModelInput:
         """Device views of the staged fields for a step of these sizes."""
         gpu = self.staged.gpu

@@ -81,7 +81,7 @@ class StepReader:
 
     def keep_prompt_logprobs(self, scores: PromptScores) -> None:
         batch = self.batch
-        for slot, first, entries in scores:
+        for slot, first, entries in zip(scores.slots, scores.firsts, scores.entries, strict=True):
             req = batch.requests[slot]
             req.add_prompt_logprobs(first, entries)
             if not req.scores_prompt:
@@ -120,8 +120,10 @@ class StepReader:
             if req.status is finished:
                 continue  # its news is noted already
             params = req.params
-            if params.stop:
-                self._detokenize(req)  # a stop string must end it now, not when asked
+            if params.stop:  # a stop string must end it now, not when asked
+                stop_string = detokenize(req)
+                if stop_string is not None:
+                    self.finish(req, "stop", stop_string)
                 if req.status is finished or params.final_only:
                     continue
             # Streamed: every `interval` tokens, the first at once.
@@ -130,8 +132,7 @@ class StepReader:
                 news[req] = None
 
     def _end_grammars(self, grammar: Future) -> None:
-        """Finish the requests whose grammar the step's ids completed (preempted ones
-        too)."""
+        """Finish the requests whose grammar the step's ids completed (preempted ones too)."""
         for req, reason in grammar.result():
             if not req.is_finished:
                 self.finish(req, reason)
@@ -153,9 +154,3 @@ class StepReader:
         siblings = self.requests.get(req.request_id, [])
         if all(r.is_finished for r in siblings):
             self.requests.pop(req.request_id, None)
-
-    def _detokenize(self, req: Request) -> None:
-        """Decode what req gained since last time; finish it at a stop string."""
-        stop_string = detokenize(req)
-        if stop_string is not None:
-            self.finish(req, "stop", stop_string)

@@ -55,13 +55,6 @@ class Membership:
     config: EngineConfig
 
 
-def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    base = config.torch_device
-    if base.type != "cuda":
-        return base
-    return torch.device("cuda", (base.index or 0) + rank % config.ranks_per_node)
-
-
 def init_method(config: EngineConfig) -> str:
     """Rank 0's TCP rendezvous address; port 0 picks a free one (a single node)."""
     port = config.master_port
@@ -74,8 +67,9 @@ def init_method(config: EngineConfig) -> str:
 
 def join(config: EngineConfig, rank: int, address: str) -> Membership:
     """Join the group as `rank`; every rank leaves with rank 0's engine config."""
-    device = rank_device(config, rank)
-    if device.type == "cuda":
+    device = config.torch_device
+    if device.type == "cuda":  # the node's device rank % ranks_per_node
+        device = torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
@@ -158,7 +152,7 @@ class Workers:
         }
         # Registered after multiprocessing's own exit handler, so it runs first: the
         # daemon workers that handler then terminates are not reported as failures.
-        atexit.register(self._exiting)
+        atexit.register(setattr, self, "stopping", True)
         self._watcher = threading.Thread(target=self._watch, name="pagoda-tp-watch", daemon=True)
         self._watcher.start()
 
@@ -183,9 +177,6 @@ class Workers:
                     for _, other in list(running.values()):  # they cannot go on alone
                         other.kill()
                     _abort_nccl()
-
-    def _exiting(self) -> None:
-        self.stopping = True
 
     def check(self) -> None:
         if self.failure is not None:

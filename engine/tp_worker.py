@@ -60,20 +60,12 @@ def follow_steps(runner: ModelRunner) -> None:
 
 def build_runner(config: EngineConfig, membership) -> ModelRunner:
     from engine.models.demo import ensure_demo_model
-    from engine.models.loader import checkpoint_dtype, load_config, load_model
+    from engine.models.loader import load_config, load_for_engine
 
     model_dir = config.model or ensure_demo_model()
     hf_config = load_config(model_dir)
-    dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-    model, _ = load_model(
-        model_dir,
-        config.torch_device,
-        dtype,
-        hf_config,
-        tp=membership.tp,
-        quantization=config.quantization,
-    )
-    return ModelRunner(config, model, hf_config, None, membership)
+    model = load_for_engine(config, model_dir, hf_config, membership.tp)
+    return ModelRunner(config, model, None, membership)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from engine.structured.spec import GrammarSpec, check
+from engine.structured.spec import GrammarSpec, build_grammar
 from server.errors import APIError
 from server.protocol import SamplingRequest
 
@@ -42,7 +42,7 @@ def grammar_of(
 def _check(spec: GrammarSpec) -> str | None:
     """Why spec is invalid, or None; remembered, so a schema sent again costs nothing."""
     try:
-        check(spec)
+        build_grammar(spec)
     except ValueError as exc:
         return str(exc)
     return None

@@ -18,7 +18,7 @@ from engine.models.layers import (
     layer_sliding_windows,
     rope_settings,
 )
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import TensorSlice, WeightSlice, read
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
@@ -36,18 +36,13 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported hidden_activation {config.hidden_activation!r}")
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
     def __init__(
         self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
     ) -> None:
-        super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.mlp = LlamaMLP(config, tp, act="gelu_tanh")
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        super().__init__(config, rotary, sliding_window, LlamaMLP(config, tp, act="gelu_tanh"), tp)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,

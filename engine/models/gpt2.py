@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import ACTIVATIONS, AttentionMetadata, LayerNorm, LMHead, PagedAttention
+from engine.models.layers import AttentionMetadata, LayerNorm, LMHead, PagedAttention
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -24,6 +26,8 @@ from engine.models.parallel import (
 # so those weights are read transposed into nn.Linear's [out, in].
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+ACTIVATIONS |= dict.fromkeys(TANH_GELU, functools.partial(F.gelu, approximate="tanh"))
 IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old checkpoints
 
 
@@ -95,12 +99,8 @@ class GPT2ForCausalLM(nn.Module):
                 continue
             if name.endswith(TRANSPOSED):
                 weight = Transposed(weight)
-            ours = (
-                name.replace("attn.c_attn", "c_attn")
-                .replace("attn.c_proj", "c_proj")
-                .replace("mlp.c_fc", "c_fc")
-                .replace("mlp.c_proj", "mlp_proj")
-            )
+            ours = name.replace("mlp.c_proj", "mlp_proj").replace("attn.c_", "c_")
+            ours = ours.replace("mlp.c_fc", "c_fc")
             if ours == "wte.weight":
                 load_weight(self.lm_head, "weight", weight, name)  # GPT-2 always ties its head
                 loaded.add("lm_head.weight")

@@ -11,11 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.parallel import WeightSlice, load_vocab_rows, read, split, vocab_rows
+from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
@@ -70,12 +69,10 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         # Set by the model runner once the cache is allocated.
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.k_cache = self.v_cache = torch.empty(0)
         self.ops: AttentionOps | None = None
         # An FP8 cache holds K / k_scale and V / v_scale (from the checkpoint, else 1.0).
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -212,8 +209,7 @@ def longrope_cos_sin(
     Per position, so a cached key never changes. transformers instead re-runs a
     sequence's whole context with the long factors once it passes the original length
     (Phi3ForCausalLM.prepare_inputs_for_generation): the two agree token for token
-    while prompt + generation fit original_max_position_embeddings, and differ after.
-    """
+    while prompt + generation fit original_max_position_embeddings, and differ after."""
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_positions / original
     attention_factor = scaling.get("attention_factor")
@@ -277,38 +273,20 @@ class LMHead(nn.Module):
     50257 is slow). Vocab-parallel: each rank holds its share of the padded rows (64 * size
     of them), and the shares' logits are gathered (TensorParallel.gather_logits)."""
 
-    def __init__(
-        self, vocab_size: int, hidden_size: int, bias: bool = False, tp: TensorParallel = SINGLE
-    ) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp = tp
         self.vocab_start, rows = vocab_rows(vocab_size, 64, tp)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
+        logits = dense(hidden, self.weight, None)  # [rows, this rank's vocab]
         if self.tp.size > 1:
             logits = self.tp.gather_logits(logits)
         return logits[:, : self.vocab_size]
 
-    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
-        """This rank's rows of a [vocab, hidden] matrix; the padding rows stay zero."""
-        load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_new": gelu_tanh,
-    "gelu_pytorch_tanh": gelu_tanh,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-}
+    load_shard = VocabParallelEmbedding.load_shard  # the same rows of the same matrix
 
 
 class HeadNorm(nn.Module):

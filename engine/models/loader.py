@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
@@ -28,7 +30,7 @@ from engine.models.quantization import (
 )
 from kernels.fp8 import check_fp8_device, fp8_supported
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("pagoda.engine")
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
 MODEL_TYPES: dict[str, type[nn.Module]] = {
@@ -96,16 +98,12 @@ def _initialisers_skipped() -> Iterator[None]:
     names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
     saved = {name: getattr(nn.init, name) for name in names}
     for name in saved:
-        setattr(nn.init, name, _return_tensor)
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-def _return_tensor(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return tensor
 
 
 def max_model_len(config: PretrainedConfig) -> int:
@@ -200,6 +198,24 @@ def load_model(
         )
     set_kv_scales(model, kv_scales)
     return _finish(model, device, quantization), config
+
+
+def load_for_engine(
+    config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, tp: TensorParallel
+) -> nn.Module:
+    """This rank's shard on the config's device, dtype and quantization, logged."""
+    device, dtype = config.torch_device, config.torch_dtype(checkpoint_dtype(hf_config))
+    start = time.perf_counter()
+    layers, dtype_name = hf_config.num_hidden_layers, str(dtype).removeprefix("torch.")
+    kind = hf_config.model_type
+    logger.info(
+        "loading %s (%s, %d layers) on %s in %s", model_dir, kind, layers, device, dtype_name
+    )
+    model, _ = load_model(model_dir, device, dtype, hf_config, tp, config.quantization)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    seconds = time.perf_counter() - start
+    logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, seconds)
+    return model
 
 
 def _finish(model: nn.Module, device: torch.device, quantization: str | None) -> nn.Module:

@@ -112,9 +112,6 @@ def load_weight(
         raise ValueError(f"{name}: {e}") from e
 
 
-# -- shard arithmetic ---------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Section:
     """One part of a fused weight (q, k or v; gate or up) as the checkpoint holds it:
@@ -178,9 +175,6 @@ def head_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParal
     return HeadShard(num_heads // tp.size, kv_heads, head_dim, (q, kv, kv))
 
 
-# -- layers -------------------------------------------------------------------
-
-
 class ColumnParallelLinear(nn.Linear):
     """Output features split: this rank's rows of each section, sections in order (its q,
     k, v heads; its gate rows then its up rows). The forward is nn.Linear's product
@@ -230,10 +224,7 @@ class RowParallelLinear(nn.Linear):
         param = getattr(self, leaf).data
         if leaf == "bias":
             bias = read(weight, [self.out_features])
-            if self.tp.is_driver:
-                param.copy_(bias)
-            else:
-                param.zero_()
+            param.copy_(bias if self.tp.is_driver else torch.zeros_like(bias))
             return
         cols = ((self.in_start, self.in_start + self.in_features),)
         param.copy_(read(weight, [self.out_features, self.full_in_features], cols, dim=1))
@@ -244,17 +235,6 @@ def vocab_rows(vocab_size: int, multiple: int, tp: TensorParallel) -> tuple[int,
     rows so that every rank's share is a whole number of `multiple`s."""
     padded = -(-vocab_size // (multiple * tp.size)) * multiple * tp.size
     return tp.shard(padded)
-
-
-def load_vocab_rows(param: torch.Tensor, weight: WeightSlice, vocab_size: int, start: int) -> None:
-    """This rank's rows of a [vocab, hidden] matrix; rows past the vocabulary stay zero."""
-    shape = [vocab_size, param.shape[1]]
-    stop = min(start + param.shape[0], vocab_size)
-    param.zero_()
-    if stop > start:
-        param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
-    else:  # a small vocabulary over many ranks: all of this rank's rows are padding
-        check_shape(weight, shape)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -276,4 +256,13 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
-        load_vocab_rows(self.weight.data, weight, self.vocab_size, self.vocab_start)
+        """This rank's rows of a [vocab, hidden] matrix (LMHead's too); rows past the
+        vocabulary stay zero."""
+        param, start = self.weight.data, self.vocab_start
+        shape = [self.vocab_size, param.shape[1]]
+        stop = min(start + param.shape[0], self.vocab_size)
+        param.zero_()
+        if stop > start:
+            param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
+        else:  # a small vocabulary over many ranks: all of this rank's rows are padding
+            check_shape(weight, shape)

@@ -91,9 +91,6 @@ def quantize_model(model: nn.Module) -> int:
     return count
 
 
-# -- FP8 checkpoints -----------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Fp8Checkpoint:
     """How a checkpoint stores its FP8 weights (from config.json's quantization_config)."""
@@ -204,8 +201,7 @@ def dequantize_checkpoint(
     """The checkpoint's tensors with each fp8 `weight` multiplied by its scale (fp32),
     scales and static activation scales dropped, k/v cache scales collected. Each
     tensor is read whole (a block's scale spans the ranks' slices)."""
-    weights_waiting: dict[str, torch.Tensor] = {}  # module prefix -> fp8 weight
-    scales_waiting: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}  # module prefix -> its fp8 weight or its scale
     scale_suffixes = tuple("." + s for s in scheme.scale_names)
     for name, unread in weights:
         tensor = unread[...]
@@ -215,33 +211,23 @@ def dequantize_checkpoint(
             continue
         if name.endswith(DROPPED_SUFFIXES):
             continue
-        if name.endswith(scale_suffixes):
-            prefix = name.rpartition(".")[0]
-            if prefix in weights_waiting:
-                w = weights_waiting.pop(prefix)
-                yield (
-                    f"{prefix}.weight",
-                    TensorSlice(dequantize_weight(w, tensor, scheme.block_size)),
-                )
-            else:
-                scales_waiting[prefix] = tensor
+        is_weight = name.endswith(".weight") and tensor.dtype == FP8_DTYPE
+        if not is_weight and not name.endswith(scale_suffixes):
+            yield name, TensorSlice(tensor)
             continue
-        if name.endswith(".weight") and tensor.dtype == FP8_DTYPE:
-            prefix = name.removesuffix(".weight")
-            if prefix in scales_waiting:
-                scale = scales_waiting.pop(prefix)
-                yield name, TensorSlice(dequantize_weight(tensor, scale, scheme.block_size))
-            else:
-                weights_waiting[prefix] = tensor
+        prefix = name.rpartition(".")[0]
+        other = waiting.pop(prefix, None)
+        if other is None:  # the first of the pair: it waits for the other
+            waiting[prefix] = tensor
             continue
-        yield name, TensorSlice(tensor)
-    if weights_waiting:
-        names = sorted(weights_waiting)[:3]
+        weight, scale = (tensor, other) if is_weight else (other, tensor)
+        yield f"{prefix}.weight", TensorSlice(dequantize_weight(weight, scale, scheme.block_size))
+    weights = sorted(p for p, t in waiting.items() if t.dtype == FP8_DTYPE)[:3]
+    if weights:
         scale = " or ".join(scheme.scale_names)
-        raise ValueError(f"fp8 weights without their {scale}: {', '.join(names)}")
-    if scales_waiting:
-        names = sorted(scales_waiting)[:3]
-        raise ValueError(f"weight scales without an fp8 weight: {', '.join(names)}")
+        raise ValueError(f"fp8 weights without their {scale}: {', '.join(weights)}")
+    if waiting:
+        raise ValueError(f"weight scales without an fp8 weight: {', '.join(sorted(waiting)[:3])}")
 
 
 def set_kv_scales(model: nn.Module, kv_scales: dict[int, dict[str, float]]) -> None:

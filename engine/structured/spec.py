@@ -60,18 +60,14 @@ class GrammarSpec:
 
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """The spec's Grammar; ValueError saying what is wrong with an invalid one."""
+    """The spec's Grammar; ValueError saying what is wrong with an invalid one (any
+    thread, no tokenizer: the check the server runs before queueing)."""
     import xgrammar as xgr  # here: SamplingParams imports this module, and most never need it
 
     try:
-        if spec.kind == "json":
-            return _strict_strings(
-                xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            )
-        if spec.kind == "json_object":
-            return _strict_strings(
-                xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
-            )
+        if spec.kind in ("json", "json_object"):
+            schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+            return _strict_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
@@ -80,11 +76,6 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.spec)
     except RuntimeError as exc:  # xgrammar reports parse errors as RuntimeError
         raise ValueError(f"invalid {_NAMES[spec.kind]}: {_reason(exc)}") from None
-
-
-def check(spec: GrammarSpec) -> None:
-    """Raise ValueError if the spec cannot be compiled (any thread, no tokenizer)."""
-    build_grammar(spec)
 
 
 _NAMES = {
