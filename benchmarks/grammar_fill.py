@@ -41,7 +41,7 @@ import torch
 import xgrammar as xgr
 
 from benchmarks.checkpoints import CONFIGS, synthetic_tokenizer
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import git_commit, package_version, write_result
 from benchmarks.structured import SCHEMAS
 from engine.structured.grammars import Grammars, GrammarState
 from engine.structured.spec import GrammarSpec
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
-        "xgrammar": _version("xgrammar"),
+        "xgrammar": package_version("xgrammar"),
         "batch": args.batch,
         "schema": args.schema,
         "models": [run_model(name, args) for name in args.models],
@@ -287,15 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     write_result(args.out, result)
     return 0
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

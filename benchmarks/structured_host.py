@@ -48,7 +48,7 @@ import torch
 import xgrammar as xgr
 
 from benchmarks.checkpoints import synthetic_tokenizer
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import git_commit, package_version, write_result
 from benchmarks.structured import SCHEMAS
 from engine.structured import masks as masks_module
 from engine.structured.grammars import Grammars, GrammarState
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "commit": git_commit(),
         "cpus": os.cpu_count(),
-        "xgrammar": _version("xgrammar"),
+        "xgrammar": package_version("xgrammar"),
         "batch": args.batch,
         "vocab": GPT2_VOCAB,
         "schema": args.schema,
@@ -318,15 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=2))
     write_result(args.out, result)
     return 0
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":
