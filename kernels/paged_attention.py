@@ -136,7 +136,8 @@ def _decode_kernel(
     if KV_FP8 and q.dtype == tl.bfloat16:
         # The tiles' dots in fp16: e4m3 -> fp16 is one conversion per pair of values, e4m3
         # -> bf16 several, enough to make an FP8 tile cost about what a bf16 one does.
-        # bf16 queries fit fp16 (|q| < 65504); the probabilities are <= 1.
+        # Queries are taken to be within fp16's range (|q| < 65504), as attention queries
+        # are; the probabilities are <= 1.
         q = q.to(tl.float16)
 
     # This split's share of the window's tiles (BLOCK_N tokens each); only here do
