@@ -117,7 +117,7 @@ class GrammarMasks:
         self.device_index = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
         self.indexed = np.zeros(0, dtype=np.int64)  # the slots device_index holds
         self.first_slots = np.arange(max_num_seqs, dtype=np.int64)
-        self.threads = threads  # the fill's, the worker's own included
+        self.threads = threads  # xgrammar's for a fill, at most
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-masks")
         self.batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
         self.num_jobs = 0  # handed to the worker; each sets the flag to its number when done
