@@ -27,7 +27,9 @@ class DeviceFlag:
         self.device = device
         self.value = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.np = self.value.numpy().view(np.uint32)
-        cuda = ctypes.CDLL("libcuda.so.1")
+        # PyDLL keeps the GIL through the calls: a wait is only queued, and letting the
+        # GIL go would make the engine thread take it back behind the grammar worker.
+        cuda = ctypes.PyDLL("libcuda.so.1")
         self._wait = cuda.cuStreamWaitValue32_v2
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._wait.restype = ctypes.c_int
