@@ -11,7 +11,7 @@ when nothing else is). Each step, on the same states, is timed:
 
 - accept: the rows' ids accepted one `accept_token` call at a time, or by
   `BatchGrammarMatcher.batch_accept_token`, or as the engine does it:
-  `GrammarMasks.follow` has its worker accept them and fill the next masks (its
+  `GrammarMasks.accept` accepts them and has its worker fill the next masks (its
   latency, handoff included), then `GrammarMasks.build` on the calling thread
   (the engine thread's share: the plan, the copy and the gather; on a CPU device,
   also a round trip to the worker); steps rotate;
@@ -162,9 +162,9 @@ def run_model(name: str, args) -> dict:
         elif how == "loop":
             ok = [m.accept_token(t) for m, t in zip(matchers, ids)]
         else:
-            ended = masks.follow(np.array(ids), rows, generations, every)
-            masks.drain()  # the worker's whole job: accept, then fill
-            ok = [not ended.result()]
+            ended = masks.follow(rows, generations, every).accept(np.array(ids))
+            masks.drain()  # the accept, then the worker's fill
+            ok = [not ended]
         elapsed = time.perf_counter() - start
         if how == "engine":
             start = time.perf_counter()
@@ -233,7 +233,7 @@ def run_model(name: str, args) -> dict:
         "logits_vocab": vocab_size,
         "tokenizer_vocab": token_vocab,
         "bitmask_words": {"tokenizer": words, "logits": masks.width},
-        # engine: masks.follow's worker, accept and fill, until its result is in
+        # engine: the masks' accept, then the worker's fill until it is done
         "accept_ms_per_step": {k: summary(v) for k, v in accept.items()},
         "build_after_follow_ms_per_step": summary(after_follow),
         "fill_ms_per_step": {k: summary(v) for k, v in times.items()},

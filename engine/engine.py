@@ -239,10 +239,10 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once. Grammar rows' masks follow every id without the host
-        waiting: a worker thread has their matchers accept N-1's ids as they land
-        and fill step N's masks, and the device waits for it before sampling
-        (engine/structured/masks.py)."""
+        own ids at once. A step with grammar rows reads N-1 before sampling too:
+        their matchers accept N-1's ids as they are read, a worker thread fills
+        step N's masks while the device runs forward N, and the device waits for
+        it before sampling (engine/structured/masks.py)."""
         grammars = self._grammars
         if grammars is not None and grammars.waiting:  # raises for failed compilations
             idle = not self.scheduler.running and self.inflight is None
@@ -262,7 +262,7 @@ class Engine:
             )
             grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
-            if sync and prev is not None:
+            if (sync or grammar) and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
                 self.reader.read(prev)
                 prev = None
@@ -270,7 +270,9 @@ class Engine:
                     void = batch.generation[sampling] != generations
             if len(sampling):
                 rows = batch.has_grammar[sampling] if grammar else None
-                grammar = rows is not None and rows.any()  # a read may have ended them
+                if rows is not None and void is not None:
+                    rows &= ~void  # ended by the read: their slots may be empty
+                grammar = rows is not None and rows.any()
                 with self._range("sample"):
                     bitmask = None
                     if grammar:  # filled on the masks' worker while the device runs forward
@@ -288,8 +290,8 @@ class Engine:
                 else:
                     ids = self.runner.keep_sampled(token_ids)
                 step = LaunchedStep(sampling, mark, ids, logprobs)
-                if grammar:  # the matchers follow the ids on the masks' worker
-                    step.grammar = masks.follow(ids, sampling, occupants, rows)
+                if grammar:  # the matchers accept the ids as they are read
+                    step.grammar = masks.follow(sampling, occupants, rows)
                 if sync:
                     self.reader.read(step)
                 else:

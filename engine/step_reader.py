@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from engine.request import Request, RequestStatus, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
 
+if TYPE_CHECKING:  # xgrammar is imported with the first structured request
+    from engine.structured.masks import GrammarRows
+
 
 @dataclass
 class LaunchedStep:
@@ -32,8 +35,8 @@ class LaunchedStep:
     mark: LaunchMark
     token_ids: SampledIds | np.ndarray
     logprobs: list[TokenLogprob | None] | None = None
-    # Its grammar rows' matchers following the ids: the requests they end ([(req, reason)])
-    grammar: Future[list[tuple[Request, str]]] | None = None
+    # Its grammar rows, whose matchers accept the ids as they are read
+    grammar: GrammarRows | None = None
 
 
 class StepReader:
@@ -65,11 +68,16 @@ class StepReader:
                 ids = ids.numpy()
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
+            ended = None
+            if step.grammar is not None:  # ended by an earlier id: this one is void
+                self._end_grammars(step.grammar.take_refused())
             got = self.batch.read(step.slots, step.mark, ids)
+            if step.grammar is not None:  # the worker has them accepted, and fills next masks
+                ended = step.grammar.accept(ids)
             if got is not None:
-                self._apply(got, step.grammar)
-            elif step.grammar is not None:  # its rows may all have left since
-                self._end_grammars(step.grammar)
+                self._apply(got, ended)
+            elif ended:  # its rows may all have left since
+                self._end_grammars(ended)
 
     def _keep_logprobs(self, step: LaunchedStep) -> None:
         batch = self.batch
@@ -87,7 +95,7 @@ class StepReader:
             if not req.scores_prompt:
                 batch.prompt_scored(slot)
 
-    def _apply(self, got: ReadTokens, grammar: Future | None) -> None:
+    def _apply(self, got: ReadTokens, ended: list[tuple[Request, str]] | None) -> None:
         """The read ids' consequences, for the few rows that have any: first tokens,
         stops, and the news of streamed requests."""
         batch = self.batch
@@ -109,8 +117,8 @@ class StepReader:
                 token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
             ):
                 self._check_token_stop(req, token_id)
-        if grammar is not None:  # after the stops: a stop id ends it first
-            self._end_grammars(grammar)
+        if ended:  # after the stops: a stop id ends it first
+            self._end_grammars(ended)
         if not got.streamed:
             return
         interval = self.config.stream_interval
@@ -131,9 +139,9 @@ class StepReader:
             if interval == 1 or not emitted or len(req.output_ids) - emitted >= interval:
                 news[req] = None
 
-    def _end_grammars(self, grammar: Future) -> None:
+    def _end_grammars(self, ended: list[tuple[Request, str]]) -> None:
         """Finish the requests whose grammar the step's ids completed (preempted ones too)."""
-        for req, reason in grammar.result():
+        for req, reason in ended:
             if not req.is_finished:
                 self.finish(req, reason)
 

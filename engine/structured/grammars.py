@@ -41,8 +41,8 @@ class GrammarError(RuntimeError):
 class GrammarState:
     """One choice's grammar: compiling, then a matcher that follows its output.
 
-    Once running, its matcher (and `done`) belong to the masks' worker thread, which
-    has a step's ids accepted and ends the grammars they complete (masks.py)."""
+    Once running, its matcher is used by the masks' worker, which has each step's ids
+    accepted and fills the next mask (masks.py)."""
 
     def __init__(self, request_id: str, compiled: Future[xgr.CompiledGrammar]) -> None:
         self.request_id = request_id

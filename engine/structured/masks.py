@@ -1,30 +1,30 @@
 """GrammarMasks: a step's token bitmask, filled off the engine thread.
 
 A grammar row's mask for step N depends on step N-1's id, which lands on the host
-while the device runs forward N. So the matchers' work runs on one worker thread,
-in the order it is handed over:
+while the device runs forward N. A step with grammar rows reads N-1's ids before
+it samples (engine.py), and the engine thread, which waits for them anyway:
 
-- `follow` (after a step is launched): wait for its ids, have the rows' matchers
-  accept them (the future it returns: the requests those ids ended), then fill the
-  rows' next masks, each in its slot's host row;
-- `build` (before a step samples): hand the worker what changed since the last
-  step, if anything: rows it could not know (a request's first sample, or one back
-  from preemption) to fill, and slots without a grammar now to reset. Then let the
-  step's copy go: on CUDA the stream waits for the worker's last job
-  (device_flag.py) and the engine thread runs on; elsewhere the engine thread
-  waits. The copy, the gather of the sampling rows' masks in the batch's order (none
-  when they are the first slots, in order), and the sampler queue behind it.
+- `accept` (as the ids are read): ends the grammars a stop id completes (the mask
+  allows one only there), and hands a worker thread the rest: their matchers
+  accept their ids and fill their next masks, each in its slot's host row (one
+  xgrammar call each, which releases the GIL; the fill splits the rows over
+  xgrammar's threads). An id a matcher refuses (possible only when the mask allowed
+  nothing) ends its request at the next step's read, before its next id is read;
+- `build` (before the step samples): hands the worker the rows it could not know
+  (a request's first sample, or one back from preemption) and the slots without a
+  grammar now, to reset. Then it lets the step's copy go: on CUDA the stream waits
+  for the worker's last job (device_flag.py) and the engine thread runs on;
+  elsewhere the engine thread waits. The copy, the gather of the sampling rows'
+  masks in the batch's order (none when they are the first slots, in order), and
+  the sampler queue behind it.
 
-Both threads share the GIL, so each holds it as briefly as it can: per step the
-engine thread does a few array operations and queues a job, and the worker makes
-one xgrammar call for the whole batch's ids and one for its masks (each releases
-the GIL), with array operations around them. Per-slot state lives in arrays and
-lists by slot, set when a request's first mask is asked for, not rebuilt per step;
-the worker's (matchers, owners, which ended) is only written by the worker, in job
-order, so a job sees the slots as they were when it was queued.
+The worker makes no CUDA call and takes the GIL only around its xgrammar calls, so
+the engine thread's launches neither wait for it nor contend with it in the
+driver. Per-slot state (owners, which ended) lives in lists and arrays by slot,
+set when a request's first mask is asked for, and is the engine thread's.
 
 Host rows are only written by the worker, after the step whose copy read them
-last has been waited for (its ids, sampled after the copy).
+last has been waited for (its ids are read before a job is handed over).
 
 Host rows are per slot and as wide as the tokenizer's vocabulary (what xgrammar
 fills); device rows are as wide as the logits, and past the tokenizer a grammar
@@ -43,11 +43,10 @@ import torch
 import xgrammar as xgr
 from xgrammar.base import _core
 
-from engine.staging import SampledIds
 from engine.structured.device_flag import DeviceFlag
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from engine.request import Request
 
@@ -82,6 +81,26 @@ class BatchBitmask:
         xgr.apply_token_bitmask_inplace(logits, self.bits)
 
 
+@dataclass
+class GrammarRows:
+    """A launched step's grammar rows: their slots, and which of the step's rows they
+    are (None: all)."""
+
+    masks: GrammarMasks
+    slots: np.ndarray
+    rows: np.ndarray | None
+
+    def take_refused(self) -> list[tuple[Request, str]]:
+        """Before the step's ids are read: the requests an earlier id of theirs ended
+        (masks.take_refused)."""
+        return self.masks.take_refused()
+
+    def accept(self, ids: np.ndarray) -> list[tuple[Request, str]]:
+        """The step's ids [one per row] read: the matchers accept theirs (the requests
+        they complete end with "stop")."""
+        return self.masks.accept(self.slots, ids if self.rows is None else ids[self.rows])
+
+
 class GrammarMasks:
     def __init__(
         self,
@@ -99,15 +118,15 @@ class GrammarMasks:
         self.is_stop = np.zeros(vocab_size, dtype=bool)
         self.is_stop[list(stop_token_ids)] = True
         pin = self.device.type == "cuda"
-        # The worker's, by slot: the host rows [slots, words], and whose rows they are.
+        # The worker's: the host rows [slots, words].
         self.host = torch.full((max_num_seqs, self.words), -1, dtype=torch.int32, pin_memory=pin)
         self.host_np = self.host.numpy()
-        self.matchers: list[xgr.GrammarMatcher | None] = [None] * max_num_seqs
-        self.owners: list[Request | None] = [None] * max_num_seqs
-        self.ended = np.zeros(max_num_seqs, dtype=bool)  # its matcher ended: ids after, void
-        # The engine thread's, by slot: the device rows, whether the slot was a grammar's
+        # The engine thread's, by slot: whose rows they are, whether its matcher ended
+        # (ids after, void), the device rows, whether the slot was a grammar's
         # at its last build (its host row filled, its padding bits 0), and the generation
         # whose next mask the worker was last asked to fill.
+        self.owners: list[Request | None] = [None] * max_num_seqs
+        self.ended = np.zeros(max_num_seqs, dtype=bool)
         self.slots = torch.full((max_num_seqs, self.width), -1, dtype=torch.int32, device=device)
         self.grammar_slot = np.zeros(max_num_seqs, dtype=bool)
         self.filled_generation = np.full(max_num_seqs, -1, dtype=np.int64)
@@ -120,6 +139,8 @@ class GrammarMasks:
         self.threads = threads  # xgrammar's for a fill, at most
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-masks")
         self.batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
+        # (slot, owner) of ids a matcher refused: the worker's, taken by the engine thread.
+        self.refused: list[tuple[int, Request]] = []
         self.num_jobs = 0  # handed to the worker; each sets the flag to its number when done
         self.last: Future | None = None  # the worker's last job
         self.failure: BaseException | None = None  # a job's, raised by the next build
@@ -133,6 +154,42 @@ class GrammarMasks:
 
     # -- the worker's --------------------------------------------------------------
 
+    def _job(
+        self,
+        number: int,
+        owners: list[Request],
+        slots: list[int],
+        ids: list[int] | None,
+        reset: list[int],
+    ) -> None:
+        """The owners' matchers accept their ids (if any), and fill their rows' next
+        masks; rows in reset (no grammar now, or their next id void) go to all ones."""
+        try:
+            if reset:
+                self.host_np[reset] = -1
+            matchers = [owner.structured.matcher for owner in owners]
+            refused = None if ids is None else accept_all(matchers, ids)
+            if refused is not None:
+                go_on = [i for i, ok in enumerate(refused) if ok]
+                for i in (i for i, ok in enumerate(refused) if not ok):
+                    # The mask allowed no other id: only a grammar that no token can
+                    # continue gets here (every logit masked). It ends that request, not
+                    # the batch, at the engine's next read; its next id is void.
+                    owner = owners[i]
+                    logger.error("%s: token %d is outside its grammar", owner.request_id, ids[i])
+                    owner.structured.done = True
+                    self.host_np[slots[i]] = -1
+                    self.refused.append((slots[i], owner))
+                matchers = [matchers[i] for i in go_on]
+                slots = [slots[i] for i in go_on]
+            self.fill(matchers, slots)
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        finally:
+            if self.flag is not None:  # even after a failure: the stream must go on
+                self.flag.set(number)
+
     def fill(self, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:
         """Fill these matchers' host rows (each where its next id starts), in one
         xgrammar call that releases the GIL and splits the rows over its threads."""
@@ -144,124 +201,61 @@ class GrammarMasks:
             batch = self.batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
         batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
 
-    def _follow(
-        self,
-        number: int,
-        ids: np.ndarray,
-        landed: torch.cuda.Event | None,
-        rows: np.ndarray | None,
-        slots: np.ndarray,
-        ended: Future,
-    ) -> None:
-        try:
-            try:
-                if landed is not None:
-                    landed.synchronize()
-                ids = ids[rows] if rows is not None else ids.copy()  # the buffer is reused
-                live = ~self.ended[slots]  # ended by an earlier id: this one is void
-                if not live.all():
-                    slots, ids = slots[live], ids[live]
-                slot_list = slots.tolist()
-                matchers = [self.matchers[slot] for slot in slot_list]
-                ends, over = self._accept(matchers, slots, ids)
-            except BaseException as exc:
-                ended.set_exception(exc)
-                raise
-            ended.set_result(ends)
-            try:
-                if over is None:
-                    self.fill(matchers, slot_list)
-                else:
-                    go_on = np.flatnonzero(~over).tolist()
-                    self.fill([matchers[i] for i in go_on], [slot_list[i] for i in go_on])
-                    self.host_np[slots[over]] = -1  # the row's next id is void: any will do
-            except BaseException as exc:
-                self.failure = exc
-                raise
-        finally:
-            self._done(number)
-
-    def _accept(
-        self, matchers: list[xgr.GrammarMatcher], slots: np.ndarray, ids: np.ndarray
-    ) -> tuple[list[tuple[Request, str]], np.ndarray | None]:
-        """The rows' matchers accept their ids: the requests this ends, and how; and
-        which rows ended (None: none did)."""
-        refused = accept_all(matchers, ids.tolist())
-        stops = self.is_stop[ids]  # accepted: the grammar is complete
-        if refused is None and not stops.any():
-            return [], None
-        over = stops if refused is None else stops | (np.array(refused) == 0)
-        ends = []
-        for i in np.flatnonzero(over).tolist():
-            slot = int(slots[i])
-            owner = self.owners[slot]
-            if refused is not None and not refused[i]:
-                # The mask allowed no other id. Only a grammar that no token can continue
-                # gets here (every logit masked): end this request, not the batch.
-                logger.error("%s: token %d is outside its grammar", owner.request_id, ids[i])
-                reason = "abort"
-            else:
-                reason = "stop"
-            self.ended[slot] = owner.structured.done = True
-            ends.append((owner, reason))
-        return ends, over
-
-    def _prepare(
-        self, number: int, entering: list[tuple[int, Request]], plain: np.ndarray | None
-    ) -> None:
-        try:
-            slots, matchers = [], []
-            for slot, owner in entering:
-                state = owner.structured
-                self.owners[slot], self.matchers[slot] = owner, state.matcher
-                self.ended[slot] = state.done
-                if state.done:  # ended by an id not read yet: its row is void
-                    self.host_np[slot] = -1
-                else:
-                    slots.append(slot)
-                    matchers.append(state.matcher)
-            self.fill(matchers, slots)
-            if plain is not None:  # a grammar's row before: all ones again
-                self.host_np[plain] = -1
-                for slot in plain.tolist():
-                    self.owners[slot] = self.matchers[slot] = None
-        except BaseException as exc:
-            self.failure = exc
-            raise
-        finally:
-            self._done(number)
-
-    def _done(self, number: int) -> None:
-        """A job is over (even after a failure: the stream must go on)."""
-        if self.flag is not None:
-            self.flag.set(number)
-
     # -- the engine thread's -------------------------------------------------------
 
-    def _submit(self, job: Callable, *args) -> None:
+    def _submit(
+        self, owners: list[Request], slots: list[int], ids: list[int] | None, reset: list[int]
+    ) -> None:
         self.num_jobs += 1
-        self.last = self.worker.submit(job, self.num_jobs, *args)
+        self.last = self.worker.submit(self._job, self.num_jobs, owners, slots, ids, reset)
 
     def follow(
-        self,
-        ids: SampledIds | np.ndarray,
-        slots: np.ndarray,
-        generations: np.ndarray,
-        grammar: np.ndarray,
-    ) -> Future:
-        """Have the worker accept a launched step's ids (one per slot; grammar: which
-        rows have one) and fill the next masks. The future's result, once the ids are
-        accepted: the requests whose grammar they ended, and how ([(req, reason)])."""
+        self, slots: np.ndarray, generations: np.ndarray, grammar: np.ndarray
+    ) -> GrammarRows:
+        """A launched step's grammar rows (one per slot; grammar: which rows have one),
+        whose matchers accept its ids once they are read (GrammarRows.accept)."""
         if grammar.all():
-            rows, slots = None, slots.copy()
+            rows = None
         else:
             rows = np.flatnonzero(grammar)
             slots, generations = slots[rows], generations[rows]
         self.filled_generation[slots] = generations  # their next masks
-        ended: Future = Future()
-        ids, landed = ids.landing() if isinstance(ids, SampledIds) else (ids, None)
-        self._submit(self._follow, ids, landed, rows, slots, ended)
-        return ended
+        return GrammarRows(self, slots, rows)
+
+    def take_refused(self) -> list[tuple[Request, str]]:
+        """The requests whose id their matcher refused, found by the worker since the
+        last call (their next ids are void: call before reading them)."""
+        if not self.refused:
+            return []
+        refused, self.refused = self.refused, []
+        ends = []
+        for slot, owner in refused:
+            if self.owners[slot] is owner:
+                self.ended[slot] = True
+            ends.append((owner, "abort"))
+        return ends
+
+    def accept(self, slots: np.ndarray, ids: np.ndarray) -> list[tuple[Request, str]]:
+        """These slots' matchers accept their ids and fill their next masks, on the
+        worker. Returns the requests whose grammar the ids complete (a stop id: the
+        mask allows one only there), which end with "stop"."""
+        live = ~self.ended[slots]  # ended by an earlier id: this one is void
+        if not live.all():
+            slots, ids = slots[live], ids[live]
+        stops = self.is_stop[ids]
+        ends = []
+        if stops.any():
+            over = slots[stops].tolist()
+            for slot in over:
+                owner = self.owners[slot]
+                self.ended[slot] = owner.structured.done = True
+                ends.append((owner, "stop"))
+            slots, ids = slots[~stops], ids[~stops]
+        else:
+            over = []
+        slot_list = slots.tolist()
+        self._submit([self.owners[slot] for slot in slot_list], slot_list, ids.tolist(), over)
+        return ends
 
     def build(
         self,
@@ -272,7 +266,7 @@ class GrammarMasks:
     ) -> BatchBitmask:
         """The bitmask of a batch of sampling rows (grammar: which rows have one, at
         least one; by_slot: the batch's requests), on the device. Every launched step
-        must have been followed."""
+        with grammar rows must have been read."""
         if self.failure is not None:
             raise self.failure
         # A row the worker was not asked to fill for this slot's request: its first.
@@ -307,22 +301,31 @@ class GrammarMasks:
         stale: np.ndarray,
         changed: np.ndarray,
     ) -> None:
-        """Hand the worker the rows entering (their first masks) and the slots leaving
-        a grammar (their host rows reset); set the padding bits of slots that changed."""
+        """Take in the rows entering (the worker fills their first masks) and the slots
+        leaving a grammar (the worker resets their host rows); set the padding bits of
+        slots that changed."""
         stale_slots = slots[stale]
         self.filled_generation[stale_slots] = generations[stale]
-        entering = [(slot, by_slot[slot]) for slot in stale_slots.tolist()]
-        plain = None
+        owners, fill_slots, reset = [], [], []
+        for slot in stale_slots.tolist():
+            owner = self.owners[slot] = by_slot[slot]
+            self.ended[slot] = owner.structured.done
+            if owner.structured.done:  # ended by an id not read yet: its row is void
+                reset.append(slot)
+            else:
+                owners.append(owner)
+                fill_slots.append(slot)
         if changed.any():
             which = slots[changed]
             self.grammar_slot[which] = grammar[changed]
-            plain = slots[changed & ~grammar]
+            plain = slots[changed & ~grammar].tolist()
             if self.words < self.width:
                 self._set_tails(which, grammar[changed])
-            if not len(plain):
-                plain = None
-        if entering or plain is not None:
-            self._submit(self._prepare, entering, plain)
+            for slot in plain:  # a grammar's row before: all ones again
+                self.owners[slot] = None
+            reset += plain
+        if fill_slots or reset:
+            self._submit(owners, fill_slots, None, reset)
 
     def _set_tails(self, slots: np.ndarray, grammar: np.ndarray) -> None:
         """The padding bits of these slots: 0 for a grammar's, -1 otherwise."""

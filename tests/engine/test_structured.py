@@ -227,30 +227,30 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
 
 
 def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, monkeypatch):
-    """Once a request sampled, its matcher follows its ids and fills its next mask in
-    the same job on the masks' worker: a separate fill happens only for each request's
-    first mask (the outputs stay exact: the other structured tests)."""
+    """Once a request sampled, its matcher accepts each id as it is read and the worker
+    fills its next mask in one job for the batch: a separate fill happens only for each
+    request's first mask (the outputs stay exact: the other structured tests)."""
     import sys
 
     from engine.structured.masks import GrammarMasks
 
-    fill = GrammarMasks.fill
-    rows: dict[str, list[int]] = {"_prepare": [], "_follow": []}
+    submit = GrammarMasks._submit
+    rows: dict[str, list[int]] = {"_prepare_rows": [], "accept": []}
 
-    def counting(self, matchers, slots):
+    def counting(self, owners, slots, ids, reset):
         rows[sys._getframe(1).f_code.co_name].extend(slots)
-        fill(self, matchers, slots)
+        submit(self, owners, slots, ids, reset)
 
-    monkeypatch.setattr(GrammarMasks, "fill", counting)
+    monkeypatch.setattr(GrammarMasks, "_submit", counting)
     spec = GrammarSpec("regex", "[a-z]{30}")
     params = [
         SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec) for i in range(8)
     ]
     outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
-    assert len(rows["_prepare"]) == 8  # each request's first mask
+    assert len(rows["_prepare_rows"]) == 8  # each request's first mask
     # Every later one: each id but the last (EOS, which ends the grammar) is followed.
-    assert len(rows["_follow"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert len(rows["accept"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
 
 
 def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch):
@@ -382,23 +382,28 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [eos]
 
     def follow(rows, ids: list[int]) -> list[tuple[object, str]]:
-        """The worker's accept of a step's ids (the rows' last mask built just before)."""
+        """The matchers' accept of a step's ids (the rows' last mask built just before)."""
         slots = np.arange(len(rows))
         every = np.ones(len(rows), dtype=bool)
-        return grammars.masks.follow(np.array(ids), slots, slots, every).result()
+        return grammars.masks.follow(slots, slots, every).accept(np.array(ids))
 
     assert follow([choice], [eos]) == [(choice, "stop")]
     assert choice.structured.done
-    # An id the grammar refuses ends that request alone, as an abort.
+    # An id the grammar refuses ends that request alone, as an abort: found by the
+    # worker, and taken before the step's next ids are read.
     again = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"))]
     mask(again)
     a, z = tokenizer.encode("a")[0], tokenizer.encode("z")[0]
-    assert follow(again, [z, a]) == [(again[0], "abort")]
+    assert follow(again, [z, a]) == []
+    grammars.masks.drain()
+    assert grammars.masks.take_refused() == [(again[0], "abort")]
+    assert again[0].structured.done and not again[1].structured.done
+    assert grammars.masks.take_refused() == []
 
 
 def test_masks_filled_for_a_batch_are_each_rows_own(llm):
     """64 rows under different grammars, at different points: the masks the worker
-    fills (over 4 threads), first and after following a step's
+    fills (over 4 threads), first and after the matchers accept a step's
     ids, are each matcher's own, and a row whose id ends its grammar ends as "stop"."""
     from types import SimpleNamespace
 
@@ -447,7 +452,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
     first = masks.build(slots, generations, grammar, rows).bits.numpy()
     for i in range(64):
         assert (first[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
-    # Each row's lowest allowed id but EOS, if any (row 5: EOS); the worker follows them.
+    # Each row's lowest allowed id but EOS, if any (row 5: EOS); the matchers accept them.
     bits = np.unpackbits(first[:, : masks.words].view(np.uint8), axis=1, bitorder="little")
     ids = []
     for i in range(64):
@@ -455,7 +460,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
         ids.append(allowed[allowed != eos][0] if (allowed != eos).any() else eos)
     stopped = [i for i in range(64) if ids[i] == eos]
     assert 5 in stopped
-    ended = masks.follow(np.array(ids), slots, generations, grammar).result()
+    ended = masks.follow(slots, generations, grammar).accept(np.array(ids))
     assert [(r.request_id, reason) for r, reason in ended] == [(f"r{i}", "stop") for i in stopped]
     second = masks.build(slots, generations, grammar, rows).bits.numpy()
     for i in range(64):
