@@ -290,15 +290,18 @@ def decode_config(
     device: torch.device,
     group: int = 1,
     head_dim: int = 128,
+    kv_fp8: bool = False,
 ) -> DecodeConfig:
     """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
-    # Small heads shared by a group of queries: longer tiles keep more bytes in flight.
-    block_n = 128 if head_dim <= 64 and group > 1 else 64
-    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
     # A grid of half a program per SM already streams K/V fast enough that a split's
     # reduce costs more than it gains; a smaller one splits until it holds ~4 per SM.
     programs, num_sms = num_seqs * num_kv_heads, _num_sms(device)
-    num_splits = 1 if 2 * programs >= num_sms else triton.cdiv(4 * num_sms, programs)
+    unsplit = 2 * programs >= num_sms
+    # Longer tiles keep more bytes in flight: for small heads shared by a group of
+    # queries, and for one-byte (FP8) K/V when each program streams a whole sequence.
+    block_n = 128 if (head_dim <= 64 and group > 1) or (kv_fp8 and unsplit) else 64
+    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
+    num_splits = 1 if unsplit else triton.cdiv(4 * num_sms, programs)
     return DecodeConfig(num_splits=max(1, min(num_splits, max_tiles, 128)), block_n=block_n)
 
 
@@ -344,6 +347,7 @@ def paged_attention_decode(
             query.device,
             num_heads // num_kv_heads,
             head_dim,
+            k_cache.dtype == FP8_DTYPE,
         )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
