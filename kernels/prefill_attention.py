@@ -18,6 +18,7 @@ binary search.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -69,6 +70,78 @@ def paged_prefill_attention_ref(
 
 
 @triton.jit
+def _attend(
+    q,
+    acc,
+    l_i,
+    m_i,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_row_ptr,  # the sequence's block table row
+    head_offs,  # [1, HEAD_DIM_P2] offsets of the KV head's dims within a token
+    dim_mask,
+    q_pos,  # [BLOCK_M] absolute positions of the tile's queries
+    kv_lo,  # first visible key (the window's)
+    kv_end,  # one past the last key the tile may see
+    start,
+    stop,  # the keys of this call: [start, stop), multiples of BLOCK_N but stop
+    stride_cb,
+    stride_co,
+    qk_scale,
+    window,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every query sees every key of [start, stop)
+    KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for kv_start in range(start, stop, BLOCK_N):
+        tokens = kv_start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            token_mask = (tokens < kv_end) & (tokens >= kv_lo)
+            blocks = tl.load(block_row_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        else:
+            blocks = tl.load(block_row_ptr + tokens // BLOCK_SIZE)
+        kv_offs = (
+            blocks.to(tl.int64)[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co
+        )
+        kv_offs += head_offs
+        if MASKED:
+            kv_mask = token_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_P2:
+            k = tl.load(k_cache_ptr + kv_offs)
+            v = tl.load(v_cache_ptr + kv_offs)
+        else:
+            k = tl.load(k_cache_ptr + kv_offs, mask=dim_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=dim_mask[None, :], other=0.0)
+        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scales are applied outside
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
+            visible &= tokens[None, :] > q_pos[:, None] - window
+            scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            # With a window a row may see no key of a tile (m_new = -inf): subtracting 0
+            # then keeps -inf - -inf (NaN) away; its p and alpha are 0 until a key shows.
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = m_new
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(
     query_ptr,
     k_cache_ptr,
@@ -95,13 +168,15 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
     KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (query tile of the batch, query head). The tile's sequence is
-    # the last s whose first tile, query_start_loc[s] // BLOCK_M + s, is not past it;
-    # tiles past a sequence's queries (and every tile of an empty sequence) exit at once.
-    tile = tl.program_id(0)
+    # One program per (query tile of the batch, query head), the last tiles first (under
+    # causality they see the most keys). The tile's sequence is the last s whose first
+    # tile, query_start_loc[s] // BLOCK_M + s, is not past it; tiles past a sequence's
+    # queries (and every tile of an empty sequence) exit at once.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     lo = 0
     hi = num_seqs
@@ -120,7 +195,8 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < query_len
-    q_pos = seq_len - query_len + rows  # absolute positions of this tile's queries
+    first_pos = seq_len - query_len + q_tile * BLOCK_M  # the tile's first query position
+    q_pos = first_pos + tl.arange(0, BLOCK_M)  # absolute positions of its queries
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_mask = dims < HEAD_DIM
     q_mask = row_mask[:, None] & dim_mask[None, :]
@@ -131,44 +207,46 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     head_offs = (head // GROUP) * stride_ch + dims[None, :]
+    block_row_ptr = block_table_ptr + seq * stride_bts
     # Causality bounds the keys by the tile's last query position, the window by its first.
-    kv_end = tl.minimum(seq_len, seq_len - query_len + (q_tile + 1) * BLOCK_M)
-    kv_lo = tl.maximum(seq_len - query_len + q_tile * BLOCK_M - window + 1, 0)
-    for kv_start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
-        tokens = kv_start + tl.arange(0, BLOCK_N)
-        token_mask = (tokens < kv_end) & (tokens >= kv_lo)
-        blocks = tl.load(
-            block_table_ptr + seq * stride_bts + tokens // BLOCK_SIZE, mask=token_mask, other=0
-        )
-        kv_offs = (
-            blocks.to(tl.int64)[:, None] * stride_cb + (tokens % BLOCK_SIZE)[:, None] * stride_co
-        )
-        kv_offs += head_offs
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_P2]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
-        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scales are applied outside
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
-        visible &= tokens[None, :] > q_pos[:, None] - window
-        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        # With a window a row may see no key of a tile (m_new = -inf): subtracting 0 then
-        # keeps -inf - -inf (NaN) away, and its p and alpha are 0 until a key is visible.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    kv_lo = tl.maximum(first_pos - window + 1, 0)
+    masked_from = (kv_lo // BLOCK_N) * BLOCK_N
+    if not WINDOWED:  # keys up to the first query's position: visible to every query
+        masked_from = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend(
+            q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
+            q_pos, kv_lo, kv_end, 0, masked_from, stride_cb, stride_co, qk_scale, window,
+            HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, False, KV_FP8, DOT_PRECISION,
+        )  # fmt: skip
+    acc, l_i, m_i = _attend(
+        q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
+        q_pos, kv_lo, kv_end, masked_from, kv_end, stride_cb, stride_co, qk_scale, window,
+        HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, DOT_PRECISION,
+    )  # fmt: skip
 
     out_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     result = acc / l_i[:, None]
     if KV_FP8:
         result = result * out_scale
     tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tile shape and launch of the prefill kernel (a function of shapes only)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def prefill_config(max_query_len: int, head_dim: int) -> PrefillConfig:
+    """Default launch config; the numbers are measured (docs/kernels.md)."""
+    if max_query_len <= 32:
+        return PrefillConfig(16, 64 if head_dim <= 64 else 32)
+    return PrefillConfig(64, 64)
 
 
 def paged_prefill_attention(
@@ -183,6 +261,7 @@ def paged_prefill_attention(
     sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -202,7 +281,9 @@ def paged_prefill_attention(
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
-    block_m = 64 if max_query_len > 32 else 16
+    if config is None:
+        config = prefill_config(max_query_len, head_dim)
+    block_m = config.block_m
     head_dim_p2 = triton.next_power_of_2(head_dim)
     grid = (num_tokens // block_m + num_seqs, num_heads)  # every sequence's tiles, and spares
     _prefill_kernel[grid](
@@ -230,11 +311,12 @@ def paged_prefill_attention(
         HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim_p2 <= 64 else 32,
+        BLOCK_N=config.block_n,
+        WINDOWED=sliding_window > 0,
         KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
