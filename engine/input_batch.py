@@ -104,6 +104,7 @@ class InputBatch:
         self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
+        self.num_matching = 0  # rows with stop strings (matched as their ids are read)
         # A grammar's rows sample under its mask (engine/structured/masks.py).
         self.has_grammar = np.zeros(n, dtype=bool)
         self.num_grammar = 0
@@ -167,6 +168,7 @@ class InputBatch:
         self.num_scoring += scores
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
+        self.num_matching += bool(params.stop)
         self.has_grammar[slot] = grammar = req.structured is not None
         self.num_grammar += grammar
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
@@ -200,6 +202,7 @@ class InputBatch:
         self.num_awaiting_first -= known == num_prompt
         self.num_sampled_fully -= not self.argmax_only.item(slot)
         self.num_streaming -= self.streams.item(slot)
+        self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
