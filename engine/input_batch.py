@@ -104,6 +104,7 @@ class InputBatch:
         self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
+        self.num_matching = 0  # rows with stop strings (matched as their ids are read)
         # A grammar's rows sample under its mask (engine/structured/masks.py).
         self.has_grammar = np.zeros(n, dtype=bool)
         self.num_grammar = 0
@@ -153,7 +154,8 @@ class InputBatch:
         self.stop_ids[slot, : len(stops)] = stops
         if stops and stops[-1] >= len(self.stop_count):  # an EOS past the model's vocab
             self.stop_count = np.pad(self.stop_count, (0, stops[-1] + 1 - len(self.stop_count)))
-        self.stop_count[stops] += 1
+        for stop in stops:  # a few: scalar writes cost less than one fancy-indexed write
+            self.stop_count[stop] += 1
         self.num_stopping += bool(stops)
         self.num_awaiting_first += n == num_prompt
         self.capacity[slot] = 0  # the scheduler gives it blocks next
@@ -166,6 +168,7 @@ class InputBatch:
         self.num_scoring += scores
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
+        self.num_matching += bool(params.stop)
         self.has_grammar[slot] = grammar = req.structured is not None
         self.num_grammar += grammar
         self.temperature[slot] = 1.0 if params.greedy else params.temperature
@@ -174,7 +177,7 @@ class InputBatch:
         self.min_p[slot] = params.min_p
         self.requests[slot] = req
         self.running.append(req)
-        self.slots = np.append(self.slots, slot)
+        self.slots = np.concatenate((self.slots, (slot,)))
         self.layout += 1
         req.attach(self, slot)
         return slot
@@ -182,29 +185,27 @@ class InputBatch:
     def remove(self, req: Request) -> None:
         """Take req's row back; its tokens and counts go back onto the Request."""
         slot = req.slot
-        inflight = int(self.num_tokens[slot] - self.num_known[slot])
-        self.num_unscheduled -= self.num_tokens.item(slot) - self.num_computed.item(slot)
+        known, computed = self.num_known.item(slot), self.num_computed.item(slot)
+        num_tokens, num_prompt = self.num_tokens.item(slot), self.num_prompt.item(slot)
+        inflight = num_tokens - known
+        self.num_unscheduled -= num_tokens - computed
         index = self.running.index(req)
         del self.running[index]
-        self.slots = np.delete(self.slots, index)
+        self.slots = np.concatenate((self.slots[:index], self.slots[index + 1 :]))
         self.layout += 1
-        req.detach(
-            self.token_ids[slot, self.num_prompt[slot] : self.num_known[slot]].tolist(),
-            int(self.num_computed[slot]),
-            inflight,
-        )
+        req.detach(self.token_ids[slot, num_prompt:known].tolist(), computed, inflight)
         if inflight and not req.is_finished:  # preempted: its ids on the device are its own
-            self.departed[(slot, int(self.generation[slot]))] = req
-        stops = self.stop_ids[slot]
-        stops = stops[stops >= 0]
-        self.stop_count[stops] -= 1
-        self.num_stopping -= len(stops) > 0
-        self.num_awaiting_first -= self.num_known.item(slot) == self.num_prompt.item(slot)
+            self.departed[(slot, self.generation.item(slot))] = req
+        for stop in req.stop_ids:  # as add() counted them
+            self.stop_count[stop] -= 1
+        self.num_stopping -= bool(req.stop_ids)
+        self.num_awaiting_first -= known == num_prompt
         self.num_sampled_fully -= not self.argmax_only.item(slot)
-        self.num_streaming -= bool(self.streams[slot])
+        self.num_streaming -= self.streams.item(slot)
+        self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
-        self.num_needs_sync -= bool(self.needs_sync[slot])
-        self.num_grammar -= bool(self.has_grammar[slot])
+        self.num_needs_sync -= self.needs_sync.item(slot)
+        self.num_grammar -= self.has_grammar.item(slot)
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None
@@ -287,6 +288,11 @@ class InputBatch:
         if not (num_done or first is not None or streamed or departed):
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
+
+    def full_tokens(self, slot: int, start: int) -> list[int]:
+        """A row's ids from start on, both known and computed (or scheduled)."""
+        end = min(self.num_known.item(slot), self.num_computed.item(slot))
+        return self.token_ids[slot, start:end].tolist()
 
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""

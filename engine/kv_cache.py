@@ -137,22 +137,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = req.num_full_tokens() // bs
         hashes = req.block_hashes
-        first = len(hashes)
-        if num_full <= first:
-            return  # no block filled up this step
-        tokens = req.token_slice(first * bs, num_full * bs)
-        block_ids, cached, block_hash = req.block_ids, self.cached, self.block_hash
+        tokens = req.full_tokens(len(hashes) * bs)
+        cached, block_hash = self.cached, self.block_hash
         parent = hashes[-1] if hashes else None
-        for i in range(first, num_full):
-            at = (i - first) * bs
+        for at in range(0, len(tokens) - bs + 1, bs):  # no block filled up: none
             parent = chain_hash(parent, tokens[at : at + bs])
-            hashes.append(parent)
             if parent not in cached:
-                block = block_ids[i]
+                block = req.block_ids[len(hashes)]
                 cached[parent] = block
                 block_hash[block] = parent
+            hashes.append(parent)
 
     def note_filled(self, reqs: list[Request]) -> None:
         """reqs' last blocks may have filled (decodes opened the next ones): registered

@@ -31,10 +31,11 @@ def take_outputs(news: dict[Request, None], deltas: TokenDeltas | None) -> list[
     its first output and its last goes there as ids instead."""
     finished = RequestStatus.FINISHED
     outputs = []
+    plain = deltas is not None
     for req in news:
         emitted = req.num_emitted_tokens
-        if deltas is not None and req.params.plain and emitted and req.status is not finished:
-            new_ids = req.output_ids_from(emitted)
+        if plain and emitted and req.params.plain and req.status is not finished:
+            new_ids = req.output_ids[emitted:]  # a stream's ids are on its own list
             req.num_emitted_tokens = emitted + len(new_ids)
             deltas.request_ids.append(req.request_id)
             deltas.indices.append(req.index)

@@ -209,9 +209,12 @@ class Request:
         else:
             self._num_computed = value
 
-    def num_full_tokens(self) -> int:
-        """Tokens both known and computed (or scheduled): what the prefix cache may hold."""
-        return min(self.num_computed_tokens, self.num_tokens)
+    def full_tokens(self, start: int) -> list[int]:
+        """Ids from position start on, both known and computed (or scheduled): what the
+        prefix cache may hold."""
+        if self.batch is not None:
+            return self.batch.full_tokens(self.slot, start)
+        return self.token_slice(start, min(self._num_computed, self.num_tokens))
 
     @property
     def num_inflight(self) -> int:

@@ -123,6 +123,9 @@ class StepReader:
             return
         interval = self.config.stream_interval
         news = self.news
+        if interval == 1 and not batch.num_matching:  # each streamed row's id is news
+            news.update(dict.fromkeys(got.streamed))  # (a finished one's is noted already)
+            return
         finished = RequestStatus.FINISHED
         for req in got.streamed:
             if req.status is finished:
