@@ -68,12 +68,12 @@ class StepReader:
                 ids = ids.numpy()
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
-            ended = None
-            if step.grammar is not None:  # ended by an earlier id: this one is void
-                self._end_grammars(step.grammar.take_refused())
+            grammar = step.grammar
+            if grammar is not None:  # ended by an earlier id: this one is void
+                self._end_grammars(grammar.take_refused())
             got = self.batch.read(step.slots, step.mark, ids)
-            if step.grammar is not None:  # the worker has them accepted, and fills next masks
-                ended = step.grammar.accept(ids)
+            # The worker has the grammar rows' ids accepted, and fills their next masks.
+            ended = grammar.accept(ids) if grammar is not None else None
             if got is not None:
                 self._apply(got, ended)
             elif ended:  # its rows may all have left since

@@ -126,13 +126,12 @@ def _attend(
             visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
             visible &= tokens[None, :] > q_pos[:, None] - window
             scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = m_new
+        if MASKED:
             # With a window a row may see no key of a tile (m_new = -inf): subtracting 0
             # then keeps -inf - -inf (NaN) away; its p and alpha are 0 until a key shows.
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        else:
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = m_new
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
