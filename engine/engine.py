@@ -29,7 +29,7 @@ from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
-from engine.outputs import take_outputs
+from engine.outputs import take_outputs, take_plain
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -304,11 +304,13 @@ class Engine:
         """One RequestOutput per choice with news since it was last reported; with
         deltas, the news of a plain stream (ids only, no logprobs) that is neither its
         first output nor its last is added there instead (engine/outputs.py)."""
-        if not self.news:
+        if not self.news and not self.batch.num_plain:
             return []  # most steps of final-only requests
         with self._range("outputs"):
-            outputs = take_outputs(self.news, deltas)
+            outputs = take_outputs(self.news, deltas) if self.news else []
             self.news.clear()
+            if self.batch.num_plain:  # after news: a first output comes before the rest
+                outputs += take_plain(self.batch, deltas, self.config.stream_interval)
             return outputs
 
 

@@ -104,6 +104,14 @@ class InputBatch:
         self.num_scoring = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
+        # Plain streams (ids only) whose first id was read (news carries their first
+        # output): their news after it is cut from these columns for all of them at
+        # once (engine/outputs.py), no row looked at.
+        self.plain = np.zeros(n, dtype=bool)
+        self.num_plain = 0
+        self.emit_at = np.zeros(n, dtype=np.int64)  # every row's first id not in an output
+        self.request_ids = np.full(n, "", dtype=object)
+        self.choice = np.zeros(n, dtype=np.int64)  # the request's index among its n
         self.num_matching = 0  # rows with stop strings (matched as their ids are read)
         # A grammar's rows sample under its mask (engine/structured/masks.py).
         self.has_grammar = np.zeros(n, dtype=bool)
@@ -168,6 +176,11 @@ class InputBatch:
         self.num_scoring += scores
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
+        self.plain[slot] = plain = params.plain and n > num_prompt
+        self.num_plain += plain
+        self.emit_at[slot] = num_prompt + req.num_emitted_tokens  # before attach: its own
+        self.request_ids[slot] = req.request_id
+        self.choice[slot] = req.index
         self.num_matching += bool(params.stop)
         self.has_grammar[slot] = grammar = req.structured is not None
         self.num_grammar += grammar
@@ -193,7 +206,12 @@ class InputBatch:
         del self.running[index]
         self.slots = np.concatenate((self.slots[:index], self.slots[index + 1 :]))
         self.layout += 1
-        req.detach(self.token_ids[slot, num_prompt:known].tolist(), computed, inflight)
+        req.detach(
+            self.token_ids[slot, num_prompt:known].tolist(),
+            computed,
+            inflight,
+            self.emit_at.item(slot) - num_prompt,
+        )
         if inflight and not req.is_finished:  # preempted: its ids on the device are its own
             self.departed[(slot, self.generation.item(slot))] = req
         for stop in req.stop_ids:  # as add() counted them
@@ -202,6 +220,7 @@ class InputBatch:
         self.num_awaiting_first -= known == num_prompt
         self.num_sampled_fully -= not self.argmax_only.item(slot)
         self.num_streaming -= self.streams.item(slot)
+        self.num_plain -= self.plain.item(slot)
         self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
         self.num_needs_sync -= self.needs_sync.item(slot)
@@ -210,6 +229,11 @@ class InputBatch:
         self.departures += 1
         self.requests[slot] = None
         self.free_slots.append(slot)
+
+    def first_read(self, slot: int) -> None:
+        """A plain stream's first id was read: its news after that is the columns'."""
+        self.plain[slot] = True
+        self.num_plain += 1
 
     def prompt_scored(self, slot: int) -> None:
         """The row's prompt logprobs are all computed (or it left)."""

@@ -1,10 +1,19 @@
 """RequestOutputs from a request's news: the ids since its last output, their text
 and logprobs. The engine notes which requests have news as it reads ids; this
-turns them into outputs when the consumer asks (Engine.take_outputs)."""
+turns them into outputs when the consumer asks (Engine.take_outputs). The plain
+streams' news after their first output is not noted: every running plain stream
+has some at almost every step, and it is cut from the batch's columns (take_plain)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
+
 from engine.request import Request, RequestOutput, RequestStatus, TokenDeltas, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.input_batch import InputBatch
 
 
 def detokenize(req: Request) -> str | None:
@@ -35,7 +44,7 @@ def take_outputs(news: dict[Request, None], deltas: TokenDeltas | None) -> list[
     for req in news:
         emitted = req.num_emitted_tokens
         if plain and emitted and req.params.plain and req.status is not finished:
-            new_ids = req.output_ids[emitted:]  # a stream's ids are on its own list
+            new_ids = req.output_ids_from(emitted)
             req.num_emitted_tokens = emitted + len(new_ids)
             deltas.request_ids.append(req.request_id)
             deltas.indices.append(req.index)
@@ -78,3 +87,29 @@ def build_output(req: Request) -> RequestOutput | None:
         req.metrics if emitted == 0 or finished else None,
         req.prompt_logprobs if emitted == 0 else None,
     )
+
+
+def take_plain(batch: InputBatch, deltas: TokenDeltas | None, interval: int) -> list[RequestOutput]:
+    """The news of the running plain streams past their first output (which news
+    carried): at least `interval` ids each. Into deltas, a few array operations for
+    all of them; without deltas, one RequestOutput each."""
+    slots = batch.slots[batch.plain[batch.slots]]  # in batch order
+    start = batch.emit_at[slots]
+    count = batch.num_known[slots] - start
+    keep = count >= interval
+    if not keep.all():
+        slots, start, count = slots[keep], start[keep], count[keep]
+    if not len(slots):
+        return []
+    if deltas is None:
+        return [build_output(batch.requests[slot]) for slot in slots.tolist()]
+    deltas.request_ids += batch.request_ids[slots].tolist()
+    deltas.indices += batch.choice[slots].tolist()
+    deltas.num_tokens += count.tolist()
+    if not np.any(count > 1):  # one id each: one gather
+        deltas.token_ids += batch.token_flat[batch.row_start[slots] + start].tolist()
+    else:
+        for slot, first, n in zip(slots.tolist(), start.tolist(), count.tolist()):
+            deltas.token_ids += batch.token_ids[slot, first : first + n].tolist()
+    batch.emit_at[slots] += count
+    return []

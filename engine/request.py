@@ -116,7 +116,9 @@ class Request:
     and `detach` brings them back when it leaves (finished or preempted). A
     streamed request's generated ids are news every step, so the engine also
     appends them to its own list as they are read (`streamed`): its outputs are
-    cut from that list."""
+    cut from that list. A plain stream's (ids only: no text, logprobs or stop
+    strings) are not: its outputs after the first are cut from the batch's columns
+    for all such rows at once (engine/outputs.py, `take_plain`)."""
 
     def __init__(
         self,
@@ -140,8 +142,9 @@ class Request:
         self.status = RequestStatus.WAITING
         # Generated ids, off the batch; a streamed request's also while it runs.
         self.output_ids: list[int] = []
-        # Looked at one by one as its ids are read: streamed, or stop strings to match.
-        self.streamed = not params.final_only or bool(params.stop)
+        # Looked at one by one as its ids are read: streamed (not plain), or stop
+        # strings to match.
+        self.streamed = (not params.final_only and not params.plain) or bool(params.stop)
         self._num_computed = 0  # off the batch (the prefix cache's hits before admission)
         self._num_inflight = 0  # off the batch: ids sampled on the device, not read yet
         self.batch: InputBatch | None = None  # while running
@@ -166,7 +169,7 @@ class Request:
             None if params.prompt_logprobs is None else [None]
         )
         self.num_detokenized_tokens = 0
-        self.num_emitted_tokens = 0
+        self._num_emitted = 0  # off the batch: output ids already in outputs
 
     @property
     def scores_prompt(self) -> bool:
@@ -185,8 +188,11 @@ class Request:
     def attach(self, batch: InputBatch, slot: int) -> None:
         self.batch, self.slot = batch, slot
 
-    def detach(self, output_ids: list[int], num_computed: int, num_inflight: int) -> None:
+    def detach(
+        self, output_ids: list[int], num_computed: int, num_inflight: int, num_emitted: int
+    ) -> None:
         self.output_ids = output_ids
+        self._num_emitted = num_emitted
         self._num_computed = num_computed
         self._num_inflight = num_inflight
         self.batch, self.slot = None, -1
@@ -222,6 +228,20 @@ class Request:
         if self.batch is not None:
             return self.batch.num_tokens.item(self.slot) - self.batch.num_known.item(self.slot)
         return self._num_inflight
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        """Output ids already in outputs."""
+        if self.batch is not None:
+            return self.batch.emit_at.item(self.slot) - len(self.prompt_token_ids)
+        return self._num_emitted
+
+    @num_emitted_tokens.setter
+    def num_emitted_tokens(self, value: int) -> None:
+        if self.batch is not None:
+            self.batch.emit_at[self.slot] = len(self.prompt_token_ids) + value
+        else:
+            self._num_emitted = value
 
     @property
     def num_tokens(self) -> int:

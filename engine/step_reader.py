@@ -107,6 +107,9 @@ class StepReader:
                 req.metrics.first_token_time = now
                 # A sibling choice waits for the prompt's blocks to be findable.
                 self.blocks.cache_full_blocks(req)
+                if req.params.plain:  # its first output is news; the rest, columns'
+                    self.news[req] = None
+                    batch.first_read(slot)
         if got.done is not None:
             for slot, token_id in zip(
                 got.slots[got.done].tolist(), got.token_ids[got.done].tolist()
@@ -117,6 +120,8 @@ class StepReader:
                 token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
             ):
                 self._check_token_stop(req, token_id)
+            if req.params.plain and not req.num_emitted_tokens:  # maybe its first id
+                self.news[req] = None
         if ended:  # after the stops: a stop id ends it first
             self._end_grammars(ended)
         if not got.streamed:

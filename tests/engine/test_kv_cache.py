@@ -87,20 +87,22 @@ def test_prefix_caching_off_never_shares():
     assert admit(bm, make(list(range(9)))) == []
 
 
-def test_filled_blocks_are_registered_before_a_lookup_or_when_freed():
+def test_filled_blocks_are_registered_when_the_host_waits_or_when_freed():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     a, b = make(list(range(6))), make(list(range(6)))
     admit(bm, a)
     admit(bm, b)
     for req, new in ((a, [50, 51]), (b, [60, 61])):  # 8 tokens: the second block fills
-        req.detach(new, 8, 0)  # two outputs, computed
+        req.detach(new, 8, 0, 0)  # two outputs, computed
     bm.note_filled([a, b])
     assert len(a.block_hashes) == 1 and list(bm.unhashed) == [a, b]  # noted, not hashed yet
     bm.note_filled([a])  # noted again (its next block): still once
     assert list(bm.unhashed) == [a, b]
     bm.free(b)  # freeing registers what it filled, and forgets the note
     assert list(bm.unhashed) == [a]
-    # A lookup hashes what was noted first: a's second block is found.
+    # A lookup hashes nothing: a's second block is not found until the host waits.
+    assert bm.find_cached_prefix(make(list(range(6)) + [50, 51, 7])) == a.block_ids[:1]
+    bm.hash_unhashed()
     assert bm.find_cached_prefix(make(list(range(6)) + [50, 51, 7])) == a.block_ids[:2]
     assert len(a.block_hashes) == 2 and bm.unhashed == {}
     assert len(bm.find_cached_prefix(make(list(range(6)) + [60, 61, 7]))) == 2  # b's, freed
@@ -111,7 +113,7 @@ def test_the_host_waiting_hashes_what_was_noted():
     req = make(list(range(4)))
     admit(bm, req)
     bm.grow([req], [1])
-    req.detach([50, 51, 52, 53], 8, 0)  # four outputs, computed: the second block fills
+    req.detach([50, 51, 52, 53], 8, 0, 0)  # four outputs, computed: the second block fills
     bm.note_filled([req])
     bm.hash_unhashed()
     assert len(req.block_hashes) == 2 and bm.unhashed == {}

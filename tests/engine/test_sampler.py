@@ -73,7 +73,7 @@ def make_request(
 ) -> Request:
     params.setdefault("max_tokens", 64)
     req = Request("r", prompt or [1, 2, 3], SamplingParams(**params))
-    req.detach(list(output or []), 0, 0)  # as a request preempted with these outputs
+    req.detach(list(output or []), 0, 0, 0)  # as a request preempted with these outputs
     return req
 
 
