@@ -8,12 +8,9 @@ blocks least-recently freed first.
 
 The blocks a running request fills as it decodes are registered lazily: a
 decode that opens a block notes its request, and the noted requests' filled
-blocks are hashed when the host waits for the device anyway, and when a request
-frees its blocks, not before a lookup: admissions stay cheap. A lookup may then
-miss blocks a running request decoded since the last wait; only a prompt that
-repeats a running request's output would have found them. Prompt blocks are
-registered as soon as the first id is read (a sibling choice waits for that),
-and a preempted request's all, when it frees them.
+blocks are hashed before the next lookup (so every lookup sees every block
+filled so far), when the host waits for the device anyway, and when a request
+frees its blocks. A steady decode batch that nobody looks up hashes nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +55,8 @@ class BlockManager:
         and whole blocks only, so the block it lands in is a fresh one."""
         if not self.enable_prefix_caching:
             return []
+        if self.unhashed:  # what running requests filled is findable from now on
+            self.hash_unhashed()
         bs = self.block_size
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
