@@ -28,12 +28,7 @@ from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
-from engine.models.loader import (
-    load_config,
-    load_for_engine,
-    load_tokenizer_async,
-    max_model_len,
-)
+from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.outputs import take_outputs, take_plain
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
@@ -81,14 +76,14 @@ class Engine:
         try:
             tp = membership.tp if membership is not None else SINGLE
             start = time.perf_counter()
-            tokenizer = load_tokenizer_async(model_dir)  # beside the weights and graphs
             self.model = load_for_engine(config, model_dir, hf_config, tp)
+            self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
-            self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
-            self.runner = ModelRunner(config, self.model, self.batch, membership)
-            self.tokenizer = tokenizer.result()
             self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
             self.eos_set = frozenset(self.eos_token_ids)
+
+            self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
+            self.runner = ModelRunner(config, self.model, self.batch, membership)
         except BaseException as exc:
             if self.workers is not None:
                 try:

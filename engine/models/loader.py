@@ -5,17 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
-from transformers.models.auto.configuration_auto import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
@@ -245,27 +242,7 @@ def _fill_random(model: nn.Module) -> None:
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    # Imported here: with some transformers versions AutoTokenizer's module alone takes
-    # seconds to import (it pulls in generation utilities and their optional packages).
-    from transformers.models.auto.tokenization_auto import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {e}") from e
-
-
-def load_tokenizer_async(model_dir: str) -> Future[PreTrainedTokenizerBase]:
-    """load_tokenizer on a thread of its own, while the caller loads the weights and
-    captures graphs: the weight copies and CUDA calls release the GIL, so the import and
-    the tokenizer's files cost the startup little of their own time."""
-    future: Future[PreTrainedTokenizerBase] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(load_tokenizer(model_dir))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="pagoda-tokenizer", daemon=True).start()
-    return future

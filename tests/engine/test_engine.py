@@ -152,8 +152,6 @@ def test_broken_directories_are_explained(tmp_path, tiny_gpt2_dir):
 
 
 def test_a_broken_tokenizer_fails_the_engine_build_with_its_file_named(tmp_path, tiny_gpt2_dir):
-    # The tokenizer loads on a thread of its own while the weights load: its error
-    # still reaches the caller.
     shutil.copytree(tiny_gpt2_dir, tmp_path / "m")
     (tmp_path / "m" / "tokenizer.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
