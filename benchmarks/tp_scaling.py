@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import CONFIGS, build_checkpoint
-from benchmarks.offline import copy_bandwidth, decode_floor_ms, run_pagoda
+from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
+from benchmarks.offline import run_pagoda
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM
 from engine.tp_group import WORKER_ENV
@@ -89,27 +90,27 @@ def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict
     try:
         result: dict = {}
         prompt = random_prompts(1, BATCH1_PROMPT, seed=1)
-        run_pagoda(llm, prompt, [16])  # warm up
-        one = run_pagoda(llm, prompt, [BATCH1_OUTPUT])
+        run_pagoda(llm, prompt, [16], [])  # warm up
+        steps: list[DecodeStep] = []
+        one = run_pagoda(llm, prompt, [BATCH1_OUTPUT], steps)
         ms_per_token = 1e3 * one["decode_s"] / (BATCH1_OUTPUT - 1)
         floor = decode_floor_ms(llm, 1, BATCH1_PROMPT + BATCH1_OUTPUT / 2, bandwidth)
         result["batch1"] = {
             "ms_per_token": ms_per_token,
-            "decode_step_ms_p50": one["decode_step_ms"]["p50"],
             "shard_floor_ms": floor,
             "vs_floor": ms_per_token / floor,
+            "decode_vs_floor": decode_vs_floor(llm, steps, bandwidth),
         }
         if throughput:
             prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN)
             lens = [THROUGHPUT_LEN] * THROUGHPUT_REQUESTS
-            run_pagoda(llm, prompts, [8] * THROUGHPUT_REQUESTS)  # warm up at this batch
-            many = run_pagoda(llm, prompts, lens)
-            mean_ctx = THROUGHPUT_LEN + THROUGHPUT_LEN / 2
+            run_pagoda(llm, prompts, [8] * THROUGHPUT_REQUESTS, [])  # warm up at this batch
+            steps = []
+            many = run_pagoda(llm, prompts, lens, steps)
             result["offline_64x512"] = {
                 "tok_per_s": many["tok_per_s"],
                 "total_s": many["total_s"],
-                "decode_step_ms_p50": many["decode_step_ms"]["p50"],
-                "shard_floor_ms": decode_floor_ms(llm, THROUGHPUT_REQUESTS, mean_ctx, bandwidth),
+                "decode_vs_floor": decode_vs_floor(llm, steps, bandwidth),
             }
         return result
     finally:

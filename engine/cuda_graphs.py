@@ -66,6 +66,12 @@ class CudaGraphs:
         if config.use_cuda_graphs and config.prefill_graphs:
             _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
 
+    def release(self) -> None:
+        """Drop every graph, before the process group goes: NCCL's communicator teardown
+        waits until no captured graph holds its collectives (ncclCommDestroy would hang)."""
+        self.decode.clear()
+        self.prefill.clear()
+
     def replay_decode(self, num_seqs: int) -> torch.Tensor:
         """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
         runner = self.runner

@@ -125,6 +125,8 @@ class Engine:
             with contextlib.suppress(Exception):
                 channel.stop()
         workers.join(timeout=10.0)
+        if channel is not None:
+            self.runner.graphs.release()  # before the group: NCCL waits for its graphs
         leave()
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

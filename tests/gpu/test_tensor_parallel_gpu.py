@@ -1,5 +1,6 @@
-"""Tensor parallelism on two GPUs (NCCL): the same greedy tokens as one GPU, with CUDA
-graphs (decode and prefill, the collectives captured inside) and without."""
+"""Tensor parallelism on two GPUs (NCCL): the same greedy tokens as one GPU and as
+transformers, with CUDA graphs (decode and prefill, the collectives captured inside) and
+without."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from engine.models.loader import load_tokenizer
+from tests.conftest import PROMPTS, hf_greedy
 from tests.gpu.conftest import GPU
 
 pytestmark = [
@@ -37,6 +39,8 @@ def test_two_gpus_give_one_gpus_tokens(tiny_model_dir, eager):
     want, _ = generate(tiny_model_dir, prompts, **config)
     got, paths = generate(tiny_model_dir, prompts, tensor_parallel_size=2, **config)
     assert got == want
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert got == [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
     if eager:
         assert paths["graph"] == paths["prefill graph"] == 0
     else:
