@@ -22,6 +22,13 @@ runs are "warm". Compiled Triton kernels are cached across runs
 (TRITON_CACHE_DIR or ~/.triton/cache): each run records whether that cache
 had entries before it started, since a first run on a fresh machine compiles
 every kernel.
+
+Python's bytecode is cached too, as an installed package has it (pip compiles
+every module at install): PYTHONDONTWRITEBYTECODE is dropped from the server's
+environment and, unless PYTHONPYCACHEPREFIX is set, bytecode goes to a
+directory of its own, so read-only or no-bytecode environments (some GPU
+machines set PYTHONDONTWRITEBYTECODE) do not recompile torch's and
+transformers' thousands of modules on every start.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -98,6 +106,27 @@ def free_port() -> int:
 def triton_cache_warm() -> bool:
     root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     return root.is_dir() and any(root.iterdir())
+
+
+def server_env(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """The server's environment: unbuffered logs, bytecode cached (see the module doc)."""
+    env = {k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "pagoda-pycache"))
+    return env
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    """Installed versions, read from package metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def drop_caches() -> bool:
@@ -243,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is not None:
         command += ["--model", model_dir]
     command += shlex.split(args.server_args)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = server_env(os.environ)
     runs = []
     for i in range(args.runs):
         label = "warm"
@@ -263,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(),
         "model": args.model_dir or args.model,
         "server_command": command,
+        "versions": versions("torch", "triton", "transformers", "tokenizers"),
+        "bytecode_cache": env["PYTHONPYCACHEPREFIX"],
         "note": "ready_s: spawn to the first 200 from /health. markers: seconds after spawn "
         "at which each startup log line arrived; phases: differences of them. 'cold' only "
         "when the page cache was dropped before the run; 'first' may have had the "

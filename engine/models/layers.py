@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
+from engine.models.weight_copy import fill
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
@@ -336,7 +337,7 @@ class FusedMoE(nn.Module):
         local, hidden = self.inter.local_size, self.w2.shape[1]
         if half is None:
             w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
-            self.w2.data[expert].copy_(w2)
+            fill(self.w2.data[expert], w2)
         else:
             w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
-            self.w13.data[expert, half * local : (half + 1) * local].copy_(w13)
+            fill(self.w13.data[expert, half * local : (half + 1) * local], w13)

@@ -28,6 +28,7 @@ from engine.models.quantization import (
     quantize_model,
     set_kv_scales,
 )
+from engine.models.weight_copy import staged_copies
 from kernels.fp8 import check_fp8_device, fp8_supported
 
 logger = logging.getLogger("pagoda.engine")
@@ -185,7 +186,8 @@ def load_model(
     if scheme is not None:
         weights = dequantize_checkpoint(weights, scheme, kv_scales)
     try:
-        loaded = model.load_weights(weights)
+        with staged_copies(device):
+            loaded = model.load_weights(weights)
     except ModelLoadError:
         raise
     except (ValueError, RuntimeError) as e:

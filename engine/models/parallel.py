@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.weight_copy import fill
 from kernels.linear import dense
 
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) index ranges along one dimension
@@ -107,7 +108,7 @@ def load_weight(
             module.load_shard(leaf, weight, section)
         else:
             param = getattr(module, leaf)
-            param.data.copy_(read(weight, param.shape))
+            fill(param.data, read(weight, param.shape))
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
 
@@ -197,11 +198,11 @@ class ColumnParallelLinear(nn.Linear):
             for s in self.sections:
                 ranges += [(offset + a, offset + b) for a, b in s.ranges]
                 offset += s.size
-            param.copy_(read(weight, [offset, *tail], tuple(ranges)))
+            fill(param, read(weight, [offset, *tail], tuple(ranges)))
             return
         s = self.sections[section]
         start = sum(x.local_size for x in self.sections[:section])
-        param[start : start + s.local_size].copy_(read(weight, [s.size, *tail], s.ranges))
+        fill(param[start : start + s.local_size], read(weight, [s.size, *tail], s.ranges))
 
 
 class RowParallelLinear(nn.Linear):
@@ -227,7 +228,7 @@ class RowParallelLinear(nn.Linear):
             param.copy_(bias if self.tp.is_driver else torch.zeros_like(bias))
             return
         cols = ((self.in_start, self.in_start + self.in_features),)
-        param.copy_(read(weight, [self.out_features, self.full_in_features], cols, dim=1))
+        fill(param, read(weight, [self.out_features, self.full_in_features], cols, dim=1))
 
 
 def vocab_rows(vocab_size: int, multiple: int, tp: TensorParallel) -> tuple[int, int]:
@@ -263,6 +264,6 @@ class VocabParallelEmbedding(nn.Embedding):
         stop = min(start + param.shape[0], self.vocab_size)
         param.zero_()
         if stop > start:
-            param[: stop - start].copy_(read(weight, shape, ((start, stop),)))
+            fill(param[: stop - start], read(weight, shape, ((start, stop),)))
         else:  # a small vocabulary over many ranks: all of this rank's rows are padding
             check_shape(weight, shape)

@@ -1,0 +1,87 @@
+"""Checkpoint tensors onto the GPU through pinned buffers.
+
+A checkpoint tensor is a view of the file's memory mapping; `param.copy_(view)` is a
+pageable host-to-device copy, which the driver does in small synchronous pieces while
+the mapping's pages fault in one by one. Copied instead into a pinned buffer (a CPU
+copy, which torch spreads over its threads) and from there asynchronously, each piece's
+transfer runs while the next one is read, at the link's full rate. A few buffers in
+turn: a buffer is written again only once its last transfer is done.
+
+Every weight copy of the model code goes through `fill`; inside `staged_copies` (the
+loader's, while one model loads on a CUDA device) it takes this path, elsewhere it is
+`dst.copy_(src)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+
+BUFFER_BYTES = 64 << 20
+NUM_BUFFERS = 4
+
+
+class PinnedStager:
+    """Host-to-device copies through a ring of pinned buffers, on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers = [
+            torch.empty(BUFFER_BYTES, dtype=torch.uint8, pin_memory=True)
+            for _ in range(NUM_BUFFERS)
+        ]
+        self.done = [torch.cuda.Event() for _ in range(NUM_BUFFERS)]
+        self.next = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst (on the device) = src (on the host, any layout), in pieces of whole rows."""
+        row_bytes = src[0].numel() * src.element_size() if src.dim() else 0
+        if not 0 < row_bytes <= BUFFER_BYTES:
+            dst.copy_(src)  # a scalar, an empty tensor or a row larger than a buffer
+            return
+        rows = BUFFER_BYTES // row_bytes
+        for start in range(0, src.shape[0], rows):
+            part = src[start : start + rows]
+            i, self.next = self.next, (self.next + 1) % NUM_BUFFERS
+            self.done[i].synchronize()  # its previous transfer has read it
+            nbytes = part.numel() * part.element_size()
+            staged = self.buffers[i][:nbytes].view(part.dtype).view(part.shape)
+            staged.copy_(part)
+            dst[start : start + rows].copy_(staged, non_blocking=True)
+            self.done[i].record()
+
+    def finish(self) -> None:
+        for event in self.done:
+            event.synchronize()
+
+
+_stager: contextvars.ContextVar[PinnedStager | None] = contextvars.ContextVar(
+    "pagoda_weight_stager", default=None
+)
+
+
+@contextlib.contextmanager
+def staged_copies(device: torch.device) -> Iterator[None]:
+    """`fill` stages host tensors through pinned buffers while this is open (CUDA only)."""
+    if device.type != "cuda":
+        yield
+        return
+    stager = PinnedStager(device)
+    token = _stager.set(stager)
+    try:
+        yield
+    finally:
+        _stager.reset(token)
+        stager.finish()  # the buffers outlive every transfer from them
+
+
+def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), staged when a load is open and this is a host-to-device copy."""
+    stager = _stager.get()
+    if stager is None or dst.device.type != "cuda" or src.device.type != "cpu":
+        dst.copy_(src)
+    else:
+        stager.copy(dst, src)
