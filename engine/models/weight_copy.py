@@ -27,8 +27,7 @@ NUM_BUFFERS = 4
 class PinnedStager:
     """Host-to-device copies through a ring of pinned buffers, on the current stream."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.buffers = [
             torch.empty(BUFFER_BYTES, dtype=torch.uint8, pin_memory=True)
             for _ in range(NUM_BUFFERS)
@@ -38,11 +37,15 @@ class PinnedStager:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst (on the device) = src (on the host, any layout), in pieces of whole rows."""
-        row_bytes = src[0].numel() * src.element_size() if src.dim() else 0
-        if not 0 < row_bytes <= BUFFER_BYTES:
-            dst.copy_(src)  # a scalar, an empty tensor or a row larger than a buffer
+        if src.dim() == 0 or src.numel() == 0:
+            dst.copy_(src)
+            return
+        row_bytes = src.numel() // src.shape[0] * src.element_size()
+        if row_bytes > BUFFER_BYTES:
+            dst.copy_(src)  # a row larger than a buffer
             return
         rows = BUFFER_BYTES // row_bytes
+        stream = torch.cuda.current_stream(dst.device)  # where the copies below run
         for start in range(0, src.shape[0], rows):
             part = src[start : start + rows]
             i, self.next = self.next, (self.next + 1) % NUM_BUFFERS
@@ -51,7 +54,7 @@ class PinnedStager:
             staged = self.buffers[i][:nbytes].view(part.dtype).view(part.shape)
             staged.copy_(part)
             dst[start : start + rows].copy_(staged, non_blocking=True)
-            self.done[i].record()
+            self.done[i].record(stream)
 
     def finish(self) -> None:
         for event in self.done:
@@ -69,7 +72,7 @@ def staged_copies(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    stager = PinnedStager(device)
+    stager = PinnedStager()
     token = _stager.set(stager)
     try:
         yield

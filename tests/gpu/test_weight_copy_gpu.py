@@ -27,6 +27,7 @@ def small_buffers(monkeypatch):
         lambda: torch.randn(64, 600)[:, 100:400],  # a column range (row-parallel shard)
         lambda: torch.randn(3, 2000),  # rows larger than a buffer: copied as they are
         lambda: torch.tensor(2.5),  # a scalar
+        lambda: torch.empty(0, 8),  # no rows (a rank's share of a small vocabulary)
     ],
 )
 def test_staged_copies_equal_plain_ones(small_buffers, make):
