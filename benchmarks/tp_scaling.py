@@ -2,7 +2,9 @@
 
 - Llama-3-8B's shape at TP 1/2/4/8: batch-1 decode ms/token, beside the time
   an all-reduce of one token's hidden state takes (measured alone, in as many
-  processes) times the all-reduces a decode step makes (two per layer).
+  processes) times the all-reduces a decode step makes (two per layer), and
+  the time rank 0's collectives took per token inside the engine's own steps
+  (the profiler's NCCL kernel time over a short batch-1 run).
 - Llama-3-70B's shape at TP 4/8: 64 requests of 512 random prompt tokens and
   512 output tokens (offline throughput), and batch-1 ms/token against the
   floor of one GPU reading its shard (weights and KV) at its copy bandwidth.
@@ -72,6 +74,37 @@ def all_reduce_us(size: int, hidden: int) -> float:
     return out.get()
 
 
+PROFILED_TOKENS = 32
+COLLECTIVE_NAMES = ("allreduce", "all_reduce", "allgather", "all_gather")
+
+
+def collective_share(llm: LLM, prompt: list[int], tokens: int = PROFILED_TOKENS) -> dict:
+    """Rank 0's time in collectives per generated token, from the profiler, at batch 1:
+    on CUDA the NCCL kernels' device time (inside the decode graphs too; a kernel
+    that waits for a late peer counts its wait), on the CPU gloo's host time. One
+    prefill and tokens - 1 decode steps; `step_us` is all device (or host) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.engine.config.torch_device.type == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        run_pagoda(llm, [prompt], [tokens], [])
+        if cuda:
+            torch.cuda.synchronize()
+    collective_us = total_us = 0.0
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        total_us += us
+        if any(name in event.key.lower() for name in COLLECTIVE_NAMES):
+            collective_us += us
+    return {
+        "tokens": tokens,
+        "collective_us_per_token": collective_us / tokens,
+        "step_us": total_us / tokens,
+        "measured_on": "device kernels" if cuda else "host ops",
+    }
+
+
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10000) for _ in range(length)] for _ in range(n)]
@@ -101,6 +134,8 @@ def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict
             "vs_floor": ms_per_token / floor,
             "decode_vs_floor": decode_vs_floor(llm, steps, bandwidth),
         }
+        if tp > 1:
+            result["batch1"]["profiled"] = collective_share(llm, prompt)
         if throughput:
             prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN)
             lens = [THROUGHPUT_LEN] * THROUGHPUT_REQUESTS

@@ -94,3 +94,13 @@ def test_prompt_logprobs_match_one_rank(tp2, tp1):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [p for _, p in a.top] == pytest.approx([p for _, p in b.top], abs=1e-4)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_the_scaling_benchmark_finds_rank_zeros_collectives(tp2):
+    """benchmarks.tp_scaling's profiled share (gloo's host ops here, NCCL's kernels on
+    GPUs): every step all-reduces, and the collectives are part of the step's time."""
+    from benchmarks.tp_scaling import collective_share
+
+    share = collective_share(tp2, list(range(10, 30)), tokens=4)
+    assert 0 < share["collective_us_per_token"] < share["step_us"]
+    assert not tp2.engine.has_unfinished_requests()
