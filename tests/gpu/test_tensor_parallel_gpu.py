@@ -1,8 +1,11 @@
 """Tensor parallelism on two GPUs (NCCL): the same greedy tokens as one GPU and as
 transformers, with CUDA graphs (decode and prefill, the collectives captured inside) and
-without."""
+without; a rank killed mid-generation fails the engine, which then shuts down."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,3 +57,51 @@ def test_shared_prefixes_and_few_kv_blocks_on_two_gpus(tiny_llama_dir):
     want, _ = generate(tiny_llama_dir, prompts, **config)
     got, _ = generate(tiny_llama_dir, prompts, tensor_parallel_size=2, **config)
     assert got == want
+
+
+# In a process of its own, so that a hang (NCCL waiting on the dead rank, or its
+# teardown waiting on graphs that captured its collectives) fails the test.
+KILL_A_RANK = """
+import os, signal, sys, time
+from engine import LLM, SamplingParams
+from engine.distributed import WorkerFailed
+
+llm = LLM(sys.argv[1], device="cuda", dtype="float32", tensor_parallel_size=2,
+          enforce_eager=sys.argv[2] == "eager")
+engine = llm.engine
+(worker,) = engine.workers.processes.values()
+params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+engine.add_request("r", [1, 2, 3, 4], params)
+for _ in range(4):
+    engine.step()
+os.kill(worker.pid, signal.SIGKILL)
+killed = time.monotonic()
+try:
+    while engine.has_unfinished_requests():
+        engine.step()
+    print("finished without failing", flush=True)
+except WorkerFailed as exc:
+    print(f"failed after {time.monotonic() - killed:.3f} s: {exc}", flush=True)
+llm.shutdown()
+print("shut down", flush=True)
+"""
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_a_killed_rank_fails_the_engine_which_then_shuts_down(tiny_llama_dir, eager):
+    mode = "eager" if eager else "graphs"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", KILL_A_RANK, tiny_llama_dir, mode],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung after the kill; its output: {exc.stdout!r} {exc.stderr!r}")
+    lines = out.stdout.splitlines()
+    failed = [line for line in lines if line.startswith("failed after")]
+    assert failed, out.stdout + out.stderr[-3000:]
+    assert "rank 1" in failed[0]
+    assert float(failed[0].split()[2]) < 10.0
+    assert lines[-1] == "shut down", out.stderr[-3000:]
