@@ -63,9 +63,11 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 # FastAPI's 422), and every route can answer 401 (with --api-key) and 413 (a body over
 # the limit); streams are text/event-stream, /metrics is text.
 _COMMON = _errors(400, 401, 404, 413)
+# One event of a stream, as an SSE parser yields it: `data` is a chunk's JSON or [DONE].
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
 _GENERATE = {
     **_errors(400, 401, 404, 413, 500, 503),
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}},
 }
 _HEALTH = _errors(503)
 _METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
