@@ -49,6 +49,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def triton_cache_warm() -> bool:
     return root.is_dir() and any(root.iterdir())
 
 
-def server_env(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+def server_env(base: Mapping[str, str]) -> dict[str, str]:
     """The server's environment: unbuffered logs, bytecode cached (see the module doc)."""
     env = {k: v for k, v in base.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONUNBUFFERED"] = "1"

@@ -29,9 +29,9 @@ def pause_collection() -> None:
 
 def freeze_startup_heap() -> None:
     """Exempt everything alive now from collection. Not collected first: a full
-    collection of the startup heap costs about half a second of time to ready, and
-    finds a few hundred small cycles (on the demo model: import and build leftovers,
-    no tensors), which frozen cost less than that pause."""
+    collection walks the whole startup heap, on the way to ready, to find a few
+    hundred small cycles (on the demo model: import and build leftovers, no tensors),
+    which frozen cost less than that pause."""
     global _paused
     gc.freeze()
     if _paused:
