@@ -9,6 +9,9 @@ nothing.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +24,42 @@ class WorkerFailed(RuntimeError):
     """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
     no longer agree on which collectives ran): the engine cannot go on. Here, not with
     the group's code: the API processes catch it and never import torch."""
+
+
+class CollectiveGate:
+    """This process's collective calls and an abort of its communicators, one at a time.
+
+    The watchdog thread aborts the communicators when a rank dies, so that device work
+    waiting on it ends; torch's process-group state is not safe to tear down while the
+    engine thread is inside a call on it. Calls hold the gate; the abort takes it (or goes ahead after `wait_s`: a call blocked on the
+    dead rank can only end by the abort), and every later call raises WorkerFailed
+    without touching the group."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.closed: str | None = None  # why, once aborted
+
+    def open(self) -> None:
+        self.closed = None
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        with self._lock:
+            if self.closed is not None:
+                raise WorkerFailed(self.closed)
+            yield
+
+    def abort(self, why: str, abort: Callable[[], None], wait_s: float = 2.0) -> None:
+        held = self._lock.acquire(timeout=wait_s)
+        try:
+            self.closed = why
+            abort()
+        finally:
+            if held:
+                self._lock.release()
+
+
+GATE = CollectiveGate()
 
 
 @dataclass(frozen=True)
@@ -46,7 +85,8 @@ class TensorParallel:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+            with GATE.call():
+                dist.all_reduce(x, group=self.group)
         return x
 
     def gather_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +105,8 @@ class TensorParallel:
         rows, part = x.shape
         out = torch.empty(self.size * rows, part, dtype=x.dtype, device=x.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, x.contiguous(), group=self.group)  # [size * rows, part], rank-major
+        with GATE.call():
+            gather(out, x.contiguous(), group=self.group)  # [size * rows, part], rank-major
         return out.view(self.size, rows, part).transpose(0, 1).reshape(rows, self.size * part)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.block_table import BlockTable
-from engine.distributed import TensorParallel
+from engine.distributed import GATE, TensorParallel
 from engine.staging import StagedFields
 
 # StepHeader.path
@@ -71,7 +71,8 @@ class StepChannel:
         """Rank 0: the workers leave their loop."""
         self.header_np[:] = 0
         self.header_np[0] = STOP
-        dist.broadcast(self.header, src=0, group=self.control)
+        with GATE.call():
+            dist.broadcast(self.header, src=0, group=self.control)
 
     def receive(self) -> tuple[StepHeader, torch.Tensor | None]:
         """A worker: the next step's header, its staged buffer and table rows in place;
@@ -89,11 +90,12 @@ class StepChannel:
     def _send_all(self, header: StepHeader, score_rows: torch.Tensor | None) -> None:
         """The broadcasts, in one order on every rank (rank 0 sends, the rest receive)."""
         group = self.tp.group
-        if self.tp.is_driver:
-            dist.broadcast(self.header, src=0, group=self.control)
-        dist.broadcast(self.staged.device, src=0, group=group)
-        if header.table_hi > header.table_lo:
-            rows = self.block_table.gpu[header.table_lo : header.table_hi]
-            dist.broadcast(rows, src=0, group=group)
-        if score_rows is not None:
-            dist.broadcast(score_rows, src=0, group=group)
+        with GATE.call():
+            if self.tp.is_driver:
+                dist.broadcast(self.header, src=0, group=self.control)
+            dist.broadcast(self.staged.device, src=0, group=group)
+            if header.table_hi > header.table_lo:
+                rows = self.block_table.gpu[header.table_lo : header.table_hi]
+                dist.broadcast(rows, src=0, group=group)
+            if score_rows is not None:
+                dist.broadcast(score_rows, src=0, group=group)

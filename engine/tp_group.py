@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed import TensorParallel, WorkerFailed
+from engine.distributed import GATE, TensorParallel, WorkerFailed
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -71,6 +71,7 @@ def join(config: EngineConfig, rank: int, address: str) -> Membership:
     if device.type == "cuda":  # the node's device rank % ranks_per_node
         device = torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
         torch.cuda.set_device(device)
+    GATE.open()  # a new group: calls go through again
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=address,
@@ -176,7 +177,7 @@ class Workers:
                     self.failed.set()
                     for _, other in list(running.values()):  # they cannot go on alone
                         other.kill()
-                    _abort_nccl()
+                    GATE.abort(self.failure, _abort_nccl)
 
     def check(self) -> None:
         if self.failure is not None:

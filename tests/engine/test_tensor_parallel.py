@@ -104,3 +104,63 @@ def test_the_scaling_benchmark_finds_rank_zeros_collectives(tp2):
     share = collective_share(tp2, list(range(10, 30)), tokens=4)
     assert 0 < share["collective_us_per_token"] < share["step_us"]
     assert not tp2.engine.has_unfinished_requests()
+
+
+def test_the_collective_gate_keeps_an_abort_out_of_a_call_and_later_calls_out():
+    import threading
+    import time
+
+    from engine.distributed import CollectiveGate, WorkerFailed
+
+    gate = CollectiveGate()
+    events: list[str] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def a_call() -> None:
+        with gate.call():
+            inside.set()
+            release.wait(5.0)
+            events.append("call ends")
+
+    caller = threading.Thread(target=a_call)
+    caller.start()
+    inside.wait(5.0)
+    aborter = threading.Thread(
+        target=gate.abort, args=("rank 1 died", lambda: events.append("abort"))
+    )
+    aborter.start()
+    time.sleep(0.05)  # the abort is waiting for the call, not running inside it
+    assert events == []
+    release.set()
+    caller.join(5.0)
+    aborter.join(5.0)
+    assert events == ["call ends", "abort"]
+    ran = []
+    with pytest.raises(WorkerFailed, match="rank 1 died"), gate.call():
+        ran.append(1)  # never: the group is gone
+    assert ran == []
+    gate.open()  # a new group
+    with gate.call():
+        ran.append(1)
+    assert ran == [1]
+
+
+def test_the_collective_gate_aborts_past_a_call_that_never_returns():
+    import threading
+
+    from engine.distributed import CollectiveGate
+
+    gate = CollectiveGate()
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with gate.call():
+            inside.set()
+            release.wait(10.0)  # a call blocked on the dead rank: only the abort ends it
+
+    caller = threading.Thread(target=stuck)
+    caller.start()
+    inside.wait(5.0)
+    gate.abort("rank 1 died", release.set, wait_s=0.1)
+    caller.join(5.0)
+    assert not caller.is_alive() and gate.closed == "rank 1 died"
