@@ -5,9 +5,10 @@
   processes) times the all-reduces a decode step makes (two per layer), and
   the time rank 0's collectives took per token inside the engine's own steps
   (the profiler's NCCL kernel time over a short batch-1 run).
-- Llama-3-70B's shape at TP 4/8: 64 requests of 512 random prompt tokens and
-  512 output tokens (offline throughput), and batch-1 ms/token against the
-  floor of one GPU reading its shard (weights and KV) at its copy bandwidth.
+- Llama-3-70B's shape at TP 4/8 (or 2, on GPUs that hold half of its ~141 GB):
+  64 requests of 512 random prompt tokens and 512 output tokens (offline
+  throughput), and batch-1 ms/token against the floor of one GPU reading its
+  shard (weights and KV) at its copy bandwidth.
 
     python -m benchmarks.tp_scaling --out results/tp_scaling.json
 
@@ -135,7 +136,7 @@ def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict
             "decode_vs_floor": decode_vs_floor(llm, steps, bandwidth),
         }
         if tp > 1:
-            result["batch1"]["profiled"] = collective_share(llm, prompt)
+            result["batch1"]["profiled"] = collective_share(llm, prompt[0])
         if throughput:
             prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN)
             lens = [THROUGHPUT_LEN] * THROUGHPUT_REQUESTS
