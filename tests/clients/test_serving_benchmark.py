@@ -55,9 +55,8 @@ def test_sweep_and_seeds_workload(fake, tmp_path, capsys):
 
 
 def test_unreachable_server_fails_cleanly(tmp_path):
-    rc = serving.main(
-        ["--base-url", "http://127.0.0.1:9", "--skip-sweep", "--out-dir", str(tmp_path)]
-    )
+    args = ["--base-url", "http://127.0.0.1:9", "--skip-sweep", "--out-dir", str(tmp_path)]
+    rc = serving.main([*args, "--offline-tok-s", "1000"])  # no offline run: it is not the point
     assert rc == 1
     assert "error" in json.loads((tmp_path / "summary.json").read_text())
 
