@@ -31,9 +31,9 @@ class CollectiveGate:
 
     The watchdog thread aborts the communicators when a rank dies, so that device work
     waiting on it ends; torch's process-group state is not safe to tear down while the
-    engine thread is inside a call on it. Calls hold the gate; the abort takes it (or goes ahead after `wait_s`: a call blocked on the
-    dead rank can only end by the abort), and every later call raises WorkerFailed
-    without touching the group."""
+    engine thread is inside a call on it. Calls hold the gate; the abort takes it (or
+    goes ahead after `wait_s`: a call blocked on the dead rank can only end by the
+    abort), and every later call raises WorkerFailed without touching the group."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
