@@ -106,9 +106,9 @@ def collective_share(llm: LLM, prompt: list[int], tokens: int = PROFILED_TOKENS)
     }
 
 
-def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10000) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(min(vocab, 10000)) for _ in range(length)] for _ in range(n)]
 
 
 def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict:
@@ -123,7 +123,8 @@ def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict
     )
     try:
         result: dict = {}
-        prompt = random_prompts(1, BATCH1_PROMPT, seed=1)
+        vocab = llm.engine.vocab_size
+        prompt = random_prompts(1, BATCH1_PROMPT, vocab, seed=1)
         run_pagoda(llm, prompt, [16], [])  # warm up
         steps: list[DecodeStep] = []
         one = run_pagoda(llm, prompt, [BATCH1_OUTPUT], steps)
@@ -138,7 +139,7 @@ def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict
         if tp > 1:
             result["batch1"]["profiled"] = collective_share(llm, prompt[0])
         if throughput:
-            prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN)
+            prompts = random_prompts(THROUGHPUT_REQUESTS, THROUGHPUT_LEN, vocab)
             lens = [THROUGHPUT_LEN] * THROUGHPUT_REQUESTS
             run_pagoda(llm, prompts, [8] * THROUGHPUT_REQUESTS, [])  # warm up at this batch
             steps = []
