@@ -1,82 +1,115 @@
-"""Per-kernel GPU time of one decode step, on random weights at a real size.
+"""Where a decode step's device time goes, kernel by kernel (torch.profiler).
 
-    python -m benchmarks.profile_decode gpt2 64     # model (gpt2 | qwen2-0.5b | llama3-8b), batch
+    python -m benchmarks.profile_decode gpt2 64     # model (a benchmarks.checkpoints shape), batch
+    python -m benchmarks.profile_decode llama3-8b 64 --context 768 --out FILE
     python -m benchmarks.profile_decode llama3-8b 1 --quantization fp8
 
-Brings `batch` sequences to a context of 256 tokens, times the decode CUDA graph
-replayed back to back, then prints torch.profiler's kernel table for the same
-forward run eagerly (the graph's kernels, one by one). Needs CUDA.
+`batch` greedy requests of `--context` prompt tokens are admitted and decoding
+(benchmarks.offline's start_decoding), a few steps warm up, then `--steps` engine
+steps run under the profiler: the kernels inside CUDA graphs are recorded too.
+Per kernel name: microseconds and calls per step, and the step's kernel time
+against the device's span over those steps (the share of it the GPU was busy).
+On the CPU the rows are the host's ops instead, without a span.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.offline import start_decoding
+from benchmarks.provenance import git_commit, write_result
 from engine import LLM
 
-CONTEXT = 256
+WARMUP = 16
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", nargs="?", default="gpt2")
+def kernel_table(llm: LLM, batch: int, context: int, steps: int = 40) -> dict:
+    """The table of `steps` full-batch decode steps: the requests may run to
+    max_model_len, which must leave room for the admission, warm-up and steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    cuda = engine.config.torch_device.type == "cuda"
+    start_decoding(engine, batch, context, max_tokens=engine.config.max_model_len - context)
+    for _ in range(WARMUP):
+        engine.step()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    if len(engine.scheduler.running) != batch:
+        raise ValueError(f"requests ended inside the table: raise max_model_len past {context}")
+    rows = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0:
+            rows.append(
+                {"name": event.key, "us_per_step": us / steps, "calls": event.count / steps}
+            )
+    rows.sort(key=lambda row: -row["us_per_step"])
+    total = sum(row["us_per_step"] for row in rows)
+    table = {"batch": batch, "context": context, "steps": steps, "us_per_step": total}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+        table["span_us_per_step"] = span / steps
+        table["busy"] = total * steps / span
+    table["launches_per_step"] = sum(row["calls"] for row in rows)
+    return table | {"rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("model", nargs="?", default="gpt2", help="a benchmarks.checkpoints shape")
     p.add_argument("batch", nargs="?", type=int, default=64)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--quantization", default=None, choices=["fp8"])
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--rows", type=int, default=20, help="kernel table rows")
+    p.add_argument("--rows", type=int, default=30, help="table rows printed")
+    p.add_argument("--out", type=Path, default=None, help="the whole table as JSON here")
     args = p.parse_args(argv)
-    name, batch = args.model, args.batch
-    dtype = torch.float16 if name == "gpt2" else torch.bfloat16
-    model_dir = build_checkpoint(name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", dtype)
+    dtype = "float16" if args.model == "gpt2" else "bfloat16"
+    path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
     llm = LLM(
-        model_dir,
-        dtype=str(dtype).removeprefix("torch."),
+        build_checkpoint(args.model, path, getattr(torch, dtype)),
+        dtype=dtype,
         enable_prefix_caching=False,
-        max_model_len=1024,
-        max_num_seqs=max(batch, 8),
+        max_num_seqs=max(args.batch, 8),
+        max_num_batched_tokens=4096,
+        max_model_len=args.context + WARMUP + args.steps + 128,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     )
-    engine, runner = llm.engine, llm.engine.runner
-    start_decoding(engine, batch, CONTEXT, max_tokens=600)
-
-    batch_out = engine.scheduler.schedule()
-    assert batch_out.is_decode_only and batch_out.num_seqs == batch
-    runner.fill(batch_out)
-    bucket = runner.graphs.decode_bucket[batch]
-    runner.graphs.pad_decode(batch, bucket)
-    inp = runner.send(bucket, bucket, 1, True)
-    graph = runner.graphs.decode[bucket][runner.parity]
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(200):
-        graph.replay()
-    torch.cuda.synchronize()
-    print(f"{name} B={batch}: graph replay {1e6 * (time.perf_counter() - start) / 200:.1f} us")
-
-    with torch.inference_mode():
-        for _ in range(5):
-            runner.forward(inp)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                runner.forward(inp)
-            torch.cuda.synchronize()
-    print("20 forwards:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
+    result = {
+        "benchmark": "profile_decode",
+        "command": "python -m benchmarks.profile_decode "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "model": args.model,
+        "dtype": dtype,
+        **kernel_table(llm, args.batch, args.context, args.steps),
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    for row in result["rows"][: args.rows]:
+        print(f"{row['us_per_step']:9.1f} us {row['calls']:6.1f}x  {row['name'][:100]}")
+    write_result(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
