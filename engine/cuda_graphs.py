@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, StepHeader
+from kernels.argmax import greedy_ids
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -161,7 +162,7 @@ class CudaGraphs:
                 table.index_copy_(0, index, values)
                 logits = runner.forward(inp)  # the block-table gather included
                 if self.driver:
-                    torch.argmax(logits, dim=-1, out=sampled[:seqs])
+                    greedy_ids(logits, sampled[:seqs])
             self.prefill[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
         torch.cuda.synchronize(runner.device)
@@ -192,7 +193,7 @@ class CudaGraphs:
                     # the sampler overwrites them after the replay, and copies its own
                     # to the host again.
                     if self.driver:
-                        torch.argmax(logits, dim=-1, out=sampled[:bucket])
+                        greedy_ids(logits, sampled[:bucket])
                         runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
                 pool = graph.pool()
                 self.decode[bucket].append(graph)

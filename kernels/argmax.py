@@ -1,0 +1,99 @@
+"""Greedy ids: the argmax of each logits row, over chunks of the row in parallel.
+
+torch.argmax reduces a [rows, vocab] tensor with about one program per row, too few
+to fill the GPU at decode batch sizes when a row is 50k-150k wide. Here the first
+launch takes each row in CHUNK-wide pieces, (rows x chunks) programs, and the
+second picks each row's winner among its pieces. The result is torch.argmax's: the
+first index of the largest value, NaN counting as larger than any number.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # elements a program loads at once
+CHUNK = 4 * BLOCK  # elements of a row per first-launch program
+NO_INDEX = 2**31 - 1  # above any vocabulary index
+
+
+@triton.jit
+def _pick(val, idx):
+    """The winner of (val, idx) candidates: the first NaN if any, else the first of
+    the largest values. Candidates without an element carry NO_INDEX."""
+    is_nan = val != val
+    any_nan = tl.max(is_nan.to(tl.int32), 0) > 0
+    top = tl.max(tl.where(is_nan, float("-inf"), val), 0)
+    winner = tl.where(any_nan, is_nan, (val == top) & (idx != 2147483647))
+    best = tl.min(tl.where(winner, idx, 2147483647), 0)
+    return tl.where(any_nan, float("nan"), top), best
+
+
+@triton.jit
+def _chunk_argmax_kernel(
+    logits_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    vocab,
+    num_chunks,
+    stride_row,
+    BLOCK: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    start = chunk * BLOCK * TILES
+    for tile in tl.static_range(TILES):
+        idx = start + tile * BLOCK + lanes
+        valid = idx < vocab
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + idx, mask=valid).to(tl.float32)
+        # Later tiles hold later indices: a tie keeps the lane's earlier one.
+        take = (x > best_val) | (best_idx == 2147483647) | ((x != x) & (best_val == best_val))
+        take = valid & take
+        best_val = tl.where(take, x, best_val)
+        best_idx = tl.where(take, idx, best_idx)
+    val, idx = _pick(best_val, best_idx)
+    tl.store(part_val_ptr + row * num_chunks + chunk, val)
+    tl.store(part_idx_ptr + row * num_chunks + chunk, idx)
+
+
+@triton.jit
+def _row_argmax_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, CHUNKS_P2: tl.constexpr):
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS_P2)
+    mask = chunks < num_chunks
+    val = tl.load(part_val_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * num_chunks + chunks, mask=mask, other=2147483647)
+    _, best = _pick(val, idx)
+    tl.store(out_ptr + row, best.to(out_ptr.dtype.element_ty))
+
+
+def greedy_ids(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[r] = logits[r].argmax() for logits [rows, vocab] (last dim contiguous), as
+    torch.argmax(logits, dim=-1, out=out); CUDA-graph safe (no host sync)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and out.shape == (rows,)
+    if rows == 0:
+        return out
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    _chunk_argmax_kernel[(rows, num_chunks)](
+        logits,
+        part_val,
+        part_idx,
+        vocab,
+        num_chunks,
+        logits.stride(0),
+        BLOCK=BLOCK,
+        TILES=CHUNK // BLOCK,
+        num_warps=8,
+    )
+    _row_argmax_kernel[(rows,)](
+        part_val, part_idx, out, num_chunks, CHUNKS_P2=max(2, triton.next_power_of_2(num_chunks))
+    )
+    return out
