@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.rounding import round_to
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -37,8 +38,10 @@ def _act_and_mul_kernel(
     stride_x,
     GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (token, BLOCK output columns).
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -68,6 +71,7 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     if num_tokens == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
+    pdl = use_pdl(x.device)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
         x,
         out,
@@ -75,7 +79,9 @@ def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
         x.stride(0),
         GELU_TANH=activation == "gelu_tanh",
         BLOCK=block,
+        PDL=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )
     return out
 

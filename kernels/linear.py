@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention import dot_precision
+from kernels.pdl import launch_options, use_pdl, wait_previous
 
 # Rows a workspace holds: the batch at which the kernel was measured to beat cuBLAS.
 SPLITK_MAX_M = 64
@@ -61,6 +62,7 @@ def _splitk_linear_kernel(
     BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (BLOCK_N output columns, K split): all M rows (padded to BLOCK_M >= 16
     # for tl.dot) times its columns of W, over its share of K, accumulated in fp32.
@@ -70,20 +72,37 @@ def _splitk_linear_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_per_split = tl.cdiv(K, NUM_SPLITS * BLOCK_K) * BLOCK_K
     k_start = split * k_per_split
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # The first weight tile is read before waiting for x: under PDL, while the kernel
+    # before this one finishes.
+    ks = k_start + tl.arange(0, BLOCK_K)
+    w = tl.load(
+        weight_ptr + cols[None, :] * stride_wn + ks[:, None],
+        mask=(cols[None, :] < N) & (ks[:, None] < k_end),
+        other=0.0,
+    )  # [BLOCK_K, BLOCK_N]
+    wait_previous(PDL)
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_xm + ks[None, :],
+        mask=(rows[:, None] < M) & (ks[None, :] < k_end),
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_K]
+    if HAS_SCALE:  # e4m3 to x's dtype: exact
+        w = w.to(x.dtype)
+    acc = tl.dot(x, w, input_precision=DOT_PRECISION)
+    for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + ks[None, :],
             mask=(rows[:, None] < M) & (ks[None, :] < K),
             other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
+        )
         w = tl.load(
             weight_ptr + cols[None, :] * stride_wn + ks[:, None],
             mask=(cols[None, :] < N) & (ks[:, None] < K),
             other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if HAS_SCALE:  # e4m3 to x's dtype: exact
+        )
+        if HAS_SCALE:
             w = w.to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
@@ -207,6 +226,7 @@ def splitk_linear(
         return out
     config, partials = workspace.config_for(m), workspace.partials
     grid = (triton.cdiv(n, config.block_n), config.num_splits)
+    pdl = use_pdl(x.device)
     _splitk_linear_kernel[grid](
         x,
         weight,
@@ -230,8 +250,10 @@ def splitk_linear(
         BLOCK_K=config.block_k,
         NUM_SPLITS=config.num_splits,
         DOT_PRECISION=dot_precision(x.dtype),
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     return out
 

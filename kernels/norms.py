@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, use_pdl, wait_previous
+
 
 def add_norm_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
@@ -51,18 +53,20 @@ def _add_norm_kernel(
     HAS_BIAS: tl.constexpr,
     RMS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per token: the whole hidden vector in one tile.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * num_cols + cols, x, mask=mask)
         x = x.to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if RMS:
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
         y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * weight
@@ -92,6 +96,7 @@ def add_norm(
     if num_tokens == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)
+    pdl = use_pdl(x.device)
     _add_norm_kernel[(num_tokens,)](
         x,
         x if residual is None else residual,
@@ -107,8 +112,10 @@ def add_norm(
         HAS_BIAS=bias is not None,
         RMS=rms,
         BLOCK=block,
+        PDL=pdl,
         # About 8 elements per thread: 768 or 896 wide rows take 4 warps.
         num_warps=min(16, max(1, block // 256)),
+        **launch_options(pdl),
     )
     return out, residual_out
 

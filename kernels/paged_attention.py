@@ -16,6 +16,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE, round_to_fp8
 from kernels.kv_store import from_cache, kv_store_ref
+from kernels.pdl import launch_options, use_pdl, wait_previous
 
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 NO_WINDOW = 1 << 30  # the kernels' window when sliding_window is off: longer than any context
@@ -118,9 +119,11 @@ def _decode_kernel(
     STORE_NEW: tl.constexpr,  # store this step's K/V (new_k, new_v) at slot_mapping first
     KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (sequence, kv head, split): the whole query-head group of the kv head
     # shares each K/V tile it loads. The group is padded to GROUP_PAD >= 16 rows for tl.dot.
+    wait_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -236,8 +239,10 @@ def _decode_reduce_kernel(
     SPLITS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (sequence, query head): merge the splits' partial softmaxes.
+    wait_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P2)
@@ -359,6 +364,7 @@ def paged_attention_decode(
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
+    pdl = use_pdl(query.device)
     _decode_kernel[(num_seqs, num_kv_heads, config.num_splits)](
         query,
         k_cache,
@@ -404,8 +410,10 @@ def paged_attention_decode(
         STORE_NEW=store_new,
         KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(query.dtype),
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     if config.num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -423,6 +431,8 @@ def paged_attention_decode(
             SPLITS_P2=triton.next_power_of_2(config.num_splits),
             HEAD_DIM=head_dim,
             HEAD_DIM_P2=head_dim_p2,
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return out
 

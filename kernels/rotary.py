@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.norms import add_norm_ref
+from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.rounding import round_to
 
 
@@ -80,8 +81,10 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per (token, BLOCK_HEADS heads): the q heads' programs first, then k's.
+    wait_previous(PDL)  # positions too come from a copy in the step
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     q_groups = tl.cdiv(num_heads, BLOCK_HEADS)
@@ -146,6 +149,7 @@ def rotary(
         triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 512 // block_half)
     )
     groups = triton.cdiv(num_heads, block_heads) + triton.cdiv(num_kv_heads, block_heads)
+    pdl = use_pdl(q.device)
     _rotary_kernel[(num_tokens, groups)](
         positions,
         q,
@@ -163,10 +167,12 @@ def rotary(
         HEAD_DIM=head_dim,
         BLOCK_HEADS=block_heads,
         BLOCK_HALF=block_half,
+        PDL=pdl,
         num_warps=4,
         # No multiply-add contraction: in fp32 an FMA would round x1*cos - x2*sin once
         # where the unfused ops round three times.
         enable_fp_fusion=False,
+        **launch_options(pdl),
     )
     return q, k
 
