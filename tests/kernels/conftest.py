@@ -27,6 +27,8 @@ JIT_MODULES = (
     "triton.language.random",
     "triton.language",
     "kernels.rounding",
+    "kernels.pdl",
+    "kernels.argmax",
     "kernels.fp8",
     "kernels.kv_store",
     "kernels.paged_attention",

@@ -1,0 +1,18 @@
+"""Every kernels/ module with jit functions is reloaded for the interpreter (conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.kernels.conftest import JIT_MODULES
+
+
+def test_every_module_with_jit_functions_is_reloaded():
+    # One left out keeps functions decorated for CUDA, which the interpreter cannot call
+    # from its kernels: every test reaching them fails on a CPU-only machine, alone or
+    # only after another test imported the module first.
+    kernels = Path(__file__).resolve().parents[2] / "kernels"
+    with_jit = {
+        f"kernels.{path.stem}" for path in kernels.glob("*.py") if "@triton.jit" in path.read_text()
+    }
+    assert with_jit <= set(JIT_MODULES), sorted(with_jit - set(JIT_MODULES))
