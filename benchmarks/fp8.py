@@ -40,6 +40,7 @@ from benchmarks.offline import run_pagoda, start_decoding
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
+from engine.models.quantization import Fp8Linear
 from kernels.fp8 import fp8_linear, quantize_per_channel, quantize_per_token
 
 MODEL = "llama3-8b"
@@ -81,8 +82,9 @@ def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
 
 def gemm_timings(bandwidth: float, batches: tuple[int, ...] = (1, 16, 64)) -> dict:
     """Per projection shape and batch: the bf16 GEMM, the FP8 linear (per-token quantizer
-    + _scaled_mm) and the quantizer alone, in microseconds, beside each one's weight-read
-    floor at the measured copy bandwidth."""
+    + _scaled_mm), the engine's FP8 layer (Fp8Linear: split-K up to 64 rows) and the
+    quantizer alone, in microseconds, beside each one's weight-read floor at the
+    measured copy bandwidth."""
     return {
         f"{name} m={m}": _gemm_shape(k, n, m, bandwidth)
         for name, (k, n) in GEMM_SHAPES.items()
@@ -94,9 +96,11 @@ def _gemm_shape(k: int, n: int, m: int, bandwidth: float) -> dict:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     w_q, w_scale = quantize_per_channel(w)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    layer = Fp8Linear(w_q, w_scale, None)
     return {
         "bf16_us": graph_us(lambda: torch.nn.functional.linear(x, w)),
         "fp8_us": graph_us(lambda: fp8_linear(x, w_q, w_scale, None)),
+        "engine_fp8_us": graph_us(lambda: layer(x)),
         "quantize_us": graph_us(lambda: quantize_per_token(x)),
         "bf16_floor_us": 1e6 * 2 * n * k / bandwidth,
         "fp8_floor_us": 1e6 * n * k / bandwidth,

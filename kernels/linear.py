@@ -43,6 +43,7 @@ def _splitk_linear_kernel(
     x_ptr,
     weight_ptr,
     scale_ptr,
+    x_scale_ptr,
     bias_ptr,
     out_ptr,
     partials_ptr,
@@ -56,6 +57,7 @@ def _splitk_linear_kernel(
     stride_ps,
     stride_pm,
     HAS_SCALE: tl.constexpr,  # FP8 weights: W = q * scale[n], q upcast in registers
+    X_SCALE: tl.constexpr,  # FP8 x too: X = q * x_scale[m], the dot in e4m3 (needs HAS_SCALE)
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,7 +89,7 @@ def _splitk_linear_kernel(
         mask=(rows[:, None] < M) & (ks[None, :] < k_end),
         other=0.0,
     )  # [BLOCK_M, BLOCK_K]
-    if HAS_SCALE:  # e4m3 to x's dtype: exact
+    if HAS_SCALE and not X_SCALE:  # e4m3 to x's dtype: exact
         w = w.to(x.dtype)
     acc = tl.dot(x, w, input_precision=DOT_PRECISION)
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -102,7 +104,7 @@ def _splitk_linear_kernel(
             mask=(cols[None, :] < N) & (ks[:, None] < K),
             other=0.0,
         )
-        if HAS_SCALE:
+        if HAS_SCALE and not X_SCALE:
             w = w.to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
@@ -128,6 +130,8 @@ def _splitk_linear_kernel(
         tl.store(counters_ptr + pid_n, 0)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    if X_SCALE:
+        acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -188,7 +192,10 @@ def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKW
     Llama-3-8B's decode graph, where the isolated-kernel optimum (deeper K tiles for FP8)
     was slower. More rows (a down projection at batch 64) make each tile a real GEMM:
     about one wave, wider tiles for wide outputs and a deeper pipeline (measured at
-    m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down projections)."""
+    m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down projections); with FP8 (e4m3 dots
+    past SMALL_M rows) K tiles of 256 one-byte values, and one stage fewer when the
+    column tiles alone fill more than a wave (measured on Llama-3-8B's four projections
+    at m = 32 and 64)."""
     key = (n, device, fp8)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -200,8 +207,13 @@ def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKW
             waves = 2 if fp8 else 4
             config = SplitKConfig(num_splits=max(1, min(4, -(-waves * sms // tiles))))
             block_n = 64 if n >= 2048 else 32
-            splits = max(1, min(4, sms // triton.cdiv(n, block_n)))
-            rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
+            tiles = triton.cdiv(n, block_n)
+            splits = max(1, min(4, sms // tiles))
+            if fp8:
+                stages = 3 if tiles > sms else 4
+                rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
+            else:
+                rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
             _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
     return _SHARED[key]
 
@@ -212,16 +224,21 @@ def splitk_linear(
     bias: torch.Tensor | None,  # [N]
     workspace: SplitKWorkspace,
     weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) weights
-) -> torch.Tensor:  # [M, N] in x's dtype
+    x_scale: torch.Tensor | None = None,  # [M] or [M, 1] fp32, with e4m3 x and weights
+    out_dtype: torch.dtype | None = None,  # with e4m3 x: the model dtype
+) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype for e4m3 x)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale, the weight is e4m3 and the product x @ (weight * scale)^T: the
-    weights read at one byte each, x left in its dtype (weight-only FP8)."""
+    weights read at one byte each, x left in its dtype (weight-only FP8). With x_scale
+    too, x is e4m3 as well (quantized per token: `fp8_linear_ref`'s product), and the
+    dots run on e4m3 directly."""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
     assert x.dtype == weight.dtype or weight_scale is not None
+    assert x_scale is None or (weight_scale is not None and out_dtype is not None)
     assert weight.numel() < 2**31  # int32 offsets
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     config, partials = workspace.config_for(m), workspace.partials
@@ -231,6 +248,7 @@ def splitk_linear(
         x,
         weight,
         weight if weight_scale is None else weight_scale,
+        weight if x_scale is None else x_scale,
         weight if bias is None else bias,
         out,
         partials,
@@ -244,6 +262,7 @@ def splitk_linear(
         partials.stride(0),
         partials.stride(1),
         HAS_SCALE=weight_scale is not None,
+        X_SCALE=x_scale is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,

@@ -21,11 +21,19 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.models.layers import FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
-from kernels.fp8 import FP8_DTYPE, fp8_linear_for, quantize_per_channel, scaled_mm_fits
-from kernels.linear import splitk_linear, splitk_workspace
+from kernels.fp8 import (
+    FP8_DTYPE,
+    fp8_linear_for,
+    quantize_per_channel,
+    quantize_per_token,
+    scaled_mm_fits,
+)
+from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
 
-# Rows up to which Fp8Linear runs the split-K kernel (weight-only FP8).
-FP8_SPLITK_MAX_M = 16
+# Rows up to which Fp8Linear runs the split-K kernel with weight-only FP8; past them, up
+# to SPLITK_MAX_M, the same kernel with x quantized per token (e4m3 dots), and beyond
+# that `_scaled_mm`.
+FP8_WEIGHT_ONLY_MAX_M = 16
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -62,11 +70,18 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.is_cuda and rows.shape[0] <= FP8_SPLITK_MAX_M and rows.stride(1) == 1:
-            # Small batches: weight-only FP8 in the split-K kernel reads each weight's
-            # byte once, where _scaled_mm's kernels for skinny products fall far short.
+        m = rows.shape[0]
+        if rows.is_cuda and m <= SPLITK_MAX_M and rows.stride(1) == 1:
+            # Decode batches: the split-K kernel reads each weight's byte once, where
+            # _scaled_mm's kernels for skinny products fall far short of that.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
-            out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
+            if m <= FP8_WEIGHT_ONLY_MAX_M:
+                out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
+            else:
+                x_q, x_scale = quantize_per_token(rows)
+                out = splitk_linear(
+                    x_q, self.weight, self.bias, workspace, self.weight_scale, x_scale, rows.dtype
+                )
         else:
             out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)
         out = out.view(*shape[:-1], self.out_features)

@@ -1,5 +1,5 @@
 """FP8 on CUDA (compute capability 8.9+): the `_scaled_mm` linear against bf16 and its
-reference, under a CUDA graph; the FP8 cache kernels with bf16 queries; an engine with
+reference, under a CUDA graph; Fp8Linear's paths by batch size; the FP8 cache kernels with bf16 queries; an engine with
 FP8 weights and FP8 KV against the bf16 engine on a tiny checkpoint."""
 
 from __future__ import annotations
@@ -52,6 +52,24 @@ def test_fp8_linear_close_to_bf16_and_to_its_reference(m: int, dtype: torch.dtyp
     assert _rel(out, fp8_linear_ref(x, q, scale, bias)) < 0.01
     # Against the unquantized GEMM: e4m3's rounding of both operands (~3.5% on Gaussian data).
     assert _rel(out - bias, F.linear(x, w).float()) < 0.05
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65])
+def test_fp8_linear_module_by_batch(m: int) -> None:
+    """Fp8Linear's three paths: weight-only split-K (x unquantized) up to 16 rows, e4m3
+    dots in split-K up to 64, `_scaled_mm` past that; each against its reference."""
+    k, n = 4096, 6144
+    linear = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(linear)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    out = fp8(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    if m <= 16:
+        want = x.float() @ (fp8.weight.float() * fp8.weight_scale[:, None]).t() + fp8.bias.float()
+    else:
+        want = fp8_linear_ref(x, fp8.weight, fp8.weight_scale, fp8.bias)
+    assert _rel(out, want) < 0.01
 
 
 def test_fp8_linear_replays_in_a_cuda_graph() -> None:

@@ -124,6 +124,28 @@ def test_splitk_linear_with_fp8_weights_is_the_dequantized_product(
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("m", [17, 64])
+def test_splitk_linear_with_fp8_x_and_weights_is_fp8_linear_ref(m, num_splits, rng, device):
+    """W8A8: x quantized per token (as `_scaled_mm`'s path does), the dots on e4m3, both
+    scales and then the bias applied after the K sum: fp8_linear_ref's product."""
+    from kernels.fp8 import fp8_linear_ref, quantize_per_channel, quantize_per_token_ref
+
+    x = torch.randn(m, K, generator=rng).to(torch.float16)
+    q, scale = quantize_per_channel(0.1 * torch.randn(N, K, generator=rng))
+    bias = torch.randn(N, generator=rng).to(torch.float16)
+    want = fp8_linear_ref(x.float(), q, scale, bias.float())
+    x_q, x_scale = quantize_per_token_ref(x)
+
+    config = SplitKConfig(num_splits=num_splits, block_n=32, block_k=32)
+    workspace = poisoned_workspace(N, config, device)
+    on = [t.to(device) for t in (x_q, q, bias)]
+    got = splitk_linear(*on, workspace, scale.to(device), x_scale.to(device), torch.float16)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+    assert not workspace.counters.any()
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "splitk"),
     [
