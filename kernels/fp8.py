@@ -18,6 +18,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 # Floor on a row's absolute maximum, so an all-zero row gets a finite, nonzero scale.
 MIN_AMAX = 1e-12
+# Widest row the per-token quantizer holds in registers at once.
+ONE_TILE_K = 32768
 
 
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
@@ -85,10 +87,19 @@ def _per_token_quant_kernel(
     stride_xm,
     stride_qm,
     BLOCK_K: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # BLOCK_K >= K: the row is read once, into registers
 ):
     # One program per token: the row's absolute maximum, then the row quantized by it.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
+    if ONE_TILE:
+        mask = cols < K
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        q = round_to_fp8(x / scale)
+        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        return
     amax = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
         mask = start + cols < K
@@ -111,9 +122,21 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return q, scale
-    block_k = min(triton.next_power_of_2(k), 2048)
+    # Rows up to ONE_TILE_K wide are held whole (about 32 values a thread): one read of
+    # x, no dependent loop; wider ones take two passes of 2048-wide tiles.
+    one_tile = triton.next_power_of_2(k) <= ONE_TILE_K
+    block_k = triton.next_power_of_2(k) if one_tile else 2048
+    warps = max(2, min(32, block_k // 1024)) if one_tile else 4
     _per_token_quant_kernel[(num_tokens,)](
-        x, q, scale, k, x.stride(0), q.stride(0), BLOCK_K=block_k, num_warps=4 if k > 1024 else 2
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        q.stride(0),
+        BLOCK_K=block_k,
+        ONE_TILE=one_tile,
+        num_warps=warps,
     )
     return q, scale
 
