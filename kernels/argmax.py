@@ -15,7 +15,7 @@ import triton.language as tl
 
 BLOCK = 2048  # elements a program loads at once
 CHUNK = 4 * BLOCK  # elements of a row per first-launch program
-NO_INDEX = 2**31 - 1  # above any vocabulary index
+NO_INDEX: tl.constexpr = tl.constexpr(2**31 - 1)  # above any vocabulary index
 
 
 @triton.jit
@@ -25,8 +25,8 @@ def _pick(val, idx):
     is_nan = val != val
     any_nan = tl.max(is_nan.to(tl.int32), 0) > 0
     top = tl.max(tl.where(is_nan, float("-inf"), val), 0)
-    winner = tl.where(any_nan, is_nan, (val == top) & (idx != 2147483647))
-    best = tl.min(tl.where(winner, idx, 2147483647), 0)
+    winner = tl.where(any_nan, is_nan, (val == top) & (idx != NO_INDEX))
+    best = tl.min(tl.where(winner, idx, NO_INDEX), 0)
     return tl.where(any_nan, float("nan"), top), best
 
 
@@ -45,14 +45,14 @@ def _chunk_argmax_kernel(
     chunk = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 2147483647, tl.int32)
+    best_idx = tl.full([BLOCK], NO_INDEX, tl.int32)
     start = chunk * BLOCK * TILES
     for tile in tl.static_range(TILES):
         idx = start + tile * BLOCK + lanes
         valid = idx < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + idx, mask=valid).to(tl.float32)
         # Later tiles hold later indices: a tie keeps the lane's earlier one.
-        take = (x > best_val) | (best_idx == 2147483647) | ((x != x) & (best_val == best_val))
+        take = (x > best_val) | (best_idx == NO_INDEX) | ((x != x) & (best_val == best_val))
         take = valid & take
         best_val = tl.where(take, x, best_val)
         best_idx = tl.where(take, idx, best_idx)
@@ -67,7 +67,7 @@ def _row_argmax_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, CHUNKS_P
     chunks = tl.arange(0, CHUNKS_P2)
     mask = chunks < num_chunks
     val = tl.load(part_val_ptr + row * num_chunks + chunks, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + row * num_chunks + chunks, mask=mask, other=2147483647)
+    idx = tl.load(part_idx_ptr + row * num_chunks + chunks, mask=mask, other=NO_INDEX)
     _, best = _pick(val, idx)
     tl.store(out_ptr + row, best.to(out_ptr.dtype.element_ty))
 

@@ -1,8 +1,9 @@
 """Kernels compiled ahead of time for an H100 (sm_90), no GPU needed: Triton's
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
-variable changing dtype across a constexpr branch, say). Here the variants that only the
-FP8 paths take, each compiled through to a cubin, in a child process: this one's kernels
-were re-decorated for the interpreter (conftest)."""
+variable changing dtype across a constexpr branch, or a global that is not a constexpr).
+Here the variants that only the FP8 paths take, and the greedy-ids kernels (a global
+constant), each compiled through to a cubin, in a child process: this one's kernels were
+re-decorated for the interpreter (conftest)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def compile_for_hopper(fn, signature: dict[str, str], constexprs: dict[str, obje
     return triton.compile(source, target=HOPPER).asm
 
 
-def compile_fp8_variants() -> None:
+def compile_variants() -> None:
     """Run in the child: print one line per variant compiled."""
+    from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
     from kernels.fp8 import _per_token_quant_kernel
     from kernels.linear import _splitk_linear_kernel
 
@@ -48,18 +50,25 @@ def compile_fp8_variants() -> None:
         widened = ".e4m3x2" in ptx
         assert "wgmma.mma" in ptx and widened != x_scale
         print(f"split-K x_scale={x_scale}")
+    signature = {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
+    signature |= {"vocab": "i32", "num_chunks": "i32", "stride_row": "i32"}
+    compile_for_hopper(_chunk_argmax_kernel, signature, {"BLOCK": 2048, "TILES": 4})
+    signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
+    compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
+    print("greedy ids")
 
 
-def test_fp8_kernel_variants_compile_for_hopper() -> None:
+def test_kernel_variants_compile_for_hopper() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.kernels.test_compiles_for_hopper import compile_fp8_variants as c; c()"
+    code = "from tests.kernels.test_compiles_for_hopper import compile_variants; compile_variants()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == [
+    assert done.stdout.split("\n")[:5] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K x_scale=True",
         "split-K x_scale=False",
+        "greedy ids",
     ]
