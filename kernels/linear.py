@@ -28,6 +28,11 @@ SMALL_M = 16
 # Outputs this wide (LM heads) fill the GPU with column tiles alone: wider tiles, deeper
 # pipeline.
 WIDE_N = 32768
+# Weights up to this size take the kernel up to SPLITK_MAX_M rows whatever their shape:
+# their GEMMs are launch and ramp more than bytes, and this kernel, launched with PDL,
+# reads its first weights while the kernel before it ends (GPT-2's projections, at most
+# 4.7 MB, gained at batch 64; Llama-3-8B's, 33 MB and more, lost a little to cuBLAS).
+SMALL_WEIGHT_BYTES = 16 << 20
 
 
 def linear_ref(
@@ -280,8 +285,9 @@ def splitk_linear(
 def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `splitk_linear` should replace cuBLAS for this call: the dispatch the other
     kernels make once per device (`*_for(device)`), made per call since M changes per step.
-    K >= 2N (down projections): up to SPLITK_MAX_M rows, measured at M = 64 on GPT-2's and
-    Qwen2.5-0.5B's; any other shape up to SMALL_M rows (docs/kernels.md)."""
+    K >= 2N (down projections) or weights up to SMALL_WEIGHT_BYTES (not vocabulary-wide):
+    up to SPLITK_MAX_M rows, measured at M = 64 on GPT-2's and Qwen2.5-0.5B's; any other
+    shape up to SMALL_M rows (docs/kernels.md)."""
     return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
@@ -290,8 +296,14 @@ def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and weight.stride(1) == 1
         and weight.numel() < 2**31  # the kernel's offsets are int32
-        and x.shape[0] <= (SPLITK_MAX_M if weight.shape[1] >= 2 * weight.shape[0] else SMALL_M)
+        and x.shape[0] <= splitk_max_rows(*weight.shape, weight.element_size())
     )
+
+
+def splitk_max_rows(n: int, k: int, element_size: int) -> int:
+    """Rows up to which a [n, k] weight takes the split-K kernel (splitk_pays)."""
+    small = n < WIDE_N and n * k * element_size <= SMALL_WEIGHT_BYTES
+    return SPLITK_MAX_M if k >= 2 * n or small else SMALL_M
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

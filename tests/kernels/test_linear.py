@@ -13,6 +13,7 @@ from kernels.linear import (
     dense,
     linear_ref,
     splitk_linear,
+    splitk_max_rows,
     splitk_pays,
 )
 
@@ -147,11 +148,27 @@ def test_splitk_linear_with_fp8_x_and_weights_is_fp8_linear_ref(m, num_splits, r
 
 
 @pytest.mark.parametrize(
+    ("n", "k", "rows"),
+    [
+        (768, 768, 64),  # GPT-2's o projection: small weights
+        (2304, 768, 64),  # GPT-2's qkv
+        (4096, 4096, 16),  # Llama-3-8B's o: 32 MB in fp16/bf16
+        (28672, 4096, 16),  # Llama-3-8B's gate_up
+        (4096, 14336, 64),  # Llama-3-8B's down: K >= 2N
+        (50257, 64, 16),  # a small vocabulary-wide LM head keeps its own tiles' limit
+    ],
+)
+def test_splitk_max_rows_by_weight(n, k, rows):
+    assert splitk_max_rows(n, k, 2) == rows
+
+
+@pytest.mark.parametrize(
     ("m", "n", "k", "splitk"),
     [
         (1, 96, 64, True),  # few rows: any shape (a weight read)
         (16, 32832, 64, True),  # ... an LM-head-wide one too (its own tile config)
-        (32, 96, 64, False),  # more rows, K < 2N: cuBLAS
+        (32, 96, 64, True),  # more rows, K < 2N, small weights: split-K up to 64 rows
+        (65, 96, 64, False),
         (32, 32, 300, True),  # K >= 2N: split-K up to SPLITK_MAX_M rows
         (65, 32, 300, False),
     ],
