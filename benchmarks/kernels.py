@@ -29,8 +29,9 @@ import triton
 from triton.testing import do_bench
 
 from benchmarks.provenance import git_commit
+from kernels.decode_config import DecodeConfig, decode_config
 from kernels.kv_store import kv_store
-from kernels.paged_attention import DecodeConfig, decode_config, paged_attention_decode
+from kernels.paged_attention import paged_attention_decode
 
 NOMINAL_GBPS = 3350.0  # H100 SXM HBM3
 BLOCK_SIZE = 16

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.decode_config import DecodeConfig, decode_workspace
 from kernels.paged_attention import (
-    DecodeConfig,
-    decode_workspace,
     paged_attention_decode,
     paged_attention_decode_for,
     paged_attention_decode_ref,
