@@ -1,6 +1,7 @@
 """Decode attention's launch: the config (KV splits, tile, warps, stages) and the split-KV
 workspace, each a function of shapes only, so CUDA graphs capture one launch per batch
-size and replay it whatever the contexts (kernels/paged_attention.py)."""
+size and replay it whatever the contexts (kernels/paged_attention.py); and the kernel
+that merges the splits' partial softmaxes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
+
+from kernels.pdl import launch_options, wait_previous
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,80 @@ def decode_workspace(
     split_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=f32, device=device)
     split_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=f32, device=device)
     return split_out, split_lse
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    split_out_ptr,
+    split_lse_ptr,
+    out_ptr,
+    stride_ss,
+    stride_sh,
+    stride_sp,
+    stride_ls,
+    stride_lh,
+    stride_os,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program per (sequence, query head): merge the splits' partial softmaxes.
+    wait_previous(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, HEAD_DIM_P2)
+    split_mask = splits < NUM_SPLITS
+    lse = tl.load(
+        split_lse_ptr + seq * stride_ls + head * stride_lh + splits,
+        mask=split_mask,
+        other=float("-inf"),
+    )
+    # Empty splits (lse = -inf) weigh exp2(-inf) = 0; a finite max keeps -inf - -inf away.
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))
+    part_offs = seq * stride_ss + head * stride_sh + splits[:, None] * stride_sp + dims[None, :]
+    part_mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    parts = tl.load(
+        split_out_ptr + part_offs, mask=part_mask, other=0.0
+    )  # [SPLITS_P2, HEAD_DIM_P2]
+    denom = tl.sum(weights, 0)
+    result = tl.sum(weights[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + dims,
+        result.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def merge_splits(
+    split_out: torch.Tensor,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    split_lse: torch.Tensor,  # [num_seqs, num_heads, num_splits] fp32
+    out: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    num_splits: int,
+    pdl: bool,
+) -> None:
+    """out: the splits' partials (decode_workspace's, filled by the decode kernel) merged."""
+    num_seqs, num_heads, head_dim = out.shape
+    head_dim_p2 = triton.next_power_of_2(head_dim)
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        split_out,
+        split_lse,
+        out,
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_P2=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        PDL=pdl,
+        **launch_options(pdl),
+    )

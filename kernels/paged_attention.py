@@ -12,10 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_config import DecodeConfig, decode_config, decode_workspace
+from kernels.decode_config import DecodeConfig, decode_config, decode_workspace, merge_splits
 from kernels.fp8 import FP8_DTYPE, round_to_fp8
 from kernels.kv_store import from_cache, kv_store_ref
 from kernels.pdl import launch_options, use_pdl, wait_previous
+from kernels.rotary import Rope, rope_cos_sin, rope_load, rotary_ref
 
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 NO_WINDOW = 1 << 30  # the kernels' window when sliding_window is off: longer than any context
@@ -46,8 +47,17 @@ def paged_attention_decode_ref(
     sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
+    rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
+    if rope is not None:
+        assert slot_mapping is not None
+        num_seqs = query.shape[0]
+        q, k = rotary_ref(
+            rope.positions, query.reshape(num_seqs, -1), new_k.reshape(num_seqs, -1),
+            rope.cos_sin, rope.norm,
+        )  # fmt: skip
+        query, new_k = q.view(query.shape), k.view(new_k.shape)
     if slot_mapping is not None:
         kv_store_ref(new_k, new_v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_heads = query.shape[1]
@@ -82,6 +92,10 @@ def _decode_kernel(
     new_k_ptr,
     new_v_ptr,
     slot_mapping_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
@@ -89,6 +103,7 @@ def _decode_kernel(
     out_scale,  # v_scale for an FP8 cache, else 1
     k_scale_inv,  # FP8 cache: 1 / k_scale, for the new K it stores
     v_scale_inv,
+    norm_eps,
     num_splits,
     window,  # keys older than the last `window` tokens are not attended to
     stride_qs,
@@ -97,6 +112,7 @@ def _decode_kernel(
     stride_nkh,
     stride_nvs,
     stride_nvh,
+    stride_cos_sin,
     stride_cb,
     stride_co,
     stride_ch,
@@ -117,6 +133,8 @@ def _decode_kernel(
     IS_SPLIT: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     STORE_NEW: tl.constexpr,  # store this step's K/V (new_k, new_v) at slot_mapping first
     KV_FP8: tl.constexpr,  # the cache is e4m3
+    ROPE: tl.constexpr,  # rotate q and the new K first (kernels/rotary.py's Rope)
+    ROPE_NORM: tl.constexpr,  # RMS-norm each head of q and of the new K before that
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -132,9 +150,17 @@ def _decode_kernel(
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_mask = dims < HEAD_DIM
     q_mask = head_mask[:, None] & dim_mask[None, :]
-    q = tl.load(
-        query_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=q_mask
-    )
+    q_heads = query_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    if ROPE:
+        # As the rotary kernel would have left q and the new K in place: each program
+        # rotates the q heads it reads; the owner of the new token rotates K as it stores.
+        cos, sin = rope_cos_sin(
+            positions_ptr + seq, cos_sin_ptr, stride_cos_sin, dims, HEAD_DIM,
+            query_ptr.dtype.element_ty,
+        )  # fmt: skip
+        q = rope_load(q_heads, dims, q_mask, q_norm_ptr, cos, sin, norm_eps, ROPE_NORM, HEAD_DIM)
+    else:
+        q = tl.load(q_heads + dims[None, :], mask=q_mask)
     if KV_FP8 and q.dtype == tl.bfloat16:
         # The tiles' dots in fp16: e4m3 -> fp16 is one conversion per pair of values, e4m3
         # -> bf16 several, enough to make an FP8 tile cost about what a bf16 one does.
@@ -161,9 +187,16 @@ def _decode_kernel(
         if (slot >= 0) & (split == owner):
             new_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
             new_offs += kv_head * stride_ch + dims
-            new_k = tl.load(
-                new_k_ptr + seq * stride_nks + kv_head * stride_nkh + dims, mask=dim_mask
-            )
+            new_k_row = new_k_ptr + seq * stride_nks + kv_head * stride_nkh
+            if ROPE:
+                k_head = new_k_row + tl.zeros([1, 1], tl.int32)  # one head: [1, D] out
+                new_k = rope_load(
+                    k_head, dims, dim_mask[None, :], k_norm_ptr, cos, sin, norm_eps, ROPE_NORM,
+                    HEAD_DIM,
+                )  # fmt: skip
+                new_k = tl.reshape(new_k, (HEAD_DIM_P2,))
+            else:
+                new_k = tl.load(new_k_row + dims, mask=dim_mask)
             new_v = tl.load(
                 new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
             )
@@ -222,53 +255,6 @@ def _decode_kernel(
         tl.store(split_lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=head_mask)
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    split_out_ptr,
-    split_lse_ptr,
-    out_ptr,
-    stride_ss,
-    stride_sh,
-    stride_sp,
-    stride_ls,
-    stride_lh,
-    stride_os,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_P2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # One program per (sequence, query head): merge the splits' partial softmaxes.
-    wait_previous(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_P2)
-    dims = tl.arange(0, HEAD_DIM_P2)
-    split_mask = splits < NUM_SPLITS
-    lse = tl.load(
-        split_lse_ptr + seq * stride_ls + head * stride_lh + splits,
-        mask=split_mask,
-        other=float("-inf"),
-    )
-    # Empty splits (lse = -inf) weigh exp2(-inf) = 0; a finite max keeps -inf - -inf away.
-    lse_max = tl.max(lse, 0)
-    weights = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))
-    part_offs = seq * stride_ss + head * stride_sh + splits[:, None] * stride_sp + dims[None, :]
-    part_mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    parts = tl.load(
-        split_out_ptr + part_offs, mask=part_mask, other=0.0
-    )  # [SPLITS_P2, HEAD_DIM_P2]
-    denom = tl.sum(weights, 0)
-    result = tl.sum(weights[:, None] * parts, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(
-        out_ptr + seq * stride_os + head * stride_oh + dims,
-        result.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_DIM,
-    )
-
-
 def paged_attention_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim], last dim contiguous
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] contiguous
@@ -286,12 +272,15 @@ def paged_attention_decode(
     sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
+    rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
     The launch depends only on shapes, and the launcher never syncs with the host, so a
     CUDA graph can capture it and replay it with new context_lens and block tables.
-    Given new_k/new_v/slot_mapping, the kernel stores them itself: no kv_store launch.
+    Given new_k/new_v/slot_mapping, the kernel stores them itself: no kv_store launch;
+    given rope too, it rotates query and new_k as it reads them (query is not written):
+    no rotary launch.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -302,6 +291,13 @@ def paged_attention_decode(
         assert new_k.stride(2) == 1 and new_v.stride(2) == 1
     else:  # placeholders the kernel never reads (STORE_NEW=False compiles the store out)
         new_k, new_v, slot_mapping = query, query, context_lens
+    if rope is not None:
+        assert store_new and rope.cos_sin.is_contiguous() and rope.cos_sin.shape[1] == head_dim
+        norm = rope.norm
+        positions, cos_sin = rope.positions, rope.cos_sin
+        q_norm, k_norm = (query, query) if norm is None else (norm.q_weight, norm.k_weight)
+    else:  # placeholders again (ROPE=False)
+        norm, positions, cos_sin, q_norm, k_norm = None, context_lens, query, query, query
     if config is None:
         config = decode_config(
             num_seqs,
@@ -333,6 +329,10 @@ def paged_attention_decode(
         new_k,
         new_v,
         slot_mapping,
+        positions,
+        cos_sin,
+        q_norm,
+        k_norm,
         out,
         split_out,
         split_lse,
@@ -340,6 +340,7 @@ def paged_attention_decode(
         v_scale,
         1.0 / k_scale,
         1.0 / v_scale,
+        0.0 if norm is None else norm.eps,
         config.num_splits,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
@@ -348,6 +349,7 @@ def paged_attention_decode(
         new_k.stride(1),
         new_v.stride(0),
         new_v.stride(1),
+        cos_sin.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -368,31 +370,19 @@ def paged_attention_decode(
         IS_SPLIT=config.num_splits > 1,
         STORE_NEW=store_new,
         KV_FP8=kv_fp8,
+        ROPE=rope is not None,
+        ROPE_NORM=norm is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        # In fp32 a multiply-add contraction would round the rotation once where the
+        # rotary kernel rounds three times (other dtypes round each product explicitly).
+        enable_fp_fusion=rope is None or query.dtype != torch.float32,
         **launch_options(pdl),
     )
     if config.num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            split_out,
-            split_lse,
-            out,
-            split_out.stride(0),
-            split_out.stride(1),
-            split_out.stride(2),
-            split_lse.stride(0),
-            split_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            NUM_SPLITS=config.num_splits,
-            SPLITS_P2=triton.next_power_of_2(config.num_splits),
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P2=head_dim_p2,
-            PDL=pdl,
-            **launch_options(pdl),
-        )
+        merge_splits(split_out, split_lse, out, config.num_splits, pdl)
     return out
 
 

@@ -32,6 +32,16 @@ class QKNorm:
     eps: float
 
 
+@dataclass(frozen=True)
+class Rope:
+    """A layer's rotation of q and k, handed to its attention: the decode kernel applies
+    it itself (kernels/paged_attention.py), the prefill path calls `rotary` first."""
+
+    positions: torch.Tensor  # [num_tokens]
+    cos_sin: torch.Tensor  # [max_positions, head_dim] fp32: each frequency's cos, then sin
+    norm: QKNorm | None = None
+
+
 def head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over each head's vector of x [num_tokens, heads * head_dim]."""
     shape, head_dim = x.shape, weight.shape[0]
@@ -123,6 +133,47 @@ def _rotary_kernel(
     out2 = round_to(x2 * cos[None, :], dtype) + round_to(x1 * sin[None, :], dtype)
     tl.store(x_ptr + offs, round_to(out1, dtype).to(dtype), mask=mask)
     tl.store(x_ptr + offs + half, round_to(out2, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def rope_cos_sin(
+    position_ptr, cos_sin_ptr, stride_cos_sin, dims, HEAD_DIM: tl.constexpr, dtype: tl.constexpr
+):
+    """The cos and sin [D] of each element of a head (dims: 0..D-1, D >= HEAD_DIM) at the
+    position held at position_ptr, rounded to dtype: element d turns at frequency d mod half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    freq = tl.where(dims < half, dims, dims - half)
+    mask = dims < HEAD_DIM
+    row = cos_sin_ptr + tl.load(position_ptr).to(tl.int64) * stride_cos_sin
+    cos = round_to(tl.load(row + freq, mask=mask, other=0.0), dtype)
+    sin = round_to(tl.load(row + half + freq, mask=mask, other=0.0), dtype)
+    return cos, sin
+
+
+@triton.jit
+def rope_load(
+    heads_ptr, dims, mask, norm_ptr, cos, sin, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Whole heads loaded [rows, D] (heads_ptr [rows, 1]: where each starts) and rotated
+    by cos/sin (rope_cos_sin), RMS-normed first with HAS_NORM: _rotary_kernel's math and
+    rounding on whole heads (zeros past HEAD_DIM), in the heads' dtype."""
+    dtype = heads_ptr.dtype.element_ty
+    half: tl.constexpr = HEAD_DIM // 2
+    first_half = dims < half
+    partner = tl.where(first_half, dims + half, dims - half)  # the element it turns with
+    x = tl.load(heads_ptr + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(heads_ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        dim_mask = dims < HEAD_DIM
+        w = tl.load(norm_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        w_partner = tl.load(norm_ptr + partner, mask=dim_mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x = round_to(round_to(x * rstd, dtype) * w[None, :], dtype)
+        x_partner = round_to(round_to(x_partner * rstd, dtype) * w_partner[None, :], dtype)
+    turned = round_to(x * cos[None, :], dtype)
+    crossed = round_to(x_partner * sin[None, :], dtype)
+    out = tl.where(first_half[None, :], turned - crossed, turned + crossed)
+    return round_to(out, dtype).to(dtype)
 
 
 def rotary(

@@ -22,7 +22,7 @@ from kernels.linear import dense
 from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for
-from kernels.rotary import QKNorm, rotary_for
+from kernels.rotary import QKNorm, Rope, rotary_for
 
 
 @dataclass
@@ -53,7 +53,8 @@ class AttentionOps:
 
 
 class PagedAttention(nn.Module):
-    """Stores the new K/V into this layer's cache, then attends over the cache."""
+    """Rotates q and k (given a Rope), stores the new K/V into this layer's cache, then
+    attends over the cache."""
 
     def __init__(
         self,
@@ -76,13 +77,22 @@ class PagedAttention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        if rope is not None and not meta.is_decode:  # the decode kernel rotates them itself
+            q, k = rotary_for(q.device)(rope.positions, q, k, rope.cos_sin, rope.norm)
+            rope = None
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if meta.is_decode:
-            # The decode kernel stores the new K/V itself: one launch per layer fewer.
+            # The decode kernel rotates q and k and stores the new K/V itself: two
+            # launches per layer fewer.
             out = self.ops.decode(
                 q,
                 self.k_cache,
@@ -94,6 +104,7 @@ class PagedAttention(nn.Module):
                 new_v=v,
                 slot_mapping=meta.slot_mapping,
                 sliding_window=self.sliding_window,
+                rope=rope,
             )
         else:
             self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -252,19 +263,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
 
-    def forward(
+    def rope(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         q_norm: HeadNorm | None = None,
         k_norm: HeadNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated, each head RMS-normed first where q_norm/k_norm are given. On
-        CUDA one kernel does it all, in place on q and k (column ranges of the qkv GEMM's
-        output): use the returned tensors."""
+    ) -> Rope:
+        """The rotation of a step's q and k, each head RMS-normed first where q_norm/k_norm
+        are given, for PagedAttention to apply (one kernel, or inside the decode kernel)."""
         norm = None if q_norm is None else QKNorm(q_norm.weight, k_norm.weight, q_norm.eps)
-        return rotary_for(q.device)(positions, q, k, self.cos_sin, norm)
+        return Rope(positions, self.cos_sin, norm)
 
 
 class LMHead(nn.Module):

@@ -88,8 +88,8 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # in place on CUDA
-        return self.o_proj(self.attn(q, k, v, meta))
+        rope = self.rotary.rope(positions, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v, meta, rope))
 
 
 class LlamaMLP(nn.Module):

@@ -1,8 +1,8 @@
 """Kernels compiled ahead of time for an H100 (sm_90), no GPU needed: Triton's
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
-Here the variants that only the FP8 paths take, and the greedy-ids kernels (a global
-constant), each compiled through to a cubin, in a child process: this one's kernels were
+Here the variants that only the FP8 paths take, the decode attention rotating q and K
+itself, and the greedy-ids kernels (a global constant), each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
 
 from __future__ import annotations
@@ -50,12 +50,39 @@ def compile_variants() -> None:
         widened = ".e4m3x2" in ptx
         assert "wgmma.mma" in ptx and widened != x_scale
         print(f"split-K x_scale={x_scale}")
+    for kv_fp8, norm in ((False, False), (True, True)):
+        compile_decode_with_rope(kv_fp8, norm)
+        print(f"decode rope kv_fp8={kv_fp8} norm={norm}")
     signature = {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
     signature |= {"vocab": "i32", "num_chunks": "i32", "stride_row": "i32"}
     compile_for_hopper(_chunk_argmax_kernel, signature, {"BLOCK": 2048, "TILES": 4})
     signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
     print("greedy ids")
+
+
+def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
+    """The decode kernel rotating q and the new K itself (a Llama-3-8B layer's shape)."""
+    from kernels.paged_attention import _decode_kernel
+
+    pointers = {"k_cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16", "block_table_ptr": "*i32"}
+    pointers |= {"context_lens_ptr": "*i32", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
+    pointers |= {"cos_sin_ptr": "*fp32", "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32"}
+    pointers["v_cache_ptr"] = pointers["k_cache_ptr"]
+    floats = {"qk_scale", "out_scale", "k_scale_inv", "v_scale_inv", "norm_eps"}
+    constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_P2": 128}
+    constexprs |= {"BLOCK_SIZE": 16, "BLOCK_N": 64, "IS_SPLIT": True, "STORE_NEW": True}
+    constexprs |= {"KV_FP8": kv_fp8, "ROPE": True, "ROPE_NORM": norm}
+    constexprs |= {"DOT_PRECISION": "tf32", "PDL": True}
+    signature = {}
+    for name in _decode_kernel.arg_names:
+        if name in constexprs:
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    assert "cubin" in compile_for_hopper(_decode_kernel, signature, constexprs)
 
 
 def test_kernel_variants_compile_for_hopper() -> None:
@@ -65,10 +92,12 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:5] == [
+    assert done.stdout.split("\n")[:7] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K x_scale=True",
         "split-K x_scale=False",
+        "decode rope kv_fp8=False norm=False",
+        "decode rope kv_fp8=True norm=True",
         "greedy ids",
     ]
