@@ -308,26 +308,32 @@ class Clients:
         changed = report.stats != self._stats or report.taken_in != self._taken_in
         self._stats, self._taken_in = report.stats, report.taken_in
         deltas = WireReport.pack_deltas(report.deltas)
+        shared = None
         for i in range(n):
             news = outputs[i] or errors[i] or deltas
             if news or changed or i in leaving:
                 if news:
                     self._credits[i].value = 0  # before the report: the ack it brings must win
-                wire = WireReport(
-                    outputs[i], errors[i], deltas, report.step_time, report.stats, report.taken_in
-                )
-                self._send(i, wire)
+                if shared is None:
+                    shared = WireReport.pack_shared(
+                        deltas, report.step_time, report.stats, report.taken_in
+                    )
+                self._send(i, WireReport.pack(outputs[i], errors[i], shared))
         for client in leaving:
             self._close(client)
         if leaving and not self.num_open:
             loop.stop()
 
     def _send(self, client: int, message: object) -> None:
+        """message: an object, or bytes already pickled (WireReport.pack)."""
         out = self._outboxes[client]
         if out is None:
             return
         try:
-            out.send(message)
+            if isinstance(message, bytes):
+                out.send_bytes(message)
+            else:
+                out.send(message)
         except OSError:  # its process is gone; its reader thread notices the EOF too
             self._close(client)
 

@@ -10,12 +10,18 @@ all API processes, and the engine's stats and count of requests taken in.
 Pickling is positional, without field names: a report carries one output per
 running choice per step, so a WireReport takes its outputs apart with one C call
 each (operator.attrgetter) instead of a reducer per object; the rarer objects
-inside them (metrics, logprobs) get a positional reducer.
+inside them (metrics, logprobs) get a positional reducer. The engine sends a
+report to every API process at almost every step, from the thread that
+launches the GPU's work: what all of them get (deltas, stats) is pickled once
+per step (`pack_shared`), and each one's message by a pickler whose reducer
+table is built once (multiprocessing's ForkingPickler copies it per message).
 """
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
+import io
 import operator
 import pickle
 from collections.abc import Callable
@@ -113,6 +119,17 @@ class WireReport:
     taken_in: int
 
     @staticmethod
+    def pack_shared(deltas: bytes, step_time: float, stats: EngineStats, taken_in: int) -> bytes:
+        """What every API process's report of a step holds, pickled once for all of them."""
+        return pickle.dumps((deltas, step_time, stats, taken_in), pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def pack(outputs: list[RequestOutput], errors: dict[str, APIError], shared: bytes) -> bytes:
+        """One API process's report: its outputs and errors, and the step's shared part
+        (pack_shared). Conn.recv() on the other end gives the WireReport."""
+        return dumps(_Packed(list(map(_output_row, outputs)), errors, shared))
+
+    @staticmethod
     def pack_deltas(deltas: TokenDeltas) -> bytes:
         if not deltas:
             return b""
@@ -133,15 +150,46 @@ class WireReport:
         return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in)
 
 
-_report_rest = operator.attrgetter("errors", "deltas", "step_time", "stats", "taken_in")
+_shared_fields = operator.attrgetter("deltas", "step_time", "stats", "taken_in")
+
+
+@dataclass
+class _Packed:
+    """A WireReport on its way: its outputs as rows, the step's shared part as bytes."""
+
+    rows: list[tuple]
+    errors: dict[str, APIError]
+    shared: bytes
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_report, (self.rows, self.errors, self.shared)
 
 
 def _reduce_report(report: WireReport) -> tuple:
-    return _rebuild_report, (list(map(_output_row, report.outputs)), *_report_rest(report))
+    shared = WireReport.pack_shared(*_shared_fields(report))
+    return _Packed(list(map(_output_row, report.outputs)), report.errors, shared).__reduce__()
 
 
-def _rebuild_report(rows: list[tuple], *rest: object) -> WireReport:
-    return WireReport([RequestOutput(*row) for row in rows], *rest)
+def _rebuild_report(rows: list[tuple], errors: dict[str, APIError], shared: bytes) -> WireReport:
+    return WireReport([RequestOutput(*row) for row in rows], errors, *pickle.loads(shared))
 
 
 ForkingPickler.register(WireReport, _reduce_report)
+
+
+class _WirePickler(pickle.Pickler):
+    """ForkingPickler's reducers for what a report holds, in a table built once."""
+
+    dispatch_table = copyreg.dispatch_table.copy()
+    dispatch_table.update(
+        {cls: _positional(cls) for cls in (RequestMetrics, TokenLogprob)}
+        | {WireReport: _reduce_report}
+    )
+
+
+def dumps(obj: object) -> bytes:
+    """ForkingPickler.dumps(obj), for the objects a report holds; Connection.recv() and
+    pickle.loads read it back."""
+    buf = io.BytesIO()
+    _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
