@@ -1,7 +1,10 @@
 """Decode attention over the paged KV cache: one query token per sequence.
 
-An FP8 cache (e4m3, holding K / k_scale and V / v_scale) is read as the query's dtype,
-exactly, with k_scale folded into the softmax scale and v_scale into the output.
+The kernel also does the step's work around it that would otherwise be two launches per
+layer: given a Rope, it rotates the query and the new K as the rotary kernel would, and
+it stores the new K/V before attending. An FP8 cache (e4m3, holding K / k_scale and
+V / v_scale) is read as the query's dtype, exactly, with k_scale folded into the softmax
+scale and v_scale into the output.
 """
 
 from __future__ import annotations
