@@ -147,6 +147,26 @@ def test_clients_send_token_deltas_to_every_client_once_pickled():
     assert [c.value for c in credits] == [0, 0]
 
 
+def test_a_steps_shared_part_is_pickled_once_for_every_client(monkeypatch):
+    """Deltas and stats go to every API process: pickled once per step, each client's
+    message carrying its own outputs beside them."""
+    clients, pipes, _ = two_clients([["a"], ["b"]])
+    loop = FakeLoop({"a", "b"})
+    packed = []
+    pack_shared = WireReport.pack_shared
+    monkeypatch.setattr(
+        WireReport, "pack_shared", staticmethod(lambda *a: packed.append(a) or pack_shared(*a))
+    )
+    deltas = TokenDeltas(["a", "b"], [0, 0], [1, 1], [7, 8])
+    a1 = output("a", 0, [5])
+    clients.report(loop, step({"a": [a1]}, "stats", 2, deltas))
+    assert len(packed) == 1
+    first, second = (pipes[i][0].recv() for i in range(2))
+    assert first.outputs == [a1] and second.outputs == []
+    assert first.deltas == second.deltas == WireReport.pack_deltas(deltas)
+    assert (first.stats, first.taken_in, second.stats, second.taken_in) == ("stats", 2) * 2
+
+
 def test_metric_rows_sum_across_processes():
     buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
     first, second = (Metrics(MetricsShare(buffer, i, 2)) for i in range(2))
