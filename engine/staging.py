@@ -120,16 +120,6 @@ class SampledIds:
             self.done.wait()
         return self.array
 
-    def landing(self) -> tuple[np.ndarray, torch.cuda.Event | None]:
-        """For another thread than the engine's: the ids' array, and an event of their
-        own that completes when they land (the fence's is recorded again two steps on,
-        and its bookkeeping is the engine thread's). Call right after the copy is queued."""
-        if self.done is None:
-            return self.array, None
-        landed = torch.cuda.Event()
-        landed.record(torch.cuda.current_stream())
-        return self.array, landed
-
     def tolist(self) -> list[int]:
         return self.numpy().tolist()
 
