@@ -95,18 +95,19 @@ def _per_token_quant_kernel(
     if ONE_TILE:
         mask = cols < K
         whole = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(whole), 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
-        tl.store(scale_ptr + row, scale)
-        q = round_to_fp8(whole / scale)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        amax = tl.abs(whole)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
-        tl.store(scale_ptr + row, scale)
+    scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+    tl.store(scale_ptr + row, scale)
+    if ONE_TILE:
+        q = round_to_fp8(whole / scale)
+        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=mask, other=0.0)

@@ -27,7 +27,6 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -47,9 +46,6 @@ def _positional(cls: type) -> Callable[[object], tuple]:
     fields = operator.attrgetter(*[f.name for f in dataclasses.fields(cls)])
     return lambda obj: (cls, fields(obj))
 
-
-for _cls in (RequestMetrics, TokenLogprob):
-    ForkingPickler.register(_cls, _positional(_cls))
 
 _output_row = operator.attrgetter(*[f.name for f in dataclasses.fields(RequestOutput)])
 
@@ -150,9 +146,6 @@ class WireReport:
         return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in)
 
 
-_shared_fields = operator.attrgetter("deltas", "step_time", "stats", "taken_in")
-
-
 @dataclass
 class _Packed:
     """A WireReport on its way: its outputs as rows, the step's shared part as bytes."""
@@ -165,31 +158,21 @@ class _Packed:
         return _rebuild_report, (self.rows, self.errors, self.shared)
 
 
-def _reduce_report(report: WireReport) -> tuple:
-    shared = WireReport.pack_shared(*_shared_fields(report))
-    return _Packed(list(map(_output_row, report.outputs)), report.errors, shared).__reduce__()
-
-
 def _rebuild_report(rows: list[tuple], errors: dict[str, APIError], shared: bytes) -> WireReport:
     return WireReport([RequestOutput(*row) for row in rows], errors, *pickle.loads(shared))
 
 
-ForkingPickler.register(WireReport, _reduce_report)
-
-
 class _WirePickler(pickle.Pickler):
-    """ForkingPickler's reducers for what a report holds, in a table built once."""
+    """Positional reducers for the objects inside a report's outputs, in a table built
+    once."""
 
     dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table.update(
-        {cls: _positional(cls) for cls in (RequestMetrics, TokenLogprob)}
-        | {WireReport: _reduce_report}
-    )
+    dispatch_table.update({cls: _positional(cls) for cls in (RequestMetrics, TokenLogprob)})
 
 
 def dumps(obj: object) -> bytes:
-    """ForkingPickler.dumps(obj), for the objects a report holds; Connection.recv() and
-    pickle.loads read it back."""
+    """obj pickled with _WirePickler's reducers; Connection.recv() and pickle.loads read
+    it back."""
     buf = io.BytesIO()
     _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()

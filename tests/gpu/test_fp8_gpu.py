@@ -1,6 +1,7 @@
 """FP8 on CUDA (compute capability 8.9+): the `_scaled_mm` linear against bf16 and its
-reference, under a CUDA graph; Fp8Linear's paths by batch size; the FP8 cache kernels with bf16 queries; an engine with
-FP8 weights and FP8 KV against the bf16 engine on a tiny checkpoint."""
+reference, under a CUDA graph; Fp8Linear's paths by batch size; the FP8 cache kernels
+with bf16 queries; an engine with FP8 weights and FP8 KV against the bf16 engine on a
+tiny checkpoint."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ from kernels.paged_attention import (
     paged_attention_decode_for,
     paged_attention_decode_ref,
 )
+from kernels.rotary import QKNorm, Rope, rotary
+from tests.kernels.test_rotary import cos_sin_cache
 
 # (num_heads, num_kv_heads, head_dim, block_size, num_splits): GPT-2, GQA groups of 4 and 7,
 # a non-power-of-2 head_dim, both block sizes, with and without split-KV (the interpreter is
@@ -259,9 +261,6 @@ def test_decode_rotates_query_and_new_k_as_the_rotary_kernel_would(
     """With rope, the kernel gives the bits of the rotary kernel followed by the kernel
     without it (close to them with the norm): the same output, the same rotated K stored,
     the query left as it was."""
-    from kernels.rotary import QKNorm, Rope, rotary
-    from tests.kernels.test_rotary import cos_sin_cache
-
     block_size = 16
     context_lens = [0, 1, block_size + 1, 70]
     k_cache, v_cache, block_table = paged_kv(
