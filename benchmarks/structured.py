@@ -73,9 +73,9 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     prompt = llm.tokenizer.encode("Write the list as JSON:")
     grammars = engine._grammars
     timed = {}
-    if grammars is not None:  # the engine thread's share (build), and the worker's
+    if grammars is not None:  # the engine thread's share (build), and the worker's jobs
         masks = grammars.masks
-        timed = {"build": [0.0, 0], "fill": [0.0, 0]}
+        timed = {"build": [0.0, 0], "_job": [0.0, 0]}
         for name, total in timed.items():
             setattr(masks, name, _timed(getattr(masks, name), total))
     _sync(llm)
@@ -95,7 +95,8 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     if timed and timed["build"][1]:
         steps = timed["build"][1]
         result["mask_build_ms_per_step"] = 1e3 * timed["build"][0] / steps  # engine thread
-        result["mask_fill_ms_per_step"] = 1e3 * timed["fill"][0] / steps  # the worker's
+        # The worker's: accepting the ids and filling the masks.
+        result["mask_job_ms_per_step"] = 1e3 * timed["_job"][0] / steps
         result["mask_device_wait"] = masks.flag is not None
     return result
 
