@@ -6,8 +6,9 @@ it samples (engine.py), and the engine thread, which waits for them anyway:
 
 - `accept` (as the ids are read): ends the grammars a stop id completes (the mask
   allows one only there), and hands a worker thread the rest: their matchers
-  accept their ids and fill their next masks, each in its slot's host row (the rows
-  in parts over threads, each part two xgrammar calls that release the GIL). An id a matcher refuses (possible only when the mask allowed
+  accept their ids and fill their next masks, each in its slot's host row (one
+  xgrammar call each, which releases the GIL; the fill splits the rows over
+  xgrammar's threads). An id a matcher refuses (possible only when the mask allowed
   nothing) ends its request at the next step's read, before its next id is read;
 - `build` (before the step samples): hands the worker the rows it could not know
   (a request's first sample, or one back from preemption) and the slots without a
@@ -51,8 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagoda.engine")
 
-# Rows per thread of a job: a row costs microseconds, and handing a part to a thread
-# and joining it about as much as a few rows.
+# Rows per fill thread: a row costs microseconds, and a thread's start and join about
+# as much as a few rows.
 ROWS_PER_THREAD = 16
 
 
@@ -135,12 +136,9 @@ class GrammarMasks:
         self.device_index = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
         self.indexed = np.zeros(0, dtype=np.int64)  # the slots device_index holds
         self.first_slots = np.arange(max_num_seqs, dtype=np.int64)
-        self.threads = threads  # a job's parts, at most
+        self.threads = threads  # xgrammar's for a fill, at most
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-masks")
-        # A job's rows past its first part go to the helpers; each part's fill is one
-        # thread's (xgrammar's own threads start and join in every call).
-        self.helpers = ThreadPoolExecutor(max(1, threads - 1), thread_name_prefix="pagoda-masks")
-        self.fillers = [xgr.BatchGrammarMatcher(1) for _ in range(threads)]
+        self.batch_matchers: dict[int, xgr.BatchGrammarMatcher] = {}  # by thread count
         # (slot, owner) of ids a matcher refused: the worker's, taken by the engine thread.
         self.refused: list[tuple[int, Request]] = []
         self.num_jobs = 0  # handed to the worker; each sets the flag to its number when done
@@ -165,20 +163,26 @@ class GrammarMasks:
         reset: list[int],
     ) -> None:
         """The owners' matchers accept their ids (if any), and fill their rows' next
-        masks; rows in reset (no grammar now, or their next id void) go to all ones.
-        The rows go in parts, one per thread: this one and the helpers."""
+        masks; rows in reset (no grammar now, or their next id void) go to all ones."""
         try:
             if reset:
                 self.host_np[reset] = -1
-            parts = min(self.threads, max(1, len(slots) // ROWS_PER_THREAD))
-            bounds = [len(slots) * k // parts for k in range(parts + 1)]
-            helped = [
-                self.helpers.submit(self._advance, k, owners, slots, ids, bounds[k], bounds[k + 1])
-                for k in range(1, parts)
-            ]
-            self._advance(0, owners, slots, ids, 0, bounds[1])
-            for part in helped:
-                part.result()
+            matchers = [owner.structured.matcher for owner in owners]
+            refused = None if ids is None else accept_all(matchers, ids)
+            if refused is not None:
+                go_on = [i for i, ok in enumerate(refused) if ok]
+                for i in (i for i, ok in enumerate(refused) if not ok):
+                    # The mask allowed no other id: only a grammar that no token can
+                    # continue gets here (every logit masked). It ends that request, not
+                    # the batch, at the engine's next read; its next id is void.
+                    owner = owners[i]
+                    logger.error("%s: token %d is outside its grammar", owner.request_id, ids[i])
+                    owner.structured.done = True
+                    self.host_np[slots[i]] = -1
+                    self.refused.append((slots[i], owner))
+                matchers = [matchers[i] for i in go_on]
+                slots = [slots[i] for i in go_on]
+            self.fill(matchers, slots)
         except BaseException as exc:
             self.failure = exc
             raise
@@ -186,36 +190,16 @@ class GrammarMasks:
             if self.flag is not None:  # even after a failure: the stream must go on
                 self.flag.set(number)
 
-    def _advance(
-        self,
-        part: int,
-        owners: list[Request],
-        slots: list[int],
-        ids: list[int] | None,
-        start: int,
-        end: int,
-    ) -> None:
-        """Rows start..end of a job: their matchers accept their ids and fill their next
-        masks, in two xgrammar calls that release the GIL."""
-        owners, slots = owners[start:end], slots[start:end]
-        matchers = [owner.structured.matcher for owner in owners]
-        refused = None if ids is None else accept_all(matchers, ids[start:end])
-        if refused is not None:
-            for i in (i for i, ok in enumerate(refused) if not ok):
-                # The mask allowed no other id: only a grammar that no token can continue
-                # gets here (every logit masked). It ends that request, not the batch, at
-                # the engine's next read; its next id is void.
-                owner = owners[i]
-                logger.error(
-                    "%s: token %d is outside its grammar", owner.request_id, ids[start + i]
-                )
-                owner.structured.done = True
-                self.host_np[slots[i]] = -1
-                self.refused.append((slots[i], owner))
-            matchers = [m for m, ok in zip(matchers, refused, strict=True) if ok]
-            slots = [s for s, ok in zip(slots, refused, strict=True) if ok]
-        if slots:
-            self.fillers[part].batch_fill_next_token_bitmask(matchers, self.host, slots)
+    def fill(self, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:
+        """Fill these matchers' host rows (each where its next id starts), in one
+        xgrammar call that releases the GIL and splits the rows over its threads."""
+        if not slots:
+            return
+        threads = min(self.threads, max(1, len(slots) // ROWS_PER_THREAD))
+        batch = self.batch_matchers.get(threads)
+        if batch is None:
+            batch = self.batch_matchers[threads] = xgr.BatchGrammarMatcher(threads)
+        batch.batch_fill_next_token_bitmask(matchers, self.host, slots)
 
     # -- the engine thread's -------------------------------------------------------
 
@@ -359,6 +343,5 @@ class GrammarMasks:
 
     def close(self) -> None:
         self.worker.shutdown(wait=False, cancel_futures=True)
-        self.helpers.shutdown(wait=False, cancel_futures=True)
         if self.flag is not None:  # a cancelled job's wait must not hold the stream
             self.flag.set(self.num_jobs)
