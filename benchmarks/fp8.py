@@ -9,12 +9,17 @@ engine's leftovers never shrink the next one's KV cache):
   fp8           --quantization fp8 --kv-cache-dtype fp8: the same measurements
   bf16+fp8kv    bf16 weights, FP8 KV (eager: KV blocks and logits only)
   fp8+bf16kv    FP8 weights, bf16 KV (eager: KV blocks and logits only)
-All four draw the same random bf16 weights (seed 0, on the device), so FP8 runs the
+  fp8 reference the same with every FP8 projection computed by its torch reference
+                (both sides dequantized, one fp32 matmul: `fp8_linear_ref`)
+  fp32          fp32 weights and activations (eager: logits only)
+All of them draw the same random bf16 weights (seed 0, on the device), so FP8 runs the
 quantized copy of the bf16 model and their logits compare like for like: the
 last-position logits of 64 random-token prompts, as cosine similarity and top-1
 agreement. Random weights give near-Gaussian activations and logits without the
-outliers of trained models: this checks the FP8 path's arithmetic, not a real
-model's accuracy under FP8.
+outliers of trained models, and 32 random layers amplify any rounding: fp32 against
+bf16 says how far rounding alone moves this model, and the FP8 projections against
+their torch reference (`logits_vs_engine`) whether the engine computes the FP8 scheme
+it claims. Neither says how a trained model's accuracy fares under FP8.
 
 The fp8 run also times the projections alone (bf16 GEMM, FP8 linear, the per-token
 quantizer) at each Llama-3-8B projection shape and batches 1, 16 and 64, each inside
@@ -24,12 +29,14 @@ a CUDA graph, beside its weight-read floor: where the FP8 step's time goes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,15 +48,25 @@ from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
 from engine.models.quantization import Fp8Linear
-from kernels.fp8 import fp8_linear, quantize_per_channel, quantize_per_token
+from kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_per_channel, quantize_per_token
 
 MODEL = "llama3-8b"
-# name -> (EngineConfig overrides, full: time batch 1 and throughput with CUDA graphs)
-CONFIGS: dict[str, tuple[dict, bool]] = {
-    "bf16": ({}, True),
-    "fp8": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, True),
-    "bf16+fp8kv": ({"kv_cache_dtype": "fp8"}, False),
-    "fp8+bf16kv": ({"quantization": "fp8"}, False),
+
+
+@dataclass(frozen=True)
+class Config:
+    overrides: dict  # LLM arguments past the defaults (bf16, everything else off)
+    full: bool = False  # time batch 1 and throughput with CUDA graphs; else logits only
+    reference: bool = False  # FP8 projections by their torch reference
+
+
+CONFIGS: dict[str, Config] = {
+    "bf16": Config({}, full=True),
+    "fp8": Config({"quantization": "fp8", "kv_cache_dtype": "fp8"}, full=True),
+    "bf16+fp8kv": Config({"kv_cache_dtype": "fp8"}),
+    "fp8+bf16kv": Config({"quantization": "fp8"}),
+    "fp8 reference": Config({"quantization": "fp8"}, reference=True),
+    "fp32": Config({"dtype": "float32"}),
 }
 
 
@@ -171,6 +188,13 @@ def last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:  # [num_pro
     return torch.cat(rows)
 
 
+def reference_forward(linear: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """An Fp8Linear's output by the torch reference of its scheme (x per token)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = fp8_linear_ref(rows, linear.weight, linear.weight_scale, linear.bias)
+    return out.view(*x.shape[:-1], linear.out_features)
+
+
 def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
     return {
@@ -183,22 +207,27 @@ def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def run_config(name: str, args, model_dir: str, work: Path) -> dict:
-    overrides, full = CONFIGS[name]
+    config = CONFIGS[name]
+    full = config.full
     max_len = 8192  # the model's own: the KV block count is not capped by max_num_seqs * len
     llm = LLM(
         model_dir,
-        dtype="bfloat16",
         enable_prefix_caching=False,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=not full,
-        **overrides,
+        **{"dtype": "bfloat16", **config.overrides},
     )
+    if config.reference:
+        for module in llm.engine.model.modules():
+            if isinstance(module, Fp8Linear):
+                module.forward = functools.partial(reference_forward, module)
     runner = llm.engine.runner
     out: dict = {
         "gpu": torch.cuda.get_device_name(),
-        "config": overrides,
+        "config": config.overrides,
+        "fp8_reference": config.reference,
         "cuda_graphs": full,
         "kv_blocks": runner.num_blocks,
         "kv_tokens": runner.num_blocks * runner.block_size,
@@ -210,10 +239,12 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
     vocab = min(llm.engine.vocab_size, 50257)
     prompts = [[rng.randrange(vocab) for _ in range(args.logit_prompt_len)] for _ in range(64)]
     logits = last_logits(llm, prompts)
-    if name == "bf16":
-        torch.save(logits, work / "bf16_logits.pt")
-    else:
+    torch.save(logits, work / f"{name}_logits.pt")
+    if name != "bf16":
         out["logits_vs_bf16"] = compare_logits(logits, torch.load(work / "bf16_logits.pt"))
+    engine_logits = work / "fp8+bf16kv_logits.pt"
+    if config.reference and engine_logits.exists():
+        out["logits_vs_engine"] = compare_logits(torch.load(engine_logits), logits)
     if full:
         bandwidth = copy_bandwidth()
         out["copy_bandwidth_gb_s"] = bandwidth / 1e9
@@ -266,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": f"{args.num_requests} x {args.input_len} in / {args.output_len} out",
         "configs": {},
     }
-    configs = ["bf16", *(c for c in args.configs if c != "bf16")]  # bf16's logits first
+    # bf16's logits first, the engine's FP8 projections' before their reference.
+    configs = sorted(set(args.configs) | {"bf16"}, key=list(CONFIGS).index)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in configs:
@@ -309,6 +341,8 @@ def summary(configs: dict) -> dict:
     out["logits_vs_bf16"] = {
         name: c["logits_vs_bf16"] for name, c in configs.items() if "logits_vs_bf16" in c
     }
+    if "logits_vs_engine" in configs.get("fp8 reference", {}):
+        out["fp8_engine_vs_reference"] = configs["fp8 reference"]["logits_vs_engine"]
     return out
 
 

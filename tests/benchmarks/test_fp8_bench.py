@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.fp8 import compare_logits, last_logits, summary, weight_bytes
+from benchmarks.fp8 import (
+    CONFIGS,
+    compare_logits,
+    last_logits,
+    reference_forward,
+    summary,
+    weight_bytes,
+)
 from engine import LLM, SamplingParams
-from engine.models.quantization import quantize_model
+from engine.models.quantization import Fp8Linear, quantize_model
 
 
 def test_last_logits_are_what_the_engine_samples_from(tiny_llama_dir):
@@ -46,10 +53,37 @@ def test_summary_ratios():
         },
         "bf16+fp8kv": {"kv_blocks": 200, "logits_vs_bf16": {"cosine_mean": 0.999}},
         "fp8+bf16kv": {"kv_blocks": 200, "logits_vs_bf16": {"cosine_mean": 0.995}},
+        "fp8 reference": {
+            "kv_blocks": 200,
+            "logits_vs_bf16": {"cosine_mean": 0.994},
+            "logits_vs_engine": {"cosine_mean": 0.9999},
+        },
     }
     out = summary(configs)
     assert out["throughput_tok_s"]["ratio"] == 1.7
     assert out["kv_blocks_bf16 weights"]["ratio"] == 2.0
     assert out["kv_blocks_fp8 weights"]["ratio"] == 2.0
-    assert set(out["logits_vs_bf16"]) == {"fp8", "bf16+fp8kv", "fp8+bf16kv"}
+    assert set(out["logits_vs_bf16"]) == {"fp8", "bf16+fp8kv", "fp8+bf16kv", "fp8 reference"}
+    assert out["fp8_engine_vs_reference"] == {"cosine_mean": 0.9999}
     assert torch.isclose(torch.tensor(out["batch1_ms_per_token"]["fp8"]), torch.tensor(3.5))
+
+
+def test_reference_forward_is_the_schemes_torch_reference():
+    """The "fp8 reference" run's projections: x quantized per token, both sides
+    dequantized, one fp32 matmul, whatever the input's leading dims; and it runs after
+    the engine's FP8 run it is compared with."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    fp8 = Fp8Linear.from_linear(linear)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    got = reference_forward(fp8, x)
+    assert got.shape == (2, 3, 48) and got.dtype == torch.bfloat16
+    amax = x.float().abs().amax(-1, keepdim=True) / 448
+    x_q = (x.float() / amax).to(torch.float8_e4m3fn).float() * amax
+    w = fp8.weight.float() * fp8.weight_scale[:, None]
+    want = (x_q @ w.t() + linear.bias.float()).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, linear(x))  # the quantization shows
+    names = list(CONFIGS)
+    assert names.index("fp8+bf16kv") < names.index("fp8 reference")
+    assert CONFIGS["fp8 reference"].reference and not CONFIGS["fp8+bf16kv"].reference
