@@ -133,6 +133,54 @@ def test_invalid_specs_are_value_errors(llm):
         SamplingParams(min_tokens=2, grammar=GrammarSpec("json_object"))
 
 
+@pytest.mark.parametrize("lo, hi", [(0, 6), (2, 9), (3, 3)])
+def test_bounded_strings_as_chains_allow_what_the_repetition_does(llm, monkeypatch, lo, hi):
+    """A length-bounded string's chain of rules gives the token masks of xgrammar's own
+    repetition at every step of random walks to the grammar's end, and both take
+    strings of every length from lo to hi and no other (the chain only makes the
+    masks cheaper)."""
+    from engine.structured import spec as spec_module
+
+    grammars = llm.engine.grammars
+    words = xgr.get_bitmask_shape(1, len(llm.tokenizer))[1]
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": lo, "maxLength": hi}},
+        "required": ["s"],
+    }
+    spec = GrammarSpec.json_schema(schema)
+    chained = build_grammar(spec)
+    assert "root_prop_0_len0" in str(chained) and f"{{{lo}, {hi}}}" not in str(chained)
+    monkeypatch.setattr(spec_module, "MAX_CHAINED_LENGTH", -1)  # xgrammar's own
+    repeated = build_grammar(spec)
+    assert f"{{{lo}, {hi}}}" in str(repeated)
+    compiled = [grammars.compiler.compile_grammar(g) for g in (chained, repeated)]
+    rng = np.random.default_rng(lo)
+    for _ in range(12):
+        matchers = [xgr.GrammarMatcher(c) for c in compiled]
+        while not matchers[0].is_terminated():
+            masks = [torch.zeros(1, words, dtype=torch.int32) for _ in matchers]
+            for matcher, mask in zip(matchers, masks):
+                matcher.fill_next_token_bitmask(mask)
+            assert torch.equal(masks[0], masks[1])
+            bits = np.unpackbits(masks[0].numpy().view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[: len(llm.tokenizer)])
+            short = [i for i in allowed if len(llm.tokenizer.decode([i])) == 1]
+            pick = int(rng.choice(short if short and rng.random() < 0.8 else allowed))
+            assert all(m.accept_token(pick) for m in matchers)
+        assert matchers[1].is_terminated()
+
+    def accepted(length: int) -> list[bool]:
+        text = json.dumps({"s": "x" * length}, separators=(", ", ": "))
+        return [xgr.GrammarMatcher(c).accept_string(text) for c in compiled]
+
+    for length in range(lo, hi + 1):
+        assert accepted(length) == [True, True], length
+    assert accepted(hi + 1) == [False, False]
+    if lo:
+        assert accepted(lo - 1) == [False, False]
+
+
 def test_a_spec_seen_before_compiles_no_more(llm):
     spec = GrammarSpec("regex", "[0-9]{3}")
     sample(llm, spec, n=4)
