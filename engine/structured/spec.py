@@ -27,6 +27,12 @@ KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
 # which JSON forbids: strict parsers such as pydantic's would reject the document.
 _LOOSE_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 _JSON_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
+# What follows a string without free whitespace: a separator, the end of its object or
+# array, or its key's colon. xgrammar's lookahead (a hint: a token going past the string
+# must go on with one of these) also allows whitespace first, leaving more tokens that
+# close a string to be checked against the grammar at every step.
+_LOOSE_LOOKAHEAD = r" (=([ \n\r\t]* [,}\]:]))"
+_LOOKAHEAD = r" (=([,}\]:]))"
 # xgrammar's rule for a length-bounded JSON string: '"' characters{lo, hi} '"'.
 _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.MULTILINE)
 # Longer bounds keep xgrammar's repetition: a chain is one rule per character.
@@ -72,7 +78,7 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     try:
         if spec.kind in ("json", "json_object"):
             schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
-            return _strict_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+            return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.spec)
         if spec.kind == "choice":
@@ -92,33 +98,42 @@ _NAMES = {
 }
 
 
-def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
-    """xgrammar's JSON grammar with JSON's own string characters, and its
-    length-bounded strings as chains."""
+def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """xgrammar's JSON grammar with JSON's own string characters, and strings whose
+    token masks the compiler works out ahead."""
     import xgrammar as xgr
 
     text = str(grammar)
-    strict = text
-    for loose in _LOOSE_CHARACTERS:
-        strict = strict.replace(loose, _JSON_CHARACTER)
-    strict = _BOUNDED_STRING.sub(_chain, strict)
+    strict = cached_strings(strict_characters(text))
     return grammar if strict == text else xgr.Grammar.from_ebnf(strict)
 
 
+def strict_characters(text: str) -> str:
+    """JSON's string characters where xgrammar's admit more."""
+    for loose in _LOOSE_CHARACTERS:
+        text = text.replace(loose, _JSON_CHARACTER)
+    return text
+
+
+def cached_strings(text: str) -> str:
+    """The same language, with masks the compiler works out ahead: the lookahead after a
+    string allows no whitespace, and each length-bounded string is a chain of rules,
+    rule k the string after k characters, which ends there (k >= lo) or takes one more
+    (with the same lookahead). Inside xgrammar's repetition `characters{lo, hi}` a mask
+    is worked out token by token at every step (milliseconds a row for a 50k
+    vocabulary); each rule of the chain ends the string itself."""
+    return _BOUNDED_STRING.sub(_chain, text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD))
+
+
 def _chain(bounded: re.Match) -> str:
-    """A length-bounded string as a chain of rules, rule k the string after k
-    characters: it ends there (k >= lo) or takes one more. The same language as
-    xgrammar's repetition, whose token masks it works out token by token at every step
-    inside the string (milliseconds a row for a 50k vocabulary); each rule of the chain
-    ends the string itself, so the compiler caches its mask."""
     name, characters, lo, hi = bounded[1], bounded[2], int(bounded[3]), int(bounded[4])
     if hi > MAX_CHAINED_LENGTH or f"{name}_len" in bounded.string:  # keep names unique
         return bounded[0]
     rules = [f'{name} ::= "\\"" {name}_len0']
     for k in range(hi):
-        end = ' | "\\""' if k >= lo else ""
-        rules.append(f"{name}_len{k} ::= {characters} {name}_len{k + 1}{end}")
-    rules.append(f'{name}_len{hi} ::= "\\""')
+        end = ' | ("\\"")' if k >= lo else ""
+        rules.append(f"{name}_len{k} ::= (({characters} {name}_len{k + 1}){end}){_LOOKAHEAD}")
+    rules.append(f'{name}_len{hi} ::= "\\""{_LOOKAHEAD}')
     return "\n".join(rules)
 
 

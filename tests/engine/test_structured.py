@@ -133,52 +133,102 @@ def test_invalid_specs_are_value_errors(llm):
         SamplingParams(min_tokens=2, grammar=GrammarSpec("json_object"))
 
 
-@pytest.mark.parametrize("lo, hi", [(0, 6), (2, 9), (3, 3)])
-def test_bounded_strings_as_chains_allow_what_the_repetition_does(llm, monkeypatch, lo, hi):
-    """A length-bounded string's chain of rules gives the token masks of xgrammar's own
-    repetition at every step of random walks to the grammar's end, and both take
-    strings of every length from lo to hi and no other (the chain only makes the
-    masks cheaper)."""
-    from engine.structured import spec as spec_module
+CACHED_STRING_SCHEMAS = {
+    "bounded 0-6": {"type": "string", "minLength": 0, "maxLength": 6},
+    "bounded 2-9": {"type": "string", "minLength": 2, "maxLength": 9},
+    "bounded 3-3": {"type": "string", "minLength": 3, "maxLength": 3},
+    "plain": {"type": "string"},
+}
+# A vocabulary whose tokens cross a string's end the ways real BPE vocabularies' do
+# ('"]', '", "', '"},' ...), where a rule's lookahead decides what a mask allows.
+CROSSING_VOCAB = [
+    *(chr(c) for c in range(32, 127)),  # any JSON the schemas allow can be written
+    *['"]', '",', '"}', '":', '", "', '": "', '"]}', '"},', '"}]', '"],', '""', '"",'],
+    *["ab", "xyz", 'x"', 'ab"]', 'z",', '{"', '["', '[""', "\\n", '\\"', ', "', '" ', '"\n'],
+    "</s>",
+]
 
-    grammars = llm.engine.grammars
-    words = xgr.get_bitmask_shape(1, len(llm.tokenizer))[1]
-    schema = {
-        "type": "object",
-        "properties": {"s": {"type": "string", "minLength": lo, "maxLength": hi}},
-        "required": ["s"],
-    }
+
+@pytest.fixture(scope="module")
+def crossing_compiler() -> xgr.GrammarCompiler:
+    info = xgr.TokenizerInfo(
+        CROSSING_VOCAB, xgr.VocabType.RAW, stop_token_ids=[len(CROSSING_VOCAB) - 1]
+    )
+    return xgr.GrammarCompiler(info, cache_enabled=False)
+
+
+def cached_string_walks(compiler, schema: dict, walks: int, steps: int = 200) -> list:
+    """xgrammar's JSON grammar (JSON's own characters) and Pagoda's, compiled, after
+    random walks on which their masks agreed at every step."""
+    from engine.structured.spec import strict_characters
+
     spec = GrammarSpec.json_schema(schema)
-    chained = build_grammar(spec)
-    assert "root_prop_0_len0" in str(chained) and f"{{{lo}, {hi}}}" not in str(chained)
-    monkeypatch.setattr(spec_module, "MAX_CHAINED_LENGTH", -1)  # xgrammar's own
-    repeated = build_grammar(spec)
-    assert f"{{{lo}, {hi}}}" in str(repeated)
-    compiled = [grammars.compiler.compile_grammar(g) for g in (chained, repeated)]
-    rng = np.random.default_rng(lo)
-    for _ in range(12):
+    own = xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False)
+    pair = [build_grammar(spec), xgr.Grammar.from_ebnf(strict_characters(str(own)))]
+    compiled = [compiler.compile_grammar(g) for g in pair]
+    words = xgr.get_bitmask_shape(1, len(CROSSING_VOCAB))[1]
+    rng = np.random.default_rng(0)
+    crossed = 0  # tokens taken that close a string and go on past it
+    for _ in range(walks):
         matchers = [xgr.GrammarMatcher(c) for c in compiled]
-        while not matchers[0].is_terminated():
+        for _ in range(steps):
             masks = [torch.zeros(1, words, dtype=torch.int32) for _ in matchers]
             for matcher, mask in zip(matchers, masks):
                 matcher.fill_next_token_bitmask(mask)
-            assert torch.equal(masks[0], masks[1])
-            bits = np.unpackbits(masks[0].numpy().view(np.uint8), bitorder="little")
-            allowed = np.flatnonzero(bits[: len(llm.tokenizer)])
-            short = [i for i in allowed if len(llm.tokenizer.decode([i])) == 1]
-            pick = int(rng.choice(short if short and rng.random() < 0.8 else allowed))
-            assert all(m.accept_token(pick) for m in matchers)
-        assert matchers[1].is_terminated()
+            # Bits past the vocabulary are the fill's own: the engine sets those.
+            bits = [np.unpackbits(m.numpy().view(np.uint8), bitorder="little") for m in masks]
+            bits = [b[: len(CROSSING_VOCAB)] for b in bits]
+            assert (bits[0] == bits[1]).all()
+            pick = int(rng.choice(np.flatnonzero(bits[0])))
+            assert [m.accept_token(pick) for m in matchers] == [True, True]
+            crossed += len(CROSSING_VOCAB[pick]) > 1 and CROSSING_VOCAB[pick][0] == '"'
+            if matchers[1].is_terminated():
+                break
+        assert matchers[0].is_terminated() == matchers[1].is_terminated()
+    assert crossed
+    return compiled
+
+
+@pytest.mark.parametrize("name", CACHED_STRING_SCHEMAS)
+@pytest.mark.parametrize("where", ["top level", "in an object", "in an array"])
+def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where):
+    """Pagoda's JSON strings (nothing but a separator, a bracket or a colon after one;
+    a length-bounded one as a chain of rules) give xgrammar's own masks at every step
+    of random walks to the grammar's end, tokens that cross a string's end included,
+    and both take strings of every allowed length and no other (the rewrite only makes
+    the masks cheaper to fill)."""
+    string = CACHED_STRING_SCHEMAS[name]
+    schema, wrap = {
+        "top level": (string, lambda s: s),
+        "in an object": (
+            {"type": "object", "properties": {"s": string, "n": {"type": "integer"}}},
+            lambda s: {"s": s, "n": 1},
+        ),
+        "in an array": ({"type": "array", "items": string}, lambda s: [s, s]),
+    }[where]
+    if name != "plain":
+        assert "_len0" in str(build_grammar(GrammarSpec.json_schema(schema)))
+    compiled = cached_string_walks(crossing_compiler, schema, walks=8)
+    lo, hi = string.get("minLength", 0), string.get("maxLength", 12)
 
     def accepted(length: int) -> list[bool]:
-        text = json.dumps({"s": "x" * length}, separators=(", ", ": "))
-        return [xgr.GrammarMatcher(c).accept_string(text) for c in compiled]
+        text = json.dumps(wrap("x" * length), separators=(", ", ": "))
+        matchers = [xgr.GrammarMatcher(c) for c in compiled]
+        return [m.accept_string(text) and m.is_completed() for m in matchers]
 
     for length in range(lo, hi + 1):
         assert accepted(length) == [True, True], length
-    assert accepted(hi + 1) == [False, False]
+    if "maxLength" in string:
+        assert accepted(hi + 1) == [False, False]
     if lo:
         assert accepted(lo - 1) == [False, False]
+
+
+def test_cached_strings_in_the_test_schema_and_json_objects(crossing_compiler):
+    """The same agreement for the nested test schema and for any JSON object (its keys
+    are strings followed by a colon)."""
+    cached_string_walks(crossing_compiler, SCHEMA, walks=8)
+    cached_string_walks(crossing_compiler, {"type": "object"}, walks=8, steps=120)
 
 
 def test_a_spec_seen_before_compiles_no_more(llm):
