@@ -224,6 +224,20 @@ def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where)
         assert accepted(lo - 1) == [False, False]
 
 
+def test_strings_past_the_chain_limit_keep_the_repetition():
+    """A bound past MAX_CHAINED_LENGTH (a rule per character would make a large grammar)
+    stays xgrammar's repetition, its lookahead without whitespace all the same."""
+    from engine.structured.spec import MAX_CHAINED_LENGTH
+
+    at, past = (
+        {"type": "string", "maxLength": n} for n in (MAX_CHAINED_LENGTH, MAX_CHAINED_LENGTH + 1)
+    )
+    assert f"root_len{MAX_CHAINED_LENGTH} ::=" in str(build_grammar(GrammarSpec.json_schema(at)))
+    text = str(build_grammar(GrammarSpec.json_schema(past)))
+    assert "_len0" not in text and f"{{0, {MAX_CHAINED_LENGTH + 1}}}" in text
+    assert "(=([,}\\]:]))" in text and "[ \\n\\r\\t]*" not in text
+
+
 def test_cached_strings_in_the_test_schema_and_json_objects(crossing_compiler):
     """The same agreement for the nested test schema and for any JSON object (its keys
     are strings followed by a colon)."""
