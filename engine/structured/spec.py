@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -33,10 +33,13 @@ _JSON_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 # close a string to be checked against the grammar at every step.
 _LOOSE_LOOKAHEAD = r" (=([ \n\r\t]* [,}\]:]))"
 _LOOKAHEAD = r" (=([,}\]:]))"
-# xgrammar's rule for a length-bounded JSON string: '"' characters{lo, hi} '"'.
+# xgrammar's rule for a length-bounded JSON string: '"' characters{lo, hi} '"', and the
+# body of its characters rule.
 _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.MULTILINE)
-# Longer bounds keep xgrammar's repetition: a chain is one rule per character.
-MAX_CHAINED_LENGTH = 1024
+_RULE_BODY = r"^{} ::= (.*)$"
+# Rules a grammar's chains may add (each costs the compiler a pass over the vocabulary);
+# strings past them keep xgrammar's repetition.
+MAX_CHAIN_RULES = 512
 
 
 @dataclass(frozen=True)
@@ -117,24 +120,65 @@ def strict_characters(text: str) -> str:
 
 def cached_strings(text: str) -> str:
     """The same language, with masks the compiler works out ahead: the lookahead after a
-    string allows no whitespace, and each length-bounded string is a chain of rules,
-    rule k the string after k characters, which ends there (k >= lo) or takes one more
-    (with the same lookahead). Inside xgrammar's repetition `characters{lo, hi}` a mask
-    is worked out token by token at every step (milliseconds a row for a 50k
-    vocabulary); each rule of the chain ends the string itself."""
-    return _BOUNDED_STRING.sub(_chain, text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD))
+    string allows no whitespace, and length-bounded strings are chains of rules. Inside
+    xgrammar's repetition `characters{lo, hi}` a mask is worked out token by token at
+    every step (milliseconds a row for a 50k vocabulary); a chain's rule k is the
+    string with k characters left at most, which ends there or takes one more, so each
+    rule ends the string itself. Strings of the same characters share one chain, and a
+    minimum length adds rules that must take a character."""
+    text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD)
+    chains: dict[str, _Chain] = {}  # by the characters rule's body
+    spent = 0
+
+    def chain(bounded: re.Match) -> str:
+        nonlocal spent
+        name, characters, lo, hi = bounded[1], bounded[2], int(bounded[3]), int(bounded[4])
+        body = re.search(_RULE_BODY.format(characters), text, re.MULTILINE)
+        if body is None:
+            return bounded[0]
+        shared = chains.get(body[1]) or _Chain(f"{name}_chars", body[1])
+        if re.search(rf"^{shared.prefix}(_left|_must|\b)", text, re.MULTILINE):
+            return bounded[0]  # the names are taken
+        chains[body[1]] = shared
+        cost = shared.cost(lo, hi)
+        if spent + cost > MAX_CHAIN_RULES:
+            return bounded[0]
+        spent += cost
+        return f'{name} ::= "\\"" {shared.start(lo, hi)}'
+
+    text = _BOUNDED_STRING.sub(chain, text)
+    return "\n".join([text.rstrip("\n"), *(c.rules() for c in chains.values() if c.left >= 0)])
 
 
-def _chain(bounded: re.Match) -> str:
-    name, characters, lo, hi = bounded[1], bounded[2], int(bounded[3]), int(bounded[4])
-    if hi > MAX_CHAINED_LENGTH or f"{name}_len" in bounded.string:  # keep names unique
-        return bounded[0]
-    rules = [f'{name} ::= "\\"" {name}_len0']
-    for k in range(hi):
-        end = ' | ("\\"")' if k >= lo else ""
-        rules.append(f"{name}_len{k} ::= (({characters} {name}_len{k + 1}){end}){_LOOKAHEAD}")
-    rules.append(f'{name}_len{hi} ::= "\\""{_LOOKAHEAD}')
-    return "\n".join(rules)
+@dataclass
+class _Chain:
+    """Rules for strings of one kind of character: `{prefix}_left{k}`, at most k more
+    characters, and `{prefix}_must{m}_{k}`, m characters before those."""
+
+    prefix: str
+    characters: str
+    left: int = -1  # the longest `left` rule made
+    must: set[tuple[int, int]] = field(default_factory=set)
+
+    def cost(self, lo: int, hi: int) -> int:
+        new_must = sum((m, hi - lo) not in self.must for m in range(1, lo + 1))
+        return max(0, hi - lo - self.left) + new_must
+
+    def start(self, lo: int, hi: int) -> str:
+        self.left = max(self.left, hi - lo)
+        for m in range(1, lo + 1):
+            self.must.add((m, hi - lo))
+        return f"{self.prefix}_must{lo}_{hi - lo}" if lo else f"{self.prefix}_left{hi}"
+
+    def rules(self) -> str:
+        p, c = self.prefix, self.characters
+        out = [f"{p} ::= {c}", f'{p}_left0 ::= "\\""{_LOOKAHEAD}']
+        for k in range(1, self.left + 1):
+            out.append(f'{p}_left{k} ::= (({p} {p}_left{k - 1}) | ("\\"")){_LOOKAHEAD}')
+        for m, k in sorted(self.must):
+            after = f"{p}_must{m - 1}_{k}" if m > 1 else f"{p}_left{k}"
+            out.append(f"{p}_must{m}_{k} ::= {p} {after}{_LOOKAHEAD}")
+        return "\n".join(out)
 
 
 def _reason(exc: RuntimeError) -> str:

@@ -207,7 +207,7 @@ def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where)
         "in an array": ({"type": "array", "items": string}, lambda s: [s, s]),
     }[where]
     if name != "plain":
-        assert "_len0" in str(build_grammar(GrammarSpec.json_schema(schema)))
+        assert "_left0" in str(build_grammar(GrammarSpec.json_schema(schema)))
     compiled = cached_string_walks(crossing_compiler, schema, walks=8)
     lo, hi = string.get("minLength", 0), string.get("maxLength", 12)
 
@@ -224,25 +224,40 @@ def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where)
         assert accepted(lo - 1) == [False, False]
 
 
-def test_strings_past_the_chain_limit_keep_the_repetition():
-    """A bound past MAX_CHAINED_LENGTH (a rule per character would make a large grammar)
-    stays xgrammar's repetition, its lookahead without whitespace all the same."""
-    from engine.structured.spec import MAX_CHAINED_LENGTH
+def test_strings_share_chains_within_a_budget_of_rules():
+    """Strings of the same characters share one chain whatever their bounds; past
+    MAX_CHAIN_RULES (each rule costs the compiler a pass over the vocabulary) a string
+    keeps xgrammar's repetition, with the whitespace-free lookahead all the same."""
+    from engine.structured.spec import MAX_CHAIN_RULES
 
-    at, past = (
-        {"type": "string", "maxLength": n} for n in (MAX_CHAINED_LENGTH, MAX_CHAINED_LENGTH + 1)
-    )
-    assert f"root_len{MAX_CHAINED_LENGTH} ::=" in str(build_grammar(GrammarSpec.json_schema(at)))
-    text = str(build_grammar(GrammarSpec.json_schema(past)))
-    assert "_len0" not in text and f"{{0, {MAX_CHAINED_LENGTH + 1}}}" in text
-    assert "(=([,}\\]:]))" in text and "[ \\n\\r\\t]*" not in text
+    def rules(*bounds: int) -> str:
+        props = {f"f{i}": {"type": "string", "maxLength": n} for i, n in enumerate(bounds)}
+        return str(build_grammar(GrammarSpec.json_schema({"type": "object", "properties": props})))
+
+    def count(text: str) -> int:
+        return len(re.findall(r"^\w+_chars_(left|must)\w* ::=", text, re.MULTILINE))
+
+    assert count(rules(8)) == count(rules(8, 8, 3)) == 9  # left0 .. left8
+    full = MAX_CHAIN_RULES - 1
+    assert count(rules(full)) == MAX_CHAIN_RULES
+    over = rules(full, full + 1)  # one rule more than the budget: f1 keeps its repetition
+    assert count(over) == MAX_CHAIN_RULES and f"{{0, {full + 1}}}" in over
+    assert "(=([,}\\]:]))" in over and "[ \\n\\r\\t]*" not in over
 
 
 def test_cached_strings_in_the_test_schema_and_json_objects(crossing_compiler):
-    """The same agreement for the nested test schema and for any JSON object (its keys
-    are strings followed by a colon)."""
+    """The same agreement for the nested test schema, for any JSON object (its keys are
+    strings followed by a colon), and for strings of several bounds on one chain."""
     cached_string_walks(crossing_compiler, SCHEMA, walks=8)
     cached_string_walks(crossing_compiler, {"type": "object"}, walks=8, steps=120)
+    bounds = [(0, 3), (2, 4), (0, 2), (2, 4), (1, 1)]  # one shared chain, two must runs
+    props = {
+        f"f{i}": {"type": "string", "minLength": lo, "maxLength": hi}
+        for i, (lo, hi) in enumerate(bounds)
+    }
+    shared = {"type": "object", "properties": props, "required": list(props)}
+    assert str(build_grammar(GrammarSpec.json_schema(shared))).count("_left0 ::=") == 1
+    cached_string_walks(crossing_compiler, shared, walks=8)
 
 
 def test_a_spec_seen_before_compiles_no_more(llm):
