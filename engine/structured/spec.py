@@ -33,6 +33,23 @@ _JSON_CHARACTER = r"[^\0-\x1f\"\\\ud800-\udfff]"
 # close a string to be checked against the grammar at every step.
 _LOOSE_LOOKAHEAD = r" (=([ \n\r\t]* [,}\]:]))"
 _LOOKAHEAD = r" (=([,}\]:]))"
+# The rest of an unbounded string (xgrammar's, characters and lookahead as above) as one
+# character or escape a step, and the same as runs of characters between escapes: a
+# star over a character class, which xgrammar matches and masks in one pass.
+_RECURSIVE_STRING = (
+    r'basic_string_sub ::= (("\"") | ('
+    + _JSON_CHARACTER
+    + r' basic_string_sub) | ("\\" basic_escape basic_string_sub))'
+    + _LOOKAHEAD
+)
+_STAR_STRING = (
+    r"basic_string_sub ::= (("
+    + _JSON_CHARACTER
+    + r'* "\"") | ('
+    + _JSON_CHARACTER
+    + r'* "\\" basic_escape basic_string_sub))'
+    + _LOOKAHEAD
+)
 # xgrammar's rule for a length-bounded JSON string: '"' characters{lo, hi} '"', and the
 # body of its characters rule.
 _BOUNDED_STRING = re.compile(r'^(\w+) ::= \(\("\\"" (\w+)\{(\d+), (\d+)\} "\\""\)\)$', re.MULTILINE)
@@ -120,13 +137,14 @@ def strict_characters(text: str) -> str:
 
 def cached_strings(text: str) -> str:
     """The same language, with masks the compiler works out ahead: the lookahead after a
-    string allows no whitespace, and length-bounded strings are chains of rules. Inside
+    string allows no whitespace, an unbounded string takes runs of characters, and
+    length-bounded strings are chains of rules. Inside
     xgrammar's repetition `characters{lo, hi}` a mask is worked out token by token at
     every step (milliseconds a row for a 50k vocabulary); a chain's rule k is the
     string with k characters left at most, which ends there or takes one more, so each
     rule ends the string itself. Strings of the same characters share one chain, and a
     minimum length adds rules that must take a character."""
-    text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD)
+    text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
     chains: dict[str, _Chain] = {}  # by the characters rule's body
     spent = 0
 
