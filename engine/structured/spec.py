@@ -6,7 +6,9 @@ no tokenizer: it is the validation the server runs before a request is queued,
 and the first half of the compilation the engine runs off its thread.
 
 JSON grammars allow no free whitespace: separators are exactly ", " and ": " (as
-json.dumps writes them), so a model cannot spin in newlines until max_tokens.
+json.dumps writes them), so a model cannot spin in newlines until max_tokens. Their
+strings are rewritten into rules whose token masks xgrammar can cache
+(`cached_strings`).
 """
 
 from __future__ import annotations
@@ -138,12 +140,12 @@ def strict_characters(text: str) -> str:
 def cached_strings(text: str) -> str:
     """The same language, with masks the compiler works out ahead: the lookahead after a
     string allows no whitespace, an unbounded string takes runs of characters, and
-    length-bounded strings are chains of rules. Inside
-    xgrammar's repetition `characters{lo, hi}` a mask is worked out token by token at
-    every step (milliseconds a row for a 50k vocabulary); a chain's rule k is the
-    string with k characters left at most, which ends there or takes one more, so each
-    rule ends the string itself. Strings of the same characters share one chain, and a
-    minimum length adds rules that must take a character."""
+    length-bounded strings are chains of rules. Inside xgrammar's repetition
+    `characters{lo, hi}` a mask is worked out token by token at every step
+    (milliseconds a row for a 50k vocabulary); a chain's rule k is the string with at
+    most k characters left, which ends there or takes one more, so each rule ends the
+    string itself. Strings of the same characters share one chain, and a minimum length
+    adds rules that must take a character."""
     text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
     chains: dict[str, _Chain] = {}  # by the characters rule's body
     spent = 0

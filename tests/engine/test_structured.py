@@ -193,10 +193,10 @@ def cached_string_walks(compiler, schema: dict, walks: int, steps: int = 200) ->
 @pytest.mark.parametrize("where", ["top level", "in an object", "in an array"])
 def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where):
     """Pagoda's JSON strings (nothing but a separator, a bracket or a colon after one;
-    a length-bounded one as a chain of rules) give xgrammar's own masks at every step
-    of random walks to the grammar's end, tokens that cross a string's end included,
-    and both take strings of every allowed length and no other (the rewrite only makes
-    the masks cheaper to fill)."""
+    an unbounded one as runs of characters, a length-bounded one as a chain of rules)
+    give xgrammar's own masks at every step of random walks to the grammar's end,
+    tokens that cross a string's end included, and both take strings of every allowed
+    length and no other (the rewrite only makes the masks cheaper to fill)."""
     string = CACHED_STRING_SCHEMAS[name]
     schema, wrap = {
         "top level": (string, lambda s: s),
