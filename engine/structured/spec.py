@@ -156,8 +156,8 @@ def cached_strings(text: str) -> str:
         body = re.search(_RULE_BODY.format(characters), text, re.MULTILINE)
         if body is None:
             return bounded[0]
-        shared = chains.get(body[1]) or _Chain(f"{name}_chars", body[1])
-        if re.search(rf"^{shared.prefix}(_left|_must|\b)", text, re.MULTILINE):
+        shared = chains.get(body[1]) or _Chain(characters)
+        if re.search(rf"^{shared.characters}_(left|must)", text, re.MULTILINE):
             return bounded[0]  # the names are taken
         chains[body[1]] = shared
         cost = shared.cost(lo, hi)
@@ -172,10 +172,10 @@ def cached_strings(text: str) -> str:
 
 @dataclass
 class _Chain:
-    """Rules for strings of one kind of character: `{prefix}_left{k}`, at most k more
-    characters, and `{prefix}_must{m}_{k}`, m characters before those."""
+    """Rules for strings of one kind of character (the rule `characters`, the first such
+    string's): `{characters}_left{k}`, at most k more characters, and
+    `{characters}_must{m}_{k}`, m characters before those."""
 
-    prefix: str
     characters: str
     left: int = -1  # the longest `left` rule made
     must: set[tuple[int, int]] = field(default_factory=set)
@@ -188,11 +188,12 @@ class _Chain:
         self.left = max(self.left, hi - lo)
         for m in range(1, lo + 1):
             self.must.add((m, hi - lo))
-        return f"{self.prefix}_must{lo}_{hi - lo}" if lo else f"{self.prefix}_left{hi}"
+        c = self.characters
+        return f"{c}_must{lo}_{hi - lo}" if lo else f"{c}_left{hi}"
 
     def rules(self) -> str:
-        p, c = self.prefix, self.characters
-        out = [f"{p} ::= {c}", f'{p}_left0 ::= "\\""{_LOOKAHEAD}']
+        p = self.characters
+        out = [f'{p}_left0 ::= "\\""{_LOOKAHEAD}']
         for k in range(1, self.left + 1):
             out.append(f'{p}_left{k} ::= (({p} {p}_left{k - 1}) | ("\\"")){_LOOKAHEAD}')
         for m, k in sorted(self.must):

@@ -238,7 +238,7 @@ def test_strings_share_chains_within_a_budget_of_rules():
         return str(build_grammar(GrammarSpec.json_schema({"type": "object", "properties": props})))
 
     def count(text: str) -> int:
-        return len(re.findall(r"^\w+_chars_(left|must)\w* ::=", text, re.MULTILINE))
+        return len(re.findall(r"^\w+_characters_(left|must)\w* ::=", text, re.MULTILINE))
 
     assert count(rules(8)) == count(rules(8, 8, 3)) == 9  # left0 .. left8
     full = MAX_CHAIN_RULES - 1
