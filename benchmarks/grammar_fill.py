@@ -11,7 +11,7 @@ when nothing else is). Each step, on the same states, is timed:
 
 - accept: the rows' ids accepted one `accept_token` call at a time, or by
   `BatchGrammarMatcher.batch_accept_token`, or as the engine does it:
-  `GrammarMasks.accept` accepts them and has its worker fill the next masks (its
+  `GrammarMasks.follow` has its worker accept them and fill the next masks (its
   latency, handoff included), then `GrammarMasks.build` on the calling thread
   (the engine thread's share: the plan, the copy and the gather; on a CPU device,
   also a round trip to the worker); steps rotate;
@@ -162,7 +162,8 @@ def run_model(name: str, args) -> dict:
         elif how == "loop":
             ok = [m.accept_token(t) for m, t in zip(matchers, ids)]
         else:
-            ended = masks.follow(rows, generations, every).accept(np.array(ids))
+            step_ids = np.array(ids)
+            ended = masks.follow(rows, generations, every, step_ids).completed(step_ids)
             masks.drain()  # the accept, then the worker's fill
             ok = [not ended]
         elapsed = time.perf_counter() - start

@@ -241,10 +241,11 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once. A step with grammar rows reads N-1 before sampling too:
-        their matchers accept N-1's ids as they are read, a worker thread fills
-        step N's masks while the device runs forward N, and the device waits for
-        it before sampling (engine/structured/masks.py)."""
+        own ids at once. A step with grammar rows reads N-1 before sampling too, as
+        a grammar that N-1's id completes ends its request: a worker thread, which
+        has the matchers accept N-1's ids as they land, fills step N's masks while
+        the device runs forward N, and the device waits for it before sampling
+        (engine/structured/masks.py)."""
         grammars = self._grammars
         if grammars is not None and grammars.waiting:  # raises for failed compilations
             idle = not self.scheduler.running and self.inflight is None
@@ -292,8 +293,10 @@ class Engine:
                 else:
                     ids = self.runner.keep_sampled(token_ids)
                 step = LaunchedStep(sampling, mark, ids, logprobs)
-                if grammar:  # the matchers accept the ids as they are read
-                    step.grammar = masks.follow(sampling, occupants, rows)
+                if grammar:  # the worker has the matchers accept the ids as they land
+                    step.grammar = masks.follow(
+                        sampling, occupants, rows, ids if sync else token_ids
+                    )
                 if sync:
                     self.reader.read(step)
                 else:

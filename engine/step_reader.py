@@ -35,7 +35,7 @@ class LaunchedStep:
     mark: LaunchMark
     token_ids: SampledIds | np.ndarray
     logprobs: list[TokenLogprob | None] | None = None
-    # Its grammar rows, whose matchers accept the ids as they are read
+    # Its grammar rows, whose grammars the ids may complete
     grammar: GrammarRows | None = None
 
 
@@ -73,7 +73,7 @@ class StepReader:
                 self._end_grammars(grammar.take_refused())
             got = self.batch.read(step.slots, step.mark, ids)
             # The worker has the grammar rows' ids accepted, and fills their next masks.
-            ended = grammar.accept(ids) if grammar is not None else None
+            ended = grammar.completed(ids) if grammar is not None else None
             if got is not None:
                 self._apply(got, ended)
             elif ended:  # its rows may all have left since

@@ -357,21 +357,27 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(llm):
 
 
 def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, monkeypatch):
-    """Once a request sampled, its matcher accepts each id as it is read and the worker
-    fills its next mask in one job for the batch: a separate fill happens only for each
+    """Once a request sampled, the worker has its matcher accept each id and fills its
+    next mask in one job for the batch: a separate fill happens only for each
     request's first mask (the outputs stay exact: the other structured tests)."""
     import sys
 
-    from engine.structured.masks import GrammarMasks
+    from engine.structured import masks
 
-    submit = GrammarMasks._submit
-    rows: dict[str, list[int]] = {"_prepare_rows": [], "accept": []}
+    submit, accept_all = masks.GrammarMasks._submit, masks.accept_all
+    rows: dict[str, list[int]] = {"_prepare_rows": [], "follow": []}
+    accepted = []
 
     def counting(self, owners, slots, ids, reset):
         rows[sys._getframe(1).f_code.co_name].extend(slots)
         submit(self, owners, slots, ids, reset)
 
-    monkeypatch.setattr(GrammarMasks, "_submit", counting)
+    def accepting(handles, token_ids):
+        accepted.extend(token_ids)
+        return accept_all(handles, token_ids)
+
+    monkeypatch.setattr(masks.GrammarMasks, "_submit", counting)
+    monkeypatch.setattr(masks, "accept_all", accepting)
     spec = GrammarSpec("regex", "[a-z]{30}")
     params = [
         SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec) for i in range(8)
@@ -379,8 +385,11 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
     assert len(rows["_prepare_rows"]) == 8  # each request's first mask
-    # Every later one: each id but the last (EOS, which ends the grammar) is followed.
-    assert len(rows["accept"]) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    # Every later one follows an id; the matchers accept each but the last (EOS, which
+    # ends the grammar).
+    assert len(rows["follow"]) == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert len(accepted) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert llm.tokenizer.eos_token_id not in accepted
 
 
 def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch):
@@ -515,7 +524,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
         """The matchers' accept of a step's ids (the rows' last mask built just before)."""
         slots = np.arange(len(rows))
         every = np.ones(len(rows), dtype=bool)
-        return grammars.masks.follow(slots, slots, every).accept(np.array(ids))
+        return grammars.masks.follow(slots, slots, every, np.array(ids)).completed(np.array(ids))
 
     assert follow([choice], [eos]) == [(choice, "stop")]
     assert choice.structured.done
@@ -590,7 +599,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
         ids.append(allowed[allowed != eos][0] if (allowed != eos).any() else eos)
     stopped = [i for i in range(64) if ids[i] == eos]
     assert 5 in stopped
-    ended = masks.follow(slots, generations, grammar).accept(np.array(ids))
+    ended = masks.follow(slots, generations, grammar, np.array(ids)).completed(np.array(ids))
     assert [(r.request_id, reason) for r, reason in ended] == [(f"r{i}", "stop") for i in stopped]
     second = masks.build(slots, generations, grammar, rows).bits.numpy()
     for i in range(64):
