@@ -169,6 +169,10 @@ class GrammarMasks:
         self.id_arrays = [buffer.numpy() for buffer in self.id_buffers]
         self.id_events = [torch.cuda.Event() for _ in "ab"] if pin else []
         self.num_followed = 0
+        self.cuda_index = None
+        if pin:
+            index = self.device.index
+            self.cuda_index = torch.cuda.current_device() if index is None else index
         self.worker = ThreadPoolExecutor(
             1, thread_name_prefix="pagoda-grammar-masks", initializer=self._start_worker
         )
@@ -188,8 +192,10 @@ class GrammarMasks:
                 )
 
     def _start_worker(self) -> None:
-        if self.device.type == "cuda":  # where the ids' events are waited for
-            torch.cuda.set_device(self.device)
+        """The worker waits for the ids' events on the engine's device (a thread's
+        first CUDA call would otherwise make device 0's context)."""
+        if self.cuda_index is not None:
+            torch.cuda.set_device(self.cuda_index)
 
     # -- the worker's --------------------------------------------------------------
 
