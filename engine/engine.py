@@ -241,9 +241,10 @@ class Engine:
         while the GPU runs N. A request that stopped at N-1 wastes its row in N;
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
-        own ids at once. Grammar rows' masks come from a worker thread, which has
-        the matchers accept N-1's ids as they land and fills step N's masks while
-        the device runs forward N; the device waits for it before sampling
+        own ids at once. A step with grammar rows reads N-1 before sampling too, as
+        a grammar that N-1's id completes ends its request: a worker thread, which
+        has the matchers accept N-1's ids as they land, fills step N's masks while
+        the device runs forward N, and the device waits for it before sampling
         (engine/structured/masks.py)."""
         grammars = self._grammars
         if grammars is not None and grammars.waiting:  # raises for failed compilations
@@ -264,7 +265,7 @@ class Engine:
             )
             grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
-            if sync and prev is not None:
+            if (sync or grammar) and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
                 self.reader.read(prev)
                 prev = None

@@ -8,15 +8,12 @@ each in its slot's host row (one xgrammar call each, which releases the GIL; the
 splits the rows over xgrammar's threads). The worker starts the moment the ids land,
 not when the engine thread gets to them; and as it takes the GIL back after each
 call, the switch interval is lowered so that it never waits long behind the engine
-thread's Python. A stop id ends its grammar (the mask allows one only there), and
-an id a matcher refuses (possible only when the mask allowed nothing) its request;
-the worker marks either matcher done. The engine thread reads a step's ids after it
-launched the next, as for any row, so an ended grammar's row may be in one more
-step: that row is void, its mask all ones, and the worker skips its id. The
-engine thread:
+thread's Python. A stop id ends its grammar (the mask allows one only there); an id
+a matcher refuses (possible only when the mask allowed nothing) ends its request at
+the next step's read, before its next id is read. The engine thread:
 
-- `GrammarRows.completed` (as it reads a step's ids): ends the requests whose
-  grammar a stop id completes; `take_refused` (before), those a refusal ended;
+- `GrammarRows.completed` (as it reads N-1's ids, before it samples N): ends the
+  requests a stop id completes;
 - `build` (before the step samples): hands the worker the rows it could not know
   (a request's first sample, or one back from preemption) and the slots without a
   grammar now, to reset. Then it lets the step's copy go: on CUDA the stream waits
@@ -170,6 +167,7 @@ class GrammarMasks:
             torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"
         ]
         self.id_arrays = [buffer.numpy() for buffer in self.id_buffers]
+        self.id_events = [torch.cuda.Event() for _ in "ab"] if pin else []
         self.num_followed = 0
         self.cuda_index = None
         if pin:
@@ -233,13 +231,10 @@ class GrammarMasks:
         matchers = [owner.structured.matcher for owner in owners]
         handles = [matcher._handle for matcher in matchers]
         ids = step.wait()
-        # A stop id completes its grammar (the engine thread ends the request when it
-        # reads the id): no next mask, and its row goes to all ones, as do the void
-        # rows'. Its next id is void, maybe handed over before that read.
+        # A stop id completes its grammar (the engine thread ends the request): no next
+        # mask, and its row goes to all ones, as do the void rows'.
         stops = self.is_stop[ids]
         if done or stops.any():
-            for i in np.flatnonzero(stops).tolist():
-                owners[i].structured.done = True
             stops[done] = True
             self.host_np[np.asarray(slots)[stops]] = -1
             go_on = np.flatnonzero(~stops).tolist()
@@ -317,10 +312,9 @@ class GrammarMasks:
         self.num_followed += 1
         which = self.num_followed % 2
         n = token_ids.numel()
-        self.id_buffers[which][:n].copy_(token_ids, non_blocking=True)
-        # An event of its own: one reused could be recorded again, for a later step
-        # that waits for this job, before the worker waits for it.
-        ready = torch.cuda.Event()
+        host = self.id_buffers[which][:n]
+        host.copy_(token_ids, non_blocking=True)
+        ready = self.id_events[which]
         ready.record()
         return StepIds(self.id_arrays[which][:n], ready, positions)
 

@@ -385,12 +385,10 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
     assert len(rows["_prepare_rows"]) == 8  # each request's first mask
-    # Every later one follows an id (and the void id of the step launched before the
-    # EOS was read, at most one a request); the matchers accept each but the last
-    # (EOS, which ends the grammar), and none of the void ones.
-    num_ids = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert num_ids <= len(rows["follow"]) <= num_ids + len(outs)
-    assert len(accepted) == num_ids - len(outs)
+    # Every later one follows an id; the matchers accept each but the last (EOS, which
+    # ends the grammar).
+    assert len(rows["follow"]) == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert len(accepted) == sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     assert llm.tokenizer.eos_token_id not in accepted
 
 
