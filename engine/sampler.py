@@ -102,9 +102,8 @@ class Sampler:
         if not batch.num_sampled_fully or np.count_nonzero(batch.argmax_only[slots]) == len(slots):
             return logits.argmax(-1) if argmax is None else argmax
         if bitmask is not None and self.batch.argmax_masked[slots].all():
-            # In place: nothing else reads these logits (no logprobs are asked for).
-            bitmask.apply(logits)
-            return logits.argmax(-1)
+            # Nothing else reads these logits (no logprobs are asked for).
+            return bitmask.argmax(logits)
         requests = self._requests(slots)
         if bitmask is None and all(
             r.params.greedy_plain and not self._min_tokens_active(r) for r in requests

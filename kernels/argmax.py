@@ -4,7 +4,10 @@ torch.argmax reduces a [rows, vocab] tensor with about one program per row, too 
 to fill the GPU at decode batch sizes when a row is 50k-150k wide. Here the first
 launch takes each row in CHUNK-wide pieces, (rows x chunks) programs, and the
 second picks each row's winner among its pieces. The result is torch.argmax's: the
-first index of the largest value, NaN counting as larger than any number.
+first index of the largest value, NaN counting as larger than any number. With a
+grammar's token bitmask, disallowed ids count as -inf, as if the mask had been
+applied to the logits first (xgrammar's apply_token_bitmask_inplace), without
+writing them.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ def _chunk_argmax_kernel(
     logits_ptr,
     part_val_ptr,
     part_idx_ptr,
+    bitmask_ptr,  # [rows, ceil(vocab / 32)] int32, bit i of word w: id 32 * w + i allowed
     vocab,
     num_chunks,
     stride_row,
+    stride_mask_row,
     BLOCK: tl.constexpr,
     TILES: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -51,6 +57,9 @@ def _chunk_argmax_kernel(
         idx = start + tile * BLOCK + lanes
         valid = idx < vocab
         x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + idx, mask=valid).to(tl.float32)
+        if MASKED:
+            word = tl.load(bitmask_ptr + row * stride_mask_row + (idx >> 5), mask=valid, other=0)
+            x = tl.where(((word >> (idx & 31)) & 1) != 0, x, float("-inf"))
         # Later tiles hold later indices: a tie keeps the lane's earlier one.
         take = (x > best_val) | (best_idx == NO_INDEX) | ((x != x) & (best_val == best_val))
         take = valid & take
@@ -72,11 +81,17 @@ def _row_argmax_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, CHUNKS_P
     tl.store(out_ptr + row, best.to(out_ptr.dtype.element_ty))
 
 
-def greedy_ids(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def greedy_ids(
+    logits: torch.Tensor, out: torch.Tensor, bitmask: torch.Tensor | None = None
+) -> torch.Tensor:
     """out[r] = logits[r].argmax() for logits [rows, vocab] (last dim contiguous), as
-    torch.argmax(logits, dim=-1, out=out); CUDA-graph safe (no host sync)."""
+    torch.argmax(logits, dim=-1, out=out); CUDA-graph safe (no host sync). bitmask:
+    [rows, >= ceil(vocab / 32)] int32, last dim contiguous: only the ids it allows."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and out.shape == (rows,)
+    if bitmask is not None:
+        assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1
+        assert bitmask.shape[0] == rows and bitmask.shape[1] * 32 >= vocab
     if rows == 0:
         return out
     num_chunks = triton.cdiv(vocab, CHUNK)
@@ -86,11 +101,14 @@ def greedy_ids(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         logits,
         part_val,
         part_idx,
+        logits if bitmask is None else bitmask,
         vocab,
         num_chunks,
         logits.stride(0),
+        0 if bitmask is None else bitmask.stride(0),
         BLOCK=BLOCK,
         TILES=CHUNK // BLOCK,
+        MASKED=bitmask is not None,
         num_warps=8,
     )
     _row_argmax_kernel[(rows,)](

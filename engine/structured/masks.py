@@ -51,6 +51,7 @@ import xgrammar as xgr
 from xgrammar.base import _core
 
 from engine.structured.device_flag import DeviceFlag
+from kernels.argmax import greedy_ids
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -89,6 +90,15 @@ class BatchBitmask:
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in place: one kernel on the device."""
         xgr.apply_token_bitmask_inplace(logits, self.bits)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's allowed id of the largest logit (apply, then argmax). On CUDA in
+        one pass that reads the mask beside the logits and writes neither."""
+        if not logits.is_cuda or logits.stride(-1) != 1:
+            self.apply(logits)
+            return logits.argmax(-1)
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        return greedy_ids(logits, out, self.bits)
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """greedy_ids equals torch.argmax: ties go to the first index, NaN wins, rows of -inf
-give 0, and vocabularies off the chunk multiples."""
+give 0, and vocabularies off the chunk multiples; under a token bitmask, it equals
+xgrammar's apply_token_bitmask_inplace followed by torch.argmax."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from kernels.argmax import CHUNK, greedy_ids
 
@@ -43,3 +45,38 @@ def test_ties_nan_and_infinities_as_torch():
 def test_a_row_slice_of_a_wider_buffer():
     wide = torch.randn(4, CHUNK + 500, device=DEVICE)
     check(wide[:, : CHUNK + 100])
+
+
+def masked_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed ids to -inf (what xgrammar's apply does), then torch.argmax."""
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    allowed = (bitmask[:, ids >> 5] >> (ids & 31)) & 1
+    return torch.where(allowed.bool(), logits, float("-inf")).argmax(-1)
+
+
+@pytest.mark.parametrize("vocab", [37, CHUNK + 3])
+def test_under_a_bitmask_as_the_mask_applied_then_argmax(vocab):
+    torch.manual_seed(vocab)
+    rows, words = 6, -(-vocab // 32) + 1  # a mask wider than the vocabulary, as for padding
+    logits = torch.randn(rows, vocab, device=DEVICE)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32)
+    bitmask[1] = 0  # nothing allowed: index 0, as for a row of -inf
+    bitmask[2] = -1  # everything: the plain argmax
+    bitmask[3] = 0
+    bitmask[3, (vocab - 1) >> 5] = 1 << ((vocab - 1) & 31)  # only the last id
+    bitmask[4] = 0
+    bitmask[4, 0] = 0b1010  # ids 1 and 3, and a NaN at 3 wins
+    logits[4, 3] = float("nan")
+    logits[5, 0] = 1e4  # the largest value, but masked unless bit 0 is set
+    bitmask[5, 0] &= ~1
+    bitmask = bitmask.to(DEVICE)
+    want = masked_reference(logits, bitmask)
+    assert want[1] == 0 and want[2] == logits[2].argmax() and want[3] == vocab - 1
+    assert want[4] == 3 and want[5] != 0
+    applied = logits.clone()
+    xgr.apply_token_bitmask_inplace(applied, bitmask)
+    assert torch.equal(applied.argmax(-1), want)
+    for dtype in (torch.float32, torch.float16):
+        x = logits.to(dtype)
+        out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        assert torch.equal(greedy_ids(x, out, bitmask), masked_reference(x, bitmask))
