@@ -29,8 +29,8 @@ import torch
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
-from engine.structured import masks as masks_module
-from engine.structured.masks import accept_all
+from engine.structured import mask_worker
+from engine.structured.mask_worker import accept_all
 from engine.structured.spec import GrammarSpec
 
 
@@ -77,9 +77,9 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
     if grammars is not None:  # the engine thread's share (build), and the worker's calls
         masks = grammars.masks
         timed = {"build": [0.0, 0], "fill": [0.0, 0], "accept_all": [0.0, 0]}
-        for name in ("build", "fill"):
-            setattr(masks, name, _timed(getattr(masks, name), timed[name]))
-        masks_module.accept_all = _timed(accept_all, timed["accept_all"])
+        masks.build = _timed(masks.build, timed["build"])
+        masks.worker.fill = _timed(masks.worker.fill, timed["fill"])
+        mask_worker.accept_all = _timed(accept_all, timed["accept_all"])
     _sync(llm)
     start = time.perf_counter()
     for i in range(batch):
@@ -89,9 +89,8 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
         finished += engine.step()
     total = time.perf_counter() - start
     if timed:
-        for name in ("build", "fill"):
-            delattr(masks, name)
-        masks_module.accept_all = accept_all
+        del masks.build, masks.worker.fill
+        mask_worker.accept_all = accept_all
     tokens = sum(out.num_output_tokens for out in finished)
     assert tokens == batch * output_len, (tokens, batch * output_len)
     assert all(out.finish_reason == "length" for out in finished)
@@ -102,7 +101,7 @@ def decode(llm: LLM, batch: int, output_len: int, grammar: GrammarSpec | None) -
         # The worker's xgrammar calls: accepting the ids and filling the masks.
         worker_s = timed["accept_all"][0] + timed["fill"][0]
         result["mask_job_ms_per_step"] = 1e3 * worker_s / steps
-        result["mask_device_wait"] = masks.flag is not None
+        result["mask_device_wait"] = masks.worker.flag is not None
     return result
 
 
@@ -153,7 +152,7 @@ def compile_costs(llm: LLM, schema: dict) -> dict:
 
 def run_model(name: str, args) -> dict:
     if args.host_wait:  # the engine thread waits for the masks, as on a device without
-        masks_module.DeviceFlag.create = staticmethod(lambda device: None)
+        mask_worker.DeviceFlag.create = staticmethod(lambda device: None)
     dtype = "float16" if name == "gpt2" else "bfloat16"
     if args.device == "cpu":
         dtype = "float32"
@@ -174,7 +173,7 @@ def run_model(name: str, args) -> dict:
     spec = GrammarSpec.json_schema(schema)
     grammars = llm.engine.grammars
     # The mask fill's threads: the engine's choice, and each count asked for.
-    threads = {"json_schema": (grammars.masks.threads, masks_module.ROWS_PER_THREAD)}
+    threads = {"json_schema": (grammars.masks.threads, mask_worker.ROWS_PER_THREAD)}
     for n in args.fill_threads:
         threads[f"json_schema_fill_threads_{n}"] = (n, 1)
     # Warm up both paths (Triton kernels compile at their first shapes).
@@ -184,9 +183,9 @@ def run_model(name: str, args) -> dict:
     for _ in range(args.repeats):  # alternated, so drift hits all alike
         runs["none"].append(decode(llm, args.batch, args.output_len, None))
         for key, (n, rows_per_thread) in threads.items():
-            grammars.masks.threads, masks_module.ROWS_PER_THREAD = n, rows_per_thread
+            grammars.masks.threads, mask_worker.ROWS_PER_THREAD = n, rows_per_thread
             runs[key].append(decode(llm, args.batch, args.output_len, spec))
-    grammars.masks.threads, masks_module.ROWS_PER_THREAD = threads["json_schema"]
+    grammars.masks.threads, mask_worker.ROWS_PER_THREAD = threads["json_schema"]
     for key, values in runs.items():
         best = max(values, key=lambda r: r["tok_per_s"])
         result[key] = best | {"tok_per_s_runs": [r["tok_per_s"] for r in values]}

@@ -197,6 +197,7 @@ class Engine:
                 self.eos_token_ids,
                 self.config.max_num_seqs,
                 self.config.torch_device,
+                logits_dtype=self.runner.dtype,
             )
         return self._grammars
 

@@ -81,6 +81,7 @@ class Grammars:
         max_num_seqs: int,
         device: torch.device,
         max_threads: int | None = None,
+        logits_dtype: torch.dtype = torch.float32,
     ) -> None:
         # Half the cores, at most 8 (the compiler's, and the most a mask fill uses): a
         # row's mask is mostly a cached lookup, and threads pay off only for many rows.
@@ -97,7 +98,13 @@ class Grammars:
         self.cache: dict[GrammarSpec, Future[xgr.CompiledGrammar]] = {}
         self.stats = CompileStats()
         self.masks = GrammarMasks(
-            token_vocab, vocab_size, max_num_seqs, device, max_threads, info.stop_token_ids
+            token_vocab,
+            vocab_size,
+            max_num_seqs,
+            device,
+            max_threads,
+            info.stop_token_ids,
+            logits_dtype,
         )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 

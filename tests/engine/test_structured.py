@@ -362,9 +362,9 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     request's first mask (the outputs stay exact: the other structured tests)."""
     import sys
 
-    from engine.structured import masks
+    from engine.structured import mask_worker
 
-    submit, accept_all = masks.GrammarMasks._submit, masks.accept_all
+    submit, accept_all = mask_worker.MaskWorker.submit, mask_worker.accept_all
     rows: dict[str, list[int]] = {"_prepare_rows": [], "follow": []}
     accepted = []
 
@@ -376,8 +376,8 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
         accepted.extend(token_ids)
         return accept_all(handles, token_ids)
 
-    monkeypatch.setattr(masks.GrammarMasks, "_submit", counting)
-    monkeypatch.setattr(masks, "accept_all", accepting)
+    monkeypatch.setattr(mask_worker.MaskWorker, "submit", counting)
+    monkeypatch.setattr(mask_worker, "accept_all", accepting)
     spec = GrammarSpec("regex", "[a-z]{30}")
     params = [
         SamplingParams(max_tokens=40, temperature=1.0, seed=i, grammar=spec) for i in range(8)
@@ -395,9 +395,9 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
 def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch):
     """A fill that raises on the worker thread is raised by the engine's step, not lost
     (and nothing waits forever)."""
-    from engine.structured.masks import GrammarMasks
+    from engine.structured.mask_worker import MaskWorker
 
-    fill = GrammarMasks.fill
+    fill = MaskWorker.fill
     calls = []
 
     def failing(self, matchers, slots):
@@ -406,7 +406,7 @@ def test_a_failure_on_the_masks_worker_fails_the_step(tiny_gpt2_dir, monkeypatch
             raise RuntimeError("fill failed")
         fill(self, matchers, slots)
 
-    monkeypatch.setattr(GrammarMasks, "fill", failing)
+    monkeypatch.setattr(MaskWorker, "fill", failing)
     engine = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=8).engine
     params = SamplingParams(
         max_tokens=30, temperature=1.0, seed=0, grammar=GrammarSpec.choice(["a" * 40])
@@ -607,7 +607,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
             assert (second[i] == -1).all()  # its next id is void
         else:
             assert (second[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
-    assert 4 in masks.batch_matchers  # the first fill went over four threads
+    assert 4 in masks.worker.batch_matchers  # the first fill went over four threads
     grammars.close()
 
 
