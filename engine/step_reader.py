@@ -72,7 +72,7 @@ class StepReader:
             if grammar is not None:  # ended by an earlier id: this one is void
                 self._end_grammars(grammar.take_refused())
             got = self.batch.read(step.slots, step.mark, ids)
-            # The worker has the grammar rows' ids accepted, and fills their next masks.
+            # The worker accepts the grammar rows' ids itself; here, the ends they make.
             ended = grammar.completed(ids) if grammar is not None else None
             if got is not None:
                 self._apply(got, ended)

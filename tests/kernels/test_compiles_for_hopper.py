@@ -2,7 +2,8 @@
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take, the decode attention rotating q and K
-itself, and the greedy-ids kernels (a global constant), each compiled through to a cubin, in a child process: this one's kernels were
+itself, and the greedy-ids kernels (a global constant; with and without a bitmask),
+each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ def compile_variants() -> None:
     for kv_fp8, norm in ((False, False), (True, True)):
         compile_decode_with_rope(kv_fp8, norm)
         print(f"decode rope kv_fp8={kv_fp8} norm={norm}")
-    signature = {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
-    signature |= {"vocab": "i32", "num_chunks": "i32", "stride_row": "i32"}
-    compile_for_hopper(_chunk_argmax_kernel, signature, {"BLOCK": 2048, "TILES": 4})
+    for masked in (False, True):  # masked: a grammar's token bitmask
+        signature = {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
+        signature |= {"bitmask_ptr": "*i32" if masked else "*bf16"}
+        names = ("vocab", "num_chunks", "stride_row", "stride_mask_row")
+        signature |= {name: "i32" for name in names}
+        constexprs = {"BLOCK": 2048, "TILES": 4, "MASKED": masked}
+        compile_for_hopper(_chunk_argmax_kernel, signature, constexprs)
     signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
     print("greedy ids")
