@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import xgrammar as xgr
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
+from engine.structured import mask_worker
 from engine.structured.spec import GrammarSpec, build_grammar
 
 N = 60  # samples per grammar, in one generate call
@@ -495,7 +497,8 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
                 assert state.matcher.accept_token(token_id)
         return SimpleNamespace(structured=state, request_id="unit", is_finished=False)
 
-    generation = iter(range(100))  # each call: new requests in the slots
+    # Each call: new requests in the slots (numbered past any the engine's batch gave).
+    generation = iter(range(10**9, 10**9 + 100))
 
     def mask(rows):
         grammar = np.array([r.structured is not None for r in rows])
@@ -538,6 +541,20 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     assert grammars.masks.take_refused() == [(again[0], "abort")]
     assert again[0].structured.done and not again[1].structured.done
     assert grammars.masks.take_refused() == []
+    # A refusal the engine thread has not taken yet when the next ids are handed over
+    # (both wait for the same ids): the worker skips the ended row's void id itself.
+    b = tokenizer.encode("b")[0]
+    late = [row(GrammarSpec("regex", "ab+")), row(GrammarSpec("regex", "ab+"))]
+    mask(late)
+    slots, every = np.arange(2), np.ones(2, dtype=bool)
+    for ids in ([z, a], [a, b]):
+        ids = np.array(ids)
+        assert grammars.masks.follow(slots, slots, every, ids).completed(ids) == []
+    grammars.masks.drain()
+    assert grammars.masks.take_refused() == [(late[0], "abort")]
+    assert not late[0].structured.matcher.accept_token(b)  # still at "": its "a" was skipped
+    assert late[1].structured.matcher.accept_token(b)  # "abb": row 1 took both of its ids
+    assert sys.getswitchinterval() <= mask_worker.SWITCH_INTERVAL_S  # lowered by the masks
 
 
 def test_masks_filled_for_a_batch_are_each_rows_own(llm):
