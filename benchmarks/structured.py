@@ -11,8 +11,9 @@ with the mask filled by other numbers of threads, `--fill-threads`), the time
 per step the engine thread spends building the mask and the masks' worker in its
 xgrammar calls, accepting the ids and filling the mask (`--host-wait`: the engine
 thread waits for the worker before the sampler is queued, instead of the device),
-the first structured request's costs (the grammars' setup: tokenizer info and the mask kernel, once per engine; then
-the schema's compile), and the same schema sent again, which must compile nothing.
+the first structured request's costs (the grammars' setup: tokenizer info and the
+mask kernels, once per engine; then the schema's compile), and the same schema sent
+again, which must compile nothing.
 """
 
 from __future__ import annotations
