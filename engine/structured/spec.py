@@ -18,6 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from engine.structured.string_follow import narrow_string_lookaheads
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
@@ -139,7 +141,8 @@ def strict_characters(text: str) -> str:
 
 def cached_strings(text: str) -> str:
     """The same language, with masks the compiler works out ahead: the lookahead after a
-    string allows no whitespace, an unbounded string takes runs of characters, and
+    string allows no whitespace (and after an unbounded one, only what may follow it
+    where it is: string_follow.py), an unbounded string takes runs of characters, and
     length-bounded strings are chains of rules. Inside xgrammar's repetition
     `characters{lo, hi}` a mask is worked out token by token at every step
     (milliseconds a row for a 50k vocabulary); a chain's rule k is the string with at
@@ -167,7 +170,8 @@ def cached_strings(text: str) -> str:
         return f'{name} ::= "\\"" {shared.start(lo, hi)}'
 
     text = _BOUNDED_STRING.sub(chain, text)
-    return "\n".join([text.rstrip("\n"), *(c.rules() for c in chains.values() if c.left >= 0)])
+    text = "\n".join([text.rstrip("\n"), *(c.rules() for c in chains.values() if c.left >= 0)])
+    return narrow_string_lookaheads(text, _STAR_STRING, _LOOKAHEAD)
 
 
 @dataclass

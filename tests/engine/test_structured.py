@@ -265,6 +265,81 @@ def test_cached_strings_in_the_test_schema_and_json_objects(crossing_compiler):
     cached_string_walks(crossing_compiler, shared, walks=8)
 
 
+STRING = {"type": "string"}
+# Unbounded strings where different characters follow them: before a required or an
+# optional property, last in an object, in arrays (nested), as keys and values of free
+# objects, in anyOf, and a string enum beside them.
+FOLLOW_SCHEMAS = {
+    "optional properties": {
+        "type": "object",
+        "properties": {"a": STRING, "b": STRING, "c": {"type": "integer"}, "d": STRING},
+        "required": ["a"],
+    },
+    "nested arrays": {
+        "type": "array",
+        "items": {"type": "array", "items": STRING},
+    },
+    "records": {
+        "type": "object",
+        "properties": {
+            "rows": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"k": {"enum": ["x", "y"]}, "v": STRING},
+                    "required": ["k", "v"],
+                    "additionalProperties": False,
+                },
+            },
+            "extra": {"type": "object", "additionalProperties": STRING},
+        },
+        "required": ["rows", "extra"],
+    },
+    "any of": {
+        "type": "array",
+        "items": {"anyOf": [STRING, {"type": "integer"}, {"type": "object"}]},
+    },
+}
+
+
+@pytest.mark.parametrize("name", FOLLOW_SCHEMAS)
+def test_strings_keep_only_what_may_follow_them(crossing_compiler, name):
+    """Each unbounded string's lookahead holds only the characters that may follow it
+    where it is; the masks agree with xgrammar's own at every step of random walks,
+    tokens crossing a string's end included."""
+    cached_string_walks(crossing_compiler, FOLLOW_SCHEMAS[name], walks=12, steps=150)
+
+
+def test_string_lookaheads_are_the_follow_sets():
+    """The characters a string's lookahead allows, by where the string is: a property
+    before another (","), the last ("}"), either; an array item; a key (":")."""
+    from engine.structured.string_follow import narrow_string_lookaheads
+
+    def lookaheads(schema: dict) -> dict[str, str]:
+        text = str(build_grammar(GrammarSpec.json_schema(schema)))
+        subs = dict(re.findall(r"^(basic_string_sub_n\d+) ::= .*\(=\((.*)\)\)$", text, re.M))
+        uses = re.findall(r'"\\"(\w+)\\"" ": " (basic_string_n\d+)', text)
+        return {prop: subs[wrapper.replace("string", "string_sub")] for prop, wrapper in uses}
+
+    object_of = {"type": "object", "properties": {"a": STRING, "b": STRING, "c": STRING}}
+    assert lookaheads({**object_of, "required": ["a", "b", "c"]}) == {
+        "a": '","',
+        "b": '","',
+        "c": '"}"',
+    }
+    assert lookaheads({**object_of, "required": ["a"]}) == {
+        "a": "[,}]",
+        "b": "[,}]",
+        "c": '"}"',
+    }
+    keys = str(build_grammar(GrammarSpec("json_object")))
+    assert re.search(r'basic_object ::= \(\("\{" (basic_string_n\d+) ": "', keys)
+    # Nothing it does not read is touched, nor a string that may end the document.
+    assert narrow_string_lookaheads("root ::= oops {", "x", "y") == "root ::= oops {"
+    top = str(build_grammar(GrammarSpec.json_schema(STRING)))
+    assert re.search(r"^root ::= \(\(basic_string\)\)$", top, re.M)
+
+
 def test_a_spec_seen_before_compiles_no_more(llm):
     spec = GrammarSpec("regex", "[0-9]{3}")
     sample(llm, spec, n=4)
