@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from engine.structured.string_follow import narrow_string_lookaheads
+from engine.structured.string_follow import follow_lookaheads, narrow_string_lookaheads
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -141,16 +141,17 @@ def strict_characters(text: str) -> str:
 
 def cached_strings(text: str) -> str:
     """The same language, with masks the compiler works out ahead: the lookahead after a
-    string allows no whitespace (and after an unbounded one, only what may follow it
-    where it is: string_follow.py), an unbounded string takes runs of characters, and
+    string allows no whitespace and only what may follow the string where it is
+    (string_follow.py), an unbounded string takes runs of characters, and
     length-bounded strings are chains of rules. Inside xgrammar's repetition
     `characters{lo, hi}` a mask is worked out token by token at every step
     (milliseconds a row for a 50k vocabulary); a chain's rule k is the string with at
     most k characters left, which ends there or takes one more, so each rule ends the
-    string itself. Strings of the same characters share one chain, and a minimum length
-    adds rules that must take a character."""
+    string itself. Strings of the same characters and lookahead share one chain, and a
+    minimum length adds rules that must take a character."""
     text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
-    chains: dict[str, _Chain] = {}  # by the characters rule's body
+    lookaheads = follow_lookaheads(text)  # by rule, where narrower than _LOOKAHEAD
+    chains: dict[tuple[str, str], _Chain] = {}  # by the characters rule's body, lookahead
     spent = 0
 
     def chain(bounded: re.Match) -> str:
@@ -159,10 +160,11 @@ def cached_strings(text: str) -> str:
         body = re.search(_RULE_BODY.format(characters), text, re.MULTILINE)
         if body is None:
             return bounded[0]
-        shared = chains.get(body[1]) or _Chain(characters)
+        key = (body[1], lookaheads.get(name, _LOOKAHEAD))
+        shared = chains.get(key) or _Chain(characters, key[1])
         if re.search(rf"^{shared.characters}_(left|must)", text, re.MULTILINE):
             return bounded[0]  # the names are taken
-        chains[body[1]] = shared
+        chains[key] = shared
         cost = shared.cost(lo, hi)
         if spent + cost > MAX_CHAIN_RULES:
             return bounded[0]
@@ -177,10 +179,11 @@ def cached_strings(text: str) -> str:
 @dataclass
 class _Chain:
     """Rules for strings of one kind of character (the rule `characters`, the first such
-    string's): `{characters}_left{k}`, at most k more characters, and
-    `{characters}_must{m}_{k}`, m characters before those."""
+    string's) followed by what `lookahead` allows: `{characters}_left{k}`, at most k more
+    characters, and `{characters}_must{m}_{k}`, m characters before those."""
 
     characters: str
+    lookahead: str
     left: int = -1  # the longest `left` rule made
     must: set[tuple[int, int]] = field(default_factory=set)
 
@@ -197,12 +200,13 @@ class _Chain:
 
     def rules(self) -> str:
         p = self.characters
-        out = [f'{p}_left0 ::= "\\""{_LOOKAHEAD}']
+        look = self.lookahead
+        out = [f'{p}_left0 ::= "\\""{look}']
         for k in range(1, self.left + 1):
-            out.append(f'{p}_left{k} ::= (({p} {p}_left{k - 1}) | ("\\"")){_LOOKAHEAD}')
+            out.append(f'{p}_left{k} ::= (({p} {p}_left{k - 1}) | ("\\"")){look}')
         for m, k in sorted(self.must):
             after = f"{p}_must{m - 1}_{k}" if m > 1 else f"{p}_left{k}"
-            out.append(f"{p}_must{m}_{k} ::= {p} {after}{_LOOKAHEAD}")
+            out.append(f"{p}_must{m}_{k} ::= {p} {after}{look}")
         return "\n".join(out)
 
 

@@ -8,7 +8,8 @@ serves every string of a schema, so its lookahead must allow whatever follows an
 them (`[,}\\]:]`). Here each place a string is used gets the characters that can
 follow it there (a property's value, then `,` or the object's `}`; a key, then `:`),
 worked out as the FOLLOW sets of the grammar's rules, and places with the same
-characters share a copy of the string's rules with that lookahead.
+characters share a copy of the string's rules with that lookahead. A length-bounded
+string's chain of rules (spec.py) takes the characters that may follow its rule.
 
 The grammar is read from xgrammar's printed EBNF; anything this does not know, or a
 string that may end the document, keeps the shared rule.
@@ -149,13 +150,13 @@ class _Grammar:
         self.firsts: dict[str, tuple[frozenset, bool] | None] = {}
         self.follow: dict[int, set[str]] = {}  # by id() of a ref node
         self.refs: dict[int, tuple[str, _Node]] = {}  # id -> (the rule it is in, node)
-        rule_follow = {name: set() for name in self.rules}
-        rule_follow["root"] = {END}
+        self.rule_follow: dict[str, set[str]] = {name: set() for name in self.rules}
+        self.rule_follow["root"] = {END}
         changed = True
         while changed:
             changed = False
             for name, body in self.rules.items():
-                changed |= self._walk(name, body, set(rule_follow[name]), rule_follow)
+                changed |= self._walk(name, body, set(self.rule_follow[name]), self.rule_follow)
 
     def first(self, node: _Node) -> tuple[frozenset, bool]:
         """The characters node's strings may begin with, and whether it may be empty."""
@@ -215,23 +216,44 @@ def _lookahead(chars: frozenset) -> str:
     return f" (=([{escaped}]))"
 
 
+def _narrow(follow: set[str] | frozenset) -> bool:
+    """Only characters a class can hold (not the document's end, nor unknown ones)."""
+    return bool(follow) and not follow & {ANY, END}
+
+
+def _read(text: str) -> _Grammar | None:
+    try:
+        return _Grammar(text.rstrip("\n").splitlines())
+    except (_Unknown, RecursionError):
+        return None
+
+
+def follow_lookaheads(text: str) -> dict[str, str]:
+    """By rule of text (printed EBNF): a lookahead of the characters that may follow the
+    rule wherever it is used, for the rules it can narrow; {} if text is not read."""
+    grammar = _read(text)
+    if grammar is None:
+        return {}
+    follows = grammar.rule_follow.items()
+    return {name: _lookahead(frozenset(f)) for name, f in follows if _narrow(f)}
+
+
 def narrow_string_lookaheads(text: str, star_string: str, lookahead: str) -> str:
     """text (printed EBNF) with each use of the unbounded string rule `star_string`
     (whose lookahead is `lookahead`) given the characters that may follow it there."""
     wrappers = set(_WRAPPER.findall(text))
     if not wrappers or star_string not in text.splitlines():
         return text
-    lines = text.rstrip("\n").splitlines()
-    try:
-        grammar = _Grammar(lines)
-    except (_Unknown, RecursionError):
+    grammar = _read(text)
+    if grammar is None:
         return text
+    lines = text.rstrip("\n").splitlines()
     # Places by what may follow them: those with only characters a class can hold.
     groups: dict[frozenset, list[_Node]] = {}
     rule_of: dict[int, str] = {}
     for key, (rule, node) in grammar.refs.items():
         follow = frozenset(grammar.follow[key])
-        if node.name in wrappers and follow and not follow & {ANY, END}:
+        if node.name in wrappers and _narrow(follow):
             groups.setdefault(follow, []).append(node)
             rule_of[id(node)] = rule
     if not groups:

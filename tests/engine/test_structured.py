@@ -230,9 +230,10 @@ def test_cached_strings_allow_what_xgrammar_does(crossing_compiler, name, where)
 
 
 def test_strings_share_chains_within_a_budget_of_rules():
-    """Strings of the same characters share one chain whatever their bounds; past
-    MAX_CHAIN_RULES (each rule costs the compiler a pass over the vocabulary) a string
-    keeps xgrammar's repetition, with the whitespace-free lookahead all the same."""
+    """Strings of the same characters followed by the same characters share one chain
+    whatever their bounds; past MAX_CHAIN_RULES (each rule costs the compiler a pass
+    over the vocabulary) a string keeps xgrammar's repetition, with the whitespace-free
+    lookahead all the same."""
     from engine.structured.spec import MAX_CHAIN_RULES
 
     def rules(*bounds: int) -> str:
@@ -242,7 +243,10 @@ def test_strings_share_chains_within_a_budget_of_rules():
     def count(text: str) -> int:
         return len(re.findall(r"^\w+_characters_(left|must)\w* ::=", text, re.MULTILINE))
 
-    assert count(rules(8)) == count(rules(8, 8, 3)) == 9  # left0 .. left8
+    # Optional properties: "," or "}" after f0 and f1, only "}" after the last.
+    assert count(rules(8)) == 9  # left0 .. left8
+    assert count(rules(3, 8, 3)) == 9 + 4  # f0 and f1 share one; f2 has left0 .. left3
+    assert re.search(r'_left0 ::= \(\("\\""\)\) \(=\(\[,\}\]\)\)$', rules(8, 8, 3), re.M)
     full = MAX_CHAIN_RULES - 1
     assert count(rules(full)) == MAX_CHAIN_RULES
     over = rules(full, full + 1)  # one rule more than the budget: f1 keeps its repetition
