@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from engine.structured.string_follow import follow_lookaheads, narrow_string_lookaheads
+from engine.structured.string_follow import string_follows
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -150,7 +150,8 @@ def cached_strings(text: str) -> str:
     string itself. Strings of the same characters and lookahead share one chain, and a
     minimum length adds rules that must take a character."""
     text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
-    lookaheads = follow_lookaheads(text)  # by rule, where narrower than _LOOKAHEAD
+    follows = string_follows(text, _STAR_STRING, _LOOKAHEAD)
+    text, lookaheads = follows.text, follows.lookaheads  # by rule, where narrower
     chains: dict[tuple[str, str], _Chain] = {}  # by the characters rule's body, lookahead
     spent = 0
 
@@ -172,8 +173,7 @@ def cached_strings(text: str) -> str:
         return f'{name} ::= "\\"" {shared.start(lo, hi)}'
 
     text = _BOUNDED_STRING.sub(chain, text)
-    text = "\n".join([text.rstrip("\n"), *(c.rules() for c in chains.values() if c.left >= 0)])
-    return narrow_string_lookaheads(text, _STAR_STRING, _LOOKAHEAD)
+    return "\n".join([text.rstrip("\n"), *(c.rules() for c in chains.values() if c.left >= 0)])
 
 
 @dataclass

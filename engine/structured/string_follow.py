@@ -32,6 +32,7 @@ _SUB = "basic_string_sub"
 ANY = "any"  # a first character this does not track (a class, or unknown)
 END = "end"  # the end of the document
 _SIMPLE_ESCAPES = {'\\"': '"', "\\\\": "\\", "\\n": "\n", "\\t": "\t", "\\r": "\r"}
+_CLASS_ESCAPES = {c: "\\" + c for c in ']\\-"'} | {v: k for k, v in _SIMPLE_ESCAPES.items()}
 
 
 class _Unknown(ValueError):
@@ -135,8 +136,19 @@ class _Parser:
         return node
 
 
+@dataclass
+class _Use:
+    """A reference to a rule: the characters that may follow it inside its rule, and
+    whether what follows the rule itself may follow it too (the rest may be empty)."""
+
+    rule: str  # the rule it is in
+    node: _Node
+    inside: set[str]
+    inherits: bool
+
+
 class _Grammar:
-    """The rules, their FIRST sets and the FOLLOW set of every rule reference."""
+    """The rules, their FIRST and FOLLOW sets, and every rule reference."""
 
     def __init__(self, lines: list[str]) -> None:
         self.rules: dict[str, _Node] = {}
@@ -147,19 +159,44 @@ class _Grammar:
                 raise _Unknown(line)
             self.rules[match[1]] = _Parser(line, match.start(2)).rule()
             self.line_of[match[1]] = i
-        self.firsts: dict[str, tuple[frozenset, bool] | None] = {}
-        self.follow: dict[int, set[str]] = {}  # by id() of a ref node
-        self.refs: dict[int, tuple[str, _Node]] = {}  # id -> (the rule it is in, node)
+        self.firsts: dict[str, tuple[frozenset, bool] | None] = {}  # by rule
+        self.node_firsts: dict[int, tuple[frozenset, bool]] = {}  # by id() of a node
+        self.uses: list[_Use] = []
+        for name, body in self.rules.items():
+            self._walk(name, body, set(), True)
+        # A rule's FOLLOW: what follows each use inside its rule, and the FOLLOW of the
+        # rules it ends; grown along those edges until nothing changes.
         self.rule_follow: dict[str, set[str]] = {name: set() for name in self.rules}
-        self.rule_follow["root"] = {END}
-        changed = True
-        while changed:
-            changed = False
-            for name, body in self.rules.items():
-                changed |= self._walk(name, body, set(self.rule_follow[name]), self.rule_follow)
+        if "root" in self.rule_follow:
+            self.rule_follow["root"].add(END)
+        ended_by: dict[str, set[str]] = {name: set() for name in self.rules}
+        for use in self.uses:
+            if use.node.name in self.rules:
+                self.rule_follow[use.node.name] |= use.inside
+                if use.inherits:
+                    ended_by[use.rule].add(use.node.name)
+        work = list(self.rules)
+        while work:
+            rule = work.pop()
+            for inner in ended_by[rule]:
+                if not self.rule_follow[rule] <= self.rule_follow[inner]:
+                    self.rule_follow[inner] |= self.rule_follow[rule]
+                    work.append(inner)
+
+    def follow(self, use: _Use) -> set[str]:
+        """What may follow this use of a rule."""
+        return use.inside | (self.rule_follow[use.rule] if use.inherits else set())
 
     def first(self, node: _Node) -> tuple[frozenset, bool]:
         """The characters node's strings may begin with, and whether it may be empty."""
+        if node.kind in ("seq", "alt", "rep"):
+            known = self.node_firsts.get(id(node))
+            if known is None:
+                known = self.node_firsts[id(node)] = self._first(node)
+            return known
+        return self._first(node)
+
+    def _first(self, node: _Node) -> tuple[frozenset, bool]:
         if node.kind == "lit":
             return (frozenset() if node.first is None else frozenset([node.first])), (
                 node.first is None
@@ -187,33 +224,29 @@ class _Grammar:
                 return chars, False
         return chars, True
 
-    def _walk(self, rule: str, node: _Node, after: set[str], rule_follow: dict) -> bool:
-        """Give each reference under node what may follow it (after: what follows node);
-        whether a rule's FOLLOW set grew."""
+    def _walk(self, rule: str, node: _Node, after: set[str], inherits: bool) -> None:
+        """Note each reference under node with what follows it (after, inside the rule;
+        inherits: and what follows the rule)."""
         if node.kind == "ref":
-            self.follow.setdefault(id(node), set()).update(after)
-            self.refs[id(node)] = (rule, node)
-            grown = node.name in rule_follow and not after <= rule_follow[node.name]
-            if grown:
-                rule_follow[node.name] |= after
-            return grown
-        if node.kind == "alt":
-            return any([self._walk(rule, item, after, rule_follow) for item in node.items])
-        if node.kind == "rep":
+            self.uses.append(_Use(rule, node, set(after), inherits))
+        elif node.kind == "alt":
+            for item in node.items:
+                self._walk(rule, item, after, inherits)
+        elif node.kind == "rep":
             inner = after | self.first(node.items[0])[0] if node.repeats else after
-            return self._walk(rule, node.items[0], set(inner), rule_follow)
-        grown = False
-        if node.kind == "seq":
+            self._walk(rule, node.items[0], set(inner), inherits)
+        elif node.kind == "seq":
             for item in reversed(node.items):
-                grown |= self._walk(rule, item, set(after), rule_follow)
+                self._walk(rule, item, after, inherits)
                 chars, empty = self.first(item)
                 after = set(chars) | (after if empty else set())
-        return grown
+                inherits = inherits and empty
 
 
 def _lookahead(chars: frozenset) -> str:
-    escaped = "".join("\\" + c if c in "]\\^-" else c for c in sorted(chars))
-    return f" (=([{escaped}]))"
+    ordered = sorted(chars, key=lambda c: (c == "^", c))  # "^" first would negate it
+    escaped = "".join(_CLASS_ESCAPES.get(c, c) for c in ordered)
+    return f" (=([{escaped}]))" if escaped != "^" else " (=([\\^]))"
 
 
 def _narrow(follow: set[str] | frozenset) -> bool:
@@ -221,52 +254,45 @@ def _narrow(follow: set[str] | frozenset) -> bool:
     return bool(follow) and not follow & {ANY, END}
 
 
-def _read(text: str) -> _Grammar | None:
-    try:
-        return _Grammar(text.rstrip("\n").splitlines())
-    except (_Unknown, RecursionError):
-        return None
+@dataclass
+class Follows:
+    """A grammar with each unbounded string's own rules, and the lookahead of what may
+    follow each rule, for the rules where it is narrower than any character."""
+
+    text: str
+    lookaheads: dict[str, str]
 
 
-def follow_lookaheads(text: str) -> dict[str, str]:
-    """By rule of text (printed EBNF): a lookahead of the characters that may follow the
-    rule wherever it is used, for the rules it can narrow; {} if text is not read."""
-    grammar = _read(text)
-    if grammar is None:
-        return {}
-    follows = grammar.rule_follow.items()
-    return {name: _lookahead(frozenset(f)) for name, f in follows if _narrow(f)}
-
-
-def narrow_string_lookaheads(text: str, star_string: str, lookahead: str) -> str:
+def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
     """text (printed EBNF) with each use of the unbounded string rule `star_string`
-    (whose lookahead is `lookahead`) given the characters that may follow it there."""
+    (whose lookahead is `lookahead`) given the characters that may follow it there, and
+    every rule's lookahead; text unchanged and none if this does not read it."""
+    try:
+        grammar = _Grammar(text.rstrip("\n").splitlines())
+    except (_Unknown, RecursionError):
+        return Follows(text, {})
+    follows = grammar.rule_follow.items()
+    lookaheads = {name: _lookahead(frozenset(f)) for name, f in follows if _narrow(f)}
     wrappers = set(_WRAPPER.findall(text))
     if not wrappers or star_string not in text.splitlines():
-        return text
-    grammar = _read(text)
-    if grammar is None:
-        return text
-    lines = text.rstrip("\n").splitlines()
+        return Follows(text, lookaheads)
     # Places by what may follow them: those with only characters a class can hold.
-    groups: dict[frozenset, list[_Node]] = {}
-    rule_of: dict[int, str] = {}
-    for key, (rule, node) in grammar.refs.items():
-        follow = frozenset(grammar.follow[key])
-        if node.name in wrappers and _narrow(follow):
-            groups.setdefault(follow, []).append(node)
-            rule_of[id(node)] = rule
-    if not groups:
-        return text
-    taken = set(grammar.rules)
+    groups: dict[frozenset, list[_Use]] = {}
+    for use in grammar.uses:
+        follow = frozenset(grammar.follow(use))
+        if use.node.name in wrappers and _narrow(follow):
+            groups.setdefault(follow, []).append(use)
+    lines = text.rstrip("\n").splitlines()
     new_rules, edits = [], []  # edits: (line, start, end, new name)
-    for i, (follow, nodes) in enumerate(sorted(groups.items(), key=lambda g: sorted(g[0]))):
+    for i, (follow, uses) in enumerate(sorted(groups.items(), key=lambda g: sorted(g[0]))):
         wrapper, sub = f"basic_string_n{i}", f"{_SUB}_n{i}"
-        if wrapper in taken or sub in taken:
-            return text
+        if wrapper in grammar.rules or sub in grammar.rules:
+            return Follows(text, lookaheads)
         body = star_string.replace(lookahead, _lookahead(follow))
         new_rules += [f'{wrapper} ::= (("\\"" {sub}))', body.replace(_SUB, sub)]
-        edits += [(grammar.line_of[rule_of[id(n)]], *n.span, wrapper) for n in nodes]
+        edits += [(grammar.line_of[u.rule], *u.node.span, wrapper) for u in uses]
+    if not edits:
+        return Follows(text, lookaheads)
     for line, start, end, name in sorted(edits, reverse=True):
         lines[line] = lines[line][:start] + name + lines[line][end:]
-    return "\n".join(lines + new_rules)
+    return Follows("\n".join(lines + new_rules), lookaheads)

@@ -317,7 +317,7 @@ def test_strings_keep_only_what_may_follow_them(crossing_compiler, name):
 def test_string_lookaheads_are_the_follow_sets():
     """The characters a string's lookahead allows, by where the string is: a property
     before another (","), the last ("}"), either; an array item; a key (":")."""
-    from engine.structured.string_follow import narrow_string_lookaheads
+    from engine.structured.string_follow import _lookahead, string_follows
 
     def lookaheads(schema: dict) -> dict[str, str]:
         text = str(build_grammar(GrammarSpec.json_schema(schema)))
@@ -339,7 +339,12 @@ def test_string_lookaheads_are_the_follow_sets():
     keys = str(build_grammar(GrammarSpec("json_object")))
     assert re.search(r'basic_object ::= \(\("\{" (basic_string_n\d+) ": "', keys)
     # Nothing it does not read is touched, nor a string that may end the document.
-    assert narrow_string_lookaheads("root ::= oops {", "x", "y") == "root ::= oops {"
+    unread = string_follows("root ::= oops {", "x", "y")
+    assert (unread.text, unread.lookaheads) == ("root ::= oops {", {})
+    # Characters a class must escape stay themselves in the lookahead xgrammar reads.
+    for chars in (frozenset('"]\\-^\n,'), frozenset("^}")):
+        rule = xgr.Grammar.from_ebnf('root ::= "a"' + _lookahead(chars))
+        assert str(rule).strip() == 'root ::= (("a"))' + _lookahead(chars)
     top = str(build_grammar(GrammarSpec.json_schema(STRING)))
     assert re.search(r"^root ::= \(\(basic_string\)\)$", top, re.M)
 
