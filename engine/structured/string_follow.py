@@ -20,10 +20,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# A printed rule's parts: a literal, a character class, a rule name, a repetition
-# range, a lookahead's opening, punctuation.
+# A printed rule's parts: a literal, a character class, a macro (such as a string's
+# `Regex("...", json_string=true)`), a rule name, a repetition range, a lookahead's
+# opening, punctuation.
 _TOKEN = re.compile(
-    r'\s*(?:(?P<lit>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[^\]\\]|\\.)*\])|(?P<ref>[A-Za-z_]\w*)'
+    r'\s*(?:(?P<lit>"(?:[^"\\]|\\.)*")|(?P<cls>\[(?:[^\]\\]|\\.)*\])'
+    r'|(?P<macro>[A-Za-z_]\w*\("(?:[^"\\]|\\.)*"(?:\s*,\s*\w+=\w+)*\))|(?P<ref>[A-Za-z_]\w*)'
     r"|(?P<range>\{\s*\d+\s*(?:,\s*-?\d+\s*)?\})|(?P<look>\(=)|(?P<op>[()|*+?]))"
 )
 _RULE = re.compile(r"^(\w+) ::= (.*)$")
@@ -115,6 +117,8 @@ class _Parser:
             return _Node("lit", first=_literal_first(text))
         if kind == "cls":
             return _Node("cls")
+        if kind == "macro":  # may begin with anything, or be empty
+            return _Node("rep", items=[_Node("cls")], repeats=False, optional=True)
         if kind == "ref":
             return _Node("ref", name=text, span=(start, end))
         if text == "(":

@@ -303,6 +303,29 @@ FOLLOW_SCHEMAS = {
         "type": "array",
         "items": {"anyOf": [STRING, {"type": "integer"}, {"type": "object"}]},
     },
+    "one of": {
+        "type": "array",
+        "items": {"oneOf": [{"type": "object", "properties": {"k": STRING}}, STRING]},
+        "maxItems": 4,
+    },
+    "recursive": {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "name": STRING,
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                },
+                "required": ["name", "kids"],
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
+    "pattern beside": {  # a pattern's string is a macro of xgrammar's EBNF
+        "type": "object",
+        "properties": {"id": {"type": "string", "pattern": "^[a-z]{2,4}$"}, "note": STRING},
+        "required": ["id", "note"],
+    },
 }
 
 
@@ -311,7 +334,9 @@ def test_strings_keep_only_what_may_follow_them(crossing_compiler, name):
     """Each unbounded string's lookahead holds only the characters that may follow it
     where it is; the masks agree with xgrammar's own at every step of random walks,
     tokens crossing a string's end included."""
-    cached_string_walks(crossing_compiler, FOLLOW_SCHEMAS[name], walks=12, steps=150)
+    schema = FOLLOW_SCHEMAS[name]
+    assert "basic_string_sub_n0 ::=" in str(build_grammar(GrammarSpec.json_schema(schema)))
+    cached_string_walks(crossing_compiler, schema, walks=12, steps=150)
 
 
 def test_string_lookaheads_are_the_follow_sets():
