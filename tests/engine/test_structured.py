@@ -272,7 +272,8 @@ def test_cached_strings_in_the_test_schema_and_json_objects(crossing_compiler):
 STRING = {"type": "string"}
 # Unbounded strings where different characters follow them: before a required or an
 # optional property, last in an object, in arrays (nested), as keys and values of free
-# objects, in anyOf, and a string enum beside them.
+# objects, in anyOf and oneOf, in a recursive definition, beside a string enum and a
+# pattern.
 FOLLOW_SCHEMAS = {
     "optional properties": {
         "type": "object",
@@ -362,16 +363,17 @@ def test_string_lookaheads_are_the_follow_sets():
         "c": '"}"',
     }
     keys = str(build_grammar(GrammarSpec("json_object")))
-    assert re.search(r'basic_object ::= \(\("\{" (basic_string_n\d+) ": "', keys)
+    key = re.search(r'basic_object ::= \(\("\{" basic_string_(n\d+) ": "', keys)[1]
+    assert re.search(rf"^basic_string_sub_{key} ::= .*\(=\(\":\"\)\)$", keys, re.M)
     # Nothing it does not read is touched, nor a string that may end the document.
     unread = string_follows("root ::= oops {", "x", "y")
     assert (unread.text, unread.lookaheads) == ("root ::= oops {", {})
+    top = str(build_grammar(GrammarSpec.json_schema(STRING)))
+    assert re.search(r"^root ::= \(\(basic_string\)\)$", top, re.M)
     # Characters a class must escape stay themselves in the lookahead xgrammar reads.
     for chars in (frozenset('"]\\-^\n,'), frozenset("^}")):
         rule = xgr.Grammar.from_ebnf('root ::= "a"' + _lookahead(chars))
         assert str(rule).strip() == 'root ::= (("a"))' + _lookahead(chars)
-    top = str(build_grammar(GrammarSpec.json_schema(STRING)))
-    assert re.search(r"^root ::= \(\(basic_string\)\)$", top, re.M)
 
 
 def test_a_spec_seen_before_compiles_no_more(llm):
