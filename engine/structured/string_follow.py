@@ -187,6 +187,19 @@ class _Grammar:
                     self.rule_follow[inner] |= self.rule_follow[rule]
                     work.append(inner)
 
+    def reachable(self, start: str) -> set[str]:
+        """The rules start's strings may go through (start included, if a rule)."""
+        refs: dict[str, list[str]] = {name: [] for name in self.rules}
+        for use in self.uses:
+            refs[use.rule].append(use.node.name)
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name in self.rules and name not in seen:
+                seen.add(name)
+                todo += refs[name]
+        return seen
+
     def follow(self, use: _Use) -> set[str]:
         """What may follow this use of a rule."""
         return use.inside | (self.rule_follow[use.rule] if use.inherits else set())
@@ -280,11 +293,14 @@ def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
     wrappers = set(_WRAPPER.findall(text))
     if not wrappers or star_string not in text.splitlines():
         return Follows(text, lookaheads)
-    # Places by what may follow them: those with only characters a class can hold.
+    # Places by what may follow them: those with only characters a class can hold, in
+    # rules the document can reach (each copy costs the compiler a pass over the
+    # vocabulary; xgrammar's JSON grammars hold rules no schema uses).
+    reachable = grammar.reachable("root")
     groups: dict[frozenset, list[_Use]] = {}
     for use in grammar.uses:
         follow = frozenset(grammar.follow(use))
-        if use.node.name in wrappers and _narrow(follow):
+        if use.node.name in wrappers and use.rule in reachable and _narrow(follow):
             groups.setdefault(follow, []).append(use)
     lines = text.rstrip("\n").splitlines()
     new_rules, edits = [], []  # edits: (line, start, end, new name)
