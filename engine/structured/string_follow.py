@@ -284,14 +284,15 @@ def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
     """text (printed EBNF) with each use of the unbounded string rule `star_string`
     (whose lookahead is `lookahead`) given the characters that may follow it there, and
     every rule's lookahead; text unchanged and none if this does not read it."""
+    lines = text.rstrip("\n").splitlines()
     try:
-        grammar = _Grammar(text.rstrip("\n").splitlines())
+        grammar = _Grammar(lines)
     except (_Unknown, RecursionError):
         return Follows(text, {})
     follows = grammar.rule_follow.items()
     lookaheads = {name: _lookahead(frozenset(f)) for name, f in follows if _narrow(f)}
     wrappers = set(_WRAPPER.findall(text))
-    if not wrappers or star_string not in text.splitlines():
+    if not wrappers or star_string not in lines:
         return Follows(text, lookaheads)
     # Places by what may follow them: those with only characters a class can hold, in
     # rules the document can reach (each copy costs the compiler a pass over the
@@ -302,7 +303,6 @@ def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
         follow = frozenset(grammar.follow(use))
         if use.node.name in wrappers and use.rule in reachable and _narrow(follow):
             groups.setdefault(follow, []).append(use)
-    lines = text.rstrip("\n").splitlines()
     new_rules, edits = [], []  # edits: (line, start, end, new name)
     for i, (follow, uses) in enumerate(sorted(groups.items(), key=lambda g: sorted(g[0]))):
         wrapper, sub = f"basic_string_n{i}", f"{_SUB}_n{i}"

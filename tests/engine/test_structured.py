@@ -476,10 +476,6 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     """Once a request sampled, the worker has its matcher accept each id and fills its
     next mask in one job for the batch: a separate fill happens only for each
     request's first mask (the outputs stay exact: the other structured tests)."""
-    import sys
-
-    from engine.structured import mask_worker
-
     submit, accept_all = mask_worker.MaskWorker.submit, mask_worker.accept_all
     rows: dict[str, list[int]] = {"_prepare_rows": [], "follow": []}
     accepted = []
