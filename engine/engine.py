@@ -198,6 +198,7 @@ class Engine:
                 self.config.max_num_seqs,
                 self.config.torch_device,
                 logits_dtype=self.runner.dtype,
+                ids_out=self.runner.sampled.device_rows[-1],
             )
         return self._grammars
 

@@ -82,6 +82,7 @@ class Grammars:
         device: torch.device,
         max_threads: int | None = None,
         logits_dtype: torch.dtype = torch.float32,
+        ids_out: torch.Tensor | None = None,  # GrammarMasks's
     ) -> None:
         # Half the cores, at most 8 (the compiler's, and the most a mask fill uses): a
         # row's mask is mostly a cached lookup, and threads pay off only for many rows.
@@ -105,6 +106,7 @@ class Grammars:
             max_threads,
             info.stop_token_ids,
             logits_dtype,
+            ids_out,
         )
         self.waiting: list[GrammarState] = []  # compiling, by the engine's last look
 

@@ -6,7 +6,7 @@ land, has the matchers accept them, and fills their next masks; or it fills
 first masks, or resets rows to all ones. Jobs run in order, each in a few
 xgrammar calls that release the GIL (the fill splits the rows over xgrammar's
 threads). When a job is done, the worker sets the DeviceFlag to its number: on
-CUDA the stream waits for that before it copies the host rows (device_flag.py);
+CUDA the stream waits for that before it reads the host rows (device_flag.py);
 elsewhere the engine thread waits for the job.
 
 The worker starts the moment a step's ids land, not when the engine thread gets
@@ -21,7 +21,7 @@ nothing) ends that request: the worker marks it done and notes it in `refused`,
 which the engine thread takes before it reads the next ids.
 
 Host rows and id buffers are rewritten only after the device used them: a job
-writes rows after the ids of the step that copied them last have landed, and a
+writes rows after the ids of the step that read them last have landed, and a
 grammar step's build makes the device wait for every earlier job, so an id
 buffer (or its event) comes back to `step_ids` only after the job that read it.
 """

@@ -11,17 +11,21 @@ N-1's ids before it samples (engine.py), and the engine thread:
   completes; their later ids are void;
 - `build` (before the step samples): hands the worker the rows it could not know
   (a request's first sample, or one back from preemption) and the slots without a
-  grammar now, to reset. Then it lets the step's copy go: on CUDA the stream waits
-  for the worker's jobs and the engine thread runs on; elsewhere the engine thread
-  waits. The copy, the gather of the sampling rows' masks in the batch's order
-  (none when they are the first slots, in order), and the sampler queue behind it.
+  grammar now, to reset. Then it lets the sampler go: on CUDA the stream waits for
+  the worker's jobs and the engine thread runs on; elsewhere the engine thread
+  waits. On CUDA greedy rows take the masked argmax straight from the host rows
+  (pinned, read by the kernel over the bus: no copy, no gather), into the device
+  rows the next step's inputs are read from. Other rows have the host rows copied
+  and gathered in the batch's order (no gather when they are the first slots, in
+  order), and the mask applied to the logits.
 
 Per-slot state (owners, which ended) lives in lists and arrays by slot, set when a
 request's first mask is asked for, and is the engine thread's.
 
 Host rows are per slot and as wide as the tokenizer's vocabulary (what xgrammar
 fills); device rows are as wide as the logits, and past the tokenizer a grammar
-row's bits are 0 (the model's padding ids are masked) and a plain row's -1.
+row's bits are 0 (the model's padding ids are masked) and a plain row's -1 (the
+masked argmax takes that word per row).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 import xgrammar as xgr
 
 from engine.structured.mask_worker import MaskWorker
-from kernels.argmax import greedy_ids
+from kernels.argmax import MaskRows, argmax_parts, greedy_ids
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -44,23 +48,28 @@ if TYPE_CHECKING:
 
 @dataclass
 class BatchBitmask:
-    """A step's allowed tokens, one packed row per sampling request (all ones where the
-    request has no grammar)."""
+    """A step's allowed tokens, one packed row per sampling row (all ones where the
+    row has no grammar): the rows' slots' host rows, as the worker fills them."""
 
-    bits: torch.Tensor  # [num_requests, ceil(vocab / 32)] int32, on the logits' device
+    masks: GrammarMasks
+    slots: np.ndarray  # each row's
+    grammar: np.ndarray  # [rows] bool: which have one (their padding ids disallowed)
+
+    def bits(self) -> torch.Tensor:
+        """The rows copied to the logits' device: [rows, ceil(vocab / 32)] int32."""
+        return self.masks.device_bits(self.slots)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in place: one kernel on the device."""
-        xgr.apply_token_bitmask_inplace(logits, self.bits)
+        xgr.apply_token_bitmask_inplace(logits, self.bits())
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's allowed id of the largest logit (apply, then argmax). On CUDA in
-        one pass that reads the mask beside the logits and writes neither."""
+        one pass that reads the host rows beside the logits and writes neither."""
         if not logits.is_cuda or logits.stride(-1) != 1:
             self.apply(logits)
             return logits.argmax(-1)
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        return greedy_ids(logits, out, self.bits)
+        return self.masks.greedy(logits, self.slots, self.grammar)
 
 
 @dataclass
@@ -93,6 +102,7 @@ class GrammarMasks:
         threads: int,
         stop_token_ids: Sequence[int],
         logits_dtype: torch.dtype = torch.float32,
+        ids_out: torch.Tensor | None = None,  # [max_num_seqs] int64: where argmax writes
     ) -> None:
         self.device = torch.device(device)
         self.words = xgr.get_bitmask_shape(1, token_vocab)[1]  # what xgrammar fills
@@ -118,11 +128,25 @@ class GrammarMasks:
         self.indexed = np.zeros(0, dtype=np.int64)  # the slots device_index holds
         self.first_slots = np.arange(max_num_seqs, dtype=np.int64)
         self.num_built = 0
-        if pin:  # Triton compiles the mask kernels at their first launch
+        if pin:
+            # The masked argmax's: each row's slot and padding word (MaskRows.select),
+            # staged as the index is; its partials; and where its ids go, viewed apart
+            # from the runner's graph rows (runner.keep_sampled tells them apart).
+            self.select_host = [
+                torch.empty(2, max_num_seqs, dtype=torch.int32, pin_memory=True) for _ in "ab"
+            ]
+            self.select = torch.empty(2, max_num_seqs, dtype=torch.int32, device=device)
+            self.selected: tuple[np.ndarray, np.ndarray] | None = None  # what select holds
+            self.parts = argmax_parts(max_num_seqs, vocab_size, self.device)
+            if ids_out is None:
+                ids_out = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
+            self.ids_out = [ids_out[:k] for k in range(max_num_seqs + 1)]
+            # Triton compiles the mask kernels at their first launch.
             for rows in (1, 2):  # one row, and more
                 logits = torch.zeros(rows, vocab_size, dtype=logits_dtype, device=self.device)
-                BatchBitmask(self.rows[:rows]).argmax(logits)  # greedy rows: the model's dtype
-                BatchBitmask(self.rows[:rows]).apply(logits.float())  # the rest: fp32
+                every = np.arange(rows)
+                self.greedy(logits, every, every > 0)  # greedy rows: the model's dtype
+                BatchBitmask(self, every, every > 0).apply(logits.float())  # the rest: fp32
 
     def follow(
         self,
@@ -191,11 +215,32 @@ class GrammarMasks:
         if stale.any() or changed.any():
             self._prepare_rows(slots, generations, grammar, by_slot, stale, changed)
         self.num_built += 1
-        num, top = len(slots), int(slots.max()) + 1
         self.worker.hold()
+        return BatchBitmask(self, slots, grammar)
+
+    def greedy(self, logits: torch.Tensor, slots: np.ndarray, grammar: np.ndarray) -> torch.Tensor:
+        """The masked argmax of rows [len(slots), vocab] on CUDA, from the host rows."""
+        num = len(slots)
+        select = self.select[:, :num]
+        if self.selected is None or not (
+            np.array_equal(slots, self.selected[0]) and np.array_equal(grammar, self.selected[1])
+        ):
+            host = self.select_host[self.num_built % 2][:, :num]
+            rows = host.numpy()
+            rows[0] = slots
+            rows[1] = np.where(grammar, 0, -1)  # a grammar's padding ids: disallowed
+            select.copy_(host, non_blocking=True)
+            self.selected = slots.copy(), grammar.copy()
+        out = self.ids_out[num]
+        return greedy_ids(logits, out, MaskRows(self.worker.host, select), self.parts)
+
+    def device_bits(self, slots: np.ndarray) -> torch.Tensor:
+        """These slots' rows copied to the device and gathered in order: [len(slots),
+        width] int32."""
+        num, top = len(slots), int(slots.max()) + 1
         self.slots[:top, : self.words].copy_(self.worker.host[:top], non_blocking=True)
         if top == num and np.array_equal(slots, self.first_slots[:num]):
-            return BatchBitmask(self.slots[:num])  # the first slots, in order: no gather
+            return self.slots[:num]  # the first slots, in order: no gather
         device_index = self.device_index[:num]
         if not np.array_equal(slots, self.indexed):
             index = self.index[self.num_built % 2][:num]
@@ -203,7 +248,7 @@ class GrammarMasks:
             device_index.copy_(index, non_blocking=True)
             self.indexed = slots.copy()
         torch.index_select(self.slots, 0, device_index, out=self.rows[:num])
-        return BatchBitmask(self.rows[:num])
+        return self.rows[:num]
 
     def _prepare_rows(
         self,

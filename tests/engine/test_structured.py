@@ -715,7 +715,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
     slots = np.arange(64)
     generations = np.zeros(64, dtype=np.int64)
     grammar = np.ones(64, dtype=bool)
-    first = masks.build(slots, generations, grammar, rows).bits.numpy()
+    first = masks.build(slots, generations, grammar, rows).bits().numpy()
     for i in range(64):
         assert (first[i, : masks.words] == own(rows[i].structured.matcher)).all(), i
     # Each row's lowest allowed id but EOS, if any (row 5: EOS); the matchers accept them.
@@ -728,7 +728,7 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
     assert 5 in stopped
     ended = masks.follow(slots, generations, grammar, np.array(ids)).completed(np.array(ids))
     assert [(r.request_id, reason) for r, reason in ended] == [(f"r{i}", "stop") for i in stopped]
-    second = masks.build(slots, generations, grammar, rows).bits.numpy()
+    second = masks.build(slots, generations, grammar, rows).bits().numpy()
     for i in range(64):
         if i in stopped:
             assert (second[i] == -1).all()  # its next id is void

@@ -1,6 +1,7 @@
 """greedy_ids equals torch.argmax: ties go to the first index, NaN wins, rows of -inf
 give 0, and vocabularies off the chunk multiples; under a token bitmask, it equals
-xgrammar's apply_token_bitmask_inplace followed by torch.argmax."""
+xgrammar's apply_token_bitmask_inplace followed by torch.argmax, also when the mask is
+rows picked from a narrower table (on CUDA, pinned host memory the kernel reads)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from kernels.argmax import CHUNK, greedy_ids
+from kernels.argmax import CHUNK, MaskRows, argmax_parts, greedy_ids
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -80,3 +81,45 @@ def test_under_a_bitmask_as_the_mask_applied_then_argmax(vocab):
         x = logits.to(dtype)
         out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
         assert torch.equal(greedy_ids(x, out, bitmask), masked_reference(x, bitmask))
+
+
+def test_with_partials_allocated_for_more_rows():
+    # An eager caller's partials, allocated once for its largest batch (poisoned: every
+    # row's chunks are written before they are read), reused by smaller ones.
+    vocab = 2 * CHUNK + 5
+    parts = argmax_parts(9, vocab, torch.device(DEVICE))
+    parts[0].fill_(float("nan"))
+    parts[1].fill_(-1)
+    for rows in (9, 3, 1):
+        logits = torch.randn(rows, vocab, device=DEVICE)
+        out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        assert torch.equal(greedy_ids(logits, out, parts=parts), logits.argmax(-1))
+    with pytest.raises(AssertionError):
+        greedy_ids(torch.randn(10, vocab), torch.empty(10, dtype=torch.int64), parts=parts)
+
+
+@pytest.mark.parametrize("vocab", [45, CHUNK + 40])
+def test_under_rows_picked_from_a_narrower_table(vocab):
+    # The grammar masks' host rows: one per slot, as wide as the tokenizer's vocabulary
+    # (one word short of the logits here); each logits row names its slot, and past the
+    # table a row's padding ids are all disallowed (0) or all allowed (-1).
+    torch.manual_seed(vocab)
+    slots, rows, words = 7, 5, -(-vocab // 32) - 1
+    table = torch.randint(-(2**31), 2**31 - 1, (slots, words), dtype=torch.int32)
+    table[2] = 0  # nothing in the table allowed: the padding ids or index 0
+    if DEVICE == "cuda":
+        table = table.pin_memory()
+    picked = torch.tensor([[4, 2, 2, 0, 6], [0, 0, -1, -1, 0]], dtype=torch.int32)
+    select = torch.zeros(2, rows + 3, dtype=torch.int32)  # wider than the batch
+    select[:, :rows] = picked
+    select = select.to(DEVICE)
+    logits = torch.randn(rows, vocab, device=DEVICE)
+    logits[3, -1] = 1e4  # a padding id's logit, the largest: allowed in row 3 only
+    full = torch.cat([table[picked[0].long()], picked[1, :, None].expand(rows, 1)], 1)
+    want = masked_reference(logits, full.to(DEVICE))
+    assert want[1] == 0 and want[2] >= 32 * words and want[3] == vocab - 1
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits.to(dtype)
+        out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+        got = greedy_ids(x, out, MaskRows(table, select))
+        assert torch.equal(got, masked_reference(x, full.to(DEVICE)))

@@ -2,7 +2,8 @@
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take, the decode attention rotating q and K
-itself, and the greedy-ids kernels (a global constant; with and without a bitmask),
+itself, and the greedy-ids kernels (a global constant; with and without a bitmask,
+whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
 
@@ -54,12 +55,14 @@ def compile_variants() -> None:
     for kv_fp8, norm in ((False, False), (True, True)):
         compile_decode_with_rope(kv_fp8, norm)
         print(f"decode rope kv_fp8={kv_fp8} norm={norm}")
-    for masked in (False, True):  # masked: a grammar's token bitmask
+    # masked: a grammar's token bitmask; selected: rows picked from the host's table.
+    for masked, selected in ((False, False), (True, False), (True, True)):
         signature = {"logits_ptr": "*bf16", "part_val_ptr": "*fp32", "part_idx_ptr": "*i32"}
         signature |= {"bitmask_ptr": "*i32" if masked else "*bf16"}
-        names = ("vocab", "num_chunks", "stride_row", "stride_mask_row")
-        signature |= {name: "i32" for name in names}
-        constexprs = {"BLOCK": 2048, "TILES": 4, "MASKED": masked}
+        signature |= {"select_ptr": "*i32" if selected else "*bf16"}
+        names = ("vocab", "num_chunks", "stride_row", "stride_mask_row", "mask_words")
+        signature |= {name: "i32" for name in (*names, "stride_select")}
+        constexprs = {"BLOCK": 2048, "TILES": 4, "MASKED": masked, "SELECTED": selected}
         compile_for_hopper(_chunk_argmax_kernel, signature, constexprs)
     signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
