@@ -128,19 +128,20 @@ class GrammarMasks:
         self.indexed = np.zeros(0, dtype=np.int64)  # the slots device_index holds
         self.first_slots = np.arange(max_num_seqs, dtype=np.int64)
         self.num_built = 0
+        # The masked argmax's (CUDA's path; elsewhere only tests call it): each row's slot
+        # and padding word (MaskRows.select), staged as the index is; its partials; and
+        # where its ids go, viewed apart from the runner's graph rows (keep_sampled tells
+        # them apart).
+        self.select_host = [
+            torch.empty(2, max_num_seqs, dtype=torch.int32, pin_memory=pin) for _ in "ab"
+        ]
+        self.select = torch.empty(2, max_num_seqs, dtype=torch.int32, device=device)
+        self.selected: tuple[np.ndarray, np.ndarray] | None = None  # what select holds
+        self.parts = argmax_parts(max_num_seqs, vocab_size, self.device)
+        if ids_out is None:
+            ids_out = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
+        self.ids_out = [ids_out[:k] for k in range(max_num_seqs + 1)]
         if pin:
-            # The masked argmax's: each row's slot and padding word (MaskRows.select),
-            # staged as the index is; its partials; and where its ids go, viewed apart
-            # from the runner's graph rows (runner.keep_sampled tells them apart).
-            self.select_host = [
-                torch.empty(2, max_num_seqs, dtype=torch.int32, pin_memory=True) for _ in "ab"
-            ]
-            self.select = torch.empty(2, max_num_seqs, dtype=torch.int32, device=device)
-            self.selected: tuple[np.ndarray, np.ndarray] | None = None  # what select holds
-            self.parts = argmax_parts(max_num_seqs, vocab_size, self.device)
-            if ids_out is None:
-                ids_out = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
-            self.ids_out = [ids_out[:k] for k in range(max_num_seqs + 1)]
             # Triton compiles the mask kernels at their first launch.
             for rows in (1, 2):  # one row, and more
                 logits = torch.zeros(rows, vocab_size, dtype=logits_dtype, device=self.device)

@@ -738,10 +738,12 @@ def test_masks_filled_for_a_batch_are_each_rows_own(llm):
     grammars.close()
 
 
-def check_padding_masks(tokenizer, device: str) -> None:
+def check_padding_masks(tokenizer, device: str, greedy: bool = False) -> None:
     """A model vocabulary padded past the tokenizer's (Qwen's 151936 rows for ~151k
     tokens): the matchers know the tokenizer's ids only, grammar rows mask the padding
-    ids, and rows without a grammar keep them, also when a slot changes kind."""
+    ids, and rows without a grammar keep them, also when a slot changes kind; in the
+    mask applied to the logits and (greedy) in the masked argmax, which reads the rows
+    by slot (a Triton kernel: on CUDA, or in Triton's interpreter)."""
     from types import SimpleNamespace
 
     from engine.structured.grammars import Grammars
@@ -766,7 +768,14 @@ def check_padding_masks(tokenizer, device: str) -> None:
         grammar = np.array([r.structured is not None for r in rows])
         slots = np.array(slots)
         generations = np.full_like(slots, generation)
-        masks.build(slots, generations, grammar, by_slot).apply(logits)
+        bitmask = masks.build(slots, generations, grammar, by_slot)
+        if greedy:  # the padding ids' logits the largest
+            scores = torch.randn(len(rows), vocab, device=device)
+            scores[:, len(tokenizer) :] += 100
+            applied = scores.clone()
+            bitmask.apply(applied)
+            assert torch.equal(masks.greedy(scores, slots, grammar), applied.argmax(-1))
+        bitmask.apply(logits)
         return (logits > float("-inf")).cpu()
 
     # Rows in another order than their slots; slot 1 has a grammar, slot 0 not.
