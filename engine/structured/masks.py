@@ -220,7 +220,8 @@ class GrammarMasks:
         return BatchBitmask(self, slots, grammar)
 
     def greedy(self, logits: torch.Tensor, slots: np.ndarray, grammar: np.ndarray) -> torch.Tensor:
-        """The masked argmax of rows [len(slots), vocab] on CUDA, from the host rows."""
+        """The masked argmax of rows [len(slots), vocab], a kernel reading each row's
+        slot's host row (BatchBitmask.argmax's path on CUDA)."""
         num = len(slots)
         select = self.select[:, :num]
         if self.selected is None or not (
