@@ -56,13 +56,19 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
 
 
 def run_pagoda(
-    llm: LLM, prompts: list[list[int]], output_lens: list[int], decode_steps: list[DecodeStep]
+    llm: LLM,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    decode_steps: list[DecodeStep],
+    temperature: float = 0.0,
 ) -> dict:
     """Drive the engine directly (final-only outputs, as LLM.generate does); each
     decode-only step is appended to decode_steps."""
     engine = llm.engine
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, final_only=True)
+        params = SamplingParams(
+            max_tokens=n, temperature=temperature, ignore_eos=True, final_only=True
+        )
         engine.add_request(str(i), ids, params)
     schedule, scheduled = engine.scheduler.schedule, []
 
@@ -372,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the prefill chunk; default: max(2048, max-model-len), one chunk per prompt",
     )
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Pagoda's requests sample at this temperature (default 0: greedy); "
+        "transformers, where compared, stays greedy",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.num_requests is None:
@@ -419,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         "num_requests": args.num_requests,
         "output_len": args.output_len if args.workload == "seeds" else "uniform[100, 1024]",
         "cuda_graphs": not args.enforce_eager,
+        "temperature": args.temperature,
     }
     decode_steps: list[DecodeStep] = []
-    result["pagoda"] = run_pagoda(llm, prompts, output_lens, decode_steps)
+    result["pagoda"] = run_pagoda(llm, prompts, output_lens, decode_steps, args.temperature)
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
     result["decode_vs_floor"] = decode_vs_floor(llm, decode_steps, bandwidth)

@@ -30,6 +30,19 @@ def test_run_pagoda_records_each_decode_step_with_its_batch_and_context(llm):
     assert all(s.seconds > 0 for s in steps)
 
 
+def test_run_pagoda_samples_at_the_temperature_asked(llm, monkeypatch):
+    added = []
+    add = llm.engine.add_request
+    monkeypatch.setattr(
+        llm.engine,
+        "add_request",
+        lambda rid, ids, params: added.append(params) or add(rid, ids, params),
+    )
+    result = run_pagoda(llm, [[1] * 4, [2] * 4], [5, 5], [], temperature=0.8)
+    assert result["output_tokens"] == 10
+    assert [p.temperature for p in added] == [0.8, 0.8] and not added[0].greedy
+
+
 def test_decode_vs_floor_weighs_each_step_by_its_own_bytes(llm):
     steps = [DecodeStep(0.002, 1, 100), DecodeStep(0.004, 2, 1000)]
     bandwidth = 1e9
