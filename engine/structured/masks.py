@@ -208,8 +208,9 @@ class GrammarMasks:
         by_slot: Sequence[Request | None],
     ) -> BatchBitmask:
         """The bitmask of a batch of sampling rows (grammar: which rows have one, at
-        least one; by_slot: the batch's requests), on the device. Every launched step
-        with grammar rows must have been read."""
+        least one; by_slot: the batch's requests): their slots' host rows, which the
+        device reads once the worker's jobs are done. Every launched step with grammar
+        rows must have been read."""
         # A row the worker was not asked to fill for this slot's request: its first.
         stale = grammar & (self.filled_generation[slots] != generations)
         changed = self.grammar_slot[slots] != grammar
