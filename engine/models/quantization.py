@@ -34,6 +34,11 @@ from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
 # to SPLITK_MAX_M, the same kernel with x quantized per token (e4m3 dots), and beyond
 # that `_scaled_mm`.
 FP8_WEIGHT_ONLY_MAX_M = 16
+# Outputs at least this wide (gate_up projections) take e4m3 dots at every batch: there
+# the weight-only form's e4m3 -> bf16 conversions, not its weight bytes, set the pace,
+# and quantizing x costs less than they do (Llama-3-8B's gate_up at 1-16 rows on an
+# H200; its other projections were faster weight-only).
+FP8_E4M3_DOTS_MIN_N = 16384
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -75,7 +80,7 @@ class Fp8Linear(nn.Module):
             # Decode batches: the split-K kernel reads each weight's byte once, where
             # _scaled_mm's kernels for skinny products fall far short of that.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
-            if m <= FP8_WEIGHT_ONLY_MAX_M:
+            if m <= FP8_WEIGHT_ONLY_MAX_M and self.out_features < FP8_E4M3_DOTS_MIN_N:
                 out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
             else:
                 x_q, x_scale = quantize_per_token(rows)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.models.quantization import Fp8Linear
+from engine.models.quantization import FP8_E4M3_DOTS_MIN_N, Fp8Linear
 from kernels.fp8 import (
     FP8_DTYPE,
     fp8_linear,
@@ -55,18 +55,20 @@ def test_fp8_linear_close_to_bf16_and_to_its_reference(m: int, dtype: torch.dtyp
     assert _rel(out - bias, F.linear(x, w).float()) < 0.05
 
 
+@pytest.mark.parametrize("n", [6144, FP8_E4M3_DOTS_MIN_N])
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65])
-def test_fp8_linear_module_by_batch(m: int) -> None:
-    """Fp8Linear's three paths: weight-only split-K (x unquantized) up to 16 rows, e4m3
-    dots in split-K up to 64, `_scaled_mm` past that; each against its reference."""
-    k, n = 4096, 6144
+def test_fp8_linear_module_by_batch(m: int, n: int) -> None:
+    """Fp8Linear's three paths: weight-only split-K (x unquantized) up to 16 rows below
+    FP8_E4M3_DOTS_MIN_N outputs, e4m3 dots in split-K up to 64, `_scaled_mm` past that;
+    each against its reference."""
+    k = 4096
     linear = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     fp8 = Fp8Linear.from_linear(linear)
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     out = fp8(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    if m <= 16:
+    if m <= 16 and n < FP8_E4M3_DOTS_MIN_N:
         want = x.float() @ (fp8.weight.float() * fp8.weight_scale[:, None]).t() + fp8.bias.float()
     else:
         want = fp8_linear_ref(x, fp8.weight, fp8.weight_scale, fp8.bias)
