@@ -81,11 +81,6 @@ class GrammarRows:
     slots: np.ndarray
     rows: np.ndarray | None
 
-    def take_refused(self) -> list[tuple[Request, str]]:
-        """Before the step's ids are read: the requests an earlier id of theirs ended
-        (masks.take_refused)."""
-        return self.masks.take_refused()
-
     def completed(self, ids: np.ndarray) -> list[tuple[Request, str]]:
         """The step's ids [one per row] read: the requests whose grammar they complete,
         which end with "stop" (the worker has the rest accepted)."""
@@ -295,18 +290,3 @@ class GrammarMasks:
             if len(which):
                 rows = torch.from_numpy(which).to(self.device, non_blocking=True)
                 self.slots[rows, self.words :] = value
-
-    @property
-    def threads(self) -> int:  # xgrammar's for a fill, at most
-        return self.worker.threads
-
-    @threads.setter
-    def threads(self, threads: int) -> None:
-        self.worker.threads = threads
-
-    def drain(self) -> None:
-        """Wait for the worker's last job (and raise what it raised)."""
-        self.worker.drain()
-
-    def close(self) -> None:
-        self.worker.close()

@@ -647,7 +647,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     mask(again)
     a, z = tokenizer.encode("a")[0], tokenizer.encode("z")[0]
     assert follow(again, [z, a]) == []
-    grammars.masks.drain()
+    grammars.masks.worker.drain()
     assert grammars.masks.take_refused() == [(again[0], "abort")]
     assert again[0].structured.done and not again[1].structured.done
     assert grammars.masks.take_refused() == []
@@ -660,7 +660,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     for ids in ([z, a], [a, b]):
         ids = np.array(ids)
         assert grammars.masks.follow(slots, slots, every, ids).completed(ids) == []
-    grammars.masks.drain()
+    grammars.masks.worker.drain()
     assert grammars.masks.take_refused() == [(late[0], "abort")]
     assert not late[0].structured.matcher.accept_token(b)  # still at "": its "a" was skipped
     assert late[1].structured.matcher.accept_token(b)  # "abb": row 1 took both of its ids
