@@ -79,12 +79,7 @@ class StepIds:
 
 class MaskWorker:
     def __init__(
-        self,
-        words: int,
-        max_num_seqs: int,
-        device: torch.device,
-        threads: int,
-        is_stop: np.ndarray,
+        self, words: int, max_num_seqs: int, device: torch.device, threads: int, is_stop: np.ndarray
     ) -> None:
         self.device = device
         self.is_stop = is_stop  # [vocab] bool: the ids that end a grammar
@@ -137,10 +132,8 @@ class MaskWorker:
     ) -> StepIds:
         """A launched step's ids on their way to a job: on CUDA, copied to an id buffer
         of the worker's own (each time the other one), behind an event."""
-        if isinstance(token_ids, np.ndarray):
-            return StepIds(token_ids.copy(), None, positions)
-        if self.device.type != "cuda":
-            return StepIds(token_ids.numpy().copy(), None, positions)
+        if isinstance(token_ids, np.ndarray) or self.device.type != "cuda":
+            return StepIds(np.asarray(token_ids).copy(), None, positions)
         self.num_sent += 1
         which = self.num_sent % 2
         n = token_ids.numel()
