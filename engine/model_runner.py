@@ -154,10 +154,9 @@ class ModelRunner(StepInputs):
         self.argmax = None
         self.argmax_on_host = False
         self.prompt_scores = None
-        num_seqs, num_tokens = out.num_seqs, out.num_tokens
+        num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_sampling
         if out.is_decode_only and self.graphs.decode:  # a bucket holds any batch
             return self.graphs.replay_decode(num_seqs)
-        num_sampling = int(out.samples.sum())
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         with torch.inference_mode():
             if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
