@@ -155,8 +155,8 @@ class InputBatch:
         params = req.params
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
-        if len(stops) > self.stop_ids.shape[1]:
-            more = len(stops) - self.stop_ids.shape[1]
+        more = len(stops) - self.stop_ids.shape[1]
+        if more > 0:
             self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, more)), constant_values=-1)
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stops)] = stops
