@@ -313,11 +313,6 @@ class InputBatch:
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
 
-    def full_tokens(self, slot: int, start: int) -> list[int]:
-        """A row's ids from start on, both known and computed (or scheduled)."""
-        end = min(self.num_known.item(slot), self.num_computed.item(slot))
-        return self.token_ids[slot, start:end].tolist()
-
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""
         known = self.num_known.item(slot)
