@@ -210,7 +210,6 @@ class MaskWorker:
         id_list = ids.tolist()
         refused = accept_all(handles, id_list)
         if refused is not None:
-            go_on = [i for i, ok in enumerate(refused) if ok]
             for i in (i for i, ok in enumerate(refused) if not ok):
                 # The mask allowed no other id: only a grammar that no token can continue
                 # gets here (every logit masked). It ends that request, not the batch, at
@@ -220,8 +219,8 @@ class MaskWorker:
                 owner.structured.done = True
                 self.host_np[slots[i]] = -1
                 self.refused.append((slots[i], owner))
-            matchers = [matchers[i] for i in go_on]
-            slots = [slots[i] for i in go_on]
+            matchers = [m for m, ok in zip(matchers, refused) if ok]
+            slots = [s for s, ok in zip(slots, refused) if ok]
         self.fill(matchers, slots)
 
     def fill(self, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:
