@@ -148,7 +148,7 @@ def run_model(name: str, args) -> dict:
     def build_all(ms: list[xgr.GrammarMatcher], slots: np.ndarray) -> None:
         masks.filled_generation[:] = -1  # every row: a first mask
         masks.build(slots, generations, every, requests)
-        masks.drain()  # the fill is the worker's: until it is done
+        masks.worker.drain()  # the fill is the worker's: until it is done
 
     fills["masks_build"] = build_all
     rng = np.random.default_rng(args.seed)
@@ -164,7 +164,7 @@ def run_model(name: str, args) -> dict:
         else:
             step_ids = np.array(ids)
             ended = masks.follow(rows, generations, every, step_ids).completed(step_ids)
-            masks.drain()  # the accept, then the worker's fill
+            masks.worker.drain()  # the accept, then the worker's fill
             ok = [not ended]
         elapsed = time.perf_counter() - start
         if how == "engine":

@@ -174,7 +174,7 @@ def run_model(name: str, args) -> dict:
     spec = GrammarSpec.json_schema(schema)
     grammars = llm.engine.grammars
     # The mask fill's threads: the engine's choice, and each count asked for.
-    threads = {"json_schema": (grammars.masks.threads, mask_worker.ROWS_PER_THREAD)}
+    threads = {"json_schema": (grammars.masks.worker.threads, mask_worker.ROWS_PER_THREAD)}
     for n in args.fill_threads:
         threads[f"json_schema_fill_threads_{n}"] = (n, 1)
     # Warm up both paths (Triton kernels compile at their first shapes).
@@ -184,9 +184,9 @@ def run_model(name: str, args) -> dict:
     for _ in range(args.repeats):  # alternated, so drift hits all alike
         runs["none"].append(decode(llm, args.batch, args.output_len, None))
         for key, (n, rows_per_thread) in threads.items():
-            grammars.masks.threads, mask_worker.ROWS_PER_THREAD = n, rows_per_thread
+            grammars.masks.worker.threads, mask_worker.ROWS_PER_THREAD = n, rows_per_thread
             runs[key].append(decode(llm, args.batch, args.output_len, spec))
-    grammars.masks.threads, mask_worker.ROWS_PER_THREAD = threads["json_schema"]
+    grammars.masks.worker.threads, mask_worker.ROWS_PER_THREAD = threads["json_schema"]
     for key, values in runs.items():
         best = max(values, key=lambda r: r["tok_per_s"])
         result[key] = best | {"tok_per_s_runs": [r["tok_per_s"] for r in values]}

@@ -244,10 +244,8 @@ class Engine:
         its token there is void. Penalties and logprobs need the ids on the
         host, so a step with such a request reads N-1 before sampling and its
         own ids at once. A step with grammar rows reads N-1 before sampling too, as
-        a grammar that N-1's id completes ends its request: a worker thread, which
-        has the matchers accept N-1's ids as they land, fills step N's masks while
-        the device runs forward N, and the device waits for it before sampling
-        (engine/structured/masks.py)."""
+        a grammar that N-1's id completes ends its request (engine/structured/masks.py
+        says how step N's masks are filled meanwhile)."""
         grammars = self._grammars
         if grammars is not None and grammars.waiting:  # raises for failed compilations
             idle = not self.scheduler.running and self.inflight is None

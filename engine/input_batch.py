@@ -155,8 +155,8 @@ class InputBatch:
         params = req.params
         self.min_tokens[slot] = params.min_tokens
         stops = sorted(req.stop_ids)
-        if len(stops) > self.stop_ids.shape[1]:
-            more = len(stops) - self.stop_ids.shape[1]
+        more = len(stops) - self.stop_ids.shape[1]
+        if more > 0:
             self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, more)), constant_values=-1)
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stops)] = stops
@@ -312,11 +312,6 @@ class InputBatch:
         if not (num_done or first is not None or streamed or departed):
             return None
         return ReadTokens(slots, token_ids, done if num_done else None, first, streamed, departed)
-
-    def full_tokens(self, slot: int, start: int) -> list[int]:
-        """A row's ids from start on, both known and computed (or scheduled)."""
-        end = min(self.num_known.item(slot), self.num_computed.item(slot))
-        return self.token_ids[slot, start:end].tolist()
 
     def token_slice(self, slot: int, start: int, end: int | None = None) -> list[int]:
         """Known ids [start, end) of a row (end: all known)."""

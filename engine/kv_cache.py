@@ -103,10 +103,6 @@ class BlockManager:
         if total > self.num_free_blocks:
             return None
         fresh = self._take_free(total)
-        if total == len(reqs):  # one each: decodes opening their next block
-            for req, block in zip(reqs, fresh):
-                req.block_ids.append(block)
-            return fresh
         at = 0
         for req, n in zip(reqs, num_blocks):
             req.block_ids += fresh[at : at + n]

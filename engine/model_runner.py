@@ -154,27 +154,18 @@ class ModelRunner(StepInputs):
         self.argmax = None
         self.argmax_on_host = False
         self.prompt_scores = None
-        num_seqs, num_tokens = out.num_seqs, out.num_tokens
+        num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_sampling
         if out.is_decode_only and self.graphs.decode:  # a bucket holds any batch
             return self.graphs.replay_decode(num_seqs)
-        num_sampling = int(out.samples.sum())
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         with torch.inference_mode():
             if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
-            inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
+            sizes = (num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
+            inp = self.send(*sizes)
             if self.channel is not None:
                 rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
-                header = StepHeader(
-                    EAGER,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                    max_query_len=max_query_len,
-                    is_decode=int(out.is_decode_only),
-                    num_sampling=num_sampling,
-                    num_score_rows=0 if rows is None else len(rows),
-                )
-                self.channel.publish(header, rows)
+                self.channel.publish(StepHeader(EAGER, 0, *sizes), rows)
             self.steps_by_path["eager"] += 1
             if scoring is None:
                 return self.forward(inp)

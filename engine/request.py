@@ -218,9 +218,7 @@ class Request:
     def full_tokens(self, start: int) -> list[int]:
         """Ids from position start on, both known and computed (or scheduled): what the
         prefix cache may hold."""
-        if self.batch is not None:
-            return self.batch.full_tokens(self.slot, start)
-        return self.token_slice(start, min(self._num_computed, self.num_tokens))
+        return self.token_slice(start, min(self.num_computed_tokens, self.num_tokens))
 
     @property
     def num_inflight(self) -> int:

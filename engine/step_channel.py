@@ -30,6 +30,7 @@ HEADER_WORDS = 12
 class StepHeader:
     path: int  # STOP (the workers leave), DECODE_GRAPH, PREFILL_GRAPH or EAGER
     bucket: int = 0  # a graph's batch or token bucket
+    # An eager step's sizes: ModelRunner.inputs' arguments, in its order.
     num_tokens: int = 0
     num_seqs: int = 0
     max_query_len: int = 0
@@ -63,6 +64,7 @@ class StepChannel:
         if table.rows_sent is not None:
             header.table_lo, header.table_hi = table.rows_sent
             table.rows_sent = None
+        header.num_score_rows = 0 if score_rows is None else len(score_rows)
         words = astuple(header)
         self.header_np[: len(words)] = words
         self._send_all(header, score_rows)

@@ -70,7 +70,7 @@ class StepReader:
                 self._keep_logprobs(step)
             grammar = step.grammar
             if grammar is not None:  # ended by an earlier id: this one is void
-                self._end_grammars(grammar.take_refused())
+                self._end_grammars(grammar.masks.take_refused())
             got = self.batch.read(step.slots, step.mark, ids)
             # The worker accepts the grammar rows' ids itself; here, the ends they make.
             ended = grammar.completed(ids) if grammar is not None else None

@@ -157,4 +157,4 @@ class Grammars:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.masks.close()
+        self.masks.worker.close()

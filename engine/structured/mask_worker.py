@@ -79,12 +79,7 @@ class StepIds:
 
 class MaskWorker:
     def __init__(
-        self,
-        words: int,
-        max_num_seqs: int,
-        device: torch.device,
-        threads: int,
-        is_stop: np.ndarray,
+        self, words: int, max_num_seqs: int, device: torch.device, threads: int, is_stop: np.ndarray
     ) -> None:
         self.device = device
         self.is_stop = is_stop  # [vocab] bool: the ids that end a grammar
@@ -137,10 +132,8 @@ class MaskWorker:
     ) -> StepIds:
         """A launched step's ids on their way to a job: on CUDA, copied to an id buffer
         of the worker's own (each time the other one), behind an event."""
-        if isinstance(token_ids, np.ndarray):
-            return StepIds(token_ids.copy(), None, positions)
-        if self.device.type != "cuda":
-            return StepIds(token_ids.numpy().copy(), None, positions)
+        if isinstance(token_ids, np.ndarray) or self.device.type != "cuda":
+            return StepIds(np.asarray(token_ids).copy(), None, positions)
         self.num_sent += 1
         which = self.num_sent % 2
         n = token_ids.numel()
@@ -217,7 +210,6 @@ class MaskWorker:
         id_list = ids.tolist()
         refused = accept_all(handles, id_list)
         if refused is not None:
-            go_on = [i for i, ok in enumerate(refused) if ok]
             for i in (i for i, ok in enumerate(refused) if not ok):
                 # The mask allowed no other id: only a grammar that no token can continue
                 # gets here (every logit masked). It ends that request, not the batch, at
@@ -227,8 +219,8 @@ class MaskWorker:
                 owner.structured.done = True
                 self.host_np[slots[i]] = -1
                 self.refused.append((slots[i], owner))
-            matchers = [matchers[i] for i in go_on]
-            slots = [slots[i] for i in go_on]
+            matchers = [m for m, ok in zip(matchers, refused) if ok]
+            slots = [s for s, ok in zip(slots, refused) if ok]
         self.fill(matchers, slots)
 
     def fill(self, matchers: list[xgr.GrammarMatcher], slots: list[int]) -> None:

@@ -81,11 +81,6 @@ class GrammarRows:
     slots: np.ndarray
     rows: np.ndarray | None
 
-    def take_refused(self) -> list[tuple[Request, str]]:
-        """Before the step's ids are read: the requests an earlier id of theirs ended
-        (masks.take_refused)."""
-        return self.masks.take_refused()
-
     def completed(self, ids: np.ndarray) -> list[tuple[Request, str]]:
         """The step's ids [one per row] read: the requests whose grammar they complete,
         which end with "stop" (the worker has the rest accepted)."""
@@ -210,12 +205,34 @@ class GrammarMasks:
         """The bitmask of a batch of sampling rows (grammar: which rows have one, at
         least one; by_slot: the batch's requests): their slots' host rows, which the
         device reads once the worker's jobs are done. Every launched step with grammar
-        rows must have been read."""
+        rows must have been read. The worker is first handed the rows entering (it
+        fills their first masks) and the slots leaving a grammar (it resets them)."""
+        owners, fill_slots, reset = [], [], []
         # A row the worker was not asked to fill for this slot's request: its first.
         stale = grammar & (self.filled_generation[slots] != generations)
+        if stale.any():
+            stale_slots = slots[stale]
+            self.filled_generation[stale_slots] = generations[stale]
+            for slot in stale_slots.tolist():
+                owner = self.owners[slot] = by_slot[slot]
+                self.ended[slot] = owner.structured.done
+                if owner.structured.done:  # ended by an id not read yet: its row is void
+                    reset.append(slot)
+                else:
+                    owners.append(owner)
+                    fill_slots.append(slot)
         changed = self.grammar_slot[slots] != grammar
-        if stale.any() or changed.any():
-            self._prepare_rows(slots, generations, grammar, by_slot, stale, changed)
+        if changed.any():
+            which = slots[changed]
+            self.grammar_slot[which] = grammar[changed]
+            if self.words < self.width:
+                self._set_tails(which, grammar[changed])
+            plain = slots[changed & ~grammar].tolist()
+            for slot in plain:  # a grammar's row before: all ones again
+                self.owners[slot] = None
+            reset += plain
+        if fill_slots or reset:
+            self.worker.submit(owners, fill_slots, None, reset)
         self.num_built += 1
         self.worker.hold()
         return BatchBitmask(self, slots, grammar)
@@ -253,41 +270,6 @@ class GrammarMasks:
         torch.index_select(self.slots, 0, device_index, out=self.rows[:num])
         return self.rows[:num]
 
-    def _prepare_rows(
-        self,
-        slots: np.ndarray,
-        generations: np.ndarray,
-        grammar: np.ndarray,
-        by_slot: Sequence[Request | None],
-        stale: np.ndarray,
-        changed: np.ndarray,
-    ) -> None:
-        """Take in the rows entering (the worker fills their first masks) and the slots
-        leaving a grammar (the worker resets their host rows); set the padding bits of
-        slots that changed."""
-        stale_slots = slots[stale]
-        self.filled_generation[stale_slots] = generations[stale]
-        owners, fill_slots, reset = [], [], []
-        for slot in stale_slots.tolist():
-            owner = self.owners[slot] = by_slot[slot]
-            self.ended[slot] = owner.structured.done
-            if owner.structured.done:  # ended by an id not read yet: its row is void
-                reset.append(slot)
-            else:
-                owners.append(owner)
-                fill_slots.append(slot)
-        if changed.any():
-            which = slots[changed]
-            self.grammar_slot[which] = grammar[changed]
-            plain = slots[changed & ~grammar].tolist()
-            if self.words < self.width:
-                self._set_tails(which, grammar[changed])
-            for slot in plain:  # a grammar's row before: all ones again
-                self.owners[slot] = None
-            reset += plain
-        if fill_slots or reset:
-            self.worker.submit(owners, fill_slots, None, reset)
-
     def _set_tails(self, slots: np.ndarray, grammar: np.ndarray) -> None:
         """The padding bits of these slots: 0 for a grammar's, -1 otherwise."""
         for value, kind in ((0, True), (-1, False)):
@@ -295,18 +277,3 @@ class GrammarMasks:
             if len(which):
                 rows = torch.from_numpy(which).to(self.device, non_blocking=True)
                 self.slots[rows, self.words :] = value
-
-    @property
-    def threads(self) -> int:  # xgrammar's for a fill, at most
-        return self.worker.threads
-
-    @threads.setter
-    def threads(self, threads: int) -> None:
-        self.worker.threads = threads
-
-    def drain(self) -> None:
-        """Wait for the worker's last job (and raise what it raised)."""
-        self.worker.drain()
-
-    def close(self) -> None:
-        self.worker.close()

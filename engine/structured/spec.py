@@ -41,18 +41,12 @@ _LOOKAHEAD = r" (=([,}\]:]))"
 # character or escape a step, and the same as runs of characters between escapes: a
 # star over a character class, which xgrammar matches and masks in one pass.
 _RECURSIVE_STRING = (
-    r'basic_string_sub ::= (("\"") | ('
-    + _JSON_CHARACTER
-    + r' basic_string_sub) | ("\\" basic_escape basic_string_sub))'
-    + _LOOKAHEAD
+    rf'basic_string_sub ::= (("\"") | ({_JSON_CHARACTER} basic_string_sub)'
+    rf' | ("\\" basic_escape basic_string_sub)){_LOOKAHEAD}'
 )
 _STAR_STRING = (
-    r"basic_string_sub ::= (("
-    + _JSON_CHARACTER
-    + r'* "\"") | ('
-    + _JSON_CHARACTER
-    + r'* "\\" basic_escape basic_string_sub))'
-    + _LOOKAHEAD
+    rf'basic_string_sub ::= (({_JSON_CHARACTER}* "\"")'
+    rf' | ({_JSON_CHARACTER}* "\\" basic_escape basic_string_sub)){_LOOKAHEAD}'
 )
 # xgrammar's rule for a length-bounded JSON string: '"' characters{lo, hi} '"', and the
 # body of its characters rule.

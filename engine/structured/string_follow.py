@@ -215,9 +215,8 @@ class _Grammar:
 
     def _first(self, node: _Node) -> tuple[frozenset, bool]:
         if node.kind == "lit":
-            return (frozenset() if node.first is None else frozenset([node.first])), (
-                node.first is None
-            )
+            empty = node.first is None
+            return frozenset() if empty else frozenset([node.first]), empty
         if node.kind == "cls":
             return frozenset([ANY]), False
         if node.kind == "ref":

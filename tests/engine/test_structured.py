@@ -477,7 +477,7 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     next mask in one job for the batch: a separate fill happens only for each
     request's first mask (the outputs stay exact: the other structured tests)."""
     submit, accept_all = mask_worker.MaskWorker.submit, mask_worker.accept_all
-    rows: dict[str, list[int]] = {"_prepare_rows": [], "follow": []}
+    rows: dict[str, list[int]] = {"build": [], "follow": []}
     accepted = []
 
     def counting(self, owners, slots, ids, reset):
@@ -496,7 +496,7 @@ def test_a_requests_first_mask_is_filled_apart_and_the_rest_follow_its_ids(llm, 
     ]
     outs = llm.generate(["Hello"] * 8, params, use_tqdm=False)
     assert all(re.fullmatch("[a-z]{30}", o.outputs[0].text) for o in outs)
-    assert len(rows["_prepare_rows"]) == 8  # each request's first mask
+    assert len(rows["build"]) == 8  # each request's first mask
     # Every later one follows an id; the matchers accept each but the last (EOS, which
     # ends the grammar).
     assert len(rows["follow"]) == sum(len(o.outputs[0].token_ids) for o in outs)
@@ -647,7 +647,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     mask(again)
     a, z = tokenizer.encode("a")[0], tokenizer.encode("z")[0]
     assert follow(again, [z, a]) == []
-    grammars.masks.drain()
+    grammars.masks.worker.drain()
     assert grammars.masks.take_refused() == [(again[0], "abort")]
     assert again[0].structured.done and not again[1].structured.done
     assert grammars.masks.take_refused() == []
@@ -660,7 +660,7 @@ def test_the_batch_mask_allows_eos_only_where_the_grammar_may_end(llm):
     for ids in ([z, a], [a, b]):
         ids = np.array(ids)
         assert grammars.masks.follow(slots, slots, every, ids).completed(ids) == []
-    grammars.masks.drain()
+    grammars.masks.worker.drain()
     assert grammars.masks.take_refused() == [(late[0], "abort")]
     assert not late[0].structured.matcher.accept_token(b)  # still at "": its "a" was skipped
     assert late[1].structured.matcher.accept_token(b)  # "abb": row 1 took both of its ids
