@@ -161,11 +161,18 @@ class ModelRunner(StepInputs):
         with torch.inference_mode():
             if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
-            sizes = (num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
-            inp = self.send(*sizes)
+            inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             if self.channel is not None:
                 rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
-                self.channel.publish(StepHeader(EAGER, 0, *sizes), rows)
+                header = StepHeader(
+                    EAGER,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                    max_query_len=max_query_len,
+                    is_decode=int(out.is_decode_only),
+                    num_sampling=num_sampling,
+                )
+                self.channel.publish(header, rows)
             self.steps_by_path["eager"] += 1
             if scoring is None:
                 return self.forward(inp)

@@ -30,7 +30,6 @@ HEADER_WORDS = 12
 class StepHeader:
     path: int  # STOP (the workers leave), DECODE_GRAPH, PREFILL_GRAPH or EAGER
     bucket: int = 0  # a graph's batch or token bucket
-    # An eager step's sizes: ModelRunner.inputs' arguments, in its order.
     num_tokens: int = 0
     num_seqs: int = 0
     max_query_len: int = 0
