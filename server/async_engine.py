@@ -202,7 +202,7 @@ class AsyncEngine:
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
-        self._metrics.on_abort(stream.unfinished_choices)
+        self._metrics.on_abort(len(stream.unfinished))
         self._forget(stream)
 
     def _forget(self, stream: RequestStream) -> None:

@@ -216,9 +216,6 @@ class Serving:
                 work.cancel()
                 stream.abort()
 
-    def sse(self, stream: RequestStream, payloads: AsyncIterator[str]) -> StreamingResponse:
-        return _SSEResponse(stream, _sse_events(stream, payloads))
-
     # ------------------------------------------------------------ small endpoints
 
     def models(self) -> ModelList:
@@ -314,12 +311,13 @@ async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> As
     yield "data: [DONE]\n\n"
 
 
-class _SSEResponse(StreamingResponse):
-    """Aborts the request however the response ends, even if streaming never began."""
+class SSEResponse(StreamingResponse):
+    """The payloads as SSE events; aborts the request however the response ends, even if
+    streaming never began."""
 
-    def __init__(self, stream: RequestStream, content: AsyncIterator[str]) -> None:
+    def __init__(self, stream: RequestStream, payloads: AsyncIterator[str]) -> None:
         super().__init__(
-            content,
+            _sse_events(stream, payloads),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

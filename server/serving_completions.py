@@ -20,7 +20,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import ChoiceState, Serving, Usage, prompt_logprobs_out
+from server.serving import ChoiceState, Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 
 
@@ -78,7 +78,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     stream = s.async_engine.submit(request_id, [p.token_ids for p in prompts], params)
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
-        return s.sse(stream, answer.chunks())
+        return SSEResponse(stream, answer.chunks())
     states = await s.collect(raw, stream)
     return Response(answer.response(states).model_dump_json(), media_type="application/json")
 
