@@ -29,7 +29,7 @@ from engine.detokenizer import IncrementalDetokenizer, byte_table
 from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
-from server.engine_process import EngineProcess
+from server.engine_process import EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
 from server.errors import APIError, overloaded
 from server.metrics import Metrics
@@ -102,12 +102,13 @@ class AsyncEngine:
         )
         try:
             if self._use_process:
-                process = EngineProcess(
-                    self._config, self._factory, self._report, self._engine_exited,
-                    GIL_SWITCH_INTERVAL_S, self._endpoint,
-                )  # fmt: skip
-                self._backend = process
-                info = await process.start()
+                process, endpoint = None, self._endpoint
+                if endpoint is None:  # an engine process of our own
+                    process, (endpoint,) = spawn_engine(
+                        self._config, self._factory, GIL_SWITCH_INTERVAL_S
+                    )
+                self._backend = EngineProcess(endpoint, process, self._report, self._engine_exited)
+                info = await self._backend.start()
             else:
                 info = await self._start_thread()
         except BaseException:

@@ -78,34 +78,25 @@ def spawn_engine(
 class EngineProcess:
     """The API side's handle: start, put, ack, stop, join; reports arrive on a thread.
 
-    Without an endpoint it spawns an engine process of its own; with one, it joins
-    an engine process started elsewhere (server/api_servers.py), shared with
-    other API processes."""
+    `process`: the engine process, when this side spawned it (spawn_engine) and so stops
+    it; None when it was started elsewhere (server/api_servers.py), shared with other
+    API processes."""
 
     def __init__(
         self,
-        config: EngineConfig,
-        factory: EngineFactory,
+        endpoint: EngineEndpoint,
+        process: BaseProcess | None,
         listener: Listener,
         on_exit: Callable[[], None],
-        switch_interval: float,
-        endpoint: EngineEndpoint | None = None,
     ) -> None:
-        self._config = config
-        self._factory = factory
+        self._endpoint = endpoint
+        self._process = process
         self._listener = listener
         self._on_exit = on_exit  # the link is gone (stopped, or the engine died); from the reader
-        self._switch_interval = switch_interval
-        self._endpoint = endpoint
-        self._process: BaseProcess | None = None  # only when this side spawned it
         self._reader: threading.Thread | None = None
 
     async def start(self) -> EngineInfo:
-        """Spawn the child (unless shared) and wait until its engine is built (or raise why not)."""
-        if self._endpoint is None:
-            self._process, (self._endpoint,) = spawn_engine(
-                self._config, self._factory, self._switch_interval
-            )
+        """Wait until the engine process has built its engine (or raise why not)."""
         try:
             message = await asyncio.to_thread(self._endpoint.from_engine.recv)
         except EOFError:
