@@ -108,7 +108,7 @@ def create_app(
             yield
         finally:
             await async_engine.shutdown()
-            serving.close()
+            serving.prompts.close()
 
     app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine

@@ -110,7 +110,6 @@ class EngineProcess:
         return message.info
 
     def _read(self) -> None:
-        assert self._endpoint is not None
         try:
             while True:
                 report: WireReport = self._endpoint.from_engine.recv()
@@ -143,7 +142,7 @@ class EngineProcess:
 
     def _send(self, message: Put | Stop) -> None:
         # The child is gone (or never came up): the reader reports that.
-        with contextlib.suppress(OSError, AttributeError):
+        with contextlib.suppress(OSError):
             self._endpoint.to_engine.send(message)
 
     def join(self, timeout: float) -> None:

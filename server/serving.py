@@ -116,9 +116,6 @@ class Serving:
         self.vocab_size = info.vocab_size
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
 
-    def close(self) -> None:
-        self.prompts.close()
-
     def admit(self, model: str | None) -> None:
         """What a generation request is checked for before any work: the model it names,
         and room in the waiting queue (a 503 with Retry-After)."""

@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -83,24 +83,21 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     return Response(answer.response(states).model_dump_json(), media_type="application/json")
 
 
+@dataclass
 class _Answer:
     """Builds the response, or the stream of chunks, from the engine's outputs."""
 
-    def __init__(
-        self,
-        s: Serving,
-        req: CompletionRequest,
-        request_id: str,
-        stream: RequestStream,
-        prompts: list[Prompt],
-        score_only: bool,
-    ) -> None:
-        self.s, self.req, self.request_id, self.stream = s, req, request_id, stream
-        self.prompts = prompts
-        self.score_only = score_only
-        self.created = int(time.time())
+    s: Serving
+    req: CompletionRequest
+    request_id: str
+    stream: RequestStream
+    prompts: list[Prompt]
+    score_only: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
         # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
-        self.position = {rid: i for i, rid in enumerate(stream.request_ids)}
+        self.position = {rid: i for i, rid in enumerate(self.stream.request_ids)}
 
     def index(self, rid: str, choice: int) -> int:
         return self.position[rid] * self.req.n + choice
