@@ -136,11 +136,7 @@ class WireReport:
         """The StepReport the engine loop made, as far as it concerns this API process."""
         batch: Batch = {}
         for out in self.outputs:  # grouped by request, in step order
-            entry = batch.get(out.request_id)
-            if entry is None:
-                batch[out.request_id] = [out]
-            else:
-                entry.append(out)
+            batch.setdefault(out.request_id, []).append(out)
         batch.update(self.errors)
         deltas = TokenDeltas(*pickle.loads(self.deltas)) if self.deltas else TokenDeltas()
         return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in)

@@ -106,9 +106,7 @@ class _Answer:
         req, s = self.req, self.s
         usage = Usage()
         choices = []
-        for (rid, index), state in sorted(
-            states.items(), key=lambda kv: (self.position[kv[0][0]], kv[0][1])
-        ):
+        for (rid, index), state in sorted(states.items(), key=lambda kv: self.index(*kv[0])):
             prompt = self.prompts[self.position[rid]]
             if self.score_only:  # the one token generated for it is not the answer
                 state.text, state.token_ids, state.logprobs = "", [], []
