@@ -86,21 +86,13 @@ def create_app(
     shared engine process and its row of the shared metrics."""
     metrics = Metrics(metrics_share)
     async_engine = AsyncEngine(
-        engine_config,
-        metrics,
-        server_config.max_waiting_requests,
-        engine_factory or build_engine,
-        engine_process=server_config.engine_process,
-        engine_endpoint=engine_endpoint,
+        engine_config, server_config, metrics, engine_factory or build_engine, engine_endpoint
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()  # builds the engine; a failure stops startup
-        auto_tools = (
-            server_config.tool_call_parser if server_config.enable_auto_tool_choice else None
-        )
-        serving = Serving(async_engine, server_config.served_model_name, auto_tools)
+        serving = Serving(async_engine, server_config)
         app.state.serving = serving
         logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)
         freeze_startup_heap()  # startup is over: what is alive now lives until shutdown

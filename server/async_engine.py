@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_table
 from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
 from server.engine_process import EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
@@ -46,18 +47,17 @@ class AsyncEngine:
     def __init__(
         self,
         config: EngineConfig,
+        server_config: ServerConfig,
         metrics: Metrics,
-        max_waiting_requests: int,
         engine_factory: EngineFactory,
-        engine_process: bool = False,
         engine_endpoint: EngineEndpoint | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
-        self._max_waiting = max_waiting_requests
+        self._max_waiting = server_config.max_waiting_requests
         self._factory = engine_factory
         # With an endpoint, the engine process is someone else's and already started.
-        self._use_process = engine_process or engine_endpoint is not None
+        self._use_process = server_config.engine_process or engine_endpoint is not None
         self._endpoint = engine_endpoint
         self._credit = Flag()  # the engine thread's (an engine process keeps its own)
         self._backend: EngineLoop | EngineProcess | None = None

@@ -18,6 +18,7 @@ from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
+from server.config import ServerConfig
 from server.errors import APIError, error_body, from_value_error
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
@@ -99,19 +100,14 @@ class Usage:
 class Serving:
     """Holds the engine bridge and the prompts' tokenizer lanes; shared by the routes."""
 
-    def __init__(
-        self,
-        async_engine: AsyncEngine,
-        served_model_name: str | None,
-        tool_call_parser: str | None = None,
-    ) -> None:
+    def __init__(self, async_engine: AsyncEngine, config: ServerConfig) -> None:
         info = async_engine.info
         assert info is not None, "the engine has not started"
         # Finds calls in the output for tool_choice "auto" (None: auto is refused).
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.async_engine = async_engine
         self.tokenizer = info.tokenizer
-        self.model_name = served_model_name or info.model_name
+        self.model_name = config.served_model_name or info.model_name
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
