@@ -30,7 +30,7 @@ from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
 from server.config import ServerConfig
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
-from server.engine_process import EngineProcess, spawn_engine
+from server.engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
 from server.errors import APIError, overloaded
 from server.metrics import Metrics
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from engine.engine import EngineStats
 
 logger = logging.getLogger("pagoda.server")
-GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class AsyncEngine:
@@ -85,8 +84,6 @@ class AsyncEngine:
     async def start(self) -> None:
         """Build the engine (on its thread or in its process); wait until it is ready."""
         self._loop = asyncio.get_running_loop()
-        # A thread that waits for the GIL gets it after this long at most; by default
-        # (5 ms) a busy loop would stretch every decode step.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # The API side's tokenizer and its byte table are made while the engine builds
         # (the demo model's directory is known only once the engine has written it).
@@ -104,9 +101,7 @@ class AsyncEngine:
             if self._use_process:
                 process, endpoint = None, self._endpoint
                 if endpoint is None:  # an engine process of our own
-                    process, (endpoint,) = spawn_engine(
-                        self._config, self._factory, GIL_SWITCH_INTERVAL_S
-                    )
+                    process, (endpoint,) = spawn_engine(self._config, self._factory)
                 self._backend = EngineProcess(endpoint, process, self._report, self._engine_exited)
                 info = await self._backend.start()
             else:

@@ -38,10 +38,14 @@ if TYPE_CHECKING:
     from engine.request import RequestOutput
 
 logger = logging.getLogger("pagoda.server")
+# A thread that waits for the GIL gets it after this long at most (sys.setswitchinterval,
+# on both sides of the engine): by default (5 ms) a busy event loop would stretch every
+# decode step, and the engine process's reader would wait as long to hand over a put.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 def spawn_engine(
-    config: EngineConfig, factory: EngineFactory, switch_interval: float, num_clients: int = 1
+    config: EngineConfig, factory: EngineFactory, num_clients: int = 1
 ) -> tuple[BaseProcess, list[EngineEndpoint]]:
     """Start the engine process for `num_clients` API processes; returns it and their
     endpoints. It has not built its engine yet: each endpoint gets "ready" when it has."""
@@ -61,7 +65,6 @@ def spawn_engine(
             [e.credit for e in endpoints],
             config,
             factory,
-            switch_interval,
             logger.getEffectiveLevel(),  # a spawned child starts with logging unset
         ),
         name="pagoda-engine",
@@ -164,14 +167,13 @@ def _child_main(
     credits: list[Credit],
     config: EngineConfig,
     factory: EngineFactory,
-    switch_interval: float,
     log_level: int,
 ) -> None:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
     pause_collection()  # until the engine's build freezes the startup heap (engine/heap.py)
-    sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Ctrl-C reaches the whole process group, and systemd or `kill -- -PGID` send
     # SIGTERM to it: the API processes drain their streams, which need this one,
     # and then let it go through the pipe.

@@ -237,7 +237,7 @@ async def collect(stream) -> tuple[list[int], str | None, APIError | None]:
 
 async def test_two_api_processes_share_one_engine_process(tiny_gpt2_dir):
     config = engine_config(tiny_gpt2_dir)
-    process, endpoints = spawn_engine(config, build_engine, 1e-4, num_clients=2)
+    process, endpoints = spawn_engine(config, build_engine, num_clients=2)
     buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
     engines = [
         AsyncEngine(config, ServerConfig(), Metrics(MetricsShare(buffer, i, 2)), build_engine,
