@@ -15,6 +15,7 @@ waits on the device.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
@@ -114,15 +115,15 @@ class AsyncEngine:
         self.info = info
 
     async def _start_thread(self) -> EngineInfo:
-        ready: asyncio.Future[None] = self._loop.create_future()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
         backend = self._backend = EngineLoop(
             self._config, self._factory, self._report_local, self._credit
         )
         self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="pagoda-engine", daemon=True
+            target=self._run, args=(built,), name="pagoda-engine", daemon=True
         )
         self._thread.start()
-        await ready
+        await asyncio.wrap_future(built)
         return EngineInfo.of(backend.engine)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
@@ -275,15 +276,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine side's threads
 
-    def _run(self, ready: asyncio.Future[None]) -> None:
+    def _run(self, built: concurrent.futures.Future[None]) -> None:
         """The engine thread (without --engine-process)."""
-        assert self._loop is not None and isinstance(self._backend, EngineLoop)
+        assert isinstance(self._backend, EngineLoop)
+        if not built.set_running_or_notify_cancel():  # start() was cancelled
+            return
         try:
             self._backend.build()
         except BaseException as exc:  # surfaces in start(): the server does not come up
-            self._loop.call_soon_threadsafe(_set_exception, ready, exc)
+            built.set_exception(exc)
             return
-        self._loop.call_soon_threadsafe(_set_result, ready)
+        built.set_result(None)
         self._backend.serve()
         self._stopping = True
 
@@ -316,16 +319,6 @@ class AsyncEngine:
         error = APIError("The engine process died.", 500)
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.fail_streams, error)
-
-
-def _set_result(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _set_exception(future: asyncio.Future[None], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
 
 
 def _prepare_tokenizer(model_dir: str):
