@@ -122,8 +122,12 @@ class WireReport:
     @staticmethod
     def pack(outputs: list[RequestOutput], errors: dict[str, APIError], shared: bytes) -> bytes:
         """One API process's report: its outputs and errors, and the step's shared part
-        (pack_shared). Conn.recv() on the other end gives the WireReport."""
-        return dumps(_Packed(list(map(_output_row, outputs)), errors, shared))
+        (pack_shared), pickled with _WirePickler's reducers. Conn.recv() on the other end
+        gives the WireReport."""
+        buf = io.BytesIO()
+        packed = _Packed(list(map(_output_row, outputs)), errors, shared)
+        _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
+        return buf.getvalue()
 
     @staticmethod
     def pack_deltas(deltas: TokenDeltas) -> bytes:
@@ -164,11 +168,3 @@ class _WirePickler(pickle.Pickler):
 
     dispatch_table = copyreg.dispatch_table.copy()
     dispatch_table.update({cls: _positional(cls) for cls in (RequestMetrics, TokenLogprob)})
-
-
-def dumps(obj: object) -> bytes:
-    """obj pickled with _WirePickler's reducers; Connection.recv() and pickle.loads read
-    it back."""
-    buf = io.BytesIO()
-    _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
