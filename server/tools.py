@@ -22,6 +22,7 @@ from typing import Any
 from engine.structured.spec import GrammarSpec
 from server.errors import APIError
 from server.protocol import AssistantMessage, ChatCompletionRequest, FunctionCall, ToolCall
+from server.structured import field_spec
 from server.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -93,10 +94,7 @@ def _calls_schema(functions: dict, parallel: bool) -> dict[str, Any]:
 
 
 def _grammar(schema: dict) -> tuple[str, GrammarSpec]:
-    try:
-        return "tools", GrammarSpec.json_schema(schema)
-    except ValueError as exc:
-        raise APIError(f"tools: {exc}", param="tools") from exc
+    return field_spec("tools", GrammarSpec.json_schema, schema)
 
 
 def call_id() -> str:
