@@ -106,7 +106,6 @@ class Serving:
         # Finds calls in the output for tool_choice "auto" (None: auto is refused).
         self.tool_call_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.async_engine = async_engine
-        self.tokenizer = info.tokenizer
         self.model_name = config.served_model_name or info.model_name
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
@@ -227,7 +226,7 @@ class Serving:
             ids = await prompts.run(
                 raw, len(req.prompt), prompts.encode, req.prompt, req.add_special_tokens
             )
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = self.prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             tokens=ids, count=len(ids), max_model_len=self.max_model_len, token_strs=strs
         )
@@ -243,7 +242,7 @@ class Serving:
     def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's GET /tokenizer_info: the tokenizer's class and config, so that a client
         (lm-eval) can rebuild it without the hub."""
-        tokenizer = self.tokenizer
+        tokenizer = self.prompts.tokenizer
         config = {
             k: v for k, v in tokenizer.init_kwargs.items() if _is_json(v) and k != "name_or_path"
         }
