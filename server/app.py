@@ -194,14 +194,15 @@ class DashboardInfo:
     api_server_count: int
 
 
-def _describe(engine: Any, model_name: str, server_config: ServerConfig) -> DashboardInfo:
+def _describe(serving: Serving, server_config: ServerConfig) -> DashboardInfo:
     """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
     from engine.models.loader import checkpoint_dtype, load_config
 
-    config: EngineConfig = engine.config  # `engine`: the EngineInfo
-    dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
+    info = serving.async_engine.info
+    config = info.config
+    dtype = config.torch_dtype(checkpoint_dtype(load_config(info.model_dir)))
     return DashboardInfo(
-        model=model_name,
+        model=serving.model_name,
         uptime_s=0.0,
         device=str(config.torch_device),
         dtype=str(dtype).removeprefix("torch."),
@@ -232,12 +233,7 @@ def _add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
     @app.get("/dashboard/info", include_in_schema=False)  # with --api-key, behind it
     async def dashboard_info(request: Request) -> Response:
         if not described:
-            state = request.app.state
-            described.append(
-                await asyncio.to_thread(
-                    _describe, state.async_engine.info, state.serving.model_name, server_config
-                )
-            )
+            described.append(await asyncio.to_thread(_describe, _serving(request), server_config))
         info = replace(described[0], uptime_s=time.monotonic() - started)
         return JSONResponse(asdict(info), headers=_NO_CACHE)
 
