@@ -26,7 +26,6 @@ import sys
 from typing import Any
 
 from engine.config import EngineConfig
-from server.async_engine import GIL_SWITCH_INTERVAL_S
 from server.config import ServerConfig
 from server.engine_loop import EngineFactory
 from server.engine_process import spawn_engine
@@ -47,9 +46,7 @@ def run_api_servers(
     count = server_config.api_server_count
     ctx = multiprocessing.get_context("spawn")
     socks = bind_sockets(server_config, count)  # exits at once if the port is taken
-    engine, endpoints = spawn_engine(
-        engine_config, engine_factory or build_engine, GIL_SWITCH_INTERVAL_S, count
-    )
+    engine, endpoints = spawn_engine(engine_config, engine_factory or build_engine, count)
     share = ctx.RawArray("d", count * Metrics.num_slots())
     servers = []
     for i, endpoint in enumerate(endpoints):

@@ -86,21 +86,13 @@ def create_app(
     shared engine process and its row of the shared metrics."""
     metrics = Metrics(metrics_share)
     async_engine = AsyncEngine(
-        engine_config,
-        metrics,
-        server_config.max_waiting_requests,
-        engine_factory or build_engine,
-        engine_process=server_config.engine_process,
-        engine_endpoint=engine_endpoint,
+        engine_config, server_config, metrics, engine_factory or build_engine, engine_endpoint
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()  # builds the engine; a failure stops startup
-        auto_tools = (
-            server_config.tool_call_parser if server_config.enable_auto_tool_choice else None
-        )
-        serving = Serving(async_engine, server_config.served_model_name, auto_tools)
+        serving = Serving(async_engine, server_config)
         app.state.serving = serving
         logger.info("serving %s (max_model_len %d)", serving.model_name, serving.max_model_len)
         freeze_startup_heap()  # startup is over: what is alive now lives until shutdown
@@ -108,7 +100,7 @@ def create_app(
             yield
         finally:
             await async_engine.shutdown()
-            serving.close()
+            serving.prompts.close()
 
     app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
@@ -202,14 +194,15 @@ class DashboardInfo:
     api_server_count: int
 
 
-def _describe(engine: Any, model_name: str, server_config: ServerConfig) -> DashboardInfo:
+def _describe(serving: Serving, server_config: ServerConfig) -> DashboardInfo:
     """The header's fixed part, resolved as the engine resolves `auto` (reads config.json)."""
     from engine.models.loader import checkpoint_dtype, load_config
 
-    config: EngineConfig = engine.config  # `engine`: the EngineInfo
-    dtype = config.torch_dtype(checkpoint_dtype(load_config(engine.model_dir)))
+    info = serving.async_engine.info
+    config = info.config
+    dtype = config.torch_dtype(checkpoint_dtype(load_config(info.model_dir)))
     return DashboardInfo(
-        model=model_name,
+        model=serving.model_name,
         uptime_s=0.0,
         device=str(config.torch_device),
         dtype=str(dtype).removeprefix("torch."),
@@ -240,12 +233,7 @@ def _add_dashboard(app: FastAPI, server_config: ServerConfig) -> None:
     @app.get("/dashboard/info", include_in_schema=False)  # with --api-key, behind it
     async def dashboard_info(request: Request) -> Response:
         if not described:
-            state = request.app.state
-            described.append(
-                await asyncio.to_thread(
-                    _describe, state.async_engine.info, state.serving.model_name, server_config
-                )
-            )
+            described.append(await asyncio.to_thread(_describe, _serving(request), server_config))
         info = replace(described[0], uptime_s=time.monotonic() - started)
         return JSONResponse(asdict(info), headers=_NO_CACHE)
 

@@ -15,6 +15,7 @@ waits on the device.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
@@ -28,8 +29,9 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_table
 from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
-from server.engine_process import EngineProcess
+from server.engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
 from server.errors import APIError, overloaded
 from server.metrics import Metrics
@@ -39,25 +41,23 @@ if TYPE_CHECKING:
     from engine.engine import EngineStats
 
 logger = logging.getLogger("pagoda.server")
-GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class AsyncEngine:
     def __init__(
         self,
         config: EngineConfig,
+        server_config: ServerConfig,
         metrics: Metrics,
-        max_waiting_requests: int,
         engine_factory: EngineFactory,
-        engine_process: bool = False,
         engine_endpoint: EngineEndpoint | None = None,
     ) -> None:
         self._config = config
         self._metrics = metrics
-        self._max_waiting = max_waiting_requests
+        self._max_waiting = server_config.max_waiting_requests
         self._factory = engine_factory
         # With an endpoint, the engine process is someone else's and already started.
-        self._use_process = engine_process or engine_endpoint is not None
+        self._use_process = server_config.engine_process or engine_endpoint is not None
         self._endpoint = engine_endpoint
         self._credit = Flag()  # the engine thread's (an engine process keeps its own)
         self._backend: EngineLoop | EngineProcess | None = None
@@ -85,8 +85,6 @@ class AsyncEngine:
     async def start(self) -> None:
         """Build the engine (on its thread or in its process); wait until it is ready."""
         self._loop = asyncio.get_running_loop()
-        # A thread that waits for the GIL gets it after this long at most; by default
-        # (5 ms) a busy loop would stretch every decode step.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         # The API side's tokenizer and its byte table are made while the engine builds
         # (the demo model's directory is known only once the engine has written it).
@@ -102,12 +100,11 @@ class AsyncEngine:
         )
         try:
             if self._use_process:
-                process = EngineProcess(
-                    self._config, self._factory, self._report, self._engine_exited,
-                    GIL_SWITCH_INTERVAL_S, self._endpoint,
-                )  # fmt: skip
-                self._backend = process
-                info = await process.start()
+                process, endpoint = None, self._endpoint
+                if endpoint is None:  # an engine process of our own
+                    process, (endpoint,) = spawn_engine(self._config, self._factory)
+                self._backend = EngineProcess(endpoint, process, self._report, self._engine_exited)
+                info = await self._backend.start()
             else:
                 info = await self._start_thread()
         except BaseException:
@@ -118,15 +115,15 @@ class AsyncEngine:
         self.info = info
 
     async def _start_thread(self) -> EngineInfo:
-        ready: asyncio.Future[None] = self._loop.create_future()
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
         backend = self._backend = EngineLoop(
             self._config, self._factory, self._report_local, self._credit
         )
         self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="pagoda-engine", daemon=True
+            target=self._run, args=(built,), name="pagoda-engine", daemon=True
         )
         self._thread.start()
-        await ready
+        await asyncio.wrap_future(built)
         return EngineInfo.of(backend.engine)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
@@ -202,7 +199,7 @@ class AsyncEngine:
         return stream
 
     def _abort(self, stream: RequestStream) -> None:
-        self._metrics.on_abort(stream.unfinished_choices)
+        self._metrics.on_abort(len(stream.unfinished))
         self._forget(stream)
 
     def _forget(self, stream: RequestStream) -> None:
@@ -279,15 +276,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine side's threads
 
-    def _run(self, ready: asyncio.Future[None]) -> None:
+    def _run(self, built: concurrent.futures.Future[None]) -> None:
         """The engine thread (without --engine-process)."""
-        assert self._loop is not None and isinstance(self._backend, EngineLoop)
+        assert isinstance(self._backend, EngineLoop)
+        if not built.set_running_or_notify_cancel():  # start() was cancelled
+            return
         try:
             self._backend.build()
         except BaseException as exc:  # surfaces in start(): the server does not come up
-            self._loop.call_soon_threadsafe(_set_exception, ready, exc)
+            built.set_exception(exc)
             return
-        self._loop.call_soon_threadsafe(_set_result, ready)
+        built.set_result(None)
         self._backend.serve()
         self._stopping = True
 
@@ -320,16 +319,6 @@ class AsyncEngine:
         error = APIError("The engine process died.", 500)
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self.fail_streams, error)
-
-
-def _set_result(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def _set_exception(future: asyncio.Future[None], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
 
 
 def _prepare_tokenizer(model_dir: str):

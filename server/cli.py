@@ -26,15 +26,18 @@ _SERVER = ServerConfig()
 
 def _adder(group: Any, config: object) -> Callable[..., None]:
     """add(*flags, help=..., **kw): a flag of `group` whose default is config's field
-    `dest` (the first flag's name), of that default's type unless told otherwise; a
-    switch (store_true, store_false) defaults to the value it does not store."""
+    `dest` (the first flag's name, less a `no-`), of that default's type unless told
+    otherwise; a field that defaults to a bool is a switch that stores the other."""
 
     def add(*flags: str, help: str | None = None, **kw: Any) -> None:
-        kw.setdefault("dest", flags[0].removeprefix("--").replace("-", "_"))
+        name = flags[0].removeprefix("--").removeprefix("no-")
+        kw.setdefault("dest", name.replace("-", "_"))
         if "action" not in kw:
-            kw.setdefault("default", getattr(config, kw["dest"]))
-            if type(kw["default"]) in (int, float, str):
-                kw.setdefault("type", type(kw["default"]))
+            default = kw.setdefault("default", getattr(config, kw["dest"]))
+            if isinstance(default, bool):
+                kw["action"] = "store_false" if default else "store_true"
+            elif type(default) in (int, float, str):
+                kw.setdefault("type", type(default))
         group.add_argument(*flags, help=help, **kw)
 
     return add
@@ -45,7 +48,8 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         prog=prog, description="Serve a model over an OpenAI-compatible API."
     )
     e = _adder(p.add_argument_group("engine"), _ENGINE)
-    t = _adder(p.add_argument_group("tensor parallelism"), _ENGINE)
+    tp = p.add_argument_group("tensor parallelism")
+    t = _adder(tp, _ENGINE)
     s = _adder(p.add_argument_group("server"), _SERVER)
     e(
         "--model",
@@ -72,17 +76,10 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e("--max-num-seqs", help="most requests in one batch")
     e("--max-num-batched-tokens", help="most tokens in one step")
     e("--max-model-len", type=int, help="context length (default: the model's)")
-    e(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn the prefix cache off",
-    )
-    e("--enforce-eager", action="store_true", help="no CUDA graphs")
+    e("--no-prefix-caching", dest="enable_prefix_caching", help="turn the prefix cache off")
+    e("--enforce-eager", help="no CUDA graphs")
     e(
         "--no-prefill-graphs",
-        dest="prefill_graphs",
-        action="store_false",
         help="steps with prefill run eagerly (decode-only steps still replay CUDA graphs)",
     )
     e(
@@ -93,14 +90,9 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 24 ... "
         "every 8; --max-num-seqs is always one): fewer capture faster, padding more rows",
     )
-    e(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="read each step's sampled ids before planning the next",
-    )
+    e("--no-async-scheduling", help="read each step's sampled ids before planning the next")
     e("--seed", help="seed for unseeded requests")
-    e("--nvtx", action="store_true", help="NVTX ranges around step phases (for nsys)")
+    e("--nvtx", help="NVTX ranges around step phases (for nsys)")
     e(
         "--stream-interval",
         metavar="N",
@@ -123,10 +115,8 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         metavar="P",
         help="node 0's rendezvous port (default: a free one; needed with --nnodes > 1)",
     )
-    t(
-        "--headless",
-        action="store_true",
-        help="run this node's ranks only, no HTTP (nodes other than 0)",
+    _adder(tp, _SERVER)(
+        "--headless", help="run this node's ranks only, no HTTP (nodes other than 0)"
     )
     e(
         "--disable-log-stats",
@@ -181,7 +171,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     s(
         "--engine-process",
-        action="store_true",
         help="run the engine in a process of its own, not a thread (no GIL shared with HTTP)",
     )
     s(
@@ -192,7 +181,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     s(
         "--enable-auto-tool-choice",
-        action="store_true",
         help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
     )
     s(
@@ -205,7 +193,6 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     s(
         "--disable-uvicorn-access-log",
         dest="access_log",
-        action="store_false",
         help="no log line per HTTP request (vLLM's flag of the same name)",
     )
     return p

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tool_parsers.py's PARSERS
+from server.tool_parsers import PARSERS
+
+TOOL_CALL_PARSERS = tuple(PARSERS)
 
 
 @dataclass

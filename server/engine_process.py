@@ -38,10 +38,14 @@ if TYPE_CHECKING:
     from engine.request import RequestOutput
 
 logger = logging.getLogger("pagoda.server")
+# A thread that waits for the GIL gets it after this long at most (sys.setswitchinterval,
+# on both sides of the engine): by default (5 ms) a busy event loop would stretch every
+# decode step, and the engine process's reader would wait as long to hand over a put.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 def spawn_engine(
-    config: EngineConfig, factory: EngineFactory, switch_interval: float, num_clients: int = 1
+    config: EngineConfig, factory: EngineFactory, num_clients: int = 1
 ) -> tuple[BaseProcess, list[EngineEndpoint]]:
     """Start the engine process for `num_clients` API processes; returns it and their
     endpoints. It has not built its engine yet: each endpoint gets "ready" when it has."""
@@ -61,7 +65,6 @@ def spawn_engine(
             [e.credit for e in endpoints],
             config,
             factory,
-            switch_interval,
             logger.getEffectiveLevel(),  # a spawned child starts with logging unset
         ),
         name="pagoda-engine",
@@ -78,34 +81,25 @@ def spawn_engine(
 class EngineProcess:
     """The API side's handle: start, put, ack, stop, join; reports arrive on a thread.
 
-    Without an endpoint it spawns an engine process of its own; with one, it joins
-    an engine process started elsewhere (server/api_servers.py), shared with
-    other API processes."""
+    `process`: the engine process, when this side spawned it (spawn_engine) and so stops
+    it; None when it was started elsewhere (server/api_servers.py), shared with other
+    API processes."""
 
     def __init__(
         self,
-        config: EngineConfig,
-        factory: EngineFactory,
+        endpoint: EngineEndpoint,
+        process: BaseProcess | None,
         listener: Listener,
         on_exit: Callable[[], None],
-        switch_interval: float,
-        endpoint: EngineEndpoint | None = None,
     ) -> None:
-        self._config = config
-        self._factory = factory
+        self._endpoint = endpoint
+        self._process = process
         self._listener = listener
         self._on_exit = on_exit  # the link is gone (stopped, or the engine died); from the reader
-        self._switch_interval = switch_interval
-        self._endpoint = endpoint
-        self._process: BaseProcess | None = None  # only when this side spawned it
         self._reader: threading.Thread | None = None
 
     async def start(self) -> EngineInfo:
-        """Spawn the child (unless shared) and wait until its engine is built (or raise why not)."""
-        if self._endpoint is None:
-            self._process, (self._endpoint,) = spawn_engine(
-                self._config, self._factory, self._switch_interval
-            )
+        """Wait until the engine process has built its engine (or raise why not)."""
         try:
             message = await asyncio.to_thread(self._endpoint.from_engine.recv)
         except EOFError:
@@ -119,7 +113,6 @@ class EngineProcess:
         return message.info
 
     def _read(self) -> None:
-        assert self._endpoint is not None
         try:
             while True:
                 report: WireReport = self._endpoint.from_engine.recv()
@@ -152,7 +145,7 @@ class EngineProcess:
 
     def _send(self, message: Put | Stop) -> None:
         # The child is gone (or never came up): the reader reports that.
-        with contextlib.suppress(OSError, AttributeError):
+        with contextlib.suppress(OSError):
             self._endpoint.to_engine.send(message)
 
     def join(self, timeout: float) -> None:
@@ -174,14 +167,13 @@ def _child_main(
     credits: list[Credit],
     config: EngineConfig,
     factory: EngineFactory,
-    switch_interval: float,
     log_level: int,
 ) -> None:
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s %(name)s (engine process): %(message)s"
     )
     pause_collection()  # until the engine's build freezes the startup heap (engine/heap.py)
-    sys.setswitchinterval(switch_interval)  # the reader must not wait 5 ms to hand over a put
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # Ctrl-C reaches the whole process group, and systemd or `kill -- -PGID` send
     # SIGTERM to it: the API processes drain their streams, which need this one,
     # and then let it go through the pipe.

@@ -122,8 +122,12 @@ class WireReport:
     @staticmethod
     def pack(outputs: list[RequestOutput], errors: dict[str, APIError], shared: bytes) -> bytes:
         """One API process's report: its outputs and errors, and the step's shared part
-        (pack_shared). Conn.recv() on the other end gives the WireReport."""
-        return dumps(_Packed(list(map(_output_row, outputs)), errors, shared))
+        (pack_shared), pickled with _WirePickler's reducers. Conn.recv() on the other end
+        gives the WireReport."""
+        buf = io.BytesIO()
+        packed = _Packed(list(map(_output_row, outputs)), errors, shared)
+        _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
+        return buf.getvalue()
 
     @staticmethod
     def pack_deltas(deltas: TokenDeltas) -> bytes:
@@ -136,11 +140,7 @@ class WireReport:
         """The StepReport the engine loop made, as far as it concerns this API process."""
         batch: Batch = {}
         for out in self.outputs:  # grouped by request, in step order
-            entry = batch.get(out.request_id)
-            if entry is None:
-                batch[out.request_id] = [out]
-            else:
-                entry.append(out)
+            batch.setdefault(out.request_id, []).append(out)
         batch.update(self.errors)
         deltas = TokenDeltas(*pickle.loads(self.deltas)) if self.deltas else TokenDeltas()
         return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in)
@@ -168,11 +168,3 @@ class _WirePickler(pickle.Pickler):
 
     dispatch_table = copyreg.dispatch_table.copy()
     dispatch_table.update({cls: _positional(cls) for cls in (RequestMetrics, TokenLogprob)})
-
-
-def dumps(obj: object) -> bytes:
-    """obj pickled with _WirePickler's reducers; Connection.recv() and pickle.loads read
-    it back."""
-    buf = io.BytesIO()
-    _WirePickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()

@@ -16,7 +16,7 @@ import bisect
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -30,8 +30,7 @@ from prometheus_client.registry import Collector
 from engine.request import RequestOutput
 
 if TYPE_CHECKING:
-    from engine.engine import EngineStats
-    from server.engine_wire import EngineInfo
+    from server.async_engine import AsyncEngine  # which owns these metrics
 
 # Latency buckets in seconds (vLLM's, trimmed).
 _TTFT_BUCKETS = (
@@ -51,23 +50,10 @@ _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-class EngineWatch(Protocol):
-    """What the metrics read of the engine at scrape time (AsyncEngine)."""
-
-    @property
-    def stats(self) -> EngineStats | None: ...
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def info(self) -> EngineInfo | None: ...
-
-
 class _EngineStatsCollector(Collector):
     """Reads the latest engine stats snapshot when /metrics is scraped."""
 
-    def __init__(self, engine: EngineWatch) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -186,7 +172,7 @@ class Metrics:
         """Requests submitted to the engine by every API process, ever."""
         return int(self._slots.total(self._submitted_slot))
 
-    def watch_engine(self, engine: EngineWatch) -> None:
+    def watch_engine(self, engine: AsyncEngine) -> None:
         """Scrapes read the engine's latest stats from `engine` (called by AsyncEngine's
         constructor, which owns these metrics)."""
         self.registry.register(_EngineStatsCollector(engine))

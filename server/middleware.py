@@ -21,14 +21,12 @@ class ApiKeyAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = api_key.encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(
-                given.strip(), self._expected
-            ):
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self._key):
                 body = error_body("Incorrect API key provided.", 401, code="invalid_api_key")
                 headers = {"WWW-Authenticate": "Bearer"}
                 await JSONResponse(body, status_code=401, headers=headers)(scope, receive, send)

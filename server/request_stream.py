@@ -77,7 +77,7 @@ class RequestStream:
         self._has_stop_strings = has_stop_strings
         self._on_abort = on_abort  # the client went away: stop the engine requests
         self._queue: asyncio.Queue[list[RequestOutput] | APIError] = asyncio.Queue()
-        self._unfinished = {(rid, i) for rid in request_ids for i in range(n)}
+        self.unfinished = {(rid, i) for rid in request_ids for i in range(n)}
         self.last_token_time: dict[Choice, float] = {}  # for inter-token latency
         # Each choice's latest output from the engine, which its next TokenDeltas entry follows.
         self.last_output: dict[Choice, RequestOutput] = {}
@@ -115,10 +115,6 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._on_abort(self)
-
-    @property
-    def unfinished_choices(self) -> int:
-        return len(self._unfinished)
 
     def decode(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The engine's outputs of one step (ids only), with their text; in step order."""
@@ -176,10 +172,10 @@ class RequestStream:
         """Decoded outputs, or the error that ends the stream."""
         if isinstance(item, APIError):
             self.finished = True
-            self._unfinished.clear()
+            self.unfinished.clear()
         else:
             for out in item:
                 if out.finished:
-                    self._unfinished.discard((out.request_id, out.index))
-            self.finished = not self._unfinished
+                    self.unfinished.discard((out.request_id, out.index))
+            self.finished = not self.unfinished
         self._queue.put_nowait(item)

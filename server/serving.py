@@ -18,6 +18,7 @@ from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
+from server.config import ServerConfig
 from server.errors import APIError, error_body, from_value_error
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
@@ -99,25 +100,16 @@ class Usage:
 class Serving:
     """Holds the engine bridge and the prompts' tokenizer lanes; shared by the routes."""
 
-    def __init__(
-        self,
-        async_engine: AsyncEngine,
-        served_model_name: str | None,
-        tool_call_parser: str | None = None,
-    ) -> None:
+    def __init__(self, async_engine: AsyncEngine, config: ServerConfig) -> None:
         info = async_engine.info
         assert info is not None, "the engine has not started"
         # Finds calls in the output for tool_choice "auto" (None: auto is refused).
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.async_engine = async_engine
-        self.tokenizer = info.tokenizer
-        self.model_name = served_model_name or info.model_name
+        self.model_name = config.served_model_name or info.model_name
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
-
-    def close(self) -> None:
-        self.prompts.close()
 
     def admit(self, model: str | None) -> None:
         """What a generation request is checked for before any work: the model it names,
@@ -216,9 +208,6 @@ class Serving:
                 work.cancel()
                 stream.abort()
 
-    def sse(self, stream: RequestStream, payloads: AsyncIterator[str]) -> StreamingResponse:
-        return _SSEResponse(stream, _sse_events(stream, payloads))
-
     # ------------------------------------------------------------ small endpoints
 
     def models(self) -> ModelList:
@@ -237,7 +226,7 @@ class Serving:
             ids = await prompts.run(
                 raw, len(req.prompt), prompts.encode, req.prompt, req.add_special_tokens
             )
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = self.prompts.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             tokens=ids, count=len(ids), max_model_len=self.max_model_len, token_strs=strs
         )
@@ -253,7 +242,7 @@ class Serving:
     def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's GET /tokenizer_info: the tokenizer's class and config, so that a client
         (lm-eval) can rebuild it without the hub."""
-        tokenizer = self.tokenizer
+        tokenizer = self.prompts.tokenizer
         config = {
             k: v for k, v in tokenizer.init_kwargs.items() if _is_json(v) and k != "name_or_path"
         }
@@ -314,12 +303,13 @@ async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> As
     yield "data: [DONE]\n\n"
 
 
-class _SSEResponse(StreamingResponse):
-    """Aborts the request however the response ends, even if streaming never began."""
+class SSEResponse(StreamingResponse):
+    """The payloads as SSE events; aborts the request however the response ends, even if
+    streaming never began."""
 
-    def __init__(self, stream: RequestStream, content: AsyncIterator[str]) -> None:
+    def __init__(self, stream: RequestStream, payloads: AsyncIterator[str]) -> None:
         super().__init__(
-            content,
+            _sse_events(stream, payloads),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -24,7 +24,7 @@ from server.protocol import (
     TopLogprob,
 )
 from server.request_stream import RequestStream
-from server.serving import Serving, Usage, prompt_logprobs_out
+from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
@@ -66,7 +66,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     created = int(time.time())
     if req.stream:
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)
-        return s.sse(stream, chunks)
+        return SSEResponse(stream, chunks)
 
     states = await s.collect(raw, stream)
     usage = Usage()

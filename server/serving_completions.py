@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -20,7 +20,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import ChoiceState, Serving, Usage, prompt_logprobs_out
+from server.serving import ChoiceState, Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 
 
@@ -78,29 +78,26 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     stream = s.async_engine.submit(request_id, [p.token_ids for p in prompts], params)
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
-        return s.sse(stream, answer.chunks())
+        return SSEResponse(stream, answer.chunks())
     states = await s.collect(raw, stream)
     return Response(answer.response(states).model_dump_json(), media_type="application/json")
 
 
+@dataclass
 class _Answer:
     """Builds the response, or the stream of chunks, from the engine's outputs."""
 
-    def __init__(
-        self,
-        s: Serving,
-        req: CompletionRequest,
-        request_id: str,
-        stream: RequestStream,
-        prompts: list[Prompt],
-        score_only: bool,
-    ) -> None:
-        self.s, self.req, self.request_id, self.stream = s, req, request_id, stream
-        self.prompts = prompts
-        self.score_only = score_only
-        self.created = int(time.time())
+    s: Serving
+    req: CompletionRequest
+    request_id: str
+    stream: RequestStream
+    prompts: list[Prompt]
+    score_only: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
         # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
-        self.position = {rid: i for i, rid in enumerate(stream.request_ids)}
+        self.position = {rid: i for i, rid in enumerate(self.stream.request_ids)}
 
     def index(self, rid: str, choice: int) -> int:
         return self.position[rid] * self.req.n + choice
@@ -109,9 +106,7 @@ class _Answer:
         req, s = self.req, self.s
         usage = Usage()
         choices = []
-        for (rid, index), state in sorted(
-            states.items(), key=lambda kv: (self.position[kv[0][0]], kv[0][1])
-        ):
+        for (rid, index), state in sorted(states.items(), key=lambda kv: self.index(*kv[0])):
             prompt = self.prompts[self.position[rid]]
             if self.score_only:  # the one token generated for it is not the answer
                 state.text, state.token_ids, state.logprobs = "", [], []

@@ -48,7 +48,8 @@ def _check(spec: GrammarSpec) -> str | None:
     return None
 
 
-def _spec(param: str, make, *args) -> tuple[str, GrammarSpec]:
+def field_spec(param: str, make, *args) -> tuple[str, GrammarSpec]:
+    """(param, make(*args)); a ValueError of make's is a 400 naming param."""
     try:
         return param, make(*args)
     except ValueError as exc:
@@ -61,12 +62,13 @@ def _response_format(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
         return []
     if fmt.type == "json_object":
         return [("response_format", GrammarSpec("json_object"))]
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if schema is None:
         raise APIError(
             "response_format of type json_schema needs json_schema.schema.",
             param="response_format.json_schema",
         )
-    return [_spec("response_format.json_schema", GrammarSpec.json_schema, fmt.json_schema.schema_)]
+    return [field_spec("response_format.json_schema", GrammarSpec.json_schema, schema)]
 
 
 def _structured_outputs(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
@@ -96,9 +98,9 @@ def _guided(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
 
 def _make(param: str, kind: str, value) -> tuple[str, GrammarSpec]:
     if kind == "json":
-        return _spec(param, GrammarSpec.json_schema, value)
+        return field_spec(param, GrammarSpec.json_schema, value)
     if kind == "choice":
-        return _spec(param, GrammarSpec.choice, value)
+        return field_spec(param, GrammarSpec.choice, value)
     if kind == "json_object":
         return param, GrammarSpec("json_object")
     if not value:

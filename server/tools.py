@@ -22,6 +22,7 @@ from typing import Any
 from engine.structured.spec import GrammarSpec
 from server.errors import APIError
 from server.protocol import AssistantMessage, ChatCompletionRequest, FunctionCall, ToolCall
+from server.structured import field_spec
 from server.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -59,15 +60,16 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
             )
         return ToolPlan(template_tools, None, PARSERS[auto_parser], parallel)
     if choice == "required":
-        schema = _calls_schema(by_name, parallel)
-        return ToolPlan(template_tools, _grammar(schema), RequiredParser, parallel)
-    name = choice.function.name
-    if name not in by_name:
-        raise APIError(
-            f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice"
-        )
-    schema = by_name[name].parameters or NO_ARGUMENTS
-    return ToolPlan(template_tools, _grammar(schema), lambda: NamedParser(name), parallel)
+        schema, parser = _calls_schema(by_name, parallel), RequiredParser
+    else:
+        name = choice.function.name
+        if name not in by_name:
+            raise APIError(
+                f"tool_choice names {name!r}, which is not among the tools.", param="tool_choice"
+            )
+        schema, parser = by_name[name].parameters or NO_ARGUMENTS, lambda: NamedParser(name)
+    grammar = field_spec("tools", GrammarSpec.json_schema, schema)
+    return ToolPlan(template_tools, grammar, parser, parallel)
 
 
 def _calls_schema(functions: dict, parallel: bool) -> dict[str, Any]:
@@ -90,13 +92,6 @@ def _calls_schema(functions: dict, parallel: bool) -> dict[str, Any]:
     if not parallel:
         schema["maxItems"] = 1
     return schema
-
-
-def _grammar(schema: dict) -> tuple[str, GrammarSpec]:
-    try:
-        return "tools", GrammarSpec.json_schema(schema)
-    except ValueError as exc:
-        raise APIError(f"tools: {exc}", param="tools") from exc
 
 
 def call_id() -> str:

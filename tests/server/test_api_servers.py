@@ -190,8 +190,9 @@ def test_a_request_is_counted_waiting_once_whichever_api_process_hears_first(
     count it in both (it did, and turned requests away below the limit)."""
     monkeypatch.setattr(AsyncEngine, "is_alive", property(lambda self: True))
     buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
+    limit = ServerConfig(max_waiting_requests=5)
     a, b = (
-        AsyncEngine(EngineConfig(), Metrics(MetricsShare(buffer, i, 2)), 5, build_engine)
+        AsyncEngine(EngineConfig(), limit, Metrics(MetricsShare(buffer, i, 2)), build_engine)
         for i in range(2)
     )
     sent: list = []
@@ -236,11 +237,11 @@ async def collect(stream) -> tuple[list[int], str | None, APIError | None]:
 
 async def test_two_api_processes_share_one_engine_process(tiny_gpt2_dir):
     config = engine_config(tiny_gpt2_dir)
-    process, endpoints = spawn_engine(config, build_engine, 1e-4, num_clients=2)
+    process, endpoints = spawn_engine(config, build_engine, num_clients=2)
     buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
     engines = [
-        AsyncEngine(config, Metrics(MetricsShare(buffer, i, 2)), 1024, build_engine,
-                    engine_endpoint=endpoint)
+        AsyncEngine(config, ServerConfig(), Metrics(MetricsShare(buffer, i, 2)), build_engine,
+                    endpoint)
         for i, endpoint in enumerate(endpoints)
     ]  # fmt: skip
     await asyncio.gather(*(e.start() for e in engines))
