@@ -214,9 +214,9 @@ def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKW
             block_n = 64 if n >= 2048 else 32
             tiles = triton.cdiv(n, block_n)
             splits = max(1, min(4, sms // tiles))
-            if fp8:
+            if fp8:  # e4m3 dots (Fp8Linear) at every batch
                 stages = 3 if tiles > sms else 4
-                rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
+                config = rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
             else:
                 rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
             _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)

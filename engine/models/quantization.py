@@ -30,16 +30,6 @@ from kernels.fp8 import (
 )
 from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
 
-# Rows up to which Fp8Linear runs the split-K kernel with weight-only FP8; past them, up
-# to SPLITK_MAX_M, the same kernel with x quantized per token (e4m3 dots), and beyond
-# that `_scaled_mm`.
-FP8_WEIGHT_ONLY_MAX_M = 16
-# Outputs at least this wide (gate_up projections) take e4m3 dots at every batch: there
-# the weight-only form's e4m3 -> bf16 conversions, not its weight bytes, set the pace,
-# and quantizing x costs less than they do (Llama-3-8B's gate_up at 1-16 rows on an
-# H200; its other projections were faster weight-only).
-FP8_E4M3_DOTS_MIN_N = 16384
-
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
 # all_reduce follows its FP8 GEMM.
@@ -78,15 +68,14 @@ class Fp8Linear(nn.Module):
         m = rows.shape[0]
         if rows.is_cuda and m <= SPLITK_MAX_M and rows.stride(1) == 1:
             # Decode batches: the split-K kernel reads each weight's byte once, where
-            # _scaled_mm's kernels for skinny products fall far short of that.
+            # _scaled_mm's kernels for skinny products fall far short of that. Its dots
+            # run on e4m3 at every batch: upcasting the weights instead, for x left in
+            # the model dtype, costs more in conversions than quantizing x does.
             workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
-            if m <= FP8_WEIGHT_ONLY_MAX_M and self.out_features < FP8_E4M3_DOTS_MIN_N:
-                out = splitk_linear(rows, self.weight, self.bias, workspace, self.weight_scale)
-            else:
-                x_q, x_scale = quantize_per_token(rows)
-                out = splitk_linear(
-                    x_q, self.weight, self.bias, workspace, self.weight_scale, x_scale, rows.dtype
-                )
+            x_q, x_scale = quantize_per_token(rows)
+            out = splitk_linear(
+                x_q, self.weight, self.bias, workspace, self.weight_scale, x_scale, rows.dtype
+            )
         else:
             out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)
         out = out.view(*shape[:-1], self.out_features)

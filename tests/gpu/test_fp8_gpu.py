@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.models.quantization import FP8_E4M3_DOTS_MIN_N, Fp8Linear
+from engine.models.quantization import Fp8Linear
 from kernels.fp8 import (
     FP8_DTYPE,
     fp8_linear,
@@ -55,12 +55,12 @@ def test_fp8_linear_close_to_bf16_and_to_its_reference(m: int, dtype: torch.dtyp
     assert _rel(out - bias, F.linear(x, w).float()) < 0.05
 
 
-@pytest.mark.parametrize("n", [6144, FP8_E4M3_DOTS_MIN_N])
+@pytest.mark.parametrize("n", [6144, 28672])
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65])
 def test_fp8_linear_module_by_batch(m: int, n: int) -> None:
-    """Fp8Linear's three paths: weight-only split-K (x unquantized) up to 16 rows below
-    FP8_E4M3_DOTS_MIN_N outputs, e4m3 dots in split-K up to 64, `_scaled_mm` past that;
-    each against its reference."""
+    """Fp8Linear's two paths, x quantized per token on both: e4m3 dots in split-K up to
+    64 rows, `_scaled_mm` past that; each against fp8_linear_ref (a weight-only product
+    is ~3% away, past the tolerance)."""
     k = 4096
     linear = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     fp8 = Fp8Linear.from_linear(linear)
@@ -68,11 +68,7 @@ def test_fp8_linear_module_by_batch(m: int, n: int) -> None:
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
     out = fp8(x)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    if m <= 16 and n < FP8_E4M3_DOTS_MIN_N:
-        want = x.float() @ (fp8.weight.float() * fp8.weight_scale[:, None]).t() + fp8.bias.float()
-    else:
-        want = fp8_linear_ref(x, fp8.weight, fp8.weight_scale, fp8.bias)
-    assert _rel(out, want) < 0.01
+    assert _rel(out, fp8_linear_ref(x, fp8.weight, fp8.weight_scale, fp8.bias)) < 0.01
 
 
 def test_fp8_linear_replays_in_a_cuda_graph() -> None:
