@@ -192,15 +192,14 @@ _SHARED: dict[tuple[int, torch.device, bool], SplitKWorkspace] = {}
 def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKWorkspace:
     """One workspace per output width (and weight dtype), shared by every layer of that
     width: launches on one stream run one after another, and each leaves the counters at
-    zero. Up to SMALL_M rows its K splits fill about four waves of the GPU's SMs with
-    column tiles, two for FP8 weights (wide outputs need none): as measured in
-    Llama-3-8B's decode graph, where the isolated-kernel optimum (deeper K tiles for FP8)
-    was slower. More rows (a down projection at batch 64) make each tile a real GEMM:
-    about one wave, wider tiles for wide outputs and a deeper pipeline (measured at
-    m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down projections); with FP8 (e4m3 dots
-    past SMALL_M rows) K tiles of 256 one-byte values, and one stage fewer when the
+    zero. Up to SMALL_M rows of 16-bit weights its K splits fill about four waves of the
+    GPU's SMs with column tiles (wide outputs need none). More rows (a down projection at
+    batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
+    a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
+    projections). FP8 weights, whose dots run on e4m3 at every batch, take that config
+    at any row count, with K tiles of 256 one-byte values and one stage fewer when the
     column tiles alone fill more than a wave (measured on Llama-3-8B's four projections
-    at m = 32 and 64)."""
+    at m = 32 and 64, and at 1 and 16 on an H200)."""
     key = (n, device, fp8)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -208,18 +207,18 @@ def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKW
             config = SplitKConfig(num_splits=1, block_n=64, block_k=256, num_stages=4)
             _SHARED[key] = SplitKWorkspace(n, device, config=config)
         else:
-            tiles = triton.cdiv(n, SplitKConfig.block_n)
-            waves = 2 if fp8 else 4
-            config = SplitKConfig(num_splits=max(1, min(4, -(-waves * sms // tiles))))
             block_n = 64 if n >= 2048 else 32
             tiles = triton.cdiv(n, block_n)
             splits = max(1, min(4, sms // tiles))
-            if fp8:  # e4m3 dots (Fp8Linear) at every batch
+            if fp8:
                 stages = 3 if tiles > sms else 4
-                config = rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
+                rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
+                _SHARED[key] = SplitKWorkspace(n, device, config=rows)
             else:
+                small_tiles = triton.cdiv(n, SplitKConfig.block_n)
+                config = SplitKConfig(num_splits=max(1, min(4, -(-4 * sms // small_tiles))))
                 rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
-            _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
+                _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
     return _SHARED[key]
 
 
