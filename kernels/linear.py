@@ -61,8 +61,7 @@ def _splitk_linear_kernel(
     stride_om,
     stride_ps,
     stride_pm,
-    HAS_SCALE: tl.constexpr,  # FP8 weights: W = q * scale[n], q upcast in registers
-    X_SCALE: tl.constexpr,  # FP8 x too: X = q * x_scale[m], the dot in e4m3 (needs HAS_SCALE)
+    FP8: tl.constexpr,  # x and W in e4m3, X = q * x_scale[m], W = q * scale[n]: e4m3 dots
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -94,8 +93,6 @@ def _splitk_linear_kernel(
         mask=(rows[:, None] < M) & (ks[None, :] < k_end),
         other=0.0,
     )  # [BLOCK_M, BLOCK_K]
-    if HAS_SCALE and not X_SCALE:  # e4m3 to x's dtype: exact
-        w = w.to(x.dtype)
     acc = tl.dot(x, w, input_precision=DOT_PRECISION)
     for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
@@ -109,8 +106,6 @@ def _splitk_linear_kernel(
             mask=(cols[None, :] < N) & (ks[:, None] < K),
             other=0.0,
         )
-        if HAS_SCALE and not X_SCALE:
-            w = w.to(x.dtype)
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -133,9 +128,8 @@ def _splitk_linear_kernel(
         # Every split of this tile has arrived: reset for the next launch (graph replays
         # need no memset).
         tl.store(counters_ptr + pid_n, 0)
-    if HAS_SCALE:
+    if FP8:
         acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    if X_SCALE:
         acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -227,20 +221,21 @@ def splitk_linear(
     weight: torch.Tensor,  # [N, K], last dim contiguous
     bias: torch.Tensor | None,  # [N]
     workspace: SplitKWorkspace,
-    weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) weights
-    x_scale: torch.Tensor | None = None,  # [M] or [M, 1] fp32, with e4m3 x and weights
-    out_dtype: torch.dtype | None = None,  # with e4m3 x: the model dtype
-) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype for e4m3 x)
+    weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) x and weights
+    x_scale: torch.Tensor | None = None,  # [M] or [M, 1] fp32, with weight_scale
+    out_dtype: torch.dtype | None = None,  # with FP8: the model dtype
+) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
-    With weight_scale, the weight is e4m3 and the product x @ (weight * scale)^T: the
-    weights read at one byte each, x left in its dtype (weight-only FP8). With x_scale
-    too, x is e4m3 as well (quantized per token: `fp8_linear_ref`'s product), and the
-    dots run on e4m3 directly."""
+    With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
+    the weight per output channel: `fp8_linear_ref`'s product) and the dots run on e4m3
+    directly, the weights read at one byte each. (Upcasting e4m3 weights for x in the
+    model dtype instead costs more in conversions than quantizing x does.)"""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
-    assert x.dtype == weight.dtype or weight_scale is not None
-    assert x_scale is None or (weight_scale is not None and out_dtype is not None)
+    fp8 = weight_scale is not None
+    assert (x_scale is not None) == fp8 and (out_dtype is not None) == fp8
+    assert x.dtype == weight.dtype
     assert weight.numel() < 2**31  # int32 offsets
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
@@ -265,8 +260,7 @@ def splitk_linear(
         out.stride(0),
         partials.stride(0),
         partials.stride(1),
-        HAS_SCALE=weight_scale is not None,
-        X_SCALE=x_scale is not None,
+        FP8=fp8,
         HAS_BIAS=bias is not None,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,
