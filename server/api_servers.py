@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from server.config import ServerConfig
-from server.engine_loop import EngineFactory
+from server.engine_loop import EngineFactory, build_engine
 from server.engine_process import spawn_engine
 from server.engine_wire import EngineEndpoint
 from server.metrics import Metrics, MetricsShare
@@ -41,8 +41,6 @@ def run_api_servers(
     engine_factory: EngineFactory | None = None,
 ) -> int:
     """Serve until told to stop; 0 after a requested shutdown, 1 if a process died."""
-    from server.app import build_engine
-
     count = server_config.api_server_count
     ctx = multiprocessing.get_context("spawn")
     socks = bind_sockets(server_config, count)  # exits at once if the port is taken

@@ -33,12 +33,12 @@ from server.config import ServerConfig
 from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
 from server.engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
-from server.errors import APIError, overloaded
+from server.errors import APIError
 from server.metrics import Metrics
 from server.request_stream import RequestStream
 
 if TYPE_CHECKING:
-    from engine.engine import EngineStats
+    from engine.engine import Engine, EngineStats
 
 logger = logging.getLogger("pagoda.server")
 
@@ -106,25 +106,21 @@ class AsyncEngine:
                 self._backend = EngineProcess(endpoint, process, self._report, self._engine_exited)
                 info = await self._backend.start()
             else:
-                info = await self._start_thread()
+                built: concurrent.futures.Future[Engine] = concurrent.futures.Future()
+                self._backend = EngineLoop(
+                    self._config, self._factory, self._report_local, self._credit
+                )
+                self._thread = threading.Thread(
+                    target=self._run, args=(built,), name="pagoda-engine", daemon=True
+                )
+                self._thread.start()
+                info = EngineInfo.of(await asyncio.wrap_future(built))
         except BaseException:
             if tokenizer is not None:
                 tokenizer.cancel()
             raise
         info.tokenizer = await (tokenizer or asyncio.to_thread(_prepare_tokenizer, info.model_dir))
         self.info = info
-
-    async def _start_thread(self) -> EngineInfo:
-        built: concurrent.futures.Future[None] = concurrent.futures.Future()
-        backend = self._backend = EngineLoop(
-            self._config, self._factory, self._report_local, self._credit
-        )
-        self._thread = threading.Thread(
-            target=self._run, args=(built,), name="pagoda-engine", daemon=True
-        )
-        self._thread.start()
-        await asyncio.wrap_future(built)
-        return EngineInfo.of(backend.engine)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Abort whatever is in flight and stop the engine side."""
@@ -149,22 +145,25 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Waiting in the engine, or on the way there from any API process."""
-        with self._lock:
-            return self._num_waiting()
-
-    def _num_waiting(self) -> int:
         # Every process's submissions, less those the engine had taken in by its
         # stats snapshot, plus those it counted waiting in it: a request is counted
-        # once, whichever API process hears of its arrival first (holds _lock).
-        in_transit = self._metrics.submitted() - self._taken_in
-        return in_transit + (self.stats.num_waiting if self.stats else 0)
+        # once, whichever API process hears of its arrival first.
+        with self._lock:
+            in_transit = self._metrics.submitted() - self._taken_in
+            return in_transit + (self.stats.num_waiting if self.stats else 0)
 
     def check_capacity(self) -> None:
         """The 503 a request would get at submit, decided before any work on it (its
         tokenization): under a flood, rejects cost nothing."""
-        waiting = self.num_waiting
-        if waiting >= self._max_waiting:
-            raise overloaded(waiting, self._max_waiting)
+        waiting, limit = self.num_waiting, self._max_waiting
+        if waiting >= limit:  # clients that honour Retry-After back off
+            raise APIError(
+                f"The server is overloaded: {waiting} requests are waiting (limit {limit}). "
+                "Retry later.",
+                503,
+                code="server_overloaded",
+                headers={"Retry-After": "1"},
+            )
 
     def submit(
         self, request_id: str, prompts: list[list[int]], params: SamplingParams
@@ -186,10 +185,8 @@ class AsyncEngine:
         stream = RequestStream(ids, params.n, decoders, bool(params.stop), self._abort)
         params = dataclasses.replace(params, detokenize=False, stop=[])
         now = time.time()
+        self.check_capacity()  # again: the queue may have filled while the prompt was tokenized
         with self._lock:
-            waiting = self._num_waiting()
-            if waiting >= self._max_waiting:
-                raise overloaded(waiting, self._max_waiting)
             self._submitted += len(prompts)  # before the put: never behind the engine
             self._metrics.set_submitted(self._submitted)
         self._metrics.on_submit(params.n, params.max_tokens)
@@ -276,17 +273,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine side's threads
 
-    def _run(self, built: concurrent.futures.Future[None]) -> None:
+    def _run(self, built: concurrent.futures.Future[Engine]) -> None:
         """The engine thread (without --engine-process)."""
         assert isinstance(self._backend, EngineLoop)
         if not built.set_running_or_notify_cancel():  # start() was cancelled
             return
         try:
-            self._backend.build()
+            built.set_result(self._backend.build())
         except BaseException as exc:  # surfaces in start(): the server does not come up
             built.set_exception(exc)
             return
-        built.set_result(None)
         self._backend.serve()
         self._stopping = True
 

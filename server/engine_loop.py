@@ -211,8 +211,7 @@ class EngineLoop:
         added = []
         for item in inbox:
             if isinstance(item, Abort):
-                if self.active.pop(item.request_id, None) is not None:
-                    self._abort_in_engine(item.request_id)
+                self._abort_in_engine(item.request_id)
                 batch.pop(item.request_id, None)
                 continue
             added.append(item.request_id)
@@ -248,8 +247,7 @@ class EngineLoop:
             touched = getattr(exc, "request_ids", None) or list(self.active)
             error = APIError("The engine failed while generating.", 500)
             for rid in touched:
-                if self.active.pop(rid, None) is not None:
-                    self._abort_in_engine(rid)
+                self._abort_in_engine(rid)
                 batch[rid] = error
             return
         for out in outputs:
@@ -264,6 +262,9 @@ class EngineLoop:
                     del self.active[out.request_id]
 
     def _abort_in_engine(self, request_id: str) -> None:
+        """Abort an active request (a no-op for any other) and forget it."""
+        if self.active.pop(request_id, None) is None:
+            return
         try:
             self.engine.abort_request(request_id)
         except Exception:
@@ -274,7 +275,6 @@ class EngineLoop:
         for rid in list(self.active):
             self._abort_in_engine(rid)
             batch[rid] = error
-        self.active.clear()
         with self._cond:  # requests still in the inbox fail too
             added = []
             for item in self._inbox:

@@ -47,16 +47,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def overloaded(waiting: int, limit: int) -> APIError:
-    """The 503 for a full waiting queue; clients that honour Retry-After back off."""
-    return APIError(
-        f"The server is overloaded: {waiting} requests are waiting (limit {limit}). Retry later.",
-        503,
-        code="server_overloaded",
-        headers={"Retry-After": "1"},
-    )
-
-
 def from_value_error(exc: ValueError) -> APIError:
     """A 400 for a ValueError from SamplingParams or the engine.
 

@@ -48,6 +48,12 @@ _REQUEST_BUCKETS = (
 # Token counts: vLLM's 1-2-5 series.
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort")
+# The engine's cumulative counters, named as EngineStats names them.
+_ENGINE_COUNTERS = {
+    "num_preemptions": "Cumulative preemptions.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+}
 
 
 class _EngineStatsCollector(Collector):
@@ -87,19 +93,8 @@ class _EngineStatsCollector(Collector):
             "Fraction of KV-cache blocks in use (1 = full).",
             stat("kv_cache_usage"),
         )
-        yield CounterMetricFamily(
-            "pagoda:num_preemptions", "Cumulative preemptions.", stat("num_preemptions")
-        )
-        yield CounterMetricFamily(
-            "pagoda:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            stat("prefix_cache_queries"),
-        )
-        yield CounterMetricFamily(
-            "pagoda:prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            stat("prefix_cache_hits"),
-        )
+        for name, documentation in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"pagoda:{name}", documentation, stat(name))
 
 
 class Metrics:

@@ -48,11 +48,10 @@ class RequestId:
         # Echoed only if it is a plain token: never a header injection.
         if given is None or not 0 < len(given) <= 256 or not all(32 < b < 127 for b in given):
             given = uuid.uuid4().hex.encode()
-        request_id = given
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", given)]
             await send(message)
 
         await self.app(scope, receive, stamped)

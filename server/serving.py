@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -33,7 +32,7 @@ from server.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
-from server.request_stream import RequestStream
+from server.request_stream import RequestStream, coalesce
 
 logger = logging.getLogger("pagoda.server")
 # Sampling fields whose null means SamplingParams' default.
@@ -43,34 +42,6 @@ _OPTIONAL_SAMPLING = (
 )  # fmt: skip
 
 
-@dataclass
-class ChoiceState:
-    """One choice's text, logprobs and ending, accumulated from its deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens
-        self.logprobs.extend(out.new_logprobs or [])
-        self.num_output_tokens = out.num_output_tokens
-        if out.prompt_logprobs is not None:  # the engine's, on the first output when asked
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason
-
-
 class Usage:
     """Counts prompt tokens once per prompt and completion tokens once per choice."""
 
@@ -78,12 +49,9 @@ class Usage:
         self._prompt: dict[str, tuple[int, int]] = {}  # (prompt tokens, cached ones)
         self._completion: dict[tuple[str, int], int] = {}
 
-    def record(self, request_id: str, index: int, counts: ChoiceState | RequestOutput) -> None:
-        self._prompt[request_id] = counts.num_prompt_tokens, counts.num_cached_tokens
-        self._completion[(request_id, index)] = counts.num_output_tokens
-
     def add(self, out: RequestOutput) -> None:
-        self.record(out.request_id, out.index, out)
+        self._prompt[out.request_id] = out.num_prompt_tokens, out.num_cached_tokens
+        self._completion[(out.request_id, out.index)] = out.num_output_tokens
 
     def info(self) -> UsageInfo:
         prompt = sum(n for n, _ in self._prompt.values())
@@ -188,17 +156,12 @@ class Serving:
 
     # ------------------------------------------------------------ answering
 
-    async def collect(
-        self, raw: Request, stream: RequestStream
-    ) -> dict[tuple[str, int], ChoiceState]:
-        """Every choice's full result; aborts the request if the client disconnects first."""
+    async def collect(self, raw: Request, stream: RequestStream) -> list[RequestOutput]:
+        """Every choice's whole result, as one output (its deltas merged, the last one's
+        ending and counts); aborts the request if the client disconnects first."""
 
-        async def consume() -> dict[tuple[str, int], ChoiceState]:
-            choices: dict[tuple[str, int], ChoiceState] = {}
-            async for outputs in stream:
-                for out in outputs:
-                    choices.setdefault((out.request_id, out.index), ChoiceState()).add(out)
-            return choices
+        async def consume() -> list[RequestOutput]:
+            return coalesce([out async for outputs in stream for out in outputs])
 
         work = asyncio.ensure_future(consume())
         try:

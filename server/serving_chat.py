@@ -68,25 +68,24 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)
         return SSEResponse(stream, chunks)
 
-    states = await s.collect(raw, stream)
     usage = Usage()
     choices = []
     prompt_logprobs = None
-    for (rid, index), state in sorted(states.items(), key=lambda kv: kv[0][1]):
-        message, finish_reason = tool_message(tools, echo + state.text, state.finish_reason)
+    for out in sorted(await s.collect(raw, stream), key=lambda out: out.index):
+        message, finish_reason = tool_message(tools, echo + out.new_text, out.finish_reason)
         choices.append(
             ChatChoice(
-                index=index,
+                index=out.index,
                 message=message,
-                logprobs=_logprobs(s, state.logprobs) if req.logprobs else None,
+                logprobs=_logprobs(s, out.new_logprobs or []) if req.logprobs else None,
                 finish_reason=finish_reason,
-                stop_reason=state.stop_reason,
-                token_ids=state.token_ids if req.return_token_ids else None,
+                stop_reason=out.stop_reason,
+                token_ids=out.new_token_ids if req.return_token_ids else None,
             )
         )
-        if req.prompt_logprobs is not None and state.prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs_out(s, state.prompt_logprobs)
-        usage.record(rid, index, state)
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_out(s, out.prompt_logprobs)
+        usage.add(out)
     response = ChatCompletionResponse(
         id=request_id,
         created=created,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.request import TokenLogprob
+from engine.request import RequestOutput, TokenLogprob
 from server.errors import APIError
 from server.protocol import (
     CompletionChoice,
@@ -20,7 +21,7 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import ChoiceState, Serving, SSEResponse, Usage, prompt_logprobs_out
+from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
 
 
@@ -79,8 +80,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
         return SSEResponse(stream, answer.chunks())
-    states = await s.collect(raw, stream)
-    return Response(answer.response(states).model_dump_json(), media_type="application/json")
+    outputs = await s.collect(raw, stream)
+    return Response(answer.response(outputs).model_dump_json(), media_type="application/json")
 
 
 @dataclass
@@ -102,30 +103,30 @@ class _Answer:
     def index(self, rid: str, choice: int) -> int:
         return self.position[rid] * self.req.n + choice
 
-    def response(self, states: dict[tuple[str, int], ChoiceState]) -> CompletionResponse:
+    def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         req, s = self.req, self.s
         usage = Usage()
         choices = []
-        for (rid, index), state in sorted(states.items(), key=lambda kv: self.index(*kv[0])):
-            prompt = self.prompts[self.position[rid]]
+        for out in sorted(outputs, key=lambda out: self.index(out.request_id, out.index)):
+            prompt = self.prompts[self.position[out.request_id]]
             if self.score_only:  # the one token generated for it is not the answer
-                state.text, state.token_ids, state.logprobs = "", [], []
-                state.num_output_tokens, state.finish_reason = 0, "length"
+                out.new_text, out.new_token_ids, out.new_logprobs = "", [], []
+                out.num_output_tokens, out.finish_reason = 0, "length"
             choice = CompletionChoice(
-                index=self.index(rid, index),
-                text=prompt.echo + state.text,
-                finish_reason=state.finish_reason,
-                stop_reason=state.stop_reason,
+                index=self.index(out.request_id, out.index),
+                text=prompt.echo + out.new_text,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
             )
             if req.logprobs is not None:
-                choice.logprobs = CompletionLogprobs()
+                choice.logprobs = into = CompletionLogprobs()
                 offset = 0
                 if req.echo:
-                    offset = _extend_prompt(s, choice.logprobs, prompt, state)
-                _extend_logprobs(s, choice.logprobs, state.logprobs, offset, req.logprobs)
-            self._extras(choice, prompt, state.token_ids, state.prompt_logprobs)
+                    offset = _extend_logprobs(s, into, _echoed(prompt, out))
+                _extend_logprobs(s, into, _sampled(out), offset, req.logprobs)
+            self._extras(choice, prompt, out.new_token_ids, out.prompt_logprobs)
             choices.append(choice)
-            usage.record(rid, index, state)
+            usage.add(out)
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -170,10 +171,9 @@ class _Answer:
             (rid, i): len(self.prompts[p].echo) for rid, p in self.position.items()
             for i in range(req.n)
         }  # fmt: skip
-        first = {(rid, i) for rid in self.position for i in range(req.n)}
+        first = {(rid, i) for rid in self.position for i in range(req.n)}  # not yet opened
         # The echoed prompt opens each choice: a chunk of its own, or with logprobs (whose
         # prompt part comes with the engine's first output) the first output's chunk.
-        pending_echo = set(first) if req.echo and req.logprobs is not None else set()
         if req.echo and req.logprobs is None:
             for rid, p in self.position.items():
                 for i in range(req.n):
@@ -183,22 +183,22 @@ class _Answer:
                 usage.add(out)
                 key = (out.request_id, out.index)
                 prompt = self.prompts[self.position[out.request_id]]
+                opening = key in first
                 text, token_ids = out.new_text, out.new_token_ids
                 if self.score_only:
                     text, token_ids = "", []
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
-                    if key in pending_echo:
-                        state = ChoiceState(prompt_logprobs=out.prompt_logprobs)
-                        _extend_prompt(s, logprobs, prompt, state)
+                    if (
+                        opening and req.echo
+                    ):  # it opens the first chunk (never a skipped or plain one)
+                        _extend_logprobs(s, logprobs, _echoed(prompt, out))
+                        text = prompt.echo + text
                     if not self.score_only:
                         offsets[key] = _extend_logprobs(
-                            s, logprobs, out.new_logprobs or [], offsets[key], req.logprobs
+                            s, logprobs, _sampled(out), offsets[key], req.logprobs
                         )
-                if key in pending_echo:  # the echoed prompt opens the choice's first chunk
-                    pending_echo.discard(key)
-                    text = prompt.echo + text
                 finish = out.finish_reason if out.finished else None
                 if self.score_only and out.finished:
                     finish = "length"
@@ -213,7 +213,6 @@ class _Answer:
                     index=index, text=text, logprobs=logprobs, finish_reason=finish,
                     stop_reason=stop,
                 )  # fmt: skip
-                opening = key in first
                 first.discard(key)
                 plogprobs = out.prompt_logprobs if opening else None
                 self._extras(choice, prompt if opening else None, token_ids, plogprobs)
@@ -262,9 +261,10 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return prompts
 
 
-def _top(s: Serving, lp: TokenLogprob, num: int) -> dict[str, float]:
-    """The legacy top_logprobs entry: the chosen token, then the `num` most likely.
-    Tokens whose text collides keep the first (most likely) one's logprob."""
+def _top(s: Serving, lp: TokenLogprob, num: int | None) -> dict[str, float]:
+    """The legacy top_logprobs entry: the chosen token, then the `num` most likely (None:
+    all the engine gave). Tokens whose text collides keep the first (most likely) one's
+    logprob."""
     top = {s.prompts.token_text(lp.token_id): lp.logprob}
     for token_id, logprob in lp.top[:num]:
         top.setdefault(s.prompts.token_text(token_id), logprob)
@@ -272,28 +272,27 @@ def _top(s: Serving, lp: TokenLogprob, num: int) -> dict[str, float]:
 
 
 def _extend_logprobs(
-    s: Serving, into: CompletionLogprobs, logprobs: list[TokenLogprob], offset: int, num: int
+    s: Serving,
+    into: CompletionLogprobs,
+    tokens: Iterable[tuple[int, TokenLogprob | None]],
+    offset: int = 0,
+    num: int | None = None,
 ) -> int:
-    """Append tokens in the legacy format; returns the text offset after them."""
-    for lp in logprobs:
-        token = s.prompts.token_text(lp.token_id)
-        into.tokens.append(token)
-        into.token_logprobs.append(lp.logprob)
-        into.top_logprobs.append(_top(s, lp, num))
-        into.text_offset.append(offset)
-        offset += len(token)
-    return offset
-
-
-def _extend_prompt(s: Serving, into: CompletionLogprobs, prompt: Prompt, state: ChoiceState) -> int:
-    """The echoed prompt's tokens (the first without a logprob); returns the offset after."""
-    offset = 0
-    entries = state.prompt_logprobs or [None] * len(prompt.token_ids)
-    for token_id, lp in zip(prompt.token_ids, entries, strict=False):
+    """Append (token id, logprob) pairs in the legacy format, one without a logprob (a
+    prompt's first) as nulls; returns the text offset after them."""
+    for token_id, lp in tokens:
         token = s.prompts.token_text(token_id)
         into.tokens.append(token)
         into.token_logprobs.append(None if lp is None else lp.logprob)
-        into.top_logprobs.append(None if lp is None else _top(s, lp, len(lp.top)))
+        into.top_logprobs.append(None if lp is None else _top(s, lp, num))
         into.text_offset.append(offset)
         offset += len(token)
     return offset
+
+
+def _echoed(prompt: Prompt, out: RequestOutput) -> Iterable[tuple[int, TokenLogprob | None]]:
+    return zip(prompt.token_ids, out.prompt_logprobs or repeat(None))
+
+
+def _sampled(out: RequestOutput) -> list[tuple[int, TokenLogprob]]:
+    return [(lp.token_id, lp) for lp in out.new_logprobs or []]
