@@ -144,8 +144,7 @@ def cached_strings(text: str) -> str:
     string itself. Strings of the same characters and lookahead share one chain, and a
     minimum length adds rules that must take a character."""
     text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
-    follows = string_follows(text, _STAR_STRING, _LOOKAHEAD)
-    text, lookaheads = follows.text, follows.lookaheads  # by rule, where narrower
+    text, lookaheads = string_follows(text, _STAR_STRING, _LOOKAHEAD)  # by rule, where narrower
     chains: dict[tuple[str, str], _Chain] = {}  # by the characters rule's body, lookahead
     spent = 0
 
