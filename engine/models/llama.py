@@ -189,11 +189,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "embed_tokens.weight" and self.tie_word_embeddings:
                 load_weight(self.lm_head, "weight", weight, name)
                 loaded.add("lm_head.weight")
-            if name == "lm_head.weight":
-                if not self.tie_word_embeddings:
-                    load_weight(self.lm_head, "weight", weight, name)
-                    loaded.add(name)
-                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the embedding's rows filled it
             module, _, leaf = name.rpartition(".")
             parent, _, proj = module.rpartition(".")
             section = None
