@@ -201,7 +201,6 @@ class _Grammar:
         return seen
 
     def follow(self, use: _Use) -> set[str]:
-        """What may follow this use of a rule."""
         return use.inside | (self.rule_follow[use.rule] if use.inherits else set())
 
     def first(self, node: _Node) -> tuple[frozenset, bool]:
