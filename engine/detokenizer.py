@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import codecs
 import weakref
-from dataclasses import dataclass
 
 from tokenizers.decoders import ByteLevel, DecodeStream
 
@@ -47,14 +46,9 @@ def _byte_symbols() -> dict[str, int]:
     return symbols
 
 
-@dataclass
-class ByteTable:
-    """Each id's bytes as a ByteLevel decoder renders it."""
-
-    keep: list[bytes]  # special tokens as their text
-    skip: list[bytes]  # special tokens as nothing (skip_special_tokens)
-
-
+# Each id's bytes as a ByteLevel decoder renders it, by skip_special_tokens: special
+# tokens as their text (False) or as nothing (True).
+ByteTable = dict[bool, list[bytes]]
 _BYTE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -77,14 +71,14 @@ def _build_byte_table(backend) -> ByteTable | None:
             keep.append(bytes(symbols[c] for c in token))
         except KeyError:
             keep.append(token.encode())
-    skip = [b"" if i in special else raw for i, raw in enumerate(keep)]
+    tables = {False: keep, True: [b"" if i in special else raw for i, raw in enumerate(keep)]}
     # Every id, both ways, against the tokenizer's own decode (one batched call each).
     single = [[i] for i in range(len(keep))]
-    for table, skip_special in ((keep, False), (skip, True)):
+    for skip_special, table in tables.items():
         expected = backend.decode_batch(single, skip_special_tokens=skip_special)
         if expected != [raw.decode("utf-8", "replace") for raw in table]:
             return None
-    return ByteTable(keep, skip)
+    return tables
 
 
 class IncrementalDetokenizer:
@@ -97,9 +91,7 @@ class IncrementalDetokenizer:
 
         table = byte_table(tokenizer)
         # Byte-level: ids to bytes by table, bytes to text by a C UTF-8 decoder.
-        self.table = (
-            None if table is None else table.skip if params.skip_special_tokens else table.keep
-        )
+        self.table = None if table is None else table[params.skip_special_tokens]
         self._partial = b""  # byte-level: the bytes of an incomplete trailing character
         context = [t for t in prompt_token_ids[-PREFIX_WINDOW:] if t < self.vocab_size]
         if self.table is not None or self.backend.decode(

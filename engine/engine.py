@@ -79,7 +79,9 @@ class Engine:
             self.model = load_for_engine(config, model_dir, hf_config, tp)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
-            self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+            eos = getattr(hf_config, "eos_token_id", None)
+            eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
+            self.eos_token_ids = sorted({i for i in eos if i is not None})
             self.eos_set = frozenset(self.eos_token_ids)
 
             self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.vocab_size)
@@ -172,18 +174,16 @@ class Engine:
             if not req.is_finished:
                 self.scheduler.finish(req, "abort")
         step = self.inflight
-        if step is not None and not self._has_owner(step):
-            self.inflight = None  # nothing left to read: its device work is simply void
-
-    def _has_owner(self, step: LaunchedStep) -> bool:
-        """Some row's ids still belong to a request: running, or preempted meanwhile."""
+        if step is None:
+            return
+        # Does some row's ids still belong to a request: running, or preempted meanwhile?
         batch, generations = self.batch, step.mark.generations
-        if (batch.generation[step.slots] == generations).any():
-            return True
-        return any(
+        owned = (batch.generation[step.slots] == generations).any() or any(
             (slot, gen) in batch.departed
             for slot, gen in zip(step.slots.tolist(), generations.tolist())
         )
+        if not owned:
+            self.inflight = None  # nothing left to read: its device work is simply void
 
     @property
     def grammars(self) -> Grammars:
@@ -317,9 +317,3 @@ class Engine:
             if self.batch.num_plain:  # after news: a first output comes before the rest
                 outputs += take_plain(self.batch, deltas, self.config.stream_interval)
             return outputs
-
-
-def _eos_token_ids(hf_config, tokenizer) -> list[int]:
-    ids = getattr(hf_config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})

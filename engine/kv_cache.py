@@ -102,19 +102,10 @@ class BlockManager:
         total = sum(num_blocks)
         if total > self.num_free_blocks:
             return None
-        fresh = self._take_free(total)
-        at = 0
-        for req, n in zip(reqs, num_blocks):
-            req.block_ids += fresh[at : at + n]
-            at += n
-        return fresh
-
-    def _take_free(self, count: int) -> list[int]:
-        """The next `count` free blocks, held once and no longer findable by hash."""
+        # The next free blocks, held once and no longer findable by hash.
         free, hashes, cached = self.free_blocks, self.block_hash, self.cached
-        ref_count = self.ref_count
-        blocks = []
-        for _ in range(count):
+        ref_count, fresh = self.ref_count, []
+        for _ in range(total):
             block, _ = free.popitem(last=False)
             old_hash = hashes[block]
             if old_hash is not None:
@@ -122,8 +113,12 @@ class BlockManager:
                     del cached[old_hash]
                 hashes[block] = None
             ref_count[block] = 1
-            blocks.append(block)
-        return blocks
+            fresh.append(block)
+        at = 0
+        for req, n in zip(reqs, num_blocks):
+            req.block_ids += fresh[at : at + n]
+            at += n
+        return fresh
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the blocks req has filled since the last call.

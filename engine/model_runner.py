@@ -8,8 +8,8 @@ tokens replay CUDA graphs (engine/cuda_graphs.py); the rest run eagerly.
 
 from __future__ import annotations
 
-import functools
 import logging
+from functools import partial
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from engine.cuda_graphs import CudaGraphs
 from engine.distributed import SINGLE
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
-from engine.prompt_logprobs import SCORE_ROWS, PromptScores, plan_scoring, score_prompts
+from engine.prompt_logprobs import SCORE_ROWS, PromptScoring, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import SampledIds, WaitClock
 from engine.step_channel import EAGER, StepChannel, StepHeader
@@ -83,7 +83,7 @@ class ModelRunner(StepInputs):
         super().__init__(config, batch, self.block_table, self.clock)  # the staging buffers
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
-        self.prompt_scores: PromptScores | None = None  # a step's prompt logprobs: see execute()
+        self.prompt_scores: PromptScoring | None = None  # a step's prompt logprobs: see execute()
         # Steps by how they ran, read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
         self.channel = (
@@ -139,7 +139,11 @@ class ModelRunner(StepInputs):
         for layer in self.attn_layers:
             layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.ops = ops if self.kv_dtype != FP8_DTYPE else _with_kv_scales(ops, layer)
+            layer.ops = ops
+            if self.kv_dtype == FP8_DTYPE:  # the cache kernels bound to the layer's k/v scales
+                scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
+                kernels = (ops.store, ops.decode, ops.prefill)
+                layer.ops = AttentionOps(*(partial(op, **scales) for op in kernels))
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling, vocab] at the last new token of each sequence that
@@ -209,10 +213,3 @@ class ModelRunner(StepInputs):
                 self.sampled.host_np[parity][: token_ids.numel()], self.staged_sent[parity]
             )
         return self.sampled.keep(token_ids, self.parity)
-
-
-def _with_kv_scales(ops: AttentionOps, layer: PagedAttention) -> AttentionOps:
-    """The cache kernels bound to one layer's FP8 k/v scales."""
-    scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)
-    kernels = (ops.store, ops.decode, ops.prefill)
-    return AttentionOps(*(functools.partial(op, **scales) for op in kernels))

@@ -32,7 +32,8 @@ SCORE_ROWS = 512  # hidden-state rows turned into logits at once
 
 @dataclass
 class PromptScoring:
-    """Which of a step's token rows score which prompt tokens, per scoring sequence."""
+    """Which of a step's token rows score which prompt tokens, per scoring sequence; once
+    score_prompts has run, the step's prompt logprobs on the host too."""
 
     slots: list[int]  # the scoring sequences' InputBatch rows
     firsts: list[int]  # the first prompt token each scores (its chunk's start + 1)
@@ -40,15 +41,7 @@ class PromptScoring:
     num_top: list[int]  # the top alternatives each asks for (its prompt_logprobs)
     rows: np.ndarray  # [R] int64: the step's token rows (hidden states) that score
     token_ids: np.ndarray  # [R] int64: the prompt token each of them scores
-
-
-@dataclass
-class PromptScores:
-    """A step's prompt logprobs, on the host: each scoring sequence's run of entries."""
-
-    slots: list[int]
-    firsts: list[int]  # the first prompt token each sequence's entries score
-    entries: list[list[TokenLogprob]]
+    entries: list[list[TokenLogprob]] | None = None  # each sequence's run, by score_prompts
 
 
 def plan_scoring(out: SchedulerOutput, batch: InputBatch) -> PromptScoring | None:
@@ -80,8 +73,9 @@ def score_prompts(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]: the step's final hidden states
     scoring: PromptScoring,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> PromptScores:
-    """Logprob, rank and top-k of each scored prompt token, read back to the host."""
+) -> PromptScoring:
+    """Logprob, rank and top-k of each scored prompt token, read back to the host into
+    scoring.entries; returns scoring."""
     device = hidden.device
     rows = torch.from_numpy(scoring.rows).to(device)
     targets = torch.from_numpy(scoring.token_ids).to(device)
@@ -94,10 +88,10 @@ def score_prompts(
         packed[i:j] = logprob_rows(logprobs, targets[i:j], k)
     values = packed.tolist()
     token_ids = scoring.token_ids.tolist()
-    entries: list[list[TokenLogprob]] = []
+    scoring.entries = []
     row = 0
     for count, num_top in zip(scoring.counts, scoring.num_top, strict=True):
         run = range(row, row + count)
-        entries.append([token_logprob(token_ids[r], values[r], k, num_top) for r in run])
+        scoring.entries.append([token_logprob(token_ids[r], values[r], k, num_top) for r in run])
         row += count
-    return PromptScores(scoring.slots, scoring.firsts, entries)
+    return scoring

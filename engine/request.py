@@ -258,7 +258,6 @@ class Request:
         return self.num_output_tokens + self.num_inflight
 
     def output_ids_from(self, start: int) -> list[int]:
-        """Generated ids from the start-th on."""
         if self.batch is not None and not self.streamed:
             return self.batch.token_slice(self.slot, len(self.prompt_token_ids) + start)
         return self.output_ids[start:]

@@ -130,11 +130,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the params name must exist in the model's vocabulary."""
-        for name, ids in (
-            ("stop_token_ids", self.stop_token_ids),
-            ("logit_bias", self.logit_bias or {}),
-        ):
-            for token_id in ids:
+        for name in ("stop_token_ids", "logit_bias"):
+            for token_id in getattr(self, name) or ():  # logit_bias: its keys
                 if token_id >= vocab_size:
                     raise ValueError(
                         f"{name} has token id {token_id} outside the vocabulary (size {vocab_size})"

@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
 from engine.outputs import detokenize
-from engine.prompt_logprobs import PromptScores
+from engine.prompt_logprobs import PromptScoring
 from engine.request import Request, RequestStatus, TokenLogprob
 from engine.scheduler import Scheduler
 from engine.staging import SampledIds
@@ -87,7 +87,7 @@ class StepReader:
             if logprob is not None and req is not None and batch.generation[slot] == gen:
                 req.pending_logprobs.append(logprob)
 
-    def keep_prompt_logprobs(self, scores: PromptScores) -> None:
+    def keep_prompt_logprobs(self, scores: PromptScoring) -> None:
         batch = self.batch
         for slot, first, entries in zip(scores.slots, scores.firsts, scores.entries, strict=True):
             req = batch.requests[slot]

@@ -212,10 +212,15 @@ def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:
         raise ValueError("only node 0 runs the engine; other nodes run --headless")
     address = init_method(config)
     workers = Workers(config, list(range(1, config.ranks_per_node)), address)
-    joined: list[Membership | BaseException] = []
-    thread = threading.Thread(
-        target=lambda: joined.append(_try(join, config, 0, address)), daemon=True
-    )
+    joined: list[Membership | BaseException] = []  # the thread's result, or what it raised
+
+    def join_group() -> None:
+        try:
+            joined.append(join(config, 0, address))
+        except BaseException as exc:
+            joined.append(exc)
+
+    thread = threading.Thread(target=join_group, daemon=True)
     thread.start()
     while thread.is_alive():
         thread.join(0.1)
@@ -231,14 +236,6 @@ def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:
             leave()
         raise joined[0]
     return workers, joined[0]
-
-
-def _try(fn, *args):
-    """fn(*args), or the exception it raised (for a thread's result)."""
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        return exc
 
 
 def _abort_nccl() -> None:

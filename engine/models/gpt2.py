@@ -104,9 +104,7 @@ class GPT2ForCausalLM(nn.Module):
             if ours == "wte.weight":
                 load_weight(self.lm_head, "weight", weight, name)  # GPT-2 always ties its head
                 loaded.add("lm_head.weight")
-            if ours == "lm_head.weight":
-                load_weight(self.lm_head, "weight", weight, name)
-            elif ours in params:
+            if ours in params:  # lm_head.weight too, where a checkpoint holds it
                 module, _, leaf = ours.rpartition(".")
                 load_weight(self.get_submodule(module), leaf, weight, name)
             else:

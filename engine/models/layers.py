@@ -180,18 +180,6 @@ def rope_type(scaling: dict | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
 
 
-def check_rope(scaling: dict | None) -> None:
-    kind = rope_type(scaling)
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"unsupported partial_rotary_factor {scaling['partial_rotary_factor']} (only 1.0)"
-        )
-
-
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies, with Llama 3's frequency-dependent scaling when asked."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -246,7 +234,14 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
     ) -> None:
         super().__init__()
-        check_rope(scaling)
+        kind = rope_type(scaling)
+        if kind not in SUPPORTED_ROPE_TYPES:
+            supported = ", ".join(SUPPORTED_ROPE_TYPES)
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {supported})")
+        if (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"unsupported partial_rotary_factor {scaling['partial_rotary_factor']} (only 1.0)"
+            )
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.theta = theta

@@ -63,25 +63,22 @@ class LlamaAttention(nn.Module):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        heads = head_shard(num_heads, num_kv_heads, self.head_dim, tp)
-        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        heads = head_shard(num_heads, num_kv_heads, head_dim, tp)
+        self.q_size = heads.num_heads * head_dim
+        self.kv_size = heads.num_kv_heads * head_dim
         # Qwen2 always has q/k/v biases; Llama only with attention_bias.
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
-        self.o_proj = RowParallelLinear(
-            num_heads * self.head_dim, config.hidden_size, bias=False, tp=tp
-        )
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=False, tp=tp)
         self.q_norm = self.k_norm = None
         if config.model_type in QK_NORM_MODELS:
-            self.q_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = HeadNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = HeadNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = HeadNorm(head_dim, config.rms_norm_eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
-        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale, sliding_window
+            heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window
         )
 
     def forward(
@@ -192,11 +189,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "embed_tokens.weight" and self.tie_word_embeddings:
                 load_weight(self.lm_head, "weight", weight, name)
                 loaded.add("lm_head.weight")
-            if name == "lm_head.weight":
-                if not self.tie_word_embeddings:
-                    load_weight(self.lm_head, "weight", weight, name)
-                    loaded.add(name)
-                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the embedding's rows filled it
             module, _, leaf = name.rpartition(".")
             parent, _, proj = module.rpartition(".")
             section = None

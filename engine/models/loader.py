@@ -119,7 +119,10 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def safetensors_files(model_dir: str) -> list[Path]:
+def iter_weights(model_dir: str) -> Iterator[tuple[str, WeightSlice]]:
+    """Each checkpoint tensor, unread: the model reads only its rank's slices of it (valid
+    until the next one is yielded). The files are the index's shards, else every
+    *.safetensors file."""
     path = Path(model_dir)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -131,17 +134,11 @@ def safetensors_files(model_dir: str) -> list[Path]:
         for f in files:
             if not f.is_file():
                 raise ModelLoadError(f"{index}: names shard {f.name}, which is missing")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights found")
-    return files
-
-
-def iter_weights(model_dir: str) -> Iterator[tuple[str, WeightSlice]]:
-    """Each checkpoint tensor, unread: the model reads only its rank's slices of it (valid
-    until the next one is yielded)."""
-    for f in safetensors_files(model_dir):
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors weights found")
+    for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a dict)

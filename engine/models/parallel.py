@@ -160,7 +160,6 @@ class HeadShard:
 
     num_heads: int  # this rank's q heads
     kv_heads: tuple[int, ...]  # the checkpoint's kv head behind each local kv head
-    head_dim: int
     sections: tuple[Section, Section, Section]  # q, k, v
 
     @property
@@ -173,7 +172,7 @@ def head_shard(num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParal
     kv_rows = tuple((h * head_dim, (h + 1) * head_dim) for h in kv_heads)
     kv = Section(num_kv_heads * head_dim, kv_rows)
     q = split(num_heads * head_dim, tp, "q rows")
-    return HeadShard(num_heads // tp.size, kv_heads, head_dim, (q, kv, kv))
+    return HeadShard(num_heads // tp.size, kv_heads, (q, kv, kv))
 
 
 class ColumnParallelLinear(nn.Linear):

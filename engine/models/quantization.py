@@ -104,7 +104,6 @@ def quantize_model(model: nn.Module) -> int:
 class Fp8Checkpoint:
     """How a checkpoint stores its FP8 weights (from config.json's quantization_config)."""
 
-    method: str  # "fp8" (transformers' FineGrainedFP8) | "compressed-tensors"
     scale_names: tuple[str, ...]  # the scale tensor beside each fp8 `weight`
     block_size: tuple[int, int] | None  # block-wise scales; None: per channel or tensor
 
@@ -133,7 +132,7 @@ def checkpoint_fp8(hf_config) -> Fp8Checkpoint | None:
         # transformers names the scale weight_scale_inv; AutoFP8's older per-tensor
         # checkpoints, with the same quant_method, weight_scale. Both multiply.
         scales = ("weight_scale_inv", "weight_scale")
-        return Fp8Checkpoint("fp8", scales, tuple(block) if block else None)
+        return Fp8Checkpoint(scales, tuple(block) if block else None)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     raise ValueError(
@@ -171,7 +170,7 @@ def _compressed_tensors(qc: dict) -> Fp8Checkpoint:
     if len(blocks) > 1:
         raise ValueError(f"compressed-tensors groups with different block structures {blocks}")
     block = blocks.pop() if blocks else None
-    return Fp8Checkpoint("compressed-tensors", ("weight_scale",), block or None)
+    return Fp8Checkpoint(("weight_scale",), block or None)
 
 
 def _bits(scheme: dict) -> str:

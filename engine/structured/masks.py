@@ -82,9 +82,23 @@ class GrammarRows:
     rows: np.ndarray | None
 
     def completed(self, ids: np.ndarray) -> list[tuple[Request, str]]:
-        """The step's ids [one per row] read: the requests whose grammar they complete,
-        which end with "stop" (the worker has the rest accepted)."""
-        return self.masks.completed(self.slots, ids if self.rows is None else ids[self.rows])
+        """The step's ids [one per row] read: the requests whose grammar they complete (a
+        stop id: the mask allows one only there), which end with "stop" (the worker has
+        the rest accepted)."""
+        masks, slots = self.masks, self.slots
+        ids = ids if self.rows is None else ids[self.rows]
+        live = ~masks.ended[slots]  # ended by an earlier id: this one is void
+        if not live.all():
+            slots, ids = slots[live], ids[live]
+        stops = masks.is_stop[ids]
+        if not stops.any():
+            return []
+        ends = []
+        for slot in slots[stops].tolist():
+            owner = masks.owners[slot]
+            masks.ended[slot] = owner.structured.done = True
+            ends.append((owner, "stop"))
+        return ends
 
 
 class GrammarMasks:
@@ -177,22 +191,6 @@ class GrammarMasks:
             if self.owners[slot] is owner:
                 self.ended[slot] = True
             ends.append((owner, "abort"))
-        return ends
-
-    def completed(self, slots: np.ndarray, ids: np.ndarray) -> list[tuple[Request, str]]:
-        """The requests whose grammar these slots' ids complete (a stop id: the mask
-        allows one only there), which end with "stop"."""
-        live = ~self.ended[slots]  # ended by an earlier id: this one is void
-        if not live.all():
-            slots, ids = slots[live], ids[live]
-        stops = self.is_stop[ids]
-        if not stops.any():
-            return []
-        ends = []
-        for slot in slots[stops].tolist():
-            owner = self.owners[slot]
-            self.ended[slot] = owner.structured.done = True
-            ends.append((owner, "stop"))
         return ends
 
     def build(

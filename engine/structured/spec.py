@@ -24,7 +24,14 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
 Kind = Literal["json", "json_object", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+# Each kind, by the name an invalid spec's error gives it.
+KINDS = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "EBNF grammar",
+}
 
 # xgrammar's characters of a JSON string admit UTF-16 surrogates (invalid UTF-8,
 # decoded as U+FFFD), and in a length-bounded string raw control characters too,
@@ -67,7 +74,9 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+            raise ValueError(
+                f"structured output kind must be one of {tuple(KINDS)}, got {self.kind!r}"
+            )
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> GrammarSpec:
@@ -104,16 +113,7 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in spec.spec))
         return xgr.Grammar.from_ebnf(spec.spec)
     except RuntimeError as exc:  # xgrammar reports parse errors as RuntimeError
-        raise ValueError(f"invalid {_NAMES[spec.kind]}: {_reason(exc)}") from None
-
-
-_NAMES = {
-    "json": "JSON schema",
-    "json_object": "JSON object grammar",
-    "regex": "regex",
-    "choice": "choice",
-    "grammar": "EBNF grammar",
-}
+        raise ValueError(f"invalid {KINDS[spec.kind]}: {_reason(exc)}") from None
 
 
 def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
@@ -144,8 +144,7 @@ def cached_strings(text: str) -> str:
     string itself. Strings of the same characters and lookahead share one chain, and a
     minimum length adds rules that must take a character."""
     text = text.replace(_LOOSE_LOOKAHEAD, _LOOKAHEAD).replace(_RECURSIVE_STRING, _STAR_STRING)
-    follows = string_follows(text, _STAR_STRING, _LOOKAHEAD)
-    text, lookaheads = follows.text, follows.lookaheads  # by rule, where narrower
+    text, lookaheads = string_follows(text, _STAR_STRING, _LOOKAHEAD)  # by rule, where narrower
     chains: dict[tuple[str, str], _Chain] = {}  # by the characters rule's body, lookahead
     spent = 0
 

@@ -201,7 +201,6 @@ class _Grammar:
         return seen
 
     def follow(self, use: _Use) -> set[str]:
-        """What may follow this use of a rule."""
         return use.inside | (self.rule_follow[use.rule] if use.inherits else set())
 
     def first(self, node: _Node) -> tuple[frozenset, bool]:
@@ -270,29 +269,22 @@ def _narrow(follow: set[str] | frozenset) -> bool:
     return bool(follow) and not follow & {ANY, END}
 
 
-@dataclass
-class Follows:
-    """A grammar with each unbounded string's own rules, and the lookahead of what may
-    follow each rule, for the rules where it is narrower than any character."""
-
-    text: str
-    lookaheads: dict[str, str]
-
-
-def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
+def string_follows(text: str, star_string: str, lookahead: str) -> tuple[str, dict[str, str]]:
     """text (printed EBNF) with each use of the unbounded string rule `star_string`
-    (whose lookahead is `lookahead`) given the characters that may follow it there, and
-    every rule's lookahead; text unchanged and none if this does not read it."""
+    (whose lookahead is `lookahead`) given the characters that may follow it there (its
+    own copy of the rules), and the lookahead of what may follow each rule, by rule,
+    where it is narrower than any character; text unchanged and none if this does not
+    read it."""
     lines = text.rstrip("\n").splitlines()
     try:
         grammar = _Grammar(lines)
     except (_Unknown, RecursionError):
-        return Follows(text, {})
+        return text, {}
     follows = grammar.rule_follow.items()
     lookaheads = {name: _lookahead(frozenset(f)) for name, f in follows if _narrow(f)}
     wrappers = set(_WRAPPER.findall(text))
     if not wrappers or star_string not in lines:
-        return Follows(text, lookaheads)
+        return text, lookaheads
     # Places by what may follow them: those with only characters a class can hold, in
     # rules the document can reach (each copy costs the compiler a pass over the
     # vocabulary; xgrammar's JSON grammars hold rules no schema uses).
@@ -306,12 +298,12 @@ def string_follows(text: str, star_string: str, lookahead: str) -> Follows:
     for i, (follow, uses) in enumerate(sorted(groups.items(), key=lambda g: sorted(g[0]))):
         wrapper, sub = f"basic_string_n{i}", f"{_SUB}_n{i}"
         if wrapper in grammar.rules or sub in grammar.rules:
-            return Follows(text, lookaheads)
+            return text, lookaheads
         body = star_string.replace(lookahead, _lookahead(follow))
         new_rules += [f'{wrapper} ::= (("\\"" {sub}))', body.replace(_SUB, sub)]
         edits += [(grammar.line_of[u.rule], *u.node.span, wrapper) for u in uses]
     if not edits:
-        return Follows(text, lookaheads)
+        return text, lookaheads
     for line, start, end, name in sorted(edits, reverse=True):
         lines[line] = lines[line][:start] + name + lines[line][end:]
-    return Follows("\n".join(lines + new_rules), lookaheads)
+    return "\n".join(lines + new_rules), lookaheads
