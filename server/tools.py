@@ -127,8 +127,7 @@ class ToolStream:
     parallel: bool = True
     text: str = ""
     content_sent: int = 0
-    ids: list[str] = field(default_factory=list)
-    arguments_sent: list[int] = field(default_factory=list)
+    arguments_sent: list[int] = field(default_factory=list)  # per call begun: the length sent
 
     def feed(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta for new_text (final: the choice's last): `content` and/or
@@ -145,13 +144,12 @@ class ToolStream:
             self.content_sent = len(content)
         pieces = []
         for index, call in enumerate(calls):
-            if index == len(self.ids):  # a new call: its id and name first
-                self.ids.append(call_id())
+            if index == len(self.arguments_sent):  # a new call: its id and name first
                 self.arguments_sent.append(len(call.arguments))
                 pieces.append(
                     {
                         "index": index,
-                        "id": self.ids[index],
+                        "id": call_id(),
                         "type": "function",
                         "function": {"name": call.name, "arguments": call.arguments},
                     }
@@ -165,4 +163,4 @@ class ToolStream:
         return delta
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
-        return _finish(self.ids, finish_reason)
+        return _finish(self.arguments_sent, finish_reason)
