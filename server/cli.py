@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.heap import pause_collection
-from server.config import TOOL_CALL_PARSERS, ServerConfig
+from server.config import ServerConfig
+from server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from server.engine_loop import EngineFactory
@@ -185,7 +186,7 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     s(
         "--tool-call-parser",
-        choices=list(TOOL_CALL_PARSERS),
+        choices=list(PARSERS),
         help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
         "<tool_call> JSON) or llama3_json (Llama 3.1+)",
     )

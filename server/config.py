@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 
 from server.tool_parsers import PARSERS
 
-TOOL_CALL_PARSERS = tuple(PARSERS)
-
 
 @dataclass
 class ServerConfig:
@@ -41,9 +39,9 @@ class ServerConfig:
             self.engine_process = True
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(
-                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+                f"tool_call_parser must be one of {tuple(PARSERS)}, got {self.tool_call_parser!r}"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
