@@ -87,13 +87,9 @@ def _structured_outputs(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
 
 
 def _guided(req: SamplingRequest) -> list[tuple[str, GrammarSpec]]:
-    fields = (
-        ("guided_json", "json", req.guided_json),
-        ("guided_regex", "regex", req.guided_regex),
-        ("guided_choice", "choice", req.guided_choice),
-        ("guided_grammar", "grammar", req.guided_grammar),
-    )
-    return [_make(param, kind, value) for param, kind, value in fields if value is not None]
+    kinds = ("json", "regex", "choice", "grammar")
+    given = {kind: getattr(req, f"guided_{kind}") for kind in kinds}
+    return [_make(f"guided_{kind}", kind, v) for kind, v in given.items() if v is not None]
 
 
 def _make(param: str, kind: str, value) -> tuple[str, GrammarSpec]:
