@@ -33,7 +33,6 @@ _DRAIN_MARGIN_S = 5.0
 
 
 def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
-    header_timeout, body_timeout = config.header_timeout, config.body_timeout
     body = json.dumps(error_body("Too many open connections.", 503)).encode()
     too_many = (
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
@@ -49,16 +48,16 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
                 transport.write(too_many)
                 transport.close()
                 return
-            self._arm(header_timeout)
+            self._arm(config.header_timeout)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():  # kept alive: the next request's headers
-                self._arm(header_timeout)
+                self._arm(config.header_timeout)
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._arm(body_timeout)
+            self._arm(config.body_timeout)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -70,16 +69,12 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
 
         def _arm(self, seconds: float) -> None:
             self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expire)
+            self._timer = self.loop.call_later(seconds, self.transport.close)
 
         def _disarm(self) -> None:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-
-        def _expire(self) -> None:
-            self._timer = None
-            self.transport.close()
 
     return GuardedHttpTools
 
