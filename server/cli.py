@@ -25,15 +25,16 @@ _ENGINE = EngineConfig()
 _SERVER = ServerConfig()
 
 
-def _adder(group: Any, config: object) -> Callable[..., None]:
-    """add(*flags, help=..., **kw): a flag of `group` whose default is config's field
-    `dest` (the first flag's name, less a `no-`), of that default's type unless told
-    otherwise; a field that defaults to a bool is a switch that stores the other."""
+def _adder(group: Any) -> Callable[..., None]:
+    """add(*flags, help=..., **kw): a flag of `group` whose default is the EngineConfig or
+    ServerConfig field `dest` (the first flag's name, less a `no-`), of that default's type
+    unless told otherwise; a field that defaults to a bool is a switch that stores the other."""
 
     def add(*flags: str, help: str | None = None, **kw: Any) -> None:
         name = flags[0].removeprefix("--").removeprefix("no-")
         kw.setdefault("dest", name.replace("-", "_"))
         if "action" not in kw:
+            config = _ENGINE if hasattr(_ENGINE, kw["dest"]) else _SERVER
             default = kw.setdefault("default", getattr(config, kw["dest"]))
             if isinstance(default, bool):
                 kw["action"] = "store_false" if default else "store_true"
@@ -48,10 +49,9 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Serve a model over an OpenAI-compatible API."
     )
-    e = _adder(p.add_argument_group("engine"), _ENGINE)
-    tp = p.add_argument_group("tensor parallelism")
-    t = _adder(tp, _ENGINE)
-    s = _adder(p.add_argument_group("server"), _SERVER)
+    e = _adder(p.add_argument_group("engine"))
+    t = _adder(p.add_argument_group("tensor parallelism"))
+    s = _adder(p.add_argument_group("server"))
     e(
         "--model",
         metavar="DIR",
@@ -116,9 +116,7 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         metavar="P",
         help="node 0's rendezvous port (default: a free one; needed with --nnodes > 1)",
     )
-    _adder(tp, _SERVER)(
-        "--headless", help="run this node's ranks only, no HTTP (nodes other than 0)"
-    )
+    t("--headless", help="run this node's ranks only, no HTTP (nodes other than 0)")
     e(
         "--disable-log-stats",
         action="store_true",
