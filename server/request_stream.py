@@ -42,15 +42,14 @@ def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
         logprobs = None
         if any(out.new_logprobs is not None for out in group):
             logprobs = [lp for out in group for lp in out.new_logprobs or []]
-        # A choice's first output may carry its prompt's logprobs (engine's, when asked).
-        first = group[0].prompt_logprobs
         merged.append(
             dataclasses.replace(
                 group[-1],
                 new_token_ids=[t for out in group for t in out.new_token_ids],
                 new_text="".join(out.new_text for out in group),
                 new_logprobs=logprobs,
-                **({} if first is None else {"prompt_logprobs": first}),
+                # Only a choice's first output carries its prompt's logprobs (when asked).
+                prompt_logprobs=group[0].prompt_logprobs,
             )
         )
     return merged
@@ -130,7 +129,7 @@ class RequestStream:
                 out = self._match_stop(decoder, out)
             else:
                 decoder.update(out.new_token_ids)
-                out.new_text = decoder.get_delta(out.finished)
+            out.new_text = decoder.get_delta(out.finished)
             if out.finished:
                 self._over(out.request_id)
             kept.append(out)
@@ -144,7 +143,6 @@ class RequestStream:
             stop = decoder.update(ids[cut : cut + 1])
             cut += 1
         if stop is None:
-            out.new_text = decoder.get_delta(out.finished)
             return out
         key = out.request_id, out.index
         self._stopped.add(key)
@@ -154,7 +152,6 @@ class RequestStream:
         return dataclasses.replace(
             out,
             new_token_ids=ids[:cut],
-            new_text=decoder.get_delta(True),
             new_logprobs=None if out.new_logprobs is None else out.new_logprobs[:cut],
             finished=True,
             finish_reason="stop",
