@@ -95,10 +95,8 @@ class RequiredParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         i = _skip_ws(text, 0)
         calls = []
-        if i < len(text) and text[i] == "[":
-            j = _skip_ws(text, i + 1)
-            if j < len(text) and text[j] == "{":
-                calls = _call_sequence(text, j, ",", ("parameters",))
+        if text.startswith("[", i):
+            calls = _call_sequence(text, _skip_ws(text, i + 1), ",", ("parameters",))
         if final and not calls:
             return Extracted(text)
         return Extracted("", calls)
@@ -166,19 +164,18 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
 def _call_sequence(
     text: str, i: int, separator: str, argument_keys: tuple[str, ...]
 ) -> list[DraftCall]:
-    """Call objects from text[i], separated by `separator`."""
+    """Call objects from text[i] on (none unless it is a "{"), separated by `separator`."""
     calls = []
-    while True:
+    while text.startswith("{", i):
         scan = scan_call(text, i, argument_keys)
         if scan.name is not None:
             calls.append(DraftCall(scan.name, scan.arguments))
         if scan.end is None:
-            return calls
+            break
         i = _skip_ws(text, scan.end)
-        if i < len(text) and text[i] == separator:
+        if text.startswith(separator, i):
             i = _skip_ws(text, i + 1)
-        if i >= len(text) or text[i] != "{":
-            return calls
+    return calls
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -220,7 +217,4 @@ def _value_end(text: str, i: int) -> int | None:
 
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of text that begins tag (held back: it may be one)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+    return next((k for k in range(len(tag) - 1, 0, -1) if text.endswith(tag[:k])), 0)
