@@ -88,10 +88,7 @@ def _calls_schema(functions: dict, parallel: bool) -> dict[str, Any]:
             for name, function in functions.items()
         ]
     }
-    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "items": call, "minItems": 1} | ({} if parallel else {"maxItems": 1})
 
 
 def call_id() -> str:
