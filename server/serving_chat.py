@@ -109,7 +109,6 @@ async def _chunks(
     echo: str,
 ) -> AsyncIterator[str]:
     options = req.stream_options
-    include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
     usage = Usage()
 
@@ -156,7 +155,7 @@ async def _chunks(
                 token_ids=out.new_token_ids if req.return_token_ids else None,
             )
             yield chunk([choice])
-    if include_usage:
+    if options and options.include_usage:
         yield chunk([], last=True)
 
 
