@@ -72,9 +72,8 @@ def guarded_protocol(config: ServerConfig) -> type[HttpToolsProtocol]:
             self._timer = self.loop.call_later(seconds, self.transport.close)
 
         def _disarm(self) -> None:
-            if self._timer is not None:
+            if self._timer is not None:  # cancelling a fired or cancelled timer is harmless
                 self._timer.cancel()
-                self._timer = None
 
     return GuardedHttpTools
 
