@@ -98,7 +98,6 @@ def call_id() -> str:
 def tool_message(
     plan: ToolPlan, text: str, finish_reason: str | None
 ) -> tuple[AssistantMessage, str | None]:
-    """A whole choice's message and finish reason."""
     if plan.parser is None:
         return AssistantMessage(content=text), finish_reason
     found = plan.parser().extract(text, final=True)
