@@ -130,8 +130,11 @@ class RequestStream:
             else:
                 decoder.update(out.new_token_ids)
             out.new_text = decoder.get_delta(out.finished)
-            if out.finished:
-                self._over(out.request_id)
+            if out.finished:  # all n over, one by a stop string: the engine may still run it
+                rid = out.request_id
+                over = self._num_over[rid] = self._num_over.get(rid, 0) + 1
+                if over == self.n and any((rid, i) in self._stopped for i in range(self.n)):
+                    self.to_abort.append(rid)
             kept.append(out)
         return kept
 
@@ -159,11 +162,6 @@ class RequestStream:
             num_output_tokens=out.num_output_tokens - (len(ids) - cut),
             metrics=metrics,
         )
-
-    def _over(self, request_id: str) -> None:
-        over = self._num_over[request_id] = self._num_over.get(request_id, 0) + 1
-        if over == self.n and any((request_id, i) in self._stopped for i in range(self.n)):
-            self.to_abort.append(request_id)
 
     def push(self, item: list[RequestOutput] | APIError) -> None:
         """Decoded outputs, or the error that ends the stream."""
