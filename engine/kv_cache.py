@@ -130,7 +130,8 @@ class BlockManager:
             return
         bs = self.block_size
         hashes = req.block_hashes
-        tokens = req.full_tokens(len(hashes) * bs)
+        # Ids both known and computed (or scheduled): what the prefix cache may hold.
+        tokens = req.token_slice(len(hashes) * bs, req.num_computed_tokens)
         cached, block_hash = self.cached, self.block_hash
         parent = hashes[-1] if hashes else None
         for at in range(0, len(tokens) - bs + 1, bs):  # no block filled up: none
