@@ -55,8 +55,7 @@ class BlockManager:
         and whole blocks only, so the block it lands in is a fresh one."""
         if not self.enable_prefix_caching:
             return []
-        if self.unhashed:  # what running requests filled is findable from now on
-            self.hash_unhashed()
+        self.hash_unhashed()  # what running requests filled is findable from now on
         bs = self.block_size
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
