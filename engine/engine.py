@@ -263,7 +263,8 @@ class Engine:
             sync = not self.config.async_scheduling or (
                 batch.num_needs_sync > 0 and batch.needs_sync[sampling].any()
             )
-            grammar = batch.num_grammar > 0 and batch.has_grammar[sampling].any()
+            rows = batch.has_grammar[sampling] if batch.num_grammar else None  # grammar rows
+            grammar = rows is not None and rows.any()
             void = None  # rows whose request N-1's ids finished: their new ids are nobody's
             if (sync or grammar) and prev is not None:
                 departures, generations = batch.departures, batch.generation[sampling]
@@ -272,10 +273,9 @@ class Engine:
                 if batch.departures != departures:
                     void = batch.generation[sampling] != generations
             if len(sampling):
-                rows = batch.has_grammar[sampling] if grammar else None
-                if rows is not None and void is not None:
+                if grammar and void is not None:
                     rows &= ~void  # ended by the read: their slots may be empty
-                grammar = rows is not None and rows.any()
+                    grammar = rows.any()
                 with self._range("sample"):
                     bitmask = None
                     if grammar:  # filled on the masks' worker while the device runs forward

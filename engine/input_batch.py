@@ -178,7 +178,7 @@ class InputBatch:
         self.num_streaming += req.streamed
         self.plain[slot] = plain = params.plain and n > num_prompt
         self.num_plain += plain
-        self.emit_at[slot] = num_prompt + req.num_emitted_tokens  # before attach: its own
+        self.emit_at[slot] = num_prompt + req.num_emitted_tokens  # before req.batch is set: its own
         self.request_ids[slot] = req.request_id
         self.choice[slot] = req.index
         self.num_matching += bool(params.stop)
@@ -192,7 +192,7 @@ class InputBatch:
         self.running.append(req)
         self.slots = np.concatenate((self.slots, (slot,)))
         self.layout += 1
-        req.attach(self, slot)
+        req.batch, req.slot = self, slot
         return slot
 
     def remove(self, req: Request) -> None:

@@ -55,8 +55,7 @@ class BlockManager:
         and whole blocks only, so the block it lands in is a fresh one."""
         if not self.enable_prefix_caching:
             return []
-        if self.unhashed:  # what running requests filled is findable from now on
-            self.hash_unhashed()
+        self.hash_unhashed()  # what running requests filled is findable from now on
         bs = self.block_size
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
@@ -130,7 +129,8 @@ class BlockManager:
             return
         bs = self.block_size
         hashes = req.block_hashes
-        tokens = req.full_tokens(len(hashes) * bs)
+        # Ids both known and computed (or scheduled): what the prefix cache may hold.
+        tokens = req.token_slice(len(hashes) * bs, req.num_computed_tokens)
         cached, block_hash = self.cached, self.block_hash
         parent = hashes[-1] if hashes else None
         for at in range(0, len(tokens) - bs + 1, bs):  # no block filled up: none

@@ -185,9 +185,6 @@ class Request:
         assert scores is not None and first <= len(scores)
         scores.extend(entries[len(scores) - first :])
 
-    def attach(self, batch: InputBatch, slot: int) -> None:
-        self.batch, self.slot = batch, slot
-
     def detach(
         self, output_ids: list[int], num_computed: int, num_inflight: int, num_emitted: int
     ) -> None:
@@ -214,11 +211,6 @@ class Request:
             self.batch.set_computed(self.slot, value)
         else:
             self._num_computed = value
-
-    def full_tokens(self, start: int) -> list[int]:
-        """Ids from position start on, both known and computed (or scheduled): what the
-        prefix cache may hold."""
-        return self.token_slice(start, min(self.num_computed_tokens, self.num_tokens))
 
     @property
     def num_inflight(self) -> int:

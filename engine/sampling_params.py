@@ -54,23 +54,6 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError) as e:
                 raise ValueError(f"logit_bias must map token ids to numbers: {e}") from None
-        self._validate()
-        # The hot decode path asks this of every request every step: answer once.
-        # Greedy with nothing to apply but a grammar's mask (and min_tokens' while it
-        # lasts): the masked logits' argmax.
-        self.greedy_plain = (
-            self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
-        )
-        self.argmax_masked = self.greedy_plain and self.min_tokens == 0
-        self.argmax_only = self.argmax_masked and self.grammar is None
-        # Penalties read every generated id, and logprobs are read back with the ids:
-        # such a request's step is sampled with the previous step's tokens on the host.
-        self.needs_sync = self.has_penalties or self.logprobs is not None
-        # Streamed as bare ids: its outputs between the first and the last can travel
-        # as TokenDeltas entries.
-        self.plain = not self.final_only and not self.detokenize and self.logprobs is None
-
-    def _validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -115,18 +98,26 @@ class SamplingParams:
                 raise ValueError(f"logit_bias has a negative token id {token_id}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
+        # The hot decode path asks these of every request every step: answer once.
+        self.greedy = self.temperature == 0.0 or self.top_k == 1
+        self.has_penalties = (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+        # Greedy with nothing to apply but a grammar's mask (and min_tokens' while it
+        # lasts): the masked logits' argmax.
+        self.greedy_plain = (
+            self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
+        )
+        self.argmax_masked = self.greedy_plain and self.min_tokens == 0
+        self.argmax_only = self.argmax_masked and self.grammar is None
+        # Penalties read every generated id, and logprobs are read back with the ids:
+        # such a request's step is sampled with the previous step's tokens on the host.
+        self.needs_sync = self.has_penalties or self.logprobs is not None
+        # Streamed as bare ids: its outputs between the first and the last can travel
+        # as TokenDeltas entries.
+        self.plain = not self.final_only and not self.detokenize and self.logprobs is None
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the params name must exist in the model's vocabulary."""

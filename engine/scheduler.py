@@ -169,9 +169,9 @@ class Scheduler:
         # every block_size steps).
         grows = ends > counts[CAPACITY]
         if np.count_nonzero(grows):
-            kept = self._grow(grows.nonzero()[0], slots, counts, ends, preempted)
-            if kept < len(slots):  # the rest were preempted: dropped below
-                num_new[kept:] = 0
+            self._grow(grows.nonzero()[0], counts, ends, preempted)
+            if preempted:  # the newest running requests: dropped below
+                num_new[len(batch) :] = 0
                 whole = False
         if not whole:
             keep = num_new > 0
@@ -180,16 +180,10 @@ class Scheduler:
         return slots, counts, num_new, ends, total, whole
 
     def _grow(
-        self,
-        rows: np.ndarray,
-        slots: np.ndarray,
-        counts: np.ndarray,
-        ends: np.ndarray,
-        preempted: list[Request],
-    ) -> int:
+        self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray, preempted: list[Request]
+    ) -> None:
         """Blocks for the running requests at `rows` (batch indices) to hold their
-        tokens up to `ends`, preempting the newest when there are too few; returns how
-        many running requests are left."""
+        tokens up to `ends`, preempting the newest when there are too few."""
         running = self.batch.running
         reqs = [running[i] for i in rows.tolist()]
         # The last block of each may be full now: the prefix cache may have it.
@@ -198,28 +192,24 @@ class Scheduler:
         need = (ends[rows] - counts[CAPACITY][rows] + self.block_mask) >> self.block_shift
         fresh = self.blocks.grow(reqs, need.tolist())
         if fresh is not None:  # the usual case: blocks for everyone
-            grown = slots[rows]
+            grown = self.batch.slots[rows]
             if len(fresh) == len(reqs):  # one each: decodes opening their next block
                 self.block_table.append_one(grown, fresh)
             else:
                 for req in reqs:
                     self.block_table.update_row(req.slot, req.block_ids)
             self.batch.capacity[grown] += need << self.block_shift
-            return len(running)
+            return
         num_new = ends - counts[COMPUTED]
+        live = RequestStatus.RUNNING
         for i, req in zip(rows.tolist(), reqs):
-            if req.status is not RequestStatus.RUNNING:
-                break  # preempted to make room for one before it
-            while not self.blocks.allocate(req, int(num_new[i])):
+            while req.status is live and not self.blocks.allocate(req, int(num_new[i])):
                 victim = running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                break  # req preempted itself: everything after it is gone too
+            if req.status is not live:
+                break  # preempted (by itself, or for one before it): so is everyone after it
             self._update_blocks(req)
-        return len(running)
 
     def _update_blocks(self, req: Request) -> None:
         self.block_table.update_row(req.slot, req.block_ids)
@@ -268,14 +258,14 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Take req out of the queues for good and free its blocks and slot."""
-        if req.status == RequestStatus.RUNNING:
-            req.status = RequestStatus.FINISHED  # first: its ids on the device are void
+        # Finished first: its ids on the device are void.
+        status, req.status = req.status, RequestStatus.FINISHED
+        if status is RequestStatus.RUNNING:
             self.blocks.free(req)  # registers what it filled: reads its row
             self.batch.remove(req)
-        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        elif status is not RequestStatus.FINISHED:  # waiting or preempted
             self.waiting.remove(req)
             self.blocks.free(req)
-        req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.metrics.finished_time = time.time()

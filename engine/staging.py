@@ -137,11 +137,9 @@ class SampledTransport:
         # On the CPU the "device" buffer is host memory: written through numpy, which
         # costs less host time per call than a torch copy.
         self.device_np = device_ids.numpy() if not on_cuda else None
-        self.hosts = (
-            [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            if on_cuda
-            else []
-        )
+        self.hosts = [
+            torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2 if on_cuda else 0)
+        ]
         self.host_rows = [[host[:k] for k in range(n + 1)] for host in self.hosts]
         self.host_np = [host.numpy() for host in self.hosts]
         self.done = [Fence(clock) for _ in self.hosts]

@@ -42,7 +42,6 @@ class StepInputs:
         block_table: BlockTable,
         clock: WaitClock,
     ) -> None:
-        """The pinned staging buffers, their device twins, and what a fill reuses."""
         self.batch, self.block_table = batch, block_table
         device, seqs = config.torch_device, config.max_num_seqs
         max_tokens = max(config.max_num_batched_tokens, seqs)
@@ -191,7 +190,6 @@ class StepInputs:
         is_decode: bool,
         num_sampling: int | None = None,  # None: every sequence samples
     ) -> ModelInput:
-        """Device views of the staged fields for a step of these sizes."""
         gpu = self.staged.gpu
         return ModelInput(
             input_gather=gpu["input_gather"][:num_tokens],

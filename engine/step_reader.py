@@ -116,9 +116,7 @@ class StepReader:
             ):
                 self._check_token_stop(by_slot[slot], token_id)
         for req, token_id in got.departed:  # preempted: waiting to be recomputed
-            if not req.is_finished and (
-                token_id in req.stop_ids or req.num_tokens >= req.max_num_tokens
-            ):
+            if not req.is_finished:
                 self._check_token_stop(req, token_id)
             if req.params.plain and not req.num_emitted_tokens:  # maybe its first id
                 self.news[req] = None
@@ -154,7 +152,7 @@ class StepReader:
                 self.finish(req, reason)
 
     def _check_token_stop(self, req: Request, token_id: int) -> None:
-        """req just sampled token_id, one of its stop ids, or reached its length limit."""
+        """Finish req on a stop id (past min_tokens) just sampled, or at its length limit."""
         params = req.params
         past_min = req.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in self.eos_set:
