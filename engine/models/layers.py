@@ -280,9 +280,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = dense(hidden, self.weight, None)  # [rows, this rank's vocab]
-        if self.tp.size > 1:
-            logits = self.tp.gather_logits(logits)
-        return logits[:, : self.vocab_size]
+        return self.tp.gather_logits(logits)[:, : self.vocab_size]
 
     load_shard = VocabParallelEmbedding.load_shard  # the same rows of the same matrix
 
