@@ -200,8 +200,7 @@ class IncrementalDetokenizer:
         # A new match must end in the text not searched yet.
         start = max(self._checked_len - self.max_stop_len + 1, 0)
         self._checked_len = len(text)
-        matches = [(text.find(s, start), s) for s in self.params.stop]
-        matches = [(index, s) for index, s in matches if index != -1]
+        matches = [(i, s) for s in self.params.stop if (i := text.find(s, start)) != -1]
         if not matches:
             return None
         index, stop = min(matches, key=lambda m: m[0])  # the earliest in the text wins
