@@ -140,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.tp = tp
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
