@@ -138,13 +138,11 @@ class CudaGraphs:
         buf["logits_indices"][num_sampling:end] = 0
 
     @torch.inference_mode()
-    def _capture_prefill(self) -> None:
+    def _capture_prefill(self, sizes: list[int]) -> None:
         """One graph per token bucket, the largest first, in one memory pool (they never
         run at once). The bound on query lengths (it picks the attention's tile height)
         is the bucket's size or max_model_len."""
         runner = self.runner
-        config = runner.config
-        sizes = config.prefill_graph_sizes()
         pool = torch.cuda.graph_pool_handle()
         seqs = runner.max_num_seqs
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
@@ -153,7 +151,7 @@ class CudaGraphs:
             self.pad_tokens(0, bucket)
             runner.buf["query_start_loc"][0] = 0
             self.pad_seqs(0, 0, 0)
-            max_query_len = min(bucket, config.max_model_len)
+            max_query_len = min(bucket, runner.config.max_model_len)
             inp = runner.send(bucket, seqs, max_query_len, False)
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
@@ -168,13 +166,13 @@ class CudaGraphs:
         torch.cuda.synchronize(runner.device)
 
     @torch.inference_mode()
-    def _capture_decode(self) -> None:
+    def _capture_decode(self, sizes: list[int]) -> None:
         # Every replay's fill writes the same static storage the capture read.
         runner = self.runner
         pool = None
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
         sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
-        for bucket in reversed(runner.config.cuda_graph_batch_sizes()):
+        for bucket in reversed(sizes):
             runner.buf["query_start_loc"][0] = 0
             self.pad_decode(0, bucket)
             inp = runner.send(bucket, bucket, 1, True)
@@ -218,10 +216,10 @@ def capturing(
             graph.capture_end()
 
 
-def _timed(kind: str, what: str, sizes: list[int], capture: Callable[[], None]) -> None:
-    """Run capture, logging which sizes (as "1, 2, 4, ..., 256 (35 sizes)") and how long."""
+def _timed(kind: str, what: str, sizes: list[int], capture: Callable[[list[int]], None]) -> None:
+    """Run capture(sizes), logging which sizes (as "1, 2, 4, ..., 256 (35 sizes)") and how long."""
     shown = sizes if len(sizes) <= 6 else [*sizes[:3], "...", f"{sizes[-1]} ({len(sizes)} sizes)"]
     logger.info("capturing %s graphs for %s %s", kind, what, ", ".join(map(str, shown)))
     start = time.perf_counter()
-    capture()
+    capture(sizes)
     logger.info("%s graphs captured in %.1f s", kind, time.perf_counter() - start)

@@ -36,14 +36,8 @@ def _byte_symbols() -> dict[str, int]:
     """ByteLevel's printable stand-in for each byte (GPT-2's bytes_to_unicode), inverted."""
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
     printable |= set(range(ord("®"), ord("ÿ") + 1))
-    symbols, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            symbols[chr(byte)] = byte
-        else:
-            symbols[chr(256 + shifted)] = byte
-            shifted += 1
-    return symbols
+    others = [byte for byte in range(256) if byte not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
 
 
 # Each id's bytes as a ByteLevel decoder renders it, by skip_special_tokens: special
@@ -120,8 +114,7 @@ class IncrementalDetokenizer:
         if self._stopped_text is not None:
             return self._stopped_text
         if self.table is not None:
-            tail = self._partial.decode("utf-8", "replace") if self._partial else ""
-            return self._text + tail
+            return self._text + self._partial.decode("utf-8", "replace")
         if not self._pending:
             return self._text
         tail = self.backend.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
@@ -207,8 +200,7 @@ class IncrementalDetokenizer:
         # A new match must end in the text not searched yet.
         start = max(self._checked_len - self.max_stop_len + 1, 0)
         self._checked_len = len(text)
-        matches = [(text.find(s, start), s) for s in self.params.stop]
-        matches = [(index, s) for index, s in matches if index != -1]
+        matches = [(i, s) for s in self.params.stop if (i := text.find(s, start)) != -1]
         if not matches:
             return None
         index, stop = min(matches, key=lambda m: m[0])  # the earliest in the text wins

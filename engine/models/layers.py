@@ -6,6 +6,7 @@ forward can be captured in a CUDA graph with static tensors.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,12 +126,13 @@ class PagedAttention(nn.Module):
 class AddNorm(nn.Module):
     """Adds a sublayer's output to the residual stream and normalizes the sum, in one
     kernel on CUDA: forward(x, residual) -> (norm(x + residual), x + residual).
-    With residual None, x is the residual stream itself."""
+    With residual None, x is the residual stream itself. rms: HF Llama's RMSNorm
+    (normalize in fp32, cast back, then scale); else LayerNorm, with a bias."""
 
-    def __init__(self, dim: int, eps: float, rms: bool, bias: bool) -> None:
+    def __init__(self, dim: int, eps: float, rms: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.bias = None if rms else nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.rms = rms
 
@@ -140,16 +142,8 @@ class AddNorm(nn.Module):
         return add_norm_for(x.device)(x, residual, self.weight, self.bias, self.eps, self.rms)
 
 
-class LayerNorm(AddNorm):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps, rms=False, bias=True)
-
-
-class RMSNorm(AddNorm):
-    """HF Llama's: normalize in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__(dim, eps, rms=True, bias=False)
+LayerNorm = functools.partial(AddNorm, rms=False)
+RMSNorm = functools.partial(AddNorm, rms=True)
 
 
 def layer_sliding_windows(config) -> list[int]:
@@ -286,9 +280,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = dense(hidden, self.weight, None)  # [rows, this rank's vocab]
-        if self.tp.size > 1:
-            logits = self.tp.gather_logits(logits)
-        return logits[:, : self.vocab_size]
+        return self.tp.gather_logits(logits)[:, : self.vocab_size]
 
     load_shard = VocabParallelEmbedding.load_shard  # the same rows of the same matrix
 

@@ -140,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.tp = tp
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
@@ -192,11 +193,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding's rows filled it
             module, _, leaf = name.rpartition(".")
-            parent, _, proj = module.rpartition(".")
-            section = None
-            if proj in FUSED:
-                fused, section = FUSED[proj]
-                module = f"{parent}.{fused}"
+            proj = module.rpartition(".")[2]
+            fused, section = FUSED.get(proj, (proj, None))
+            module = module.removesuffix(proj) + fused
             ours = f"{module}.{leaf}"
             if ours not in params:
                 raise ValueError(f"unexpected weight {name!r}")

@@ -37,12 +37,9 @@ class PinnedStager:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """dst (on the device) = src (on the host, any layout), in pieces of whole rows."""
-        if src.dim() == 0 or src.numel() == 0:
-            dst.copy_(src)
-            return
-        row_bytes = src.numel() // src.shape[0] * src.element_size()
-        if row_bytes > BUFFER_BYTES:
-            dst.copy_(src)  # a row larger than a buffer
+        row_bytes = src[0].numel() * src.element_size() if src.dim() and src.numel() else 0
+        if not 0 < row_bytes <= BUFFER_BYTES:
+            dst.copy_(src)  # a scalar, nothing, or a row larger than a buffer
             return
         rows = BUFFER_BYTES // row_bytes
         stream = torch.cuda.current_stream(dst.device)  # where the copies below run

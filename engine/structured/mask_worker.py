@@ -98,8 +98,7 @@ class MaskWorker:
         self.num_sent = 0
         self.cuda_index = None
         if pin:
-            index = device.index
-            self.cuda_index = torch.cuda.current_device() if index is None else index
+            self.cuda_index = torch.cuda.current_device() if device.index is None else device.index
         self.pool = ThreadPoolExecutor(
             1, thread_name_prefix="pagoda-grammar-masks", initializer=self._start
         )

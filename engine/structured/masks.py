@@ -223,8 +223,12 @@ class GrammarMasks:
         if changed.any():
             which = slots[changed]
             self.grammar_slot[which] = grammar[changed]
-            if self.words < self.width:
-                self._set_tails(which, grammar[changed])
+            if self.words < self.width:  # the padding bits: 0 for a grammar's, -1 otherwise
+                for value, kind in ((0, True), (-1, False)):
+                    tails = which[grammar[changed] == kind]
+                    if len(tails):
+                        rows = torch.from_numpy(tails).to(self.device, non_blocking=True)
+                        self.slots[rows, self.words :] = value
             plain = slots[changed & ~grammar].tolist()
             for slot in plain:  # a grammar's row before: all ones again
                 self.owners[slot] = None
@@ -267,11 +271,3 @@ class GrammarMasks:
             self.indexed = slots.copy()
         torch.index_select(self.slots, 0, device_index, out=self.rows[:num])
         return self.rows[:num]
-
-    def _set_tails(self, slots: np.ndarray, grammar: np.ndarray) -> None:
-        """The padding bits of these slots: 0 for a grammar's, -1 otherwise."""
-        for value, kind in ((0, True), (-1, False)):
-            which = slots[grammar == kind]
-            if len(which):
-                rows = torch.from_numpy(which).to(self.device, non_blocking=True)
-                self.slots[rows, self.words :] = value
