@@ -190,9 +190,9 @@ class _Answer:
                 logprobs = None
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
-                    if (
-                        opening and req.echo
-                    ):  # it opens the first chunk (never a skipped or plain one)
+                    # The echoed prompt opens the choice's first chunk (never a skipped
+                    # or plain one).
+                    if opening and req.echo:
                         _extend_logprobs(s, logprobs, _echoed(prompt, out))
                         text = prompt.echo + text
                     if not self.score_only:
