@@ -116,6 +116,19 @@ def test_slow_and_idle_clients_are_closed(strict_http, sent):
         assert closed_within(sock, 5)
 
 
+def test_a_kept_alive_connection_left_idle_is_closed_at_the_header_timeout(strict_http):
+    # After a response the header timeout (0.5 s) runs again: the connection goes well
+    # before uvicorn's keep-alive timeout (5 s) would close it.
+    with socket.create_connection(("127.0.0.1", strict_http.port)) as sock:
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(5)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert closed_within(sock, 3)
+
+
 def test_a_prompt_client_keeps_its_connection(strict_http):
     with httpx.Client(base_url=strict_http.base_url) as client:
         for _ in range(2):  # the same kept-alive connection
