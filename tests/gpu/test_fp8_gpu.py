@@ -83,20 +83,26 @@ def test_fp8_linear_replays_in_a_cuda_graph() -> None:
     torch.testing.assert_close(out, linear(x), rtol=0, atol=0)
 
 
+# 4 sequences take the split-KV launch; 64 (512 programs) the unsplit one.
+@pytest.mark.parametrize("num_seqs", [4, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_cache_kernels_with_half_queries(dtype: torch.dtype) -> None:
+def test_fp8_cache_kernels_with_half_queries(dtype: torch.dtype, num_seqs: int) -> None:
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
-    num_blocks, k_scale, v_scale = 128, 0.02, 0.015
+    num_blocks, k_scale, v_scale = 64 * 32, 0.02, 0.015
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = quantize_fp8_ref(torch.randn(shape, device="cuda"), k_scale)
     v_cache = quantize_fp8_ref(torch.randn(shape, device="cuda"), v_scale)
     lens = torch.tensor([1, 17, 300, 512], dtype=torch.int32, device="cuda")
-    table = torch.randperm(num_blocks, device="cuda")[: 4 * 32].view(4, 32).int()
+    if num_seqs > 4:
+        lens = torch.randint(1, 513, (num_seqs,), dtype=torch.int32, device="cuda")
+    table = torch.randperm(num_blocks, device="cuda")[: num_seqs * 32].view(num_seqs, 32).int()
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    query = torch.randn(4, num_heads, head_dim, device="cuda", dtype=dtype)
+    query = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=dtype)
     got = paged_attention_decode(query, k_cache, v_cache, table, lens, 0.088, **scales)
     want = paged_attention_decode_ref(query, k_cache, v_cache, table, lens, 0.088, **scales)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)
+    if num_seqs > 4:
+        return  # prefill: the 4 sequences' contexts
     qlens = [1, 17, 40, 100]
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(sum(qlens), num_heads, head_dim, device="cuda", dtype=dtype)
