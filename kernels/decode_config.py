@@ -49,10 +49,18 @@ def decode_config(
     unsplit = 2 * programs >= num_sms
     # Longer tiles keep more bytes in flight: for small heads shared by a group of
     # queries, and for one-byte (FP8) K/V when each program streams a whole sequence.
-    block_n = 128 if (head_dim <= 64 and group > 1) or (kv_fp8 and unsplit) else 64
+    fp8_streams = kv_fp8 and unsplit
+    block_n = 128 if (head_dim <= 64 and group > 1) or fp8_streams else 64
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
     num_splits = 1 if unsplit else triton.cdiv(4 * num_sms, programs)
-    return DecodeConfig(num_splits=max(1, min(num_splits, max_tiles, 128)), block_n=block_n)
+    return DecodeConfig(
+        num_splits=max(1, min(num_splits, max_tiles, 128)),
+        block_n=block_n,
+        # An e4m3 tile costs its conversions more than its bytes: two warps a program
+        # and two stages let more programs share an SM (three stages measured slower).
+        num_warps=2 if fp8_streams else 4,
+        num_stages=2 if fp8_streams else 3,
+    )
 
 
 def decode_workspace(
