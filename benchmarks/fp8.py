@@ -48,7 +48,14 @@ from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata
 from engine.models.quantization import Fp8Linear
-from kernels.fp8 import fp8_linear, fp8_linear_ref, quantize_per_channel, quantize_per_token
+from kernels.fp8 import (
+    Fp8Rows,
+    fp8_linear,
+    fp8_linear_ref,
+    fp8_rows_linear_ref,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
 MODEL = "llama3-8b"
 
@@ -188,8 +195,11 @@ def last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:  # [num_pro
     return torch.cat(rows)
 
 
-def reference_forward(linear: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
-    """An Fp8Linear's output by the torch reference of its scheme (x per token)."""
+def reference_forward(linear: Fp8Linear, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """An Fp8Linear's output by the torch reference of its scheme (x per token; rows a
+    norm or activation quantized are bit for bit quantize_per_token_ref's, tested)."""
+    if not isinstance(x, torch.Tensor):  # Fp8Rows
+        return fp8_rows_linear_ref(x, linear.weight, linear.weight_scale, linear.bias)
     rows = x.reshape(-1, x.shape[-1])
     out = fp8_linear_ref(rows, linear.weight, linear.weight_scale, linear.bias)
     return out.view(*x.shape[:-1], linear.out_features)

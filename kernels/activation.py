@@ -3,7 +3,8 @@
 Unfused, SwiGLU (Llama) and GeGLU (Gemma) are two elementwise kernels per layer, the
 activation and the multiply, with an intermediate written and read back. Rounding
 follows the unfused ops: the activation is computed in fp32 and rounded to the
-activation dtype, then the product is rounded.
+activation dtype, then the product is rounded. Feeding an FP8 projection, the kernel
+can also quantize its rows per token (`Fp8Rows`), as the quantizer launch would.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE, Fp8Rows, quantize_per_token, quantize_per_token_ref, quantize_row
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.rounding import round_to
 
@@ -24,19 +26,30 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def act_and_mul_ref(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """x [num_tokens, 2 * inter] (gate columns, then up) -> act(gate) * up [num_tokens, inter]."""
+# Widest row quantized inside the kernel: one program holds it whole (32 warps, ~32
+# values a thread); wider rows take the quantizer launch after.
+FP8_ONE_TILE = 16384
+
+
+def act_and_mul_ref(
+    x: torch.Tensor, activation: str, fp8_out: bool = False
+) -> torch.Tensor | Fp8Rows:
+    """x [num_tokens, 2 * inter] (gate columns, then up) -> act(gate) * up [num_tokens, inter];
+    with fp8_out, quantized per token."""
     gate, up = x.chunk(2, dim=-1)
-    return ACTIVATIONS[activation](gate) * up
+    out = ACTIVATIONS[activation](gate) * up
+    return Fp8Rows(*quantize_per_token_ref(out), out.dtype) if fp8_out else out
 
 
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr,
     out_ptr,
+    scale_ptr,
     inter,
     stride_x,
     GELU_TANH: tl.constexpr,
+    FP8_OUT: tl.constexpr,  # out is e4m3, scale_ptr the rows' scales; BLOCK >= inter
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -45,7 +58,7 @@ def _act_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if GELU_TANH:
@@ -59,34 +72,47 @@ def _act_and_mul_kernel(
     else:
         act = gate / (1.0 + tl.exp(-gate))
     out = round_to(round_to(act, dtype) * up, dtype)
-    tl.store(out_ptr + row * inter + cols, out.to(dtype), mask=mask)
+    if FP8_OUT:
+        out, scale = quantize_row(tl.where(mask, out, 0.0))
+        tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+def act_and_mul(x: torch.Tensor, activation: str, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
     """Triton version of `act_and_mul_ref` (rows may be strided; columns contiguous)."""
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
     assert activation in ACTIVATIONS
-    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    one_tile = triton.next_power_of_2(inter)
+    if fp8_out and one_tile > FP8_ONE_TILE:
+        out = act_and_mul(x, activation)
+        return Fp8Rows(*quantize_per_token(out), x.dtype)
+    out = torch.empty(num_tokens, inter, dtype=FP8_DTYPE if fp8_out else x.dtype, device=x.device)
+    # Without fp8_out the kernel never reads scale_ptr (FP8_OUT compiles it out).
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else out
+    result = Fp8Rows(out, scale, x.dtype) if fp8_out else out
     if num_tokens == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(inter))
+        return result
+    # A row's quantization needs its absolute maximum: one program holds the whole row.
+    block = one_tile if fp8_out else min(1024, one_tile)
     pdl = use_pdl(x.device)
     _act_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
         x,
         out,
+        scale,
         inter,
         x.stride(0),
         GELU_TANH=activation == "gelu_tanh",
+        FP8_OUT=fp8_out,
         BLOCK=block,
         PDL=pdl,
-        num_warps=4,
+        num_warps=max(4, block // 512),
         **launch_options(pdl),
     )
-    return out
+    return result
 
 
-def act_and_mul_for(device: torch.device) -> Callable[[torch.Tensor, str], torch.Tensor]:
+def act_and_mul_for(device: torch.device) -> Callable[..., torch.Tensor | Fp8Rows]:
     """The gated activation the model uses on `device`: Triton on CUDA, the reference
     elsewhere."""
     return act_and_mul if device.type == "cuda" else act_and_mul_ref

@@ -9,6 +9,7 @@ Triton per-token quantizer and `_scaled_mm` are the CUDA path.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -45,19 +46,40 @@ def quantize_per_token_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_fp8_ref(x, scale), scale
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations quantized per token (`quantize_per_token`'s pair) by the kernel that
+    produced them: a norm or the gated activation feeding an FP8 projection, which then
+    launches no quantizer of its own."""
+
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, 1] fp32
+    dtype: torch.dtype  # the model dtype the rows were computed in, and the output's
+
+
+def fp8_rows_linear_ref(
+    x: Fp8Rows,
+    weight: torch.Tensor,  # [N, K] e4m3
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """Both sides dequantized, one fp32 matmul, the bias added, cast to x.dtype."""
+    out = dequantize_fp8(x.q, x.scale) @ dequantize_fp8(weight, weight_scale[:, None]).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 def fp8_linear_ref(
     x: torch.Tensor,  # [M, K] in the model dtype
     weight: torch.Tensor,  # [N, K] e4m3
     weight_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """What the CUDA path computes: x quantized per token, both sides dequantized, one
-    fp32 matmul, the bias added, cast to x's dtype."""
-    x_q, x_scale = quantize_per_token_ref(x)
-    out = dequantize_fp8(x_q, x_scale) @ dequantize_fp8(weight, weight_scale[:, None]).t()
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)
+    """What the CUDA path computes: x quantized per token, then `fp8_rows_linear_ref`."""
+    return fp8_rows_linear_ref(
+        Fp8Rows(*quantize_per_token_ref(x), x.dtype), weight, weight_scale, bias
+    )
 
 
 @triton.jit
@@ -79,6 +101,14 @@ def round_to_fp8(x):
 
 
 @triton.jit
+def quantize_row(x):
+    """A whole row in fp32 (masked lanes 0) -> (its values on the e4m3 grid, in fp32,
+    and the row's scale): `quantize_per_token_ref` inside a kernel that holds the row."""
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+    return round_to_fp8(x / scale), scale
+
+
+@triton.jit
 def _per_token_quant_kernel(
     x_ptr,
     q_ptr,
@@ -95,19 +125,17 @@ def _per_token_quant_kernel(
     if ONE_TILE:
         mask = cols < K
         whole = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.abs(whole)
+        q, scale = quantize_row(whole)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    if ONE_TILE:
-        q = round_to_fp8(whole / scale)
-        tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    else:
+        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+        tl.store(scale_ptr + row, scale)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=mask, other=0.0)
@@ -149,22 +177,21 @@ def scaled_mm_fits(in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0
 
 
-def fp8_linear(
-    x: torch.Tensor,  # [M, K] in the model dtype, last dim contiguous
+def fp8_rows_linear(
+    x: Fp8Rows,
     weight: torch.Tensor,  # [N, K] e4m3, contiguous: weight.t() is the column-major B
     weight_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [M, N] in x's dtype
-    """CUDA version of `fp8_linear_ref`: tokens quantized by the Triton kernel, the
-    GEMM in `_scaled_mm` with row-wise scales on both sides (fp32 accumulation)."""
-    x_q, x_scale = quantize_per_token(x)
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """CUDA version of `fp8_rows_linear_ref`: the GEMM in `_scaled_mm` with row-wise
+    scales on both sides (fp32 accumulation)."""
     # Row-wise scaling writes bf16 only; other model dtypes get a cast (and their bias
     # after it, as the bias must match the output dtype).
     fused_bias = bias if x.dtype == torch.bfloat16 else None
     out = torch._scaled_mm(
-        x_q,
+        x.q,
         weight.t(),
-        scale_a=x_scale,
+        scale_a=x.scale,
         scale_b=weight_scale.view(1, -1),
         bias=fused_bias,
         out_dtype=torch.bfloat16,
@@ -176,9 +203,27 @@ def fp8_linear(
     return out
 
 
-def fp8_linear_for(device: torch.device) -> Callable[..., torch.Tensor]:
-    """The FP8 linear the engine uses on `device`: `_scaled_mm` on CUDA, the reference elsewhere."""
-    return fp8_linear if device.type == "cuda" else fp8_linear_ref
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] in the model dtype, last dim contiguous
+    weight: torch.Tensor,  # [N, K] e4m3, contiguous
+    weight_scale: torch.Tensor,  # [N] fp32
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """CUDA version of `fp8_linear_ref`: tokens quantized by the Triton kernel, then
+    `fp8_rows_linear`."""
+    return fp8_rows_linear(Fp8Rows(*quantize_per_token(x), x.dtype), weight, weight_scale, bias)
+
+
+def fp8_rows_linear_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The FP8 product the engine uses on `device`: `_scaled_mm` on CUDA, the reference
+    elsewhere."""
+    return fp8_rows_linear if device.type == "cuda" else fp8_rows_linear_ref
+
+
+def quantize_per_token_for(
+    device: torch.device,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return quantize_per_token if device.type == "cuda" else quantize_per_token_ref
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -4,7 +4,8 @@ Every sublayer's output is added to the residual stream and normalized for
 the next sublayer. At decode batch sizes both are tiny, launch-bound kernels,
 so they are fused, as vLLM fuses them. Rounding follows the unfused model:
 the sum is rounded to the activation dtype (as `x + residual` is) and the
-statistics are computed in fp32.
+statistics are computed in fp32. A norm feeding an FP8 projection can also quantize
+its output per token (`Fp8Rows`), bit for bit what the quantizer launch would make of it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8_DTYPE, Fp8Rows, quantize_per_token_ref, quantize_row
 from kernels.pdl import launch_options, use_pdl, wait_previous
 
 
@@ -26,15 +28,20 @@ def add_norm_ref(
     bias: torch.Tensor | None,  # [hidden]; LayerNorm only
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual)."""
+    fp8_out: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """(norm(x + residual), x + residual); with fp8_out the norm quantized per token."""
     if residual is not None:
         x = x + residual
     if rms:  # as HF Llama: normalize in fp32, cast back, then scale
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(x.dtype), x
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), x
+        out = weight * h.to(x.dtype)
+    else:
+        out = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    if fp8_out:
+        return Fp8Rows(*quantize_per_token_ref(out), out.dtype), x
+    return out, x
 
 
 @triton.jit
@@ -45,6 +52,7 @@ def _add_norm_kernel(
     bias_ptr,
     out_ptr,
     residual_out_ptr,
+    scale_ptr,
     num_cols,
     eps,
     stride_x,
@@ -52,10 +60,12 @@ def _add_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RMS: tl.constexpr,
+    FP8_OUT: tl.constexpr,  # out is e4m3, scale_ptr the rows' scales (quantize_per_token's)
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program per token: the whole hidden vector in one tile.
+    dtype = x_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -64,12 +74,12 @@ def _add_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = (x + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        x = (x + residual.to(tl.float32)).to(dtype)
         tl.store(residual_out_ptr + row * num_cols + cols, x, mask=mask)
         x = x.to(tl.float32)
     if RMS:
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
-        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * weight
+        y = (x * rstd).to(dtype).to(tl.float32) * weight
     else:
         mean = tl.sum(x, axis=0) / num_cols
         centered = tl.where(mask, x - mean, 0.0)
@@ -77,6 +87,10 @@ def _add_norm_kernel(
         y = centered * rstd * weight
         if HAS_BIAS:
             y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if FP8_OUT:
+        # The quantizer reads the norm as stored in the model dtype, hence the rounding.
+        y, scale = quantize_row(tl.where(mask, y.to(dtype).to(tl.float32), 0.0))
+        tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * num_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -87,14 +101,18 @@ def add_norm(
     bias: torch.Tensor | None,
     eps: float,
     rms: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8_out: bool = False,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """Triton version of `add_norm_ref` (rows with a contiguous last dim)."""
     num_tokens, hidden = x.shape
     assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    out = torch.empty_like(x)
+    out = torch.empty(num_tokens, hidden, dtype=FP8_DTYPE if fp8_out else x.dtype, device=x.device)
+    # Without fp8_out the kernel never reads scale_ptr (FP8_OUT compiles it out).
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else out
     residual_out = x if residual is None else torch.empty_like(x)
+    result = Fp8Rows(out, scale, x.dtype) if fp8_out else out
     if num_tokens == 0:
-        return out, residual_out
+        return result, residual_out
     block = triton.next_power_of_2(hidden)
     pdl = use_pdl(x.device)
     _add_norm_kernel[(num_tokens,)](
@@ -104,6 +122,7 @@ def add_norm(
         weight if bias is None else bias,
         out,
         residual_out,
+        scale,
         hidden,
         eps,
         x.stride(0),
@@ -111,13 +130,14 @@ def add_norm(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         RMS=rms,
+        FP8_OUT=fp8_out,
         BLOCK=block,
         PDL=pdl,
         # About 8 elements per thread: 768 or 896 wide rows take 4 warps.
         num_warps=min(16, max(1, block // 256)),
         **launch_options(pdl),
     )
-    return out, residual_out
+    return result, residual_out
 
 
 def add_norm_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

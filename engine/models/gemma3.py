@@ -6,6 +6,7 @@ logit soft-cap where the config sets one. Attention and loading are llama.py's."
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -37,6 +38,12 @@ def check_config(config) -> None:
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
+    # The norm after attention goes to the residual stream; the MLP reads the one before it.
+    FP8_FEEDS: ClassVar[dict[str, str]] = {
+        "input_layernorm": "self_attn.qkv_proj",
+        "pre_feedforward_layernorm": "mlp.gate_up_proj",
+    }
+
     def __init__(
         self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
     ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
+from kernels.fp8 import Fp8Rows
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are read transposed into nn.Linear's [out, in].
@@ -34,6 +36,8 @@ IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old chec
 class GPT2Block(nn.Module):
     """Column-parallel c_attn (this rank's heads of q, k and v) and c_fc, row-parallel
     c_proj and mlp_proj."""
+
+    FP8_FEEDS: ClassVar[dict[str, str]] = {"ln_1": "c_attn", "ln_2": "c_fc"}  # quantize_model
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -59,8 +63,8 @@ class GPT2Block(nn.Module):
         h, residual = self.ln_2(self.c_proj(self.attn(q, k, v, meta)), residual)
         return self.mlp_proj(self.mlp_in(h)), residual
 
-    def mlp_in(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tanh_gelu and h.is_cuda and isinstance(self.c_fc, nn.Linear):  # not FP8
+    def mlp_in(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if self.tanh_gelu and isinstance(self.c_fc, nn.Linear) and h.is_cuda:  # not FP8
             # cuBLASLt's GELU epilogue is the tanh form: GEMM, bias and GELU in one
             # kernel (on CPU the same call computes erf GELU, hence CUDA only).
             return torch._addmm_activation(self.c_fc.bias, h, self.c_fc.weight.t(), use_gelu=True)

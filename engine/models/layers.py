@@ -17,6 +17,7 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
 from engine.models.weight_copy import fill
+from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
@@ -127,7 +128,9 @@ class AddNorm(nn.Module):
     """Adds a sublayer's output to the residual stream and normalizes the sum, in one
     kernel on CUDA: forward(x, residual) -> (norm(x + residual), x + residual).
     With residual None, x is the residual stream itself. rms: HF Llama's RMSNorm
-    (normalize in fp32, cast back, then scale); else LayerNorm, with a bias."""
+    (normalize in fp32, cast back, then scale); else LayerNorm, with a bias.
+    fp8_out (set by `quantize_model` where an FP8 projection takes the norm): the norm
+    comes out quantized per token, as `Fp8Rows`."""
 
     def __init__(self, dim: int, eps: float, rms: bool) -> None:
         super().__init__()
@@ -135,11 +138,13 @@ class AddNorm(nn.Module):
         self.bias = None if rms else nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.rms = rms
+        self.fp8_out = False
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_norm_for(x.device)(x, residual, self.weight, self.bias, self.eps, self.rms)
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        add_norm = add_norm_for(x.device)
+        return add_norm(x, residual, self.weight, self.bias, self.eps, self.rms, self.fp8_out)
 
 
 LayerNorm = functools.partial(AddNorm, rms=False)

@@ -5,6 +5,7 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from engine.models.parallel import (
     split,
 )
 from kernels.activation import act_and_mul_for
+from kernels.fp8 import Fp8Rows
 
 # HF projection -> (our fused parameter, section). q/k/v become one qkv_proj and gate/up
 # one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
@@ -82,7 +84,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         rope = self.rotary.rope(positions, self.q_norm, self.k_norm)
@@ -94,20 +96,30 @@ class LlamaMLP(nn.Module):
     (kernels/activation.py names them; one kernel on CUDA). gate_up column-parallel (this
     rank's gate rows, then its up rows), down row-parallel."""
 
+    FP8_FEEDS: ClassVar[dict[str, str]] = {"": "down_proj"}  # quantize_model: see fp8_out
+
     def __init__(self, config, tp: TensorParallel = SINGLE, act: str = "silu") -> None:
         super().__init__()
         self.act = act
+        self.fp8_out = False  # the activation quantizes its rows for an FP8 down_proj
         inter = split(config.intermediate_size, tp, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=False, tp=tp
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul_for(x.device)(self.gate_up_proj(x), self.act))
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        return self.down_proj(act_and_mul_for(h.device)(h, self.act, self.fp8_out))
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Norm -> the FP8 projection that alone reads it (quantize_model sets fp8_out).
+    FP8_FEEDS: ClassVar[dict[str, str]] = {
+        "input_layernorm": "self_attn.qkv_proj",
+        "post_attention_layernorm": "mlp.gate_up_proj",
+    }
+
     def __init__(
         self,
         config,

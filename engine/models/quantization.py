@@ -23,9 +23,10 @@ from engine.models.layers import FusedMoE, PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
 from kernels.fp8 import (
     FP8_DTYPE,
-    fp8_linear_for,
+    Fp8Rows,
+    fp8_rows_linear_for,
     quantize_per_channel,
-    quantize_per_token,
+    quantize_per_token_for,
     scaled_mm_fits,
 )
 from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
@@ -62,30 +63,37 @@ class Fp8Linear(nn.Module):
         reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
         return cls(weight.contiguous(), scale, bias, reduce)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        m = rows.shape[0]
-        if rows.is_cuda and m <= SPLITK_MAX_M and rows.stride(1) == 1:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x: rows in the model dtype, or already quantized by the kernel before
+        (`quantize_model` wires the norms and activations that do so)."""
+        # (Not isinstance(x, Fp8Rows): the kernel tests reload kernels/fp8.py, class and all.)
+        if isinstance(x, torch.Tensor):
+            rows = x.reshape(-1, x.shape[-1])
+            quantized = Fp8Rows(*quantize_per_token_for(rows.device)(rows), rows.dtype)
+            out = self.rows_forward(quantized).view(*x.shape[:-1], self.out_features)
+        else:
+            out = self.rows_forward(x)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
+
+    def rows_forward(self, x: Fp8Rows) -> torch.Tensor:
+        if x.q.is_cuda and x.q.shape[0] <= SPLITK_MAX_M:
             # Decode batches: the split-K kernel reads each weight's byte once, where
             # _scaled_mm's kernels for skinny products fall far short of that. Its dots
             # run on e4m3 at every batch: upcasting the weights instead, for x left in
             # the model dtype, costs more in conversions than quantizing x does.
-            workspace = splitk_workspace(self.out_features, rows.device, fp8=True)
-            x_q, x_scale = quantize_per_token(rows)
-            out = splitk_linear(
-                x_q, self.weight, self.bias, workspace, self.weight_scale, x_scale, rows.dtype
+            workspace = splitk_workspace(self.out_features, x.q.device, fp8=True)
+            return splitk_linear(
+                x.q, self.weight, self.bias, workspace, self.weight_scale, x.scale, x.dtype
             )
-        else:
-            out = fp8_linear_for(x.device)(rows, self.weight, self.weight_scale, self.bias)
-        out = out.view(*shape[:-1], self.out_features)
-        return out if self.reduce is None else self.reduce.all_reduce(out)
+        return fp8_rows_linear_for(x.q.device)(x, self.weight, self.weight_scale, self.bias)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> int:
     """Replace the dense projections (qkv/o/gate_up/down; GPT-2's four) by Fp8Linear;
-    returns how many. Skipped: MoE routers, and shapes `_scaled_mm` cannot take."""
+    returns how many. Skipped: MoE routers, and shapes `_scaled_mm` cannot take.
+    Then each producer a module's FP8_FEEDS names (a norm, an MLP's activation) whose
+    consumer went FP8 quantizes its output itself (`fp8_out`): one launch fewer each."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, FusedMoE):
@@ -97,6 +105,13 @@ def quantize_model(model: nn.Module) -> int:
                 continue
             setattr(parent, name, Fp8Linear.from_linear(child))
             count += 1
+    for module in model.modules():
+        for producer, consumer in getattr(module, "FP8_FEEDS", {}).items():
+            try:
+                fp8 = isinstance(module.get_submodule(consumer), Fp8Linear)
+            except AttributeError:  # a layer without that consumer (an MoE block's MLP)
+                continue
+            module.get_submodule(producer).fp8_out = fp8
     return count
 
 

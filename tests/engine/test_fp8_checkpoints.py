@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.llm import LLM
+from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.models.loader import ModelLoadError, load_config, load_model
 from engine.models.quantization import Fp8Linear, checkpoint_fp8, quantize_model
 from engine.sampling_params import SamplingParams
@@ -252,6 +253,68 @@ def test_quantize_model_swaps_dense_projections_only(tiny_llama_dir, tiny_family
     assert quantize_model(moe) == 2 * 2 + 2
     assert not isinstance(moe.layers[0].mlp.gate, Fp8Linear)
     assert moe.layers[0].mlp.w13.dtype == torch.float32
+
+
+def _prefill_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """One sequence's logits at every position: an eager prefill through fresh caches."""
+    n, block = len(ids), 16
+    blocks = -(-n // block)
+    for layer in (m for m in model.modules() if isinstance(m, PagedAttention)):
+        shape = (blocks, block, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache, layer.v_cache = torch.zeros(shape), torch.zeros(shape)
+        layer.ops = AttentionOps.for_device(CPU)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        block_table=torch.arange(blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        max_query_len=n,
+        is_decode=False,
+    )
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta))
+
+
+# kind -> (module names quantize_model makes quantize their output, some it must not)
+FP8_PRODUCERS = {
+    "llama": (
+        ["layers.0.input_layernorm", "layers.0.post_attention_layernorm", "layers.0.mlp"],
+        ["norm"],
+    ),
+    # The norm after attention feeds the residual stream, the one before the MLP gate_up.
+    "gemma3": (
+        ["layers.1.input_layernorm", "layers.1.pre_feedforward_layernorm", "layers.1.mlp"],
+        ["layers.1.post_attention_layernorm", "layers.1.post_feedforward_layernorm"],
+    ),
+    # Layer 0's MLP is the MoE block (router and experts stay), layer 1's dense.
+    "qwen3_moe": (
+        ["layers.0.input_layernorm", "layers.1.post_attention_layernorm", "layers.1.mlp"],
+        ["layers.0.post_attention_layernorm"],
+    ),
+    "gpt2": (["h.0.ln_1", "h.0.ln_2"], ["ln_f"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(FP8_PRODUCERS))
+def test_norms_and_activations_quantize_for_their_fp8_projections(
+    kind, tiny_llama_dir, tiny_gpt2_dir, tiny_family_dir
+):
+    """quantize_model has each norm or activation whose only reader went FP8 quantize
+    its own output (one launch fewer on CUDA), and nothing else: the logits equal those
+    with every projection quantizing its input itself."""
+    path = {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir}.get(kind) or tiny_family_dir(kind)
+    model, _ = load_model(path, CPU, torch.float32)
+    quantize_model(model)
+    modules = dict(model.named_modules())
+    fused, plain = FP8_PRODUCERS[kind]
+    assert all(modules[name].fp8_out for name in fused)
+    assert not any(modules[name].fp8_out for name in plain)
+    ids = [5, 9, 13, 2, 7, 7, 1, 30, 4]
+    got = _prefill_logits(model, ids)
+    for module in model.modules():
+        if hasattr(module, "fp8_out"):
+            module.fp8_out = False
+    assert torch.equal(got, _prefill_logits(model, ids))
 
 
 def test_fp8_linear_module_matches_reference_and_linear():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import act_and_mul, act_and_mul_for, act_and_mul_ref
+from kernels.activation import FP8_ONE_TILE, act_and_mul, act_and_mul_for, act_and_mul_ref
+from kernels.fp8 import quantize_per_token
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -23,6 +24,25 @@ def test_act_and_mul_matches_reference(activation, inter, dtype, rng, device):
     eps = torch.finfo(dtype).eps
     rtol = 1e-6 if dtype == torch.float32 else 2 * eps
     torch.testing.assert_close(got.cpu(), want, rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+# Rows in one tile (Llama-3-8B's 14,336 among them); past FP8_ONE_TILE, the quantizer after.
+@pytest.mark.parametrize("inter", [128, 1500, 14336, FP8_ONE_TILE + 1])
+def test_act_and_mul_quantizes_its_rows_as_the_quantizer_would(
+    activation, inter, dtype, rng, device
+):
+    """fp8_out: each row quantized per token in the same launch, bit for bit what the
+    quantizer's launch makes of the rows the kernel would otherwise store (on a GPU both
+    divide by the scale the same approximate way, so the reference would differ)."""
+    x = (3 * torch.randn(3, 2 * inter, generator=rng)).to(dtype).to(device)
+    x[1, inter:] = 0  # a row of zeros: the smallest scale, every value 0
+    rows = act_and_mul(x, activation, fp8_out=True)
+    q, scale = quantize_per_token(act_and_mul(x, activation))
+    assert rows.dtype == dtype and rows.q.shape == (3, inter)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.scale, scale)
 
 
 def test_act_and_mul_reads_strided_rows(rng, device):

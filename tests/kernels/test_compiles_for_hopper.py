@@ -1,7 +1,8 @@
 """Kernels compiled ahead of time for an H100 (sm_90), no GPU needed: Triton's
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
-Here the variants that only the FP8 paths take, the decode attention rotating q and K
+Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
+the gated activation quantizing their rows), the decode attention rotating q and K
 itself, and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
@@ -49,6 +50,8 @@ def compile_variants() -> None:
     # e4m3 by e4m3 dots (wgmma) widen nothing.
     assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
     print("split-K fp8")
+    compile_fp8_producers()
+    print("norm and activation fp8_out")
     for kv_fp8, norm in ((False, False), (True, True)):
         compile_decode_with_rope(kv_fp8, norm)
         print(f"decode rope kv_fp8={kv_fp8} norm={norm}")
@@ -64,6 +67,24 @@ def compile_variants() -> None:
     signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
     print("greedy ids")
+
+
+def compile_fp8_producers() -> None:
+    """The norm and the gated activation writing e4m3 rows and their scales."""
+    from kernels.activation import _act_and_mul_kernel
+    from kernels.norms import _add_norm_kernel
+
+    names = ("x_ptr", "residual_ptr", "weight_ptr", "bias_ptr", "residual_out_ptr")
+    signature = {name: "*bf16" for name in names}
+    signature |= {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_cols": "i32", "eps": "fp32"}
+    signature |= {"stride_x": "i32", "stride_residual": "i32"}
+    constexprs = {"HAS_RESIDUAL": True, "HAS_BIAS": False, "RMS": True, "FP8_OUT": True}
+    constexprs |= {"BLOCK": 4096, "PDL": True}
+    assert "cubin" in compile_for_hopper(_add_norm_kernel, signature, constexprs)
+    signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    signature |= {"inter": "i32", "stride_x": "i32"}
+    constexprs = {"GELU_TANH": False, "FP8_OUT": True, "BLOCK": 16384, "PDL": True}
+    assert "cubin" in compile_for_hopper(_act_and_mul_kernel, signature, constexprs)
 
 
 def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
@@ -97,10 +118,11 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:6] == [
+    assert done.stdout.split("\n")[:7] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8",
+        "norm and activation fp8_out",
         "decode rope kv_fp8=False norm=False",
         "decode rope kv_fp8=True norm=True",
         "greedy ids",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.fp8 import quantize_per_token
 from kernels.norms import add_norm, add_norm_for, add_norm_ref
 
 
@@ -27,6 +28,26 @@ def test_add_norm_matches_reference(rms, with_residual, hidden, dtype, rng, devi
     assert torch.equal(got_sum.cpu(), want_sum)  # the sum is rounded once, as `x + residual`
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize(
+    ("hidden", "dtype"), [(96, torch.float32), (768, torch.float16), (768, torch.bfloat16)]
+)
+def test_add_norm_quantizes_its_output_as_the_quantizer_would(rms, hidden, dtype, rng, device):
+    """fp8_out: the norm quantized per token in the same launch, bit for bit what the
+    quantizer's launch makes of the norm the kernel would otherwise store; the sum is
+    the same."""
+    x, residual = (4 * torch.randn(2, 5, hidden, generator=rng)).to(dtype).to(device)
+    residual[2] = -x[2]  # a zero sum: RMSNorm's row of zeros takes the smallest scale
+    weight = (1 + 0.1 * torch.randn(hidden, generator=rng)).to(dtype).to(device)
+    bias = None if rms else (0.1 * torch.randn(hidden, generator=rng)).to(dtype).to(device)
+    out, total = add_norm(x, residual, weight, bias, 1e-5, rms)
+    rows, total_fp8 = add_norm(x, residual, weight, bias, 1e-5, rms, fp8_out=True)
+    q, scale = quantize_per_token(out)
+    assert rows.dtype == dtype and torch.equal(total_fp8, total)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.scale, scale)
 
 
 def test_add_norm_reads_strided_rows(rng, device):
