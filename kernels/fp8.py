@@ -101,10 +101,16 @@ def round_to_fp8(x):
 
 
 @triton.jit
+def row_scale(amax):
+    """A row's scale from its lanes' absolute maxima, as `quantize_per_token_ref` takes it."""
+    return tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+
+
+@triton.jit
 def quantize_row(x):
     """A whole row in fp32 (masked lanes 0) -> (its values on the e4m3 grid, in fp32,
     and the row's scale): `quantize_per_token_ref` inside a kernel that holds the row."""
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+    scale = row_scale(tl.abs(x))
     return round_to_fp8(x / scale), scale
 
 
@@ -134,7 +140,7 @@ def _per_token_quant_kernel(
             mask = start + cols < K
             x = tl.load(x_ptr + row * stride_xm + start + cols, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0  # MIN_AMAX, FP8_MAX
+        scale = row_scale(amax)
         tl.store(scale_ptr + row, scale)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
