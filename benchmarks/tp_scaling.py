@@ -1,10 +1,12 @@
 """Tensor-parallel scaling on one multi-GPU host, with random bf16 weights at real shapes.
 
 - Llama-3-8B's shape at TP 1/2/4/8: batch-1 decode ms/token, beside the time
-  an all-reduce of one token's hidden state takes (measured alone, in as many
-  processes) times the all-reduces a decode step makes (two per layer), and
-  the time rank 0's collectives took per token inside the engine's own steps
-  (the profiler's NCCL kernel time over a short batch-1 run).
+  an all-reduce of one token's hidden state takes (inside a CUDA graph, in as
+  many processes; NCCL's and the one-shot kernel's, engine/one_shot.py) times
+  the all-reduces a decode step makes (two per layer), and the time rank 0's
+  collectives took per token inside the engine's own steps (the profiler's
+  collective kernel time over a short batch-1 run). --compare-all-reduce runs
+  each TP size twice: with --custom-all-reduce and without.
 - Llama-3-70B's shape at TP 4/8 (or 2, on GPUs that hold half of its ~141 GB):
   64 requests of 512 random prompt tokens and 512 output tokens (offline
   throughput), and batch-1 ms/token against the floor of one GPU reading its
@@ -25,6 +27,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,27 +43,55 @@ BATCH1_PROMPT, BATCH1_OUTPUT = 128, 256
 THROUGHPUT_REQUESTS, THROUGHPUT_LEN = 64, 512
 
 
+def _graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 50) -> float:
+    """Microseconds per call of `fn`, `calls` of them captured in one CUDA graph (as the
+    engine's decode graphs run collectives), median over the replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def _all_reduce_worker(rank: int, size: int, address: str, hidden: int, out) -> None:
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    from engine.one_shot import OneShotAllReduce
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size)
-    x = torch.ones(1, hidden, dtype=torch.bfloat16, device="cuda")
-    for _ in range(50):  # warm up: the communicator and its channels
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    n = 1000
-    start = time.perf_counter()
-    for _ in range(n):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
+    one_shot = OneShotAllReduce.create(dist.group.WORLD, size, device)
+    x = torch.ones(1, hidden, dtype=torch.bfloat16, device=device)
+    times = {
+        "nccl": _graph_us(lambda: dist.all_reduce(x)),
+        "one_shot": _graph_us(lambda: one_shot(x)),
+    }
     if rank == 0:
-        out.put(1e6 * (time.perf_counter() - start) / n)
+        out.put(times)
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def all_reduce_us(size: int, hidden: int) -> float:
-    """Microseconds per all-reduce of [1, hidden] bf16 over `size` GPUs (back to back)."""
+def all_reduce_us(size: int, hidden: int) -> dict[str, float]:
+    """Microseconds per all-reduce of [1, hidden] bf16 over `size` GPUs inside a CUDA graph,
+    by NCCL and by the one-shot kernel (engine/one_shot.py)."""
     import torch.multiprocessing as mp
 
     from engine.config import EngineConfig
@@ -111,11 +142,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randrange(min(vocab, 10000)) for _ in range(length)] for _ in range(n)]
 
 
-def measure(model_dir: str, tp: int, bandwidth: float, throughput: bool) -> dict:
+def measure(
+    model_dir: str, tp: int, bandwidth: float, throughput: bool, one_shot: bool = False
+) -> dict:
     llm = LLM(
         model_dir,
         dtype="bfloat16",
         tensor_parallel_size=tp,
+        custom_all_reduce=one_shot,
         enable_prefix_caching=False,
         max_num_seqs=THROUGHPUT_REQUESTS if throughput else 8,
         max_num_batched_tokens=2048,
@@ -162,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sizes-8b", default="1,2,4,8", help="TP sizes for the 8B shape")
     p.add_argument("--sizes-70b", default="4,8", help="TP sizes for the 70B shape ('' for none)")
+    p.add_argument(
+        "--compare-all-reduce",
+        action="store_true",
+        help="run each TP size > 1 twice: small all-reduces one-shot (--custom-all-reduce), and all on NCCL",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     for key, value in WORKER_ENV.items():  # NVLink multicast stays off here too
@@ -188,22 +227,26 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("llama3-8b", n, False) for n in sizes(args.sizes_8b)]
     plan += [("llama3-70b", n, True) for n in sizes(args.sizes_70b)]
     for name, tp, throughput in plan:
+        ways = ["one-shot", "nccl"] if tp > 1 and args.compare_all_reduce else ["nccl"]
         model_dir = build_checkpoint(
             name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", torch.bfloat16
         )
         config = CONFIGS[name]()
-        run: dict = {"model": name, "tp": tp}
-        if tp > 1:
-            per_call = all_reduce_us(tp, config.hidden_size)
-            run["all_reduce_us"] = per_call
-            # Two per layer (attention out, MLP down) and the logits' gather.
-            run["all_reduce_ms_per_step"] = 1e-3 * per_call * (2 * config.num_hidden_layers + 1)
-        try:
-            run |= measure(model_dir, tp, bandwidth, throughput)
-        except Exception as exc:  # recorded, and the next size runs
-            run["error"] = f"{type(exc).__name__}: {exc}"
-        print(json.dumps(run), flush=True)
-        result["runs"].append(run)
+        per_call = all_reduce_us(tp, config.hidden_size) if tp > 1 else {}
+        for way in ways:
+            run: dict = {"model": name, "tp": tp}
+            if tp > 1:
+                run["all_reduce"] = way
+                run["all_reduce_us"] = per_call  # each way, timed alone
+                # Two per layer (attention out, MLP down); the logits' gather is left out.
+                us = per_call["nccl" if way == "nccl" else "one_shot"]
+                run["all_reduce_ms_per_step"] = 1e-3 * us * 2 * config.num_hidden_layers
+            try:
+                run |= measure(model_dir, tp, bandwidth, throughput, one_shot=way != "nccl")
+            except Exception as exc:  # recorded, and the next size runs
+                run["error"] = f"{type(exc).__name__}: {exc}"
+            print(json.dumps(run), flush=True)
+            result["runs"].append(run)
     write_result(args.out, result)
     return 0
 

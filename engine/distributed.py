@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
+    from engine.one_shot import OneShotAllReduce
+
 
 class WorkerFailed(RuntimeError):
     """A tensor-parallel rank died or failed to start, or a step failed (the ranks may
@@ -67,6 +69,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: ProcessGroup | None = None  # None when size == 1
+    # Small tensors' sums over peer memory (engine/one_shot.py); None: NCCL (or gloo) only.
+    one_shot: OneShotAllReduce | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -81,11 +85,13 @@ class TensorParallel:
         return self.rank * part, part
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum x over the ranks, in place."""
+        """x summed over the ranks: in place, or for a small tensor in a new one."""
         if self.size > 1:
             import torch.distributed as dist
 
             with GATE.call():
+                if self.one_shot is not None and self.one_shot.fits(x):
+                    return self.one_shot(x)
                 dist.all_reduce(x, group=self.group)
         return x
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed import GATE, TensorParallel, WorkerFailed
+from engine.one_shot import OneShotAllReduce, unblock_until
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -97,15 +98,38 @@ def join(config: EngineConfig, rank: int, address: str) -> Membership:
             config.ranks_per_node,
             ranks,
         )
-    tp = TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD)
+    one_shot = _one_shot(config, device, control)
+    tp = TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD, one_shot)
     return Membership(tp, control, config)
+
+
+def _one_shot(
+    config: EngineConfig, device: torch.device, control: dist.ProcessGroup
+) -> OneShotAllReduce | None:
+    """The one-shot all-reduce on every rank or on none: CUDA ranks of one node only."""
+    if device.type != "cuda" or config.nnodes > 1 or not config.custom_all_reduce:
+        return None
+    try:
+        one_shot = OneShotAllReduce.create(dist.group.WORLD, config.tensor_parallel_size, device)
+    except Exception as exc:  # e.g. GPUs without peer access to each other
+        logger.warning("one-shot all-reduce unavailable here: %s", exc)
+        one_shot = None
+    if not _min_over_ranks(int(one_shot is not None), control):
+        return None  # some rank has none: NCCL for all, or the ranks' collectives differ
+    if dist.get_rank() == 0:
+        logger.info("all-reduces up to %d KiB: one-shot over peer memory", one_shot.max_bytes >> 10)
+    return one_shot
+
+
+def _min_over_ranks(value: int, group: dist.ProcessGroup) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 def all_ranks_min(value: int, membership: Membership) -> int:
     """The smallest of every rank's value (over the gloo group: a dead peer fails it)."""
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=membership.control)
-    return int(t.item())
+    return _min_over_ranks(value, membership.control)
 
 
 def leave() -> None:
@@ -177,7 +201,13 @@ class Workers:
                     self.failed.set()
                     for _, other in list(running.values()):  # they cannot go on alone
                         other.kill()
-                    GATE.abort(self.failure, _abort_nccl)
+                    GATE.abort(self.failure, self._abort_collectives)
+
+    def _abort_collectives(self) -> None:
+        """Device work waiting on the dead rank ends: the one-shot kernels' first, since
+        NCCL's abort can wait for its own kernels queued behind them."""
+        unblock_until(lambda: self.stopping, COLLECTIVE_TIMEOUT.total_seconds())
+        _abort_nccl()
 
     def check(self) -> None:
         if self.failure is not None:

@@ -117,6 +117,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="node 0's rendezvous port (default: a free one; needed with --nnodes > 1)",
     )
     t("--headless", help="run this node's ranks only, no HTTP (nodes other than 0)")
+    t(
+        "--custom-all-reduce",
+        help="sum small tensors (a decode step's) by torch's symmetric-memory one-shot "
+        "kernel instead of NCCL, when all ranks share a node",
+    )
     e(
         "--disable-log-stats",
         action="store_true",
