@@ -45,7 +45,9 @@ THROUGHPUT_REQUESTS, THROUGHPUT_LEN = 64, 512
 
 def _graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 50) -> float:
     """Microseconds per call of `fn`, `calls` of them captured in one CUDA graph (as the
-    engine's decode graphs run collectives), median over the replays."""
+    engine's decode graphs run collectives), median over the replays. Not
+    benchmarks.kernels.graph_median_us: do_bench picks its replay count from each
+    process's own timing, and every rank must replay the collectives equally often."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up outside the capture

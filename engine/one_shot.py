@@ -68,20 +68,14 @@ class OneShotAllReduce:
             pad = handle.get_signal_pad(owner, dtype=torch.int32)
             return pad[: pad.numel() // world * world].view(-1, world)
 
-        peers = [peer for peer in range(world) if peer != rank]
+        mine, peers = flags(rank), [peer for peer in range(world) if peer != rank]
         stream = torch.cuda.Stream(device)
         with torch.cuda.stream(stream):  # the fill kernel for such columns, loaded now
-            torch.zeros_like(flags(rank))[:, 0].fill_(1)
+            torch.zeros_like(mine)[:, 0].fill_(1)
         stream.synchronize()
-        one_shot = cls(
-            buffer,
-            handle,
-            group.group_name,
-            max_bytes,
-            stream,
-            [flags(rank)[:, peer] for peer in peers],
-            [flags(peer)[:, rank] for peer in peers],
-        )
+        arrived = [mine[:, peer] for peer in peers]
+        taken = [flags(peer)[:, rank] for peer in peers]
+        one_shot = cls(buffer, handle, group.group_name, max_bytes, stream, arrived, taken)
         _LIVE.add(one_shot)
         return one_shot
 
