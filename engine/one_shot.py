@@ -9,9 +9,9 @@ batch 1 their latency is most of what tensor parallelism adds. Past a size that
 depends on the group NCCL's bandwidth wins again and takes those tensors.
 
 The kernel's barriers wait for the other ranks' flags with no timeout, and NCCL's
-abort does not reach them: when a rank dies, `unblock_until` raises the dead ranks'
-flags from the host, so that this rank's pending kernels finish (with sums that no
-one will read) and the engine thread's wait returns, as it does after NCCL's abort.
+abort does not reach them: when a rank dies, `unblock_until_drained` raises the dead
+ranks' flags from the host, so that this rank's pending kernels finish (with sums that
+no one will read) and the engine thread's wait returns, as it does after NCCL's abort.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,11 @@ MAX_BYTES_LARGER = 512 << 10
 UNBLOCK_INTERVAL_S = 0.002
 
 _LIVE: weakref.WeakSet[OneShotAllReduce] = weakref.WeakSet()  # this process's, for unblocking
+# torch (2.11) numbers a process's symmetric-memory rendezvous, and ranks meet at the
+# store keys their numbers name: only ranks that have made as many before can meet. A
+# new engine's workers are new processes, so an engine made after another in the same
+# process cannot (tp_group.py then leaves its sums to NCCL).
+_rendezvous_made = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,9 +52,10 @@ class OneShotAllReduce:
     handle: Any  # torch's _SymmetricMemory for buffer: peers' buffers and flags
     group_name: str
     max_bytes: int
-    # For unblock_peers, made while nothing waits: creating a stream, or loading the fill
+    # For unblocking, made while nothing waits: creating a stream, or loading the fill
     # kernel, can wait behind a kernel stranded at a barrier.
     stream: torch.cuda.Stream
+    drained: torch.cuda.Event  # recorded after the work queued when unblocking began
     arrived: list[torch.Tensor]  # per peer: its arrival flags in this rank's signal pad
     taken: list[torch.Tensor]  # per peer: this rank's arrival flags in the peer's pad
 
@@ -59,9 +64,13 @@ class OneShotAllReduce:
         """A collective: every rank of `group` calls it, on its own device."""
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _rendezvous_made
         max_bytes = MAX_BYTES.get(size, MAX_BYTES_LARGER)
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(buffer, group.group_name)
+        try:
+            handle = symm_mem.rendezvous(buffer, group.group_name)
+        finally:
+            _rendezvous_made += 1
         rank, world = handle.rank, handle.world_size
 
         def flags(owner: int) -> torch.Tensor:  # [block, rank]: torch's signal pad layout
@@ -75,7 +84,8 @@ class OneShotAllReduce:
         stream.synchronize()
         arrived = [mine[:, peer] for peer in peers]
         taken = [flags(peer)[:, rank] for peer in peers]
-        one_shot = cls(buffer, handle, group.group_name, max_bytes, stream, arrived, taken)
+        drained = torch.cuda.Event()
+        one_shot = cls(buffer, handle, group.group_name, max_bytes, stream, drained, arrived, taken)
         _LIVE.add(one_shot)
         return one_shot
 
@@ -102,17 +112,28 @@ class OneShotAllReduce:
                 flags.fill_(0)
 
 
-def unblock_until(done: Callable[[], bool], timeout_s: float) -> None:
+def rendezvous_made() -> int:
+    """How many one-shot all-reduces this process has set up (or tried to)."""
+    return _rendezvous_made
+
+
+def unblock_until_drained(timeout_s: float) -> None:
     """After a rank's death: keep this process's one-shot kernels unblocked (from a
-    thread) until `done()` or `timeout_s`."""
+    thread) until the device work queued now has ended, or `timeout_s`. A step's graph
+    holds several of them, each stranded in turn, and NCCL's abort of the collectives
+    queued behind them may take a while: stopping at the engine's shutdown is too soon."""
     live = list(_LIVE)
     if not live:
         return
+    for one_shot in live:  # the engine's stream: the current one of its device
+        one_shot.drained.record(torch.cuda.current_stream(one_shot.buffer.device))
 
     def loop() -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            while not done() and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                if all(one_shot.drained.query() for one_shot in live):
+                    return
                 for one_shot in live:
                     one_shot.unblock_peers()
                 time.sleep(UNBLOCK_INTERVAL_S)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed import GATE, TensorParallel, WorkerFailed
-from engine.one_shot import OneShotAllReduce, unblock_until
+from engine.one_shot import OneShotAllReduce, rendezvous_made, unblock_until_drained
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -108,6 +108,11 @@ def _one_shot(
 ) -> OneShotAllReduce | None:
     """The one-shot all-reduce on every rank or on none: CUDA ranks of one node only."""
     if device.type != "cuda" or config.nnodes > 1 or not config.custom_all_reduce:
+        return None
+    made = rendezvous_made()
+    if _min_over_ranks(made, control) != -_min_over_ranks(-made, control):
+        if dist.get_rank() == 0:  # its workers are new processes, and torch cannot rejoin
+            logger.info("all-reduces on NCCL: this process has had a tensor-parallel engine")
         return None
     try:
         one_shot = OneShotAllReduce.create(dist.group.WORLD, config.tensor_parallel_size, device)
@@ -206,7 +211,7 @@ class Workers:
     def _abort_collectives(self) -> None:
         """Device work waiting on the dead rank ends: the one-shot kernels' first, since
         NCCL's abort can wait for its own kernels queued behind them."""
-        unblock_until(lambda: self.stopping, COLLECTIVE_TIMEOUT.total_seconds())
+        unblock_until_drained(COLLECTIVE_TIMEOUT.total_seconds())
         _abort_nccl()
 
     def check(self) -> None:

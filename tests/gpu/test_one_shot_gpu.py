@@ -6,6 +6,7 @@ once it is unblocked."""
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.distributed import TensorParallel
-from engine.one_shot import OneShotAllReduce, unblock_until
+from engine.one_shot import OneShotAllReduce, unblock_until_drained
 from tests.engine.test_tensor_parallel_models import free_port
 from tests.gpu.conftest import GPU
 
@@ -94,9 +95,12 @@ def _stranded(rank: int, port: int, queue) -> None:
         time.sleep(1.0)
         waiting = not stop.query()
         start = time.monotonic()
-        unblock_until(stop.query, timeout_s=30.0)
+        unblock_until_drained(timeout_s=30.0)
         stop.synchronize()
-        queue.put((waiting, time.monotonic() - start))
+        unblocked_s = time.monotonic() - start
+        (thread,) = [t for t in threading.enumerate() if t.name == "pagoda-one-shot-unblock"]
+        thread.join(5.0)  # it stops by itself once the work queued before it has ended
+        queue.put((waiting, unblocked_s, thread.is_alive()))
     except BaseException as exc:
         queue.put(repr(exc))
 
@@ -111,9 +115,10 @@ def test_unblocking_finishes_kernels_stranded_by_an_absent_rank():
     try:
         result = queue.get(timeout=35)
         assert isinstance(result, tuple), result
-        waiting, unblocked_s = result
+        waiting, unblocked_s, still_unblocking = result
         assert waiting  # it would have hung: rank 1 never arrived
         assert unblocked_s < 5.0
+        assert not still_unblocking
     finally:
         for p in procs:
             p.kill()

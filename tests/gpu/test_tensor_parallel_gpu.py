@@ -1,11 +1,14 @@
-"""Tensor parallelism on two GPUs (NCCL): the same greedy tokens as one GPU and as
-transformers, with CUDA graphs (decode and prefill, the collectives captured inside) and
-without; a rank killed mid-generation fails the engine, which then shuts down."""
+"""Tensor parallelism on two GPUs (NCCL, with small sums one-shot, or all NCCL's):
+the same greedy tokens as one GPU and as transformers, with CUDA graphs (decode and
+prefill, the collectives captured inside) and without; a rank killed mid-generation fails
+the engine, which then shuts down."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,17 +26,43 @@ pytestmark = [
 MAX_NEW = 16
 
 
-def generate(model_dir: str, prompts: list[str], **config) -> tuple[list[list[int]], dict]:
+@dataclass
+class Generated:
+    tokens: list[list[int]]
+    paths: dict[str, int]  # steps by path (graph, prefill graph, eager)
+    one_shot: bool  # small sums on engine/one_shot.py
+
+
+def generate(model_dir: str, prompts: list[str], **config) -> Generated:
     """fp32, so that a sharded model's reductions cannot flip a near-tie."""
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, **config)
     try:
-        one_shot = config.get("custom_all_reduce", False)  # small sums on engine/one_shot.py
-        assert (llm.engine.runner.tp.one_shot is not None) == one_shot
         params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], dict(llm.engine.runner.steps_by_path)
+        runner = llm.engine.runner
+        tokens = [o.outputs[0].token_ids for o in outs]
+        return Generated(tokens, dict(runner.steps_by_path), runner.tp.one_shot is not None)
     finally:
         llm.shutdown()
+
+
+GENERATE = """
+import dataclasses, json, sys
+from tests.gpu.test_tensor_parallel_gpu import generate
+got = generate(sys.argv[1], json.loads(sys.argv[2]), **json.loads(sys.argv[3]))
+print(json.dumps(dataclasses.asdict(got)))
+"""
+
+
+def generate_apart(model_dir: str, prompts: list[str], **config) -> Generated:
+    """generate() in a process of its own: the first engine of a process is the one that
+    sums small tensors one-shot (engine/one_shot.py says why)."""
+    args = [model_dir, json.dumps(prompts), json.dumps(config)]
+    out = subprocess.run(
+        [sys.executable, "-c", GENERATE, *args], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-8000:]
+    return Generated(**json.loads(out.stdout.splitlines()[-1]))
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
@@ -41,8 +70,12 @@ def test_two_gpus_give_one_gpus_tokens(tiny_model_dir, eager):
     # A 40-token budget chunks the longer prompts: steps mix prefill chunks and decodes.
     prompts = [p * 3 for p in PROMPTS]
     config = dict(max_num_batched_tokens=40, enforce_eager=eager)
-    want, _ = generate(tiny_model_dir, prompts, **config)
-    got, paths = generate(tiny_model_dir, prompts, tensor_parallel_size=2, **config)
+    want = generate(tiny_model_dir, prompts, **config).tokens
+    tp2 = generate_apart(
+        tiny_model_dir, prompts, tensor_parallel_size=2, custom_all_reduce=True, **config
+    )
+    got, paths = tp2.tokens, tp2.paths
+    assert tp2.one_shot
     assert got == want
     tokenizer = load_tokenizer(tiny_model_dir)
     assert got == [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
@@ -52,23 +85,26 @@ def test_two_gpus_give_one_gpus_tokens(tiny_model_dir, eager):
         assert paths["graph"] > 0 and paths["prefill graph"] > 0
 
 
-def test_one_shot_all_reduces_give_one_gpus_tokens(tiny_llama_dir):
+def test_nccl_all_reduces_give_one_gpus_tokens(tiny_llama_dir):
     prompts = [p * 3 for p in PROMPTS]
     config = dict(max_num_batched_tokens=40)
-    want, _ = generate(tiny_llama_dir, prompts, **config)
-    got, paths = generate(
-        tiny_llama_dir, prompts, tensor_parallel_size=2, custom_all_reduce=True, **config
+    want = generate(tiny_llama_dir, prompts, **config).tokens
+    got = generate(
+        tiny_llama_dir, prompts, tensor_parallel_size=2, custom_all_reduce=False, **config
     )
-    assert got == want and paths["graph"] > 0
+    assert got.tokens == want and got.paths["graph"] > 0 and not got.one_shot
 
 
-def test_shared_prefixes_and_few_kv_blocks_on_two_gpus(tiny_llama_dir):
+def test_engines_after_the_first_in_a_process_sum_on_nccl(tiny_llama_dir):
+    # Shared prefixes and few KV blocks, too.
     shared = PROMPTS[5] * 2
     prompts = [shared + s for s in ("", " one", " two", " three")] + PROMPTS
-    config = dict(block_size=16, num_kv_blocks=24, max_model_len=128)
-    want, _ = generate(tiny_llama_dir, prompts, **config)
-    got, _ = generate(tiny_llama_dir, prompts, tensor_parallel_size=2, **config)
-    assert got == want
+    config = dict(block_size=16, num_kv_blocks=24, max_model_len=128, custom_all_reduce=True)
+    want = generate(tiny_llama_dir, prompts, **config).tokens
+    first = generate(tiny_llama_dir, prompts, tensor_parallel_size=2, **config)
+    second = generate(tiny_llama_dir, prompts, tensor_parallel_size=2, **config)
+    assert first.tokens == second.tokens == want
+    assert not second.one_shot  # the first may have summed one-shot; the second cannot
 
 
 # In a process of its own, so that a hang (NCCL waiting on the dead rank, or its
@@ -79,8 +115,9 @@ from engine import LLM, SamplingParams
 from engine.distributed import WorkerFailed
 
 llm = LLM(sys.argv[1], device="cuda", dtype="float32", tensor_parallel_size=2,
-          enforce_eager=sys.argv[2] == "eager", custom_all_reduce=sys.argv[2] == "one-shot")
+          enforce_eager=sys.argv[2] == "eager", custom_all_reduce=sys.argv[2] != "nccl")
 engine = llm.engine
+print(f"one-shot {engine.runner.tp.one_shot is not None}", flush=True)
 (worker,) = engine.workers.processes.values()
 params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 engine.add_request("r", [1, 2, 3, 4], params)
@@ -100,9 +137,9 @@ print("shut down", flush=True)
 """
 
 
-# one-shot: graphs whose small all-reduces wait at engine/one_shot.py's barriers, which
-# NCCL's abort does not end.
-@pytest.mark.parametrize("mode", ["graphs", "eager", "one-shot"])
+# graphs and eager: small all-reduces wait at engine/one_shot.py's barriers, which NCCL's
+# abort does not end; nccl: graphs whose every collective is NCCL's.
+@pytest.mark.parametrize("mode", ["graphs", "eager", "nccl"])
 def test_a_killed_rank_fails_the_engine_which_then_shuts_down(tiny_llama_dir, mode):
     try:
         out = subprocess.run(
@@ -114,6 +151,7 @@ def test_a_killed_rank_fails_the_engine_which_then_shuts_down(tiny_llama_dir, mo
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"hung after the kill; its output: {exc.stdout!r} {exc.stderr!r}")
     lines = out.stdout.splitlines()
+    assert f"one-shot {mode != 'nccl'}" in lines, out.stdout + out.stderr[-8000:]
     failed = [line for line in lines if line.startswith("failed after")]
     assert failed, out.stdout + out.stderr[-8000:]
     assert "rank 1" in failed[0]
