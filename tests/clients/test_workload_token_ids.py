@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clients.loadtest import build_parser, check_args
+from clients.loadtest_args import build_parser, check_args
 from clients.workload import RandomWorkload
 
 
