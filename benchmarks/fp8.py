@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
+from benchmarks.decode_step import start_decoding
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_vs_floor
-from benchmarks.offline import run_pagoda, start_decoding
+from benchmarks.offline import run_pagoda
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionMetadata

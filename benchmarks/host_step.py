@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from benchmarks.offline import _timed, start_decoding
+from benchmarks.decode_step import phase_timer, start_decoding
 from engine import LLM, SamplingParams
 from engine.request import TokenDeltas
 from server.engine_loop import Add, StepReport
@@ -197,10 +197,10 @@ def measure(
         (engine, "take_outputs", "outputs"),
     ]
     for obj, attr, phase in wrapped:
-        setattr(obj, attr, _timed(getattr(obj, attr), totals, phase, runner))
+        setattr(obj, attr, phase_timer(getattr(obj, attr), totals, phase, runner))
     send, close, own = reporter(engine, params) if report else (None, None, None)
     if send is not None:
-        send = _timed(send, totals, "report", runner)
+        send = phase_timer(send, totals, "report", runner)
     if churner is not None:
         churner.own = own
         for _ in range(2 * max_tokens):  # the staggered start settles into a few a step

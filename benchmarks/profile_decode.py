@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
-from benchmarks.offline import start_decoding
+from benchmarks.decode_step import start_decoding
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.offline import profile_decode_step, start_decoding
+from benchmarks.decode_step import profile_decode_step, start_decoding
 from engine import LLM
 
 BATCH, CONTEXT, STEPS, WARMUP = 8, 64, 4, 4
