@@ -117,14 +117,15 @@ def rendezvous_made() -> int:
     return _rendezvous_made
 
 
-def unblock_until_drained(timeout_s: float) -> None:
-    """After a rank's death: keep this process's one-shot kernels unblocked (from a
-    thread) until the device work queued now has ended, or `timeout_s`. A step's graph
-    holds several of them, each stranded in turn, and NCCL's abort of the collectives
-    queued behind them may take a while: stopping at the engine's shutdown is too soon."""
+def unblock_until_drained(timeout_s: float) -> threading.Thread | None:
+    """After a rank's death: keep this process's one-shot kernels unblocked (from the
+    thread returned) until the device work queued now has ended, or `timeout_s`. A
+    step's graph holds several of them, each stranded in turn, and NCCL's abort of the
+    collectives queued behind them may take a while: stopping at the engine's shutdown
+    is too soon."""
     live = list(_LIVE)
     if not live:
-        return
+        return None
     for one_shot in live:  # the engine's stream: the current one of its device
         one_shot.drained.record(torch.cuda.current_stream(one_shot.buffer.device))
 
@@ -140,4 +141,6 @@ def unblock_until_drained(timeout_s: float) -> None:
         except Exception:
             logger.exception("unblocking the one-shot all-reduces failed")
 
-    threading.Thread(target=loop, name="pagoda-one-shot-unblock", daemon=True).start()
+    thread = threading.Thread(target=loop, name="pagoda-one-shot-unblock", daemon=True)
+    thread.start()
+    return thread

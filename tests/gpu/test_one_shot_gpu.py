@@ -6,7 +6,6 @@ once it is unblocked."""
 from __future__ import annotations
 
 import multiprocessing
-import threading
 import time
 
 import pytest
@@ -95,10 +94,9 @@ def _stranded(rank: int, port: int, queue) -> None:
         time.sleep(1.0)
         waiting = not stop.query()
         start = time.monotonic()
-        unblock_until_drained(timeout_s=30.0)
+        thread = unblock_until_drained(timeout_s=30.0)
         stop.synchronize()
         unblocked_s = time.monotonic() - start
-        (thread,) = [t for t in threading.enumerate() if t.name == "pagoda-one-shot-unblock"]
         thread.join(5.0)  # it stops by itself once the work queued before it has ended
         queue.put((waiting, unblocked_s, thread.is_alive()))
     except BaseException as exc:
