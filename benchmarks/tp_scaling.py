@@ -6,7 +6,7 @@
   the all-reduces a decode step makes (two per layer), and the time rank 0's
   collectives took per token inside the engine's own steps (the profiler's
   collective kernel time over a short batch-1 run). --compare-all-reduce runs
-  each TP size twice: with --custom-all-reduce and without.
+  each TP size twice: as served by default and with --disable-custom-all-reduce.
 - Llama-3-70B's shape at TP 4/8 (or 2, on GPUs that hold half of its ~141 GB):
   64 requests of 512 random prompt tokens and 512 output tokens (offline
   throughput), and batch-1 ms/token against the floor of one GPU reading its
@@ -145,7 +145,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 def measure(
-    model_dir: str, tp: int, bandwidth: float, throughput: bool, one_shot: bool = False
+    model_dir: str, tp: int, bandwidth: float, throughput: bool, one_shot: bool = True
 ) -> dict:
     llm = LLM(
         model_dir,
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compare-all-reduce",
         action="store_true",
-        help="run each TP size > 1 twice: small all-reduces one-shot (--custom-all-reduce), and all on NCCL",
+        help="run each TP size > 1 twice: small all-reduces one-shot (the default), and all on NCCL",
     )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("llama3-8b", n, False) for n in sizes(args.sizes_8b)]
     plan += [("llama3-70b", n, True) for n in sizes(args.sizes_70b)]
     for name, tp, throughput in plan:
-        ways = ["one-shot", "nccl"] if tp > 1 and args.compare_all_reduce else ["nccl"]
+        ways = ["one-shot", "nccl"] if tp > 1 and args.compare_all_reduce else ["one-shot"]
         model_dir = build_checkpoint(
             name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", torch.bfloat16
         )

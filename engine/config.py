@@ -46,7 +46,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    custom_all_reduce: bool = False  # small sums by engine/one_shot.py, not NCCL
+    custom_all_reduce: bool = True  # small sums by engine/one_shot.py (one node, CUDA)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -118,9 +118,10 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     t("--headless", help="run this node's ranks only, no HTTP (nodes other than 0)")
     t(
-        "--custom-all-reduce",
-        help="sum small tensors (a decode step's) by torch's symmetric-memory one-shot "
-        "kernel instead of NCCL, when all ranks share a node",
+        "--disable-custom-all-reduce",
+        dest="custom_all_reduce",
+        help="sum every tensor with NCCL, also the small ones (a decode step's) that by "
+        "default go to torch's symmetric-memory one-shot kernel when all ranks share a node",
     )
     e(
         "--disable-log-stats",

@@ -44,8 +44,8 @@ def model_dir(request) -> str:
 
 @pytest.fixture(scope="module")
 def tp2(model_dir):
-    # The one-shot all-reduce is CUDA's: on gloo the flag leaves every sum to gloo.
-    llm = LLM(model_dir, tensor_parallel_size=2, custom_all_reduce=True, **CONFIG)
+    # The one-shot all-reduce (on by default) is CUDA's: on gloo every sum stays gloo's.
+    llm = LLM(model_dir, tensor_parallel_size=2, **CONFIG)
     assert llm.engine.runner.tp.one_shot is None
     yield llm
     llm.shutdown()

@@ -72,11 +72,9 @@ def test_two_gpus_give_one_gpus_tokens(tiny_model_dir, eager):
     prompts = [p * 3 for p in PROMPTS]
     config = dict(max_num_batched_tokens=40, enforce_eager=eager)
     want = generate(tiny_model_dir, prompts, **config).tokens
-    tp2 = generate_apart(
-        tiny_model_dir, prompts, tensor_parallel_size=2, custom_all_reduce=True, **config
-    )
+    tp2 = generate_apart(tiny_model_dir, prompts, tensor_parallel_size=2, **config)
     got, paths = tp2.tokens, tp2.paths
-    assert tp2.one_shot
+    assert tp2.one_shot  # on by default
     assert got == want
     tokenizer = load_tokenizer(tiny_model_dir)
     assert got == [hf_greedy(tiny_model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
@@ -100,7 +98,7 @@ def test_engines_after_the_first_in_a_process_sum_on_nccl(tiny_llama_dir):
     # Shared prefixes and few KV blocks, too.
     shared = PROMPTS[5] * 2
     prompts = [shared + s for s in ("", " one", " two", " three")] + PROMPTS
-    config = dict(block_size=16, num_kv_blocks=24, max_model_len=128, custom_all_reduce=True)
+    config = dict(block_size=16, num_kv_blocks=24, max_model_len=128)
     want = generate(tiny_llama_dir, prompts, **config).tokens
     fresh = rendezvous_made() == 0  # no engine of this process has set one up
     first = generate(tiny_llama_dir, prompts, tensor_parallel_size=2, **config)

@@ -137,16 +137,16 @@ def test_unknown_fp8_values_are_usage_errors(capsys):
 def test_tensor_parallel_flags_map_to_their_fields():
     argv = shlex.split(
         "-tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 --headless "
-        "--custom-all-reduce"
+        "--disable-custom-all-reduce"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.tensor_parallel_size, engine.nnodes, engine.node_rank) == (4, 2, 1)
-    assert engine.custom_all_reduce
+    assert not engine.custom_all_reduce
     assert (engine.master_addr, engine.master_port, engine.ranks_per_node) == ("10.0.0.1", 29500, 2)
     assert server.headless
     engine, server = cli.parse_configs(["--tensor-parallel-size", "2"])
     assert engine.tensor_parallel_size == 2 and engine.nnodes == 1 and not server.headless
-    assert not engine.custom_all_reduce  # NCCL for every all-reduce unless asked
+    assert engine.custom_all_reduce  # small sums one-shot unless told otherwise
 
 
 @pytest.mark.parametrize(
