@@ -15,7 +15,9 @@
     python -m benchmarks.tp_scaling --out results/tp_scaling.json
 
 TP sizes past the host's GPU count are skipped; a run that fails (a model that
-does not fit before its layers are sharded) is recorded with its error.
+does not fit before its layers are sharded) is recorded with its error. Each engine
+runs in a process of its own: only a process's first tensor-parallel engine can set up
+the one-shot all-reduce (engine/tp_group.py), and each run records whether it did.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,6 +162,8 @@ def measure(
     )
     try:
         result: dict = {}
+        if tp > 1:
+            result["one_shot_in_use"] = llm.engine.runner.tp.one_shot is not None
         vocab = llm.engine.vocab_size
         prompt = random_prompts(1, BATCH1_PROMPT, vocab, seed=1)
         run_pagoda(llm, prompt, [16], [])  # warm up
@@ -192,6 +197,28 @@ def measure(
         torch.cuda.empty_cache()
 
 
+LENGTHS = ("BATCH1_PROMPT", "BATCH1_OUTPUT", "PROFILED_TOKENS", "THROUGHPUT_LEN")
+
+
+def measure_apart(
+    model_dir: str, tp: int, bandwidth: float, throughput: bool, one_shot: bool
+) -> dict:
+    """`measure` in a fresh process (`--measure`), whose engine is its first, with this
+    module's lengths; the result is the JSON line it prints last. A failure raises with
+    the process's output."""
+    spec = {"model_dir": model_dir, "tp": tp, "bandwidth": bandwidth}
+    spec |= {"throughput": throughput, "one_shot": one_shot}
+    spec["lengths"] = {name: globals()[name] for name in LENGTHS}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tp_scaling", "--measure", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -204,9 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run each TP size > 1 twice: small all-reduces one-shot (the default), and all on NCCL",
     )
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--measure", help=argparse.SUPPRESS)  # measure_apart's child: its spec
     args = p.parse_args(argv)
     for key, value in WORKER_ENV.items():  # NVLink multicast stays off here too
         os.environ.setdefault(key, value)
+    if args.measure:
+        spec = json.loads(args.measure)
+        globals().update(spec.pop("lengths"))
+        print(json.dumps(measure(**spec)), flush=True)
+        return 0
     gpus = torch.cuda.device_count()
 
     def sizes(text: str) -> list[int]:
@@ -244,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 us = per_call["nccl" if way == "nccl" else "one_shot"]
                 run["all_reduce_ms_per_step"] = 1e-3 * us * 2 * config.num_hidden_layers
             try:
-                run |= measure(model_dir, tp, bandwidth, throughput, one_shot=way != "nccl")
+                run |= measure_apart(model_dir, tp, bandwidth, throughput, one_shot=way != "nccl")
             except Exception as exc:  # recorded, and the next size runs
                 run["error"] = f"{type(exc).__name__}: {exc}"
             print(json.dumps(run), flush=True)
