@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from benchmarks import serving
+from benchmarks import serving, serving_report
 from server.engine_loop import StatLog
 from tests.server.test_stat_log import FakeEngine
 
@@ -100,12 +100,12 @@ def test_engine_window_averages_the_stats_lines_logged_during_a_run(tmp_path):
         )
     )
     start = t.timestamp()  # local time, as logged
-    window = serving.engine_window(log, start, start + 2.0)
+    window = serving_report.engine_window(log, start, start + 2.0)
     assert window is not None and window["lines"] == 2
     assert (window["steps_per_s"], window["graph_pct"]) == (400.0, 100.0)
     assert window["host_working_pct"] == pytest.approx(95.0, abs=1)
-    assert serving.engine_window(log, start + 100, start + 101) is None
-    assert serving.engine_window(None, start, start + 2.0) is None
+    assert serving_report.engine_window(log, start + 100, start + 101) is None
+    assert serving_report.engine_window(None, start, start + 2.0) is None
 
 
 def test_a_started_server_logs_stats_every_second_unless_told_otherwise(tmp_path):
@@ -118,7 +118,7 @@ def test_a_started_server_logs_stats_every_second_unless_told_otherwise(tmp_path
 
 
 def test_each_sweep_row_reads_the_engine_lines_logged_during_it(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(serving, "STATS_INTERVAL_S", 0.0)  # a line covers [start, end] only
+    monkeypatch.setattr(serving_report, "STATS_INTERVAL_S", 0.0)  # a line covers [start, end] only
     log = tmp_path / "server.log"
     stop = threading.Event()
 
