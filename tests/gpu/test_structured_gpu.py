@@ -12,13 +12,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.structured.spec import GrammarSpec
-from tests.engine.test_structured import (
-    REGEX,
-    SCHEMA,
-    Reference,
-    check_padding_masks,
-    masked_greedy,
-)
+from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
+from tests.engine.test_structured_batches import check_padding_masks
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU

@@ -128,6 +128,6 @@ def test_under_rows_picked_from_a_narrower_table(vocab):
 def test_the_grammar_masks_argmax_reads_each_rows_slot(tokenizer):
     # The engine's use: rows picked by slot from the masks' host rows, as they change
     # order and kind from step to step, padding ids past the tokenizer's.
-    from tests.engine.test_structured import check_padding_masks
+    from tests.engine.test_structured_batches import check_padding_masks
 
     check_padding_masks(tokenizer, DEVICE, greedy=True)
