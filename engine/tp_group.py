@@ -114,6 +114,10 @@ def _one_shot(
         if dist.get_rank() == 0:  # its workers are new processes, and torch cannot rejoin
             logger.info("all-reduces on NCCL: this process has had a tensor-parallel engine")
         return None
+    if not _min_over_ranks(int(_peers_reachable(device, config)), control):
+        if dist.get_rank() == 0:  # decided before creating: a rank left out would hang it
+            logger.info("all-reduces on NCCL: not every GPU here can map the others' memory")
+        return None
     try:
         one_shot = OneShotAllReduce.create(dist.group.WORLD, config.tensor_parallel_size, device)
     except Exception as exc:  # e.g. GPUs without peer access to each other
@@ -124,6 +128,13 @@ def _one_shot(
     if dist.get_rank() == 0:
         logger.info("all-reduces up to %d KiB: one-shot over peer memory", one_shot.max_bytes >> 10)
     return one_shot
+
+
+def _peers_reachable(device: torch.device, config: EngineConfig) -> bool:
+    """Whether this rank's GPU can map every other GPU of its node's ranks (peer access)."""
+    first = device.index - dist.get_rank() % config.ranks_per_node
+    peers = [first + i for i in range(config.ranks_per_node) if first + i != device.index]
+    return all(torch.cuda.can_device_access_peer(device, peer) for peer in peers)
 
 
 def _min_over_ranks(value: int, group: dist.ProcessGroup) -> int:

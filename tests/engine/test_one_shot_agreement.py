@@ -1,6 +1,7 @@
 """Whether the ranks set up the one-shot all-reduce (engine/tp_group.py), over gloo with
-its creation faked: all of them or none, and none when a rank's process has set one up
-before (torch could not meet the new workers: each would wait out a store timeout)."""
+its creation and the GPUs' peer access faked: all of them or none; none when a rank's
+process has set one up before (torch could not meet the new workers: each would wait out
+a store timeout), or when a rank's GPU cannot map another's memory."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from engine import tp_group
 from engine.config import EngineConfig
 from tests.engine.test_tensor_parallel_models import free_port
 
-CASES = {"fresh": (0, 0), "rank 0 made one before": (1, 0), "both made one": (1, 1)}
+# name: (set-ups each rank made before, whether each rank's GPU reaches the other's)
+CASES = {
+    "fresh": ((0, 0), (True, True)),
+    "rank 0 made one before": ((1, 0), (True, True)),
+    "both made one": ((1, 1), (True, True)),
+    "rank 1's GPU reaches no peer": ((0, 0), (True, False)),
+}
 
 
 def _ranks_agree(rank: int, port: int, out) -> None:
@@ -26,11 +33,14 @@ def _ranks_agree(rank: int, port: int, out) -> None:
         made.append(1)
         return SimpleNamespace(max_bytes=1 << 20)
 
+    reaches: list[bool] = []
     tp_group.OneShotAllReduce.create = create  # this spawned process's only
+    torch.cuda.can_device_access_peer = lambda device, peer: reaches[0] and peer == 1 - rank
     config = EngineConfig(tensor_parallel_size=2, custom_all_reduce=True)
     try:
-        for name, counts in CASES.items():
+        for name, (counts, reach) in CASES.items():
             engine.one_shot._rendezvous_made = counts[rank]
+            reaches[:] = [reach[rank]]
             made.clear()
             got = tp_group._one_shot(config, torch.device("cuda", rank), dist.group.WORLD)
             out.put((name, rank, got is not None, len(made)))
@@ -38,7 +48,7 @@ def _ranks_agree(rank: int, port: int, out) -> None:
         dist.destroy_process_group()
 
 
-def test_ranks_set_up_the_one_shot_all_reduce_only_when_each_has_made_as_many():
+def test_ranks_set_up_the_one_shot_all_reduce_all_or_none():
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -52,4 +62,5 @@ def test_ranks_set_up_the_one_shot_all_reduce_only_when_each_has_made_as_many():
         [("fresh", r, True, 1) for r in (0, 1)]
         + [("rank 0 made one before", r, False, 0) for r in (0, 1)]
         + [("both made one", r, True, 1) for r in (0, 1)]
+        + [("rank 1's GPU reaches no peer", r, False, 0) for r in (0, 1)]
     )
