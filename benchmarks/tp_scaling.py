@@ -198,6 +198,7 @@ def measure(
 
 
 LENGTHS = ("BATCH1_PROMPT", "BATCH1_OUTPUT", "PROFILED_TOKENS", "THROUGHPUT_LEN")
+MEASURE_TIMEOUT_S = 1800
 
 
 def measure_apart(
@@ -213,6 +214,7 @@ def measure_apart(
         [sys.executable, "-m", "benchmarks.tp_scaling", "--measure", json.dumps(spec)],
         capture_output=True,
         text=True,
+        timeout=MEASURE_TIMEOUT_S,  # a hung rank fails this run, and the next size runs
     )
     if done.returncode != 0:
         raise RuntimeError(f"exit {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")

@@ -120,7 +120,7 @@ def _one_shot(
         return None
     try:
         one_shot = OneShotAllReduce.create(dist.group.WORLD, config.tensor_parallel_size, device)
-    except Exception as exc:  # e.g. GPUs without peer access to each other
+    except Exception as exc:  # e.g. a driver that refuses the peer mappings
         logger.warning("one-shot all-reduce unavailable here: %s", exc)
         one_shot = None
     if not _min_over_ranks(int(one_shot is not None), control):
