@@ -5,11 +5,8 @@ memory: CUDA peer mappings, no NVLink multicast). One kernel copies the rank's t
 into its buffer, meets the other ranks at a barrier on the GPU, and sums all the
 buffers itself; NCCL's ring takes several hops of latency for the same few KB. A
 decode step makes two such reductions a layer (a token's hidden state per row), so at
-batch 1 their latency is most of what tensor parallelism adds. Larger tensors (a big
-batch's rows) go to torch's two-shot kernel on the same buffer: each rank sums its
-share of every copy and writes it into all of them, reading a 1/size of what one-shot
-reads. Past a size that depends on the group NCCL's bandwidth wins again and takes
-those tensors.
+batch 1 their latency is most of what tensor parallelism adds. Past a size that
+depends on the group NCCL's bandwidth wins again and takes those tensors.
 
 The kernel's barriers wait for the other ranks' flags with no timeout, and NCCL's
 abort does not reach them: when a rank dies, `unblock_until_drained` raises the dead
@@ -33,14 +30,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagoda.engine")
 
-# Largest tensor the one-shot kernel sums, by group size, and the largest the two-shot
-# kernel takes after it; measured inside CUDA graphs on H200s (docs/performance-log.md):
-# two-shot passes one-shot above 1 MiB at 2 ranks (19.3 against 21.7 us at 2 MiB) and
-# 512 KiB at 4 (18.4 against 19.7 at 1 MiB), and NCCL passes it above 8 MiB. Larger
-# groups, not measured: one-shot up to 512 KiB, no two-shot.
-ONE_SHOT_BYTES = {2: 1 << 20, 4: 512 << 10}
-TWO_SHOT_BYTES = {2: 8 << 20, 4: 8 << 20}
-ONE_SHOT_BYTES_LARGER = 512 << 10
+# Largest tensor the one-shot kernel sums, by group size: where it stopped beating NCCL
+# inside CUDA graphs on H200s (2 ranks: 21.6 against 29.4 us at 2 MiB; 4 ranks: 19.6
+# against 21.4 us at 1 MiB, slower at 2 MiB). Larger groups read more peers per element:
+# half of 4's, not measured.
+MAX_BYTES = {2: 2 << 20, 4: 1 << 20}
+MAX_BYTES_LARGER = 512 << 10
 UNBLOCK_INTERVAL_S = 0.002
 
 _LIVE: weakref.WeakSet[OneShotAllReduce] = weakref.WeakSet()  # this process's, for unblocking
@@ -56,7 +51,6 @@ class OneShotAllReduce:
     buffer: torch.Tensor  # uint8, symmetric: every rank of the group maps every copy
     handle: Any  # torch's _SymmetricMemory for buffer: peers' buffers and flags
     group_name: str
-    one_shot_bytes: int  # up to this, one-shot; then two-shot up to max_bytes
     max_bytes: int
     # For unblocking, made while nothing waits: creating a stream, or loading the fill
     # kernel, can wait behind a kernel stranded at a barrier.
@@ -71,8 +65,7 @@ class OneShotAllReduce:
         import torch.distributed._symmetric_memory as symm_mem
 
         global _rendezvous_made
-        one_shot_bytes = ONE_SHOT_BYTES.get(size, ONE_SHOT_BYTES_LARGER)
-        max_bytes = TWO_SHOT_BYTES.get(size, one_shot_bytes)
+        max_bytes = MAX_BYTES.get(size, MAX_BYTES_LARGER)
         buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         try:
             handle = symm_mem.rendezvous(buffer, group.group_name)
@@ -92,10 +85,7 @@ class OneShotAllReduce:
         arrived = [mine[:, peer] for peer in peers]
         taken = [flags(peer)[:, rank] for peer in peers]
         drained = torch.cuda.Event()
-        one_shot = cls(
-            buffer, handle, group.group_name, one_shot_bytes, max_bytes, stream, drained,
-            arrived, taken,
-        )  # fmt: skip
+        one_shot = cls(buffer, handle, group.group_name, max_bytes, stream, drained, arrived, taken)
         _LIVE.add(one_shot)
         return one_shot
 
@@ -103,7 +93,6 @@ class OneShotAllReduce:
         return (
             x.dtype in (torch.bfloat16, torch.float32)  # the kernel's types
             and x.nbytes <= self.max_bytes
-            and x.nbytes % 4 == 0  # the kernels' size alignment
             and x.is_contiguous()
             and x.device == self.buffer.device
         )
@@ -111,11 +100,7 @@ class OneShotAllReduce:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group, in a new tensor (x is left as it was)."""
         symm = self.buffer[: x.nbytes].view(x.dtype).view(x.shape)
-        if x.nbytes <= self.one_shot_bytes:
-            return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x, "sum", self.group_name)
-        symm.copy_(x)
-        out = torch.empty_like(x)
-        return torch.ops.symm_mem.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x, "sum", self.group_name)
 
     def unblock_peers(self) -> None:
         """Every other rank marked as arrived at each of this rank's barriers, and this

@@ -126,11 +126,7 @@ def _one_shot(
     if not _min_over_ranks(int(one_shot is not None), control):
         return None  # some rank has none: NCCL for all, or the ranks' collectives differ
     if dist.get_rank() == 0:
-        logger.info(
-            "all-reduces over peer memory: one-shot up to %d KiB, two-shot up to %d KiB",
-            one_shot.one_shot_bytes >> 10,
-            one_shot.max_bytes >> 10,
-        )
+        logger.info("all-reduces up to %d KiB: one-shot over peer memory", one_shot.max_bytes >> 10)
     return one_shot
 
 

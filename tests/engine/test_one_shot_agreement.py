@@ -31,7 +31,7 @@ def _ranks_agree(rank: int, port: int, out) -> None:
 
     def create(*args) -> SimpleNamespace:
         made.append(1)
-        return SimpleNamespace(one_shot_bytes=1 << 20, max_bytes=8 << 20)
+        return SimpleNamespace(max_bytes=1 << 20)
 
     reaches: list[bool] = []
     tp_group.OneShotAllReduce.create = create  # this spawned process's only

@@ -1,7 +1,7 @@
-"""The all-reduces over peer memory (engine/one_shot.py: one-shot, then two-shot for
-larger tensors) on two GPUs: the same bits as NCCL's sum, eagerly and replayed from a
-CUDA graph; what they do not take goes to NCCL; and a rank that never arrives does not
-leave the other's kernels waiting forever once they are unblocked."""
+"""The one-shot all-reduce over peer memory (engine/one_shot.py) on two GPUs: the same
+bits as NCCL's sum, eagerly and replayed from a CUDA graph; what it does not take goes to
+NCCL; and a rank that never arrives does not leave the other's kernel waiting forever
+once it is unblocked."""
 
 from __future__ import annotations
 
@@ -43,11 +43,8 @@ def _sums(rank: int, port: int) -> None:
     try:
         gen = torch.Generator(device="cuda").manual_seed(rank)
         largest = tp.one_shot.max_bytes // 2  # bf16 elements
-        one_shot = tp.one_shot.one_shot_bytes
-        assert one_shot < tp.one_shot.max_bytes  # two-shot takes the sizes between
         for dtype in (torch.bfloat16, torch.float32):
-            sizes = (one_shot, one_shot + 1024, tp.one_shot.max_bytes)
-            for shape in ((1, 4096), (64, 896), *((n // dtype.itemsize,) for n in sizes)):
+            for shape in ((1, 4096), (64, 896), (largest * 2 // dtype.itemsize,)):
                 x = torch.randn(shape, generator=gen, device="cuda").to(dtype)
                 before = x.clone()
                 got = tp.all_reduce(x)
@@ -59,21 +56,20 @@ def _sums(rank: int, port: int) -> None:
         ):
             want = _nccl_sum(x)
             assert tp.all_reduce(x) is x and torch.equal(x, want)
-        # Captured in a graph, replayed with new inputs: one-shot, and two-shot.
-        for rows in (8, 512):
-            x = torch.zeros(rows, 4096, dtype=torch.bfloat16, device="cuda")
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                tp.all_reduce(x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = tp.all_reduce(tp.all_reduce(x) * 0.5)
-            for _ in range(3):
-                x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-                graph.replay()
-                assert torch.equal(out, _nccl_sum(_nccl_sum(x) * 0.5))
+        # Captured in a graph, replayed with new inputs.
+        x = torch.zeros(8, 4096, dtype=torch.bfloat16, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tp.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tp.all_reduce(tp.all_reduce(x) * 0.5)
+        for _ in range(3):
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+            graph.replay()
+            assert torch.equal(out, _nccl_sum(_nccl_sum(x) * 0.5))
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
@@ -91,9 +87,8 @@ def _stranded(rank: int, port: int, queue) -> None:
         return
     try:
         x = torch.ones(4, 4096, dtype=torch.bfloat16, device="cuda")
-        y = torch.ones(512, 4096, dtype=torch.bfloat16, device="cuda")  # two-shot's
-        for _ in range(3):
-            x, y = tp.all_reduce(x), tp.all_reduce(y)
+        for _ in range(5):
+            x = tp.all_reduce(x)
         stop = torch.cuda.Event()
         stop.record()
         time.sleep(1.0)
