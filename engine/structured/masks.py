@@ -11,13 +11,15 @@ N-1's ids before it samples (engine.py), and the engine thread:
   completes; their later ids are void;
 - `build` (before the step samples): hands the worker the rows it could not know
   (a request's first sample, or one back from preemption) and the slots without a
-  grammar now, to reset. Then it lets the sampler go: on CUDA the stream waits for
-  the worker's jobs and the engine thread runs on; elsewhere the engine thread
-  waits. On CUDA greedy rows take the masked argmax straight from the host rows
-  (pinned, read by the kernel over the bus: no copy, no gather), into the device
-  rows the next step's inputs are read from. Other rows have the host rows copied
-  and gathered in the batch's order (no gather when they are the first slots, in
-  order), and the mask applied to the logits.
+  grammar now, to reset. Then it lets the sampler go: on CUDA a copy stream waits
+  for the worker's jobs and copies the host rows to the device beside the forward
+  (the bus is the slow part: a sampler reading the host rows itself took longer than
+  the copy and a device read together), the sampling stream waits for the copy,
+  and the engine thread runs on; elsewhere the engine thread waits. Greedy rows
+  take the masked argmax from the copied rows by slot (no gather), into the device
+  rows the next step's inputs are read from. Other rows have them gathered in the
+  batch's order (no gather when they are the first slots, in order), and the mask
+  applied to the logits.
 
 Per-slot state (owners, which ended) lives in lists and arrays by slot, set when a
 request's first mask is asked for, and is the engine thread's.
@@ -131,6 +133,15 @@ class GrammarMasks:
         self.grammar_slot = np.zeros(max_num_seqs, dtype=bool)
         self.filled_generation = np.full(max_num_seqs, -1, dtype=np.int64)
         self.rows = torch.empty_like(self.slots)  # the gathered mask, in sampling order
+        # The host rows' device copy, by slot, and the stream that copies them. One copy
+        # serves: a grammar step's build comes after the previous steps' ids were read,
+        # so after every launch that read the copy before.
+        self.table = self.worker.host
+        self.copy_stream = self.copied = None
+        if pin:
+            self.table = torch.empty_like(self.worker.host, device=self.device)
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.copied = torch.cuda.Event()
         # The sampling slots, on their way: two buffers, as a copy may wait a step.
         self.index = [torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self.device_index = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
@@ -236,12 +247,27 @@ class GrammarMasks:
         if fill_slots or reset:
             self.worker.submit(owners, fill_slots, None, reset)
         self.num_built += 1
-        self.worker.hold()
+        self._copy_rows(int(slots.max()) + 1)
         return BatchBitmask(self, slots, grammar)
+
+    def _copy_rows(self, top: int) -> None:
+        """The sampling stream waits for every job handed over (the host waits, where
+        there is no device flag) and, on CUDA, for the host rows of the slots below
+        `top` copied to `table` once they are: on the copy stream, which does not wait
+        for the forward."""
+        if self.copy_stream is None:
+            self.worker.hold()
+            return
+        sampling = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            self.worker.hold()
+            self.table[:top].copy_(self.worker.host[:top], non_blocking=True)
+            self.copied.record()
+        sampling.wait_event(self.copied)
 
     def greedy(self, logits: torch.Tensor, slots: np.ndarray, grammar: np.ndarray) -> torch.Tensor:
         """The masked argmax of rows [len(slots), vocab], a kernel reading each row's
-        slot's host row (BatchBitmask.argmax's path on CUDA)."""
+        slot's row of the device copy (BatchBitmask.argmax's path on CUDA)."""
         num = len(slots)
         select = self.select[:, :num]
         if self.selected is None or not (
@@ -254,13 +280,12 @@ class GrammarMasks:
             select.copy_(host, non_blocking=True)
             self.selected = slots.copy(), grammar.copy()
         out = self.ids_out[num]
-        return greedy_ids(logits, out, MaskRows(self.worker.host, select), self.parts)
+        return greedy_ids(logits, out, MaskRows(self.table, select), self.parts)
 
     def device_bits(self, slots: np.ndarray) -> torch.Tensor:
-        """These slots' rows copied to the device and gathered in order: [len(slots),
-        width] int32."""
+        """These slots' rows on the device, gathered in order: [len(slots), width] int32."""
         num, top = len(slots), int(slots.max()) + 1
-        self.slots[:top, : self.words].copy_(self.worker.host[:top], non_blocking=True)
+        self.slots[:top, : self.words].copy_(self.table[:top], non_blocking=True)
         if top == num and np.array_equal(slots, self.first_slots[:num]):
             return self.slots[:num]  # the first slots, in order: no gather
         device_index = self.device_index[:num]
