@@ -201,15 +201,19 @@ class CudaGraphs:
 
 @contextlib.contextmanager
 def capturing(
-    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
+    graph: torch.cuda.CUDAGraph,
+    pool: tuple[int, int] | None,
+    stream: torch.cuda.Stream,
+    error_mode: str = "global",
 ) -> Iterator[None]:
     """torch.cuda.graph without its synchronize and cache emptying before each capture,
     which over a hundred captures in a row hand each warm-up's memory back to the
     driver for the next to allocate again (vLLM skips the emptying too). The captures
-    here follow a synchronize of their own."""
+    here follow a synchronize of their own, or allocate nothing. error_mode
+    "thread_local" lets other threads go on using CUDA meanwhile."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
+        graph.capture_begin(pool=pool, capture_error_mode=error_mode)
         try:
             yield
         finally:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from engine.cuda_graphs import capturing
 from engine.structured.mask_worker import MaskWorker
 from kernels.argmax import MaskRows, argmax_parts, greedy_ids
 
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from engine.request import Request
+
+
+# Masked argmax graphs kept at most (each a few launches' worth of device memory).
+MAX_ARGMAX_GRAPHS = 512
 
 
 @dataclass
@@ -158,6 +163,14 @@ class GrammarMasks:
         self.select = torch.empty(2, max_num_seqs, dtype=torch.int32, device=device)
         self.selected: tuple[np.ndarray, np.ndarray] | None = None  # what select holds
         self.parts = argmax_parts(max_num_seqs, vocab_size, self.device)
+        # The masked argmax's launches as CUDA graphs, by logits (pointer, shape, row
+        # stride, dtype): a replay costs the engine thread less than two Triton launches,
+        # and a grammar step's host work is what its step waits for. A graph is captured
+        # the second time its logits are seen (decode graphs' logits are), up to
+        # MAX_ARGMAX_GRAPHS; the other steps launch the kernels.
+        self.argmax_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.seen_logits: set[tuple] = set()
+        self.capture_stream = torch.cuda.Stream(self.device) if pin else None
         if ids_out is None:
             ids_out = torch.empty(max_num_seqs, dtype=torch.int64, device=device)
         self.ids_out = [ids_out[:k] for k in range(max_num_seqs + 1)]
@@ -279,8 +292,24 @@ class GrammarMasks:
             rows[1] = np.where(grammar, 0, -1)  # a grammar's padding ids: disallowed
             select.copy_(host, non_blocking=True)
             self.selected = slots.copy(), grammar.copy()
-        out = self.ids_out[num]
-        return greedy_ids(logits, out, MaskRows(self.table, select), self.parts)
+        out, mask = self.ids_out[num], MaskRows(self.table, select)
+        if self.capture_stream is None:  # Triton's interpreter (tests)
+            return greedy_ids(logits, out, mask, self.parts)
+        key = (logits.data_ptr(), *logits.shape, logits.stride(0), logits.dtype)
+        graph = self.argmax_graphs.get(key)
+        if graph is None:
+            if key not in self.seen_logits or len(self.argmax_graphs) >= MAX_ARGMAX_GRAPHS:
+                if len(self.seen_logits) >= 4 * MAX_ARGMAX_GRAPHS:
+                    self.seen_logits.clear()  # eager steps' logits, mostly
+                self.seen_logits.add(key)
+                return greedy_ids(logits, out, mask, self.parts)
+            graph = self.argmax_graphs[key] = torch.cuda.CUDAGraph()
+            # The worker may wait on its events meanwhile: only this thread's calls are
+            # held to the capture's rules. The kernels allocate nothing.
+            with capturing(graph, None, self.capture_stream, error_mode="thread_local"):
+                greedy_ids(logits, out, mask, self.parts)
+        graph.replay()
+        return out
 
     def device_bits(self, slots: np.ndarray) -> torch.Tensor:
         """These slots' rows on the device, gathered in order: [len(slots), width] int32."""

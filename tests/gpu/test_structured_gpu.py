@@ -41,7 +41,10 @@ def test_sampled_outputs_validate_with_graphs_on(tiny_gpt2_dir):
 @pytest.mark.parametrize("spec", [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX)])
 def test_greedy_with_graphs_equals_eager_and_masked_transformers(tiny_model_dir, spec):
     params = SamplingParams(max_tokens=60, temperature=0.0, grammar=spec)
-    graphs = llm(tiny_model_dir).generate(PROMPTS, params, use_tqdm=False)
+    graphs_llm = llm(tiny_model_dir)
+    graphs = graphs_llm.generate(PROMPTS, params, use_tqdm=False)
+    # The masked argmax was replayed from its own graphs after its first steps.
+    assert graphs_llm.engine.grammars.masks.argmax_graphs
     eager = llm(tiny_model_dir, enforce_eager=True).generate(PROMPTS, params, use_tqdm=False)
     ref = Reference.load(tiny_model_dir)
     for prompt, a, b in zip(PROMPTS, graphs, eager):
