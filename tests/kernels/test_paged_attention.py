@@ -44,8 +44,9 @@ def test_decode_matches_reference(
     device: torch.device,
     paged_kv,
 ) -> None:
-    # Ragged contexts: empty (a padded graph entry), 1 token, a block edge, many blocks.
-    context_lens = [0, 1, block_size, 3 * block_size + 5, 200]
+    # Ragged contexts: empty (a padded graph entry), 1 token, a block edge, many blocks,
+    # whole tiles only (block_n 32: no partial tile).
+    context_lens = [0, 1, block_size, 3 * block_size + 5, 200, 96]
     # Spare block-table columns, as in a CUDA-graph table sized for max_model_len.
     k_cache, v_cache, block_table = paged_kv(
         context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq=16
@@ -183,9 +184,9 @@ def poison_outside_window(
             cache[block_table[seq, pos // block_size].long(), pos % block_size] = float("nan")
 
 
-# (window, block_size, num_splits): windows below, across and above a tile (block_n 32),
+# (window, block_size, num_splits): windows below, across, on and above a tile (block_n 32),
 # with and without split-KV.
-WINDOW_CASES = [(8, 16, 1), (8, 16, 3), (40, 32, 3), (100, 16, 2)]
+WINDOW_CASES = [(8, 16, 1), (8, 16, 3), (40, 32, 3), (100, 16, 2), (64, 16, 2)]
 
 
 @pytest.mark.parametrize(("window", "block_size", "num_splits"), WINDOW_CASES)
