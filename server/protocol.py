@@ -204,7 +204,7 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)  # OpenAI: [] is a 400
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -220,7 +220,7 @@ class TokenizeRequest(ChatTemplateOptions):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     return_token_strs: bool = False
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.server.conftest import MAX_MODEL_LEN
@@ -148,12 +150,14 @@ CASES = [
         "prompt_logprobs",
     ),
     ("tokenize neither", "/tokenize", {}, 400, "prompt"),
+    ("tokenize empty messages", "/tokenize", {"messages": []}, 400, "messages"),
     ("detokenize oov", "/detokenize", {"tokens": [99999]}, 400, "tokens"),
 ]
 
 
 @pytest.mark.parametrize("name, path, body, status, param", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_openai_error(client, name, path, body, status, param):
+def test_bad_input_gets_openai_error(client, caplog, name, path, body, status, param):
+    caplog.set_level(logging.ERROR)
     if isinstance(body, bytes):
         r = client.post(path, content=body, headers={"content-type": "application/json"})
     else:
@@ -165,6 +169,8 @@ def test_bad_input_gets_openai_error(client, name, path, body, status, param):
     assert error["param"] == param
     if status == 404:
         assert error["code"] == "model_not_found"
+    # A client's mistake is its 4xx, not an error (or a traceback) in the server's log.
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_length_errors_name_the_numbers(client):
