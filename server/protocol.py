@@ -46,8 +46,14 @@ class _Request(BaseModel):
     # Types are strict ("10" is no int, true no number: 400, never coerced). A field
     # Pagoda does not implement is a 400 naming it, never silently ignored (OpenAI
     # answers an unrecognized argument so too): the hints OpenAI documents are
-    # declared, and change nothing.
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # declared, and change nothing. An unknown field sent as null asks for nothing and is
+    # dropped (_screen), which the schema says: extra properties must be null.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        populate_by_name=True,
+        json_schema_extra={"additionalProperties": {"type": "null"}},
+    )
 
     @model_validator(mode="before")
     @classmethod

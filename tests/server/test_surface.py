@@ -50,6 +50,10 @@ def test_an_unknown_field_is_a_400_unless_null(client):
     body = CHAT | {"messages": [*CHAT["messages"], message], "frobnicate": None}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+    # ... and the published schema says so, for clients and fuzzers that read it.
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage"):
+        assert schemas[name]["additionalProperties"] == {"type": "null"}
 
 
 @pytest.mark.parametrize("field", ["use_beam_search", "bad_words", "allowed_token_ids"])
