@@ -8,8 +8,10 @@ K/V and rotating q and K first), against FlashInfer's decode on CUDA cores and o
 cores, and TensorRT-LLM's XQA kernel as FlashInfer ships it. Each layer reads its own
 shuffled cache blocks, as a long-running server's are; times are per layer, replayed from
 a CUDA graph over the layers. Prefill (one prompt of benchmarks.prefill_attention's
-shapes, causal, bf16): Pagoda's paged kernel, PyTorch's SDPA on contiguous K/V with its
-flash and cuDNN backends, and FlashInfer's paged prefill with its FA2 and FA3 backends.
+shapes, causal, bf16): Pagoda's paged kernel, PyTorch's SDPA on contiguous K/V with the
+backend it picks itself (what transformers runs) and with its flash and cuDNN backends,
+and FlashInfer's paged prefill with its FA2 and FA3 backends; times per call, replayed
+from a CUDA graph of ten calls, so no host overhead is counted.
 
 FlashInfer is optional (`pip install flashinfer-python==0.5.3`; it compiles its kernels
 with nvcc on first use): without it only Pagoda's and PyTorch's rows are measured.
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.floors import copy_bandwidth
 from benchmarks.prefill_attention import SHAPES as PREFILL_SHAPES
@@ -52,7 +54,9 @@ DECODE_CASES = [
     ("qwen2.5-0.5b", 128, 512, "bf16"),
 ]
 DECODE_VARIANTS = ("pagoda", "flashinfer", "flashinfer_tc", "xqa", "pagoda_engine")
-PREFILL_VARIANTS = ("pagoda", "sdpa_flash", "sdpa_cudnn", "flashinfer_fa2", "flashinfer_fa3")
+PREFILL_VARIANTS = (
+    "pagoda", "sdpa", "sdpa_flash", "sdpa_cudnn", "flashinfer_fa2", "flashinfer_fa3"
+)  # fmt: skip
 FP8_SCALE = 1.2  # the FP8 cache's k_scale and v_scale
 
 
@@ -166,7 +170,7 @@ class DecodeCase:
 
 
 def graph_us(run: Callable[[int], object], layers: int) -> float:
-    """Median µs per layer of a CUDA graph that runs every layer once."""
+    """Median µs per call of a CUDA graph of run(0), ..., run(layers - 1)."""
     for i in range(layers):
         run(i)
     torch.cuda.synchronize()
@@ -201,7 +205,7 @@ def bench_decode(case: DecodeCase, variant: str, copy_gb_s: float) -> dict:
     return row | {"us": round(us, 2), "floor_us": round(floor, 2), "vs_floor": round(us / floor, 3)}
 
 
-def bench_prefill(name: str, variants: tuple[str, ...]) -> list[dict]:
+def bench_prefill(name: str, variants: tuple[str, ...], timed: bool = True) -> list[dict]:
     tokens, heads, kv_heads, dim = PREFILL_SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
@@ -222,9 +226,10 @@ def bench_prefill(name: str, variants: tuple[str, ...]) -> list[dict]:
     q4 = q.transpose(0, 1)[None]
     k4, v4 = (x.repeat_interleave(group, dim=1).transpose(0, 1)[None].contiguous() for x in (k, v))
 
-    def sdpa(backend: torch.nn.attention.SDPBackend) -> Callable[[], torch.Tensor]:
+    def sdpa(backend: SDPBackend | None) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
-            with torch.nn.attention.sdpa_kernel(backend):
+            chosen = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
+            with chosen:
                 out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
             return out[0].transpose(0, 1)
 
@@ -235,7 +240,11 @@ def bench_prefill(name: str, variants: tuple[str, ...]) -> list[dict]:
 
         csr = page_csr(table, lens, BLOCK_SIZE)
         workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=starts,
+            paged_kv_indptr_buf=csr.indptr, paged_kv_indices_buf=csr.indices,
+            paged_kv_last_page_len_buf=csr.last_page_len, backend=backend,
+        )  # fmt: skip
         wrapper.plan(
             starts, csr.indptr, csr.indices, csr.last_page_len, heads, kv_heads, dim, BLOCK_SIZE,
             causal=True, sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
@@ -246,12 +255,13 @@ def bench_prefill(name: str, variants: tuple[str, ...]) -> list[dict]:
         "pagoda": lambda: (
             lambda: paged_prefill_attention(q, k_cache, v_cache, table, starts, lens, scale, tokens)
         ),
-        "sdpa_flash": lambda: sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION),
-        "sdpa_cudnn": lambda: sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+        "sdpa": lambda: sdpa(None),
+        "sdpa_flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
         "flashinfer_fa2": lambda: flashinfer_prefill("fa2"),
         "flashinfer_fa3": lambda: flashinfer_prefill("fa3"),
     }
-    want = sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)().float()
+    want = sdpa(SDPBackend.FLASH_ATTENTION)().float()
     flops = 4 * tokens * tokens / 2 * dim * heads  # the causal half of QK^T and PV
     rows = []
     for variant in variants:
@@ -259,7 +269,9 @@ def bench_prefill(name: str, variants: tuple[str, ...]) -> list[dict]:
         try:
             run = makers[variant]()
             diff = (run().float() - want).abs().max().item()
-            us = 1e3 * do_bench(run, rep=200, return_mode="median")
+            if not timed:  # a build: run once, capture nothing (other threads run too)
+                continue
+            us = graph_us(lambda _, run=run: run(), 10)
             row |= {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1),
                     "max_abs_diff": round(diff, 5)}  # fmt: skip
         except Exception as e:  # noqa: BLE001
@@ -275,7 +287,9 @@ def build_flashinfer(cases: list[DecodeCase]) -> float:
         (lambda c=c, v=v: c.runner(v)(0)) for c in cases for v in DECODE_VARIANTS
         if v.startswith(("flashinfer", "xqa"))
     ]  # fmt: skip
-    jobs += [(lambda n=n: bench_prefill(n, PREFILL_VARIANTS[3:])) for n in PREFILL_SHAPES]
+    jobs += [
+        (lambda n=n: bench_prefill(n, PREFILL_VARIANTS[4:], timed=False)) for n in PREFILL_SHAPES
+    ]
 
     def attempt(job: Callable[[], object]) -> None:
         with contextlib.suppress(Exception):  # reported again by the timed run
@@ -296,7 +310,7 @@ def main() -> None:
         sys.exit("benchmarks.attention_libraries needs a CUDA device")
     have_flashinfer = package_version("flashinfer-python") is not None
     decode_variants = DECODE_VARIANTS if have_flashinfer else ("pagoda", "pagoda_engine")
-    prefill_variants = PREFILL_VARIANTS if have_flashinfer else PREFILL_VARIANTS[:3]
+    prefill_variants = PREFILL_VARIANTS if have_flashinfer else PREFILL_VARIANTS[:4]
     copy_gb_s = copy_bandwidth() / 1e9
     cases = [DecodeCase(*shape) for shape in DECODE_CASES]
     build_s = build_flashinfer(cases) if have_flashinfer else 0.0
