@@ -5,9 +5,11 @@
 One prompt of each model's long-prompt shape, causal, bf16: Pagoda's Triton kernel reading
 K/V from the paged cache through a shuffled block table (as the engine does), against
 `torch.nn.functional.scaled_dot_product_attention` on contiguous tensors with
-`is_causal=True` (the flash backend: what transformers' SDPA path runs). Times are
-medians of one layer's call; TFLOPS count the causal half of QK^T and PV (4 * T^2 / 2 *
-head_dim * num_heads). The kernel's tile config per query length is `prefill_config`'s
+`is_causal=True` and the backend PyTorch picks, as transformers' SDPA path runs it
+(cuDNN's attention on Hopper). Times are medians of one layer's call from `do_bench`,
+which counts launch overhead (GPT-2's shape is host-bound there;
+benchmarks.attention_libraries times from CUDA graphs and per SDPA backend); TFLOPS count
+the causal half of QK^T and PV (4 * T^2 / 2 * head_dim * num_heads). The kernel's tile config per query length is `prefill_config`'s
 (docs/kernels.md says how it was chosen).
 """
 
