@@ -13,7 +13,7 @@ backend it picks itself (what transformers runs) and with its flash and cuDNN ba
 and FlashInfer's paged prefill with its FA2 and FA3 backends; times per call, replayed
 from a CUDA graph of ten calls, so no host overhead is counted.
 
-FlashInfer is optional (`pip install flashinfer-python==0.5.3`; it compiles its kernels
+FlashInfer is optional (`pip install -e '.[attention-libraries]'`; it compiles its kernels
 with nvcc on first use): without it only Pagoda's and PyTorch's rows are measured.
 """
 
