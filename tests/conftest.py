@@ -135,11 +135,23 @@ TINY = dict(
     max_position_embeddings=256,
 )
 FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
-    # q/k norm; use_sliding_window from layer max_window_layers on (layer 1 only).
+    # q/k norm; use_sliding_window from layer max_window_layers on (layer 1 only); YaRN
+    # rope scaling (x4 over 64 original positions), as Qwen3 serves long contexts.
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
-        dict(head_dim=16, use_sliding_window=True, sliding_window=10, max_window_layers=1),
+        dict(
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=10,
+            max_window_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e6,
+            },
+        ),
     ),
     # Layer 0 sparse (norm_topk_prob), layer 1 dense via mlp_only_layers.
     "qwen3_moe": (

@@ -172,7 +172,7 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     return float(theta), params
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -197,6 +197,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def yarn_inv_freq(
+    head_dim: int, theta: float, scaling: dict, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5/Qwen3 long context): each frequency between its interpolated (/ factor)
+    and original value by how many turns it makes within original_max_position_embeddings,
+    and the attention factor that scales cos and sin; as transformers computes them."""
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    factor = scaling.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        weights = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, weights[0]) / mscale(factor, weights[1]) if all(weights)
+            else mscale(factor)
+        )  # fmt: skip
+
+    def correction_dim(turns: float) -> float:  # the dim whose frequency turns `turns` times
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = (
+        correction_dim(scaling.get("beta_fast") or 32),
+        correction_dim(scaling.get("beta_slow") or 1),
+    )
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    span = high - low if high != low else 0.001
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / span
+    extrapolate = 1 - ramp.clamp(0, 1)  # 1: keep the original frequency, 0: interpolate
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / (factor * powers) * (1 - extrapolate) + 1.0 / powers * extrapolate
+    return inv_freq, float(attention_factor)
 
 
 def longrope_cos_sin(
@@ -252,10 +290,18 @@ class RotaryEmbedding(nn.Module):
             cos_sin = longrope_cos_sin(self.head_dim, self.max_positions, self.theta, self.scaling)
             self.cos_sin = cos_sin.to(device)
             return
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        attention_factor = 1.0
+        if rope_type(self.scaling) == "yarn":
+            inv_freq, attention_factor = yarn_inv_freq(
+                self.head_dim, self.theta, self.scaling, self.max_positions
+            )
+        else:
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
+        freqs = torch.outer(positions, inv_freq.to(device))  # [max_positions, head_dim / 2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
+        if attention_factor != 1.0:
+            self.cos_sin *= attention_factor
 
     def rope(
         self,

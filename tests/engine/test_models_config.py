@@ -1,5 +1,6 @@
 """Loading the newer families: stacked expert weights, per-layer windows and rope bases,
-LongRoPE's tables, and clear errors for config features Pagoda does not implement."""
+LongRoPE's and YaRN's tables, and clear errors for config features Pagoda does not
+implement."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.layers import PagedAttention, longrope_cos_sin
+from engine.models.layers import PagedAttention, RotaryEmbedding, longrope_cos_sin, rope_settings
 from engine.models.loader import ModelLoadError, load_config, load_model, max_model_len
 
 
@@ -78,12 +79,44 @@ def test_longrope_tables_match_transformers(tiny_family_dir):
 
 
 @pytest.mark.parametrize(
+    "yarn",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 64},
+        {"factor": 8.0, "original_max_position_embeddings": 32, "truncate": False},
+        {"factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+        {
+            "factor": 40.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+        {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.3},
+        {"original_max_position_embeddings": 32},  # factor: max positions / original
+    ],
+)
+def test_yarn_tables_match_transformers(yarn):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    config = Qwen3Config(
+        head_dim=32, max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": None} | yarn,
+    )  # fmt: skip
+    theta, scaling = rope_settings(config)
+    rotary = RotaryEmbedding(32, config.max_position_embeddings, theta, scaling)
+    rotary.build_cache(torch.device("cpu"))
+    cos, sin = Qwen3RotaryEmbedding(config)(torch.zeros(1), torch.arange(256)[None])
+    torch.testing.assert_close(rotary.cos_sin[:, :16], cos[0, :, :16])
+    torch.testing.assert_close(rotary.cos_sin[:, 16:], sin[0, :, :16])
+
+
+@pytest.mark.parametrize(
     ("kind", "changes", "message"),
     [
         (
             "qwen3",
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
-            "unsupported rope_scaling type 'yarn'",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}},
+            "unsupported rope_scaling type 'dynamic'",
         ),
         ("gemma3", {"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
