@@ -4,7 +4,8 @@ The kernel also does the step's work around it that would otherwise be two launc
 layer: given a Rope, it rotates the query and the new K as the rotary kernel would, and
 it stores the new K/V before attending. An FP8 cache (e4m3, holding K / k_scale and
 V / v_scale) is read as the query's dtype, exactly, with k_scale folded into the softmax
-scale and v_scale into the output.
+scale and v_scale into the output. Gemma 2's attention soft-cap (scores -> cap *
+tanh(scores / cap) before the softmax) is an argument here and in the prefill kernel.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def paged_attention_decode_ref(
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
+    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
     if rope is not None:
@@ -75,7 +77,7 @@ def paged_attention_decode_ref(
         group = num_heads // k.shape[1]  # query heads per kv head (GQA)
         k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", query[i].float(), k) * scale
+        scores = soft_cap_ref(torch.einsum("hd,thd->ht", query[i].float(), k) * scale, softcap)
         out[i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
 
@@ -83,6 +85,20 @@ def paged_attention_decode_ref(
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs would run as tf32 by default (~1e-3 error); keep them exact.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def soft_cap_ref(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's attention soft-cap, as transformers applies it (softcap 0: none)."""
+    return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    # cap * tanh(scores / cap) for scores and cap in the same units (the kernels' log2
+    # units: both times LOG2E), tanh(x) = 1 - 2 / (exp(2x) + 1) with exp(2x) = exp2(2x *
+    # LOG2E), so the interpreter runs it too; +-cap where exp2 overflows or vanishes.
+    e = tl.exp2(scores * (2.8853900817779268 / cap))  # 2 * LOG2E
+    return cap - 2.0 * cap / (e + 1.0)
 
 
 @triton.jit
@@ -107,6 +123,7 @@ def _decode_kernel(
     k_scale_inv,  # FP8 cache: 1 / k_scale, for the new K it stores
     v_scale_inv,
     norm_eps,
+    softcap,  # SOFT_CAP: the soft-cap in the scores' log2 units (softcap * LOG2E)
     num_splits,
     window,  # keys older than the last `window` tokens are not attended to
     stride_qs,
@@ -138,6 +155,7 @@ def _decode_kernel(
     KV_FP8: tl.constexpr,  # the cache is e4m3
     ROPE: tl.constexpr,  # rotate q and the new K first (kernels/rotary.py's Rope)
     ROPE_NORM: tl.constexpr,  # RMS-norm each head of q and of the new K before that
+    SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -233,6 +251,8 @@ def _decode_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            scores = soft_cap(scores, softcap)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         # Every tile holds >= 1 valid token, so m_new is finite and no NaN can arise.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -276,6 +296,7 @@ def paged_attention_decode(
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
+    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
@@ -344,6 +365,7 @@ def paged_attention_decode(
         1.0 / k_scale,
         1.0 / v_scale,
         0.0 if norm is None else norm.eps,
+        softcap * LOG2E,  # in the scores' log2 units (k_scale is in them already)
         config.num_splits,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         query.stride(0),
@@ -375,6 +397,7 @@ def paged_attention_decode(
         KV_FP8=kv_fp8,
         ROPE=rope is not None,
         ROPE_NORM=norm is not None,
+        SOFT_CAP=softcap > 0,
         DOT_PRECISION=dot_precision(query.dtype),
         PDL=pdl,
         num_warps=config.num_warps,

@@ -26,7 +26,14 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_store import from_cache
-from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
+from kernels.paged_attention import (
+    LOG2E,
+    NO_WINDOW,
+    dot_precision,
+    gather_kv,
+    soft_cap,
+    soft_cap_ref,
+)
 
 
 def paged_prefill_attention_ref(
@@ -41,6 +48,7 @@ def paged_prefill_attention_ref(
     sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
+    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -58,7 +66,7 @@ def paged_prefill_attention_ref(
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [query_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = soft_cap_ref(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         k_pos = torch.arange(lo, seq_len, device=query.device)
         hidden = k_pos[None, :] > q_pos[:, None]  # [query_len, seq_len]
@@ -89,12 +97,14 @@ def _attend(
     stride_co,
     qk_scale,
     window,
+    softcap,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every query sees every key of [start, stop)
     KV_FP8: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     for kv_start in range(start, stop, BLOCK_N):
@@ -122,6 +132,8 @@ def _attend(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            scores = soft_cap(scores, softcap)
         if MASKED:
             visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
             visible &= tokens[None, :] > q_pos[:, None] - window
@@ -152,6 +164,7 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
     out_scale,  # v_scale for an FP8 cache, else 1
     window,  # a query sees keys at most `window - 1` positions behind it
+    softcap,  # SOFT_CAP: the soft-cap in the scores' log2 units (softcap * LOG2E)
     stride_qt,
     stride_qh,
     stride_cb,
@@ -169,6 +182,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
     KV_FP8: tl.constexpr,  # the cache is e4m3
+    SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (query tile of the batch, query head), the last tiles first (under
@@ -216,12 +230,14 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend(
             q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
             q_pos, kv_lo, kv_end, 0, masked_from, stride_cb, stride_co, qk_scale, window,
-            HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, False, KV_FP8, DOT_PRECISION,
+            softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, False, KV_FP8, SOFT_CAP,
+            DOT_PRECISION,
         )  # fmt: skip
     acc, l_i, m_i = _attend(
         q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
         q_pos, kv_lo, kv_end, masked_from, kv_end, stride_cb, stride_co, qk_scale, window,
-        HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, DOT_PRECISION,
+        softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, SOFT_CAP,
+        DOT_PRECISION,
     )  # fmt: skip
 
     out_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -261,6 +277,7 @@ def paged_prefill_attention(
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
     config: PrefillConfig | None = None,
+    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -296,6 +313,7 @@ def paged_prefill_attention(
         scale * LOG2E * k_scale,
         v_scale,
         sliding_window if sliding_window > 0 else NO_WINDOW,
+        softcap * LOG2E,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -313,6 +331,7 @@ def paged_prefill_attention(
         BLOCK_N=config.block_n,
         WINDOWED=sliding_window > 0,
         KV_FP8=kv_fp8,
+        SOFT_CAP=softcap > 0,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

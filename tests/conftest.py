@@ -192,6 +192,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=5.0,
         ),
     ),
+    # Gemma 3's layout without q/k norms, one rope base, and the attention scores
+    # soft-capped; the cap is small enough to bend this tiny model's scores (~0.1).
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=0.05,
+            final_logit_softcapping=5.0,
+        ),
+    ),
     # longrope (attention factor from 256 / 96; the long factors: test_models_config.py).
     # transformers recomputes a sequence's whole cache with the long factors once it passes
     # original_max_position_embeddings, which Pagoda does not: sequences here stay below.

@@ -1,7 +1,9 @@
-"""Gemma 3 text (Gemma3ForCausalLM): scaled embeddings, (1 + weight) RMSNorms, norms before
-and after each sublayer, GeGLU, per-head q/k norms, query_pre_attn_scalar, interleaved
-sliding-window (local) and full (global) layers with their own rope bases, and the final
-logit soft-cap where the config sets one. Attention and loading are llama.py's."""
+"""Gemma 3 text (Gemma3ForCausalLM) and Gemma 2: scaled embeddings, (1 + weight) RMSNorms,
+norms before and after each sublayer, GeGLU, query_pre_attn_scalar, interleaved
+sliding-window (local) and full (global) layers, and the final logit soft-cap where the
+config sets one. Gemma 3 adds per-head q/k norms and a rope base per layer kind; Gemma 2
+soft-caps the attention scores (attn_logit_softcapping, in the attention kernels).
+Attention and loading are llama.py's."""
 
 from __future__ import annotations
 
@@ -29,8 +31,6 @@ NORMS += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def check_config(config) -> None:
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError("unsupported attn_logit_softcapping (attention soft-capping)")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("unsupported use_bidirectional_attention=True")
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":

@@ -65,6 +65,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int = 0,  # > 0: attend to the last `sliding_window` positions only
+        softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -72,6 +73,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         # Set by the model runner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
         self.ops: AttentionOps | None = None
@@ -107,6 +109,7 @@ class PagedAttention(nn.Module):
                 slot_mapping=meta.slot_mapping,
                 sliding_window=self.sliding_window,
                 rope=rope,
+                softcap=self.softcap,
             )
         else:
             self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -120,6 +123,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 meta.max_query_len,
                 sliding_window=self.sliding_window,
+                softcap=self.softcap,
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

@@ -118,7 +118,7 @@ def test_yarn_tables_match_transformers(yarn):
             {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}},
             "unsupported rope_scaling type 'dynamic'",
         ),
-        ("gemma3", {"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping"),
+        ("gemma3", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         (
             "phi3",

@@ -22,6 +22,9 @@ from tests.conftest import PROMPTS, hf_greedy
 # Scales: none (vLLM's default without checkpoint scales), and ones that matter, one of
 # them not a power of two.
 SCALES = [(1.0, 1.0), (0.5, 0.37)]
+# The attention tests also soft-cap with the scales that matter: the cap must be taken in
+# the scores' own units, with k_scale already in them.
+ATTENTION_CASES = [(1.0, 1.0, 0.0), (0.5, 0.37, 1.5)]
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -63,11 +66,12 @@ def test_fp8_store_matches_reference(
     torch.testing.assert_close(back, expected, rtol=1 / 16, atol=2**-9 * k_scale)
 
 
-@pytest.mark.parametrize(("k_scale", "v_scale"), SCALES)
+@pytest.mark.parametrize(("k_scale", "v_scale", "softcap"), ATTENTION_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_decode_stores_and_attends_like_reference(
     k_scale: float,
     v_scale: float,
+    softcap: float,
     num_splits: int,
     rng: torch.Generator,
     device: torch.device,
@@ -89,6 +93,7 @@ def test_fp8_decode_stores_and_attends_like_reference(
     new_v = torch.randn(num_seqs, num_kv_heads, head_dim, generator=rng).to(device)
     scale = head_dim**-0.5
     kwargs = dict(new_k=new_k, new_v=new_v, slot_mapping=slots, k_scale=k_scale, v_scale=v_scale)
+    kwargs["softcap"] = softcap
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = paged_attention_decode_ref(query, ref_k, ref_v, block_table, lens, scale, **kwargs)
     result = paged_attention_decode(
@@ -107,9 +112,14 @@ def test_fp8_decode_stores_and_attends_like_reference(
     assert torch.equal(_bytes(v_cache), _bytes(ref_v))
 
 
-@pytest.mark.parametrize(("k_scale", "v_scale"), SCALES)
+@pytest.mark.parametrize(("k_scale", "v_scale", "softcap"), ATTENTION_CASES)
 def test_fp8_prefill_matches_reference(
-    k_scale: float, v_scale: float, rng: torch.Generator, device: torch.device, paged_kv
+    k_scale: float,
+    v_scale: float,
+    softcap: float,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
 ) -> None:
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
     chunks = [(24, 24), (20, 57), (0, 9), (1, 40)]
@@ -121,7 +131,7 @@ def test_fp8_prefill_matches_reference(
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query, k_cache, v_cache, block_table, qsl.to(device), lens, head_dim**-0.5)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     result = paged_prefill_attention(*args, max(query_lens), **scales)
     expected = paged_prefill_attention_ref(*args, max(query_lens), **scales)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)

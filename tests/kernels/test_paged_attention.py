@@ -234,6 +234,25 @@ def test_decode_sliding_window_matches_reference(
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_splits"), [(4, 4, 1), (8, 2, 3)])
+def test_decode_soft_cap_matches_reference(
+    num_heads: int, num_kv_heads: int, num_splits: int, rng: torch.Generator, device, paged_kv
+) -> None:
+    # Gemma 2's attention soft-cap, small enough (scores up to ~10) that tanh saturates.
+    head_dim, block_size, cap = 32, 16, 2.0
+    context_lens = [0, 1, 3 * block_size + 5, 90]
+    k_cache, v_cache, block_table = paged_kv(context_lens, num_kv_heads, head_dim, block_size)
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=rng).to(device) * 3
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, lens, 0.5)
+    config = DecodeConfig(num_splits=num_splits, block_n=32)
+    result = paged_attention_decode(*args, config=config, softcap=cap)
+    expected = paged_attention_decode_ref(*args, softcap=cap)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    uncapped = paged_attention_decode_ref(*args)
+    assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+
+
 # (num_heads, num_kv_heads, head_dim, num_splits, dtype, q/k norm): MHA and GQA, a head
 # of 80 (its padded tail past the halves), split and not, with and without the norm. Not
 # bf16: Triton's interpreter gets this kernel wrong in bf16 (compiled, it is right).
