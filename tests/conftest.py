@@ -206,18 +206,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=5.0,
         ),
     ),
-    # longrope (attention factor from 256 / 96; the long factors: test_models_config.py).
-    # transformers recomputes a sequence's whole cache with the long factors once it passes
+    # longrope (attention factor from 256 / 96; the long factors: test_models_config.py)
+    # over 12 of 16 dims a head, as Phi-4-mini rotates 3/4 of each head. transformers
+    # recomputes a sequence's whole cache with the long factors once it passes
     # original_max_position_embeddings, which Pagoda does not: sequences here stay below.
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
         dict(
             original_max_position_embeddings=96,
+            partial_rotary_factor=0.75,
             rope_scaling={
                 "type": "longrope",
-                "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0 + 0.5 * i for i in range(6)],
             },
             sliding_window=14,
             pad_token_id=0,

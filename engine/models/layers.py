@@ -268,8 +268,22 @@ def longrope_cos_sin(
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
 
 
+def rotary_dim_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """With partial rotary (Phi-4-mini), the head's dims in the order the kernels rotate
+    them: entry j is the checkpoint's dim now at j. transformers pairs dim i with i +
+    rotary_dim / 2 among the first rotary_dim; the kernels pair j with j + head_dim / 2
+    over the whole head. Each rotated pair moves to the first slots of the halves, the
+    unrotated dims fill the rest (their rows of the cos/sin table are 1 and 0). q and k
+    go through the same reordering, so their dot products do not change."""
+    half, rotary_half = head_dim // 2, rotary_dim // 2
+    passing = list(range(rotary_dim, head_dim))
+    first = list(range(rotary_half)) + passing[: half - rotary_half]
+    return first + list(range(rotary_half, rotary_dim)) + passing[half - rotary_half :]
+
+
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rotary embedding with a cos/sin cache."""
+    """Non-interleaved (rotate-half) rotary embedding with a cos/sin cache; with a
+    partial_rotary_factor, over its share of each head (`dim_order`)."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None
@@ -279,10 +293,14 @@ class RotaryEmbedding(nn.Module):
         if kind not in SUPPORTED_ROPE_TYPES:
             supported = ", ".join(SUPPORTED_ROPE_TYPES)
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {supported})")
-        if (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"unsupported partial_rotary_factor {scaling['partial_rotary_factor']} (only 1.0)"
-            )
+        factor = (scaling or {}).get("partial_rotary_factor", 1.0)
+        self.rotary_dim = int(head_dim * factor)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"unsupported partial_rotary_factor {factor} for head_dim {head_dim}")
+        # The q/k dims' order for the kernels (the model reorders its q/k rows), or None.
+        self.dim_order = (
+            None if self.rotary_dim == head_dim else rotary_dim_order(head_dim, self.rotary_dim)
+        )
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.theta = theta
@@ -290,22 +308,29 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device) -> None:
+        dim = self.rotary_dim
         if rope_type(self.scaling) == "longrope":
-            cos_sin = longrope_cos_sin(self.head_dim, self.max_positions, self.theta, self.scaling)
-            self.cos_sin = cos_sin.to(device)
-            return
-        attention_factor = 1.0
-        if rope_type(self.scaling) == "yarn":
-            inv_freq, attention_factor = yarn_inv_freq(
-                self.head_dim, self.theta, self.scaling, self.max_positions
-            )
+            cos_sin = longrope_cos_sin(dim, self.max_positions, self.theta, self.scaling)
+            cos_sin = cos_sin.to(device)
         else:
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(device))  # [max_positions, head_dim / 2]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
-        if attention_factor != 1.0:
-            self.cos_sin *= attention_factor
+            attention_factor = 1.0
+            if rope_type(self.scaling) == "yarn":
+                inv_freq, attention_factor = yarn_inv_freq(
+                    dim, self.theta, self.scaling, self.max_positions
+                )
+            else:
+                inv_freq = rope_inv_freq(dim, self.theta, self.scaling)
+            positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq.to(device))  # [max_positions, dim / 2]
+            cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
+            if attention_factor != 1.0:
+                cos_sin *= attention_factor
+        if dim < self.head_dim:  # the unrotated dims: cos 1, sin 0
+            cos, sin = cos_sin.chunk(2, dim=-1)
+            rest = (self.head_dim - dim) // 2
+            cos = torch.cat([cos, cos.new_ones(len(cos), rest)], dim=-1)
+            cos_sin = torch.cat([cos, sin, sin.new_zeros(len(sin), rest)], dim=-1)
+        self.cos_sin = cos_sin
 
     def rope(
         self,

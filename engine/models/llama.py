@@ -53,6 +53,9 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported mlp_bias=True")
+    partial = (rope_settings(config)[1] or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0 and config.model_type != "phi3":  # transformers rotates the whole head
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (Phi-3's only)")
 
 
 class LlamaAttention(nn.Module):
@@ -83,6 +86,23 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window, softcap
         )
+
+    @torch.no_grad()
+    def reorder_rotary_dims(self) -> None:
+        """With partial rotary, the loaded q and k rows (and their norms) put in the order
+        the kernels rotate (RotaryEmbedding.dim_order); a no-op otherwise."""
+        if self.rotary.dim_order is None:
+            return
+        order = torch.tensor(self.rotary.dim_order, device=self.qkv_proj.weight.device)
+        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+            if param is None:
+                continue
+            q_k = param[: self.q_size + self.kv_size]  # this rank's q heads, then its k heads
+            heads = q_k.view(-1, len(order), *param.shape[1:])
+            heads.copy_(heads[:, order])
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.weight.copy_(norm.weight[order])
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
@@ -219,4 +239,6 @@ class LlamaForCausalLM(nn.Module):
             sections = 3 if ".qkv_proj." in ours else 2
             if all(f"{ours}#{i}" in loaded for i in range(sections)):
                 loaded.add(ours)
+        for layer in self.layers:
+            layer.self_attn.reorder_rotary_dims()
         return loaded

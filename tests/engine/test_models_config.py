@@ -65,17 +65,27 @@ def test_sliding_window_no_longer_caps_the_context(tiny_family_dir):
 def test_longrope_tables_match_transformers(tiny_family_dir):
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_family_dir("phi3")
+    model_dir = tiny_family_dir("phi3")  # rotates 12 of its 16 dims a head
     config = load_config(model_dir)
     original = config.rope_parameters["original_max_position_embeddings"]
-    ours = longrope_cos_sin(16, config.max_position_embeddings, 10000.0, config.rope_parameters)
+    ours = longrope_cos_sin(12, config.max_position_embeddings, 10000.0, config.rope_parameters)
     rotary = AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb
     x = torch.zeros(1)
     for length in (original, config.max_position_embeddings):  # short factors, then long
         cos, sin = rotary(x, torch.arange(length)[None])
         rows = slice(0, original) if length == original else slice(original, length)
-        torch.testing.assert_close(ours[rows, :8], cos[0, rows, :8])
-        torch.testing.assert_close(ours[rows, 8:], sin[0, rows, :8])
+        torch.testing.assert_close(ours[rows, :6], cos[0, rows, :6])
+        torch.testing.assert_close(ours[rows, 6:], sin[0, rows, :6])
+
+
+def test_partial_rotary_table_leaves_the_unrotated_dims_alone(tiny_family_dir):
+    config = load_config(tiny_family_dir("phi3"))
+    rotary = RotaryEmbedding(16, config.max_position_embeddings, *rope_settings(config))
+    rotary.build_cache(torch.device("cpu"))
+    assert rotary.dim_order == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    cos, sin = rotary.cos_sin[:, :8], rotary.cos_sin[:, 8:]
+    assert (cos[:, 6:] == 1).all() and (sin[:, 6:] == 0).all()  # the pairs (12, 14), (13, 15)
+    assert not (sin[1:, :6] == 0).any()
 
 
 @pytest.mark.parametrize(
@@ -120,8 +130,8 @@ def test_yarn_tables_match_transformers(yarn):
         ),
         ("gemma3", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        (
-            "phi3",
+        (  # of the families here, only transformers' Phi-3 rotates part of a head
+            "mistral",
             {
                 "rope_parameters": {
                     "rope_type": "default",

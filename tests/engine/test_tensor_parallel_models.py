@@ -172,8 +172,11 @@ def test_rank_shards_hold_the_checkpoint_rows(tiny_llama_dir, tiny_family_dir):
     whole, _ = load_model(phi3_dir, cpu, fp32)
     rank1, _ = load_model(phi3_dir, cpu, fp32, tp=rank_of(1, 2))
     qkv = hf[f"{p}.self_attn.qkv_proj.weight"]  # [q 64 | k 32 | v 32, hidden]
-    assert torch.equal(whole.layers[0].self_attn.qkv_proj.weight, qkv)
-    want = torch.cat([qkv[32:64], qkv[80:96], qkv[112:128]])
+    # It rotates 12 of 16 dims a head: each q and k head's rows in the kernels' order.
+    order = whole.rotary.dim_order
+    q, k = (x.view(-1, 16, x.shape[1])[:, order].flatten(0, 1) for x in (qkv[:64], qkv[64:96]))
+    assert torch.equal(whole.layers[0].self_attn.qkv_proj.weight, torch.cat([q, k, qkv[96:]]))
+    want = torch.cat([q[32:], k[16:], qkv[112:128]])
     assert torch.equal(rank1.layers[0].self_attn.qkv_proj.weight, want)
     gate_up = hf[f"{p}.mlp.gate_up_proj.weight"]  # [gate 128 | up 128, hidden]
     want = torch.cat([gate_up[64:128], gate_up[192:]])
