@@ -54,7 +54,7 @@ def check_config(config) -> None:
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported mlp_bias=True")
     partial = (rope_settings(config)[1] or {}).get("partial_rotary_factor", 1.0)
-    if partial != 1.0 and config.model_type != "phi3":  # transformers rotates the whole head
+    if partial != 1.0 and config.model_type != "phi3":  # only transformers' Phi-3 applies it
         raise ValueError(f"unsupported partial_rotary_factor {partial} (Phi-3's only)")
 
 
