@@ -206,6 +206,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=5.0,
         ),
     ),
+    # Llama with Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            embedding_multiplier=4.0,
+            attention_multiplier=0.1,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+    ),
     # longrope (attention factor from 256 / 96; the long factors: test_models_config.py)
     # over 12 of 16 dims a head, as Phi-4-mini rotates 3/4 of each head. transformers
     # recomputes a sequence's whole cache with the long factors once it passes

@@ -82,6 +82,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = HeadNorm(head_dim, config.rms_norm_eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
         scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
+        scale = getattr(config, "attention_multiplier", None) or scale  # Granite's
         softcap = getattr(config, "attn_logit_softcapping", None) or 0.0  # Gemma 2
         self.attn = PagedAttention(
             heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window, softcap

@@ -155,3 +155,16 @@ def test_prompt_logprobs_are_bounded_like_logprobs():
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("kind", ["granite", "gemma2"])
+def test_logit_scaling_and_soft_cap_reach_the_logprobs(tiny_family_dir, kind):
+    """Granite divides its logits by logits_scaling and Gemma soft-caps them: greedy ids
+    cannot tell, the logprobs must."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_family_dir(kind)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = prompt_of(12, 0, hf_model.config.vocab_size)
+    out = LLM(model_dir, device="cpu").generate([prompt], scoring(), use_tqdm=False)[0]
+    check(out.prompt_logprobs, prompt, reference(hf_model, prompt))
