@@ -206,6 +206,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=5.0,
         ),
     ),
+    # Llama whose every second layer has no position encoding (NoPE), as SmolLM3's every
+    # fourth.
+    "smollm3": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layer_interval=2, pad_token_id=0),
+    ),
     # Llama with Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
     "granite": (
         "GraniteConfig",

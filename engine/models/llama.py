@@ -63,7 +63,11 @@ class LlamaAttention(nn.Module):
     o_proj; the per-head q/k norms need no split."""
 
     def __init__(
-        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
+        self,
+        config,
+        rotary: RotaryEmbedding | None,  # None: no position encoding (SmolLM3's NoPE layers)
+        sliding_window: int,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
@@ -92,7 +96,7 @@ class LlamaAttention(nn.Module):
     def reorder_rotary_dims(self) -> None:
         """With partial rotary, the loaded q and k rows (and their norms) put in the order
         the kernels rotate (RotaryEmbedding.dim_order); a no-op otherwise."""
-        if self.rotary.dim_order is None:
+        if self.rotary is None or self.rotary.dim_order is None:
             return
         order = torch.tensor(self.rotary.dim_order, device=self.qkv_proj.weight.device)
         for param in (self.qkv_proj.weight, self.qkv_proj.bias):
@@ -109,7 +113,9 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rope = self.rotary.rope(positions, self.q_norm, self.k_norm)
+        rope = (
+            None if self.rotary is None else self.rotary.rope(positions, self.q_norm, self.k_norm)
+        )
         return self.o_proj(self.attn(q, k, v, meta, rope))
 
 
@@ -145,7 +151,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         sliding_window: int,
         mlp: nn.Module,
         tp: TensorParallel = SINGLE,
@@ -190,8 +196,16 @@ class LlamaForCausalLM(nn.Module):
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         windows = layer_sliding_windows(config)
+        # SmolLM3 leaves the position encoding out of the layers no_rope_layers marks 0.
+        ropes = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         return [
-            LlamaDecoderLayer(config, self.rotary, windows[i], self.make_mlp(config, i), self.tp)
+            LlamaDecoderLayer(
+                config,
+                self.rotary if ropes[i] else None,
+                windows[i],
+                self.make_mlp(config, i),
+                self.tp,
+            )
             for i in range(config.num_hidden_layers)
         ]
 

@@ -42,6 +42,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "mixtral": MoeForCausalLM,
     "gemma2": Gemma3ForCausalLM,
