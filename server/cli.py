@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.heap import pause_collection
 from server.config import ServerConfig
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -193,6 +194,12 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         choices=list(PARSERS),
         help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
         "<tool_call> JSON) or llama3_json (Llama 3.1+)",
+    )
+    s(
+        "--reasoning-parser",
+        choices=list(REASONING_PARSERS),
+        help="split a reasoning model's <think> ... </think> from its chat answers into "
+        "reasoning_content: deepseek_r1 (R1 and its distills) or qwen3",
     )
     s("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     s(

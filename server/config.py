@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
 
@@ -30,6 +31,7 @@ class ServerConfig:
     api_server_count: int = 1  # server/api_servers.py; > 1 implies engine_process
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py
+    reasoning_parser: str | None = None  # server/reasoning.py
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:
@@ -42,6 +44,10 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {tuple(PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -325,6 +325,7 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = _omitted_if_none()  # --reasoning-parser's, as vLLM's
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 

@@ -23,6 +23,7 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
+from server.reasoning import ReasoningStream, split
 from server.request_stream import RequestStream
 from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
@@ -72,7 +73,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     choices = []
     prompt_logprobs = None
     for out in sorted(await s.collect(raw, stream), key=lambda out: out.index):
-        message, finish_reason = tool_message(tools, echo + out.new_text, out.finish_reason)
+        text, reasoning = echo + out.new_text, None
+        if s.reasoning_parser is not None:
+            found = split(s.reasoning_parser, text)
+            text, reasoning = found.content, found.reasoning
+        message, finish_reason = tool_message(tools, text, out.finish_reason)
+        if reasoning is not None:
+            message.reasoning_content = reasoning
+            message.content = message.content or None  # all thinking: no answer text
         choices.append(
             ChatChoice(
                 index=out.index,
@@ -129,21 +137,34 @@ async def _chunks(
     calls = (
         [ToolStream(tools.parser(), tools.parallel) for _ in range(req.n)] if tools.parser else None
     )
+    # Per choice: its reasoning, until </think> (None: no --reasoning-parser).
+    parser = s.reasoning_parser
+    thinking = [ReasoningStream(parser) for _ in range(req.n)] if parser else None
+
+    def news(index: int, text: str, final: bool) -> dict:
+        """The delta text brings a choice: reasoning, then content and calls."""
+        delta: dict = {}
+        if thinking is not None:
+            delta, text = thinking[index].feed(text, final)
+        if calls is None:
+            return delta | ({"content": text} if text else {})
+        return delta | calls[index].feed(text, final)
+
     for index in range(req.n):
         delta = {"role": "assistant"}
-        delta |= {"content": echo} if calls is None else calls[index].feed(echo, False)
+        if calls is None and thinking is None:
+            delta["content"] = echo
+        else:
+            delta |= news(index, echo, False)
         yield chunk([ChatStreamChoice(index=index, delta=delta)], **ids)
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
             logprobs = _logprobs(s, out.new_logprobs or []) if req.logprobs else None
             finish_reason = out.finish_reason if out.finished else None
-            if calls is None:
-                delta = {"content": out.new_text} if out.new_text else {}
-            else:
-                delta = calls[out.index].feed(out.new_text, out.finished)
-                if out.finished:
-                    finish_reason = calls[out.index].finish_reason(finish_reason)
+            delta = news(out.index, out.new_text, out.finished)
+            if calls is not None and out.finished:
+                finish_reason = calls[out.index].finish_reason(finish_reason)
             if not (delta or out.finished or logprobs and logprobs.content):
                 continue  # e.g. a token held back until its UTF-8 character completes
             choice = ChatStreamChoice(

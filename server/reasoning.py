@@ -1,0 +1,65 @@
+"""Reasoning models' thinking, split from their answers: `--reasoning-parser`, as vLLM's.
+
+DeepSeek-R1 and its distills, and Qwen3 in thinking mode, write their reasoning between
+<think> and </think> before the answer. A chat answer then carries the reasoning as
+`reasoning_content` and the rest as `content` (streamed: `reasoning_content` deltas
+until </think>, then `content` ones). The two parsers differ on an answer with no
+</think>: R1's templates open <think> in the prompt, so everything before </think> is
+reasoning, and an answer that never closes it is all reasoning; Qwen3 reasons only when
+the answer opens <think> itself (no thinking, `enable_thinking: false`, is plain content).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from server.tool_parsers import _partial_suffix
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+@dataclass(frozen=True)
+class Split:
+    reasoning: str | None  # None: the answer had no reasoning
+    content: str
+
+
+def split(parser: str, text: str, final: bool = True) -> Split:
+    """An answer's reasoning and content. Not final: a tag the text may still be
+    completing is held back from both."""
+    opened = text.startswith(START)
+    body = text[len(START) :] if opened else text
+    if not opened and not final and START.startswith(text):
+        return Split(None, "")  # perhaps "<think>" still arriving
+    if END in body:
+        reasoning, _, content = body.partition(END)
+        return Split(reasoning, content)
+    if parser == "qwen3" and not opened:
+        return Split(None, text)
+    held = 0 if final else _partial_suffix(body, END)
+    return Split(body[: len(body) - held], "")
+
+
+@dataclass
+class ReasoningStream:
+    """One streamed choice: what each new piece of text adds to its reasoning and to
+    its content (the content goes on to the tool-call stream when there is one)."""
+
+    parser: str
+    text: str = ""
+    reasoning_sent: int = 0
+    content_sent: int = 0
+
+    def feed(self, new_text: str, final: bool) -> tuple[dict[str, Any], str]:
+        """({"reasoning_content": news} or {}, the content's news)."""
+        self.text += new_text
+        found = split(self.parser, self.text, final)
+        delta: dict[str, Any] = {}
+        if found.reasoning is not None and len(found.reasoning) > self.reasoning_sent:
+            delta["reasoning_content"] = found.reasoning[self.reasoning_sent :]
+            self.reasoning_sent = len(found.reasoning)
+        content = found.content[self.content_sent :]
+        self.content_sent = len(found.content)
+        return delta, content

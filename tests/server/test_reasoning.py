@@ -1,0 +1,94 @@
+"""--reasoning-parser: <think> ... </think> split into reasoning_content, on whole texts,
+streamed in every split (the deltas concatenate to what the whole text gives), and
+through a live server whose answer a one-string choice forces."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server.reasoning import ReasoningStream, Split, split
+
+R1_CASES = [
+    ("<think>\nadd them</think>\n\nFour.", Split("\nadd them", "\n\nFour.")),
+    ("add them</think>Four.", Split("add them", "Four.")),  # the template opened <think>
+    ("still thinking <", Split("still thinking <", "")),  # never closed: all reasoning
+    ("</think>", Split("", "")),
+]
+QWEN3_CASES = [
+    ("<think>\nadd them\n</think>\n\nFour.", Split("\nadd them\n", "\n\nFour.")),
+    ("Four.", Split(None, "Four.")),  # not thinking (enable_thinking false): all content
+    ("<thin air", Split(None, "<thin air")),
+    ("<think>cut short", Split("cut short", "")),
+]
+
+
+@pytest.mark.parametrize(("text", "want"), R1_CASES)
+def test_deepseek_r1_whole_text(text, want):
+    assert split("deepseek_r1", text) == want
+
+
+@pytest.mark.parametrize(("text", "want"), QWEN3_CASES)
+def test_qwen3_whole_text(text, want):
+    assert split("qwen3", text) == want
+
+
+def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str | None, str, list[str]]:
+    """Feed text in pieces cut at `cuts`: (reasoning, content, the deltas' kinds in order)."""
+    stream, bounds = ReasoningStream(parser), [0, *cuts, len(text)]
+    reasoning, content, kinds = None, "", []
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        delta, news = stream.feed(text[a:b], final=k == len(bounds) - 2)
+        if "reasoning_content" in delta:
+            reasoning = (reasoning or "") + delta["reasoning_content"]
+            kinds.append("reasoning")
+        if news:
+            content += news
+            kinds.append("content")
+    return reasoning, content, kinds
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "want"),
+    [("deepseek_r1", t, w) for t, w in R1_CASES] + [("qwen3", t, w) for t, w in QWEN3_CASES],
+)
+def test_streamed_in_every_two_way_and_char_split(parser, text, want):
+    splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+    for cuts in splits:
+        reasoning, content, kinds = streamed(parser, text, cuts)
+        # Reasoning that ends empty may send no delta at all.
+        assert (reasoning or "", content) == (want.reasoning or "", want.content), cuts
+        assert kinds == sorted(kinds, key=lambda kind: kind == "content"), cuts  # never back
+
+
+THOUGHT, ANSWER = "two and two", "four"
+FORCED = f"<think>{THOUGHT}</think>{ANSWER}"
+
+
+@pytest.fixture(scope="module")
+def r1_server(start_server):
+    return start_server(server={"reasoning_parser": "deepseek_r1"})
+
+
+def test_live_answer_split_whole_and_streamed(r1_server, model_name):
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "What is two and two?"}],
+        "structured_outputs": {"choice": [FORCED]},
+        "max_tokens": 40,
+    }
+    with httpx.Client(base_url=r1_server.base_url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (THOUGHT, ANSWER)
+        reasoning, content = "", ""
+        with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    assert not (content and choice["delta"].get("reasoning_content"))
+                    reasoning += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+        assert (reasoning, content) == (THOUGHT, ANSWER)
