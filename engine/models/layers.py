@@ -203,6 +203,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return inv_freq
 
 
+def rope_positions(max_position_embeddings: int, scaling: dict | None) -> int:
+    """The positions a model's rotation serves: max_position_embeddings, or YaRN's original
+    length times its factor where that is longer (vLLM's rule: YaRN is how Qwen3 goes from
+    32k to 128k while its config keeps the shorter max_position_embeddings)."""
+    if rope_type(scaling) == "yarn" and scaling.get("factor"):
+        original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        return max(max_position_embeddings, int(original * scaling["factor"]))
+    return max_position_embeddings
+
+
 def yarn_inv_freq(
     head_dim: int, theta: float, scaling: dict, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
@@ -320,8 +330,9 @@ class RotaryEmbedding(nn.Module):
                 )
             else:
                 inv_freq = rope_inv_freq(dim, self.theta, self.scaling)
-            positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-            freqs = torch.outer(positions, inv_freq.to(device))  # [max_positions, dim / 2]
+            count = rope_positions(self.max_positions, self.scaling)
+            positions = torch.arange(count, device=device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq.to(device))  # [positions, dim / 2]
             cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32
             if attention_factor != 1.0:
                 cos_sin *= attention_factor

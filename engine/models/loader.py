@@ -19,7 +19,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.granite import GraniteForCausalLM
-from engine.models.layers import RotaryEmbedding
+from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import WeightSlice
@@ -109,8 +109,9 @@ def _initialisers_skipped() -> Iterator[None]:
 
 
 def max_model_len(config: PretrainedConfig) -> int:
-    """The longest context the model handles exactly."""
-    return getattr(config, "n_positions", None) or config.max_position_embeddings
+    """The longest context the model handles exactly (with YaRN, what it extends to)."""
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    return rope_positions(positions, rope_settings(config)[1])
 
 
 def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:

@@ -120,6 +120,28 @@ def test_yarn_tables_match_transformers(yarn):
     torch.testing.assert_close(rotary.cos_sin[:, 16:], sin[0, :, :16])
 
 
+def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
+    """With max_position_embeddings at 32 and YaRN x4 over 32 original positions, the
+    model takes 128 tokens (vLLM's rule), and its answers past position 32 are still
+    transformers' (which rotates any position)."""
+    from engine import LLM, SamplingParams
+    from engine.models.loader import load_tokenizer
+    from tests.conftest import PROMPTS, hf_greedy
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    model_dir = edited_copy(
+        tiny_family_dir("qwen3"), tmp_path / "m", max_position_embeddings=32,
+        rope_parameters=yarn | {"rope_theta": 1e6},
+    )  # fmt: skip
+    assert max_model_len(load_config(model_dir)) == 128
+    prompts = PROMPTS[1:3]  # 20 and 10 tokens, then 24 more: past position 32
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = LLM(model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    tokenizer = load_tokenizer(model_dir)
+    want = [hf_greedy(model_dir, tokenizer.encode(p), 24) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 @pytest.mark.parametrize(
     ("kind", "changes", "message"),
     [
