@@ -116,8 +116,9 @@ def test_yarn_tables_match_transformers(yarn):
     rotary = RotaryEmbedding(32, config.max_position_embeddings, theta, scaling)
     rotary.build_cache(torch.device("cpu"))
     cos, sin = Qwen3RotaryEmbedding(config)(torch.zeros(1), torch.arange(256)[None])
-    torch.testing.assert_close(rotary.cos_sin[:, :16], cos[0, :, :16])
-    torch.testing.assert_close(rotary.cos_sin[:, 16:], sin[0, :, :16])
+    # Our table may run longer (original x factor): its first 256 positions are these.
+    torch.testing.assert_close(rotary.cos_sin[:256, :16], cos[0, :, :16])
+    torch.testing.assert_close(rotary.cos_sin[:256, 16:], sin[0, :, :16])
 
 
 def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
