@@ -105,7 +105,7 @@ class DecodeCase:
         order = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
         self.tables = order.view(self.layers, seqs, self.pages)
         self.lens = torch.full((seqs,), self.context, dtype=torch.int32, device="cuda")
-        self.q, self.new_k, self.new_v = randn(self.layers, seqs, heads, dim), None, None
+        self.q = randn(self.layers, seqs, heads, dim)
         self.out = torch.empty(seqs, heads, dim, dtype=torch.bfloat16, device="cuda")
         self.kv_scale = FP8_SCALE if cache == "fp8" else 1.0
         self.scale = dim**-0.5

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from server.tool_parsers import _partial_suffix
+from server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -38,7 +38,7 @@ def split(parser: str, text: str, final: bool = True) -> Split:
         return Split(reasoning, content)
     if parser == "qwen3" and not opened:
         return Split(None, text)
-    held = 0 if final else _partial_suffix(body, END)
+    held = 0 if final else partial_suffix(body, END)
     return Split(body[: len(body) - held], "")
 
 

@@ -53,7 +53,7 @@ class HermesParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.OPEN)
         if start < 0:
-            held = 0 if final else _partial_suffix(text, self.OPEN)
+            held = 0 if final else partial_suffix(text, self.OPEN)
             return Extracted(text[: len(text) - held])
         calls: list[DraftCall] = []
         pos = start
@@ -215,6 +215,6 @@ def _value_end(text: str, i: int) -> int | None:
     return j if j < n else None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of text that begins tag (held back: it may be one)."""
     return next((k for k in range(len(tag) - 1, 0, -1) if text.endswith(tag[:k])), 0)
