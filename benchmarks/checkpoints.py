@@ -90,6 +90,28 @@ def qwen3_30b_a3b():
     )
 
 
+def gpt_oss_20b():
+    """gpt-oss-20b's shape: 24 layers, 2880 hidden, GQA 64/8 (head_dim 64) with sinks,
+    sliding (128) and full layers alternating, 32 experts of 2880, top-4; ~20.9B
+    parameters, ~3.6B active per token. OpenAI ships the experts in MXFP4; here they are
+    bf16, as Pagoda serves them."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -121,12 +143,13 @@ CONFIGS = {
     "gpt2": gpt2_124m,
     "qwen2-0.5b": qwen2_0_5b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "gpt-oss-20b": gpt_oss_20b,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
 }
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
-ON_DEVICE = {"qwen3-30b-a3b", "llama3-8b", "llama3-70b"}
+ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "llama3-8b", "llama3-70b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:

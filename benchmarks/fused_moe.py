@@ -55,7 +55,7 @@ def sweep(batch, x, w13, w2, weights, ids, floor_us: float) -> list[dict]:
     ):
         config = MoeConfig(block_m, block_n, block_k, num_warps=4, num_stages=num_stages)
         try:
-            us = graph_median_us(lambda c=config: fused_moe(x, w13, w2, weights, ids, c))
+            us = graph_median_us(lambda c=config: fused_moe(x, w13, w2, weights, ids, config=c))
         except OutOfResources:  # more shared memory than the GPU has: not a candidate
             continue
         rows.append({"batch": batch, **config.__dict__, "us": us, "vs_floor": us / floor_us})

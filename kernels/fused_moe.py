@@ -1,4 +1,6 @@
-"""Mixture-of-experts MLP: top-k routing, then each token through its k experts' SiLU MLPs.
+"""Mixture-of-experts MLP: top-k routing, then each token through its k experts' gated
+MLPs: SiLU (Qwen3-MoE, Mixtral) or GPT-OSS's clamped SwiGLU, with expert biases where the
+model has them.
 
 The Triton path groups the (token, expert) pairs by expert: the pairs are sorted by
 expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row
@@ -33,12 +35,36 @@ def select_experts(
     return weights, ids
 
 
+@dataclass(frozen=True)
+class ExpertBiases:
+    """Per-expert biases of both projections (GPT-OSS): b13 [num_experts, 2 * inter] (gate,
+    then up, as w13's rows), b2 [num_experts, hidden]."""
+
+    b13: torch.Tensor
+    b2: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit), in place of silu(gate) * up."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
 def fused_moe_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
     w2: torch.Tensor,  # [num_experts, hidden, inter]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    biases: ExpertBiases | None = None,
+    clamped: ClampedSwiGLU | None = None,  # None: silu(gate) * up
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
     out = torch.zeros_like(x)
@@ -47,8 +73,10 @@ def fused_moe_ref(
     for expert in flat_ids.unique().tolist():
         pairs = (flat_ids == expert).nonzero()[:, 0]  # this expert's (token, k) pairs
         tokens = token_of[pairs]
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        b13, b2 = (None, None) if biases is None else (biases.b13[expert], biases.b2[expert])
+        gate, up = F.linear(x[tokens], w13[expert], b13).chunk(2, dim=-1)
+        h = F.silu(gate) * up if clamped is None else clamped(gate, up)
+        y = F.linear(h, w2[expert], b2)
         weight = topk_weights.flatten()[pairs, None].to(x.dtype)
         out.index_add_(0, tokens, y * weight)
     return out
@@ -91,6 +119,7 @@ def align_by_expert(
 def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or (token, k) pairs (down)
     w_ptr,  # [num_experts, N (x2 when GATED), K]
+    bias_ptr,  # BIAS: [num_experts, N (x2 when GATED)]
     out_ptr,  # [num_pairs, N], row = pair index
     topk_weights_ptr,  # [num_pairs] fp32
     sorted_ids_ptr,
@@ -102,9 +131,14 @@ def _grouped_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_be,
     stride_om,
+    alpha,  # CLAMPED: the activation's sigmoid gain
+    limit,  # CLAMPED: its clamp
     A_ROW_DIV: tl.constexpr,  # a's row of a pair: pair // A_ROW_DIV (top_k for x, 1 for pairs)
     GATED: tl.constexpr,  # w holds gate rows then up rows; store silu(gate) * up
+    CLAMPED: tl.constexpr,  # GATED with ClampedSwiGLU instead of silu(gate) * up
+    BIAS: tl.constexpr,  # add the expert's bias row before the activation / the weight
     MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -143,8 +177,19 @@ def _grouped_gemm_kernel(
                 w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
             )
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if BIAS:
+        bias_row = bias_ptr + expert * stride_be
+        acc += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up_bias = tl.load(bias_row + N + cols, mask=col_mask, other=0.0)
+            acc_up += up_bias.to(tl.float32)[None, :]
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+        if CLAMPED:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)[:, None]
     out_offs = pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -171,11 +216,13 @@ def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
 def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
+    bias: torch.Tensor | None,  # [num_experts, rows of w], contiguous
     out: torch.Tensor,
     topk_weights: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_row_div: int,
     gated: bool,
+    clamped: ClampedSwiGLU | None,
     config: MoeConfig,
 ) -> None:
     sorted_ids, expert_ids, num_padded = aligned
@@ -184,6 +231,7 @@ def _grouped_gemm(
     _grouped_gemm_kernel[grid](
         a,
         w,
+        w if bias is None else bias,  # a placeholder without biases (BIAS=False)
         out,
         topk_weights,
         sorted_ids,
@@ -195,9 +243,14 @@ def _grouped_gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        0 if bias is None else bias.stride(0),
         out.stride(0),
+        1.0 if clamped is None else clamped.alpha,
+        0.0 if clamped is None else clamped.limit,
         A_ROW_DIV=a_row_div,
         GATED=gated,
+        CLAMPED=clamped is not None,
+        BIAS=bias is not None,
         MUL_WEIGHT=not gated,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -214,6 +267,8 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, inter], contiguous
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
+    biases: ExpertBiases | None = None,  # contiguous
+    clamped: ClampedSwiGLU | None = None,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Triton version of `fused_moe_ref`: align by expert, then two grouped GEMMs."""
@@ -226,9 +281,10 @@ def fused_moe(
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
     weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, weights, aligned, top_k, gated=True, config=config)
+    b13, b2 = (None, None) if biases is None else (biases.b13, biases.b2)
+    _grouped_gemm(x, w13, b13, h, weights, aligned, top_k, True, clamped, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, y, weights, aligned, 1, gated=False, config=config)
+    _grouped_gemm(h, w2, b2, y, weights, aligned, 1, False, None, config)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -5,7 +5,9 @@ layer: given a Rope, it rotates the query and the new K as the rotary kernel wou
 it stores the new K/V before attending. An FP8 cache (e4m3, holding K / k_scale and
 V / v_scale) is read as the query's dtype, exactly, with k_scale folded into the softmax
 scale and v_scale into the output. Gemma 2's attention soft-cap (scores -> cap *
-tanh(scores / cap) before the softmax) is an argument here and in the prefill kernel.
+tanh(scores / cap) before the softmax) and GPT-OSS's attention sinks (a learned logit per
+head that joins every softmax's denominator and adds no value) are arguments here and in
+the prefill kernel.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def paged_attention_decode_ref(
     v_scale: float = 1.0,
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
     if rope is not None:
@@ -78,7 +81,7 @@ def paged_attention_decode_ref(
         k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         scores = soft_cap_ref(torch.einsum("hd,thd->ht", query[i].float(), k) * scale, softcap)
-        out[i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(query.dtype)
+        out[i] = torch.einsum("ht,thd->hd", softmax_with_sinks(scores, sinks), v).to(query.dtype)
     return out
 
 
@@ -90,6 +93,28 @@ def dot_precision(dtype: torch.dtype) -> str:
 def soft_cap_ref(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     """Gemma 2's attention soft-cap, as transformers applies it (softcap 0: none)."""
     return torch.tanh(scores / softcap) * softcap if softcap > 0 else scores
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of [num_heads, ..., keys] scores, each head's sink logit
+    (if any) taking its share of the denominator, as transformers' GPT-OSS does."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+@triton.jit
+def sink_start(sinks_ptr, heads, mask, counted, SINKS: tl.constexpr, ROWS: tl.constexpr):
+    # The running max (log2 units) and denominator a softmax starts from: where `counted`,
+    # the heads' sink logits as one key of value 0 (the rows of a head hold it once).
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+        m_i = tl.where(counted, sink * 1.4426950408889634, m_i)  # LOG2E
+        l_i = tl.where(counted, 1.0, l_i)
+    return m_i, l_i
 
 
 @triton.jit
@@ -115,6 +140,7 @@ def _decode_kernel(
     cos_sin_ptr,
     q_norm_ptr,
     k_norm_ptr,
+    sinks_ptr,
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
@@ -156,6 +182,7 @@ def _decode_kernel(
     ROPE: tl.constexpr,  # rotate q and the new K first (kernels/rotary.py's Rope)
     ROPE_NORM: tl.constexpr,  # RMS-norm each head of q and of the new K before that
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
+    SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -230,8 +257,8 @@ def _decode_kernel(
         # (bar.sync, which orders global memory within the CTA) makes the stores visible.
         tl.debug_barrier()
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running softmax denominator
+    # Running max (log2 units) and softmax denominator; split 0 counts the sinks.
+    m_i, l_i = sink_start(sinks_ptr, heads, head_mask, split == 0, SINKS, GROUP_PAD)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_P2], tl.float32)
     head_offs = kv_head * stride_ch + dims[None, :]
     for tile in range(tile_start, tile_end):
@@ -297,6 +324,7 @@ def paged_attention_decode(
     v_scale: float = 1.0,
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads], contiguous
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
@@ -357,6 +385,7 @@ def paged_attention_decode(
         cos_sin,
         q_norm,
         k_norm,
+        query if sinks is None else sinks,  # a placeholder without sinks (SINKS=False)
         out,
         split_out,
         split_lse,
@@ -398,6 +427,7 @@ def paged_attention_decode(
         ROPE=rope is not None,
         ROPE_NORM=norm is not None,
         SOFT_CAP=softcap > 0,
+        SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         PDL=pdl,
         num_warps=config.num_warps,

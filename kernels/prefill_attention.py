@@ -31,8 +31,10 @@ from kernels.paged_attention import (
     NO_WINDOW,
     dot_precision,
     gather_kv,
+    sink_start,
     soft_cap,
     soft_cap_ref,
+    softmax_with_sinks,
 )
 
 
@@ -49,6 +51,7 @@ def paged_prefill_attention_ref(
     k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
     v_scale: float = 1.0,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -73,7 +76,8 @@ def paged_prefill_attention_ref(
         if sliding_window > 0:
             hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(hidden[None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
+        probs = softmax_with_sinks(scores, sinks)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 
 
@@ -160,6 +164,7 @@ def _prefill_kernel(
     block_table_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     out_ptr,
     qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
     out_scale,  # v_scale for an FP8 cache, else 1
@@ -183,6 +188,7 @@ def _prefill_kernel(
     WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
     KV_FP8: tl.constexpr,  # the cache is e4m3
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
+    SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (query tile of the batch, query head), the last tiles first (under
@@ -216,8 +222,9 @@ def _prefill_kernel(
     q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
     q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = sink_start(  # running max (log2 units) and denominator
+        sinks_ptr, tl.full([BLOCK_M], head, tl.int32), row_mask, True, SINKS, BLOCK_M
+    )
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     head_offs = (head // GROUP) * stride_ch + dims[None, :]
     block_row_ptr = block_table_ptr + seq * stride_bts
@@ -278,6 +285,7 @@ def paged_prefill_attention(
     v_scale: float = 1.0,
     config: PrefillConfig | None = None,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
+    sinks: torch.Tensor | None = None,  # [num_heads], contiguous
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -309,6 +317,7 @@ def paged_prefill_attention(
         block_table,
         query_start_loc,
         seq_lens,
+        query if sinks is None else sinks,  # a placeholder without sinks (SINKS=False)
         out,
         scale * LOG2E * k_scale,
         v_scale,
@@ -332,6 +341,7 @@ def paged_prefill_attention(
         WINDOWED=sliding_window > 0,
         KV_FP8=kv_fp8,
         SOFT_CAP=softcap > 0,
+        SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -119,6 +119,11 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config_class, model_class, fields = FAMILY_CONFIGS[kind]
         config = getattr(transformers, config_class)(**TINY, **fields, **common)
         model = getattr(transformers, model_class)(config)
+        if kind == "gpt_oss":
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith(("bias", "sinks")):
+                        param.normal_(0.0, 0.5)
     else:
         raise ValueError(kind)
     return _save(path, model.eval(), tokenizer)
@@ -222,6 +227,29 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attention_multiplier=0.1,
             residual_multiplier=0.5,
             logits_scaling=2.0,
+        ),
+    ),
+    # Sinks, biases on attention and experts (randomized in _build: transformers starts
+    # them at zero), a sliding layer then a full one, YaRN without truncation, experts
+    # whose clamp (1.0) the gate and up values cross.
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=1.0,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
         ),
     ),
     # longrope (attention factor from 256 / 96; the long factors: test_models_config.py)

@@ -18,7 +18,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
 from engine.models.weight_copy import fill
 from kernels.fp8 import Fp8Rows
-from kernels.fused_moe import fused_moe_for, select_experts
+from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for, select_experts
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
 from kernels.norms import add_norm_for
@@ -87,6 +87,7 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,
         meta: AttentionMetadata,
         rope: Rope | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
     ) -> torch.Tensor:
         if rope is not None and not meta.is_decode:  # the decode kernel rotates them itself
             q, k = rotary_for(q.device)(rope.positions, q, k, rope.cos_sin, rope.norm)
@@ -110,6 +111,7 @@ class PagedAttention(nn.Module):
                 sliding_window=self.sliding_window,
                 rope=rope,
                 softcap=self.softcap,
+                sinks=sinks,
             )
         else:
             self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -124,6 +126,7 @@ class PagedAttention(nn.Module):
                 meta.max_query_len,
                 sliding_window=self.sliding_window,
                 softcap=self.softcap,
+                sinks=sinks,
             )
         return out.view(-1, self.num_heads * self.head_dim)
 
@@ -387,8 +390,9 @@ class HeadNorm(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Top-k routed SiLU experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
-    (gate rows, then up rows) and w2 [num_experts, hidden, inter].
+    """Top-k routed gated experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
+    (gate rows, then up rows) and w2 [num_experts, hidden, inter]. SiLU by default; GPT-OSS
+    has biases on the router and both projections (b13, b2) and a ClampedSwiGLU.
 
     Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
     row-parallel), the router replicated; one all_reduce sums the ranks' outputs."""
@@ -401,27 +405,43 @@ class FusedMoE(nn.Module):
         top_k: int,
         renormalize: bool,
         tp: TensorParallel = SINGLE,
+        bias: bool = False,
+        clamped: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp = tp
+        self.clamped = clamped
         self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
         local = self.inter.local_size
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.gate = nn.Linear(hidden, num_experts, bias=bias)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * local))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        return self.tp.all_reduce(fused_moe_for(x.device)(x, self.w13, self.w2, weights, ids))
+        biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
+        moe = fused_moe_for(x.device)
+        return self.tp.all_reduce(moe(x, self.w13, self.w2, weights, ids, biases, self.clamped))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: tuple[int, int | None]) -> None:
-        """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13, (expert, None)
-        into w2; this rank's rows (w13) or columns (w2) of it."""
+        """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13 or b13,
+        (expert, None) into w2 or b2; this rank's rows (w13, b13) or columns (w2) of it.
+        b2 is added once: rank 0 holds it, the others zeros (as RowParallelLinear's)."""
         expert, half = section
         local, hidden = self.inter.local_size, self.w2.shape[1]
-        if half is None:
+        if leaf == "b2":
+            b2 = read(weight, [hidden])
+            self.b2.data[expert].copy_(b2 if self.tp.is_driver else torch.zeros_like(b2))
+        elif leaf == "b13":
+            b13 = read(weight, [self.inter.size], self.inter.ranges)
+            fill(self.b13.data[expert, half * local : (half + 1) * local], b13)
+        elif half is None:
             w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
             fill(self.w2.data[expert], w2)
         else:

@@ -28,8 +28,10 @@ from engine.models.parallel import (
     WeightSlice,
     head_shard,
     load_weight,
+    read,
     split,
 )
+from engine.models.weight_copy import fill
 from kernels.activation import act_and_mul_for
 from kernels.fp8 import Fp8Rows
 
@@ -79,7 +81,8 @@ class LlamaAttention(nn.Module):
         # Qwen2 always has q/k/v biases; Llama only with attention_bias.
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=False, tp=tp)
+        o_bias = getattr(config, "attention_bias", False)  # as transformers' o_proj
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
         if config.model_type in QK_NORM_MODELS:
             self.q_norm = HeadNorm(head_dim, config.rms_norm_eps)
@@ -91,6 +94,15 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(
             heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window, softcap
         )
+        self.sinks = None  # GPT-OSS: a sink logit per q head in the softmax's denominator
+        if config.model_type == "gpt_oss":
+            self.sink_heads = split(num_heads, tp, "num_attention_heads")
+            self.sinks = nn.Parameter(torch.empty(heads.num_heads))
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        """The sinks (its one tensor of its own): this rank's q heads'."""
+        heads = self.sink_heads
+        fill(self.sinks.data, read(weight, [heads.size], heads.ranges))
 
     @torch.no_grad()
     def reorder_rotary_dims(self) -> None:
@@ -116,7 +128,7 @@ class LlamaAttention(nn.Module):
         rope = (
             None if self.rotary is None else self.rotary.rope(positions, self.q_norm, self.k_norm)
         )
-        return self.o_proj(self.attn(q, k, v, meta, rope))
+        return self.o_proj(self.attn(q, k, v, meta, rope, self.sinks))
 
 
 class LlamaMLP(nn.Module):

@@ -125,8 +125,9 @@ class Fp8Checkpoint:
 
 SUPPORTED = (
     'quant_method "fp8" (float8 weight + weight_scale_inv or weight_scale, block-wise or '
-    "per-tensor) and "
-    '"compressed-tensors" with 8-bit float weights (strategy channel, tensor or block)'
+    "per-tensor), "
+    '"compressed-tensors" with 8-bit float weights (strategy channel, tensor or block), '
+    'and GPT-OSS\'s "mxfp4" experts'
 )
 CT_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -150,6 +151,8 @@ def checkpoint_fp8(hf_config) -> Fp8Checkpoint | None:
         return Fp8Checkpoint(scales, tuple(block) if block else None)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "mxfp4" and hf_config.model_type == "gpt_oss":
+        return None  # its experts, which gpt_oss.py dequantizes as it loads them
     raise ValueError(
         f"unsupported quantization scheme quant_method={method!r}; supported: {SUPPORTED}"
     )
@@ -260,3 +263,21 @@ def set_kv_scales(model: nn.Module, kv_scales: dict[int, dict[str, float]]) -> N
         scales = kv_scales.get(i, {})
         layer.k_scale = scales.get("k", 1.0)
         layer.v_scale = scales.get("v", 1.0)
+
+
+# The 16 values of an e2m1 (FP4) nibble, by its bits: sign, two exponent bits, one mantissa.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor,  # [..., groups, 16] uint8: 32 e2m1 values a group, low nibble first
+    scales: torch.Tensor,  # [..., groups] uint8: each group's power of two, biased by 127
+) -> torch.Tensor:  # [..., groups * 32] fp32, exactly the values encoded
+    """The OCP microscaling FP4 format as GPT-OSS's checkpoints store it (transformers'
+    `convert_moe_packed_tensors`, without its transpose)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    blocks = blocks.to(torch.uint8)
+    values = torch.stack([lut[(blocks & 0x0F).int()], lut[(blocks >> 4).int()]], dim=-1)
+    values = values.flatten(-2)  # [..., groups, 32]
+    values = values * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2)

@@ -24,7 +24,9 @@ from tests.conftest import PROMPTS, hf_greedy
 SCALES = [(1.0, 1.0), (0.5, 0.37)]
 # The attention tests also soft-cap with the scales that matter: the cap must be taken in
 # the scores' own units, with k_scale already in them.
-ATTENTION_CASES = [(1.0, 1.0, 0.0), (0.5, 0.37, 1.5)]
+# (k_scale, v_scale, softcap, sinks): scales off 1 with a soft-cap and sinks, which are
+# in the scores' units, not the cache's.
+ATTENTION_CASES = [(1.0, 1.0, 0.0, False), (0.5, 0.37, 1.5, True)]
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -66,12 +68,13 @@ def test_fp8_store_matches_reference(
     torch.testing.assert_close(back, expected, rtol=1 / 16, atol=2**-9 * k_scale)
 
 
-@pytest.mark.parametrize(("k_scale", "v_scale", "softcap"), ATTENTION_CASES)
+@pytest.mark.parametrize(("k_scale", "v_scale", "softcap", "sinks"), ATTENTION_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_decode_stores_and_attends_like_reference(
     k_scale: float,
     v_scale: float,
     softcap: float,
+    sinks: bool,
     num_splits: int,
     rng: torch.Generator,
     device: torch.device,
@@ -94,6 +97,7 @@ def test_fp8_decode_stores_and_attends_like_reference(
     scale = head_dim**-0.5
     kwargs = dict(new_k=new_k, new_v=new_v, slot_mapping=slots, k_scale=k_scale, v_scale=v_scale)
     kwargs["softcap"] = softcap
+    kwargs["sinks"] = torch.randn(num_heads, generator=rng).to(device) if sinks else None
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = paged_attention_decode_ref(query, ref_k, ref_v, block_table, lens, scale, **kwargs)
     result = paged_attention_decode(
@@ -112,11 +116,12 @@ def test_fp8_decode_stores_and_attends_like_reference(
     assert torch.equal(_bytes(v_cache), _bytes(ref_v))
 
 
-@pytest.mark.parametrize(("k_scale", "v_scale", "softcap"), ATTENTION_CASES)
+@pytest.mark.parametrize(("k_scale", "v_scale", "softcap", "sinks"), ATTENTION_CASES)
 def test_fp8_prefill_matches_reference(
     k_scale: float,
     v_scale: float,
     softcap: float,
+    sinks: bool,
     rng: torch.Generator,
     device: torch.device,
     paged_kv,
@@ -132,6 +137,7 @@ def test_fp8_prefill_matches_reference(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query, k_cache, v_cache, block_table, qsl.to(device), lens, head_dim**-0.5)
     scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+    scales["sinks"] = torch.randn(num_heads, generator=rng).to(device) if sinks else None
     result = paged_prefill_attention(*args, max(query_lens), **scales)
     expected = paged_prefill_attention_ref(*args, max(query_lens), **scales)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kernels.fused_moe import (
+    ClampedSwiGLU,
+    ExpertBiases,
     MoeConfig,
     align_by_expert,
     fused_moe,
@@ -69,6 +71,40 @@ def test_fused_moe_matches_reference_on_uneven_loads(
     expected = fused_moe_ref(*args)
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_fused_moe_biases_and_clamped_swiglu_match_reference(
+    num_tokens: int, rng: torch.Generator, device
+) -> None:
+    # GPT-OSS's experts: biases on both projections, and a clamp (1.0) that the gate and
+    # up values (std ~1.5) cross on both sides.
+    num_experts, hidden, inter, top_k = 6, 48, 40, 2
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    b13 = torch.randn(num_experts, 2 * inter, generator=rng)
+    b2 = torch.randn(num_experts, hidden, generator=rng)
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    biases = ExpertBiases(b13.to(device), b2.to(device))
+    clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
+    result = fused_moe(*args, biases, clamped, config=MoeConfig(block_m=16, block_n=32))
+    expected = fused_moe_ref(*args, biases, clamped)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    for other in (fused_moe_ref(*args, biases), fused_moe_ref(*args, None, clamped)):
+        assert not torch.allclose(other, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_clamped_swiglu_clamps_gate_above_and_up_both_ways() -> None:
+    act = ClampedSwiGLU(alpha=2.0, limit=1.0)
+    gate = torch.tensor([5.0, -5.0, 0.5])
+    up = torch.tensor([-3.0, 3.0, 0.25])
+    expected = torch.tensor(
+        [0.0, 2.0 * -5.0 * torch.sigmoid(torch.tensor(-10.0)), 1.25 * 0.5 * torch.sigmoid(torch.tensor(1.0))]
+    )
+    torch.testing.assert_close(act(gate, up), expected)
 
 
 def test_fused_moe_fp16_close_to_fp32(rng: torch.Generator, device: torch.device) -> None:

@@ -12,6 +12,7 @@ from kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_for,
     paged_attention_decode_ref,
+    softmax_with_sinks,
 )
 from kernels.rotary import QKNorm, Rope, rotary
 from tests.kernels.test_rotary import cos_sin_cache
@@ -251,6 +252,35 @@ def test_decode_soft_cap_matches_reference(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     uncapped = paged_attention_decode_ref(*args)
     assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_splits"), [(4, 4, 1), (8, 2, 3)])
+def test_decode_sinks_match_reference(
+    num_heads: int, num_kv_heads: int, num_splits: int, rng: torch.Generator, device, paged_kv
+) -> None:
+    # GPT-OSS's sinks, around the scores' size so they take a visible share; split 0 of
+    # the split launch counts them, and a context of 0 stays zeros.
+    head_dim, block_size = 32, 16
+    context_lens = [0, 1, 3 * block_size + 5, 90]
+    k_cache, v_cache, block_table = paged_kv(context_lens, num_kv_heads, head_dim, block_size)
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=rng).to(device)
+    sinks = torch.randn(num_heads, generator=rng).to(device) * 2
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, lens, 0.5)
+    config = DecodeConfig(num_splits=num_splits, block_n=32)
+    result = paged_attention_decode(*args, config=config, sinks=sinks)
+    expected = paged_attention_decode_ref(*args, sinks=sinks)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(paged_attention_decode_ref(*args), expected, rtol=1e-2, atol=1e-2)
+    assert expected[0].abs().max() == 0
+
+
+def test_sinks_take_their_share_of_the_softmax() -> None:
+    scores = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    sinks = torch.tensor([0.0, float("-inf")])
+    probs = softmax_with_sinks(scores, sinks)
+    torch.testing.assert_close(probs[0], torch.tensor([1 / 3, 1 / 3]))  # e^0 / (3 e^0)
+    torch.testing.assert_close(probs[1], scores[1].softmax(-1))  # a -inf sink: none
 
 
 # (num_heads, num_kv_heads, head_dim, num_splits, dtype, q/k norm): MHA and GQA, a head

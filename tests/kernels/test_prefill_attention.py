@@ -101,6 +101,28 @@ def test_prefill_soft_cap_matches_reference(
     assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("window", [0, 24])
+def test_prefill_sinks_match_reference(
+    window: int, rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    # GPT-OSS has sinks on its sliding and its full layers.
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    chunks = [(70, 70), (20, 57), (1, 40)]
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
+    sinks = torch.randn(num_heads, generator=rng).to(device) * 2
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.5, max(query_lens))
+    result = paged_prefill_attention(*args, sliding_window=window, sinks=sinks)
+    expected = paged_prefill_attention_ref(*args, sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    plain = paged_prefill_attention_ref(*args, sliding_window=window)
+    assert not torch.allclose(plain, expected, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize(("window", "block_size"), [(8, 16), (24, 16), (70, 32)])
 def test_prefill_sliding_window_matches_reference(
     window: int, block_size: int, rng: torch.Generator, device: torch.device, paged_kv
