@@ -23,7 +23,9 @@ from engine.models.parallel import TensorSlice, WeightSlice, check_shape
 from engine.models.quantization import dequantize_mxfp4
 from kernels.fused_moe import ClampedSwiGLU
 
-EXPERTS = re.compile(r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?")
+EXPERTS = re.compile(
+    r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?"
+)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -67,7 +69,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
 
 PAIR = ("_blocks", "_scales")
-OURS = {"gate_up_proj": "w13", "gate_up_proj_bias": "b13", "down_proj": "w2", "down_proj_bias": "b2"}
+OURS = {
+    "gate_up_proj": "w13",
+    "gate_up_proj_bias": "b13",
+    "down_proj": "w2",
+    "down_proj_bias": "b2",
+}
 
 
 class MxFp4:

@@ -235,10 +235,12 @@ def _finish(model: nn.Module, device: torch.device, quantization: str | None) ->
 
 @torch.no_grad()
 def _fill_random(model: nn.Module) -> None:
-    """Norm weights 1, matrices small normals: finite activations and near-uniform routing."""
+    """Norm weights 1, matrices, biases and sinks small normals: finite activations and
+    near-uniform routing (biases of 1 would add one vector to every token's residual
+    stream, layer after layer, until every token picked the same experts)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for param in model.parameters():
-        if param.dim() == 1:
+    for name, param in model.named_parameters():
+        if param.dim() == 1 and not name.endswith(("bias", "sinks")):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)

@@ -266,7 +266,24 @@ def set_kv_scales(model: nn.Module, kv_scales: dict[int, dict[str, float]]) -> N
 
 
 # The 16 values of an e2m1 (FP4) nibble, by its bits: sign, two exponent bits, one mantissa.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
 def dequantize_mxfp4(

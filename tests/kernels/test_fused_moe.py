@@ -102,7 +102,11 @@ def test_clamped_swiglu_clamps_gate_above_and_up_both_ways() -> None:
     gate = torch.tensor([5.0, -5.0, 0.5])
     up = torch.tensor([-3.0, 3.0, 0.25])
     expected = torch.tensor(
-        [0.0, 2.0 * -5.0 * torch.sigmoid(torch.tensor(-10.0)), 1.25 * 0.5 * torch.sigmoid(torch.tensor(1.0))]
+        [
+            0.0,
+            2.0 * -5.0 * torch.sigmoid(torch.tensor(-10.0)),
+            1.25 * 0.5 * torch.sigmoid(torch.tensor(1.0)),
+        ]
     )
     torch.testing.assert_close(act(gate, up), expected)
 
