@@ -21,6 +21,8 @@ def detokenize(req: Request) -> str | None:
     still running (a finished request's reason is corrected in place: a token-level
     stop came first, but the text stops earlier)."""
     new_ids = req.output_ids_from(req.num_detokenized_tokens)
+    if req.hide_last_token:  # a stop token's text is not the answer's (as in vLLM)
+        new_ids = new_ids[:-1]
     if not new_ids:
         return None
     req.num_detokenized_tokens += len(new_ids)
@@ -86,6 +88,7 @@ def build_output(req: Request) -> RequestOutput | None:
         req.num_cached_tokens,
         req.metrics if emitted == 0 or finished else None,
         req.prompt_logprobs if emitted == 0 else None,
+        req.hide_last_token and bool(new_ids),
     )
 
 

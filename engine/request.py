@@ -61,6 +61,8 @@ class RequestOutput:
     # On a choice's first output, when asked for (params.prompt_logprobs): one entry per
     # prompt token, the first None. Last, with a default: outputs are built positionally.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Its last id is the stop token that ended it, whose text the answer leaves out.
+    hide_last_token: bool = False
 
 
 @dataclass
@@ -154,6 +156,8 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Ended by a stop token (EOS or stop_token_ids) whose text the answer leaves out.
+        self.hide_last_token = False
         self.metrics = RequestMetrics(arrival_time or time.time())
         # Choice i > 0 waits until choice 0 has prefilled the prompt, so it
         # finds the prompt's full blocks in the prefix cache.

@@ -157,8 +157,10 @@ class StepReader:
         past_min = req.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token_id in self.eos_set:
             self.finish(req, "stop")
+            req.hide_last_token = not params.include_stop_str_in_output
         elif past_min and token_id in params.stop_token_ids:
             self.finish(req, "stop", token_id)
+            req.hide_last_token = not params.include_stop_str_in_output
         elif req.num_tokens >= req.max_num_tokens:
             self.finish(req, "length")
 

@@ -125,10 +125,12 @@ class RequestStream:
             if out.metrics is not None and key not in self._first_metrics:
                 self._first_metrics[key] = out.metrics
             decoder = self._decoders[key]
+            ids = out.new_token_ids
+            shown = ids[:-1] if out.hide_last_token else ids  # a stop token has no text
             if self._has_stop_strings:
-                out = self._match_stop(decoder, out)
+                out = self._match_stop(decoder, out, shown)
             else:
-                decoder.update(out.new_token_ids)
+                decoder.update(shown)
             out.new_text = decoder.get_delta(out.finished)
             if out.finished:  # all n over, one by a stop string: the engine may still run it
                 rid = out.request_id
@@ -138,12 +140,15 @@ class RequestStream:
             kept.append(out)
         return kept
 
-    def _match_stop(self, decoder: IncrementalDetokenizer, out: RequestOutput) -> RequestOutput:
-        """Decode token by token: a stop string ends the choice at the token that completes it."""
+    def _match_stop(
+        self, decoder: IncrementalDetokenizer, out: RequestOutput, shown: list[int]
+    ) -> RequestOutput:
+        """Decode token by token (the ids with text, `shown`): a stop string ends the
+        choice at the token that completes it."""
         ids = out.new_token_ids
         stop, cut = None, 0
-        while stop is None and cut < len(ids):
-            stop = decoder.update(ids[cut : cut + 1])
+        while stop is None and cut < len(shown):
+            stop = decoder.update(shown[cut : cut + 1])
             cut += 1
         if stop is None:
             return out

@@ -157,3 +157,27 @@ def served_choices(client, body: dict, stream: bool) -> dict:
                 entry["text"] += c["text"]
                 entry.update(finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])
     return got
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(client, llm, tokenizer, stream):
+    """As vLLM: the id that stops a choice (EOS or stop_token_ids) counts as a token,
+    but its text is not the answer's, special or not, unless include_stop_str_in_output."""
+    base = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    (plain,) = llm.generate(base["prompt"], SamplingParams(**base_params(base)), use_tqdm=False)
+    ids = plain.outputs[0].token_ids
+    stop_id = ids[4]
+    cut = ids.index(stop_id)
+    for include in (False, True):
+        extra = {"stop_token_ids": [stop_id], "include_stop_str_in_output": include}
+        want = tokenizer.decode(ids[: cut + include])
+        got = served_choices(client, base | extra, stream)
+        assert (got[0]["text"], got[0]["stop_reason"]) == (want, stop_id)
+        assert got["usage"] == cut + 1
+        params = SamplingParams(**base_params(base), **extra)
+        (offline,) = llm.generate(base["prompt"], params, use_tqdm=False)
+        assert offline.outputs[0].text == want
+
+
+def base_params(body: dict) -> dict:
+    return {"max_tokens": body["max_tokens"], "ignore_eos": True, "temperature": 0.0}
