@@ -129,6 +129,8 @@ class Prompts:
                 param="continue_final_message",
             )
         extra = options.chat_template_kwargs or {}
+        if options.reasoning_effort is not None:
+            extra = {"reasoning_effort": options.reasoning_effort, **extra}
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
         if reserved:
             raise APIError(

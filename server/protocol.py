@@ -186,6 +186,8 @@ class ChatTemplateOptions(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is left open
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    # OpenAI's field, the template variable `reasoning_effort` (GPT-OSS's template reads it)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class FunctionDefinition(_Request):

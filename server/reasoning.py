@@ -7,17 +7,33 @@ until </think>, then `content` ones). The two parsers differ on an answer with n
 </think>: R1's templates open <think> in the prompt, so everything before </think> is
 reasoning, and an answer that never closes it is all reasoning; Qwen3 reasons only when
 the answer opens <think> itself (no thinking, `enable_thinking: false`, is plain content).
+GPT-OSS writes OpenAI's harmony messages instead: `openai_gptoss` (server/harmony.py).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from server import harmony
 from server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+# The parsers whose markers are special tokens: their answers are decoded with them.
+KEEPS_SPECIAL_TOKENS = ("openai_gptoss",)
+
+
+def default_parser(model_dir: str) -> str | None:
+    """The parser a model's chat answers need whatever the flags say: GPT-OSS always
+    writes harmony messages (vLLM parses them for it too)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return "openai_gptoss" if config.get("model_type") == "gpt_oss" else None
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,8 @@ class Split:
 def split(parser: str, text: str, final: bool = True) -> Split:
     """An answer's reasoning and content. Not final: a tag the text may still be
     completing is held back from both."""
+    if parser == "openai_gptoss":
+        return Split(*harmony.split(text, final))
     opened = text.startswith(START)
     body = text[len(START) :] if opened else text
     if not opened and not final and START.startswith(text):

@@ -32,6 +32,7 @@ from server.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from server.reasoning import default_parser
 from server.request_stream import RequestStream, coalesce
 
 logger = logging.getLogger("pagoda.server")
@@ -73,7 +74,7 @@ class Serving:
         assert info is not None, "the engine has not started"
         # Finds calls in the output for tool_choice "auto" (None: auto is refused).
         self.tool_call_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
-        self.reasoning_parser = config.reasoning_parser
+        self.reasoning_parser = config.reasoning_parser or default_parser(info.model_dir)
         self.async_engine = async_engine
         self.model_name = config.served_model_name or info.model_name
         self.max_model_len = info.max_model_len

@@ -23,7 +23,7 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
 )
-from server.reasoning import ReasoningStream, split
+from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
 from server.request_stream import RequestStream
 from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
@@ -50,6 +50,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     params = s.sampling_params(
         req, max_tokens, logprobs, req.prompt_logprobs, grammar_of(req, tools.grammar)
     )
+    if s.reasoning_parser in KEEPS_SPECIAL_TOKENS or s.tool_call_parser == "openai":
+        params.skip_special_tokens = False  # the parsers read the harmony markers
     truncate = s.truncation(req)
     prompts = s.prompts
 

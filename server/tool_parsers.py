@@ -15,12 +15,14 @@ cut out of the call object, never re-serialized.
     required     [{"name": ..., "parameters": {...}}, ...]: tool_choice "required",
                  written under a grammar (server/tools.py)
     named        the arguments object of one known function (a named tool_choice)
+    openai       GPT-OSS's harmony messages to functions.NAME (server/harmony.py)
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _WS = re.compile(r"[ \t\r\n]*")
@@ -110,7 +112,17 @@ class NamedParser(ToolParser):
         return Extracted("", [DraftCall(self.name, text.lstrip())])
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+def _harmony() -> ToolParser:
+    from server.harmony import HarmonyToolParser  # harmony.py builds on this module
+
+    return HarmonyToolParser()
+
+
+PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
+}
 
 
 # ---------------------------------------------------------------- a small JSON scanner
