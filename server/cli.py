@@ -193,13 +193,14 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=list(PARSERS),
         help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
-        "<tool_call> JSON) or llama3_json (Llama 3.1+)",
+        "<tool_call> JSON), llama3_json (Llama 3.1+) or openai (GPT-OSS's harmony)",
     )
     s(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
         help="split a reasoning model's <think> ... </think> from its chat answers into "
-        "reasoning_content: deepseek_r1 (R1 and its distills) or qwen3",
+        "reasoning_content: deepseek_r1 (R1 and its distills) or qwen3; openai_gptoss "
+        "(GPT-OSS's harmony channels) is the default on a GPT-OSS model",
     )
     s("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     s(
