@@ -24,6 +24,7 @@ from engine.checks import check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
+from engine.generation_config import load_generation_config
 from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager
 from engine.model_runner import ModelRunner
@@ -81,6 +82,7 @@ class Engine:
             self.vocab_size = hf_config.vocab_size
             eos = getattr(hf_config, "eos_token_id", None)
             eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
+            eos += load_generation_config(model_dir).eos_token_ids
             self.eos_token_ids = sorted({i for i in eos if i is not None})
             self.eos_set = frozenset(self.eos_token_ids)
 

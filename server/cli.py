@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.heap import pause_collection
-from server.config import ServerConfig
+from server.config import GENERATION_CONFIG_CHOICES, ServerConfig
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
@@ -194,6 +194,13 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         choices=list(PARSERS),
         help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
         "<tool_call> JSON), llama3_json (Llama 3.1+) or openai (GPT-OSS's harmony)",
+    )
+    s(
+        "--generation-config",
+        choices=list(GENERATION_CONFIG_CHOICES),
+        help="auto: requests that leave temperature, top_p, top_k, min_p or "
+        "repetition_penalty out get the model's generation_config.json values (vLLM's "
+        "default); vllm: OpenAI's defaults",
     )
     s(
         "--reasoning-parser",

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
+# auto: the model's generation_config.json sets the sampling defaults; vllm: it does not.
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")
+
 
 @dataclass
 class ServerConfig:
@@ -32,6 +35,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py
     reasoning_parser: str | None = None  # server/reasoning.py
+    generation_config: str = "auto"  # engine/generation_config.py
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:
@@ -48,6 +52,11 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
+            )
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, "
+                f"got {self.generation_config!r}"
             )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
+from engine.generation_config import load_generation_config
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
@@ -75,6 +76,16 @@ class Serving:
         # Finds calls in the output for tool_choice "auto" (None: auto is refused).
         self.tool_call_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.reasoning_parser = config.reasoning_parser or default_parser(info.model_dir)
+        # What a request's null sampling fields become (OpenAI's defaults where empty).
+        self.sampling_defaults: dict[str, float] = {}
+        if config.generation_config == "auto":
+            self.sampling_defaults = load_generation_config(info.model_dir).sampling
+        if self.sampling_defaults:
+            logger.info(
+                "sampling defaults from the model's generation_config.json: %s "
+                "(--generation-config vllm for OpenAI's)",
+                ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()),
+            )
         self.async_engine = async_engine
         self.model_name = config.served_model_name or info.model_name
         self.max_model_len = info.max_model_len
@@ -133,7 +144,7 @@ class Serving:
             raise APIError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
-        optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING}  # null: OpenAI's default
+        optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING}  # null: the default
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -149,7 +160,7 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 grammar=grammar,
-                **{k: v for k, v in optional.items() if v is not None},
+                **self.sampling_defaults | {k: v for k, v in optional.items() if v is not None},
             )
             params.check_vocab(self.vocab_size)
         except ValueError as exc:
