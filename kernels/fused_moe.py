@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.moe_gemv import MAX_PAIRS, pair_gemv
 from kernels.paged_attention import dot_precision
 
 
@@ -271,17 +272,25 @@ def fused_moe(
     clamped: ClampedSwiGLU | None = None,
     config: MoeConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Triton version of `fused_moe_ref`: align by expert, then two grouped GEMMs."""
+    """Triton version of `fused_moe_ref`: up to MAX_PAIRS (token, expert) pairs, a
+    GEMV per pair (kernels/moe_gemv.py); more, align by expert, then two grouped GEMMs."""
     assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, inter = w2.shape
     num_pairs = num_tokens * top_k
+    weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
+    b13, b2 = (None, None) if biases is None else (biases.b13, biases.b2)
+    if config is None and num_pairs <= MAX_PAIRS:  # decode: a GEMV per pair, no sort
+        ids = topk_ids.contiguous().view(-1)
+        h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+        pair_gemv(x, w13, b13, h, ids, weights, top_k, True, clamped)
+        y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+        pair_gemv(h, w2, b2, y, ids, weights, 1, False, None)
+        return y.view(num_tokens, top_k, hidden).sum(dim=1)
     if config is None:
         config = moe_config(num_pairs, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
-    weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    b13, b2 = (None, None) if biases is None else (biases.b13, biases.b2)
     _grouped_gemm(x, w13, b13, h, weights, aligned, top_k, True, clamped, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, b2, y, weights, aligned, 1, False, None, config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from kernels.fused_moe import (
     fused_moe_ref,
     select_experts,
 )
+from kernels.moe_gemv import MAX_PAIRS
 
 
 def uneven_topk_ids(num_tokens: int, top_k: int, num_experts: int, rng) -> torch.Tensor:
@@ -95,6 +98,32 @@ def test_fused_moe_biases_and_clamped_swiglu_match_reference(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     for other in (fused_moe_ref(*args, biases), fused_moe_ref(*args, None, clamped)):
         assert not torch.allclose(other, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "num_splits"), [(1, 4, 1), (1, 4, 3), (2, 4, 2)])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_decode_pairs_match_reference(
+    num_tokens: int, top_k: int, num_splits: int, gpt_oss: bool, rng: torch.Generator, device
+) -> None:
+    # Up to MAX_PAIRS pairs: each its own GEMV over K splits; the two tokens of the last
+    # case share an expert (1) and their other experts may coincide.
+    num_experts, hidden, inter = 6, 300, 72  # K of several 128-wide tiles, N off 64
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    biases, clamped = None, None
+    if gpt_oss:
+        b13, b2 = torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)
+        biases = ExpertBiases(b13.to(device), b2.to(device))
+        clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
+    expected = fused_moe_ref(*args, biases, clamped)
+    with patch("kernels.moe_gemv._num_splits", lambda *_: num_splits):
+        result = fused_moe(*args, biases, clamped)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert num_tokens * top_k <= MAX_PAIRS
 
 
 def test_clamped_swiglu_clamps_gate_above_and_up_both_ways() -> None:
