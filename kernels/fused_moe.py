@@ -284,9 +284,9 @@ def fused_moe(
         ids = topk_ids.contiguous().view(-1)
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         pair_gemv(x, w13, b13, h, ids, weights, top_k, True, clamped)
-        y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-        pair_gemv(h, w2, b2, y, ids, weights, 1, False, None)
-        return y.view(num_tokens, top_k, hidden).sum(dim=1)
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        pair_gemv(h, w2, b2, out, ids, weights, 1, False, None, top_k=top_k)
+        return out
     if config is None:
         config = moe_config(num_pairs, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)

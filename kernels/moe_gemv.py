@@ -7,7 +7,8 @@ expert); here each program takes one pair's row, one tile of output columns and 
 share of K, reads the pair's expert id itself, and the programs that finish a (pair,
 column tile) last sum its K splits in split order, as kernels/linear.py's split-K does
 (deterministic, no memset: every launch leaves the counters at zero). Two launches: the
-gated gate/up product with its activation, then down with the routing weight.
+gated gate/up product with its activation, one program row per pair; then down, one
+row per token, summing its pairs' products weighted by their routing weights.
 """
 
 from __future__ import annotations
@@ -59,58 +60,66 @@ def _pair_gemv_kernel(
     alpha,
     limit,
     A_ROW_DIV: tl.constexpr,
-    GATED: tl.constexpr,
+    TOP_K: tl.constexpr,  # pairs a program sums, weighted (down: a token's); else 1
+    GATED: tl.constexpr,  # (TOP_K 1)
     CLAMPED: tl.constexpr,
     BIAS: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    WEIGHTED: tl.constexpr,  # scale each pair by its routing weight
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (pair, BLOCK_N output columns, K split). The pair's row is the dot's
-    # first of 16 (tl.dot's least); the other rows are zeros.
-    pair = tl.program_id(0)
+    # One program per (output row, BLOCK_N output columns, K split): a row is a pair
+    # (gate/up), or a token whose TOP_K pairs it sums (down). A pair's input row is the
+    # dot's first of 16 (tl.dot's least); the other rows are zeros.
+    row = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     rows = tl.arange(0, 16)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    w_base = w_ptr + expert * stride_we
     k_per_split = tl.cdiv(K, NUM_SPLITS * BLOCK_K) * BLOCK_K
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([16, BLOCK_N], tl.float32)
     acc_up = tl.zeros([16, BLOCK_N], tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_end
-        a = tl.load(
-            a_row + rows[:, None] * 0 + ks[None, :],
-            mask=(rows[:, None] == 0) & k_mask[None, :],
-            other=0.0,
-        )
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
-        if GATED:
-            w_up = tl.load(
-                w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
+    for j in tl.static_range(TOP_K):
+        pair = row * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+        w_base = w_ptr + expert * stride_we
+        acc_j = tl.zeros([16, BLOCK_N], tl.float32)
+        for k in range(k_start, k_end, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_mask = ks < k_end
+            a = tl.load(
+                a_row + rows[:, None] * 0 + ks[None, :],
+                mask=(rows[:, None] == 0) & k_mask[None, :],
+                other=0.0,
             )
-            acc_up = tl.dot(a.to(w.dtype), w_up, acc_up, input_precision=DOT_PRECISION)
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            w_offs = cols[None, :] * stride_wn + ks[:, None]
+            w = tl.load(w_base + w_offs, mask=w_mask, other=0.0)
+            acc_j = tl.dot(a.to(w.dtype), w, acc_j, input_precision=DOT_PRECISION)
+            if GATED:
+                w_up = tl.load(w_base + N * stride_wn + w_offs, mask=w_mask, other=0.0)
+                acc_up = tl.dot(a.to(w.dtype), w_up, acc_up, input_precision=DOT_PRECISION)
+        if WEIGHTED:
+            acc += acc_j * tl.load(topk_weights_ptr + pair)
+        else:
+            acc += acc_j
     first = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), 0)  # [BLOCK_N]: the pair's row
     first_up = tl.sum(tl.where(rows[:, None] == 0, acc_up, 0.0), 0)
     if NUM_SPLITS > 1:
-        part = partials_ptr + split * stride_ps + pair * stride_pp
+        part = partials_ptr + split * stride_ps + row * stride_pp
         tl.store(part + cols, first, mask=col_mask)
         if GATED:
             tl.store(part + N + cols, first_up, mask=col_mask)
         # As in kernels/linear.py: the barrier orders every thread's partial stores before
         # the release of the atomic; the last arrival acquires them through it.
         tl.debug_barrier()
-        slot = counters_ptr + pair * tl.num_programs(1) + pid_n
+        slot = counters_ptr + row * tl.num_programs(1) + pid_n
         arrived = tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu")
         if arrived != NUM_SPLITS - 1:
             return
@@ -118,16 +127,21 @@ def _pair_gemv_kernel(
         first = tl.zeros([BLOCK_N], tl.float32)
         first_up = tl.zeros([BLOCK_N], tl.float32)
         for s in tl.static_range(NUM_SPLITS):  # in split order: deterministic
-            part = partials_ptr + s * stride_ps + pair * stride_pp
+            part = partials_ptr + s * stride_ps + row * stride_pp
             first += tl.load(part + cols, mask=col_mask, other=0.0)
             if GATED:
                 first_up += tl.load(part + N + cols, mask=col_mask, other=0.0)
         tl.store(slot, 0)
     if BIAS:
-        bias_row = bias_ptr + expert * stride_be
-        first += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if GATED:
-            first_up += tl.load(bias_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = row * TOP_K + j
+            bias_row = bias_ptr + tl.load(ids_ptr + pair).to(tl.int64) * stride_be
+            bias = tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                bias = bias * tl.load(topk_weights_ptr + pair)
+            first += bias
+            if GATED:
+                first_up += tl.load(bias_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
         if CLAMPED:
             gate = tl.minimum(first, limit)
@@ -135,9 +149,7 @@ def _pair_gemv_kernel(
             first = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
         else:
             first = first * tl.sigmoid(first) * first_up
-    if MUL_WEIGHT:
-        first = first * tl.load(topk_weights_ptr + pair)
-    out = out_ptr + pair.to(tl.int64) * stride_om + cols
+    out = out_ptr + row.to(tl.int64) * stride_om + cols
     tl.store(out, first.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -163,19 +175,20 @@ def pair_gemv(
     a_row_div: int,
     gated: bool,
     clamped: ClampedSwiGLU | None,
+    top_k: int = 1,  # > 1: each output row sums its top_k pairs, weighted (down)
     block_n: int = 32,
     block_k: int = 128,
     num_splits: int | None = None,  # None: _num_splits's
     num_warps: int = 4,
 ) -> None:
-    num_pairs, n = out.shape
+    num_rows, n = out.shape
     k = a.shape[1]
     n_tiles = triton.cdiv(n, block_n)
-    assert num_pairs * n_tiles <= MAX_COUNTERS
-    splits = num_splits or _num_splits(num_pairs, n_tiles, k, block_k, a.device)
+    assert num_rows * n_tiles <= MAX_COUNTERS and not (gated and top_k > 1)
+    splits = num_splits or _num_splits(num_rows, n_tiles, k, block_k, a.device)
     width = 2 * n if gated else n
-    partials = torch.empty(splits, num_pairs, width, dtype=torch.float32, device=a.device)
-    _pair_gemv_kernel[(num_pairs, n_tiles, splits)](
+    partials = torch.empty(splits, num_rows, width, dtype=torch.float32, device=a.device)
+    _pair_gemv_kernel[(num_rows, n_tiles, splits)](
         a,
         w,
         w if bias is None else bias,
@@ -196,10 +209,11 @@ def pair_gemv(
         1.0 if clamped is None else clamped.alpha,
         0.0 if clamped is None else clamped.limit,
         A_ROW_DIV=a_row_div,
+        TOP_K=top_k,
         GATED=gated,
         CLAMPED=clamped is not None,
         BIAS=bias is not None,
-        MUL_WEIGHT=not gated,
+        WEIGHTED=not gated,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         NUM_SPLITS=splits,

@@ -18,7 +18,8 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, split, vocab_rows
 from engine.models.weight_copy import fill
 from kernels.fp8 import Fp8Rows
-from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for, select_experts
+from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for
+from kernels.moe_routing import select_experts_for
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
 from kernels.norms import add_norm_for
@@ -424,7 +425,8 @@ class FusedMoE(nn.Module):
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        route = select_experts_for(x.device)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
         moe = fused_moe_for(x.device)
         return self.tp.all_reduce(moe(x, self.w13, self.w2, weights, ids, biases, self.clamped))

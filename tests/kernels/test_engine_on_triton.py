@@ -58,8 +58,10 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     rows, a table of cos 1 / sin 0 for the rest) in the rotary and decode kernels, and
     GPT-OSS's sinks in both attention kernels and its biased, clamped experts."""
     from kernels.fused_moe import fused_moe
+    from kernels.moe_routing import topk_softmax
 
     monkeypatch.setattr(layers, "fused_moe_for", lambda device: fused_moe)
+    monkeypatch.setattr(layers, "select_experts_for", lambda device: topk_softmax)
     use_fused_elementwise(monkeypatch)
     model_dir = tiny_family_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
