@@ -41,13 +41,15 @@ def _topk_softmax_kernel(
     picks = tl.arange(0, TOP_K_P2)
     chosen = tl.zeros([TOP_K_P2], tl.float32)
     chosen_ids = tl.zeros([TOP_K_P2], tl.int64)
-    left = tl.where(mask, probs, -1.0)  # padding below any probability
+    # NaN rows (a CUDA graph's padding rows hold garbage) rank as -1, padding experts
+    # below that: every pick is a real expert.
+    left = tl.where(mask, tl.where(probs == probs, probs, -1.0), -3.0)
     for k in tl.static_range(TOP_K):
         best = tl.max(left, 0)
         best_id = tl.min(tl.where(left == best, experts, BLOCK_E), 0)  # lowest on a tie
         chosen = tl.where(picks == k, best, chosen)
         chosen_ids = tl.where(picks == k, best_id.to(tl.int64), chosen_ids)
-        left = tl.where(experts == best_id, -2.0, left)
+        left = tl.where(experts == best_id, -4.0, left)
     if RENORMALIZE:
         chosen = chosen / tl.sum(chosen, 0)
     tl.store(weights_ptr + token * TOP_K + picks, chosen, mask=picks < TOP_K)

@@ -32,3 +32,14 @@ def test_a_tie_goes_to_the_lower_expert(device):
 
 def test_routing_for_picks_reference_off_cuda():
     assert select_experts_for(torch.device("cpu")) is select_experts
+
+
+def test_rows_of_nan_or_inf_still_pick_real_experts(device):
+    # A CUDA graph's padding rows hold whatever the buffers held: their picks are
+    # discarded, but an expert id past the last would break the MoE launch after.
+    logits = torch.tensor(
+        [[float("nan")] * 6, [float("inf")] * 6, [float("-inf")] * 6], device=device
+    )
+    _, ids = topk_softmax(logits, 4, renormalize=True)
+    assert ids.min() >= 0 and ids.max() < 6
+    assert all(len(set(row)) == 4 for row in ids.tolist())
