@@ -42,6 +42,17 @@ def act_and_mul_ref(
 
 
 @triton.jit
+def moe_gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+    # The MoE kernels' gated activation on fp32 tiles: silu(gate) * up, or GPT-OSS's
+    # clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU).
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr,
     out_ptr,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import moe_gated
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
 from kernels.paged_attention import dot_precision
 
@@ -185,12 +186,7 @@ def _grouped_gemm_kernel(
             up_bias = tl.load(bias_row + N + cols, mask=col_mask, other=0.0)
             acc_up += up_bias.to(tl.float32)[None, :]
     if GATED:
-        if CLAMPED:
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-        else:
-            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+        acc = moe_gated(acc, acc_up, alpha, limit, CLAMPED)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)[:, None]
     out_offs = pair.to(tl.int64)[:, None] * stride_om + cols[None, :]

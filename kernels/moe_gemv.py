@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import moe_gated
 from kernels.paged_attention import dot_precision
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _pair_gemv_kernel(
     limit,
     A_ROW_DIV: tl.constexpr,
     TOP_K: tl.constexpr,  # pairs a program sums, weighted (down: a token's); else 1
-    GATED: tl.constexpr,  # (TOP_K 1)
+    GATED: tl.constexpr,  # w holds gate rows then up rows (only with TOP_K 1)
     CLAMPED: tl.constexpr,
     BIAS: tl.constexpr,
     WEIGHTED: tl.constexpr,  # scale each pair by its routing weight
@@ -143,12 +144,7 @@ def _pair_gemv_kernel(
             if GATED:
                 first_up += tl.load(bias_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
-        if CLAMPED:
-            gate = tl.minimum(first, limit)
-            up = tl.minimum(tl.maximum(first_up, -limit), limit)
-            first = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-        else:
-            first = first * tl.sigmoid(first) * first_up
+        first = moe_gated(first, first_up, alpha, limit, CLAMPED)
     out = out_ptr + row.to(tl.int64) * stride_om + cols
     tl.store(out, first.to(out_ptr.dtype.element_ty), mask=col_mask)
 

@@ -3,7 +3,7 @@ interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the decode attention rotating q and K
-itself, and the greedy-ids kernels (a global constant; with and without a bitmask,
+itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
@@ -67,6 +67,51 @@ def compile_variants() -> None:
     signature = {"part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "out_ptr": "*i64"}
     compile_for_hopper(_row_argmax_kernel, signature | {"num_chunks": "i32"}, {"CHUNKS_P2": 32})
     print("greedy ids")
+    compile_moe()
+    print("moe")
+
+
+def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
+    """A signature for every argument of kernel not in constexprs: pointers (by name,
+    else bf16), fp32 scalars, else i32."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    return signature
+
+
+def compile_moe() -> None:
+    """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
+    gate/up, the per-pair GEMV's gate/up and its down summing a token's four pairs, and
+    the routing kernel."""
+    from kernels.fused_moe import _grouped_gemm_kernel
+    from kernels.moe_gemv import _pair_gemv_kernel
+    from kernels.moe_routing import _topk_softmax_kernel
+
+    pointers = {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
+    pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
+    pointers |= {"counters_ptr": "*i32"}
+    constexprs = {"A_ROW_DIV": 4, "GATED": True, "CLAMPED": True, "BIAS": True}
+    constexprs |= {"MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
+    constexprs |= {"DOT_PRECISION": "tf32"}
+    signature = by_name(_grouped_gemm_kernel, constexprs, pointers, {"alpha", "limit"})
+    assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
+    for gated in (True, False):
+        constexprs = {"A_ROW_DIV": 4 if gated else 1, "TOP_K": 1 if gated else 4}
+        constexprs |= {"GATED": gated, "CLAMPED": gated, "BIAS": True, "WEIGHTED": not gated}
+        constexprs |= {"BLOCK_N": 32, "BLOCK_K": 128, "NUM_SPLITS": 2, "DOT_PRECISION": "tf32"}
+        signature = by_name(_pair_gemv_kernel, constexprs, pointers, {"alpha", "limit"})
+        assert "cubin" in compile_for_hopper(_pair_gemv_kernel, signature, constexprs)
+    constexprs = {"TOP_K": 4, "TOP_K_P2": 4, "RENORMALIZE": True, "BLOCK_E": 32}
+    signature = by_name(
+        _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}
+    )
+    assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
 
 
 def compile_fp8_producers() -> None:
@@ -99,15 +144,9 @@ def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
     constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_P2": 128}
     constexprs |= {"BLOCK_SIZE": 16, "BLOCK_N": 64, "IS_SPLIT": True, "STORE_NEW": True}
     constexprs |= {"KV_FP8": kv_fp8, "ROPE": True, "ROPE_NORM": norm}
+    constexprs |= {"SOFT_CAP": False, "SINKS": kv_fp8}  # GPT-OSS's sinks in one variant
     constexprs |= {"DOT_PRECISION": "tf32", "PDL": True}
-    signature = {}
-    for name in _decode_kernel.arg_names:
-        if name in constexprs:
-            continue
-        if name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
+    signature = by_name(_decode_kernel, constexprs, pointers, floats | {"softcap"})
     assert "cubin" in compile_for_hopper(_decode_kernel, signature, constexprs)
 
 
@@ -118,7 +157,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:7] == [
+    assert done.stdout.split("\n")[:8] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8",
@@ -126,4 +165,5 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "decode rope kv_fp8=False norm=False",
         "decode rope kv_fp8=True norm=True",
         "greedy ids",
+        "moe",
     ]
