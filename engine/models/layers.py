@@ -19,9 +19,9 @@ from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, sp
 from engine.models.weight_copy import fill
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for
-from kernels.moe_routing import select_experts_for
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
+from kernels.moe_routing import select_experts_for
 from kernels.norms import add_norm_for
 from kernels.paged_attention import paged_attention_decode_for
 from kernels.prefill_attention import paged_prefill_attention_for

@@ -27,8 +27,10 @@ def plain_dir(tiny_family_dir) -> str:
 
 @pytest.fixture(scope="module")
 def mxfp4_dirs(plain_dir, tmp_path_factory) -> tuple[str, str]:
-    """The tiny GPT-OSS with random MXFP4 experts, and the same model with those experts
-    dequantized by transformers' own function, saved plain."""
+    """The tiny GPT-OSS with random MXFP4 experts (the scales in a second shard: a
+    tensor's blocks and scales need not share a file, so the loader holds one until
+    the other comes), and the same model with those experts dequantized by
+    transformers' own function, saved plain."""
     packed = shutil.copytree(plain_dir, tmp_path_factory.mktemp("gpt-oss") / "mxfp4")
     dequantized = shutil.copytree(plain_dir, tmp_path_factory.mktemp("gpt-oss") / "plain")
     weights = load_file(packed / "model.safetensors")
@@ -40,7 +42,15 @@ def mxfp4_dirs(plain_dir, tmp_path_factory) -> tuple[str, str]:
         scales = torch.randint(122, 129, (experts, rows, cols // 32), generator=rng)
         weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks.byte(), scales.byte()
         plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    save_file(weights, packed / "model.safetensors", metadata={"format": "pt"})
+    (packed / "model.safetensors").unlink()
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001.safetensors": {}}
+    shards["model-00002.safetensors"] = {}
+    for name, tensor in weights.items():
+        shards[f"model-0000{1 + name.endswith('_scales')}.safetensors"][name] = tensor
+    for shard, tensors in shards.items():
+        save_file(tensors, packed / shard, metadata={"format": "pt"})
+    weight_map = {name: shard for shard, tensors in shards.items() for name in tensors}
+    (packed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     save_file(plain, dequantized / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((packed / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
