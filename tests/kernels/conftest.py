@@ -38,7 +38,9 @@ JIT_MODULES = (
     "kernels.linear",
     "kernels.prefill_attention",
     "kernels.activation",
+    "kernels.moe_gemv",
     "kernels.fused_moe",
+    "kernels.moe_routing",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
