@@ -171,6 +171,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # Qwen2-MoE: qkv bias, 6 experts (not a power of two) top-2 unnormalized, a gated
+    # shared expert; layer 1 dense.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

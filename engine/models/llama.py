@@ -78,8 +78,9 @@ class LlamaAttention(nn.Module):
         heads = head_shard(num_heads, num_kv_heads, head_dim, tp)
         self.q_size = heads.num_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
-        # Qwen2 always has q/k/v biases; Llama only with attention_bias.
-        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        # Qwen2 always has q/k/v biases, Qwen2-MoE with qkv_bias, Llama with attention_bias.
+        bias = config.model_type == "qwen2" or getattr(config, "qkv_bias", False)
+        bias = bias or getattr(config, "attention_bias", False)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
         o_bias = getattr(config, "attention_bias", False)  # as transformers' o_proj
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
@@ -138,15 +139,20 @@ class LlamaMLP(nn.Module):
 
     FP8_FEEDS: ClassVar[dict[str, str]] = {"": "down_proj"}  # quantize_model: see fp8_out
 
-    def __init__(self, config, tp: TensorParallel = SINGLE, act: str = "silu") -> None:
+    def __init__(
+        self,
+        config,
+        tp: TensorParallel = SINGLE,
+        act: str = "silu",
+        intermediate_size: int | None = None,  # None: the config's (a shared expert's own)
+    ) -> None:
         super().__init__()
         self.act = act
         self.fp8_out = False  # the activation quantizes its rows for an FP8 down_proj
-        inter = split(config.intermediate_size, tp, "intermediate_size")
+        size = intermediate_size or config.intermediate_size
+        inter = split(size, tp, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=False)
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=False, tp=tp
-        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         h = self.gate_up_proj(x)

@@ -1,7 +1,9 @@
 """Mixture-of-experts Llama-shaped models: Qwen3-MoE (q/k norm, norm_topk_prob, dense
-layers by mlp_only_layers / decoder_sparse_step) and Mixtral (sliding window, renormalized
-top-k). Attention is llama.py's; each sparse layer's MLP is a FusedMoE whose stacked
-expert weights are filled from HF's per-expert tensors at load."""
+layers by mlp_only_layers / decoder_sparse_step), Qwen2-MoE (the same routing, qkv bias,
+and a shared expert beside the routed ones, scaled by a sigmoid gate) and Mixtral
+(sliding window, renormalized top-k). Attention is llama.py's; each sparse layer's MLP
+is a FusedMoE whose stacked expert weights are filled from HF's per-expert tensors at
+load."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.models.layers import FusedMoE
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import WeightSlice, load_weight
@@ -32,17 +36,35 @@ def num_experts(config) -> int:
     return getattr(config, "num_experts", None) or config.num_local_experts
 
 
+class SharedExpertMoE(FusedMoE):
+    """Qwen2-MoE's sparse block: the routed experts plus a dense shared expert whose output
+    is scaled by sigmoid(shared_expert_gate(x)) (one logit a token)."""
+
+    def __init__(self, config, inter: int, renormalize: bool, tp: TensorParallel) -> None:
+        top_k = config.num_experts_per_tok
+        super().__init__(config.hidden_size, inter, num_experts(config), top_k, renormalize, tp)
+        size = config.shared_expert_intermediate_size
+        self.shared_expert = LlamaMLP(config, tp, intermediate_size=size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
 class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config, layer: int) -> nn.Module:
         if config.model_type == "mixtral":
             sparse, renormalize = True, True
-        else:  # qwen3_moe
+        else:  # qwen3_moe, qwen2_moe
             step = getattr(config, "decoder_sparse_step", 1)
-            sparse = layer not in config.mlp_only_layers and (layer + 1) % step == 0
+            sparse = layer not in (config.mlp_only_layers or []) and (layer + 1) % step == 0
             renormalize = config.norm_topk_prob
         if not sparse:
             return LlamaMLP(config, self.tp)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        if config.model_type == "qwen2_moe":
+            return SharedExpertMoE(config, inter, renormalize, self.tp)
         return FusedMoE(
             config.hidden_size,
             inter,
