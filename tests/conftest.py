@@ -231,6 +231,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "SmolLM3ForCausalLM",
         dict(no_rope_layer_interval=2, pad_token_id=0),
     ),
+    # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # Llama with Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
     "granite": (
         "GraniteConfig",

@@ -23,6 +23,7 @@ from engine.models.granite import GraniteForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.parallel import WeightSlice
 from engine.models.quantization import (
     checkpoint_fp8,
@@ -51,6 +52,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
 }
 
 

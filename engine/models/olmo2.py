@@ -1,0 +1,67 @@
+"""AllenAI's OLMo 2 (Olmo2ForCausalLM): Llama's attention and MLP, with the norms moved.
+Each sublayer's output is RMS-normed before it joins the residual stream (no norm
+before a sublayer), and q and k are RMS-normed over their whole width, every head at
+once, before the rotation. Those norms span the heads a tensor-parallel rank would
+split, so OLMo 2 runs unsharded."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.layers import AttentionMetadata, RMSNorm, RotaryEmbedding, rope_settings
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+
+class Olmo2Attention(LlamaAttention):
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__(config, rotary, 0, tp)
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.q_size, eps)  # over all of q: every head's dims
+        self.k_norm = RMSNorm(self.kv_size, eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        return self.o_proj(self.attn(q, k, v, meta, self.rotary.rope(positions)))
+
+
+class Olmo2DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Olmo2Attention(config, rotary, tp)
+        self.mlp = LlamaMLP(config, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,  # the residual stream itself
+        residual: None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, None]:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, x, meta))[0]
+        return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
+
+
+class Olmo2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        if tp.size > 1:
+            raise ValueError(
+                "OLMo 2 normalizes q and k across every head, which tensor-parallel ranks "
+                "split: run it with --tensor-parallel-size 1"
+            )
+        super().__init__(config, tp)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or head_dim
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        return [
+            Olmo2DecoderLayer(config, self.rotary, self.tp) for _ in range(config.num_hidden_layers)
+        ]
