@@ -233,6 +233,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
+    # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 500000.0,
+                },
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
     # Llama with Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
     "granite": (
         "GraniteConfig",

@@ -53,6 +53,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granite": GraniteForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "olmo3": Olmo2ForCausalLM,
 }
 
 

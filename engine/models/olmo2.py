@@ -1,8 +1,9 @@
-"""AllenAI's OLMo 2 (Olmo2ForCausalLM): Llama's attention and MLP, with the norms moved.
-Each sublayer's output is RMS-normed before it joins the residual stream (no norm
-before a sublayer), and q and k are RMS-normed over their whole width, every head at
-once, before the rotation. Those norms span the heads a tensor-parallel rank would
-split, so OLMo 2 runs unsharded."""
+"""AllenAI's OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): Llama's attention
+and MLP, with the norms moved. Each sublayer's output is RMS-normed before it joins the
+residual stream (no norm before a sublayer), and q and k are RMS-normed over their whole
+width, every head at once, before the rotation. Those norms span the heads a
+tensor-parallel rank would split, so OLMo runs unsharded. OLMo 3 adds sliding-window
+layers (`layer_types`), each kind with its own rope settings."""
 
 from __future__ import annotations
 
@@ -10,13 +11,21 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import AttentionMetadata, RMSNorm, RotaryEmbedding, rope_settings
+from engine.models.layers import (
+    AttentionMetadata,
+    RMSNorm,
+    RotaryEmbedding,
+    layer_sliding_windows,
+    rope_settings,
+)
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class Olmo2Attention(LlamaAttention):
-    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
-        super().__init__(config, rotary, 0, tp)
+    def __init__(
+        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel
+    ) -> None:
+        super().__init__(config, rotary, sliding_window, tp)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.q_size, eps)  # over all of q: every head's dims
         self.k_norm = RMSNorm(self.kv_size, eps)
@@ -30,9 +39,11 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, rotary, tp)
+        self.self_attn = Olmo2Attention(config, rotary, sliding_window, tp)
         self.mlp = LlamaMLP(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -48,7 +59,7 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
+class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         if tp.size > 1:
             raise ValueError(
@@ -60,8 +71,13 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or head_dim
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        local, self.rotary = (
+            RotaryEmbedding(head_dim, config.max_position_embeddings, *rope_settings(config, kind))
+            for kind in ("sliding_attention", "full_attention")
+        )
+        if (local.theta, local.scaling) == (self.rotary.theta, self.rotary.scaling):
+            local = self.rotary  # one table (OLMo 2: the same settings everywhere)
         return [
-            Olmo2DecoderLayer(config, self.rotary, self.tp) for _ in range(config.num_hidden_layers)
+            Olmo2DecoderLayer(config, local if window else self.rotary, window, self.tp)
+            for window in layer_sliding_windows(config)
         ]
