@@ -200,6 +200,11 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     elif message.tool_call_id is not None:
         raise APIError("Only tool messages carry tool_call_id.", param="messages")
+    if message.reasoning_content is not None:
+        if role != "assistant":
+            raise APIError("Only assistant messages carry reasoning_content.", param="messages")
+        # Qwen3's and DeepSeek's templates read reasoning_content, GPT-OSS's `thinking`.
+        out["reasoning_content"] = out["thinking"] = message.reasoning_content
     return out
 
 

@@ -178,6 +178,9 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call
+    # An assistant's reasoning, as --reasoning-parser returned it (clients send answers
+    # back whole in the history)
+    reasoning_content: str | None = None
 
 
 class ChatTemplateOptions(_Request):

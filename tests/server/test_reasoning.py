@@ -92,3 +92,30 @@ def test_live_answer_split_whole_and_streamed(r1_server, model_name):
                     reasoning += choice["delta"].get("reasoning_content") or ""
                     content += choice["delta"].get("content") or ""
         assert (reasoning, content) == (THOUGHT, ANSWER)
+
+
+def test_an_answer_with_its_reasoning_goes_back_into_the_history(r1_server, model_name):
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "What is two and two?"}],
+        "structured_outputs": {"choice": [FORCED]},
+        "max_tokens": 40,
+    }
+    with httpx.Client(base_url=r1_server.base_url, timeout=60) as client:
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["reasoning_content"] == THOUGHT
+        follow_up = [*body["messages"], message, {"role": "user", "content": "And three?"}]
+        again = {"model": model_name, "messages": follow_up, "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=again).status_code == 200
+        misplaced = [{"role": "user", "content": "Hi", "reasoning_content": "no"}]
+        r = client.post("/v1/chat/completions", json=again | {"messages": misplaced})
+        assert r.status_code == 400 and "reasoning_content" in r.json()["error"]["message"]
+
+
+def test_templates_get_the_reasoning_under_both_names():
+    from server.prompts import template_message
+    from server.protocol import ChatMessage
+
+    message = ChatMessage(role="assistant", content="four", reasoning_content="two and two")
+    out = template_message(message)
+    assert (out["reasoning_content"], out["thinking"]) == ("two and two", "two and two")
