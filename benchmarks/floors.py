@@ -43,7 +43,7 @@ def weight_bytes(llm: LLM, batch: int) -> float:
     """The weights a decode step of `batch` sequences reads. Embedding tables are gathered
     by row, so they are left out; of an MoE layer's experts, the share a batch hits under
     uniform top-k routing, 1 - (1 - k/E)^batch."""
-    from engine.models.layers import FusedMoE
+    from engine.models.experts import FusedMoE
 
     total = 0.0
     for module in llm.engine.model.modules():

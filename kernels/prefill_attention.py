@@ -26,16 +26,8 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_store import from_cache
-from kernels.paged_attention import (
-    LOG2E,
-    NO_WINDOW,
-    dot_precision,
-    gather_kv,
-    sink_start,
-    soft_cap,
-    soft_cap_ref,
-    softmax_with_sinks,
-)
+from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
+from kernels.score_mods import sink_start, soft_cap, soft_cap_ref, softmax_with_sinks
 
 
 def paged_prefill_attention_ref(

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from engine.models.layers import FusedMoE
+from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import TensorSlice, WeightSlice, check_shape
 from engine.models.quantization import dequantize_mxfp4

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.layers import FusedMoE
+from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import WeightSlice, load_weight
 

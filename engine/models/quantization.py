@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.layers import FusedMoE, PagedAttention
+from engine.models.experts import FusedMoE
+from engine.models.layers import PagedAttention
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, WeightSlice
 from kernels.fp8 import (
     FP8_DTYPE,

@@ -34,6 +34,7 @@ JIT_MODULES = (
     "kernels.decode_config",
     "kernels.norms",
     "kernels.rotary",
+    "kernels.score_mods",
     "kernels.paged_attention",
     "kernels.linear",
     "kernels.prefill_attention",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.models.experts as experts
 import engine.models.layers as layers
 import engine.models.llama as llama
 from engine import LLM, SamplingParams
@@ -61,8 +62,8 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     from kernels.fused_moe import fused_moe
     from kernels.moe_routing import topk_softmax
 
-    monkeypatch.setattr(layers, "fused_moe_for", lambda device: fused_moe)
-    monkeypatch.setattr(layers, "select_experts_for", lambda device: topk_softmax)
+    monkeypatch.setattr(experts, "fused_moe_for", lambda device: fused_moe)
+    monkeypatch.setattr(experts, "select_experts_for", lambda device: topk_softmax)
     use_fused_elementwise(monkeypatch)
     model_dir = tiny_family_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)

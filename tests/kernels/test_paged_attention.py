@@ -12,9 +12,9 @@ from kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_for,
     paged_attention_decode_ref,
-    softmax_with_sinks,
 )
 from kernels.rotary import QKNorm, Rope, rotary
+from kernels.score_mods import softmax_with_sinks
 from tests.kernels.test_rotary import cos_sin_cache
 
 # (num_heads, num_kv_heads, head_dim, block_size, num_splits): GPT-2, GQA groups of 4 and 7,

@@ -1,0 +1,74 @@
+"""The mixture-of-experts layer: top-k routing and the experts' stacked weights, run by
+kernels/fused_moe.py (and kernels/moe_gemv.py at decode batch sizes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.parallel import WeightSlice, read, split
+from engine.models.weight_copy import fill
+from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for
+from kernels.moe_routing import select_experts_for
+
+
+class FusedMoE(nn.Module):
+    """Top-k routed gated experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
+    (gate rows, then up rows) and w2 [num_experts, hidden, inter]. SiLU by default; GPT-OSS
+    has biases on the router and both projections (b13, b2) and a ClampedSwiGLU.
+
+    Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
+    row-parallel), the router replicated; one all_reduce sums the ranks' outputs."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel = SINGLE,
+        bias: bool = False,
+        clamped: ClampedSwiGLU | None = None,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp = tp
+        self.clamped = clamped
+        self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
+        local = self.inter.local_size
+        self.gate = nn.Linear(hidden, num_experts, bias=bias)  # the router
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * local))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        route = select_experts_for(x.device)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
+        moe = fused_moe_for(x.device)
+        return self.tp.all_reduce(moe(x, self.w13, self.w2, weights, ids, biases, self.clamped))
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: tuple[int, int | None]) -> None:
+        """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13 or b13,
+        (expert, None) into w2 or b2; this rank's rows (w13, b13) or columns (w2) of it.
+        b2 is added once: rank 0 holds it, the others zeros (as RowParallelLinear's)."""
+        expert, half = section
+        local, hidden = self.inter.local_size, self.w2.shape[1]
+        if leaf == "b2":
+            b2 = read(weight, [hidden])
+            self.b2.data[expert].copy_(b2 if self.tp.is_driver else torch.zeros_like(b2))
+        elif leaf == "b13":
+            b13 = read(weight, [self.inter.size], self.inter.ranges)
+            fill(self.b13.data[expert, half * local : (half + 1) * local], b13)
+        elif half is None:
+            w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
+            fill(self.w2.data[expert], w2)
+        else:
+            w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
+            fill(self.w13.data[expert, half * local : (half + 1) * local], w13)
