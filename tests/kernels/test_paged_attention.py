@@ -235,41 +235,37 @@ def test_decode_sliding_window_matches_reference(
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_splits"), [(4, 4, 1), (8, 2, 3)])
-def test_decode_soft_cap_matches_reference(
-    num_heads: int, num_kv_heads: int, num_splits: int, rng: torch.Generator, device, paged_kv
-) -> None:
-    # Gemma 2's attention soft-cap, small enough (scores up to ~10) that tanh saturates.
-    head_dim, block_size, cap = 32, 16, 2.0
-    context_lens = [0, 1, 3 * block_size + 5, 90]
-    k_cache, v_cache, block_table = paged_kv(context_lens, num_kv_heads, head_dim, block_size)
-    query = torch.randn(len(context_lens), num_heads, head_dim, generator=rng).to(device) * 3
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    args = (query, k_cache, v_cache, block_table, lens, 0.5)
-    config = DecodeConfig(num_splits=num_splits, block_n=32)
-    result = paged_attention_decode(*args, config=config, softcap=cap)
-    expected = paged_attention_decode_ref(*args, softcap=cap)
-    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
-    uncapped = paged_attention_decode_ref(*args)
-    assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
+def score_mod(kind: str, num_heads: int, rng: torch.Generator, device) -> tuple[dict, float]:
+    """(the kernels' keyword, the query's scale) of a score modifier: Gemma 2's soft-cap,
+    small enough (scores up to ~10) that tanh saturates; or GPT-OSS's sinks, around the
+    scores' size so that they take a visible share."""
+    if kind == "softcap":
+        return {"softcap": 2.0}, 3.0
+    return {"sinks": torch.randn(num_heads, generator=rng).to(device) * 2}, 1.0
 
 
+@pytest.mark.parametrize("kind", ["softcap", "sinks"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "num_splits"), [(4, 4, 1), (8, 2, 3)])
-def test_decode_sinks_match_reference(
-    num_heads: int, num_kv_heads: int, num_splits: int, rng: torch.Generator, device, paged_kv
+def test_decode_score_mods_match_reference(
+    kind: str,
+    num_heads: int,
+    num_kv_heads: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device,
+    paged_kv,
 ) -> None:
-    # GPT-OSS's sinks, around the scores' size so they take a visible share; split 0 of
-    # the split launch counts them, and a context of 0 stays zeros.
+    # Split 0 of the split launch counts the sinks; a context of 0 stays zeros.
     head_dim, block_size = 32, 16
     context_lens = [0, 1, 3 * block_size + 5, 90]
     k_cache, v_cache, block_table = paged_kv(context_lens, num_kv_heads, head_dim, block_size)
+    mod, query_scale = score_mod(kind, num_heads, rng, device)
     query = torch.randn(len(context_lens), num_heads, head_dim, generator=rng).to(device)
-    sinks = torch.randn(num_heads, generator=rng).to(device) * 2
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    args = (query, k_cache, v_cache, block_table, lens, 0.5)
+    args = (query * query_scale, k_cache, v_cache, block_table, lens, 0.5)
     config = DecodeConfig(num_splits=num_splits, block_n=32)
-    result = paged_attention_decode(*args, config=config, sinks=sinks)
-    expected = paged_attention_decode_ref(*args, sinks=sinks)
+    result = paged_attention_decode(*args, config=config, **mod)
+    expected = paged_attention_decode_ref(*args, **mod)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(paged_attention_decode_ref(*args), expected, rtol=1e-2, atol=1e-2)
     assert expected[0].abs().max() == 0

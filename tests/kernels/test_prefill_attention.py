@@ -10,6 +10,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention_for,
     paged_prefill_attention_ref,
 )
+from tests.kernels.test_paged_attention import score_mod
 
 # (num_heads, num_kv_heads, head_dim, block_size): GPT-2, GQA groups of 4 and 7, a
 # non-power-of-2 head_dim, both block sizes.
@@ -80,44 +81,25 @@ def test_prefill_for_picks_reference_off_cuda() -> None:
     assert paged_prefill_attention_for(torch.device("cpu")) is paged_prefill_attention_ref
 
 
+@pytest.mark.parametrize("kind", ["softcap", "sinks"])
 @pytest.mark.parametrize("window", [0, 24])
-def test_prefill_soft_cap_matches_reference(
-    window: int, rng: torch.Generator, device: torch.device, paged_kv
+def test_prefill_score_mods_match_reference(
+    kind: str, window: int, rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:
-    # Gemma 2 soft-caps scores on its sliding and its global layers alike.
-    num_heads, num_kv_heads, head_dim, block_size, cap = 8, 2, 32, 16, 2.0
-    chunks = [(70, 70), (20, 57), (1, 40)]
-    query_lens, seq_lens = zip(*chunks, strict=True)
-    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device) * 3
-    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.5, max(query_lens))
-    result = paged_prefill_attention(*args, sliding_window=window, softcap=cap)
-    expected = paged_prefill_attention_ref(*args, sliding_window=window, softcap=cap)
-    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
-    uncapped = paged_prefill_attention_ref(*args, sliding_window=window)
-    assert not torch.allclose(uncapped, expected, rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.parametrize("window", [0, 24])
-def test_prefill_sinks_match_reference(
-    window: int, rng: torch.Generator, device: torch.device, paged_kv
-) -> None:
-    # GPT-OSS has sinks on its sliding and its full layers.
+    # Gemma 2 soft-caps, and GPT-OSS has sinks, on sliding and global layers alike.
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
     chunks = [(70, 70), (20, 57), (1, 40)]
     query_lens, seq_lens = zip(*chunks, strict=True)
     k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    mod, query_scale = score_mod(kind, num_heads, rng, device)
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
-    sinks = torch.randn(num_heads, generator=rng).to(device) * 2
     starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
     query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.5, max(query_lens))
-    result = paged_prefill_attention(*args, sliding_window=window, sinks=sinks)
-    expected = paged_prefill_attention_ref(*args, sliding_window=window, sinks=sinks)
+    args = (query * query_scale, k_cache, v_cache, block_table, query_start_loc, lens, 0.5)
+    args += (max(query_lens),)
+    result = paged_prefill_attention(*args, sliding_window=window, **mod)
+    expected = paged_prefill_attention_ref(*args, sliding_window=window, **mod)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     plain = paged_prefill_attention_ref(*args, sliding_window=window)
     assert not torch.allclose(plain, expected, rtol=1e-2, atol=1e-2)

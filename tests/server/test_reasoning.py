@@ -72,16 +72,23 @@ def r1_server(start_server):
     return start_server(server={"reasoning_parser": "deepseek_r1"})
 
 
-def test_live_answer_split_whole_and_streamed(r1_server, model_name):
+@pytest.fixture(scope="module")
+def forced(r1_server, model_name) -> tuple[dict, dict]:
+    """The request whose one-string choice forces FORCED, and its (whole) answer."""
     body = {
         "model": model_name,
         "messages": [{"role": "user", "content": "What is two and two?"}],
         "structured_outputs": {"choice": [FORCED]},
         "max_tokens": 40,
     }
+    r = httpx.post(f"{r1_server.base_url}/v1/chat/completions", json=body, timeout=60)
+    return body, r.json()["choices"][0]["message"]
+
+
+def test_live_answer_split_whole_and_streamed(r1_server, forced):
+    body, message = forced
+    assert (message["reasoning_content"], message["content"]) == (THOUGHT, ANSWER)
     with httpx.Client(base_url=r1_server.base_url, timeout=60) as client:
-        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        assert (message["reasoning_content"], message["content"]) == (THOUGHT, ANSWER)
         reasoning, content = "", ""
         with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True}) as r:
             for line in r.iter_lines():
@@ -94,16 +101,10 @@ def test_live_answer_split_whole_and_streamed(r1_server, model_name):
         assert (reasoning, content) == (THOUGHT, ANSWER)
 
 
-def test_an_answer_with_its_reasoning_goes_back_into_the_history(r1_server, model_name):
-    body = {
-        "model": model_name,
-        "messages": [{"role": "user", "content": "What is two and two?"}],
-        "structured_outputs": {"choice": [FORCED]},
-        "max_tokens": 40,
-    }
+def test_an_answer_with_its_reasoning_goes_back_into_the_history(r1_server, forced, model_name):
+    body, message = forced
+    assert message["reasoning_content"] == THOUGHT
     with httpx.Client(base_url=r1_server.base_url, timeout=60) as client:
-        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
-        assert message["reasoning_content"] == THOUGHT
         follow_up = [*body["messages"], message, {"role": "user", "content": "And three?"}]
         again = {"model": model_name, "messages": follow_up, "max_tokens": 2}
         assert client.post("/v1/chat/completions", json=again).status_code == 200
