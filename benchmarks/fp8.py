@@ -1,6 +1,8 @@
-"""FP8 vs bf16 on one GPU, same run: Llama-3-8B shape with random weights.
+"""FP8 vs bf16 on one GPU, same run: a model shape with random weights (Llama-3-8B's, or
+an MoE's, whose experts go FP8 too).
 
     python -m benchmarks.fp8 --out benchmarks/results/fp8-llama3-8b-h100.json
+    python -m benchmarks.fp8 --model qwen3-30b-a3b --configs bf16 fp8 --out ...
 
 Each configuration runs in a process of its own (a fresh CUDA context, so one
 engine's leftovers never shrink the next one's KV cache):
@@ -10,7 +12,8 @@ engine's leftovers never shrink the next one's KV cache):
   bf16+fp8kv    bf16 weights, FP8 KV (eager: KV blocks and logits only)
   fp8+bf16kv    FP8 weights, bf16 KV (eager: KV blocks and logits only)
   fp8 reference the same with every FP8 projection computed by its torch reference
-                (both sides dequantized, one fp32 matmul: `fp8_linear_ref`)
+                (both sides dequantized, one fp32 matmul: `fp8_linear_ref`; MoE
+                experts by `fused_moe_ref` on their dequantized weights)
   fp32          fp32 weights and activations (eager: logits only)
 All of them draw the same random bf16 weights (seed 0, on the device), so FP8 runs the
 quantized copy of the bf16 model and their logits compare like for like: the
@@ -21,7 +24,7 @@ bf16 says how far rounding alone moves this model, and the FP8 projections again
 their torch reference (`logits_vs_engine`) whether the engine computes the FP8 scheme
 it claims. Neither says how a trained model's accuracy fares under FP8.
 
-The fp8 run also times the projections alone (bf16 GEMM, FP8 linear, the per-token
+For Llama-3-8B the fp8 run also times the projections alone (bf16 GEMM, FP8 linear, the per-token
 quantizer) at each Llama-3-8B projection shape and batches 1, 16 and 64, each inside
 a CUDA graph, beside its weight-read floor: where the FP8 step's time goes.
 """
@@ -41,12 +44,15 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import floors
+from benchmarks.checkpoints import CONFIGS as SHAPES
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.decode_step import start_decoding
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_vs_floor
 from benchmarks.offline import run_pagoda
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
+from engine.models import experts
 from engine.models.layers import AttentionMetadata
 from engine.models.quantization import Fp8Linear
 from kernels.fp8 import (
@@ -57,8 +63,7 @@ from kernels.fp8 import (
     quantize_per_channel,
     quantize_per_token,
 )
-
-MODEL = "llama3-8b"
+from kernels.fused_moe import fused_moe_ref
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ def batch1_decode(llm: LLM, context: int, steps: int, bandwidth: float) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     runner = engine.runner
-    weights = weight_bytes(engine.model)
+    weights = floors.weight_bytes(llm, 1)  # of an MoE, the experts one token hits
     kv = (context + 16 + steps / 2) * runner.bytes_per_block() / runner.block_size
     return {
         "context": context,
@@ -234,6 +239,7 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
         for module in llm.engine.model.modules():
             if isinstance(module, Fp8Linear):
                 module.forward = functools.partial(reference_forward, module)
+        experts.fused_moe_for = lambda device: fused_moe_ref  # this child's MoE layers
     runner = llm.engine.runner
     out: dict = {
         "gpu": torch.cuda.get_device_name(),
@@ -268,7 +274,7 @@ def run_config(name: str, args, model_dir: str, work: Path) -> dict:
         steps: list[DecodeStep] = []
         out["throughput"] = run_pagoda(llm, prompts, lens, steps)
         out["decode_vs_floor"] = decode_vs_floor(llm, steps, bandwidth)
-        if name == "fp8":
+        if name == "fp8" and args.model == "llama3-8b":
             out["gemm_us"] = gemm_timings(bandwidth)
     return out
 
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, required=True, help="write the JSON result here")
+    p.add_argument("--model", default="llama3-8b", choices=sorted(SHAPES), help="the shape")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=512)
@@ -291,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     argv = argv if argv is not None else sys.argv[1:]
 
-    model_dir = build_checkpoint(MODEL, Path(tempfile.gettempdir()) / f"pagoda-bench-{MODEL}")
+    model = args.model
+    model_dir = build_checkpoint(model, Path(tempfile.gettempdir()) / f"pagoda-bench-{model}")
     if args.only:
         result = run_config(args.only, args, model_dir, args.work)
         write_result(args.out, result)
@@ -304,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "gpu": None,  # from the children: this process leaves CUDA alone
         "torch": torch.__version__,
-        "model": f"{MODEL} (random weights, bf16)",
+        "model": f"{model} (random weights, bf16)",
         "workload": f"{args.num_requests} x {args.input_len} in / {args.output_len} out",
         "configs": {},
     }

@@ -1,6 +1,8 @@
 """Mixture-of-experts MLP: top-k routing, then each token through its k experts' gated
 MLPs: SiLU (Qwen3-MoE, Mixtral) or GPT-OSS's clamped SwiGLU, with expert biases where the
-model has them.
+model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with one scale per
+expert and output row, widened to the activations' dtype in registers (weight-only, as
+decode reads little else) and scaled once after the dot.
 
 The Triton path groups the (token, expert) pairs by expert: the pairs are sorted by
 expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import moe_gated
+from kernels.fp8 import dequantize_fp8
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
 from kernels.paged_attention import dot_precision
 
@@ -47,6 +50,15 @@ class ExpertBiases:
 
 
 @dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts: w13 and w2 hold e4m3 values, each (expert, output row) times its fp32
+    scale: s13 [num_experts, 2 * inter], s2 [num_experts, hidden]."""
+
+    s13: torch.Tensor
+    s2: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ClampedSwiGLU:
     """GPT-OSS's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
     with g = min(gate, limit), in place of silu(gate) * up."""
@@ -67,8 +79,12 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     biases: ExpertBiases | None = None,
     clamped: ClampedSwiGLU | None = None,  # None: silu(gate) * up
+    scales: ExpertScales | None = None,  # FP8 experts
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
+    if scales is not None:
+        w13 = dequantize_fp8(w13, scales.s13[..., None]).to(x.dtype)
+        w2 = dequantize_fp8(w2, scales.s2[..., None]).to(x.dtype)
     out = torch.zeros_like(x)
     flat_ids = topk_ids.flatten()
     token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
@@ -122,6 +138,7 @@ def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or (token, k) pairs (down)
     w_ptr,  # [num_experts, N (x2 when GATED), K]
     bias_ptr,  # BIAS: [num_experts, N (x2 when GATED)]
+    scale_ptr,  # SCALED: [num_experts, N (x2 when GATED)] fp32, w in e4m3
     out_ptr,  # [num_pairs, N], row = pair index
     topk_weights_ptr,  # [num_pairs] fp32
     sorted_ids_ptr,
@@ -134,6 +151,7 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_be,
+    stride_se,
     stride_om,
     alpha,  # CLAMPED: the activation's sigmoid gain
     limit,  # CLAMPED: its clamp
@@ -141,6 +159,7 @@ def _grouped_gemm_kernel(
     GATED: tl.constexpr,  # w holds gate rows then up rows; store silu(gate) * up
     CLAMPED: tl.constexpr,  # GATED with ClampedSwiGLU instead of silu(gate) * up
     BIAS: tl.constexpr,  # add the expert's bias row before the activation / the weight
+    SCALED: tl.constexpr,  # FP8 w: widen it to a's dtype, scale the columns after the dot
     MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -173,12 +192,17 @@ def _grouped_gemm_kernel(
         )  # [BLOCK_M, BLOCK_K]
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if GATED:
             w_up = tl.load(
                 w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
             )
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
+    if SCALED:
+        scale_row = scale_ptr + expert * stride_se
+        acc *= tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
     if BIAS:
         bias_row = bias_ptr + expert * stride_be
         acc += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -214,6 +238,7 @@ def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,  # [num_experts, rows of w], contiguous
+    scale: torch.Tensor | None,  # FP8 w: [num_experts, rows of w] fp32, contiguous
     out: torch.Tensor,
     topk_weights: torch.Tensor,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -229,6 +254,7 @@ def _grouped_gemm(
         a,
         w,
         w if bias is None else bias,  # a placeholder without biases (BIAS=False)
+        w if scale is None else scale,
         out,
         topk_weights,
         sorted_ids,
@@ -241,6 +267,7 @@ def _grouped_gemm(
         w.stride(0),
         w.stride(1),
         0 if bias is None else bias.stride(0),
+        0 if scale is None else scale.stride(0),
         out.stride(0),
         1.0 if clamped is None else clamped.alpha,
         0.0 if clamped is None else clamped.limit,
@@ -248,6 +275,7 @@ def _grouped_gemm(
         GATED=gated,
         CLAMPED=clamped is not None,
         BIAS=bias is not None,
+        SCALED=scale is not None,
         MUL_WEIGHT=not gated,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -266,6 +294,7 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     biases: ExpertBiases | None = None,  # contiguous
     clamped: ClampedSwiGLU | None = None,
+    scales: ExpertScales | None = None,  # FP8 experts; contiguous
     config: MoeConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Triton version of `fused_moe_ref`: up to MAX_PAIRS (token, expert) pairs, a
@@ -276,20 +305,21 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     weights = topk_weights.float().contiguous().view(-1)  # [num_pairs]
     b13, b2 = (None, None) if biases is None else (biases.b13, biases.b2)
+    s13, s2 = (None, None) if scales is None else (scales.s13, scales.s2)
     if config is None and num_pairs <= MAX_PAIRS:  # decode: a GEMV per pair, no sort
         ids = topk_ids.contiguous().view(-1)
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        pair_gemv(x, w13, b13, h, ids, weights, top_k, True, clamped)
+        pair_gemv(x, w13, b13, s13, h, ids, weights, top_k, True, clamped)
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-        pair_gemv(h, w2, b2, out, ids, weights, 1, False, None, top_k=top_k)
+        pair_gemv(h, w2, b2, s2, out, ids, weights, 1, False, None, top_k=top_k)
         return out
     if config is None:
         config = moe_config(num_pairs, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, b13, h, weights, aligned, top_k, True, clamped, config)
+    _grouped_gemm(x, w13, b13, s13, h, weights, aligned, top_k, True, clamped, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(h, w2, b2, y, weights, aligned, 1, False, None, config)
+    _grouped_gemm(h, w2, b2, s2, y, weights, aligned, 1, False, None, config)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)
 
 

@@ -44,6 +44,7 @@ def _pair_gemv_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or pairs (down)
     w_ptr,  # [num_experts, N (x2 when GATED), K]
     bias_ptr,  # BIAS: [num_experts, N (x2 when GATED)]
+    scale_ptr,  # SCALED: [num_experts, N (x2 when GATED)] fp32, w in e4m3
     ids_ptr,  # [num_pairs] the pairs' experts
     topk_weights_ptr,  # [num_pairs] fp32
     out_ptr,  # [num_pairs, N]
@@ -55,6 +56,7 @@ def _pair_gemv_kernel(
     stride_we,
     stride_wn,
     stride_be,
+    stride_se,
     stride_om,
     stride_ps,
     stride_pp,
@@ -65,6 +67,7 @@ def _pair_gemv_kernel(
     GATED: tl.constexpr,  # w holds gate rows then up rows (only with TOP_K 1)
     CLAMPED: tl.constexpr,
     BIAS: tl.constexpr,
+    SCALED: tl.constexpr,  # FP8 w: widened to a's dtype, each pair's columns scaled
     WEIGHTED: tl.constexpr,  # scale each pair by its routing weight
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -101,11 +104,16 @@ def _pair_gemv_kernel(
             )
             w_mask = k_mask[:, None] & col_mask[None, :]
             w_offs = cols[None, :] * stride_wn + ks[:, None]
-            w = tl.load(w_base + w_offs, mask=w_mask, other=0.0)
-            acc_j = tl.dot(a.to(w.dtype), w, acc_j, input_precision=DOT_PRECISION)
+            w = tl.load(w_base + w_offs, mask=w_mask, other=0.0).to(a.dtype)
+            acc_j = tl.dot(a, w, acc_j, input_precision=DOT_PRECISION)
             if GATED:
                 w_up = tl.load(w_base + N * stride_wn + w_offs, mask=w_mask, other=0.0)
-                acc_up = tl.dot(a.to(w.dtype), w_up, acc_up, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
+        if SCALED:  # per column, so a K split's share may be scaled before the sum
+            scale_row = scale_ptr + expert * stride_se
+            acc_j *= tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
+            if GATED:  # (TOP_K is 1: acc_up is this pair's alone)
+                acc_up *= tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
         if WEIGHTED:
             acc += acc_j * tl.load(topk_weights_ptr + pair)
         else:
@@ -165,6 +173,7 @@ def pair_gemv(
     a: torch.Tensor,  # [rows, K]
     w: torch.Tensor,  # [num_experts, N (x2 when gated), K]
     bias: torch.Tensor | None,
+    scale: torch.Tensor | None,  # FP8 w: [num_experts, N (x2 when gated)] fp32
     out: torch.Tensor,  # [num_pairs, N]
     topk_ids: torch.Tensor,  # [num_pairs]
     topk_weights: torch.Tensor,  # [num_pairs] fp32
@@ -188,6 +197,7 @@ def pair_gemv(
         a,
         w,
         w if bias is None else bias,
+        w if scale is None else scale,
         topk_ids,
         topk_weights,
         out,
@@ -199,6 +209,7 @@ def pair_gemv(
         w.stride(0),
         w.stride(1),
         0 if bias is None else bias.stride(0),
+        0 if scale is None else scale.stride(0),
         out.stride(0),
         partials.stride(0),
         partials.stride(1),
@@ -209,6 +220,7 @@ def pair_gemv(
         GATED=gated,
         CLAMPED=clamped is not None,
         BIAS=bias is not None,
+        SCALED=scale is not None,
         WEIGHTED=not gated,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

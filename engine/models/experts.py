@@ -9,7 +9,8 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import WeightSlice, read, split
 from engine.models.weight_copy import fill
-from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, fused_moe_for
+from kernels.fp8 import FP8_DTYPE, quantize_per_channel
+from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, ExpertScales, fused_moe_for
 from kernels.moe_routing import select_experts_for
 
 
@@ -19,7 +20,10 @@ class FusedMoE(nn.Module):
     has biases on the router and both projections (b13, b2) and a ClampedSwiGLU.
 
     Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
-    row-parallel), the router replicated; one all_reduce sums the ranks' outputs."""
+    row-parallel), the router replicated; one all_reduce sums the ranks' outputs.
+
+    `quantize_fp8` turns w13 and w2 into e4m3 buffers with per-(expert, row) scales
+    (w13_scale, w2_scale), as `--quantization fp8` does the dense projections."""
 
     def __init__(
         self,
@@ -43,6 +47,7 @@ class FusedMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
         self.b13 = self.b2 = None
+        self.scales: ExpertScales | None = None
         if bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, 2 * local))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
@@ -52,7 +57,23 @@ class FusedMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
         moe = fused_moe_for(x.device)
-        return self.tp.all_reduce(moe(x, self.w13, self.w2, weights, ids, biases, self.clamped))
+        out = moe(x, self.w13, self.w2, weights, ids, biases, self.clamped, self.scales)
+        return self.tp.all_reduce(out)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """w13 and w2 to e4m3, one scale per expert and output row; expert by expert, so
+        the fp32 temporaries stay one expert's size. Buffers, as Fp8Linear's."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name).data
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for expert in range(w.shape[0]):
+                q[expert], scale[expert] = quantize_per_channel(w[expert])
+            delattr(self, name)
+            self.register_buffer(name, q)
+            self.register_buffer(f"{name}_scale", scale)
+        self.scales = ExpertScales(self.w13_scale, self.w2_scale)
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: tuple[int, int | None]) -> None:
         """One expert's HF tensor: section (expert, 0 gate / 1 up) into w13 or b13,

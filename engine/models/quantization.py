@@ -5,8 +5,9 @@ A checkpoint in FP8 is dequantized as it streams in (each fp8 `weight` times its
 scale), so every model's own `load_weights` sees plain tensors; on CUDA the dense
 projections are then quantized per output channel, as for a bf16 checkpoint. Per-channel
 and per-tensor scales survive that round trip (the fp8 values come back the same, the
-scale to within bf16's rounding); block-wise ones become per-channel. MoE experts, the
-router, the embeddings and the LM head stay in the model dtype.
+scale to within bf16's rounding); block-wise ones become per-channel. MoE experts go to
+e4m3 per expert and output row (`FusedMoE.quantize_fp8`); the router, the embeddings
+and the LM head stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ class Fp8Linear(nn.Module):
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> int:
-    """Replace the dense projections (qkv/o/gate_up/down; GPT-2's four) by Fp8Linear;
-    returns how many. Skipped: MoE routers, and shapes `_scaled_mm` cannot take.
+    """Replace the dense projections (qkv/o/gate_up/down; GPT-2's four) by Fp8Linear and
+    make MoE experts FP8 (two projections a layer); returns how many projections.
+    Skipped: MoE routers, and shapes `_scaled_mm` cannot take.
     Then each producer a module's FP8_FEEDS names (a norm, an MLP's activation) whose
     consumer went FP8 quantizes its output itself (`fp8_out`): one launch fewer each."""
     count = 0
     for parent in list(model.modules()):
         if isinstance(parent, FusedMoE):
-            continue  # its only Linear is the router: tiny, and routing is sensitive
+            parent.quantize_fp8()
+            count += 2
+            continue  # its Linears route (or gate a shared expert): tiny, and sensitive
         for name, child in list(parent.named_children()):
             if type(child) not in DENSE_LINEARS:
                 continue

@@ -248,11 +248,39 @@ def test_quantize_model_swaps_dense_projections_only(tiny_llama_dir, tiny_family
         assert isinstance(linear, Fp8Linear) and linear.weight.dtype == FP8_DTYPE
     assert model.lm_head.weight.dtype == torch.float32  # head and embeddings stay
     assert next(model.parameters()).dtype == torch.float32  # fp8 lives in buffers
-    # MoE: the router and the experts stay; the dense layer's MLP and attention go FP8.
+    # MoE: the router stays; the experts, the dense layer's MLP and attention go FP8.
     moe, _ = load_model(tiny_family_dir("qwen3_moe"), CPU, torch.float32)
-    assert quantize_model(moe) == 2 * 2 + 2
-    assert not isinstance(moe.layers[0].mlp.gate, Fp8Linear)
-    assert moe.layers[0].mlp.w13.dtype == torch.float32
+    assert quantize_model(moe) == 2 * 2 + 2 + 2
+    experts = moe.layers[0].mlp
+    assert not isinstance(experts.gate, Fp8Linear)
+    assert experts.w13.dtype == experts.w2.dtype == FP8_DTYPE
+    assert experts.w13_scale.shape == experts.w13.shape[:2]
+    assert next(moe.parameters()).dtype == torch.float32
+
+
+def test_fp8_moe_keeps_a_checkpoints_expert_bytes_and_its_logits(tiny_family_dir, tmp_path):
+    """A per-channel FP8 MoE checkpoint: its experts dequantize into bf16 and quantize
+    again to the same e4m3 bytes, each (expert, row) its own scale; and the FP8 model's
+    logits stay near the bf16 one's."""
+    dst = tmp_path / "m"
+    _write_fp8(tiny_family_dir("qwen3_moe"), dst, "ct-channel")
+    model, _ = load_model(str(dst), CPU, torch.bfloat16)
+    ids = [5, 9, 13, 2, 7, 7, 1, 30, 4]
+    before = _prefill_logits(model, ids).float()
+    quantize_model(model)
+    tensors = load_file(str(dst / "model.safetensors"))
+    moe, inter = model.layers[0].mlp, model.layers[0].mlp.inter.local_size
+    for expert in (0, 5):
+        prefix = f"model.layers.0.mlp.experts.{expert}"
+        for rows, proj in ((slice(0, inter), "gate_proj"), (slice(inter, None), "up_proj")):
+            want = tensors[f"{prefix}.{proj}.weight"]
+            assert torch.equal(moe.w13[expert, rows].view(torch.uint8), want.view(torch.uint8))
+            scale = tensors[f"{prefix}.{proj}.weight_scale"][:, 0]
+            torch.testing.assert_close(moe.w13_scale[expert, rows], scale, rtol=2**-8, atol=0)
+        want = tensors[f"{prefix}.down_proj.weight"]
+        assert torch.equal(moe.w2[expert].view(torch.uint8), want.view(torch.uint8))
+    after = _prefill_logits(model, ids).float()
+    assert torch.nn.functional.cosine_similarity(before, after, dim=-1).min() > 0.99
 
 
 def _prefill_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -118,21 +118,23 @@ def test_fp8_cache_kernels_with_half_queries(dtype: torch.dtype, num_seqs: int) 
 # checkpoints have small top-1 margins (~0.1-0.5 nats), so e4m3's ~3.5% error per GEMM
 # flips a share of them: the CPU references of the same FP8 path agree on 70-80% of the
 # positions of the tiny llama/gpt2/qwen2 checkpoints (bf16 reference, 9 prompts x 32
-# tokens). 60% leaves room for the GPU's different rounding; a broken path (a scale
-# missing or inverted, a transposed weight, an unscaled cache) lands near chance
+# tokens), 72-73% of the qwen3_moe and gpt_oss ones (a flipped expert choice adds to the
+# error). 60% and 50% leave room for the GPU's different rounding; a broken path (a
+# scale missing or inverted, a transposed weight, an unscaled cache) lands near chance
 # (1 in ~500 tokens).
 MIN_AGREEMENT = 0.6
+MIN_MOE_AGREEMENT = 0.5
 NEW = 32
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_fp8_engine_mostly_agrees_with_bf16(tiny_model_dir: str, graphs: bool) -> None:
+def _fp8_against_bf16(model_dir: str, graphs: bool) -> tuple[LLM, float]:
+    """The FP8-weights, FP8-cache engine and its teacher-forced agreement with bf16."""
     gen = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    base = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", max_num_seqs=16)
+    base = LLM(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=16)
     outs = base.generate(PROMPTS, gen, use_tqdm=False)
     seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
     fp8 = LLM(
-        tiny_model_dir,
+        model_dir,
         device="cuda",
         dtype="bfloat16",
         max_num_seqs=16,
@@ -143,7 +145,6 @@ def test_fp8_engine_mostly_agrees_with_bf16(tiny_model_dir: str, graphs: bool) -
     runner = fp8.engine.runner
     assert runner.attn_layers[0].k_cache.dtype == FP8_DTYPE
     assert 2 * runner.bytes_per_block() == base.engine.runner.bytes_per_block()
-    assert sum(isinstance(m, Fp8Linear) for m in fp8.engine.model.modules()) == 8
     # Its own greedy decode runs (graphs or eager) and mostly matches on the first token.
     own = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, gen, use_tqdm=False)]
     assert sum(a[0] == b.outputs[0].token_ids[0] for a, b in zip(own, outs)) >= len(PROMPTS) // 2
@@ -156,5 +157,21 @@ def test_fp8_engine_mostly_agrees_with_bf16(tiny_model_dir: str, graphs: bool) -
         for o in scored
         for p in range(len(o.prompt_token_ids) - NEW, len(o.prompt_token_ids))
     ]
-    agreement = sum(r == 1 for r in ranks) / len(ranks)
+    return fp8, sum(r == 1 for r in ranks) / len(ranks)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fp8_engine_mostly_agrees_with_bf16(tiny_model_dir: str, graphs: bool) -> None:
+    fp8, agreement = _fp8_against_bf16(tiny_model_dir, graphs)
+    assert sum(isinstance(m, Fp8Linear) for m in fp8.engine.model.modules()) == 8
     assert agreement >= MIN_AGREEMENT, agreement
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_fp8_moe_engine_mostly_agrees_with_bf16(tiny_family_dir, kind: str) -> None:
+    """FP8 experts through the per-pair GEMVs (decode, graphs) and the grouped GEMMs
+    (prefill), SiLU or GPT-OSS's biases and clamp."""
+    fp8, agreement = _fp8_against_bf16(tiny_family_dir(kind), graphs=True)
+    moe = fp8.engine.model.layers[0].mlp
+    assert moe.w13.dtype == moe.w2.dtype == FP8_DTYPE
+    assert agreement >= MIN_MOE_AGREEMENT, agreement

@@ -87,25 +87,28 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 
 def compile_moe() -> None:
     """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
-    gate/up, the per-pair GEMV's gate/up and its down summing a token's four pairs, and
-    the routing kernel."""
+    gate/up on FP8 experts, the per-pair GEMV's gate/up (bf16) and its down summing a
+    token's four pairs (FP8), and the routing kernel."""
     from kernels.fused_moe import _grouped_gemm_kernel
     from kernels.moe_gemv import _pair_gemv_kernel
     from kernels.moe_routing import _topk_softmax_kernel
 
     pointers = {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
     pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
-    pointers |= {"counters_ptr": "*i32"}
-    constexprs = {"A_ROW_DIV": 4, "GATED": True, "CLAMPED": True, "BIAS": True}
+    pointers |= {"counters_ptr": "*i32", "scale_ptr": "*fp32"}
+    fp8 = pointers | {"w_ptr": "*fp8e4nv"}
+    constexprs = {"A_ROW_DIV": 4, "GATED": True, "CLAMPED": True, "BIAS": True, "SCALED": True}
     constexprs |= {"MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
     constexprs |= {"DOT_PRECISION": "tf32"}
-    signature = by_name(_grouped_gemm_kernel, constexprs, pointers, {"alpha", "limit"})
+    signature = by_name(_grouped_gemm_kernel, constexprs, fp8, {"alpha", "limit"})
     assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
     for gated in (True, False):
         constexprs = {"A_ROW_DIV": 4 if gated else 1, "TOP_K": 1 if gated else 4}
         constexprs |= {"GATED": gated, "CLAMPED": gated, "BIAS": True, "WEIGHTED": not gated}
-        constexprs |= {"BLOCK_N": 32, "BLOCK_K": 128, "NUM_SPLITS": 2, "DOT_PRECISION": "tf32"}
-        signature = by_name(_pair_gemv_kernel, constexprs, pointers, {"alpha", "limit"})
+        constexprs |= {"SCALED": not gated, "BLOCK_N": 32, "BLOCK_K": 128, "NUM_SPLITS": 2}
+        constexprs |= {"DOT_PRECISION": "tf32"}
+        types = pointers if gated else fp8
+        signature = by_name(_pair_gemv_kernel, constexprs, types, {"alpha", "limit"})
         assert "cubin" in compile_for_hopper(_pair_gemv_kernel, signature, constexprs)
     constexprs = {"TOP_K": 4, "TOP_K_P2": 4, "RENORMALIZE": True, "BLOCK_E": 32}
     signature = by_name(

@@ -7,9 +7,11 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from kernels.fp8 import quantize_per_channel
 from kernels.fused_moe import (
     ClampedSwiGLU,
     ExpertBiases,
+    ExpertScales,
     MoeConfig,
     align_by_expert,
     fused_moe,
@@ -124,6 +126,50 @@ def test_decode_pairs_match_reference(
         result = fused_moe(*args, biases, clamped)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     assert num_tokens * top_k <= MAX_PAIRS
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 [E, N, K] and scales [E, N], with each expert's rows scaled
+    differently so that a scale read from the wrong expert or row shows."""
+    w = w * torch.linspace(0.5, 4.0, w.shape[0] * w.shape[1]).view(*w.shape[:2], 1)
+    q, scale = quantize_per_channel(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), scale.view(w.shape[:2])
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_splits", "gpt_oss"),
+    [(1, 1, False), (1, 3, True), (2, 2, False), (37, None, False), (37, None, True)],
+)
+def test_fp8_experts_match_reference(
+    num_tokens: int, num_splits: int | None, gpt_oss: bool, rng: torch.Generator, device
+) -> None:
+    # e4m3 experts, scaled per (expert, row), through the per-pair GEMVs (up to 8 pairs,
+    # K split or not) and the grouped GEMMs; with GPT-OSS's biases and clamp or without.
+    num_experts, hidden, inter, top_k = 6, 300, 72, 4
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    q13, s13 = quantize_experts(torch.randn(num_experts, 2 * inter, hidden, generator=rng))
+    q2, s2 = quantize_experts(torch.randn(num_experts, hidden, inter, generator=rng))
+    s13, s2 = s13 * hidden**-0.5, s2 * inter**-0.5
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, q13, q2, topk_weights, topk_ids)]
+    scales = ExpertScales(s13.to(device), s2.to(device))
+    biases, clamped = None, None
+    if gpt_oss:
+        b13, b2 = torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)
+        biases = ExpertBiases(b13.to(device), b2.to(device))
+        clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
+    expected = fused_moe_ref(*args, biases, clamped, scales)
+    with patch("kernels.moe_gemv._num_splits", lambda *_: num_splits):
+        result = fused_moe(*args, biases, clamped, scales)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
+    # The reference is the dequantized weights' MoE, and a scale off by one row is not.
+    w13 = q13.float() * s13[..., None]
+    w2 = q2.float() * s2[..., None]
+    dense = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    torch.testing.assert_close(expected, fused_moe_ref(*dense, biases, clamped))
+    shifted = ExpertScales(scales.s13.roll(1, dims=1), scales.s2)
+    assert not torch.allclose(fused_moe_ref(*args, biases, clamped, shifted), expected)
 
 
 def test_clamped_swiglu_clamps_gate_above_and_up_both_ways() -> None:
