@@ -229,9 +229,12 @@ class MoeConfig:
     num_stages: int = 3
 
 
-def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
-    # Few pairs per expert (decode): short tiles waste less on padding rows.
-    return MoeConfig(block_m=16 if num_pairs <= 4 * num_experts else 64)
+def moe_config(num_pairs: int, num_experts: int, fp8: bool = False) -> MoeConfig:
+    # Few pairs per expert (decode): short tiles waste less on padding rows; e4m3 weights
+    # then take K tiles twice as long, the same bytes (a sweep on an H200: 12% a layer).
+    if num_pairs <= 4 * num_experts:
+        return MoeConfig(block_m=16, block_k=128 if fp8 else 64)
+    return MoeConfig(block_m=64)
 
 
 def _grouped_gemm(
@@ -314,7 +317,7 @@ def fused_moe(
         pair_gemv(h, w2, b2, s2, out, ids, weights, 1, False, None, top_k=top_k)
         return out
     if config is None:
-        config = moe_config(num_pairs, num_experts)
+        config = moe_config(num_pairs, num_experts, fp8=scales is not None)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, b13, s13, h, weights, aligned, top_k, True, clamped, config)
