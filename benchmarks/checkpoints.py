@@ -196,13 +196,16 @@ def disk_checkpoint(name: str, dtype: str = "bfloat16", path: str | None = None)
 
 
 def write_random_shards(name: str, path: Path, dtype: torch.dtype) -> None:
-    """`name`'s shapes, weights as the loader's random fill draws them (matrices
-    N(0, 0.02), vectors 1) written as safetensors shards of up to 4 GiB. Drawn on the
-    GPU when there is one: an 8B model's 16 GB in seconds, not minutes."""
+    """`name`'s shapes, weights drawn by the loader's random fill (`fill_random_`: norm
+    weights 1, the rest N(0, 0.02)) in transformers' order, written as safetensors
+    shards of up to 4 GiB. Drawn on the GPU when there is one: an 8B model's 16 GB in
+    seconds, not minutes."""
     import json
 
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import fill_random_
 
     config = CONFIGS[name]()
     tokenizer = synthetic_tokenizer(min(config.vocab_size, 50257))
@@ -221,10 +224,8 @@ def write_random_shards(name: str, path: Path, dtype: torch.dtype) -> None:
     shard: dict[str, torch.Tensor] = {}
     size = 0
     for i, (key, meta) in enumerate(items):
-        if meta.dim() > 1:
-            t = torch.empty(meta.shape, dtype=dtype, device=device).normal_(0, 0.02, generator=gen)
-        else:
-            t = torch.ones(meta.shape, dtype=dtype, device=device)
+        t = torch.empty(meta.shape, dtype=dtype, device=device)
+        fill_random_(key, t, gen)
         shard[key] = t.cpu()
         size += t.numel() * t.element_size()
         if size >= SHARD_BYTES or i == len(items) - 1:

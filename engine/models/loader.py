@@ -237,17 +237,30 @@ def _finish(model: nn.Module, device: torch.device, quantization: str | None) ->
     return model.eval()
 
 
+# Elements drawn at once by fill_random_ (fp32 temporaries of at most 256 MiB).
+RANDOM_CHUNK = 1 << 26
+
+
 @torch.no_grad()
 def _fill_random(model: nn.Module) -> None:
-    """Norm weights 1, matrices, biases and sinks small normals: finite activations and
-    near-uniform routing (biases of 1 would add one vector to every token's residual
-    stream, layer after layer, until every token picked the same experts)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for name, param in model.named_parameters():
-        if param.dim() == 1 and not name.endswith(("bias", "sinks")):
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
+        fill_random_(name, param, gen)
+
+
+def fill_random_(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+    """Norm weights 1, matrices, biases and sinks N(0, 0.02): finite activations and
+    near-uniform routing (biases of 1 would add one vector to every token's residual
+    stream, layer after layer, until every token picked the same experts). Drawn in
+    fp32 and cast, a chunk of rows at a time: CUDA's normal_ draws differently per dtype,
+    and a bf16 and an fp32 model should hold the same weights."""
+    if tensor.dim() == 1 and not name.endswith(("bias", "sinks")):
+        tensor.fill_(1.0)
+        return
+    rows = max(1, RANDOM_CHUNK // max(1, tensor[0].numel())) if tensor.dim() > 1 else None
+    for part in tensor.split(rows) if rows else [tensor]:
+        draw = torch.empty(part.shape, dtype=torch.float32, device=part.device)
+        part.copy_(draw.normal_(0.0, 0.02, generator=gen))
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
