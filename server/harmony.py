@@ -44,8 +44,14 @@ class Message:
 def parse(text: str, final: bool) -> list[Message]:
     """The messages in text, as far as they have come (final: no more text comes, and
     nothing is held back)."""
+    return _parse(text, final)[0]
+
+
+def _parse(text: str, final: bool) -> tuple[list[Message], int]:
+    """`parse`'s messages, and how many characters at the end none of them holds (held
+    back as a possible marker, or a header whose <|message|> has not come)."""
     messages: list[Message] = []
-    pos, n = 0, len(text)
+    pos, n, rest = 0, len(text), 0
     while pos < n:
         opened = _HEADER_OPEN.match(text, pos)
         if opened is None:  # text outside a header: up to the next one
@@ -54,12 +60,13 @@ def parse(text: str, final: bool) -> list[Message]:
             held = 0 if final or nxt is not None else _held(text[pos:stop], HEADER_MARKERS)
             if stop - held > pos:
                 messages.append(Message(None, None, "", text[pos : stop - held], ""))
-            pos = stop
+            pos, rest = stop, held
             if nxt is None:
                 break
             continue
         body_start = text.find(MESSAGE, pos)
         if body_start < 0:
+            rest = n - pos
             break  # a header still arriving (or cut off: no message yet)
         body_start += len(MESSAGE)
         header = text[pos:body_start]
@@ -72,7 +79,8 @@ def parse(text: str, final: bool) -> list[Message]:
         else:
             body, end, pos = text[body_start:], "", n
             if not final:
-                body = body[: len(body) - _held(body, ENDS)]
+                rest = _held(body, ENDS)
+                body = body[: len(body) - rest]
         messages.append(
             Message(
                 channel[1] if channel else "",
@@ -82,7 +90,7 @@ def parse(text: str, final: bool) -> list[Message]:
                 end,
             )
         )
-    return messages
+    return messages, rest
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -93,18 +101,24 @@ def is_call(message: Message) -> bool:
     return message.recipient is not None and message.recipient.startswith("functions.")
 
 
-def split(text: str, final: bool) -> tuple[str | None, str]:
-    """(reasoning, content): None when the answer has no analysis message."""
+def split(text: str, final: bool) -> tuple[str | None, str, str | None]:
+    """(reasoning, content, tail): reasoning None when the answer has no analysis
+    message; tail the part ("reasoning" or "content") that text after this would extend
+    if it starts no marker, None when a marker or header may be under way at the end."""
     reasoning: str | None = None
     content = []
-    for message in parse(text, final):
+    messages, rest = _parse(text, final)
+    for message in messages:
         if message.channel == "analysis":
             reasoning = (reasoning or "") + message.body
         elif is_call(message):  # kept whole for the tool parser
             content.append(message.header + message.body + message.end)
         else:
             content.append(message.body)
-    return reasoning, "".join(content)
+    tail = None
+    if messages and not rest and not messages[-1].end:
+        tail = "reasoning" if messages[-1].channel == "analysis" else "content"
+    return reasoning, "".join(content), tail
 
 
 class HarmonyToolParser(ToolParser):

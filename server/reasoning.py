@@ -13,7 +13,7 @@ GPT-OSS writes OpenAI's harmony messages instead: `openai_gptoss` (server/harmon
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ def default_parser(model_dir: str) -> str | None:
 class Split:
     reasoning: str | None  # None: the answer had no reasoning
     content: str
+    # The part text appended to this one extends when it starts no tag ("reasoning" or
+    # "content"); None when a tag may be under way at the end (held back) or none is known.
+    tail: str | None = field(default=None, compare=False)
 
 
 def split(parser: str, text: str, final: bool = True) -> Split:
@@ -53,11 +56,11 @@ def split(parser: str, text: str, final: bool = True) -> Split:
         return Split(None, "")  # perhaps "<think>" still arriving
     if END in body:
         reasoning, _, content = body.partition(END)
-        return Split(reasoning, content)
+        return Split(reasoning, content, "content")
     if parser == "qwen3" and not opened:
-        return Split(None, text)
+        return Split(None, text, "content")
     held = 0 if final else partial_suffix(body, END)
-    return Split(body[: len(body) - held], "")
+    return Split(body[: len(body) - held], "", None if held else "reasoning")
 
 
 @dataclass
@@ -69,11 +72,22 @@ class ReasoningStream:
     text: str = ""
     reasoning_sent: int = 0
     content_sent: int = 0
+    tail: str | None = None  # the last parse's Split.tail
 
     def feed(self, new_text: str, final: bool) -> tuple[dict[str, Any], str]:
         """({"reasoning_content": news} or {}, the content's news)."""
         self.text += new_text
+        if self.tail is not None and not final and "<" not in new_text:
+            # Every tag and harmony marker starts with "<": text without one extends the
+            # part the text ended in, so the answer so far is not parsed again (that would
+            # cost the whole answer's length on every token).
+            if self.tail == "reasoning":
+                self.reasoning_sent += len(new_text)
+                return ({"reasoning_content": new_text} if new_text else {}), ""
+            self.content_sent += len(new_text)
+            return {}, new_text
         found = split(self.parser, self.text, final)
+        self.tail = found.tail
         delta: dict[str, Any] = {}
         if found.reasoning is not None and len(found.reasoning) > self.reasoning_sent:
             delta["reasoning_content"] = found.reasoning[self.reasoning_sent :]

@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 
+from server import reasoning
 from server.reasoning import ReasoningStream, Split, split
 
 R1_CASES = [
@@ -61,6 +62,34 @@ def test_streamed_in_every_two_way_and_char_split(parser, text, want):
         # Reasoning that ends empty may send no delta at all.
         assert (reasoning or "", content) == (want.reasoning or "", want.content), cuts
         assert kinds == sorted(kinds, key=lambda kind: kind == "content"), cuts  # never back
+
+
+@pytest.mark.parametrize(
+    ("parser", "opening", "closing"),
+    [
+        ("deepseek_r1", "<think>", "</think>"),
+        ("qwen3", "<think>", "</think>"),
+        (
+            "openai_gptoss",
+            "<|channel|>analysis<|message|>",
+            "<|end|><|start|>assistant<|channel|>final<|message|>",
+        ),
+    ],
+)
+def test_pieces_without_a_tag_are_not_parsed_again(parser, opening, closing, monkeypatch):
+    """A long answer streams in linear time: after a parse, pieces that start no tag
+    extend the part the text ended in without the answer being parsed again."""
+    parses = []
+    real = reasoning.split
+    monkeypatch.setattr(reasoning, "split", lambda *args: parses.append(1) or real(*args))
+    stream = ReasoningStream(parser)
+    pieces = [f" word{i}" for i in range(100)]
+    news = [stream.feed(opening, False), *(stream.feed(p, False) for p in pieces)]
+    assert "".join(delta.get("reasoning_content", "") for delta, _ in news) == "".join(pieces)
+    news = [stream.feed(closing, False), *(stream.feed(p, False) for p in pieces)]
+    news.append(stream.feed(" end", True))
+    assert "".join(content for _, content in news) == "".join(pieces) + " end"
+    assert len(parses) <= 5
 
 
 THOUGHT, ANSWER = "two and two", "four"
