@@ -1,10 +1,10 @@
 """A model directory's generation_config.json: what its authors ask of generation.
 
-Two things are read, as vLLM reads them: more stop ids than config.json's
-`eos_token_id` (Llama 3 Instruct ends turns with <|eot_id|>, GPT-OSS tool calls with
-<|call|>), which the engine always takes as EOS; and the sampling defaults the authors
-recommend (Qwen3: temperature 0.6, top_p 0.95, top_k 20), which the server applies to
-requests that leave those fields out (`--generation-config auto`, the default).
+What is read, as vLLM reads it: more stop ids than config.json's `eos_token_id`
+(Llama 3 Instruct ends turns with <|eot_id|>, GPT-OSS tool calls with <|call|>), which
+the engine always takes as EOS; and the sampling defaults the authors recommend (Qwen3:
+temperature 0.6, top_p 0.95, top_k 20) and `max_new_tokens`, which the server applies
+to requests that leave those fields out (`--generation-config auto`, the default).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     sampling: dict[str, float] = field(default_factory=dict)  # SAMPLING_FIELDS it sets
+    max_new_tokens: int | None = None  # a chat answer's length when the request sets none
 
 
 def load_generation_config(model_dir: str) -> GenerationConfig:
@@ -46,7 +47,10 @@ def load_generation_config(model_dir: str) -> GenerationConfig:
         for name in SAMPLING_FIELDS
         if isinstance(raw.get(name), int | float) and not isinstance(raw.get(name), bool)
     }
-    return GenerationConfig(eos_ids, sampling)
+    max_new = raw.get("max_new_tokens")
+    return GenerationConfig(
+        eos_ids, sampling, max_new if _is_int(max_new) and max_new > 0 else None
+    )
 
 
 def _is_int(value: object) -> bool:

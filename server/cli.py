@@ -199,8 +199,9 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "--generation-config",
         choices=list(GENERATION_CONFIG_CHOICES),
         help="auto: requests that leave temperature, top_p, top_k, min_p or "
-        "repetition_penalty out get the model's generation_config.json values (vLLM's "
-        "default); vllm: OpenAI's defaults",
+        "repetition_penalty out get the model's generation_config.json values, and chat "
+        "requests without max_tokens its max_new_tokens (vLLM's default); vllm: OpenAI's "
+        "defaults",
     )
     s(
         "--reasoning-parser",

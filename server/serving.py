@@ -78,13 +78,18 @@ class Serving:
         self.reasoning_parser = config.reasoning_parser or default_parser(info.model_dir)
         # What a request's null sampling fields become (OpenAI's defaults where empty).
         self.sampling_defaults: dict[str, float] = {}
+        # A chat request's max_tokens when it sets none (None: up to the context's end).
+        self.default_max_tokens: int | None = None
         if config.generation_config == "auto":
-            self.sampling_defaults = load_generation_config(info.model_dir).sampling
-        if self.sampling_defaults:
+            generation = load_generation_config(info.model_dir)
+            self.sampling_defaults = generation.sampling
+            self.default_max_tokens = generation.max_new_tokens
+        defaults = self.sampling_defaults | {"max_new_tokens": self.default_max_tokens}
+        if any(v is not None for v in defaults.values()):
             logger.info(
-                "sampling defaults from the model's generation_config.json: %s "
+                "defaults from the model's generation_config.json: %s "
                 "(--generation-config vllm for OpenAI's)",
-                ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()),
+                ", ".join(f"{k}={v}" for k, v in defaults.items() if v is not None),
             )
         self.async_engine = async_engine
         self.model_name = config.served_model_name or info.model_name

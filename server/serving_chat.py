@@ -57,7 +57,12 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
 
     def prepare() -> list[int]:
         ids = prompts.render_chat(req.messages, req, tools.template_tools)
-        return s.check_prompt(ids, params, "messages", truncate)
+        ids = s.check_prompt(ids, params, "messages", truncate)
+        if max_tokens is None and s.default_max_tokens is not None:
+            # As vLLM: the model's default length, within the room the context leaves.
+            room = s.max_model_len - len(ids)
+            params.max_tokens = min(max(s.default_max_tokens, params.min_tokens), room)
+        return ids
 
     size = sum(len(str(m.content or "")) for m in req.messages)
     prompt_ids = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499

@@ -1,6 +1,6 @@
 """A model's generation_config.json: its eos_token_id list stops generation (offline and
-served), and its sampling fields are the defaults of requests that leave them out,
-unless --generation-config vllm."""
+served), and its sampling fields and max_new_tokens are the defaults of requests that
+leave them out, unless --generation-config vllm."""
 
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ def test_reads_the_stop_ids_and_sampling_fields(tmp_path):
                 "do_sample": True,  # not a sampling field vLLM reads
                 "top_p": "high",  # not a number: left out
                 "min_p": False,
+                "max_new_tokens": 256,
             }
         )
     )
     assert load_generation_config(str(tmp_path)) == GenerationConfig(
-        (3, 7), {"temperature": 0.6, "top_k": 20}
+        (3, 7), {"temperature": 0.6, "top_k": 20}, 256
     )
     (tmp_path / "generation_config.json").write_text("[1, 2")
     assert load_generation_config(str(tmp_path)) == GenerationConfig()
@@ -69,7 +70,7 @@ def test_its_eos_ids_stop_generation(tiny_gpt2_dir, tmp_path, greedy_ids):
 @pytest.fixture(scope="module")
 def greedy_by_default_dir(tiny_gpt2_dir, tmp_path_factory) -> str:
     return with_generation_config(
-        tiny_gpt2_dir, tmp_path_factory.mktemp("gen") / "m", temperature=0.0
+        tiny_gpt2_dir, tmp_path_factory.mktemp("gen") / "m", temperature=0.0, max_new_tokens=5
     )
 
 
@@ -80,13 +81,26 @@ def completions(server, **fields) -> list[str]:
     return [choice["text"] for choice in r.json()["choices"]]
 
 
+def chat_length(server, **fields) -> int:
+    """The answer's length in tokens, EOS ignored."""
+    body = {"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True} | fields
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["completion_tokens"]
+
+
 def test_its_sampling_fields_are_the_request_defaults(start_server, greedy_by_default_dir):
     auto = start_server(engine={"model": greedy_by_default_dir})
     greedy = completions(auto, temperature=0.0)
     assert completions(auto, n=3, seed=5) == greedy * 3  # temperature 0 from the file
     sampled = completions(auto, n=3, seed=5, temperature=1.0)  # the request's own wins
     assert sampled != greedy * 3
+    # max_new_tokens: a chat answer's length when the request gives none, min_tokens kept.
+    assert chat_length(auto) == 5
+    assert chat_length(auto, min_tokens=7) == 7
+    assert chat_length(auto, max_tokens=9) == chat_length(auto, max_completion_tokens=9) == 9
     vllm = start_server(
         engine={"model": greedy_by_default_dir}, server={"generation_config": "vllm"}
     )
     assert completions(vllm, n=3, seed=5) == sampled  # OpenAI's default: temperature 1
+    assert chat_length(vllm) > 5  # up to the context's end
