@@ -127,10 +127,16 @@ class HarmonyToolParser(ToolParser):
 
     def extract(self, text: str, final: bool) -> Extracted:
         found = Extracted("")
-        for message in parse(text, final):
+        messages, rest = _parse(text, final)
+        for message in messages:
             if is_call(message):
                 name = message.recipient.removeprefix("functions.")
                 found.calls.append(DraftCall(name, message.body))
             elif message.channel != "analysis":
                 found.content += message.body
+        if messages and not rest and not messages[-1].end:
+            last = messages[-1]
+            found.tail = (
+                "call" if is_call(last) else None if last.channel == "analysis" else "content"
+            )
         return found

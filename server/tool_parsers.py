@@ -40,6 +40,10 @@ class DraftCall:
 class Extracted:
     content: str
     calls: list[DraftCall] = field(default_factory=list)
+    # What text appended to this one extends when it holds no "<" (parsers whose markup
+    # all starts with one): "content", "call" (the last call's arguments), or None (not
+    # known, or a tag may be under way at the end).
+    tail: str | None = None
 
 
 class ToolParser:
@@ -56,7 +60,7 @@ class HermesParser(ToolParser):
         start = text.find(self.OPEN)
         if start < 0:
             held = 0 if final else partial_suffix(text, self.OPEN)
-            return Extracted(text[: len(text) - held])
+            return Extracted(text[: len(text) - held], tail=None if held else "content")
         calls: list[DraftCall] = []
         pos = start
         while pos >= 0:

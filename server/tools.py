@@ -124,11 +124,21 @@ class ToolStream:
     text: str = ""
     content_sent: int = 0
     arguments_sent: list[int] = field(default_factory=list)  # per call begun: the length sent
+    tail: str | None = None  # what a piece without "<" extends (Extracted.tail), if sent so
 
     def feed(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta for new_text (final: the choice's last): `content` and/or
         `tool_calls`, each present only if it has news."""
         self.text += new_text
+        if self.tail is not None and not final and "<" not in new_text and new_text:
+            # The text is not parsed again (its whole length on every token): the piece
+            # extends the content, or the last call's arguments, as sent so far.
+            if self.tail == "content":
+                self.content_sent += len(new_text)
+                return {"content": new_text}
+            self.arguments_sent[-1] += len(new_text)
+            index = len(self.arguments_sent) - 1
+            return {"tool_calls": [{"index": index, "function": {"arguments": new_text}}]}
         found = self.parser.extract(self.text, final)
         calls = found.calls if self.parallel else found.calls[:1]
         content = found.content
@@ -156,6 +166,14 @@ class ToolStream:
                 pieces.append({"index": index, "function": {"arguments": fragment}})
         if pieces:
             delta["tool_calls"] = pieces
+        # Content extends only once sent (whitespace is held back), a call's arguments
+        # only when the call is the last one sent.
+        if found.tail == "content" and self.content_sent:
+            self.tail = "content"
+        elif found.tail == "call" and calls and len(calls) == len(found.calls):
+            self.tail = "call"
+        else:
+            self.tail = None
         return delta
 
     def finish_reason(self, finish_reason: str | None) -> str | None:

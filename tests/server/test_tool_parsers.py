@@ -8,6 +8,7 @@ import json
 import pytest
 
 from server.tool_parsers import (
+    PARSERS,
     DraftCall,
     HermesParser,
     Llama3JsonParser,
@@ -115,6 +116,34 @@ def test_stream_split_anywhere_gives_the_whole_texts_calls(parser, text, content
 def test_stream_without_parallel_calls_keeps_the_first():
     _, calls, _ = stream(HermesParser(), HERMES, list(range(1, len(HERMES), 7)), parallel=False)
     assert [c["name"] for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("parser", "opening", "field"),
+    [
+        ("hermes", "Sure.", "content"),
+        ("openai", "<|channel|>final<|message|>Sure.", "content"),
+        ("openai", '<|channel|>commentary to=functions.f<|message|>{"code": "', "arguments"),
+    ],
+)
+def test_pieces_without_a_tag_are_not_parsed_again(parser, opening, field):
+    """A long answer or call streams in linear time: after a parse, pieces without "<"
+    extend the content, or the last call's arguments, without a parse of the text."""
+    parses = []
+    tool_parser = PARSERS[parser]()
+    real = tool_parser.extract
+    tool_parser.extract = lambda *args: parses.append(1) or real(*args)
+    stream = ToolStream(tool_parser)
+    stream.feed(opening, False)
+    pieces = [f" word{i}" for i in range(100)]
+    deltas = [stream.feed(piece, False) for piece in pieces]
+    if field == "content":
+        assert "".join(d["content"] for d in deltas) == "".join(pieces)
+    else:
+        got = [d["tool_calls"][0] for d in deltas]
+        assert all(piece["index"] == 0 for piece in got)
+        assert "".join(piece["function"]["arguments"] for piece in got) == "".join(pieces)
+    assert len(parses) == 1  # the opening's
 
 
 def test_content_is_held_while_a_tag_may_begin():
