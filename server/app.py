@@ -44,9 +44,11 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.responses_protocol import ResponseObject, ResponsesRequest
 from server.serving import Serving
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
+from server.serving_responses import create_response
 
 logger = logging.getLogger("pagoda.server")
 try:
@@ -135,6 +137,10 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATE)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(_serving(request), body, request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_GENERATE)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_serving(request), body, request)
 
     @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:

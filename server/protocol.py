@@ -76,6 +76,10 @@ class _Request(BaseModel):
         }
 
 
+# The base of every request model (server/responses_protocol.py's too).
+RequestModel = _Request
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk

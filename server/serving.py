@@ -294,10 +294,10 @@ class SSEResponse(StreamingResponse):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self._stream = stream
+        self.request_stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.abort()
+            self.request_stream.abort()

@@ -1,0 +1,398 @@
+"""POST /v1/responses: OpenAI's Responses API, served by the chat path.
+
+A request becomes a chat request (`instructions` the system message, `input` items the
+messages: a function call the assistant's tool call, its output a tool message, a
+reasoning item the next assistant message's `reasoning_content`) and runs as one, with
+the server's reasoning and tool-call parsers. Its answer comes back as output items,
+reasoning, then the message, then function calls; streamed, as the Responses API's
+typed events (`response.output_text.delta`, ...), translated from the chat chunks.
+Responses are not stored, so `previous_response_id` is refused: send the whole
+conversation in `input`, as with `store: false`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.responses_protocol import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputContentPart,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextFormat,
+    TextOptions,
+)
+from server.serving import Serving, SSEResponse
+from server.serving_chat import create_chat_completion
+
+# The chat request's fields, named as the Responses request names them (for errors).
+_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
+
+
+async def create_response(s: Serving, req: ResponsesRequest, raw: Request) -> Response:
+    if req.previous_response_id is not None:
+        raise APIError(
+            "previous_response_id is not supported: responses are not stored. Send the "
+            "conversation in input.",
+            param="previous_response_id",
+        )
+    try:
+        chat = ChatCompletionRequest.model_validate(_chat_fields(req))
+    except ValidationError as exc:
+        raise APIError(f"input: {exc.errors()[0]['msg']}", param="input") from None
+    try:
+        answer = await create_chat_completion(s, chat, raw)
+    except APIError as exc:
+        exc.param = _PARAMS.get(exc.param or "", exc.param)
+        raise
+    base = _response(s, req, f"resp_{uuid.uuid4().hex}")
+    if isinstance(answer, SSEResponse):
+        return _EventStream(answer, _Events(base).translate(answer.body_iterator))
+    body = json.loads(answer.body)
+    choice = body["choices"][0]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    base.output = _items(choice["message"], status)
+    _finish(base, status, body["usage"])
+    return Response(base.model_dump_json(by_alias=True), media_type="application/json")
+
+
+def _chat_fields(req: ResponsesRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {"messages": _messages(req), "stream": req.stream}
+    if req.stream:
+        fields["stream_options"] = {"include_usage": True}
+    for name, value in (
+        ("model", req.model),
+        ("max_tokens", req.max_output_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+    ):
+        if value is not None:
+            fields[name] = value
+    if req.tools:
+        fields["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in req.tools
+        ]
+        fields["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        fields["tool_choice"] = (
+            choice
+            if isinstance(choice, str)
+            else {"type": "function", "function": {"name": choice.name}}
+        )
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        fields["reasoning_effort"] = req.reasoning.effort
+    form = req.text.format if req.text is not None else None
+    if form is not None and form.type == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    elif form is not None and form.type == "json_schema":
+        if form.name is None or form.schema_ is None:
+            raise APIError("A json_schema format needs a name and a schema.", param="text.format")
+        spec = {"name": form.name, "schema": form.schema_, "strict": form.strict}
+        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+    return fields
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages `instructions` and `input` make."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions is not None:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        if item.type == "reasoning":
+            parts = item.content or item.summary or []
+            reasoning = (reasoning or "") + "".join(part.text for part in parts)
+        elif item.type == "message":
+            if item.role is None or item.content is None:
+                raise APIError("A message item needs a role and content.", param=where)
+            text = item.content
+            if not isinstance(text, str):
+                if not all(isinstance(part, InputContentPart) for part in text):
+                    raise APIError("A message's parts must be text.", param=where)
+                text = "".join(part.text for part in text)
+            message: dict[str, Any] = {"role": item.role, "content": text}
+            if item.role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            messages.append(message)
+        elif item.type == "function_call":
+            if item.call_id is None or item.name is None or item.arguments is None:
+                raise APIError("A function_call needs call_id, name and arguments.", param=where)
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and reasoning is None:
+                last.setdefault("tool_calls", []).append(call)  # the turn it belongs to
+            else:
+                turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    turn["reasoning_content"], reasoning = reasoning, None
+                messages.append(turn)
+        else:  # function_call_output
+            if item.call_id is None or item.output is None:
+                raise APIError("A function_call_output needs call_id and output.", param=where)
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    if not messages:
+        raise APIError("input must hold a message.", param="input")
+    return messages
+
+
+def _response(s: Serving, req: ResponsesRequest, response_id: str) -> ResponseObject:
+    """The response as it starts: the request's settings echoed, no output yet."""
+    text = req.text or TextOptions(format=TextFormat(type="text"))
+    return ResponseObject(
+        id=response_id,
+        created_at=int(time.time()),
+        model=s.model_name,
+        status="in_progress",
+        output=[],
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tools=req.tools or [],
+        tool_choice=req.tool_choice or ("auto" if req.tools else "none"),
+        parallel_tool_calls=req.parallel_tool_calls,
+        reasoning=req.reasoning,
+        text=text,
+        metadata=req.metadata or {},
+    )
+
+
+def _finish(response: ResponseObject, status: str, usage: dict[str, Any] | None) -> None:
+    response.status = status
+    if status == "incomplete":
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+    if usage is not None:
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        response.usage = ResponseUsage(
+            input_tokens=usage["prompt_tokens"],
+            output_tokens=usage["completion_tokens"],
+            total_tokens=usage["total_tokens"],
+            input_tokens_details={"cached_tokens": cached},
+        )
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _items(message: dict[str, Any], status: str) -> list:
+    """A chat answer's message as output items: reasoning, text, then calls."""
+    items: list = []
+    if message.get("reasoning_content") is not None:
+        text = [ReasoningText(text=message["reasoning_content"])]
+        items.append(ReasoningItem(id=_id("rs"), status=status, content=text))
+    if message.get("content"):
+        text = [OutputText(text=message["content"])]
+        items.append(MessageItem(id=_id("msg"), status=status, content=text))
+    for call in message.get("tool_calls") or []:
+        function = call["function"]
+        items.append(
+            FunctionCallItem(
+                id=_id("fc"),
+                status="completed",
+                call_id=call["id"],
+                name=function["name"],
+                arguments=function["arguments"],
+            )
+        )
+    return items
+
+
+class _EventStream(StreamingResponse):
+    """The events as SSE; the chat answer's request is aborted however this ends."""
+
+    def __init__(self, answer: SSEResponse, events: AsyncIterator[str]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._answer = answer
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._answer.request_stream.abort()
+
+
+class _Events:
+    """Chat chunks → the Responses API's events, one output item open at a time."""
+
+    def __init__(self, response: ResponseObject) -> None:
+        self.response = response
+        self.sequence = 0
+        self.item: ReasoningItem | MessageItem | FunctionCallItem | None = None
+        self.text = ""  # the open item's text or arguments so far
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    async def translate(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        snapshot = self.response.model_dump(mode="json", by_alias=True)
+        yield self.event("response.created", response=snapshot)
+        yield self.event("response.in_progress", response=snapshot)
+        async for line in chunks:
+            payload = line.removeprefix("data: ").strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:  # the chat stream failed midway
+                yield self.event("error", **chunk["error"])
+                return
+            if chunk.get("usage"):
+                self.usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                for event in self.delta(choice["delta"]):
+                    yield event
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        for event in self.close():
+            yield event
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        _finish(self.response, status, self.usage)
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        yield self.event(kind, response=self.response.model_dump(mode="json", by_alias=True))
+
+    def delta(self, delta: dict[str, Any]) -> list[str]:
+        events: list[str] = []
+        if delta.get("reasoning_content"):
+            events += self.extend("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self.extend("message", delta["content"])
+        for piece in delta.get("tool_calls") or []:
+            function = piece.get("function", {})
+            if "id" in piece:  # a new call: its own item
+                events += self.close()
+                call = FunctionCallItem(
+                    id=_id("fc"),
+                    status="in_progress",
+                    call_id=piece["id"],
+                    name=function["name"],
+                    arguments="",
+                )
+                events += self.open(call)
+            if function.get("arguments"):
+                events += self.extend("function_call", function["arguments"])
+        return events
+
+    def open(self, item: ReasoningItem | MessageItem | FunctionCallItem) -> list[str]:
+        self.item, self.text = item, ""
+        where = {"output_index": len(self.response.output)}
+        events = [self.event("response.output_item.added", **where, item=item.model_dump())]
+        if not isinstance(item, FunctionCallItem):
+            part = (
+                ReasoningText(text="") if isinstance(item, ReasoningItem) else OutputText(text="")
+            )
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    **where,
+                    item_id=item.id,
+                    content_index=0,
+                    part=part.model_dump(),
+                )
+            )
+        return events
+
+    def extend(self, kind: str, text: str) -> list[str]:
+        events: list[str] = []
+        if self.item is None or self.item.type != kind:
+            events += self.close()
+            status = "in_progress"
+            new = ReasoningItem if kind == "reasoning" else MessageItem
+            events += self.open(
+                new(id=_id("rs" if kind == "reasoning" else "msg"), status=status, content=[])
+            )
+        self.text += text
+        where = {"item_id": self.item.id, "output_index": len(self.response.output)}
+        if kind == "function_call":
+            return [
+                *events,
+                self.event("response.function_call_arguments.delta", **where, delta=text),
+            ]
+        name = "reasoning_text" if kind == "reasoning" else "output_text"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return [
+            *events,
+            self.event(f"response.{name}.delta", **where, content_index=0, delta=text, **extra),
+        ]
+
+    def close(self) -> list[str]:
+        """Finish the open item and add it to the response's output."""
+        item = self.item
+        if item is None:
+            return []
+        self.item = None
+        where = {"item_id": item.id, "output_index": len(self.response.output)}
+        events: list[str] = []
+        if isinstance(item, FunctionCallItem):
+            item.arguments = self.text
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    name=item.name,
+                    arguments=self.text,
+                )
+            )
+        else:
+            reasoning = isinstance(item, ReasoningItem)
+            part = ReasoningText(text=self.text) if reasoning else OutputText(text=self.text)
+            item.content = [part]
+            name = "reasoning_text" if reasoning else "output_text"
+            extra = {} if reasoning else {"logprobs": []}
+            events.append(
+                self.event(
+                    f"response.{name}.done", **where, content_index=0, text=self.text, **extra
+                )
+            )
+            events.append(
+                self.event(
+                    "response.content_part.done", **where, content_index=0, part=part.model_dump()
+                )
+            )
+        item.status = "incomplete" if self.finish_reason == "length" else "completed"
+        events.append(
+            self.event(
+                "response.output_item.done",
+                output_index=where["output_index"],
+                item=item.model_dump(),
+            )
+        )
+        self.response.output.append(item)
+        return events
