@@ -128,7 +128,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         if item.type == "reasoning":
             parts = item.content or item.summary or []
-            reasoning = (reasoning or "") + "".join(part.text for part in parts)
+            text = parts if isinstance(parts, str) else "".join(part.text for part in parts)
+            reasoning = (reasoning or "") + text
         elif item.type == "message":
             if item.role is None or item.content is None:
                 raise APIError("A message item needs a role and content.", param=where)

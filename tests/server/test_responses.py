@@ -121,6 +121,22 @@ def test_function_call_and_its_output_sent_back(tools_sdk, model_name):
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and result
 
 
+def test_reasoning_items_in_either_form_go_back(sdk, model_name):
+    """A reasoning item's text as parts or as one string (the fuzzer's find: a 500)."""
+    for content in ([{"type": "reasoning_text", "text": "I think"}], "I think"):
+        r = sdk.responses.create(
+            model=model_name,
+            input=[
+                {"role": "user", "content": "Hi"},
+                {"type": "reasoning", "content": content, "summary": []},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+                {"role": "user", "content": "And?"},
+            ],
+            max_output_tokens=2,
+        )
+        assert r.status == "incomplete" and r.usage.output_tokens == 2
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
