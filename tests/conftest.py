@@ -231,6 +231,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "SmolLM3ForCausalLM",
         dict(no_rope_layer_interval=2, pad_token_id=0),
     ),
+    # GPT-NeoX (Pythia): attention and MLP in parallel off one residual stream, a quarter
+    # of each head rotated, q/k/v interleaved by head in one tensor, erf GELU.
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(use_parallel_residual=True, hidden_act="gelu"),
+    ),
+    # GPT-NeoX's sequential residual, half of each head rotated (base 500), tanh GELU.
+    "gpt_neox_sequential": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            use_parallel_residual=False,
+            hidden_act="gelu_new",
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 500.0,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
@@ -52,6 +53,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "gpt_neox": GPTNeoXForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
 }

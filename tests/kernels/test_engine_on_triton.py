@@ -50,15 +50,19 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
-@pytest.mark.parametrize("kind", ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2"])
+@pytest.mark.parametrize(
+    "kind", ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox"]
+)
 def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
     """Sliding windows (16, 8 and 14 tokens, crossed by the longer prompts) in the Triton
     attention kernels, Mixtral's experts through the Triton fused MoE, Gemma 3's q/k
     norms and two rotary caches in the rotary kernel, its GeGLU in act_and_mul, Gemma 2's
     soft-capped scores, Phi-3's rotation of 12 of 16 dims a head (reordered q/k
     rows, a table of cos 1 / sin 0 for the rest) in the rotary and decode kernels, and
-    GPT-OSS's sinks in both attention kernels and its biased, clamped experts, and
-    OLMo 2's whole-width q/k norms (the norm kernel on the qkv output's column slices)."""
+    GPT-OSS's sinks in both attention kernels and its biased, clamped experts,
+    OLMo 2's whole-width q/k norms (the norm kernel on the qkv output's column slices),
+    and GPT-NeoX's LayerNorm of a residual stream two sublayers read, 4 of 16 dims a
+    head rotated."""
     from kernels.fused_moe import fused_moe
     from kernels.moe_routing import topk_softmax
 

@@ -1,0 +1,161 @@
+"""GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B, and the models trained on its code): Llama's
+attention with biases, a partial rotary embedding (`rotary_pct`) and the q, k and v rows
+interleaved head by head in one checkpoint tensor; LayerNorms; a plain GELU MLP; and, with
+`use_parallel_residual` (Pythia's), attention and MLP reading the same residual stream,
+their outputs added to it together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.gpt2 import ACTIVATIONS
+from engine.models.layers import (
+    AttentionMetadata,
+    LayerNorm,
+    LMHead,
+    RotaryEmbedding,
+    rope_settings,
+)
+from engine.models.llama import LlamaAttention
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorSlice,
+    VocabParallelEmbedding,
+    WeightSlice,
+    load_weight,
+    split,
+)
+from kernels.fp8 import Fp8Rows
+
+# HF module names (under gpt_neox.) -> ours.
+RENAMES = {
+    "embed_in": "embed_tokens",
+    "final_layer_norm": "norm",
+    "attention.query_key_value": "self_attn.qkv_proj",
+    "attention.dense": "self_attn.o_proj",
+    "mlp.dense_h_to_4h": "mlp.up",
+    "mlp.dense_4h_to_h": "mlp.down",
+}
+IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
+class NeoXMLP(nn.Module):
+    """down(act(up(x))), with biases: up column-parallel, down row-parallel."""
+
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        inner = split(config.intermediate_size, tp, "intermediate_size")
+        self.up = ColumnParallelLinear(config.hidden_size, [inner], bias=True)
+        self.down = RowParallelLinear(config.intermediate_size, config.hidden_size, True, tp)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class NeoXLayer(nn.Module):
+    FP8_FEEDS: ClassVar[dict[str, str]] = {
+        "input_layernorm": "self_attn.qkv_proj",
+        "post_attention_layernorm": "mlp.up",
+    }
+
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.parallel = config.use_parallel_residual
+        self.input_layernorm = LayerNorm(config.hidden_size, eps)
+        self.self_attn = LlamaAttention(config, rotary, 0, tp)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps)
+        self.mlp = NeoXMLP(config, tp)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        attn = self.self_attn(positions, h, meta)
+        if self.parallel:  # the MLP reads the stream as the attention did
+            h, _ = self.post_attention_layernorm(residual)
+            return attn + self.mlp(h), residual
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(h), residual
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+        # Multi-head attention: a num_key_value_heads in the file is not NeoX's (transformers
+        # ignores it too).
+        config.num_key_value_heads = config.num_attention_heads
+        self.config = config
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        head_dim = config.hidden_size // config.num_attention_heads
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            NeoXLayer(config, self.rotary, tp) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [num_seqs, vocab_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        """Read this rank's part of each checkpoint tensor; returns our parameter names
+        that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, weight in weights:
+            if name.endswith(IGNORED):
+                continue
+            ours = name.removeprefix("gpt_neox.").replace("embed_out.", "lm_head.")
+            for theirs, renamed in RENAMES.items():
+                ours = ours.replace(theirs, renamed)
+            if ours == "embed_tokens.weight" and self.tie_word_embeddings:
+                load_weight(self.lm_head, "weight", weight, name)
+                loaded.add("lm_head.weight")
+            if ours == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ours not in params:
+                raise ValueError(f"unexpected weight {name!r} for GPT-NeoX")
+            if ".qkv_proj." in ours:
+                weight = TensorSlice(self._qkv_in_sections(weight))
+            module, _, leaf = ours.rpartition(".")
+            load_weight(self.get_submodule(module), leaf, weight, name)
+            loaded.add(ours)
+        for layer in self.layers:
+            layer.self_attn.reorder_rotary_dims()
+        return loaded
+
+    def _qkv_in_sections(self, weight: WeightSlice) -> torch.Tensor:
+        """query_key_value's rows, [head 0's q, k, v, head 1's ...], as q, k, v sections."""
+        config = self.config
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        shape = weight.get_shape()
+        if shape[0] != 3 * hidden:
+            raise ValueError(f"shape {tuple(shape)}, expected ({3 * hidden}, ...)")
+        tensor = weight[tuple(slice(None) for _ in shape)]
+        by_head = tensor.reshape(heads, 3, hidden // heads, *shape[1:])
+        return by_head.transpose(0, 1).reshape(shape)
