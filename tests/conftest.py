@@ -119,7 +119,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config_class, model_class, fields = FAMILY_CONFIGS[kind]
         config = getattr(transformers, config_class)(**TINY, **fields, **common)
         model = getattr(transformers, model_class)(config)
-        if kind == "gpt_oss":
+        if kind in ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi"):
+            # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     if name.endswith(("bias", "sinks")):
@@ -252,6 +253,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
         ),
     ),
+    # Phi (phi-2): one LayerNorm both sublayers read, half of each head rotated, GQA here
+    # (phi-2 itself is multi-head), a biased LM head.
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

@@ -1,8 +1,13 @@
-"""GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B, and the models trained on its code): Llama's
-attention with biases, a partial rotary embedding (`rotary_pct`) and the q, k and v rows
-interleaved head by head in one checkpoint tensor; LayerNorms; a plain GELU MLP; and, with
-`use_parallel_residual` (Pythia's), attention and MLP reading the same residual stream,
-their outputs added to it together."""
+"""Parallel-residual models, where attention and MLP read the same residual stream and
+their outputs join it together:
+
+- GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B, and the models trained on its code):
+  Llama's attention with biases, a partial rotary embedding, and the q, k and v rows
+  interleaved head by head in one checkpoint tensor; a LayerNorm before each sublayer;
+  a plain GELU MLP; `use_parallel_residual` (Pythia's) or the sequential layout.
+- Phi (`phi`: phi-1, phi-1.5, phi-2): one LayerNorm both sublayers read, separate q/k/v
+  tensors, a partial rotary embedding, and an LM head with a bias.
+"""
 
 from __future__ import annotations
 
@@ -36,12 +41,21 @@ from kernels.fp8 import Fp8Rows
 # HF module names (under gpt_neox.) -> ours.
 RENAMES = {
     "embed_in": "embed_tokens",
+    "embed_out": "lm_head",
     "final_layer_norm": "norm",
     "attention.query_key_value": "self_attn.qkv_proj",
     "attention.dense": "self_attn.o_proj",
     "mlp.dense_h_to_4h": "mlp.up",
     "mlp.dense_4h_to_h": "mlp.down",
 }
+# Phi's (under model.) -> ours; its q/k/v tensors fill the qkv_proj's sections.
+PHI_RENAMES = {
+    "final_layernorm": "norm",
+    "self_attn.dense": "self_attn.o_proj",
+    "mlp.fc1": "mlp.up",
+    "mlp.fc2": "mlp.down",
+}
+QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
 
@@ -60,19 +74,31 @@ class NeoXMLP(nn.Module):
 
 
 class NeoXLayer(nn.Module):
+    """parallel: attention and MLP read the same stream (each through its own norm, or
+    through the one norm when `shared_norm`, Phi's); else one after the other."""
+
     FP8_FEEDS: ClassVar[dict[str, str]] = {
         "input_layernorm": "self_attn.qkv_proj",
         "post_attention_layernorm": "mlp.up",
     }
 
-    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        tp: TensorParallel,
+        parallel: bool,
+        shared_norm: bool = False,
+    ) -> None:
         super().__init__()
         eps = config.layer_norm_eps
-        self.parallel = config.use_parallel_residual
+        self.parallel = parallel
         self.input_layernorm = LayerNorm(config.hidden_size, eps)
         self.self_attn = LlamaAttention(config, rotary, 0, tp)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = None if shared_norm else LayerNorm(config.hidden_size, eps)
         self.mlp = NeoXMLP(config, tp)
+        if shared_norm:  # one norm, two readers: each FP8 projection quantizes its own input
+            self.FP8_FEEDS = {}
 
     def forward(
         self,
@@ -84,6 +110,8 @@ class NeoXLayer(nn.Module):
         """x: the last layer's output, not yet added to the residual stream."""
         h, residual = self.input_layernorm(x, residual)
         attn = self.self_attn(positions, h, meta)
+        if self.post_attention_layernorm is None:  # both read the one norm
+            return attn + self.mlp(h), residual
         if self.parallel:  # the MLP reads the stream as the attention did
             h, _ = self.post_attention_layernorm(residual)
             return attn + self.mlp(h), residual
@@ -96,9 +124,8 @@ class GPTNeoXForCausalLM(nn.Module):
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
-        # Multi-head attention: a num_key_value_heads in the file is not NeoX's (transformers
-        # ignores it too).
-        config.num_key_value_heads = config.num_attention_heads
+        if self.MULTI_HEAD:  # a num_key_value_heads in the file is not NeoX's (nor transformers')
+            config.num_key_value_heads = config.num_attention_heads
         self.config = config
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         head_dim = config.hidden_size // config.num_attention_heads
@@ -106,10 +133,17 @@ class GPTNeoXForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            NeoXLayer(config, self.rotary, tp) for _ in range(config.num_hidden_layers)
+            self.make_layer(config, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
+
+    HEAD_BIAS = False
+    MULTI_HEAD = True
+    RENAMES = RENAMES
+
+    def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
+        return NeoXLayer(config, self.rotary, tp, config.use_parallel_residual)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -130,21 +164,29 @@ class GPTNeoXForCausalLM(nn.Module):
         for name, weight in weights:
             if name.endswith(IGNORED):
                 continue
-            ours = name.removeprefix("gpt_neox.").replace("embed_out.", "lm_head.")
-            for theirs, renamed in RENAMES.items():
+            ours = name.removeprefix("gpt_neox.").removeprefix("model.")
+            for theirs, renamed in self.RENAMES.items():
                 ours = ours.replace(theirs, renamed)
+            section = None
+            module, _, leaf = ours.rpartition(".")
+            proj = module.rpartition(".")[2]
+            if proj in QKV:  # Phi's separate q, k and v
+                ours, section = f"{module.removesuffix(proj)}qkv_proj.{leaf}", QKV.index(proj)
             if ours == "embed_tokens.weight" and self.tie_word_embeddings:
                 load_weight(self.lm_head, "weight", weight, name)
                 loaded.add("lm_head.weight")
             if ours == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if ours not in params:
-                raise ValueError(f"unexpected weight {name!r} for GPT-NeoX")
-            if ".qkv_proj." in ours:
+                raise ValueError(f"unexpected weight {name!r}")
+            if ".qkv_proj." in ours and section is None:  # NeoX's interleaved tensor
                 weight = TensorSlice(self._qkv_in_sections(weight))
             module, _, leaf = ours.rpartition(".")
-            load_weight(self.get_submodule(module), leaf, weight, name)
-            loaded.add(ours)
+            load_weight(self.get_submodule(module), leaf, weight, name, section)
+            loaded.add(ours if section is None else f"{ours}#{section}")
+        for ours in {k.split("#")[0] for k in loaded if "#" in k}:
+            if all(f"{ours}#{i}" in loaded for i in range(3)):
+                loaded.add(ours)
         for layer in self.layers:
             layer.self_attn.reorder_rotary_dims()
         return loaded
@@ -159,3 +201,18 @@ class GPTNeoXForCausalLM(nn.Module):
         tensor = weight[tuple(slice(None) for _ in shape)]
         by_head = tensor.reshape(heads, 3, hidden // heads, *shape[1:])
         return by_head.transpose(0, 1).reshape(shape)
+
+
+class PhiForCausalLM(GPTNeoXForCausalLM):
+    HEAD_BIAS = True
+    MULTI_HEAD = False  # its num_key_value_heads holds
+    RENAMES = PHI_RENAMES
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        if getattr(config, "qk_layernorm", False):
+            raise ValueError("unsupported qk_layernorm=True")
+        config.attention_bias = True  # Phi's q/k/v and dense always carry biases
+        super().__init__(config, tp)
+
+    def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
+        return NeoXLayer(config, self.rotary, tp, parallel=True, shared_norm=True)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.parallel import VocabParallelEmbedding, vocab_rows
+from engine.models.parallel import VocabParallelEmbedding, WeightSlice, read, vocab_rows
 from kernels.fp8 import Fp8Rows
 from kernels.kv_store import kv_store_for
 from kernels.linear import dense
@@ -363,18 +363,31 @@ class LMHead(nn.Module):
     50257 is slow). Vocab-parallel: each rank holds its share of the padded rows (64 * size
     of them), and the shares' logits are gathered (TensorParallel.gather_logits)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE, bias: bool = False
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.tp = tp
         self.vocab_start, rows = vocab_rows(vocab_size, 64, tp)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(rows)) if bias else None  # Phi's
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense(hidden, self.weight, None)  # [rows, this rank's vocab]
+        logits = dense(hidden, self.weight, self.bias)  # [rows, this rank's vocab]
         return self.tp.gather_logits(logits)[:, : self.vocab_size]
 
-    load_shard = VocabParallelEmbedding.load_shard  # the same rows of the same matrix
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        """This rank's rows of the [vocab, hidden] matrix, as the embedding's, or of the
+        bias; padding rows stay zero."""
+        if leaf == "weight":
+            VocabParallelEmbedding.load_shard(self, leaf, weight, section)
+            return
+        start = self.vocab_start
+        stop = min(start + self.bias.shape[0], self.vocab_size)
+        self.bias.data.zero_()
+        bias = read(weight, [self.vocab_size])
+        self.bias.data[: max(0, stop - start)].copy_(bias[start:stop])
 
 
 class HeadNorm(nn.Module):

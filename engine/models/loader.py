@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
-from engine.models.gpt_neox import GPTNeoXForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
@@ -54,6 +54,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granite": GraniteForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
+    "phi": PhiForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
 }

@@ -320,6 +320,9 @@ FP8_PRODUCERS = {
         ["layers.0.post_attention_layernorm"],
     ),
     "gpt2": (["h.0.ln_1", "h.0.ln_2"], ["ln_f"]),
+    "gpt_neox": (["layers.0.input_layernorm", "layers.0.post_attention_layernorm"], ["norm"]),
+    # Phi's one norm feeds attention and MLP: each projection quantizes its own input.
+    "phi": ([], ["layers.0.input_layernorm", "norm"]),
 }
 
 
