@@ -256,6 +256,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Phi (phi-2): one LayerNorm both sublayers read, half of each head rotated, GQA here
     # (phi-2 itself is multi-head), a biased LM head.
     "phi": ("PhiConfig", "PhiForCausalLM", dict(tie_word_embeddings=False)),
+    # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
+    # interleaved pairs, GQA, tied head times logit_scale.
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

@@ -135,12 +135,13 @@ class AddNorm(nn.Module):
     With residual None, x is the residual stream itself. rms: HF Llama's RMSNorm
     (normalize in fp32, cast back, then scale); else LayerNorm, with a bias.
     fp8_out (set by `quantize_model` where an FP8 projection takes the norm): the norm
-    comes out quantized per token, as `Fp8Rows`."""
+    comes out quantized per token, as `Fp8Rows`. bias False: a LayerNorm without one
+    (Cohere's)."""
 
-    def __init__(self, dim: int, eps: float, rms: bool) -> None:
+    def __init__(self, dim: int, eps: float, rms: bool, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = None if rms else nn.Parameter(torch.zeros(dim))
+        self.bias = None if rms or not bias else nn.Parameter(torch.zeros(dim))
         self.eps = eps
         self.rms = rms
         self.fp8_out = False

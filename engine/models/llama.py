@@ -204,8 +204,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(self.make_layers(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+
+    def make_norm(self, config) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = (

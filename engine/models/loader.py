@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.cohere import CohereForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
@@ -55,6 +56,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
+    "cohere": CohereForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
 }

@@ -157,10 +157,10 @@ def test_prompt_logprobs_are_bounded_like_logprobs():
         SamplingParams(prompt_logprobs=-1)
 
 
-@pytest.mark.parametrize("kind", ["granite", "gemma2"])
+@pytest.mark.parametrize("kind", ["granite", "gemma2", "cohere"])
 def test_logit_scaling_and_soft_cap_reach_the_logprobs(tiny_family_dir, kind):
-    """Granite divides its logits by logits_scaling and Gemma soft-caps them: greedy ids
-    cannot tell, the logprobs must."""
+    """Granite divides its logits by logits_scaling, Cohere multiplies them by
+    logit_scale and Gemma soft-caps them: greedy ids cannot tell, the logprobs must."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_family_dir(kind)

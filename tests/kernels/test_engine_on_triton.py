@@ -51,7 +51,7 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize(
-    "kind", ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox"]
+    "kind", ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox", "cohere"]
 )
 def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
     """Sliding windows (16, 8 and 14 tokens, crossed by the longer prompts) in the Triton
@@ -61,8 +61,8 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     rows, a table of cos 1 / sin 0 for the rest) in the rotary and decode kernels, and
     GPT-OSS's sinks in both attention kernels and its biased, clamped experts,
     OLMo 2's whole-width q/k norms (the norm kernel on the qkv output's column slices),
-    and GPT-NeoX's LayerNorm of a residual stream two sublayers read, 4 of 16 dims a
-    head rotated."""
+    GPT-NeoX's LayerNorm of a residual stream two sublayers read, 4 of 16 dims a
+    head rotated, and Cohere's bias-free LayerNorm and interleaved rotation."""
     from kernels.fused_moe import fused_moe
     from kernels.moe_routing import topk_softmax
 

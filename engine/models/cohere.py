@@ -1,0 +1,69 @@
+"""Cohere's Command R and Aya (`cohere`): Llama's projections and SwiGLU MLP, with one
+LayerNorm (no bias) that attention and the MLP both read, their outputs joining the
+residual stream together; the rotation on interleaved pairs of dims (GPT-J's), which
+the rotate-half kernels run once q and k's rows are reordered at load (the pair (2i,
+2i + 1) to (i, i + head_dim / 2), q and k alike, so their dot products hold); and the
+logits times logit_scale, folded into the LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.models.layers import AddNorm, AttentionMetadata, RotaryEmbedding, rope_settings
+from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, check_config
+from engine.models.parallel import WeightSlice
+
+LayerNormNoBias = partial(AddNorm, rms=False, bias=False)
+
+
+class CohereLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary, 0, tp)
+        self.mlp = LlamaMLP(config, tp)
+        # One norm with two readers: each FP8 projection quantizes its own input.
+        self.FP8_FEEDS: dict[str, str] = {}
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last layer's output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        return self.self_attn(positions, h, meta) + self.mlp(h), residual
+
+
+def check_cohere_config(config) -> None:
+    check_config(config)
+    if getattr(config, "use_qk_norm", False):
+        raise ValueError("unsupported use_qk_norm=True (Command R+)")
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    check_config = staticmethod(check_cohere_config)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        # The interleaved pairs to the halves' (LlamaAttention.reorder_rotary_dims).
+        self.rotary.dim_order = [*range(0, head_dim, 2), *range(1, head_dim, 2)]
+        return [CohereLayer(config, self.rotary, self.tp) for _ in range(config.num_hidden_layers)]
+
+    def make_norm(self, config) -> nn.Module:
+        return LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        self.lm_head.weight.mul_(self.config.logit_scale)
+        return loaded
