@@ -119,10 +119,10 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config_class, model_class, fields = FAMILY_CONFIGS[kind]
         config = getattr(transformers, config_class)(**TINY, **fields, **common)
         model = getattr(transformers, model_class)(config)
-        if kind in ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi"):
+        if kind in ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe"):
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
-                for name, param in model.named_parameters():
+                for name, param in [*model.named_parameters(), *model.named_buffers()]:
                     if name.endswith(("bias", "sinks")):
                         param.normal_(0.0, 0.5)
     else:
@@ -259,6 +259,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # GLM-4.5: a dense layer then an MoE one: 8 experts in 2 groups, the best group's
+    # top-2 by sigmoid scores plus a drawn correction bias, times 2.5, a shared expert;
+    # q/k/v biases (o_proj none), q/k norms, half of each head rotated.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            tie_word_embeddings=False,
+        ),
+    ),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

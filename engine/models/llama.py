@@ -47,6 +47,8 @@ FUSED = {
 
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text")
+# The Llama-shaped models whose transformers code applies a partial_rotary_factor.
+PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe")
 
 
 def check_config(config) -> None:
@@ -56,8 +58,8 @@ def check_config(config) -> None:
     if getattr(config, "mlp_bias", False):
         raise ValueError("unsupported mlp_bias=True")
     partial = (rope_settings(config)[1] or {}).get("partial_rotary_factor", 1.0)
-    if partial != 1.0 and config.model_type != "phi3":  # only transformers' Phi-3 applies it
-        raise ValueError(f"unsupported partial_rotary_factor {partial} (Phi-3's only)")
+    if partial != 1.0 and config.model_type not in PARTIAL_ROTARY_MODELS:
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (Phi-3's, GLM-4.5's)")
 
 
 class LlamaAttention(nn.Module):
@@ -85,7 +87,7 @@ class LlamaAttention(nn.Module):
         o_bias = getattr(config, "attention_bias", False)  # as transformers' o_proj
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
-        if config.model_type in QK_NORM_MODELS:
+        if config.model_type in QK_NORM_MODELS or getattr(config, "use_qk_norm", False):
             self.q_norm = HeadNorm(head_dim, config.rms_norm_eps)
             self.k_norm = HeadNorm(head_dim, config.rms_norm_eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.cohere import CohereForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
@@ -57,6 +58,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
     "cohere": CohereForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
 }

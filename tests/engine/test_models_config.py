@@ -45,6 +45,22 @@ def test_a_missing_expert_is_named(tmp_path, tiny_family_dir):
         load_model(str(model_dir), torch.device("cpu"), torch.float32)
 
 
+def test_glm_multi_token_prediction_layers_are_left_out(tmp_path, tiny_family_dir):
+    """GLM-4.5 ships its MTP layer as one more `layers.N` (N = num_hidden_layers); the
+    weights load without it, and a weight of a layer the model has is still checked."""
+    model_dir = shutil.copytree(tiny_family_dir("glm4_moe"), tmp_path / "m")
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
+    weights["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
+    save_file(weights, model_dir / "model.safetensors")
+    model, _ = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    assert len(model.layers) == 2
+    weights["model.layers.1.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(weights, model_dir / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="eh_proj"):
+        load_model(str(model_dir), torch.device("cpu"), torch.float32)
+
+
 def test_windows_and_rope_bases_per_layer(tiny_family_dir):
     gemma, _ = load_model(tiny_family_dir("gemma3"), torch.device("cpu"), torch.float32)
     local, full = (layer.self_attn for layer in gemma.layers)
@@ -152,8 +168,11 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
             "unsupported rope_scaling type 'dynamic'",
         ),
         ("gemma3", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
+        ("cohere", {"use_qk_norm": True}, "unsupported use_qk_norm"),
+        ("phi", {"qk_layernorm": True}, "unsupported qk_layernorm"),
+        ("gpt_neox", {"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        (  # of the families here, only transformers' Phi-3 rotates part of a head
+        (  # of the Llama-shaped families, only Phi-3's and GLM-4.5's rotate part of a head
             "mistral",
             {
                 "rope_parameters": {

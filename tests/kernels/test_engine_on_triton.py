@@ -51,7 +51,8 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize(
-    "kind", ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox", "cohere"]
+    "kind",
+    ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox", "cohere", "glm4_moe"],
 )
 def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
     """Sliding windows (16, 8 and 14 tokens, crossed by the longer prompts) in the Triton
@@ -62,7 +63,8 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     GPT-OSS's sinks in both attention kernels and its biased, clamped experts,
     OLMo 2's whole-width q/k norms (the norm kernel on the qkv output's column slices),
     GPT-NeoX's LayerNorm of a residual stream two sublayers read, 4 of 16 dims a
-    head rotated, and Cohere's bias-free LayerNorm and interleaved rotation."""
+    head rotated, Cohere's bias-free LayerNorm and interleaved rotation, and GLM-4.5's
+    scaled, group-routed experts beside q/k norms on half-rotated heads."""
     from kernels.fused_moe import fused_moe
     from kernels.moe_routing import topk_softmax
 

@@ -1,0 +1,95 @@
+"""GLM-4.5 and GLM-4.6 (`glm4_moe`): Llama-shaped attention (q/k/v biases, o_proj without
+one, half of each head rotated, optional per-head q/k norms) and, after the first
+`first_k_dense_replace` dense layers, MoE layers routed as DeepSeek-V3's are: sigmoid
+scores, a learned per-expert bias added for the choice only, the best `topk_group` of
+`n_group` expert groups (each scored by its two best), top-k within them, the chosen
+scores renormalized and times `routed_scaling_factor`; shared experts added to the
+routed ones. The multi-token-prediction layers past `num_hidden_layers` are not run."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.models.experts import FusedMoE
+from engine.models.llama import LlamaMLP
+from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import WeightSlice
+from kernels.fused_moe import fused_moe_for
+
+LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def grouped_topk(
+    logits: torch.Tensor,  # [num_tokens, num_experts]
+    correction: torch.Tensor,  # [num_experts]: added to the scores for the choice only
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids
+    scores = logits.float().sigmoid()
+    choice = scores + correction.float()
+    tokens, experts = scores.shape
+    per_group = experts // num_groups
+    group_scores = choice.view(tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(-1)
+    groups = group_scores.topk(topk_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+class Glm4MoE(FusedMoE):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        experts = config.n_routed_experts
+        inter = config.moe_intermediate_size
+        top_k, renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        super().__init__(config.hidden_size, inter, experts, top_k, renormalize, tp)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
+        self.num_groups, self.topk_groups = config.n_group, config.topk_group
+        self.scale = float(config.routed_scaling_factor)
+        shared = inter * config.n_shared_experts
+        self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        weights, ids = grouped_topk(
+            self.gate(x),
+            self.gate.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_groups,
+            self.renormalize,
+            self.scale,
+        )
+        moe = fused_moe_for(x.device)
+        routed = moe(x, self.w13, self.w2, weights, ids, None, None, self.scales)
+        return self.tp.all_reduce(routed) + self.shared_experts(x)
+
+
+class Glm4MoeForCausalLM(MoeForCausalLM):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__(config, tp)
+        for layer in self.layers:  # o_proj has no bias, whatever attention_bias says
+            layer.self_attn.o_proj.register_parameter("bias", None)
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if layer < config.first_k_dense_replace:
+            return LlamaMLP(config, self.tp)
+        return Glm4MoE(config, self.tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        layers = self.config.num_hidden_layers
+        return super().load_weights(
+            (name, weight)
+            for name, weight in weights
+            if (match := LAYER.match(name)) is None or int(match[1]) < layers  # MTP's
+        )
