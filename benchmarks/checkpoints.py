@@ -112,6 +112,38 @@ def gpt_oss_20b():
     )
 
 
+def glm_4_5_air():
+    """GLM-4.5-Air's shape: 46 layers (the first dense), 4096 hidden, GQA 96/8 (head_dim
+    128, half rotated), q/k/v biases, 128 experts of 1408, top-8 by sigmoid scores, one
+    shared expert; ~106.9B parameters (214 GB in bf16: two H200s), ~12B active per
+    token."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1408,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        attention_bias=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -144,12 +176,13 @@ CONFIGS = {
     "qwen2-0.5b": qwen2_0_5b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "gpt-oss-20b": gpt_oss_20b,
+    "glm-4.5-air": glm_4_5_air,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
 }
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
-ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "llama3-8b", "llama3-70b"}
+ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "llama3-8b", "llama3-70b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model",
         default="gpt2",
-        help="gpt2 | qwen2-0.5b | qwen3-30b-a3b | llama3-8b (random weights) or a model dir",
+        help="a shape of benchmarks/checkpoints.py (gpt2, qwen2-0.5b, qwen3-30b-a3b, "
+        "gpt-oss-20b, glm-4.5-air, llama3-8b, ...: random weights) or a model dir",
     )
     p.add_argument("--workload", default="seeds", choices=["seeds", "nano-vllm"])
     p.add_argument("--num-requests", type=int, default=None)
