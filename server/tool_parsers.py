@@ -16,6 +16,9 @@ cut out of the call object, never re-serialized.
                  written under a grammar (server/tools.py)
     named        the arguments object of one known function (a named tool_choice)
     openai       GPT-OSS's harmony messages to functions.NAME (server/harmony.py)
+    glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
+                 (GLM-4.5/4.6): the one parser whose arguments are not the model's
+                 own JSON: the pairs become an object, each pair once its value closes
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _WS = re.compile(r"[ \t\r\n]*")
 _SCALAR = re.compile(r"[^,}\] \t\r\n]*")
@@ -116,6 +120,63 @@ class NamedParser(ToolParser):
         return Extracted("", [DraftCall(self.name, text.lstrip())])
 
 
+class Glm45Parser(ToolParser):
+    """GLM-4.5's calls, key and value pairs inside <tool_call>, the name on the first
+    line. A value is a string where the function's schema says the parameter is one,
+    else JSON where it reads as JSON (vLLM's rule); content is the text before the
+    first call."""
+
+    OPEN, CLOSE, KEY = "<tool_call>", "</tool_call>", "<arg_key>"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    READS_SCHEMAS = True  # plan_tools passes the request's functions
+
+    def __init__(self, functions: dict[str, Any] | None = None) -> None:
+        self.functions = functions or {}  # name -> FunctionDefinition
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        start = text.find(self.OPEN)
+        if start < 0:
+            held = 0 if final else partial_suffix(text, self.OPEN)
+            return Extracted(text[: len(text) - held], tail=None if held else "content")
+        calls: list[DraftCall] = []
+        pos = start
+        while pos >= 0:
+            body_start = pos + len(self.OPEN)
+            end = text.find(self.CLOSE, body_start)
+            body = text[body_start : len(text) if end < 0 else end]
+            ends = [i for i in (body.find("\n"), body.find(self.KEY)) if i >= 0]
+            name_end = min(ends) if ends else (len(body) if end >= 0 else -1)
+            if name_end < 0:
+                break  # the name may still be arriving
+            name = body[:name_end].strip()
+            if name:
+                calls.append(DraftCall(name, self._arguments(name, body[name_end:], end >= 0)))
+            if end < 0:
+                break
+            pos = text.find(self.OPEN, end + len(self.CLOSE))
+        if final and not calls:
+            return Extracted(text)
+        return Extracted(text[:start], calls)
+
+    def _arguments(self, name: str, body: str, closed: bool) -> str:
+        """The object of the pairs whose values have closed; its brace once the call has."""
+        pairs = [
+            f"{json.dumps(key.strip())}: {json.dumps(self._value(name, key.strip(), value))}"
+            for key, value in self.PAIR.findall(body)
+        ]
+        return "{" + ", ".join(pairs) + ("}" if closed else "")
+
+    def _value(self, name: str, key: str, value: str) -> Any:
+        function = self.functions.get(name)
+        schema = ((function.parameters if function else None) or {}).get("properties", {})
+        if (schema.get(key) or {}).get("type") == "string":
+            return value
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+
+
 def _harmony() -> ToolParser:
     from server.harmony import HarmonyToolParser  # harmony.py builds on this module
 
@@ -126,6 +187,7 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
     "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
+    "glm45": Glm45Parser,
 }
 
 

@@ -14,6 +14,7 @@ streamed (`ToolStream`).
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,10 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
                 "and --tool-call-parser.",
                 param="tool_choice",
             )
-        return ToolPlan(template_tools, None, PARSERS[auto_parser], parallel)
+        parser = PARSERS[auto_parser]
+        if getattr(parser, "READS_SCHEMAS", False):  # types the arguments by the functions'
+            parser = functools.partial(parser, by_name)
+        return ToolPlan(template_tools, None, parser, parallel)
     if choice == "required":
         schema, parser = _calls_schema(by_name, parallel), RequiredParser
     else:

@@ -7,15 +7,17 @@ import json
 
 import pytest
 
+from server.protocol import ChatCompletionRequest, FunctionDefinition
 from server.tool_parsers import (
     PARSERS,
     DraftCall,
+    Glm45Parser,
     HermesParser,
     Llama3JsonParser,
     NamedParser,
     RequiredParser,
 )
-from server.tools import ToolStream
+from server.tools import ToolStream, plan_tools
 
 HERMES = (
     "Let me check.\n"
@@ -33,6 +35,12 @@ LLAMA3 = (
     '{"name": "get_time", "parameters": {}}'
 )
 REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Rome", "n": 3}}, {"name": "f", "parameters": {}}]'
+# GLM-4.5's: a name line, then key/value pairs; the second call has none.
+GLM = (
+    "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>zip</arg_key>\n"
+    "<arg_value>184</arg_value>\n</tool_call><tool_call>get_time</tool_call>"
+)
 
 
 def test_hermes_whole_text():
@@ -59,6 +67,36 @@ def test_llama3_json():
         DraftCall("get_time", "{}"),
     ]
     assert Llama3JsonParser().extract("The answer is 4.", True).content == "The answer is 4."
+
+
+def test_glm45_pairs_typed_by_the_schema():
+    # Without schemas a value is JSON where it parses: the zip code becomes a number.
+    found = Glm45Parser().extract(GLM, final=True)
+    assert found.content == "Checking.\n"
+    assert found.calls == [
+        DraftCall("get_weather", '{"city": "Rome", "days": [1, 2], "zip": 184}'),
+        DraftCall("get_time", "{}"),
+    ]
+    # With them, a string parameter stays a string; the rest are read as JSON.
+    properties = {"city": {"type": "string"}, "days": {"type": "array"}, "zip": {"type": "string"}}
+    schema = FunctionDefinition(
+        name="get_weather", parameters={"type": "object", "properties": properties}
+    )
+    typed = Glm45Parser({"get_weather": schema}).extract(GLM, final=True)
+    assert json.loads(typed.calls[0].arguments) == {"city": "Rome", "days": [1, 2], "zip": "184"}
+
+
+def test_plan_tools_hands_glm45_the_requests_functions():
+    x = {"type": "object", "properties": {"x": {"type": "string"}}}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": x}}],
+        }
+    )
+    text = "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"
+    found = plan_tools(req, "glm45").parser().extract(text, True)
+    assert found.calls == [DraftCall("f", '{"x": "1"}')]  # a string, as its schema says
 
 
 def test_required_and_named():
@@ -94,6 +132,7 @@ def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[s
     "parser, text, content, calls",
     [
         (HermesParser, HERMES, "Let me check.\n", HERMES_CALLS),
+        (Glm45Parser, GLM, "Checking.\n", None),
         (Llama3JsonParser, LLAMA3, "", None),
         (RequiredParser, REQUIRED, "", None),
         (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
