@@ -63,8 +63,7 @@ class HermesParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.OPEN)
         if start < 0:
-            held = 0 if final else partial_suffix(text, self.OPEN)
-            return Extracted(text[: len(text) - held], tail=None if held else "content")
+            return _before_any_call(text, self.OPEN, final)
         calls: list[DraftCall] = []
         pos = start
         while pos >= 0:
@@ -136,8 +135,7 @@ class Glm45Parser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.OPEN)
         if start < 0:
-            held = 0 if final else partial_suffix(text, self.OPEN)
-            return Extracted(text[: len(text) - held], tail=None if held else "content")
+            return _before_any_call(text, self.OPEN, final)
         calls: list[DraftCall] = []
         pos = start
         while pos >= 0:
@@ -291,6 +289,13 @@ def _value_end(text: str, i: int) -> int | None:
         return None
     j = _SCALAR.match(text, i).end()  # a number, true, false or null: up to a delimiter
     return j if j < n else None
+
+
+def _before_any_call(text: str, tag: str, final: bool) -> Extracted:
+    """A text no call tag has opened yet: content, but for an end that may be the tag
+    arriving."""
+    held = 0 if final else partial_suffix(text, tag)
+    return Extracted(text[: len(text) - held], tail=None if held else "content")
 
 
 def partial_suffix(text: str, tag: str) -> int:

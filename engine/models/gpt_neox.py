@@ -22,16 +22,14 @@ from engine.models.gpt2 import ACTIVATIONS
 from engine.models.layers import (
     AttentionMetadata,
     LayerNorm,
-    LMHead,
     RotaryEmbedding,
     rope_settings,
 )
-from engine.models.llama import LlamaAttention
+from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorSlice,
-    VocabParallelEmbedding,
     WeightSlice,
     load_weight,
     split,
@@ -119,42 +117,31 @@ class NeoXLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class GPTNeoXForCausalLM(nn.Module):
-    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        if config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+def check_neox_config(config) -> None:
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+
+
+class GPTNeoXForCausalLM(LlamaForCausalLM):
+    """llama.py's model with these layers, LayerNorms and its own checkpoint names."""
+
+    check_config = staticmethod(check_neox_config)
+    MULTI_HEAD = True
+    RENAMES = RENAMES
+
+    def make_layers(self, config) -> list[nn.Module]:
         if self.MULTI_HEAD:  # a num_key_value_heads in the file is not NeoX's (nor transformers')
             config.num_key_value_heads = config.num_attention_heads
-        self.config = config
-        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
         head_dim = config.hidden_size // config.num_attention_heads
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            self.make_layer(config, tp) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
-
-    HEAD_BIAS = False
-    MULTI_HEAD = True
-    RENAMES = RENAMES
+        return [self.make_layer(config, self.tp) for _ in range(config.num_hidden_layers)]
 
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
         return NeoXLayer(config, self.rotary, tp, config.use_parallel_residual)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_seqs, vocab_size]
+    def make_norm(self, config) -> nn.Module:
+        return LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         """Read this rank's part of each checkpoint tensor; returns our parameter names

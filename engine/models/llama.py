@@ -207,7 +207,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(self.make_layers(config))
         self.norm = self.make_norm(config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp=tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
+
+    HEAD_BIAS = False  # an LM head with a bias (Phi's)
 
     def make_norm(self, config) -> nn.Module:
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
