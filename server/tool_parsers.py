@@ -17,8 +17,10 @@ cut out of the call object, never re-serialized.
     named        the arguments object of one known function (a named tool_choice)
     openai       GPT-OSS's harmony messages to functions.NAME (server/harmony.py)
     glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
-                 (GLM-4.5/4.6): the one parser whose arguments are not the model's
-                 own JSON: the pairs become an object, each pair once its value closes
+                 (GLM-4.5/4.6)
+    qwen3_coder  <tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>
+                 (Qwen3-Coder). These two write no JSON: their pairs become an object,
+                 each pair once its value closes, typed by the function's schema
 """
 
 from __future__ import annotations
@@ -119,18 +121,25 @@ class NamedParser(ToolParser):
         return Extracted("", [DraftCall(self.name, text.lstrip())])
 
 
-class Glm45Parser(ToolParser):
-    """GLM-4.5's calls, key and value pairs inside <tool_call>, the name on the first
-    line. A value is a string where the function's schema says the parameter is one,
-    else JSON where it reads as JSON (vLLM's rule); content is the text before the
-    first call."""
+class PairsParser(ToolParser):
+    """Calls written as a name and key/value pairs inside <tool_call> ... </tool_call>,
+    made a JSON object pair by pair as each value closes (its brace once the call has).
+    A value is a string where the function's schema says the parameter is one, else JSON
+    where it reads as JSON (vLLM's rule); content is the text before the first call."""
 
-    OPEN, CLOSE, KEY = "<tool_call>", "</tool_call>", "<arg_key>"
-    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    PAIR: re.Pattern[str]
     READS_SCHEMAS = True  # plan_tools passes the request's functions
 
     def __init__(self, functions: dict[str, Any] | None = None) -> None:
         self.functions = functions or {}  # name -> FunctionDefinition
+
+    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
+        """The call's name and where its pairs start; None while it may be arriving."""
+        raise NotImplementedError
+
+    def clean(self, value: str) -> str:
+        return value.strip()
 
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.OPEN)
@@ -142,13 +151,12 @@ class Glm45Parser(ToolParser):
             body_start = pos + len(self.OPEN)
             end = text.find(self.CLOSE, body_start)
             body = text[body_start : len(text) if end < 0 else end]
-            ends = [i for i in (body.find("\n"), body.find(self.KEY)) if i >= 0]
-            name_end = min(ends) if ends else (len(body) if end >= 0 else -1)
-            if name_end < 0:
-                break  # the name may still be arriving
-            name = body[:name_end].strip()
+            named = self.name_end(body, end >= 0)
+            if named is None:
+                break
+            name, rest = named
             if name:
-                calls.append(DraftCall(name, self._arguments(name, body[name_end:], end >= 0)))
+                calls.append(DraftCall(name, self._arguments(name, body[rest:], end >= 0)))
             if end < 0:
                 break
             pos = text.find(self.OPEN, end + len(self.CLOSE))
@@ -157,11 +165,10 @@ class Glm45Parser(ToolParser):
         return Extracted(text[:start], calls)
 
     def _arguments(self, name: str, body: str, closed: bool) -> str:
-        """The object of the pairs whose values have closed; its brace once the call has."""
-        pairs = [
-            f"{json.dumps(key.strip())}: {json.dumps(self._value(name, key.strip(), value))}"
-            for key, value in self.PAIR.findall(body)
-        ]
+        pairs = []
+        for key, value in self.PAIR.findall(body):
+            typed = self._value(name, key.strip(), self.clean(value))
+            pairs.append(f"{json.dumps(key.strip())}: {json.dumps(typed)}")
         return "{" + ", ".join(pairs) + ("}" if closed else "")
 
     def _value(self, name: str, key: str, value: str) -> Any:
@@ -175,6 +182,35 @@ class Glm45Parser(ToolParser):
             return value
 
 
+class Glm45Parser(PairsParser):
+    """GLM-4.5's: the name, then <arg_key>K</arg_key><arg_value>V</arg_value> pairs."""
+
+    KEY = "<arg_key>"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
+        ends = [i for i in (body.find("\n"), body.find(self.KEY)) if i >= 0]
+        end = min(ends) if ends else (len(body) if closed else -1)
+        return None if end < 0 else (body[:end].strip(), end)
+
+
+class Qwen3CoderParser(PairsParser):
+    """Qwen3-Coder's: <function=NAME>, then <parameter=K>V</parameter> pairs, each value
+    on lines of its own (one newline before and after it is not the value's)."""
+
+    FUNCTION = re.compile(r"<function=([^>\n]*)>")
+    PAIR = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+
+    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
+        match = self.FUNCTION.search(body)
+        if match is None:
+            return ("", len(body)) if closed else None
+        return match[1].strip(), match.end()
+
+    def clean(self, value: str) -> str:
+        return value.removeprefix("\n").removesuffix("\n")
+
+
 def _harmony() -> ToolParser:
     from server.harmony import HarmonyToolParser  # harmony.py builds on this module
 
@@ -186,6 +222,7 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "llama3_json": Llama3JsonParser,
     "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
     "glm45": Glm45Parser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
 

@@ -15,6 +15,7 @@ from server.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     NamedParser,
+    Qwen3CoderParser,
     RequiredParser,
 )
 from server.tools import ToolStream, plan_tools
@@ -40,6 +41,12 @@ GLM = (
     "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
     "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>zip</arg_key>\n"
     "<arg_value>184</arg_value>\n</tool_call><tool_call>get_time</tool_call>"
+)
+# Qwen3-Coder's: each value on lines of its own, a code value with newlines inside.
+QWEN3_CODER = (
+    "Running it.\n<tool_call>\n<function=run>\n<parameter=code>\nx = 1\n\nprint(x)\n"
+    "</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
 )
 
 
@@ -86,7 +93,23 @@ def test_glm45_pairs_typed_by_the_schema():
     assert json.loads(typed.calls[0].arguments) == {"city": "Rome", "days": [1, 2], "zip": "184"}
 
 
-def test_plan_tools_hands_glm45_the_requests_functions():
+def test_qwen3_coder_values_keep_their_inner_lines():
+    found = Qwen3CoderParser().extract(QWEN3_CODER, final=True)
+    assert found.content == "Running it.\n"
+    assert found.calls == [
+        DraftCall("run", '{"code": "x = 1\\n\\nprint(x)", "timeout": 30}'),
+        DraftCall("get_time", "{}"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("glm45", "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"),
+        ("qwen3_coder", "<tool_call><function=f><parameter=x>1</parameter></tool_call>"),
+    ],
+)
+def test_plan_tools_hands_the_pair_parsers_the_requests_functions(parser, text):
     x = {"type": "object", "properties": {"x": {"type": "string"}}}
     req = ChatCompletionRequest.model_validate(
         {
@@ -94,8 +117,7 @@ def test_plan_tools_hands_glm45_the_requests_functions():
             "tools": [{"type": "function", "function": {"name": "f", "parameters": x}}],
         }
     )
-    text = "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"
-    found = plan_tools(req, "glm45").parser().extract(text, True)
+    found = plan_tools(req, parser).parser().extract(text, True)
     assert found.calls == [DraftCall("f", '{"x": "1"}')]  # a string, as its schema says
 
 
@@ -133,6 +155,7 @@ def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[s
     [
         (HermesParser, HERMES, "Let me check.\n", HERMES_CALLS),
         (Glm45Parser, GLM, "Checking.\n", None),
+        (Qwen3CoderParser, QWEN3_CODER, "Running it.\n", None),
         (Llama3JsonParser, LLAMA3, "", None),
         (RequiredParser, REQUIRED, "", None),
         (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
