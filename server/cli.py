@@ -209,7 +209,7 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
         help="split a reasoning model's <think> ... </think> from its chat answers into "
-        "reasoning_content: deepseek_r1 (R1 and its distills) or qwen3; openai_gptoss "
+        "reasoning_content: deepseek_r1 (R1 and its distills), qwen3 or glm45; openai_gptoss "
         "(GPT-OSS's harmony channels) is the default on a GPT-OSS model",
     )
     s("--log-level", choices=["critical", "error", "warning", "info", "debug"])

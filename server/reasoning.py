@@ -6,7 +6,8 @@ DeepSeek-R1 and its distills, and Qwen3 in thinking mode, write their reasoning 
 until </think>, then `content` ones). The two parsers differ on an answer with no
 </think>: R1's templates open <think> in the prompt, so everything before </think> is
 reasoning, and an answer that never closes it is all reasoning; Qwen3 reasons only when
-the answer opens <think> itself (no thinking, `enable_thinking: false`, is plain content).
+the answer opens <think> itself (no thinking, `enable_thinking: false`, is plain content);
+`glm45` (GLM-4.5/4.6) is Qwen3's.
 GPT-OSS writes OpenAI's harmony messages instead: `openai_gptoss` (server/harmony.py).
 """
 
@@ -21,7 +22,9 @@ from server import harmony
 from server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+# Reasoning only where the answer opens <think> itself (GLM-4.5 writes as Qwen3 does).
+OPENS_ITS_OWN = ("qwen3", "glm45")
 # The parsers whose markers are special tokens: their answers are decoded with them.
 KEEPS_SPECIAL_TOKENS = ("openai_gptoss",)
 
@@ -57,7 +60,7 @@ def split(parser: str, text: str, final: bool = True) -> Split:
     if END in body:
         reasoning, _, content = body.partition(END)
         return Split(reasoning, content, "content")
-    if parser == "qwen3" and not opened:
+    if parser in OPENS_ITS_OWN and not opened:
         return Split(None, text, "content")
     held = 0 if final else partial_suffix(body, END)
     return Split(body[: len(body) - held], "", None if held else "reasoning")

@@ -53,7 +53,8 @@ def streamed(parser: str, text: str, cuts: list[int]) -> tuple[str | None, str, 
 
 @pytest.mark.parametrize(
     ("parser", "text", "want"),
-    [("deepseek_r1", t, w) for t, w in R1_CASES] + [("qwen3", t, w) for t, w in QWEN3_CASES],
+    [("deepseek_r1", t, w) for t, w in R1_CASES]
+    + [(parser, t, w) for t, w in QWEN3_CASES for parser in ("qwen3", "glm45")],
 )
 def test_streamed_in_every_two_way_and_char_split(parser, text, want):
     splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
