@@ -99,6 +99,9 @@ class ResponsesRequest(RequestModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     truncation: Literal["disabled"] | None = None
+    # Extra output asked for (encrypted reasoning, logprobs, ...): none is written, as a
+    # server without stored or encrypted state can give none.
+    include: list[str] | None = None
 
 
 # ---------------------------------------------------------------- the response

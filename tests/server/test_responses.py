@@ -45,7 +45,12 @@ def tools_sdk(start_server) -> openai.OpenAI:
 
 def test_reasoning_and_message_items(sdk, model_name):
     r = sdk.responses.create(
-        model=model_name, input="What is two and two?", text=FORMAT, max_output_tokens=40
+        model=model_name,
+        input="What is two and two?",
+        text=FORMAT,
+        max_output_tokens=40,
+        store=False,  # as agent clients send them: accepted
+        include=["reasoning.encrypted_content"],
     )
     assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
     assert [item.type for item in r.output] == ["reasoning", "message"]
@@ -146,7 +151,7 @@ def test_reasoning_items_in_either_form_go_back(sdk, model_name):
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "hi", "background": True}, "background"),
     ],
 )
 def test_bad_requests_name_the_field(server, body, param):
