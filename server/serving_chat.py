@@ -27,6 +27,7 @@ from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
 from server.request_stream import RequestStream
 from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
 from server.structured import grammar_of
+from server.tool_parsers import KEEPS_SPECIAL_TOKENS as TOOL_MARKERS
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 
@@ -50,8 +51,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     params = s.sampling_params(
         req, max_tokens, logprobs, req.prompt_logprobs, grammar_of(req, tools.grammar)
     )
-    if s.reasoning_parser in KEEPS_SPECIAL_TOKENS or s.tool_call_parser == "openai":
-        params.skip_special_tokens = False  # the parsers read the harmony markers
+    if s.reasoning_parser in KEEPS_SPECIAL_TOKENS or s.tool_call_parser in TOOL_MARKERS:
+        params.skip_special_tokens = False  # the parsers read markers that are special tokens
     truncate = s.truncation(req)
     prompts = s.prompts
 

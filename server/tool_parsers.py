@@ -18,6 +18,9 @@ cut out of the call object, never re-serialized.
     openai       GPT-OSS's harmony messages to functions.NAME (server/harmony.py)
     glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
                  (GLM-4.5/4.6)
+    mistral      [TOOL_CALLS]NAME[ARGS]{...} per call (Mistral's v11+ tokenizers: Mistral
+                 Small 3.2, Devstral, Magistral) or [TOOL_CALLS][{"name", "arguments"}, ...]
+                 (earlier ones); the markers are special tokens, decoded for this parser
     qwen3_coder  <tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>
                  (Qwen3-Coder). These two write no JSON: their pairs become an object,
                  each pair once its value closes, typed by the function's schema
@@ -46,13 +49,15 @@ class DraftCall:
 class Extracted:
     content: str
     calls: list[DraftCall] = field(default_factory=list)
-    # What text appended to this one extends when it holds no "<" (parsers whose markup
-    # all starts with one): "content", "call" (the last call's arguments), or None (not
-    # known, or a tag may be under way at the end).
+    # What text appended to this one extends when it holds no ToolParser.MARK: "content",
+    # "call" (the last call's arguments), or None (not known, or a tag may be under way
+    # at the end).
     tail: str | None = None
 
 
 class ToolParser:
+    MARK = "<"  # the character every tag of the parser starts with
+
     def extract(self, text: str, final: bool) -> Extracted:
         """Content and calls in text; final: no more text comes (an unfinished tag or a
         text with no call at all is content then)."""
@@ -119,6 +124,43 @@ class NamedParser(ToolParser):
 
     def extract(self, text: str, final: bool) -> Extracted:
         return Extracted("", [DraftCall(self.name, text.lstrip())])
+
+
+class MistralParser(ToolParser):
+    """Mistral's calls after [TOOL_CALLS]: a JSON array of call objects, or a name,
+    [ARGS] and the arguments object, per call; content is the text before the first."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    MARK = "["
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        start = text.find(self.TAG)
+        if start < 0:
+            return _before_any_call(text, self.TAG, final)
+        i = _skip_ws(text, start + len(self.TAG))
+        if text.startswith("[", i):
+            calls = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
+        else:
+            calls = self._named_calls(text, start)
+        if final and not calls:
+            return Extracted(text)
+        return Extracted(text[:start], calls)
+
+    def _named_calls(self, text: str, pos: int) -> list[DraftCall]:
+        calls = []
+        while pos >= 0:
+            name_start = pos + len(self.TAG)
+            args = text.find(self.ARGS, name_start)
+            if args < 0:
+                break  # the name may still be arriving
+            name = text[name_start:args].strip()
+            i = _skip_ws(text, args + len(self.ARGS))
+            end = _value_end(text, i) if text.startswith("{", i) else None
+            calls.append(DraftCall(name, text[i : len(text) if end is None else end]))
+            if end is None:
+                break
+            pos = text.find(self.TAG, end)
+        return calls
 
 
 class PairsParser(ToolParser):
@@ -223,7 +265,10 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
     "glm45": Glm45Parser,
     "qwen3_coder": Qwen3CoderParser,
+    "mistral": MistralParser,
 }
+# The parsers whose markers are special tokens: their answers are decoded with them.
+KEEPS_SPECIAL_TOKENS = ("openai", "mistral")
 
 
 # ---------------------------------------------------------------- a small JSON scanner

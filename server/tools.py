@@ -128,13 +128,13 @@ class ToolStream:
     text: str = ""
     content_sent: int = 0
     arguments_sent: list[int] = field(default_factory=list)  # per call begun: the length sent
-    tail: str | None = None  # what a piece without "<" extends (Extracted.tail), if sent so
+    tail: str | None = None  # what a piece without the parser's MARK extends, if sent so
 
     def feed(self, new_text: str, final: bool) -> dict[str, Any]:
         """The delta for new_text (final: the choice's last): `content` and/or
         `tool_calls`, each present only if it has news."""
         self.text += new_text
-        if self.tail is not None and not final and "<" not in new_text and new_text:
+        if self.tail is not None and not final and self.parser.MARK not in new_text and new_text:
             # The text is not parsed again (its whole length on every token): the piece
             # extends the content, or the last call's arguments, as sent so far.
             if self.tail == "content":

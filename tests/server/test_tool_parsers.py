@@ -14,6 +14,7 @@ from server.tool_parsers import (
     Glm45Parser,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     NamedParser,
     Qwen3CoderParser,
     RequiredParser,
@@ -41,6 +42,11 @@ GLM = (
     "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
     "<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>zip</arg_key>\n"
     "<arg_value>184</arg_value>\n</tool_call><tool_call>get_time</tool_call>"
+)
+# Mistral's, v11+ tokenizers (name, [ARGS], object) and earlier ones (a JSON array).
+MISTRAL = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}[TOOL_CALLS]get_time[ARGS]{}'
+MISTRAL_ARRAY = (
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}]'
 )
 # Qwen3-Coder's: each value on lines of its own, a code value with newlines inside.
 QWEN3_CODER = (
@@ -91,6 +97,17 @@ def test_glm45_pairs_typed_by_the_schema():
     )
     typed = Glm45Parser({"get_weather": schema}).extract(GLM, final=True)
     assert json.loads(typed.calls[0].arguments) == {"city": "Rome", "days": [1, 2], "zip": "184"}
+
+
+def test_mistral_both_layouts():
+    found = MistralParser().extract(MISTRAL, final=True)
+    assert found.content == "Sure."
+    assert found.calls == [
+        DraftCall("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+        DraftCall("get_time", "{}"),
+    ]
+    found = MistralParser().extract(MISTRAL_ARRAY, final=True)
+    assert (found.content, found.calls) == ("", [DraftCall("get_weather", '{"city": "Oslo"}')])
 
 
 def test_qwen3_coder_values_keep_their_inner_lines():
@@ -156,6 +173,8 @@ def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[s
         (HermesParser, HERMES, "Let me check.\n", HERMES_CALLS),
         (Glm45Parser, GLM, "Checking.\n", None),
         (Qwen3CoderParser, QWEN3_CODER, "Running it.\n", None),
+        (MistralParser, MISTRAL, "Sure.", None),
+        (MistralParser, MISTRAL_ARRAY, "", None),
         (Llama3JsonParser, LLAMA3, "", None),
         (RequiredParser, REQUIRED, "", None),
         (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
