@@ -16,11 +16,11 @@ cut out of the call object, never re-serialized.
                  written under a grammar (server/tools.py)
     named        the arguments object of one known function (a named tool_choice)
     openai       GPT-OSS's harmony messages to functions.NAME (server/harmony.py)
-    glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
-                 (GLM-4.5/4.6)
     mistral      [TOOL_CALLS]NAME[ARGS]{...} per call (Mistral's v11+ tokenizers: Mistral
                  Small 3.2, Devstral, Magistral) or [TOOL_CALLS][{"name", "arguments"}, ...]
                  (earlier ones); the markers are special tokens, decoded for this parser
+    glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
+                 (GLM-4.5/4.6)
     qwen3_coder  <tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>
                  (Qwen3-Coder). These two write no JSON: their pairs become an object,
                  each pair once its value closes, typed by the function's schema
