@@ -271,3 +271,54 @@ def write_random_shards(name: str, path: Path, dtype: torch.dtype) -> None:
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(path)  # whole or not at all: a killed write is never reused
+
+
+# PEFT's names for a Llama-shaped layer's projections, and which dimension of the layer
+# each one reads and writes (hidden, q / kv heads' width, intermediate).
+LORA_SHAPES = {
+    "self_attn.q_proj": ("hidden", "q"),
+    "self_attn.k_proj": ("hidden", "kv"),
+    "self_attn.v_proj": ("hidden", "kv"),
+    "self_attn.o_proj": ("q", "hidden"),
+    "mlp.gate_proj": ("hidden", "inter"),
+    "mlp.up_proj": ("hidden", "inter"),
+    "mlp.down_proj": ("inter", "hidden"),
+}
+
+
+def write_random_adapters(model_dir: str, count: int, rank: int) -> dict[str, str]:
+    """`count` PEFT LoRA adapters of a Llama-shaped checkpoint, every projection at
+    `rank`, N(0, 0.02) weights (as peft saves them; its timing does not depend on values):
+    name -> directory, beside the checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = {
+        "hidden": config.hidden_size,
+        "q": config.num_attention_heads * head_dim,
+        "kv": config.num_key_value_heads * head_dim,
+        "inter": config.intermediate_size,
+    }
+    gen = torch.Generator().manual_seed(0)
+    adapters = {}
+    for i in range(count):
+        path = Path(f"{model_dir.rstrip('/')}-lora{i}-r{rank}")
+        path.mkdir(exist_ok=True)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for module, (fan_in, fan_out) in LORA_SHAPES.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                a = torch.randn(rank, width[fan_in], generator=gen) * 0.02
+                b = torch.randn(width[fan_out], rank, generator=gen) * 0.02
+                tensors[f"{key}.lora_A.weight"] = a.to(torch.bfloat16)
+                tensors[f"{key}.lora_B.weight"] = b.to(torch.bfloat16)
+        save_file(tensors, path / "adapter_model.safetensors")
+        targets = sorted({m.rpartition(".")[2] for m in LORA_SHAPES})
+        config_json = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=targets)
+        (path / "adapter_config.json").write_text(json.dumps(config_json))
+        adapters[f"lora{i}"] = str(path)
+    return adapters

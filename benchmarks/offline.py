@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import build_checkpoint, write_random_adapters
 from benchmarks.decode_step import profile_decode_step
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.provenance import git_commit, write_result
@@ -62,13 +62,16 @@ def run_pagoda(
     output_lens: list[int],
     decode_steps: list[DecodeStep],
     temperature: float = 0.0,
+    loras: list[str] = (),
 ) -> dict:
     """Drive the engine directly (final-only outputs, as LLM.generate does); each
-    decode-only step is appended to decode_steps."""
+    decode-only step is appended to decode_steps. With `loras`, request i generates
+    with adapter i mod their count."""
     engine = llm.engine
     for i, (ids, n) in enumerate(zip(prompts, output_lens)):
+        lora = loras[i % len(loras)] if loras else None
         params = SamplingParams(
-            max_tokens=n, temperature=temperature, ignore_eos=True, final_only=True
+            max_tokens=n, temperature=temperature, ignore_eos=True, final_only=True, lora_name=lora
         )
         engine.add_request(str(i), ids, params)
     schedule, scheduled = engine.scheduler.schedule, []
@@ -186,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve N random LoRA adapters (every projection) and spread the requests over them",
+    )
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -206,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = build_checkpoint(
             args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
         )
+    loras = write_random_adapters(model_dir, args.lora, args.lora_rank) if args.lora else None
     max_len = args.max_model_len or max(
         2048 if args.workload == "nano-vllm" else 1024, args.input_len + args.output_len
     )
@@ -217,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_len),
         max_model_len=max_len,
         enforce_eager=args.enforce_eager,
+        lora_modules=loras,
     )
     prompts, output_lens = workload(args, llm.tokenizer)
     # Warm up on the run's own batch, as transformers is warmed up below: the first
@@ -240,9 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         "output_len": args.output_len if args.workload == "seeds" else "uniform[100, 1024]",
         "cuda_graphs": not args.enforce_eager,
         "temperature": args.temperature,
+        "lora": {"adapters": args.lora, "rank": args.lora_rank} if args.lora else None,
     }
     decode_steps: list[DecodeStep] = []
-    result["pagoda"] = run_pagoda(llm, prompts, output_lens, decode_steps, args.temperature)
+    result["pagoda"] = run_pagoda(
+        llm, prompts, output_lens, decode_steps, args.temperature, list(loras or ())
+    )
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_gb_s"] = bandwidth / 1e9
     result["decode_vs_floor"] = decode_vs_floor(llm, decode_steps, bandwidth)

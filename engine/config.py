@@ -47,6 +47,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     custom_all_reduce: bool = True  # small sums by engine/one_shot.py (one node, CUDA)
+    # LoRA adapters served beside the model (engine/models/lora.py): name -> PEFT directory.
+    lora_modules: dict[str, str] | None = None
+    max_lora_rank: int | None = None  # None: the largest adapter's rank
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -92,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("several nodes need a --master-port every node can reach")
 

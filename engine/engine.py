@@ -26,7 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
 from engine.generation_config import load_generation_config
 from engine.input_batch import InputBatch
-from engine.kv_cache import BlockManager
+from engine.kv_cache import BlockManager, chain_hash
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
@@ -136,6 +136,16 @@ class Engine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
         check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        self.lora_index(params.lora_name)
+
+    def lora_index(self, name: str | None) -> int:
+        """The adapter's index among the loaded LoRA adapters (-1: None, the base model)."""
+        if name is None:
+            return -1
+        names = list(self.config.lora_modules or ())
+        if name not in names:
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {names or 'none'})")
+        return names.index(name)
 
     def add_request(
         self,
@@ -147,6 +157,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
+        lora_index = self.lora_index(params.lora_name)
         arrival_time = arrival_time or time.time()
         choices: list[Request] = []
         for index in range(params.n):
@@ -162,6 +173,8 @@ class Engine:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, choice_params
                 )
+            if lora_index >= 0:  # its blocks chain from a block of one id no prompt holds
+                req.lora_index, req.hash_root = lora_index, chain_hash(None, [-1 - lora_index])
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
             if params.grammar is not None:  # a matcher per choice

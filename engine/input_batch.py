@@ -120,6 +120,7 @@ class InputBatch:
         self.top_k = np.zeros(n, dtype=np.int64)
         self.top_p = np.ones(n, dtype=np.float32)
         self.min_p = np.zeros(n, dtype=np.float32)
+        self.lora = np.full(n, -1, dtype=np.int64)  # LoRA adapter index, -1: the base model
         # Bumped whenever a slot changes hands: a step read after its request left
         # (finished, aborted, preempted) is told apart from the slot's next owner.
         self.generation = np.zeros(n, dtype=np.int64)
@@ -188,6 +189,7 @@ class InputBatch:
         self.top_k[slot] = params.top_k
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
+        self.lora[slot] = req.lora_index
         self.requests[slot] = req
         self.running.append(req)
         self.slots = np.concatenate((self.slots, (slot,)))

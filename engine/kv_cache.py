@@ -60,7 +60,7 @@ class BlockManager:
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
         blocks: list[int] = []
-        parent = None
+        parent = req.hash_root
         for i in range(max_blocks):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             block = self.cached.get(parent)
@@ -132,7 +132,7 @@ class BlockManager:
         # Ids both known and computed (or scheduled): what the prefix cache may hold.
         tokens = req.token_slice(len(hashes) * bs, req.num_computed_tokens)
         cached, block_hash = self.cached, self.block_hash
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else req.hash_root
         for at in range(0, len(tokens) - bs + 1, bs):  # no block filled up: none
             parent = chain_hash(parent, tokens[at : at + bs])
             if parent not in cached:

@@ -48,6 +48,7 @@ class ModelRunner(StepInputs):
         self.config = config
         self.tp = membership.tp if membership is not None else SINGLE
         self.model = model
+        self.lora_state = getattr(model, "lora_state", None)  # engine/models/lora.py
         self.device = config.torch_device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = self.dtype
@@ -187,6 +188,8 @@ class ModelRunner(StepInputs):
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:
         # Gathered here, so that a captured graph gathers the ids and rows on every replay.
         input_ids = self.staged.words[inp.input_gather]
+        if self.lora_state is not None:  # the adapters' masks, from the tokens' ids
+            self.lora_state.begin(inp.lora_ids)
         block_table = self.block_table.gpu[inp.slot_indices]  # [num_seqs, max_blocks_per_seq]
         meta = AttentionMetadata(
             inp.slot_mapping,

@@ -151,6 +151,10 @@ class Request:
         self._num_inflight = 0  # off the batch: ids sampled on the device, not read yet
         self.batch: InputBatch | None = None  # while running
         self.slot: int = -1  # its row of the batch and of the block table while running
+        # Its LoRA adapter's index (-1: the base model), set by the engine; the adapter's
+        # KV differs from the base model's, so its blocks hash from a root of their own.
+        self.lora_index = -1
+        self.hash_root: int | None = None
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed

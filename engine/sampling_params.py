@@ -40,6 +40,9 @@ class SamplingParams:
     detokenize: bool = True
     # Structured outputs: the output must match this grammar (engine/structured/).
     grammar: GrammarSpec | None = None
+    # The LoRA adapter to generate with (EngineConfig.lora_modules' name); None: the base
+    # model. The server sets it from the request's `model`.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

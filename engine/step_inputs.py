@@ -29,6 +29,7 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_sampling] last new token's row of each sampling sequence
     max_query_len: int
     is_decode: bool
+    lora_ids: torch.Tensor | None  # [num_tokens] each token's LoRA adapter, -1: none
 
 
 class StepInputs:
@@ -58,6 +59,9 @@ class StepInputs:
         # Input ids are gathered on the device from the host's ids and the last step's
         # sampled ids (device-only), so a decode never waits for the host to read them.
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
+        self.lora = bool(config.lora_modules)
+        if self.lora:
+            tokens_fields += ("lora_ids",)
         self.staged = StagedFields(
             {
                 **dict.fromkeys(tokens_fields, (max_tokens, i64)),
@@ -124,6 +128,8 @@ class StepInputs:
                 qsl[: n + 1] = arange[: n + 1]
                 buf["logits_indices"][:n] = arange[:n]
                 buf["slot_indices"][:n] = slots
+                if self.lora:  # a row's adapter is its request's, as long as the layout
+                    buf["lora_ids"][:n] = self.batch.lora[slots]
                 if steady:
                     gather[:] = self.sampled_words[:n]
                 self.steady_layout[parity] = layout if steady else None
@@ -137,6 +143,8 @@ class StepInputs:
             positions = buf["positions"][:num_tokens]
             np.add(np.repeat(starts - qsl[:n], num_new), arange[:num_tokens], out=positions)
             token_slots = np.repeat(slots, num_new)
+            if self.lora:
+                buf["lora_ids"][:num_tokens] = self.batch.lora[token_slots]
             known = np.repeat(out.num_known, num_new)
             on_device = positions >= known
             all_on_device = np.count_nonzero(on_device) == num_tokens
@@ -203,6 +211,7 @@ class StepInputs:
             ],
             max_query_len=max_query_len,
             is_decode=is_decode,
+            lora_ids=gpu["lora_ids"][:num_tokens] if self.lora else None,
         )
 
     def copy_staged(self) -> None:

@@ -148,9 +148,7 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
 
     @app.get("/v1/models/{model_id:path}", responses=_COMMON)
     async def model(model_id: str, request: Request) -> ModelCard:
-        serving = _serving(request)
-        serving.check_model(model_id)
-        return serving.models().data[0]
+        return _serving(request).model(model_id)
 
     @app.post("/tokenize", responses=_COMMON)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

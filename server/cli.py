@@ -1,12 +1,13 @@
 """`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
 
-Every flag but --disable-log-stats sets the EngineConfig or ServerConfig field named
+Every flag but --disable-log-stats and --enable-lora sets the EngineConfig or ServerConfig field named
 by its `dest`, and defaults to that field's default.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -44,6 +45,20 @@ def _adder(group: Any) -> Callable[..., None]:
         group.add_argument(*flags, help=help, **kw)
 
     return add
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=DIR, or vLLM's JSON object with name and path."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: not a JSON name/path object ({e})") from e
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR")
+    return name, path
 
 
 def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
@@ -92,6 +107,20 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="decode batch sizes to capture CUDA graphs for (default: 1 2 4 8 16 24 ... "
         "every 8; --max-num-seqs is always one): fewer capture faster, padding more rows",
     )
+    e(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        metavar="NAME=DIR",
+        help="LoRA adapters (PEFT directories) to serve beside the model, each as a model "
+        'named NAME (also vLLM\'s JSON form: \'{"name": ..., "path": ...}\')',
+    )
+    e(
+        "--max-lora-rank",
+        type=int,
+        help="pad every adapter to this rank (default: the largest adapter's)",
+    )
+    e("--enable-lora", action="store_true", help="accepted for vLLM's command lines")
     e("--no-async-scheduling", help="read each step's sampled ids before planning the next")
     e("--seed", help="seed for unseeded requests")
     e("--nvtx", help="NVTX ranges around step phases (for nsys)")
@@ -228,7 +257,13 @@ def parse_configs(
     args = vars(build_parser(prog).parse_args(argv))
     if args.pop("disable_log_stats"):
         args["log_stats_interval"] = 0.0
+    args.pop("enable_lora")  # adapters are served when --lora-modules names any
     try:
+        if args["lora_modules"] is not None:
+            names = [name for name, _ in args["lora_modules"]]
+            if len(set(names)) < len(names):
+                raise ValueError(f"--lora-modules names an adapter twice: {names}")
+            args["lora_modules"] = dict(args["lora_modules"])
         engine_config = EngineConfig(**{f.name: args[f.name] for f in fields(EngineConfig)})
         server_config = ServerConfig(**{f.name: args[f.name] for f in fields(ServerConfig)})
         if engine_config.node_rank > 0 and not server_config.headless:

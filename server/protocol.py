@@ -383,6 +383,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagoda"
+    root: str | None = None  # a LoRA adapter's directory (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

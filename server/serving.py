@@ -93,6 +93,8 @@ class Serving:
             )
         self.async_engine = async_engine
         self.model_name = config.served_model_name or info.model_name
+        # LoRA adapters, each served as a model of its own name: name -> its directory.
+        self.lora_modules = dict(info.config.lora_modules or {})
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
@@ -104,10 +106,18 @@ class Serving:
         self.async_engine.check_capacity()
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.lora_modules:
             raise APIError(
                 f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
             )
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return model if model in self.lora_modules else None
+
+    def answering(self, model: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base model."""
+        return self.lora_name(model) or self.model_name
 
     def check_prompt(
         self, ids: list[int], params: SamplingParams, param: str, truncate: int | None = None
@@ -165,6 +175,7 @@ class Serving:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 grammar=grammar,
+                lora_name=self.lora_name(req.model),
                 **self.sampling_defaults | {k: v for k, v in optional.items() if v is not None},
             )
             params.check_vocab(self.vocab_size)
@@ -192,7 +203,16 @@ class Serving:
     # ------------------------------------------------------------ small endpoints
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        base = ModelCard(id=self.model_name, max_model_len=self.max_model_len)
+        adapters = [
+            ModelCard(id=name, root=path, parent=self.model_name, max_model_len=self.max_model_len)
+            for name, path in self.lora_modules.items()
+        ]
+        return ModelList(data=[base, *adapters])
+
+    def model(self, model_id: str) -> ModelCard:
+        self.check_model(model_id)
+        return next(card for card in self.models().data if card.id == model_id)
 
     async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         self.check_model(req.model)

@@ -105,7 +105,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     response = ChatCompletionResponse(
         id=request_id,
         created=created,
-        model=s.model_name,
+        model=s.answering(req.model),
         choices=choices,
         usage=usage.info(),
         prompt_token_ids=prompt_ids if req.return_token_ids else None,
@@ -132,7 +132,7 @@ async def _chunks(
         return ChatCompletionChunk(
             id=request_id,
             created=created,
-            model=s.model_name,
+            model=s.answering(req.model),
             choices=choices,
             usage=usage.info() if continuous or last else None,
             **extra,

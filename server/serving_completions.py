@@ -130,7 +130,7 @@ class _Answer:
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=s.model_name,
+            model=s.answering(req.model),
             choices=choices,
             usage=usage.info(),
         )
@@ -160,12 +160,12 @@ class _Answer:
             return CompletionResponse(
                 id=self.request_id,
                 created=self.created,
-                model=s.model_name,
+                model=s.answering(req.model),
                 choices=choices,
                 usage=usage.info() if continuous or last else None,
             ).model_dump_json()
 
-        text_chunk = TextChunks(self.request_id, self.created, s.model_name)
+        text_chunk = TextChunks(self.request_id, self.created, s.answering(req.model))
         plain = not (continuous or req.return_token_ids or req.prompt_logprobs is not None)
         offsets = {
             (rid, i): len(self.prompts[p].echo) for rid, p in self.position.items()

@@ -173,7 +173,7 @@ def _response(s: Serving, req: ResponsesRequest, response_id: str) -> ResponseOb
     return ResponseObject(
         id=response_id,
         created_at=int(time.time()),
-        model=s.model_name,
+        model=s.answering(req.model),
         status="in_progress",
         output=[],
         instructions=req.instructions,

@@ -419,6 +419,73 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwar
 _hf_models: dict = {}
 
 
+# PEFT's module names for every projection a Llama-shaped layer has.
+LORA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_lora(base_dir: str, path: Path, seed: int, **lora_config) -> str:
+    """A PEFT LoRA adapter of base_dir saved with peft itself, A and B drawn at random
+    (PEFT starts B at zero: an adapter that adds nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora_config))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.3)
+    peft_model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
+    """Two adapters of the tiny Llama: every projection at rank 8, and q/v only at rank 4
+    with rsLoRA's scale (so the stacks pad ranks and leave sections empty)."""
+    root = tmp_path_factory.mktemp("tiny-lora")
+    return {
+        "all": build_lora(
+            tiny_llama_dir, root / "all", 1, r=8, lora_alpha=16, target_modules=LORA_ALL
+        ),
+        "qv": build_lora(
+            tiny_llama_dir,
+            root / "qv",
+            2,
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            use_rslora=True,
+        ),
+    }
+
+
+def peft_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers + peft's greedy continuation (fp32, CPU, EOS ignored); None: the base."""
+    if adapter_dir is None:
+        return hf_greedy(base_dir, prompt_ids, n)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_models.get(adapter_dir)
+    if model is None:
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, adapter_dir).eval()
+        model.generation_config.eos_token_id = None
+        _hf_models[adapter_dir] = model
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
 class OpLog(TorchDispatchMode):
     """The aten ops run inside it, by name."""
 

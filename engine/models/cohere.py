@@ -50,6 +50,7 @@ def check_cohere_config(config) -> None:
 
 class CohereForCausalLM(LlamaForCausalLM):
     check_config = staticmethod(check_cohere_config)
+    LORA_FUSED = None  # q/k rows reordered at load for the rotation of pairs
 
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = config.hidden_size // config.num_attention_heads

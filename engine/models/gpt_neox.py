@@ -126,6 +126,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
     """llama.py's model with these layers, LayerNorms and its own checkpoint names."""
 
     check_config = staticmethod(check_neox_config)
+    LORA_FUSED = None  # q/k/v interleaved head by head in one tensor; its own names
     MULTI_HEAD = True
     RENAMES = RENAMES
 

@@ -197,6 +197,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     check_config = staticmethod(check_config)
+    # PEFT module name -> our fused projection and section, for LoRA adapters
+    # (engine/models/lora.py); None: a family whose loading reorders rows LoRA's B holds.
+    LORA_FUSED: ClassVar[dict[str, tuple[str, int]] | None] = FUSED
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

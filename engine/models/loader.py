@@ -25,6 +25,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
+from engine.models.lora import LoRAError, attach_adapters
 from engine.models.moe import MoeForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.parallel import WeightSlice
@@ -169,6 +170,8 @@ def load_model(
     config: PretrainedConfig | None = None,  # already read by the caller
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,  # "fp8": dense projections quantized after loading
+    lora_modules: dict[str, str] | None = None,  # LoRA adapters: name -> PEFT directory
+    max_lora_rank: int | None = None,  # None: the largest adapter's
 ) -> tuple[nn.Module, PretrainedConfig]:
     """This rank's shard of the model (all of it with SINGLE), weights read from disk. An
     FP8 checkpoint is read back to `dtype`; its projections go back to FP8 where the
@@ -192,7 +195,7 @@ def load_model(
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
-        return _finish(model, device, quantization), config
+        return _finish(model, device, quantization, lora_modules, max_lora_rank), config
     weights = iter_weights(model_dir)
     kv_scales: dict[int, dict[str, float]] = {}
     if scheme is not None:
@@ -211,7 +214,7 @@ def load_model(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
     set_kv_scales(model, kv_scales)
-    return _finish(model, device, quantization), config
+    return _finish(model, device, quantization, lora_modules, max_lora_rank), config
 
 
 def load_for_engine(
@@ -225,17 +228,39 @@ def load_for_engine(
     logger.info(
         "loading %s (%s, %d layers) on %s in %s", model_dir, kind, layers, device, dtype_name
     )
-    model, _ = load_model(model_dir, device, dtype, hf_config, tp, config.quantization)
+    model, _ = load_model(
+        model_dir,
+        device,
+        dtype,
+        hf_config,
+        tp,
+        config.quantization,
+        config.lora_modules,
+        config.max_lora_rank,
+    )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     seconds = time.perf_counter() - start
     logger.info("weights loaded: %.2f GiB in %.1f s", weights / 2**30, seconds)
     return model
 
 
-def _finish(model: nn.Module, device: torch.device, quantization: str | None) -> nn.Module:
+def _finish(
+    model: nn.Module,
+    device: torch.device,
+    quantization: str | None,
+    lora_modules: dict[str, str] | None,
+    max_lora_rank: int | None,
+) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
+    # Before quantizing: the adapters read the projections' sections, which FP8 drops.
+    model.lora_state = None
+    if lora_modules:
+        try:
+            model.lora_state = attach_adapters(model, lora_modules, max_lora_rank)
+        except LoRAError as e:
+            raise ModelLoadError(str(e)) from e
     if quantization == "fp8":
         count = quantize_model(model)
         if device.type == "cuda":  # hand the model-dtype weights back before KV sizing

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.weight_copy import fill
 from kernels.linear import dense
+
+if TYPE_CHECKING:
+    from engine.models.lora import LoRALayer
 
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) index ranges along one dimension
 
@@ -183,9 +186,13 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, sections: Sequence[Section], bias: bool) -> None:
         super().__init__(in_features, sum(s.local_size for s in sections), bias)
         self.sections = tuple(sections)
+        self.lora: LoRALayer | None = None  # LoRA adapters' deltas (engine/models/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return y
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: int | None) -> None:
         """section None: one checkpoint tensor holding every section (Phi-3's qkv_proj,
@@ -216,9 +223,13 @@ class RowParallelLinear(nn.Linear):
         super().__init__(local, out_features, bias)
         self.tp = tp
         self.full_in_features = in_features
+        self.lora: LoRALayer | None = None  # partial deltas, summed with the product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(dense(x, self.weight, self.bias))
+        y = dense(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add(x, y)
+        return self.tp.all_reduce(y)
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         param = getattr(self, leaf).data

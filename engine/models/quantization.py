@@ -53,6 +53,7 @@ class Fp8Linear(nn.Module):
     ):
         super().__init__()
         self.reduce = reduce
+        self.lora: nn.Module | None = None  # LoRA adapters' deltas, in the model dtype
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [N, K] e4m3, contiguous
         self.register_buffer("weight_scale", weight_scale)  # [N] fp32
@@ -63,7 +64,9 @@ class Fp8Linear(nn.Module):
         weight, scale = quantize_per_channel(linear.weight.data)
         bias = None if linear.bias is None else linear.bias.data
         reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
-        return cls(weight.contiguous(), scale, bias, reduce)
+        fp8 = cls(weight.contiguous(), scale, bias, reduce)
+        fp8.lora = getattr(linear, "lora", None)
+        return fp8
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """x: rows in the model dtype, or already quantized by the kernel before
@@ -73,6 +76,8 @@ class Fp8Linear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             quantized = Fp8Rows(*quantize_per_token_for(rows.device)(rows), rows.dtype)
             out = self.rows_forward(quantized).view(*x.shape[:-1], self.out_features)
+            if self.lora is not None:  # its producer leaves x unquantized (quantize_model)
+                self.lora.add(x, out)
         else:
             out = self.rows_forward(x)
         return out if self.reduce is None else self.reduce.all_reduce(out)
@@ -113,9 +118,11 @@ def quantize_model(model: nn.Module) -> int:
     for module in model.modules():
         for producer, consumer in getattr(module, "FP8_FEEDS", {}).items():
             try:
-                fp8 = isinstance(module.get_submodule(consumer), Fp8Linear)
+                linear = module.get_submodule(consumer)
             except AttributeError:  # a layer without that consumer (an MoE block's MLP)
                 continue
+            # A LoRA delta reads the consumer's input in the model dtype.
+            fp8 = isinstance(linear, Fp8Linear) and linear.lora is None
             module.get_submodule(producer).fp8_out = fp8
     return count
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.checkpoints import write_random_adapters
 from benchmarks.floors import DecodeStep, decode_vs_floor, kv_bytes_per_token, weight_bytes
 from benchmarks.hf_compile import TokenTimes, per_token_ms, static_generate_kwargs
 from benchmarks.offline import run_pagoda
@@ -81,3 +82,16 @@ def test_static_cache_generate_streams_every_token(tiny_llama_dir):
     assert len(streamer.times) == 6  # the prompt, then each new token
     timing = per_token_ms(streamer.times)
     assert timing["new_tokens"] == 5 and timing["decode_ms_per_token"] > 0
+
+
+def test_random_adapters_load_and_spread_over_the_requests(tiny_llama_dir):
+    """benchmarks.offline --lora: the random adapters fit the checkpoint's shapes, and
+    request i generates with adapter i mod N."""
+    adapters = write_random_adapters(tiny_llama_dir, 2, 4)
+    llm = LLM(tiny_llama_dir, device="cpu", max_num_seqs=4, lora_modules=adapters)
+    assert llm.engine.model.lora_state.rank == 4
+    added = []
+    add = llm.engine.add_request
+    llm.engine.add_request = lambda rid, ids, params: added.append(params) or add(rid, ids, params)
+    run_pagoda(llm, [[1] * 4] * 3, [3] * 3, [], loras=list(adapters))
+    assert [p.lora_name for p in added] == ["lora0", "lora1", "lora0"]

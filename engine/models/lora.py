@@ -1,0 +1,265 @@
+"""LoRA adapters (PEFT checkpoints) served beside the base model, any mix per batch.
+
+Adapter a adds scale_a * (x A_a^T) B_a^T to a projection's output. Every adapter's A
+and B are stacked once, at load, rank padded to the largest (R), for each projection
+they touch (k sections: q, k, v of a fused qkv_proj each have their own A and B):
+
+    shrink = x @ A_all                 [tokens, L * k * R]  every adapter at once
+    shrink *= mask                     each token keeps its own adapter's columns
+    y += shrink @ B_all                [L * k * R, out]: B_a's rows where a section lands
+
+The mask is built once a step from each token's adapter index (-1: none), so the same
+three kernels run under a CUDA graph whatever the batch's mix, and their cost grows
+with L * R, small beside the projection itself while adapters are few.
+
+With tensor parallelism, a column-parallel projection holds every A and its rows of B;
+a row-parallel one its columns of A and every B: its delta is a partial sum, added
+before the projection's all_reduce like the rest of its product.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, read
+
+logger = logging.getLogger("pagoda.engine")
+
+# adapter_config.json settings that change what an adapter computes, which this code
+# does not apply: refused by name rather than served wrong.
+UNSUPPORTED = {
+    "use_dora": "DoRA",
+    "lora_bias": "LoRA biases",
+    "alpha_pattern": "per-module lora_alpha (alpha_pattern)",
+    "modules_to_save": "modules_to_save (fully trained modules)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "layers_to_transform": "layers_to_transform",
+}
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, and why."""
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter's A [r, in] and B [out, r] per PEFT module name (without the
+    `base_model.model.` prefix), B already multiplied by the adapter's scale."""
+
+    name: str
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(name: str, path: str) -> AdapterWeights:
+    """A PEFT LoRA directory (adapter_config.json, adapter_model.safetensors), checked."""
+    root = Path(path)
+    try:
+        config = json.loads((root / "adapter_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read its adapter_config.json: {e}") from e
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise LoRAError(f"LoRA adapter {name!r}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported")
+    file = root / "adapter_model.safetensors"
+    if not file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: no {file}")
+    tensors = load_file(file)
+    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora"))
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in tensors:
+        module, _, leaf = key.removeprefix("base_model.model.").rpartition(".lora_")
+        if leaf != "A.weight":
+            if leaf != "B.weight":
+                raise LoRAError(f"LoRA adapter {name!r}: unsupported tensor {key!r}")
+            continue
+        a = tensors[key].float()
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        if b is None or a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise LoRAError(f"LoRA adapter {name!r}: {module} has no matching lora_B")
+        r = a.shape[0]  # its own rank: rank_pattern may set it per module
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        modules[module] = (a, b.float() * scale)
+    if not modules:
+        raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights in {file}")
+    rank = max(a.shape[0] for a, _ in modules.values())
+    return AdapterWeights(name, rank, modules)
+
+
+class LoRAState:
+    """The step's adapter of each token, and the masks every LoRA layer reads: one per
+    section count k, built at its first use in a forward (the model runner calls
+    `begin` first, also inside a captured graph)."""
+
+    def __init__(self, names: list[str], rank: int, dtype: torch.dtype, device: torch.device):
+        self.names = names  # by adapter index
+        self.rank, self.dtype, self.device = rank, dtype, device
+        self.ids: torch.Tensor | None = None  # [num_tokens] adapter index, -1: none
+        self._columns: dict[int, torch.Tensor] = {}
+        self._masks: dict[int, torch.Tensor] = {}
+
+    def columns(self, k: int) -> torch.Tensor:
+        """[L * k * R] the adapter each stacked column belongs to (shared by layers)."""
+        if k not in self._columns:
+            width = len(self.names) * k * self.rank
+            cols = torch.arange(width, device=self.device)
+            self._columns[k] = cols // (k * self.rank)
+        return self._columns[k]
+
+    def begin(self, ids: torch.Tensor | None) -> None:
+        self.ids = ids
+        self._masks.clear()
+
+    def mask(self, k: int) -> torch.Tensor | None:
+        """[num_tokens, L * k * R]: 1 where a column is the token's adapter's, else 0."""
+        if self.ids is None:
+            return None
+        mask = self._masks.get(k)
+        if mask is None:
+            mask = (self.columns(k)[None, :] == self.ids[:, None]).to(self.dtype)
+            self._masks[k] = mask
+        return mask
+
+
+class LoRALayer(nn.Module):
+    """The stacked adapters of one projection (buffers: not the model's parameters)."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, k: int, state: LoRAState) -> None:
+        super().__init__()
+        self.k, self.state = k, state
+        self.register_buffer("a", a)  # [in, L * k * R]
+        self.register_buffer("b", b)  # [L * k * R, out]
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each token's adapter delta (x: [num_tokens, in], y: [num_tokens, out])."""
+        mask = self.state.mask(self.k)
+        if mask is None:
+            return
+        shrink = torch.mm(x, self.a).mul_(mask)
+        y.addmm_(shrink, self.b)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a PEFT module's delta lands: our projection, and which of its sections
+    (None: all of it, e.g. Phi-3's fused qkv_proj targeted whole)."""
+
+    path: str
+    section: int | None
+
+
+def resolve(model: nn.Module, module: str) -> Target:
+    """A PEFT module name (`model.layers.0.self_attn.q_proj`) as our projection."""
+    fused_names: dict[str, tuple[str, int]] | None = getattr(model, "LORA_FUSED", None)
+    if fused_names is None:
+        kind = model.config.model_type
+        raise LoRAError(f"LoRA adapters are not supported for {kind} models")
+    parent, _, proj = module.removeprefix("model.").rpartition(".")
+    fused, section = fused_names.get(proj, (proj, None))
+    path = f"{parent}.{fused}" if parent else fused
+    try:
+        linear = model.get_submodule(path)
+    except AttributeError:
+        linear = None
+    if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+        raise LoRAError(
+            f"LoRA on {module!r} is not supported (attention and dense MLP projections are)"
+        )
+    if section is not None and section < 2 and parent.endswith("self_attn"):
+        rotary = getattr(model.get_submodule(parent), "rotary", None)
+        if getattr(rotary, "dim_order", None) is not None:
+            raise LoRAError(f"LoRA on {module!r}: q/k rows are reordered for partial rotary")
+    return Target(path, section)
+
+
+def sections_of(linear: nn.Module, target: Target) -> int:
+    """k: how many separately adapted sections a projection's stack holds."""
+    if isinstance(linear, ColumnParallelLinear) and target.section is not None:
+        return len(linear.sections)
+    return 1
+
+
+def b_rows(linear: nn.Module, b: torch.Tensor, section: int | None) -> tuple[int, torch.Tensor]:
+    """(first local output row, this rank's rows of B) for a target's section."""
+    rank = b.shape[1]
+    if not isinstance(linear, ColumnParallelLinear):
+        return 0, read(TensorSlice(b), [linear.out_features, rank])
+    if section is None:  # the fused tensor whole: each section's rows of this rank
+        offset, ranges = 0, []
+        for s in linear.sections:
+            ranges += [(offset + lo, offset + hi) for lo, hi in s.ranges]
+            offset += s.size
+        return 0, read(TensorSlice(b), [offset, rank], tuple(ranges))
+    s = linear.sections[section]
+    start = sum(x.local_size for x in linear.sections[:section])
+    return start, read(TensorSlice(b), [s.size, rank], s.ranges)
+
+
+def a_cols(linear: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """This rank's columns of A (a row-parallel projection's input is split)."""
+    if not isinstance(linear, RowParallelLinear):
+        return read(TensorSlice(a), [a.shape[0], linear.in_features])
+    cols = ((linear.in_start, linear.in_start + linear.in_features),)
+    return read(TensorSlice(a), [a.shape[0], linear.full_in_features], cols, dim=1)
+
+
+@torch.no_grad()
+def attach_adapters(
+    model: nn.Module,
+    adapters: dict[str, str],  # name -> PEFT directory, in adapter-index order
+    max_rank: int | None,
+) -> LoRAState:
+    """Read the adapters and give each projection any of them touch its LoRALayer."""
+    read_ = [read_adapter(name, path) for name, path in adapters.items()]
+    rank = max(w.rank for w in read_)
+    if max_rank is not None:
+        if rank > max_rank:
+            worst = max(read_, key=lambda w: w.rank)
+            raise LoRAError(
+                f"LoRA adapter {worst.name!r} has rank {worst.rank}, above --max-lora-rank "
+                f"{max_rank}"
+            )
+        rank = max_rank
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    state = LoRAState(list(adapters), rank, dtype, device)
+    by_path: dict[str, list[tuple[int, Target, torch.Tensor, torch.Tensor]]] = {}
+    for index, weights in enumerate(read_):
+        for module, (a, b) in weights.modules.items():
+            target = resolve(model, module)
+            by_path.setdefault(target.path, []).append((index, target, a, b))
+    num = len(read_)
+    for path, entries in by_path.items():
+        linear = model.get_submodule(path)
+        k = max(sections_of(linear, t) for _, t, _, _ in entries)
+        in_local, out_local = linear.in_features, linear.out_features
+        a_all = torch.zeros(in_local, num * k * rank)
+        b_all = torch.zeros(num * k * rank, out_local)
+        for index, target, a, b in entries:
+            try:
+                cols = a_cols(linear, a)  # [r, in_local]
+                start, rows = b_rows(linear, b, target.section)  # [out rows, r]
+            except ValueError as e:
+                raise LoRAError(f"LoRA adapter {state.names[index]!r}, {path}: {e}") from e
+            j = target.section if k > 1 and target.section is not None else 0
+            first = (index * k + j) * rank
+            a_all[:, first : first + cols.shape[0]] = cols.t()
+            b_all[first : first + rows.shape[1], start : start + rows.shape[0]] = rows.t()
+        linear.lora = LoRALayer(a_all.to(device, dtype), b_all.to(device, dtype), k, state)
+        state.columns(k)
+    logger.info(
+        "LoRA adapters %s: rank %d, on %d projections", ", ".join(adapters), rank, len(by_path)
+    )
+    return state
