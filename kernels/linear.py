@@ -43,6 +43,27 @@ def linear_ref(
     return F.linear(x, weight, bias)
 
 
+@dataclass(frozen=True)
+class LoRADelta:
+    """LoRA adapters' deltas for the kernel's epilogue to add (engine/models/lora.py):
+    row m gets shrink[m] @ b over the `group` columns of its adapter ids[m] (-1: none)."""
+
+    shrink: torch.Tensor  # [M, adapters * group]: x @ every adapter's A
+    b: torch.Tensor  # [adapters * group, N]: their B, stacked
+    ids: torch.Tensor  # [M] int64
+    group: int
+
+    @property
+    def num_adapters(self) -> int:
+        return self.b.shape[0] // self.group
+
+
+def lora_delta_ref(delta: LoRADelta) -> torch.Tensor:  # [M, N]
+    columns = torch.arange(delta.b.shape[0], device=delta.b.device) // delta.group
+    mask = columns[None, :] == delta.ids[:, None]
+    return (delta.shrink * mask).to(delta.b.dtype) @ delta.b
+
+
 @triton.jit
 def _splitk_linear_kernel(
     x_ptr,
@@ -53,6 +74,9 @@ def _splitk_linear_kernel(
     out_ptr,
     partials_ptr,
     counters_ptr,
+    lora_shrink_ptr,
+    lora_b_ptr,
+    lora_ids_ptr,
     M,
     N,
     K,
@@ -61,8 +85,12 @@ def _splitk_linear_kernel(
     stride_om,
     stride_ps,
     stride_pm,
+    lora_adapters,
+    lora_group,
     FP8: tl.constexpr,  # x and W in e4m3, X = q * x_scale[m], W = q * scale[n]: e4m3 dots
     HAS_BIAS: tl.constexpr,
+    LORA: tl.constexpr,  # add each row's adapter delta (LoRADelta)
+    LORA_BLOCK: tl.constexpr,  # >= lora_group, a power of two >= 16
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -131,6 +159,28 @@ def _splitk_linear_kernel(
     if FP8:
         acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
         acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+    if LORA:
+        # Only the adapters some row of the tile uses: their shrink columns (zero for
+        # the other rows) times their rows of B.
+        ids = tl.load(lora_ids_ptr + rows, mask=rows < M, other=-1)
+        js = tl.arange(0, LORA_BLOCK)
+        for a in range(lora_adapters):
+            if tl.max((ids == a).to(tl.int32), axis=0) > 0:
+                first = a * lora_group
+                shrink = tl.load(
+                    lora_shrink_ptr
+                    + rows[:, None] * (lora_adapters * lora_group)
+                    + first
+                    + js[None, :],
+                    mask=(ids[:, None] == a) & (js[None, :] < lora_group),
+                    other=0.0,
+                )  # [BLOCK_M, LORA_BLOCK]
+                lora_b = tl.load(
+                    lora_b_ptr + (first + js[:, None]) * N + cols[None, :],
+                    mask=(js[:, None] < lora_group) & (cols[None, :] < N),
+                    other=0.0,
+                )  # [LORA_BLOCK, BLOCK_N]
+                acc += tl.dot(shrink.to(lora_b.dtype), lora_b, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -224,6 +274,7 @@ def splitk_linear(
     weight_scale: torch.Tensor | None = None,  # [N] fp32, with FP8 (e4m3) x and weights
     x_scale: torch.Tensor | None = None,  # [M] or [M, 1] fp32, with weight_scale
     out_dtype: torch.dtype | None = None,  # with FP8: the model dtype
+    lora: LoRADelta | None = None,  # adapters' deltas added in the epilogue
 ) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
@@ -243,6 +294,8 @@ def splitk_linear(
     config, partials = workspace.config_for(m), workspace.partials
     grid = (triton.cdiv(n, config.block_n), config.num_splits)
     pdl = use_pdl(x.device)
+    if lora is not None:  # contiguous: the kernel computes their offsets from the shapes
+        assert lora.shrink.is_contiguous() and lora.b.is_contiguous() and lora.b.shape[1] == n
     _splitk_linear_kernel[grid](
         x,
         weight,
@@ -252,6 +305,9 @@ def splitk_linear(
         out,
         partials,
         workspace.counters,
+        weight if lora is None else lora.shrink,
+        weight if lora is None else lora.b,
+        weight if lora is None else lora.ids,
         m,
         n,
         k,
@@ -260,8 +316,12 @@ def splitk_linear(
         out.stride(0),
         partials.stride(0),
         partials.stride(1),
+        0 if lora is None else lora.num_adapters,
+        1 if lora is None else lora.group,
         FP8=fp8,
         HAS_BIAS=bias is not None,
+        LORA=lora is not None,
+        LORA_BLOCK=16 if lora is None else max(16, triton.next_power_of_2(lora.group)),
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

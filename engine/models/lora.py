@@ -8,9 +8,11 @@ they touch (k sections: q, k, v of a fused qkv_proj each have their own A and B)
     shrink *= mask                     each token keeps its own adapter's columns
     y += shrink @ B_all                [L * k * R, out]: B_a's rows where a section lands
 
-The mask is built once a step from each token's adapter index (-1: none), so the same
-three kernels run under a CUDA graph whatever the batch's mix, and their cost grows
-with L * R, small beside the projection itself while adapters are few.
+The mask comes from each token's adapter index (-1: none), staged with the step's
+inputs, so the same kernels run under a CUDA graph whatever the batch's mix. At decode
+batch sizes the projection's split-K kernel adds the masked expand in its epilogue,
+reading only the B of adapters its rows use: one launch more than the projection (the
+shrink). Larger products add it in torch, with a mask built once a step.
 
 With tensor parallelism, a column-parallel projection holds every A and its rows of B;
 a row-parallel one its columns of A and every B: its delta is a partial sum, added
@@ -30,6 +32,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, read
+from kernels.linear import LoRADelta, dense, splitk_linear, splitk_pays, splitk_workspace
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -139,16 +142,33 @@ class LoRALayer(nn.Module):
     def __init__(self, a: torch.Tensor, b: torch.Tensor, k: int, state: LoRAState) -> None:
         super().__init__()
         self.k, self.state = k, state
-        self.register_buffer("a", a)  # [in, L * k * R]
+        self.register_buffer("a", a)  # [L * k * R, in]: every A, as a weight
         self.register_buffer("b", b)  # [L * k * R, out]
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += each token's adapter delta (x: [num_tokens, in], y: [num_tokens, out])."""
-        mask = self.state.mask(self.k)
-        if mask is None:
-            return
-        shrink = torch.mm(x, self.a).mul_(mask)
-        y.addmm_(shrink, self.b)
+    def delta(self, x: torch.Tensor) -> LoRADelta | None:
+        """The step's deltas for x [num_tokens, in] (None: no adapter ids this forward)."""
+        ids = self.state.ids
+        if ids is None:
+            return None
+        return LoRADelta(dense(x, self.a, None), self.b, ids, self.k * self.state.rank)
+
+    def add(self, delta: LoRADelta, y: torch.Tensor) -> torch.Tensor:
+        """y += the deltas, in torch (products the split-K kernel does not take)."""
+        return y.addmm_(delta.shrink.mul_(self.state.mask(self.k)), self.b)
+
+    def forward(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ weight^T + bias with the deltas: at decode batch sizes the split-K
+        kernel adds them in its epilogue, one launch (the shrink's) more than the
+        projection alone."""
+        delta = self.delta(x)
+        if delta is None:
+            return dense(x, weight, bias)
+        if splitk_pays(x, weight):
+            workspace = splitk_workspace(weight.shape[0], x.device)
+            return splitk_linear(x, weight, bias, workspace, lora=delta)
+        return self.add(delta, dense(x, weight, bias))
 
 
 @dataclass(frozen=True)
@@ -245,7 +265,7 @@ def attach_adapters(
         linear = model.get_submodule(path)
         k = max(sections_of(linear, t) for _, t, _, _ in entries)
         in_local, out_local = linear.in_features, linear.out_features
-        a_all = torch.zeros(in_local, num * k * rank)
+        a_all = torch.zeros(num * k * rank, in_local)
         b_all = torch.zeros(num * k * rank, out_local)
         for index, target, a, b in entries:
             try:
@@ -255,7 +275,7 @@ def attach_adapters(
                 raise LoRAError(f"LoRA adapter {state.names[index]!r}, {path}: {e}") from e
             j = target.section if k > 1 and target.section is not None else 0
             first = (index * k + j) * rank
-            a_all[:, first : first + cols.shape[0]] = cols.t()
+            a_all[first : first + cols.shape[0]] = cols
             b_all[first : first + rows.shape[1], start : start + rows.shape[0]] = rows.t()
         linear.lora = LoRALayer(a_all.to(device, dtype), b_all.to(device, dtype), k, state)
         state.columns(k)

@@ -189,10 +189,9 @@ class ColumnParallelLinear(nn.Linear):
         self.lora: LoRALayer | None = None  # LoRA adapters' deltas (engine/models/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.bias)
         if self.lora is not None:
-            self.lora.add(x, y)
-        return y
+            return self.lora(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: int | None) -> None:
         """section None: one checkpoint tensor holding every section (Phi-3's qkv_proj,
@@ -226,10 +225,9 @@ class RowParallelLinear(nn.Linear):
         self.lora: LoRALayer | None = None  # partial deltas, summed with the product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, self.bias)
         if self.lora is not None:
-            self.lora.add(x, y)
-        return self.tp.all_reduce(y)
+            return self.tp.all_reduce(self.lora(x, self.weight, self.bias))
+        return self.tp.all_reduce(dense(x, self.weight, self.bias))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         param = getattr(self, leaf).data

@@ -31,7 +31,7 @@ from kernels.fp8 import (
     quantize_per_token_for,
     scaled_mm_fits,
 )
-from kernels.linear import SPLITK_MAX_M, splitk_linear, splitk_workspace
+from kernels.linear import SPLITK_MAX_M, LoRADelta, splitk_linear, splitk_workspace
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -75,14 +75,14 @@ class Fp8Linear(nn.Module):
         if isinstance(x, torch.Tensor):
             rows = x.reshape(-1, x.shape[-1])
             quantized = Fp8Rows(*quantize_per_token_for(rows.device)(rows), rows.dtype)
-            out = self.rows_forward(quantized).view(*x.shape[:-1], self.out_features)
-            if self.lora is not None:  # its producer leaves x unquantized (quantize_model)
-                self.lora.add(x, out)
+            # An adapter's shrink reads x unquantized (its producer leaves it so).
+            delta = None if self.lora is None else self.lora.delta(rows)
+            out = self.rows_forward(quantized, delta).view(*x.shape[:-1], self.out_features)
         else:
             out = self.rows_forward(x)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
-    def rows_forward(self, x: Fp8Rows) -> torch.Tensor:
+    def rows_forward(self, x: Fp8Rows, lora: LoRADelta | None = None) -> torch.Tensor:
         if x.q.is_cuda and x.q.shape[0] <= SPLITK_MAX_M:
             # Decode batches: the split-K kernel reads each weight's byte once, where
             # _scaled_mm's kernels for skinny products fall far short of that. Its dots
@@ -90,9 +90,10 @@ class Fp8Linear(nn.Module):
             # the model dtype, costs more in conversions than quantizing x does.
             workspace = splitk_workspace(self.out_features, x.q.device, fp8=True)
             return splitk_linear(
-                x.q, self.weight, self.bias, workspace, self.weight_scale, x.scale, x.dtype
+                x.q, self.weight, self.bias, workspace, self.weight_scale, x.scale, x.dtype, lora
             )
-        return fp8_rows_linear_for(x.q.device)(x, self.weight, self.weight_scale, self.bias)
+        out = fp8_rows_linear_for(x.q.device)(x, self.weight, self.weight_scale, self.bias)
+        return out if lora is None else self.lora.add(lora, out)
 
 
 @torch.no_grad()

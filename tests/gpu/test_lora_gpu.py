@@ -77,3 +77,23 @@ def test_fp8_projections_keep_their_adapters(tiny_llama_dir, tiny_lora_adapters)
         for p in range(len(o.prompt_token_ids) - NEW, len(o.prompt_token_ids))
     ]
     assert sum(r == 1 for r in base_ranks) < sum(r == 1 for r in ranks)
+
+
+def test_the_split_k_epilogue_adds_what_torch_adds(tiny_llama_dir, tiny_lora_adapters, monkeypatch):
+    """bf16, prompts under 16 tokens: every projection takes the split-K kernel, whose
+    epilogue adds the deltas; the torch path (cuBLAS, then the masked expand) scores the
+    same prompts alike, and the adapters move the scores far more than the paths differ."""
+    llm = LLM(tiny_llama_dir, device="cuda", dtype="bfloat16", lora_modules=tiny_lora_adapters)
+    prompts = [p for p in PROMPTS if len(llm.tokenizer.encode(p)) <= 16]
+    names = [NAMES[i % len(NAMES)] for i in range(len(prompts))]
+
+    def scores(lora: str | None = None) -> torch.Tensor:
+        params = [greedy(lora or n, max_tokens=1, prompt_logprobs=0) for n in names]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return torch.tensor([e.logprob for o in outs for e in o.prompt_logprobs[1:]])
+
+    epilogue = scores()
+    monkeypatch.setattr("engine.models.lora.splitk_pays", lambda x, weight: False)
+    in_torch = scores()
+    assert (epilogue - in_torch).abs().max() < 0.1
+    assert (scores("all") - in_torch).abs().max() > 1.0

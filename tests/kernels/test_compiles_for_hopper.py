@@ -2,7 +2,7 @@
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
-the gated activation quantizing their rows), the decode attention rotating q and K
+the gated activation quantizing their rows), the split-K epilogue adding LoRA deltas, the decode attention rotating q and K
 itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
@@ -39,17 +39,22 @@ def compile_variants() -> None:
         constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile}
         assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs)
         print(f"quantizer one_tile={one_tile}")
-    signature = {"x_ptr": "*fp8e4nv", "weight_ptr": "*fp8e4nv"}
-    signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
-    signature |= {"out_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
-    names = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm")
-    signature |= {name: "i32" for name in names}
-    constexprs = {"FP8": True, "HAS_BIAS": True, "BLOCK_M": 64, "BLOCK_N": 64}
-    constexprs |= {"BLOCK_K": 256, "NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "PDL": True}
-    ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs)["ptx"]
-    # e4m3 by e4m3 dots (wgmma) widen nothing.
-    assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
-    print("split-K fp8")
+    for fp8, lora in ((True, False), (True, True), (False, True)):
+        x = "*fp8e4nv" if fp8 else "*bf16"
+        signature = {"x_ptr": x, "weight_ptr": x}
+        signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
+        signature |= {"out_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+        signature |= {"lora_shrink_ptr": "*bf16", "lora_b_ptr": "*bf16", "lora_ids_ptr": "*i64"}
+        names = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm")
+        names += ("lora_adapters", "lora_group")
+        signature |= {name: "i32" for name in names}
+        constexprs = {"FP8": fp8, "HAS_BIAS": True, "LORA": lora, "LORA_BLOCK": 64}
+        constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
+        constexprs |= {"NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "PDL": True}
+        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs)["ptx"]
+        if fp8 and not lora:  # e4m3 by e4m3 dots (wgmma) widen nothing.
+            assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
+        print(f"split-K fp8={fp8} lora={lora}")
     compile_fp8_producers()
     print("norm and activation fp8_out")
     for kv_fp8, norm in ((False, False), (True, True)):
@@ -160,10 +165,12 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:8] == [
+    assert done.stdout.split("\n")[:10] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
-        "split-K fp8",
+        "split-K fp8=True lora=False",
+        "split-K fp8=True lora=True",
+        "split-K fp8=False lora=True",
         "norm and activation fp8_out",
         "decode rope kv_fp8=False norm=False",
         "decode rope kv_fp8=True norm=True",

@@ -8,10 +8,12 @@ import torch.nn.functional as F
 
 from kernels.linear import (
     SMALL_M,
+    LoRADelta,
     SplitKConfig,
     SplitKWorkspace,
     dense,
     linear_ref,
+    lora_delta_ref,
     splitk_linear,
     splitk_max_rows,
     splitk_pays,
@@ -156,3 +158,32 @@ def test_dense_dispatch_and_result(m, n, k, splitk, rng, device):
     assert splitk_pays(x, weight) == (splitk and device.type == "cuda")
     got = dense(x, weight, bias)
     torch.testing.assert_close(got, linear_ref(x, weight, bias), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_splitk_linear_adds_each_rows_lora_delta(m, num_splits, rng, device):
+    """Three adapters of 12 columns each (a block of 16, masked), rows on each of them
+    and on none: every row gets its own adapter's shrink times its own B."""
+    adapters, group = 3, 12
+    x = torch.randn(m, K, generator=rng)
+    weight = 0.1 * torch.randn(N, K, generator=rng)
+    bias = torch.randn(N, generator=rng)
+    shrink = torch.randn(m, adapters * group, generator=rng)
+    b = torch.randn(adapters * group, N, generator=rng)
+    ids = torch.tensor([(i % (adapters + 1)) - 1 for i in range(m)])
+    delta = LoRADelta(shrink, b, ids, group)
+    want = linear_ref(x, weight, bias) + lora_delta_ref(delta)
+    # The reference: row i is its adapter's slice alone.
+    for i in range(m):
+        a = int(ids[i])
+        own = (
+            0 if a < 0 else shrink[i, a * group : (a + 1) * group] @ b[a * group : (a + 1) * group]
+        )
+        torch.testing.assert_close(lora_delta_ref(delta)[i], own + torch.zeros(N))
+    config = SplitKConfig(num_splits=num_splits, block_n=32, block_k=32)
+    workspace = poisoned_workspace(N, config, device)
+    on = LoRADelta(shrink.to(device), b.to(device), ids.to(device), group)
+    got = splitk_linear(x.to(device), weight.to(device), bias.to(device), workspace, lora=on)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert not workspace.counters.any()
