@@ -3,6 +3,7 @@
     python -m benchmarks.profile_decode gpt2 64     # model (a benchmarks.checkpoints shape), batch
     python -m benchmarks.profile_decode llama3-8b 64 --context 768 --out FILE
     python -m benchmarks.profile_decode llama3-8b 1 --quantization fp8
+    python -m benchmarks.profile_decode llama3-8b 1 --lora 1     # every request on an adapter
 
 `batch` greedy requests of `--context` prompt tokens are admitted and decoding
 (benchmarks.offline's start_decoding), a few steps warm up, then `--steps` engine
@@ -23,22 +24,32 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import build_checkpoint, write_random_adapters
 from benchmarks.decode_step import start_decoding
 from benchmarks.provenance import git_commit, write_result
-from engine import LLM
+from engine import LLM, SamplingParams
 
 WARMUP = 16
 
 
-def kernel_table(llm: LLM, batch: int, context: int, steps: int = 40) -> dict:
+def kernel_table(
+    llm: LLM, batch: int, context: int, steps: int = 40, lora_name: str | None = None
+) -> dict:
     """The table of `steps` full-batch decode steps: the requests may run to
     max_model_len, which must leave room for the admission, warm-up and steps."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
     cuda = engine.config.torch_device.type == "cuda"
-    start_decoding(engine, batch, context, max_tokens=engine.config.max_model_len - context)
+    max_tokens = engine.config.max_model_len - context
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        final_only=True,
+        lora_name=lora_name,
+    )
+    start_decoding(engine, batch, context, max_tokens, params)
     for _ in range(WARMUP):
         engine.step()
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
@@ -78,13 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--quantization", default=None, choices=["fp8"])
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N random LoRA adapters; requests use the first",
+    )
+    p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--rows", type=int, default=30, help="table rows printed")
     p.add_argument("--out", type=Path, default=None, help="the whole table as JSON here")
     args = p.parse_args(argv)
     dtype = "float16" if args.model == "gpt2" else "bfloat16"
     path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
+    model_dir = build_checkpoint(args.model, path, getattr(torch, dtype))
+    loras = write_random_adapters(model_dir, args.lora, args.lora_rank) if args.lora else None
     llm = LLM(
-        build_checkpoint(args.model, path, getattr(torch, dtype)),
+        model_dir,
         dtype=dtype,
         enable_prefix_caching=False,
         max_num_seqs=max(args.batch, 8),
@@ -92,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.context + WARMUP + args.steps + 128,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        lora_modules=loras,
     )
     result = {
         "benchmark": "profile_decode",
@@ -102,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,
         "dtype": dtype,
-        **kernel_table(llm, args.batch, args.context, args.steps),
+        "lora": {"adapters": args.lora, "rank": args.lora_rank} if args.lora else None,
+        **kernel_table(llm, args.batch, args.context, args.steps, "lora0" if loras else None),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     for row in result["rows"][: args.rows]:
