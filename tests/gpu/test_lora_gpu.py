@@ -95,5 +95,6 @@ def test_the_split_k_epilogue_adds_what_torch_adds(tiny_llama_dir, tiny_lora_ada
     epilogue = scores()
     monkeypatch.setattr("engine.models.lora.splitk_pays", lambda x, weight: False)
     in_torch = scores()
-    assert (epilogue - in_torch).abs().max() < 0.1
+    # The epilogue adds the deltas to fp32 sums, torch to the bf16 product.
+    assert (epilogue - in_torch).abs().max() < 0.25
     assert (scores("all") - in_torch).abs().max() > 1.0
