@@ -224,7 +224,7 @@ def resolve(model: nn.Module, module: str) -> Target:
         raise LoRAError(
             f"LoRA on {module!r} is not supported (attention and dense MLP projections are)"
         )
-    if section is not None and section < 2 and parent.endswith("self_attn"):
+    if fused == "qkv_proj" and section != 2:  # q or k rows, or all of qkv (Phi-3's)
         rotary = getattr(model.get_submodule(parent), "rotary", None)
         if getattr(rotary, "dim_order", None) is not None:
             raise LoRAError(f"LoRA on {module!r}: q/k rows are reordered for partial rotary")

@@ -133,3 +133,28 @@ def test_each_projection_stacks_its_sections(llm):
     sections = {n.split(".")[-2]: m.k for n, m in stacks.items()}
     assert len(stacks) == 2 * 4
     assert sections == {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+
+
+@pytest.mark.parametrize(
+    "kind, targets",
+    [
+        ("qwen3", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        # Phi-3's checkpoint fuses gate_up_proj: adapted whole, one section.
+        ("phi3", ["o_proj", "gate_up_proj", "down_proj"]),
+    ],
+)
+def test_other_families_match_peft(tmp_path, tiny_family_dir, kind, targets):
+    base = tiny_family_dir(kind)
+    adapter = build_lora(base, tmp_path / kind, 4, r=8, lora_alpha=16, target_modules=targets)
+    llm = LLM(base, lora_modules={"a": adapter}, **CONFIG)
+    prompts, names = PROMPTS[1:4], ["a", None, "a"]
+    got = [o.outputs[0].token_ids for o in generate(llm, prompts, names)]
+    assert got == expected(base, {"a": adapter}, prompts, names)
+
+
+def test_q_and_k_under_partial_rotary_are_refused(tmp_path, tiny_family_dir):
+    """Phi-3's partial rotary reorders q/k rows at load; its fused qkv_proj holds them."""
+    base = tiny_family_dir("phi3")
+    adapter = build_lora(base, tmp_path / "qkv", 5, r=4, target_modules=["qkv_proj"])
+    with pytest.raises(ModelLoadError, match="reordered for partial rotary"):
+        LLM(base, lora_modules={"a": adapter}, **CONFIG)
