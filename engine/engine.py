@@ -273,6 +273,8 @@ class Engine:
                 logits = self.runner.execute(out)  # the sampling rows only
             if self.runner.prompt_scores is not None:  # before any first output is built
                 self.reader.keep_prompt_logprobs(self.runner.prompt_scores)
+            if self.runner.pooled is not None:  # before its request's last output is built
+                self.reader.keep_embeddings(self.runner.pooled)
             batch = self.batch
             sampling = out.sampling_slots
             sync = not self.config.async_scheduling or (

@@ -102,6 +102,10 @@ class InputBatch:
         # engine/prompt_logprobs.py.
         self.scores_prompt = np.zeros(n, dtype=bool)
         self.num_scoring = 0
+        # Its prompt's embedding is taken when its last prompt token's step runs
+        # (engine/pooling.py).
+        self.pools = np.zeros(n, dtype=bool)
+        self.num_pooling = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         # Plain streams (ids only) whose first id was read (news carries their first
@@ -175,6 +179,8 @@ class InputBatch:
         self.num_needs_sync += params.needs_sync
         self.scores_prompt[slot] = scores = req.scores_prompt
         self.num_scoring += scores
+        self.pools[slot] = pools = params.pooling and req.embedding is None
+        self.num_pooling += pools
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
         self.plain[slot] = plain = params.plain and n > num_prompt
@@ -225,6 +231,7 @@ class InputBatch:
         self.num_plain -= self.plain.item(slot)
         self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
+        self.pooled(slot)
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
         self.generation[slot] += 1
@@ -236,6 +243,11 @@ class InputBatch:
         """A plain stream's first id was read: its news after that is the columns'."""
         self.plain[slot] = True
         self.num_plain += 1
+
+    def pooled(self, slot: int) -> None:
+        """The row's embedding is taken (or it left)."""
+        self.num_pooling -= bool(self.pools[slot])
+        self.pools[slot] = False
 
     def prompt_scored(self, slot: int) -> None:
         """The row's prompt logprobs are all computed (or it left)."""

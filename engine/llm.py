@@ -24,6 +24,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    embedding: list[float] | None = None  # SamplingParams.pooling: the prompt's embedding
 
 
 @dataclass
@@ -49,6 +50,19 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (daemons: they also end with this process)."""
         self.engine.shutdown()
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        lora_name: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """Each prompt's embedding: its last token's final hidden state, L2-normalized
+        (engine/pooling.py)."""
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, pooling=True, detokenize=False, lora_name=lora_name
+        )
+        return [out.outputs[0].embedding for out in self.generate(prompts, params, use_tqdm)]
 
     def generate(
         self,
@@ -99,6 +113,7 @@ class LLM:
                     if out.finished:
                         choice.finish_reason = out.finish_reason
                         choice.stop_reason = out.stop_reason
+                        choice.embedding = out.embedding
                         if all(c.finish_reason for c in result.outputs):
                             bar.update(1)
         return [results[str(i)] for i in range(len(prompts))]

@@ -20,6 +20,7 @@ from engine.cuda_graphs import CudaGraphs
 from engine.distributed import SINGLE
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.pooling import PooledRows, pool, pooling_rows
 from engine.prompt_logprobs import SCORE_ROWS, PromptScoring, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
 from engine.staging import SampledIds, WaitClock
@@ -85,6 +86,7 @@ class ModelRunner(StepInputs):
         self.argmax: torch.Tensor | None = None  # a graph's greedy ids: see execute()
         self.argmax_on_host = False
         self.prompt_scores: PromptScoring | None = None  # a step's prompt logprobs: see execute()
+        self.pooled: PooledRows | None = None  # a step's embeddings: see execute()
         # Steps by how they ran, read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
         self.channel = (
@@ -152,19 +154,23 @@ class ModelRunner(StepInputs):
 
         Also sets `argmax` (after a graph, their argmax ids on the device; None after
         an eager step), `argmax_on_host` (the graph copied them to the host too, as a
-        decode graph does) and `prompt_scores` (engine/prompt_logprobs.py; None when
-        no sequence scores its prompt, as in every decode step). A graph replay runs
-        no torch op, so only the other paths enter inference mode."""
+        decode graph does), `prompt_scores` (engine/prompt_logprobs.py; None when
+        no sequence scores its prompt, as in every decode step) and `pooled`
+        (engine/pooling.py: the embeddings of the rows that pool, else None). A graph
+        replay runs no torch op, so only the other paths enter inference mode."""
         max_query_len = self.fill(out)
         self.argmax = None
         self.argmax_on_host = False
         self.prompt_scores = None
+        self.pooled = None
         num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_sampling
-        if out.is_decode_only and self.graphs.decode:  # a bucket holds any batch
-            return self.graphs.replay_decode(num_seqs)
+        pooling = pooling_rows(out, self.batch)  # a prompt's last token (maybe all that is left)
+        if out.is_decode_only and self.graphs.decode and pooling is None:
+            return self.graphs.replay_decode(num_seqs)  # a bucket holds any batch
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
+        graph = scoring is None and pooling is None
         with torch.inference_mode():
-            if scoring is None and num_tokens < len(self.graphs.prefill_bucket):
+            if graph and num_tokens < len(self.graphs.prefill_bucket):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             if self.channel is not None:
@@ -179,11 +185,15 @@ class ModelRunner(StepInputs):
                 )
                 self.channel.publish(header, rows)
             self.steps_by_path["eager"] += 1
-            if scoring is None:
+            if graph:
                 return self.forward(inp)
             hidden = self.hidden_states(inp)  # [num_tokens, hidden_size]
-            self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
-            return self.model.compute_logits(hidden[inp.logits_indices])
+            if scoring is not None:
+                self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
+            last = hidden[inp.logits_indices]  # [num_sampling, hidden_size]
+            if pooling is not None:
+                self.pooled = pool(last, pooling, out)
+            return self.model.compute_logits(last)
 
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:
         # Gathered here, so that a captured graph gathers the ids and rows on every replay.

@@ -89,6 +89,7 @@ def build_output(req: Request) -> RequestOutput | None:
         req.metrics if emitted == 0 or finished else None,
         req.prompt_logprobs if emitted == 0 else None,
         req.hide_last_token and bool(new_ids),
+        req.embedding if finished else None,
     )
 
 

@@ -63,6 +63,8 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Its last id is the stop token that ended it, whose text the answer leaves out.
     hide_last_token: bool = False
+    # With params.pooling, on its last output: the prompt's embedding (engine/pooling.py).
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -177,6 +179,7 @@ class Request:
             None if params.prompt_logprobs is None else [None]
         )
         self.num_detokenized_tokens = 0
+        self.embedding: list[float] | None = None  # params.pooling: engine/pooling.py
         self._num_emitted = 0  # off the batch: output ids already in outputs
 
     @property

@@ -43,6 +43,9 @@ class SamplingParams:
     # The LoRA adapter to generate with (EngineConfig.lora_modules' name); None: the base
     # model. The server sets it from the request's `model`.
     lora_name: str | None = None
+    # Return the prompt's embedding (engine/pooling.py: its last token's final hidden
+    # state, L2-normalized) with the one token generated, which the server drops.
+    pooling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,8 @@ class SamplingParams:
         if self.grammar is not None and self.min_tokens:
             # The grammar may allow nothing but EOS, which min_tokens forbids.
             raise ValueError("min_tokens cannot be combined with structured outputs")
+        if self.pooling and (self.n != 1 or self.max_tokens != 1):
+            raise ValueError("an embedding (pooling) request generates one token of one choice")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if self.stop and not self.detokenize:

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch, LaunchMark, ReadTokens
 from engine.kv_cache import BlockManager
 from engine.outputs import detokenize
+from engine.pooling import PooledRows
 from engine.prompt_logprobs import PromptScoring
 from engine.request import Request, RequestStatus, TokenLogprob
 from engine.scheduler import Scheduler
@@ -94,6 +95,12 @@ class StepReader:
             req.add_prompt_logprobs(first, entries)
             if not req.scores_prompt:
                 batch.prompt_scored(slot)
+
+    def keep_embeddings(self, pooled: PooledRows) -> None:
+        batch = self.batch
+        for slot, embedding in zip(pooled.slots, pooled.embeddings, strict=True):
+            batch.requests[slot].embedding = embedding
+            batch.pooled(slot)
 
     def _apply(self, got: ReadTokens, ended: list[tuple[Request, str]] | None) -> None:
         """The read ids' consequences, for the few rows that have any: first tokens,

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
+from server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from server.engine_loop import EngineFactory, build_engine
 from server.engine_wire import EngineEndpoint
 from server.errors import APIError
@@ -71,6 +72,7 @@ _GENERATE = {
     **_errors(400, 401, 404, 413, 500, 503),
     200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}},
 }
+_EMBED = _errors(400, 401, 404, 413, 500, 503)
 _HEALTH = _errors(503)
 _METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
@@ -141,6 +143,10 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.post("/v1/responses", response_model=ResponseObject, responses=_GENERATE)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(_serving(request), body, request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_EMBED)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(_serving(request), body, request)
 
     @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:

@@ -61,10 +61,14 @@ class EngineInfo:
     config: EngineConfig  # as the engine resolved it (max_model_len filled in)
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase | None = None
+    hidden_size: int = 0  # an embedding's length (0: unknown)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
-        return cls(engine.model_name, engine.model_dir, engine.config, engine.vocab_size)
+        hidden = engine.model.config.hidden_size
+        return cls(
+            engine.model_name, engine.model_dir, engine.config, engine.vocab_size, None, hidden
+        )
 
     @property
     def max_model_len(self) -> int:

@@ -39,6 +39,20 @@ _RESERVED_TEMPLATE_KWARGS = {
 }  # fmt: skip
 
 
+def prompt_list(prompt: str | list, param: str) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes (a completion's prompt, an embedding's input) → a list
+    of prompts, each text or token ids."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError(f"The {param} is empty.", param=param)
+    return prompts
+
+
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready."""
 

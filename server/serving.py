@@ -97,6 +97,7 @@ class Serving:
         self.lora_modules = dict(info.config.lora_modules or {})
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.hidden_size = info.hidden_size
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
 
     def admit(self, model: str | None) -> None:

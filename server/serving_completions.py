@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from engine.request import RequestOutput, TokenLogprob
 from server.errors import APIError
+from server.prompts import prompt_list
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -39,7 +40,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
         raise APIError("suffix is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of other than n is not supported.", param="best_of")
-    texts = _prompt_list(req.prompt)
+    texts = prompt_list(req.prompt, "prompt")
     # echo with max_tokens 0 scores the prompt only: one token is generated and dropped.
     score_only = req.echo and req.max_tokens == 0
     max_tokens = 1 if score_only else req.max_tokens
@@ -246,19 +247,6 @@ class TextChunks:
 def _json(value: str | int | None) -> str:
     # As pydantic writes it: UTF-8 kept as is, not \u-escaped.
     return json.dumps(value, ensure_ascii=False)
-
-
-def _prompt_list(prompt: str | list) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes → a list of prompts, each text or token ids."""
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise APIError("The prompt is empty.", param="prompt")
-    return prompts
 
 
 def _top(s: Serving, lp: TokenLogprob, num: int | None) -> dict[str, float]:

@@ -154,6 +154,16 @@ def start_server(tiny_gpt2_dir) -> Iterator[Callable[..., LiveServer]]:
 
 
 @pytest.fixture(scope="session")
+def lora_server(tiny_llama_dir, tiny_lora_adapters) -> Iterator[LiveServer]:
+    """The tiny Llama with the two tiny LoRA adapters (tests/conftest.py)."""
+    config = engine_config(tiny_llama_dir, lora_modules=tiny_lora_adapters)
+    server_config = ServerConfig(shutdown_timeout=5.0)
+    live = LiveServer(create_app(config, server_config), server_config).start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
 def live(start_server) -> LiveServer:
     return start_server()
 

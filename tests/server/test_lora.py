@@ -8,20 +8,8 @@ import openai
 import pytest
 
 from engine.models.loader import load_tokenizer
-from server.app import create_app
 from server.cli import parse_configs
-from server.config import ServerConfig
 from tests.conftest import peft_greedy
-from tests.server.conftest import LiveServer, engine_config
-
-
-@pytest.fixture(scope="module")
-def lora_server(tiny_llama_dir, tiny_lora_adapters):
-    config = engine_config(tiny_llama_dir, lora_modules=tiny_lora_adapters)
-    server_config = ServerConfig(shutdown_timeout=5.0)
-    live = LiveServer(create_app(config, server_config), server_config).start()
-    yield live
-    live.stop()
 
 
 @pytest.fixture

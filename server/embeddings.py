@@ -1,0 +1,117 @@
+"""POST /v1/embeddings: each input's embedding (engine/pooling.py: its last token's
+final hidden state, L2-normalized), in OpenAI's shape. Any served model or LoRA
+adapter answers; an embedding model (Qwen3-Embedding, e5-mistral) is what makes the
+vectors worth having."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Literal
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.prompts import prompt_list
+from server.protocol import RequestModel
+from server.serving import Serving
+
+# ---------------------------------------------------------------- wire format
+
+
+class EmbeddingRequest(RequestModel):
+    model: str | None = None
+    input: str | list[int] | list[str] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Keep the first `dimensions` values, normalized again (Matryoshka-trained models).
+    dimensions: int | None = None
+    user: str | None = None  # OpenAI's hint: accepted, changes nothing
+    # vLLM's extensions.
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the float32 values' little-endian bytes
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+# ---------------------------------------------------------------- serving
+
+
+async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
+    s.admit(req.model)
+    texts = prompt_list(req.input, "input")
+    if req.dimensions is not None and not 1 <= req.dimensions <= (s.hidden_size or req.dimensions):
+        raise APIError(
+            f"dimensions must be in [1, {s.hidden_size}], got {req.dimensions}.",
+            param="dimensions",
+        )
+    truncate = s.truncation(req)
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        pooling=True,
+        final_only=True,
+        lora_name=s.lora_name(req.model),
+    )
+    prompts = s.prompts
+
+    def prepare() -> list[list[int]]:
+        out = []
+        for text in texts:
+            if isinstance(text, str):
+                if truncate is None:
+                    prompts.check_length(text, "input")
+                ids = prompts.encode(text, req.add_special_tokens)
+            else:
+                ids = text
+            out.append(s.check_prompt(ids, params, "input", truncate))
+        return out
+
+    text_chars = sum(len(t) for t in texts if isinstance(t, str))
+    token_ids = await prompts.run(raw, text_chars, prepare) if text_chars else prepare()
+    request_id = f"embd-{uuid.uuid4().hex}"
+    stream = s.async_engine.submit(request_id, token_ids, params)
+    position = {rid: i for i, rid in enumerate(stream.request_ids)}
+    outputs = await s.collect(raw, stream)
+    data = []
+    for out in sorted(outputs, key=lambda out: position[out.request_id]):
+        vector = np.asarray(out.embedding, dtype=np.float32)
+        if req.dimensions is not None:
+            vector = vector[: req.dimensions]
+            vector /= max(float(np.linalg.norm(vector)), 1e-12)
+        value = (
+            base64.b64encode(vector.astype("<f4").tobytes()).decode()
+            if req.encoding_format == "base64"
+            else vector.tolist()
+        )
+        data.append(EmbeddingData(embedding=value, index=position[out.request_id]))
+    num_tokens = sum(len(ids) for ids in token_ids)
+    response = EmbeddingResponse(
+        id=request_id,
+        model=s.answering(req.model),
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")

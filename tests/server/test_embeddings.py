@@ -1,0 +1,84 @@
+"""POST /v1/embeddings through the OpenAI SDK: each input's last-token hidden state,
+normalized, as transformers computes it (fp32, CPU), in floats or base64, cut to
+`dimensions`; with a LoRA adapter's name, the adapter's; bad input is a 400."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from engine import LLM
+from engine.models.loader import load_tokenizer
+
+
+def reference(model_dir: str, ids: list[int], adapter: str | None = None) -> np.ndarray:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter is not None:  # its modules adapted in place: then the causal LM's body
+        from peft import PeftModel
+
+        causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = PeftModel.from_pretrained(causal, adapter).get_base_model().model.eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=-1).numpy()
+
+
+@pytest.fixture
+def lora_oai(lora_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def test_embeddings_match_transformers_in_floats_and_base64(oai, tiny_gpt2_dir, model_name):
+    texts = ["Hello there", "The quick brown fox jumps over the lazy dog."]
+    ids = [load_tokenizer(tiny_gpt2_dir).encode(t) for t in texts]
+    # The SDK asks for base64 unless told otherwise, and decodes it.
+    got = oai.embeddings.create(model=model_name, input=texts)
+    floats = oai.embeddings.create(model=model_name, input=texts, encoding_format="float")
+    assert got.model == model_name and got.usage.prompt_tokens == sum(map(len, ids))
+    for data, again, prompt in zip(got.data, floats.data, ids, strict=True):
+        want = reference(tiny_gpt2_dir, prompt)
+        np.testing.assert_allclose(data.embedding, want, atol=1e-5)
+        np.testing.assert_allclose(again.embedding, want, atol=1e-5)
+    assert [d.index for d in got.data] == [0, 1]
+    # Token ids in, and the first 8 values normalized again.
+    cut = oai.embeddings.create(model=model_name, input=ids[1], dimensions=8).data[0].embedding
+    want = reference(tiny_gpt2_dir, ids[1])[:8]
+    np.testing.assert_allclose(cut, want / np.linalg.norm(want), atol=1e-5)
+
+
+def test_the_offline_embed_matches(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    texts = ["a short one", "and a longer prompt, chunked over several steps of 16"]
+    for text, got in zip(texts, llm.embed(texts, use_tqdm=False), strict=True):
+        want = reference(tiny_llama_dir, llm.tokenizer.encode(text))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_an_adapters_name_embeds_with_it(lora_oai, tiny_llama_dir, tiny_lora_adapters):
+    ids = load_tokenizer(tiny_llama_dir).encode("Once upon a time")
+    got = lora_oai.embeddings.create(model="all", input=[ids]).data[0].embedding
+    np.testing.assert_allclose(
+        got, reference(tiny_llama_dir, ids, tiny_lora_adapters["all"]), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": "hi", "dimensions": 0}, "dimensions"),
+        ({"input": "hi", "dimensions": 10_000}, "dimensions"),
+        ({"input": [[1] * 300]}, "input"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
+def test_bad_input_is_a_400(live, body, param):
+    r = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
