@@ -80,6 +80,8 @@ class Engine:
             self.model = load_for_engine(config, model_dir, hf_config, tp)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
+            # A bare model (no LM head in its checkpoint) embeds and generates nothing.
+            self.can_generate = getattr(self.model, "has_lm_head", True)
             eos = getattr(hf_config, "eos_token_id", None)
             eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
             eos += load_generation_config(model_dir).eos_token_ids
@@ -137,6 +139,8 @@ class Engine:
         """Reject what can never run, before any work is done. Pure: safe from any thread."""
         check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
         self.lora_index(params.lora_name)
+        if not params.pooling and not self.can_generate:
+            raise ValueError("this model has no LM head: it serves embeddings only")
 
     def lora_index(self, name: str | None) -> int:
         """The adapter's index among the loaded LoRA adapters (-1: None, the base model)."""

@@ -60,7 +60,7 @@ class EmbeddingResponse(BaseModel):
 
 
 async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    s.admit(req.model)
+    s.admit(req.model, generates=False)
     texts = prompt_list(req.input, "input")
     if req.dimensions is not None and not 1 <= req.dimensions <= (s.hidden_size or req.dimensions):
         raise APIError(

@@ -62,12 +62,19 @@ class EngineInfo:
     vocab_size: int
     tokenizer: PreTrainedTokenizerBase | None = None
     hidden_size: int = 0  # an embedding's length (0: unknown)
+    can_generate: bool = True  # False: a bare model, embeddings only
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
         hidden = engine.model.config.hidden_size
         return cls(
-            engine.model_name, engine.model_dir, engine.config, engine.vocab_size, None, hidden
+            engine.model_name,
+            engine.model_dir,
+            engine.config,
+            engine.vocab_size,
+            None,
+            hidden,
+            engine.can_generate,
         )
 
     @property

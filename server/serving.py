@@ -98,12 +98,18 @@ class Serving:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
+        self.can_generate = info.can_generate
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
 
-    def admit(self, model: str | None) -> None:
-        """What a generation request is checked for before any work: the model it names,
-        and room in the waiting queue (a 503 with Retry-After)."""
+    def admit(self, model: str | None, generates: bool = True) -> None:
+        """What a request for the engine is checked for before any work: the model it
+        names, that it can generate (unless the request only embeds), and room in the
+        waiting queue (a 503 with Retry-After)."""
         self.check_model(model)
+        if generates and not self.can_generate:
+            raise APIError(
+                "This model has no LM head: it serves /v1/embeddings only.", param="model"
+            )
         self.async_engine.check_capacity()
 
     def check_model(self, model: str | None) -> None:

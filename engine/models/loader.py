@@ -208,6 +208,13 @@ def load_model(
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{model_dir}: weights do not fit the config: {e}") from e
     missing = sorted(set(dict(model.named_parameters())) - loaded)
+    model.has_lm_head = not any(name.startswith("lm_head.") for name in missing)
+    if not model.has_lm_head and all(name.startswith("lm_head.") for name in missing):
+        # The bare model, as embedding models are saved (Qwen3-Embedding-8B): it embeds
+        # (engine/pooling.py) and generates nothing; its head is zeros, never read.
+        model.lm_head.weight.data.zero_()
+        logger.warning("%s: no LM head in the checkpoint: it serves embeddings only", model_dir)
+        missing = []
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelLoadError(

@@ -12,6 +12,9 @@ import torch
 
 from engine import LLM
 from engine.models.loader import load_tokenizer
+from server.app import create_app
+from server.config import ServerConfig
+from tests.server.conftest import LiveServer, engine_config
 
 
 def reference(model_dir: str, ids: list[int], adapter: str | None = None) -> np.ndarray:
@@ -82,3 +85,38 @@ def test_bad_input_is_a_400(live, body, param):
     r = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.fixture(scope="module")
+def bare_model_dir(tmp_path_factory, tiny_family_dir, tokenizer) -> str:
+    """A Qwen3 saved as the bare model, its head untied: as Qwen3-Embedding-8B is."""
+    from transformers import AutoModelForCausalLM
+
+    causal = AutoModelForCausalLM.from_pretrained(tiny_family_dir("qwen3"), dtype=torch.float32)
+    causal.model.config.tie_word_embeddings = False
+    path = tmp_path_factory.mktemp("bare-qwen3")
+    causal.model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_bare_model_embeds_and_generates_nothing(bare_model_dir):
+    llm = LLM(bare_model_dir, device="cpu")
+    ids = llm.tokenizer.encode("an embedding model's input")
+    np.testing.assert_allclose(
+        llm.embed([ids], use_tqdm=False)[0], reference(bare_model_dir, ids), atol=1e-5
+    )
+    with pytest.raises(ValueError, match="no LM head"):
+        llm.generate("hi", use_tqdm=False)
+
+    config = ServerConfig(shutdown_timeout=5.0)
+    live = LiveServer(create_app(engine_config(bare_model_dir), config), config).start()
+    try:
+        r = httpx.post(f"{live.base_url}/v1/embeddings", json={"input": [ids]}, timeout=30)
+        np.testing.assert_allclose(
+            r.json()["data"][0]["embedding"], reference(bare_model_dir, ids), atol=1e-5
+        )
+        r = httpx.post(f"{live.base_url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]
+    finally:
+        live.stop()
