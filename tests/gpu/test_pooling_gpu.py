@@ -1,0 +1,41 @@
+"""Embeddings on CUDA: pooling rows among decoding ones, with the decode graphs on (a
+step that pools runs eagerly, the others still replay), fp32 against transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine import LLM, SamplingParams
+from tests.conftest import PROMPTS
+from tests.gpu.conftest import GPU
+
+pytestmark = GPU
+
+
+def test_embeddings_beside_decoding_requests(tiny_llama_dir) -> None:
+    from transformers import AutoModel
+
+    llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", max_num_seqs=16)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS[:4]):  # decoding while the embeddings come in
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"gen{i}", llm.tokenizer.encode(prompt), params)
+    for _ in range(4):
+        engine.step()
+    pooling = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[4:8]]
+    for i, prompt in enumerate(ids):
+        engine.add_request(f"emb{i}", prompt, pooling)
+    embeddings = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished and out.request_id.startswith("emb"):
+                embeddings[out.request_id] = out.embedding
+    assert engine.runner.steps_by_path["graph"] > 0
+    model = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for i, prompt in enumerate(ids):
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(hidden, dim=-1).numpy()
+        np.testing.assert_allclose(embeddings[f"emb{i}"], want, atol=1e-4)
