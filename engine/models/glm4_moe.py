@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
-from engine.models.llama import LlamaMLP
+from engine.models.llama import AttentionOptions, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import WeightSlice
 from kernels.fused_moe import fused_moe_for
@@ -76,10 +76,7 @@ class Glm4MoE(FusedMoE):
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):
-    def __init__(self, config, tp: TensorParallel) -> None:
-        super().__init__(config, tp)
-        for layer in self.layers:  # o_proj has no bias, whatever attention_bias says
-            layer.self_attn.o_proj.register_parameter("bias", None)
+    ATTENTION = AttentionOptions(o_bias=False)  # whatever attention_bias says
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         if layer < config.first_k_dense_replace:

@@ -25,7 +25,7 @@ from engine.models.layers import (
     RotaryEmbedding,
     rope_settings,
 )
-from engine.models.llama import LlamaAttention, LlamaForCausalLM
+from engine.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -86,13 +86,14 @@ class NeoXLayer(nn.Module):
         rotary: RotaryEmbedding,
         tp: TensorParallel,
         parallel: bool,
+        attention: AttentionOptions,
         shared_norm: bool = False,
     ) -> None:
         super().__init__()
         eps = config.layer_norm_eps
         self.parallel = parallel
         self.input_layernorm = LayerNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, rotary, 0, tp)
+        self.self_attn = LlamaAttention(config, rotary, 0, tp, attention)
         self.post_attention_layernorm = None if shared_norm else LayerNorm(config.hidden_size, eps)
         self.mlp = NeoXMLP(config, tp)
         if shared_norm:  # one norm, two readers: each FP8 projection quantizes its own input
@@ -127,19 +128,22 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     check_config = staticmethod(check_neox_config)
     LORA_FUSED = None  # q/k/v interleaved head by head in one tensor; its own names
-    MULTI_HEAD = True
     RENAMES = RENAMES
 
+    def attention(self, config) -> AttentionOptions:
+        # A num_key_value_heads in the file is not NeoX's (nor transformers').
+        return AttentionOptions(num_kv_heads=config.num_attention_heads)
+
     def make_layers(self, config) -> list[nn.Module]:
-        if self.MULTI_HEAD:  # a num_key_value_heads in the file is not NeoX's (nor transformers')
-            config.num_key_value_heads = config.num_attention_heads
         head_dim = config.hidden_size // config.num_attention_heads
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         return [self.make_layer(config, self.tp) for _ in range(config.num_hidden_layers)]
 
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
-        return NeoXLayer(config, self.rotary, tp, config.use_parallel_residual)
+        return NeoXLayer(
+            config, self.rotary, tp, config.use_parallel_residual, self.attention(config)
+        )
 
     def make_norm(self, config) -> nn.Module:
         return LayerNorm(config.hidden_size, config.layer_norm_eps)
@@ -193,14 +197,17 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
 class PhiForCausalLM(GPTNeoXForCausalLM):
     HEAD_BIAS = True
-    MULTI_HEAD = False  # its num_key_value_heads holds
     RENAMES = PHI_RENAMES
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         if getattr(config, "qk_layernorm", False):
             raise ValueError("unsupported qk_layernorm=True")
-        config.attention_bias = True  # Phi's q/k/v and dense always carry biases
         super().__init__(config, tp)
 
+    def attention(self, config) -> AttentionOptions:
+        # Its num_key_value_heads holds; q/k/v and dense always carry biases.
+        return AttentionOptions(qkv_bias=True, o_bias=True)
+
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
-        return NeoXLayer(config, self.rotary, tp, parallel=True, shared_norm=True)
+        attention = self.attention(config)
+        return NeoXLayer(config, self.rotary, tp, True, attention, shared_norm=True)

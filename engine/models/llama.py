@@ -5,6 +5,7 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -62,6 +63,15 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported partial_rotary_factor {partial} (Phi-3's, GLM-4.5's)")
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a family's attention has whatever its config says (None: the config's)."""
+
+    num_kv_heads: int | None = None
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+
+
 class LlamaAttention(nn.Module):
     """Column-parallel qkv (this rank's q heads and the kv heads they read), row-parallel
     o_proj; the per-head q/k norms need no split."""
@@ -72,10 +82,12 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding | None,  # None: no position encoding (SmolLM3's NoPE layers)
         sliding_window: int,
         tp: TensorParallel = SINGLE,
+        options: AttentionOptions = AttentionOptions(),
     ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        num_kv_heads = options.num_kv_heads or getattr(config, "num_key_value_heads", None)
+        num_kv_heads = num_kv_heads or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         heads = head_shard(num_heads, num_kv_heads, head_dim, tp)
         self.q_size = heads.num_heads * head_dim
@@ -83,8 +95,10 @@ class LlamaAttention(nn.Module):
         # Qwen2 always has q/k/v biases, Qwen2-MoE with qkv_bias, Llama with attention_bias.
         bias = config.model_type == "qwen2" or getattr(config, "qkv_bias", False)
         bias = bias or getattr(config, "attention_bias", False)
+        bias = bias if options.qkv_bias is None else options.qkv_bias
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
         o_bias = getattr(config, "attention_bias", False)  # as transformers' o_proj
+        o_bias = o_bias if options.o_bias is None else options.o_bias
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
         if config.model_type in QK_NORM_MODELS or getattr(config, "use_qk_norm", False):
@@ -175,10 +189,11 @@ class LlamaDecoderLayer(nn.Module):
         sliding_window: int,
         mlp: nn.Module,
         tp: TensorParallel = SINGLE,
+        attention: AttentionOptions = AttentionOptions(),
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -213,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
 
     HEAD_BIAS = False  # an LM head with a bias (Phi's)
+    ATTENTION = AttentionOptions()  # a family's attention settings its config leaves out
 
     def make_norm(self, config) -> nn.Module:
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -233,6 +249,7 @@ class LlamaForCausalLM(nn.Module):
                 windows[i],
                 self.make_mlp(config, i),
                 self.tp,
+                self.ATTENTION,
             )
             for i in range(config.num_hidden_layers)
         ]
