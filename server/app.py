@@ -46,6 +46,14 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.responses_protocol import ResponseObject, ResponsesRequest
+from server.scoring import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    create_rerank,
+    create_score,
+)
 from server.serving import Serving
 from server.serving_chat import create_chat_completion
 from server.serving_completions import create_completion
@@ -147,6 +155,19 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_EMBED)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embedding(_serving(request), body, request)
+
+    @app.post("/v1/score", response_model=ScoreResponse, responses=_EMBED)
+    @app.post("/score", response_model=ScoreResponse, responses=_EMBED, include_in_schema=False)
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await create_score(_serving(request), body, request)
+
+    @app.post("/v1/rerank", response_model=RerankResponse, responses=_EMBED)
+    @app.post("/rerank", response_model=RerankResponse, responses=_EMBED, include_in_schema=False)
+    @app.post(
+        "/v2/rerank", response_model=RerankResponse, responses=_EMBED, include_in_schema=False
+    )
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await create_rerank(_serving(request), body, request)
 
     @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:

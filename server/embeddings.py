@@ -8,7 +8,8 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from fastapi import Request
@@ -20,6 +21,9 @@ from server.errors import APIError
 from server.prompts import prompt_list
 from server.protocol import RequestModel
 from server.serving import Serving
+
+if TYPE_CHECKING:
+    from server.scoring import ScoringOptions
 
 # ---------------------------------------------------------------- wire format
 
@@ -61,12 +65,49 @@ class EmbeddingResponse(BaseModel):
 
 async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
     s.admit(req.model, generates=False)
-    texts = prompt_list(req.input, "input")
     if req.dimensions is not None and not 1 <= req.dimensions <= (s.hidden_size or req.dimensions):
         raise APIError(
             f"dimensions must be in [1, {s.hidden_size}], got {req.dimensions}.",
             param="dimensions",
         )
+    request_id = f"embd-{uuid.uuid4().hex}"
+    texts = prompt_list(req.input, "input")
+    embedded = await embed(s, raw, request_id, texts, req, "input")
+    data = []
+    for index, vector in enumerate(embedded.vectors):
+        if req.dimensions is not None:
+            vector = vector[: req.dimensions]
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        value = (
+            base64.b64encode(vector.astype("<f4").tobytes()).decode()
+            if req.encoding_format == "base64"
+            else vector.tolist()
+        )
+        data.append(EmbeddingData(embedding=value, index=index))
+    response = EmbeddingResponse(
+        id=request_id,
+        model=s.answering(req.model),
+        data=data,
+        usage=EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens),
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+@dataclass
+class Embedded:
+    vectors: np.ndarray  # [len(texts), hidden] float32, each L2-normalized
+    num_tokens: int  # the prompts' tokens, in all
+
+
+async def embed(
+    s: Serving,
+    raw: Request,
+    request_id: str,
+    texts: list[str | list[int]],
+    req: EmbeddingRequest | ScoringOptions,  # model, truncate_prompt_tokens, add_special_tokens
+    param: str,  # the field the texts came in, for errors
+) -> Embedded:
+    """The texts' embeddings, in order, from one engine submission."""
     truncate = s.truncation(req)
     params = SamplingParams(
         max_tokens=1,
@@ -82,36 +123,18 @@ async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> R
         for text in texts:
             if isinstance(text, str):
                 if truncate is None:
-                    prompts.check_length(text, "input")
+                    prompts.check_length(text, param)
                 ids = prompts.encode(text, req.add_special_tokens)
             else:
                 ids = text
-            out.append(s.check_prompt(ids, params, "input", truncate))
+            out.append(s.check_prompt(ids, params, param, truncate))
         return out
 
     text_chars = sum(len(t) for t in texts if isinstance(t, str))
     token_ids = await prompts.run(raw, text_chars, prepare) if text_chars else prepare()
-    request_id = f"embd-{uuid.uuid4().hex}"
     stream = s.async_engine.submit(request_id, token_ids, params)
     position = {rid: i for i, rid in enumerate(stream.request_ids)}
-    outputs = await s.collect(raw, stream)
-    data = []
-    for out in sorted(outputs, key=lambda out: position[out.request_id]):
-        vector = np.asarray(out.embedding, dtype=np.float32)
-        if req.dimensions is not None:
-            vector = vector[: req.dimensions]
-            vector /= max(float(np.linalg.norm(vector)), 1e-12)
-        value = (
-            base64.b64encode(vector.astype("<f4").tobytes()).decode()
-            if req.encoding_format == "base64"
-            else vector.tolist()
-        )
-        data.append(EmbeddingData(embedding=value, index=position[out.request_id]))
-    num_tokens = sum(len(ids) for ids in token_ids)
-    response = EmbeddingResponse(
-        id=request_id,
-        model=s.answering(req.model),
-        data=data,
-        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
-    )
-    return Response(response.model_dump_json(), media_type="application/json")
+    rows: list[list[float] | None] = [None] * len(texts)
+    for out in await s.collect(raw, stream):
+        rows[position[out.request_id]] = out.embedding
+    return Embedded(np.asarray(rows, dtype=np.float32), sum(len(ids) for ids in token_ids))

@@ -13,7 +13,15 @@ from server.errors import error_body
 
 # What --api-key protects; /health and /metrics stay open for probes and scrapers, and
 # /dashboard for a browser (the page holds no data: it asks for the key).
-_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/info")
+_PROTECTED_PREFIXES = (
+    "/v1",
+    "/v2",
+    "/score",
+    "/rerank",
+    "/tokenize",
+    "/detokenize",
+    "/dashboard/info",
+)
 
 
 class ApiKeyAuth:

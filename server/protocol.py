@@ -60,8 +60,8 @@ class _Request(BaseModel):
     def _screen(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name in UNSUPPORTED_FIELDS:
-            if data.get(name) not in (None, False):
+        for name in UNSUPPORTED_FIELDS:  # unless the model has it (rerank's documents)
+            if name not in cls.model_fields and data.get(name) not in (None, False):
                 raise APIError(f"{name} is not supported by this server.", param=name)
         for name, value in data.items():
             _check_text(value, name)

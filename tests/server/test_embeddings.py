@@ -120,3 +120,33 @@ def test_a_bare_model_embeds_and_generates_nothing(bare_model_dir):
         assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]
     finally:
         live.stop()
+
+
+def test_score_and_rerank_are_the_embeddings_cosine(client, tiny_gpt2_dir):
+    tokenizer = load_tokenizer(tiny_gpt2_dir)
+    query, documents = "a query", ["the first document", "another one", "a query"]
+    vectors = [reference(tiny_gpt2_dir, tokenizer.encode(t)) for t in [query, *documents]]
+    cosines = [float(vectors[0] @ v) for v in vectors[1:]]
+
+    score = client.post("/v1/score", json={"text_1": query, "text_2": documents}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in score["data"]], cosines, atol=1e-5)
+    pairwise = client.post("/score", json={"text_1": documents[:2], "text_2": documents[1:]})
+    want = [float(vectors[1] @ vectors[2]), float(vectors[2] @ vectors[3])]
+    np.testing.assert_allclose([d["score"] for d in pairwise.json()["data"]], want, atol=1e-5)
+
+    rerank = client.post("/v1/rerank", json={"query": query, "documents": documents, "top_n": 2})
+    results = rerank.json()["results"]
+    order = sorted(range(3), key=lambda i: -cosines[i])[:2]
+    assert [r["index"] for r in results] == order and order[0] == 2  # the query itself first
+    assert [r["document"]["text"] for r in results] == [documents[i] for i in order]
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in results], [cosines[i] for i in order], atol=1e-5
+    )
+    assert rerank.json()["usage"]["total_tokens"] == sum(
+        len(tokenizer.encode(t)) for t in [query, *documents]
+    )
+    bad = client.post("/v1/score", json={"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+    bad = client.post("/v2/rerank", json={"query": "q", "documents": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"

@@ -29,7 +29,15 @@ def guarded(start_server):
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 @pytest.mark.parametrize(
-    "method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")]
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/tokenize"),
+        ("POST", "/rerank"),
+        ("POST", "/v2/rerank"),
+        ("POST", "/score"),
+    ],
 )
 def test_api_key_required(guarded, headers, method, path):
     r = httpx.request(method, guarded.base_url + path, headers=headers, json={"prompt": "x"})
