@@ -50,8 +50,9 @@ class Extracted:
     content: str
     calls: list[DraftCall] = field(default_factory=list)
     # What text appended to this one extends when it holds no ToolParser.MARK: "content",
-    # "call" (the last call's arguments), or None (not known, or a tag may be under way
-    # at the end).
+    # "call" (the last call's arguments), "string" (the same, the text ending inside a
+    # JSON string of them: when the piece holds no '"' or backslash either), or None (not
+    # known, or a tag may be under way at the end).
     tail: str | None = None
 
 
@@ -72,7 +73,7 @@ class HermesParser(ToolParser):
         if start < 0:
             return _before_any_call(text, self.OPEN, final)
         calls: list[DraftCall] = []
-        pos = start
+        pos, tail = start, None
         while pos >= 0:
             i = _skip_ws(text, pos + len(self.OPEN))
             if i >= len(text) or text[i] != "{":
@@ -80,12 +81,13 @@ class HermesParser(ToolParser):
             scan = scan_call(text, i, ("arguments", "parameters"))
             if scan.name is not None:
                 calls.append(DraftCall(scan.name, scan.arguments))
+                tail = "string" if scan.in_string else None
             if scan.end is None:
                 break
             pos = text.find(self.OPEN, scan.end)
         if final and not calls:
             return Extracted(text)
-        return Extracted(text[:start], calls)
+        return Extracted(text[:start], calls, tail)
 
 
 class Llama3JsonParser(ToolParser):
@@ -101,21 +103,21 @@ class Llama3JsonParser(ToolParser):
             return Extracted(text if final else "")
         if text[i] != "{":
             return Extracted(text)
-        calls = _call_sequence(text, i, ";", ("parameters", "arguments"))
+        calls, tail = _call_sequence(text, i, ";", ("parameters", "arguments"))
         if final and not calls:
             return Extracted(text)
-        return Extracted("", calls)
+        return Extracted("", calls, tail)
 
 
 class RequiredParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         i = _skip_ws(text, 0)
-        calls = []
+        calls, tail = [], None
         if text.startswith("[", i):
-            calls = _call_sequence(text, _skip_ws(text, i + 1), ",", ("parameters",))
+            calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("parameters",))
         if final and not calls:
             return Extracted(text)
-        return Extracted("", calls)
+        return Extracted("", calls, tail)
 
 
 class NamedParser(ToolParser):
@@ -123,7 +125,8 @@ class NamedParser(ToolParser):
         self.name = name
 
     def extract(self, text: str, final: bool) -> Extracted:
-        return Extracted("", [DraftCall(self.name, text.lstrip())])
+        arguments = text.lstrip()  # all of it, once it has begun
+        return Extracted("", [DraftCall(self.name, arguments)], "call" if arguments else None)
 
 
 class MistralParser(ToolParser):
@@ -138,13 +141,14 @@ class MistralParser(ToolParser):
         if start < 0:
             return _before_any_call(text, self.TAG, final)
         i = _skip_ws(text, start + len(self.TAG))
+        tail = None
         if text.startswith("[", i):
-            calls = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
+            calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
         else:
             calls = self._named_calls(text, start)
         if final and not calls:
             return Extracted(text)
-        return Extracted(text[:start], calls)
+        return Extracted(text[:start], calls, tail)
 
     def _named_calls(self, text: str, pos: int) -> list[DraftCall]:
         calls = []
@@ -279,6 +283,7 @@ class CallScan:
     name: str | None  # None until the name's string is complete
     arguments: str  # the arguments value's text so far
     end: int | None  # just past the object's closing brace; None: not there yet
+    in_string: bool = False  # the text ends inside a string of the arguments
 
 
 def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
@@ -308,9 +313,10 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
         j = _skip_ws(text, j + 1)
         if j >= n:
             return scan
-        end = _value_end(text, j)
+        end, in_string = _value_scan(text, j)
         if key in argument_keys:
             scan.arguments = text[j : n if end is None else end]
+            scan.in_string = in_string
         elif key == "name" and end is not None:
             name = json.loads(text[j:end])
             scan.name = name if isinstance(name, str) else None
@@ -321,19 +327,22 @@ def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
 
 def _call_sequence(
     text: str, i: int, separator: str, argument_keys: tuple[str, ...]
-) -> list[DraftCall]:
-    """Call objects from text[i] on (none unless it is a "{"), separated by `separator`."""
-    calls = []
+) -> tuple[list[DraftCall], str | None]:
+    """Call objects from text[i] on (none unless it is a "{"), separated by `separator`;
+    and the Extracted.tail the last one leaves."""
+    calls, tail = [], None
     while text.startswith("{", i):
         scan = scan_call(text, i, argument_keys)
+        tail = None
         if scan.name is not None:
             calls.append(DraftCall(scan.name, scan.arguments))
+            tail = "string" if scan.in_string else None
         if scan.end is None:
             break
         i = _skip_ws(text, scan.end)
         if text.startswith(separator, i):
             i = _skip_ws(text, i + 1)
-    return calls
+    return calls, tail
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -348,9 +357,15 @@ def _string_end(text: str, i: int) -> int | None:
 
 def _value_end(text: str, i: int) -> int | None:
     """Just past the JSON value starting at text[i]; None if the text ends first."""
+    return _value_scan(text, i)[0]
+
+
+def _value_scan(text: str, i: int) -> tuple[int | None, bool]:
+    """(_value_end, whether the text ends inside one of the value's strings)."""
     c, n = text[i], len(text)
     if c == '"':
-        return _string_end(text, i)
+        end = _string_end(text, i)
+        return end, end is None
     if c in "{[":
         depth, j = 0, i
         while j < n:
@@ -358,7 +373,7 @@ def _value_end(text: str, i: int) -> int | None:
             if c == '"':
                 end = _string_end(text, j)
                 if end is None:
-                    return None
+                    return None, True
                 j = end
                 continue
             if c in "{[":
@@ -366,11 +381,11 @@ def _value_end(text: str, i: int) -> int | None:
             elif c in "}]":
                 depth -= 1
                 if depth == 0:
-                    return j + 1
+                    return j + 1, False
             j += 1
-        return None
+        return None, False
     j = _SCALAR.match(text, i).end()  # a number, true, false or null: up to a delimiter
-    return j if j < n else None
+    return (j if j < n else None), False
 
 
 def _before_any_call(text: str, tag: str, final: bool) -> Extracted:

@@ -137,12 +137,17 @@ class ToolStream:
         if self.tail is not None and not final and self.parser.MARK not in new_text and new_text:
             # The text is not parsed again (its whole length on every token): the piece
             # extends the content, or the last call's arguments, as sent so far.
+            if self.tail == "string" and ('"' in new_text or "\\" in new_text):
+                return self._parse(final)  # it may close the string
             if self.tail == "content":
                 self.content_sent += len(new_text)
                 return {"content": new_text}
             self.arguments_sent[-1] += len(new_text)
             index = len(self.arguments_sent) - 1
             return {"tool_calls": [{"index": index, "function": {"arguments": new_text}}]}
+        return self._parse(final)
+
+    def _parse(self, final: bool) -> dict[str, Any]:
         found = self.parser.extract(self.text, final)
         calls = found.calls if self.parallel else found.calls[:1]
         content = found.content
@@ -174,8 +179,8 @@ class ToolStream:
         # only when the call is the last one sent.
         if found.tail == "content" and self.content_sent:
             self.tail = "content"
-        elif found.tail == "call" and calls and len(calls) == len(found.calls):
-            self.tail = "call"
+        elif found.tail in ("call", "string") and calls and len(calls) == len(found.calls):
+            self.tail = found.tail
         else:
             self.tail = None
         return delta

@@ -167,6 +167,13 @@ def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[s
     return content, calls, s.finish_reason("stop")
 
 
+# A string that a piece may end inside: escaped quotes and backslashes, braces and a "<".
+ESCAPES = (
+    '<tool_call>{"name": "run", "arguments": {"code": "print(\\"a\\\\b\\") # } < x", '
+    '"n": [1, {"k": "v\\""}]}}</tool_call>'
+)
+
+
 @pytest.mark.parametrize(
     "parser, text, content, calls",
     [
@@ -178,6 +185,13 @@ def stream(parser, text: str, cuts: list[int], parallel: bool = True) -> tuple[s
         (Llama3JsonParser, LLAMA3, "", None),
         (RequiredParser, REQUIRED, "", None),
         (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
+        (HermesParser, ESCAPES, "", None),
+        (
+            Llama3JsonParser,
+            ESCAPES.removeprefix("<tool_call>").removesuffix("</tool_call>"),
+            "",
+            None,
+        ),
         (HermesParser, "no calls <tool_ here", "no calls <tool_ here", []),
         (Llama3JsonParser, '{"not": "a call"}', '{"not": "a call"}', []),
     ],
@@ -205,6 +219,10 @@ def test_stream_without_parallel_calls_keeps_the_first():
         ("hermes", "Sure.", "content"),
         ("openai", "<|channel|>final<|message|>Sure.", "content"),
         ("openai", '<|channel|>commentary to=functions.f<|message|>{"code": "', "arguments"),
+        # Inside a JSON string of the arguments: pieces without '"' or a backslash.
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"code": "', "arguments"),
+        ("llama3_json", '{"name": "f", "parameters": {"n": 1, "code": "', "arguments"),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"code": "', "arguments"),
     ],
 )
 def test_pieces_without_a_tag_are_not_parsed_again(parser, opening, field):
