@@ -5,8 +5,9 @@ one token's text at a time, CPU only.
 
 Each case streams an answer of N tokens (a short word each, no "<" in them) through
 `ReasoningStream` (R1's and Qwen3's <think>, GPT-OSS's harmony analysis channel) or
-`ToolStream` (content under hermes and harmony, and a call's arguments as harmony, hermes
-and llama3_json write them: a JSON string, for the last two), and
+`ToolStream` (content under hermes and harmony, a call's arguments as harmony, hermes
+and llama3_json write them: a JSON string, for the last two, and a Qwen3-Coder
+parameter's value), and
 reports the whole answer's parsing time and its mean per token. A parser that reads the
 whole answer again on every token grows with N; one that does not stays flat.
 """
@@ -56,6 +57,11 @@ CASES: dict[str, tuple[Callable[[], Callable], str, str]] = {
         lambda: ToolStream(PARSERS["hermes"]()).feed,
         '<tool_call>{"name": "f", "arguments": {"code": "',
         '"}}</tool_call>',
+    ),
+    "tools qwen3_coder value": (
+        lambda: ToolStream(PARSERS["qwen3_coder"]()).feed,
+        "<tool_call>\n<function=f>\n<parameter=code>\n",
+        "\n</parameter>\n</function>\n</tool_call>",
     ),
     "tools llama3_json arguments": (
         lambda: ToolStream(PARSERS["llama3_json"]()).feed,

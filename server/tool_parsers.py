@@ -51,8 +51,9 @@ class Extracted:
     calls: list[DraftCall] = field(default_factory=list)
     # What text appended to this one extends when it holds no ToolParser.MARK: "content",
     # "call" (the last call's arguments), "string" (the same, the text ending inside a
-    # JSON string of them: when the piece holds no '"' or backslash either), or None (not
-    # known, or a tag may be under way at the end).
+    # JSON string of them: when the piece holds no '"' or backslash either), "held"
+    # (nothing sent: the pair parsers' open value, sent when a tag closes it), or None
+    # (not known, or a tag may be under way at the end).
     tail: str | None = None
 
 
@@ -192,7 +193,7 @@ class PairsParser(ToolParser):
         if start < 0:
             return _before_any_call(text, self.OPEN, final)
         calls: list[DraftCall] = []
-        pos = start
+        pos, tail = start, None
         while pos >= 0:
             body_start = pos + len(self.OPEN)
             end = text.find(self.CLOSE, body_start)
@@ -204,11 +205,13 @@ class PairsParser(ToolParser):
             if name:
                 calls.append(DraftCall(name, self._arguments(name, body[rest:], end >= 0)))
             if end < 0:
+                # Named, and open: its arguments change only as a tag closes a value.
+                tail = "held" if name else None
                 break
             pos = text.find(self.OPEN, end + len(self.CLOSE))
         if final and not calls:
             return Extracted(text)
-        return Extracted(text[:start], calls)
+        return Extracted(text[:start], calls, tail)
 
     def _arguments(self, name: str, body: str, closed: bool) -> str:
         pairs = []

@@ -139,6 +139,8 @@ class ToolStream:
             # extends the content, or the last call's arguments, as sent so far.
             if self.tail == "string" and ('"' in new_text or "\\" in new_text):
                 return self._parse(final)  # it may close the string
+            if self.tail == "held":
+                return {}
             if self.tail == "content":
                 self.content_sent += len(new_text)
                 return {"content": new_text}
@@ -179,7 +181,7 @@ class ToolStream:
         # only when the call is the last one sent.
         if found.tail == "content" and self.content_sent:
             self.tail = "content"
-        elif found.tail in ("call", "string") and calls and len(calls) == len(found.calls):
+        elif found.tail in ("call", "string", "held") and calls and len(calls) == len(found.calls):
             self.tail = found.tail
         else:
             self.tail = None
