@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from server.embeddings import embed
+from server.embeddings import EmbeddingUsage, embed
 from server.errors import APIError
 from server.protocol import RequestModel
 from server.serving import Serving
@@ -43,18 +43,13 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
 class ScoreResponse(BaseModel):
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ScoreData]
-    usage: ScoreUsage
+    usage: EmbeddingUsage
 
 
 class RerankRequest(ScoringOptions):
@@ -112,7 +107,7 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
         id=request_id,
         model=s.answering(req.model),
         data=[ScoreData(index=i, score=float(v)) for i, v in enumerate(scores)],
-        usage=ScoreUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens),
+        usage=EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 

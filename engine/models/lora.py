@@ -45,14 +45,14 @@ from kernels.linear import (
 logger = logging.getLogger("pagoda.engine")
 
 # adapter_config.json settings that change what an adapter computes, which this code
-# does not apply: refused by name rather than served wrong.
+# does not apply: refused by name rather than served wrong. (layers_to_transform needs
+# nothing: the adapter holds those layers' tensors only.)
 UNSUPPORTED = {
     "use_dora": "DoRA",
     "lora_bias": "LoRA biases",
     "alpha_pattern": "per-module lora_alpha (alpha_pattern)",
     "modules_to_save": "modules_to_save (fully trained modules)",
     "target_parameters": "LoRA on parameters (target_parameters)",
-    "layers_to_transform": "layers_to_transform",
 }
 
 
