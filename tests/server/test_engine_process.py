@@ -219,3 +219,14 @@ async def test_a_stream_interval_sends_the_same_text_in_fewer_chunks(start_serve
                 # Not compared with the other server's count: under load its
                 # engine coalesces chunks too (this was flaky, ~1 run in 8).
                 assert len(sizes) < len(tokens)
+
+
+def test_embeddings_cross_the_pipe(proc, live):
+    for inputs in (["an embedding", "and another"], [[5, 17, 42], [9]]):
+        body = {"input": inputs, "encoding_format": "float"}
+        got = [
+            httpx.post(f"{s.base_url}/v1/embeddings", json=body, timeout=60).json()
+            for s in (proc, live)
+        ]
+        assert got[0]["data"] == got[1]["data"] and len(got[0]["data"]) == 2
+        assert got[0]["usage"] == got[1]["usage"]
