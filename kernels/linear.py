@@ -52,10 +52,25 @@ class LoRADelta:
     b: torch.Tensor  # [adapters * group, N]: their B, stacked
     ids: torch.Tensor  # [M] int64
     group: int
+    masked: bool = False  # shrink's columns of other adapters than the row's are zero
 
     @property
     def num_adapters(self) -> int:
         return self.b.shape[0] // self.group
+
+
+@dataclass(frozen=True)
+class RowGroups:
+    """Row m of a product keeps only columns [ids[m] * group, (ids[m] + 1) * group), the
+    rest zero (ids[m] -1: none): a LoRA shrink keeping each token's adapter's columns."""
+
+    ids: torch.Tensor  # [M] int64
+    group: int
+
+
+def keep_groups_ref(y: torch.Tensor, keep: RowGroups) -> torch.Tensor:
+    columns = torch.arange(y.shape[1], device=y.device) // keep.group
+    return y * (columns[None, :] == keep.ids[:, None])
 
 
 def lora_delta_ref(delta: LoRADelta) -> torch.Tensor:  # [M, N]
@@ -91,6 +106,7 @@ def _splitk_linear_kernel(
     HAS_BIAS: tl.constexpr,
     LORA: tl.constexpr,  # add each row's adapter delta (LoRADelta)
     LORA_BLOCK: tl.constexpr,  # >= lora_group, a power of two >= 16
+    KEEP_GROUP: tl.constexpr,  # row m keeps columns [ids[m], ids[m] + 1) * lora_group only
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -183,6 +199,9 @@ def _splitk_linear_kernel(
                 acc += tl.dot(shrink.to(lora_b.dtype), lora_b, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if KEEP_GROUP:  # a LoRA shrink: each row keeps its own adapter's columns
+        ids = tl.load(lora_ids_ptr + rows, mask=rows < M, other=-1)
+        acc = tl.where((cols[None, :] // lora_group) == ids[:, None], acc, 0.0)
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
 
@@ -275,6 +294,7 @@ def splitk_linear(
     x_scale: torch.Tensor | None = None,  # [M] or [M, 1] fp32, with weight_scale
     out_dtype: torch.dtype | None = None,  # with FP8: the model dtype
     lora: LoRADelta | None = None,  # adapters' deltas added in the epilogue
+    keep: RowGroups | None = None,  # zero each row's columns outside its group
 ) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
@@ -296,6 +316,9 @@ def splitk_linear(
     pdl = use_pdl(x.device)
     if lora is not None:  # contiguous: the kernel computes their offsets from the shapes
         assert lora.shrink.is_contiguous() and lora.b.is_contiguous() and lora.b.shape[1] == n
+    assert lora is None or keep is None  # one use of the ids and group per launch
+    ids = lora.ids if lora is not None else keep.ids if keep is not None else weight
+    group = lora.group if lora is not None else keep.group if keep is not None else 1
     _splitk_linear_kernel[grid](
         x,
         weight,
@@ -307,7 +330,7 @@ def splitk_linear(
         workspace.counters,
         weight if lora is None else lora.shrink,
         weight if lora is None else lora.b,
-        weight if lora is None else lora.ids,
+        ids,
         m,
         n,
         k,
@@ -317,11 +340,12 @@ def splitk_linear(
         partials.stride(0),
         partials.stride(1),
         0 if lora is None else lora.num_adapters,
-        1 if lora is None else lora.group,
+        group,
         FP8=fp8,
         HAS_BIAS=bias is not None,
         LORA=lora is not None,
         LORA_BLOCK=16 if lora is None else max(16, triton.next_power_of_2(lora.group)),
+        KEEP_GROUP=keep is not None,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

@@ -10,9 +10,11 @@ they touch (k sections: q, k, v of a fused qkv_proj each have their own A and B)
 
 The mask comes from each token's adapter index (-1: none), staged with the step's
 inputs, so the same kernels run under a CUDA graph whatever the batch's mix. At decode
-batch sizes the projection's split-K kernel adds the masked expand in its epilogue,
-reading only the B of adapters its rows use: one launch more than the projection (the
-shrink). Larger products add it in torch, with a mask built once a step.
+batch sizes the shrink's split-K kernel applies it in its epilogue, and the
+projection's split-K kernel adds the expand in its own, reading only the B of adapters
+its rows use: one launch more than the projection. Products past the split-K kernel's
+rows add the expand in torch (an addmm; the mask, where the shrink did not apply it,
+built once a step).
 
 With tensor parallelism, a column-parallel projection holds every A and its rows of B;
 a row-parallel one its columns of A and every B: its delta is a partial sum, added
@@ -34,6 +36,7 @@ from torch import nn
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, read
 from kernels.linear import (
     LoRADelta,
+    RowGroups,
     SplitKConfig,
     SplitKWorkspace,
     dense,
@@ -172,16 +175,17 @@ class LoRALayer(nn.Module):
         ids = self.state.ids
         if ids is None:
             return None
-        if splitk_pays(x, self.a):
+        group = self.k * self.state.rank
+        if splitk_pays(x, self.a):  # each token's other adapters' columns zeroed there
             workspace = self.state.shrink_workspace(*self.a.shape)
-            shrink = splitk_linear(x, self.a, None, workspace)
-        else:
-            shrink = dense(x, self.a, None)
-        return LoRADelta(shrink, self.b, ids, self.k * self.state.rank)
+            shrink = splitk_linear(x, self.a, None, workspace, keep=RowGroups(ids, group))
+            return LoRADelta(shrink, self.b, ids, group, masked=True)
+        return LoRADelta(dense(x, self.a, None), self.b, ids, group)
 
     def add(self, delta: LoRADelta, y: torch.Tensor) -> torch.Tensor:
         """y += the deltas, in torch (products the split-K kernel does not take)."""
-        return y.addmm_(delta.shrink.mul_(self.state.mask(self.k)), self.b)
+        shrink = delta.shrink if delta.masked else delta.shrink.mul_(self.state.mask(self.k))
+        return y.addmm_(shrink, self.b)
 
     def forward(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

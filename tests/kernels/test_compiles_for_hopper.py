@@ -2,7 +2,7 @@
 interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
-the gated activation quantizing their rows), the split-K epilogue adding LoRA deltas, the decode attention rotating q and K
+the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
 itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
@@ -39,7 +39,8 @@ def compile_variants() -> None:
         constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile}
         assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs)
         print(f"quantizer one_tile={one_tile}")
-    for fp8, lora in ((True, False), (True, True), (False, True)):
+    for fp8, lora, keep in ((True, False, False), (True, True, False), (False, True, False),
+                            (False, False, True)):  # fmt: skip
         x = "*fp8e4nv" if fp8 else "*bf16"
         signature = {"x_ptr": x, "weight_ptr": x}
         signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
@@ -49,12 +50,13 @@ def compile_variants() -> None:
         names += ("lora_adapters", "lora_group")
         signature |= {name: "i32" for name in names}
         constexprs = {"FP8": fp8, "HAS_BIAS": True, "LORA": lora, "LORA_BLOCK": 64}
+        constexprs |= {"KEEP_GROUP": keep}
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
         constexprs |= {"NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "PDL": True}
         ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs)["ptx"]
         if fp8 and not lora:  # e4m3 by e4m3 dots (wgmma) widen nothing.
             assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
-        print(f"split-K fp8={fp8} lora={lora}")
+        print(f"split-K fp8={fp8} lora={lora} keep={keep}")
     compile_fp8_producers()
     print("norm and activation fp8_out")
     for kv_fp8, norm in ((False, False), (True, True)):
@@ -165,12 +167,13 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:10] == [
+    assert done.stdout.split("\n")[:11] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
-        "split-K fp8=True lora=False",
-        "split-K fp8=True lora=True",
-        "split-K fp8=False lora=True",
+        "split-K fp8=True lora=False keep=False",
+        "split-K fp8=True lora=True keep=False",
+        "split-K fp8=False lora=True keep=False",
+        "split-K fp8=False lora=False keep=True",
         "norm and activation fp8_out",
         "decode rope kv_fp8=False norm=False",
         "decode rope kv_fp8=True norm=True",

@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from kernels.linear import (
     SMALL_M,
     LoRADelta,
+    RowGroups,
     SplitKConfig,
     SplitKWorkspace,
     dense,
+    keep_groups_ref,
     linear_ref,
     lora_delta_ref,
     splitk_linear,
@@ -187,3 +189,19 @@ def test_splitk_linear_adds_each_rows_lora_delta(m, num_splits, rng, device):
     got = splitk_linear(x.to(device), weight.to(device), bias.to(device), workspace, lora=on)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     assert not workspace.counters.any()
+
+
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_splitk_linear_keeps_each_rows_column_group(m, rng, device):
+    """A LoRA shrink: row m keeps its adapter's 12 columns (of 36), the rest zero."""
+    weight = 0.1 * torch.randn(36, K, generator=rng)
+    x = torch.randn(m, K, generator=rng)
+    ids = torch.tensor([(i + 1) % 4 - 1 for i in range(m)])  # 0, 1, 2, -1 (none), 0, ...
+    keep = RowGroups(ids, 12)
+    want = keep_groups_ref(linear_ref(x, weight, None), keep)
+    assert (want[ids < 0] == 0).all() and (want[ids >= 0] != 0).any(1).all()
+    config = SplitKConfig(num_splits=2, block_n=32, block_k=32)
+    workspace = poisoned_workspace(36, config, device)
+    on = RowGroups(ids.to(device), 12)
+    got = splitk_linear(x.to(device), weight.to(device), None, workspace, keep=on)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
