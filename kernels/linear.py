@@ -4,6 +4,9 @@ At decode batch sizes (M <= 64) a projection with K much larger than N has too f
 tiles to fill the GPU, so cuBLAS splits K and sums the splits in a second launch
 (`splitKreduce_kernel`). Here the splits are summed inside the same launch: the program
 that finishes a column tile's K splits last adds them up, so the reduce costs no launch.
+Its epilogue can also serve LoRA adapters (engine/models/lora.py): add each row's own
+adapter's delta (LoRADelta), or, for the shrink before it, keep only each row's
+adapter's columns (RowGroups).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
 
-Every flag but --disable-log-stats and --enable-lora sets the EngineConfig or ServerConfig field named
-by its `dest`, and defaults to that field's default.
+Every flag but --disable-log-stats and --enable-lora sets the EngineConfig or
+ServerConfig field named by its `dest`, and defaults to that field's default.
 """
 
 from __future__ import annotations
