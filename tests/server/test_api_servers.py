@@ -345,6 +345,19 @@ async def test_streams_from_either_api_process_match_the_thread_engine(superviso
         assert supervisor.metric("pagoda:num_requests_waiting") == 0
 
 
+def test_embeddings_from_the_api_processes(supervisor, live):
+    """Each API process knows the embedding's length (dimensions is checked there)."""
+    body = {"input": "an embedding", "encoding_format": "float"}
+    want = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=60).json()
+    width = len(want["data"][0]["embedding"])
+    for _ in range(4):  # new connections: spread over the processes
+        got = httpx.post(f"{supervisor.base_url}/v1/embeddings", json=body, timeout=60).json()
+        assert got["data"] == want["data"]
+        too_wide = body | {"dimensions": width + 1}
+        r = httpx.post(f"{supervisor.base_url}/v1/embeddings", json=too_wide, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+
+
 def test_each_api_process_listens_on_a_socket_of_its_own():
     """N sockets on one port (SO_REUSEPORT): the kernel spreads connections over them
     by address, whichever process is in accept() when they come."""
@@ -448,16 +461,3 @@ def test_a_dead_engine_stops_the_supervisor(tiny_gpt2_dir, tmp_path):
         assert not any(alive(pid) for pid in servers)
     finally:
         sup.close()
-
-
-def test_embeddings_from_the_api_processes(supervisor, live):
-    """Each API process knows the embedding's length (dimensions is checked there)."""
-    body = {"input": "an embedding", "encoding_format": "float"}
-    want = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=60).json()
-    width = len(want["data"][0]["embedding"])
-    for _ in range(4):  # new connections: spread over the processes
-        got = httpx.post(f"{supervisor.base_url}/v1/embeddings", json=body, timeout=60).json()
-        assert got["data"] == want["data"]
-        too_wide = body | {"dimensions": width + 1}
-        r = httpx.post(f"{supervisor.base_url}/v1/embeddings", json=too_wide, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
