@@ -206,7 +206,8 @@ class Metrics:
                             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
                 else:
                     self.itl.observe(step_time - previous)
-                self.generation_tokens.inc(len(out.new_token_ids))
+                if out.embedding is None:  # an embedding's one token is dropped, not generated
+                    self.generation_tokens.inc(len(out.new_token_ids))
                 last_token_time[key] = step_time
             if out.finished:
                 self._on_finished(out, step_time)
@@ -217,7 +218,8 @@ class Metrics:
         finished = m.finished_time or step_time
         self.e2e.observe(finished - m.arrival_time)
         self.request_success.inc(1, out.finish_reason or "stop")
-        self.request_generation_tokens.observe(out.num_output_tokens)
+        if out.embedding is None:
+            self.request_generation_tokens.observe(out.num_output_tokens)
         if out.index == 0:
             self.request_prompt_tokens.observe(out.num_prompt_tokens)
         if m.first_scheduled_time is not None:

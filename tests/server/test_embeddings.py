@@ -36,9 +36,10 @@ def lora_oai(lora_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{lora_server.base_url}/v1", api_key="x", max_retries=0)
 
 
-def test_embeddings_match_transformers_in_floats_and_base64(oai, tiny_gpt2_dir, model_name):
+def test_embeddings_match_transformers_in_floats_and_base64(oai, live, tiny_gpt2_dir, model_name):
     texts = ["Hello there", "The quick brown fox jumps over the lazy dog."]
     ids = [load_tokenizer(tiny_gpt2_dir).encode(t) for t in texts]
+    generated = live.metric("pagoda:generation_tokens_total", 0.0)
     # The SDK asks for base64 unless told otherwise, and decodes it.
     got = oai.embeddings.create(model=model_name, input=texts)
     floats = oai.embeddings.create(model=model_name, input=texts, encoding_format="float")
@@ -52,6 +53,8 @@ def test_embeddings_match_transformers_in_floats_and_base64(oai, tiny_gpt2_dir, 
     cut = oai.embeddings.create(model=model_name, input=ids[1], dimensions=8).data[0].embedding
     want = reference(tiny_gpt2_dir, ids[1])[:8]
     np.testing.assert_allclose(cut, want / np.linalg.norm(want), atol=1e-5)
+    # The token each embedding request samples is dropped: no generated tokens counted.
+    assert live.metric("pagoda:generation_tokens_total", 0.0) == generated
 
 
 def test_the_offline_embed_matches(tiny_llama_dir):
