@@ -77,9 +77,8 @@ def keep_groups_ref(y: torch.Tensor, keep: RowGroups) -> torch.Tensor:
 
 
 def lora_delta_ref(delta: LoRADelta) -> torch.Tensor:  # [M, N]
-    columns = torch.arange(delta.b.shape[0], device=delta.b.device) // delta.group
-    mask = columns[None, :] == delta.ids[:, None]
-    return (delta.shrink * mask).to(delta.b.dtype) @ delta.b
+    shrink = keep_groups_ref(delta.shrink, RowGroups(delta.ids, delta.group))
+    return shrink.to(delta.b.dtype) @ delta.b
 
 
 @triton.jit
@@ -320,8 +319,8 @@ def splitk_linear(
     if lora is not None:  # contiguous: the kernel computes their offsets from the shapes
         assert lora.shrink.is_contiguous() and lora.b.is_contiguous() and lora.b.shape[1] == n
     assert lora is None or keep is None  # one use of the ids and group per launch
-    ids = lora.ids if lora is not None else keep.ids if keep is not None else weight
-    group = lora.group if lora is not None else keep.group if keep is not None else 1
+    by_row = lora or keep  # the per-row adapter ids and column group the epilogue reads
+    ids, group = (weight, 1) if by_row is None else (by_row.ids, by_row.group)
     _splitk_linear_kernel[grid](
         x,
         weight,

@@ -116,22 +116,14 @@ async def embed(
         final_only=True,
         lora_name=s.lora_name(req.model),
     )
-    prompts = s.prompts
 
     def prepare() -> list[list[int]]:
-        out = []
-        for text in texts:
-            if isinstance(text, str):
-                if truncate is None:
-                    prompts.check_length(text, param)
-                ids = prompts.encode(text, req.add_special_tokens)
-            else:
-                ids = text
-            out.append(s.check_prompt(ids, params, param, truncate))
-        return out
+        return [
+            s.prompt_ids(text, params, param, truncate, req.add_special_tokens) for text in texts
+        ]
 
     text_chars = sum(len(t) for t in texts if isinstance(t, str))
-    token_ids = await prompts.run(raw, text_chars, prepare) if text_chars else prepare()
+    token_ids = await s.prompts.run(raw, text_chars, prepare) if text_chars else prepare()
     stream = s.async_engine.submit(request_id, token_ids, params)
     position = {rid: i for i, rid in enumerate(stream.request_ids)}
     rows: list[list[float] | None] = [None] * len(texts)

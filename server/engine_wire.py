@@ -66,15 +66,13 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
-        hidden = engine.model.config.hidden_size
         return cls(
             engine.model_name,
             engine.model_dir,
             engine.config,
             engine.vocab_size,
-            None,
-            hidden,
-            engine.can_generate,
+            hidden_size=engine.model.config.hidden_size,
+            can_generate=engine.can_generate,
         )
 
     @property

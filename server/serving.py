@@ -139,6 +139,22 @@ class Serving:
             raise APIError(str(exc), param=param if exc.param == "prompt" else exc.param) from None
         return ids
 
+    def prompt_ids(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        param: str,
+        truncate: int | None,
+        add_special_tokens: bool,
+    ) -> list[int]:
+        """A text or token-id prompt as the engine gets it (check_prompt); a text too long
+        for the context is refused before it is tokenized, unless it is to be truncated."""
+        if isinstance(prompt, str):
+            if truncate is None:
+                self.prompts.check_length(prompt, param)
+            prompt = self.prompts.encode(prompt, add_special_tokens)
+        return self.check_prompt(prompt, params, param, truncate)
+
     def truncation(self, req: SamplingRequest) -> int | None:
         """truncate_prompt_tokens as a count (-1: max_model_len, vLLM's)."""
         k = req.truncate_prompt_tokens

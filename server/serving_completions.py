@@ -55,13 +55,7 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     def prepare() -> list[Prompt]:
         out = []
         for text in texts:
-            if isinstance(text, str):
-                if truncate is None:
-                    prompts_.check_length(text, "prompt")
-                ids = prompts_.encode(text, req.add_special_tokens)
-            else:
-                ids = text
-            ids = s.check_prompt(ids, params, "prompt", truncate)
+            ids = s.prompt_ids(text, params, "prompt", truncate, req.add_special_tokens)
             echo = ""
             if req.echo:
                 keep = isinstance(text, str) and truncate is None

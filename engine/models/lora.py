@@ -309,7 +309,7 @@ def attach_adapters(
             a_all[first : first + cols.shape[0]] = cols
             b_all[first : first + rows.shape[1], start : start + rows.shape[0]] = rows.t()
         linear.lora = LoRALayer(a_all.to(device, dtype), b_all.to(device, dtype), k, state)
-        state.columns(k)
+        state.columns(k)  # built now, not inside a graph's capture
     logger.info(
         "LoRA adapters %s: rank %d, on %d projections", ", ".join(adapters), rank, len(by_path)
     )
