@@ -50,6 +50,12 @@ class EngineConfig:
     # LoRA adapters served beside the model (engine/models/lora.py): name -> PEFT directory.
     lora_modules: dict[str, str] | None = None
     max_lora_rank: int | None = None  # None: the largest adapter's rank
+    # Speculative decoding by n-gram lookup (engine/speculative.py): draft tokens per step
+    # (0: off), and the n-gram lengths matched (vLLM's prompt_lookup_min/max; either
+    # given alone sets both, as in vLLM; neither: 5).
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -99,6 +105,23 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("several nodes need a --master-port every node can reach")
+        if self.num_speculative_tokens:
+            self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be non-negative, got {self.num_speculative_tokens}"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low, high = low or high or 5, high or low or 5
+        if not 1 <= low <= high:
+            raise ValueError(
+                f"prompt_lookup_min ({low}) must be at least 1 and at most prompt_lookup_max ({high})"
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
+        # A step's drafts follow the ids the last step sampled: they are read first.
+        self.async_scheduling = False
 
     @property
     def ranks_per_node(self) -> int:

@@ -34,7 +34,8 @@ from engine.outputs import take_outputs, take_plain
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import NgramSpeculator
 from engine.step_reader import LaunchedStep, StepReader
 from engine.tp_group import Membership, WorkerFailed, Workers, leave, start_driver
 
@@ -52,6 +53,8 @@ class EngineStats:
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative tokens looked up
     prefix_cache_hits: int  # cumulative tokens found
+    spec_decode_num_draft_tokens: int = 0  # cumulative (engine/speculative.py)
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class Engine:
@@ -103,6 +106,11 @@ class Engine:
         )
         self.scheduler = Scheduler(config, self.blocks, self.batch, self.runner.block_table)
         self.sampler = Sampler(self.vocab_size, device, config.seed, self.eos_token_ids, self.batch)
+        self.speculator = (
+            NgramSpeculator(config, self.batch, self.sampler)
+            if config.num_speculative_tokens
+            else None
+        )
         self.inflight: LaunchedStep | None = None  # launched; its ids not read yet
         self.num_sampled = 0  # sampled rows, cumulative (void ones included)
         self._grammars: Grammars | None = None  # built with the first structured request
@@ -225,6 +233,7 @@ class Engine:
         return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
+        spec = self.speculator
         return EngineStats(
             num_running=len(self.batch),
             num_waiting=len(self.scheduler.waiting),
@@ -232,6 +241,8 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         )
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
@@ -270,11 +281,16 @@ class Engine:
             idle = not self.scheduler.running and self.inflight is None
             grammars.check_compiled(0.01 if idle else 0.0)  # idle: wait a little, not spin
         with self._range("schedule"):
+            if self.speculator is not None:
+                self.speculator.propose()
             out = self.scheduler.schedule()
         prev, self.inflight = self.inflight, None
         if out:
             with self._range("forward"):
                 logits = self.runner.execute(out)  # the sampling rows only
+            if out.num_drafts is not None:  # speculation: no step is in flight
+                self._read_verified(out, logits)
+                return self.take_outputs(deltas) if emit else []
             if self.runner.prompt_scores is not None:  # before any first output is built
                 self.reader.keep_prompt_logprobs(self.runner.prompt_scores)
             if self.runner.pooled is not None:  # before its request's last output is built
@@ -325,6 +341,33 @@ class Engine:
         if prev is not None:
             self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
+
+    def _read_verified(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Check a step's drafts (engine/speculative.py) and read its 1 to d + 1 tokens per
+        sampling row, as that many one-token steps: the reads find stops, length limits
+        and news as they do for any step, and a request they finish reads no more."""
+        batch = self.batch
+        sampling = out.sampling_slots
+        with self._range("sample"):
+            verified = self.speculator.verify(logits, out, self.runner.argmax)
+        accepted, token_ids = verified.num_accepted, verified.token_ids
+        batch.refuse(sampling, out.num_drafts[out.samples] - accepted)
+        logprobs = None
+        if batch.num_needs_sync and batch.needs_sync[sampling].any():  # rows without drafts
+            rows = torch.from_numpy(verified.first_rows).to(logits.device)
+            ids = torch.from_numpy(token_ids[:, 0]).to(logits.device)
+            logprobs = self.sampler.read(logits[rows], ids, sampling).logprobs
+        generations = batch.generation[sampling]
+        for j in range(token_ids.shape[1]):
+            slots, ids = sampling, token_ids[:, j]
+            if j:  # rows with a j-th token, whose request no read has finished
+                keep = (accepted >= j) & (batch.generation[sampling] == generations)
+                if not keep.any():
+                    break
+                slots, ids = sampling[keep], ids[keep]
+            mark = batch.launched(slots)
+            self.num_sampled += len(slots)
+            self.reader.read(LaunchedStep(slots, mark, ids, logprobs if j == 0 else None))
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

@@ -125,6 +125,13 @@ class InputBatch:
         self.top_p = np.ones(n, dtype=np.float32)
         self.min_p = np.zeros(n, dtype=np.float32)
         self.lora = np.full(n, -1, dtype=np.int64)  # LoRA adapter index, -1: the base model
+        # Speculative decoding (engine/speculative.py): the rows whose sampling lets them
+        # draft, and each row's drafts this step (their ids sit in token_ids past
+        # num_tokens, where the step's reads overwrite them), summed in num_draft_tokens.
+        self.speculates = np.zeros(n, dtype=bool)
+        self.num_speculating = 0
+        self.num_drafts = np.zeros(n, dtype=np.int64)
+        self.num_draft_tokens = 0
         # Bumped whenever a slot changes hands: a step read after its request left
         # (finished, aborted, preempted) is told apart from the slot's next owner.
         self.generation = np.zeros(n, dtype=np.int64)
@@ -196,6 +203,8 @@ class InputBatch:
         self.top_p[slot] = params.top_p
         self.min_p[slot] = params.min_p
         self.lora[slot] = req.lora_index
+        self.speculates[slot] = params.speculates
+        self.num_speculating += params.speculates
         self.requests[slot] = req
         self.running.append(req)
         self.slots = np.concatenate((self.slots, (slot,)))
@@ -234,6 +243,7 @@ class InputBatch:
         self.pooled(slot)
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
+        self.num_speculating -= self.speculates.item(slot)
         self.generation[slot] += 1
         self.departures += 1
         self.requests[slot] = None
@@ -263,6 +273,12 @@ class InputBatch:
     def set_computed(self, slot: int, num_computed: int) -> None:
         self.num_unscheduled += self.num_computed.item(slot) - num_computed
         self.num_computed[slot] = num_computed
+
+    def refuse(self, slots: np.ndarray, num_refused: np.ndarray) -> None:
+        """The KV these rows computed for their last num_refused [k] tokens (refused
+        drafts: engine/speculative.py) is void: they are scheduled again."""
+        self.num_computed[slots] -= num_refused
+        self.num_unscheduled += int(num_refused.sum())
 
     def launched(self, slots: np.ndarray, void: np.ndarray | None = None) -> LaunchMark:
         """These rows sampled a token on the device; what read() needs to know which

@@ -150,7 +150,8 @@ class ModelRunner(StepInputs):
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [num_sampling, vocab] at the last new token of each sequence that
-        samples (out.samples: every one but the prefill chunks that stop short).
+        samples (out.samples: every one but the prefill chunks that stop short), and
+        before it at each draft token it verifies ([out.num_logits, vocab] in all).
 
         Also sets `argmax` (after a graph, their argmax ids on the device; None after
         an eager step), `argmax_on_host` (the graph copied them to the host too, as a
@@ -163,14 +164,17 @@ class ModelRunner(StepInputs):
         self.argmax_on_host = False
         self.prompt_scores = None
         self.pooled = None
-        num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_sampling
+        # Logits rows: a sampling sequence's last token's, and one per draft it verifies
+        # (engine/speculative.py), in sequence order.
+        num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_logits
         pooling = pooling_rows(out, self.batch)  # a prompt's last token (maybe all that is left)
         if out.is_decode_only and self.graphs.decode and pooling is None:
             return self.graphs.replay_decode(num_seqs)  # a bucket holds any batch
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         graph = scoring is None and pooling is None
         with torch.inference_mode():
-            if graph and num_tokens < len(self.graphs.prefill_bucket):
+            prefill_graph = num_tokens < len(self.graphs.prefill_bucket)
+            if graph and prefill_graph and num_sampling <= self.max_num_seqs:
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
             if self.channel is not None:

@@ -212,10 +212,57 @@ class Sampler:
             index = torch.tensor([rows, cols], device=self.device)  # [2, num_banned]
             x[index[0], index[1]] = float("-inf")
 
+    def verify(
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        drafts: np.ndarray,
+        argmax: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative decoding's rows (engine/speculative.py): each row's own token, and
+        whether the draft it checks stands. Returns (ids [R], accepted [R] bool).
+
+        logits: [R, vocab] one row per position; slots: [R] each row's slot; drafts: [R]
+        the draft token each row checks (-1: none). A greedy row accepts its draft if it
+        is the argmax. A random row accepts it with probability p(draft) and otherwise
+        samples from p without it: rejection sampling with a proposal certain of its
+        draft, so that each position's token is distributed as p (Leviathan et al.)."""
+        device = self.device
+        drafts_t = torch.from_numpy(drafts).to(device)
+        checks = drafts_t >= 0
+        draft_ids = drafts_t.clamp(min=0)
+        if np.count_nonzero(self.batch.argmax_only[slots]) == len(slots):
+            ids = logits.argmax(-1) if argmax is None else argmax
+            return ids, checks & (ids == draft_ids)
+        requests = self._requests(slots)
+        x = self.process_logits(logits, requests)  # [R, V] fp32
+        greedy_ids = x.argmax(-1)
+        is_greedy = np.array([req.params.greedy for req in requests])
+        if is_greedy.all():
+            return greedy_ids, checks & (greedy_ids == draft_ids)
+        probs = self._probabilities(x, requests, slots)  # [R, V]
+        # min-p leaves probs unnormalized: the race minds not, the acceptance does.
+        p_draft = probs.gather(1, draft_ids[:, None]).squeeze(1) / probs.sum(-1)  # [R]
+        uniform = torch.rand(p_draft.shape, generator=self.generator, device=device)
+        random_accepts = checks & (uniform < p_draft)
+        # The residual max(p - q, 0) of a one-hot proposal q: p without the draft.
+        kept = probs.gather(1, draft_ids[:, None])
+        probs.scatter_(1, draft_ids[:, None], torch.where(checks[:, None], 0.0, kept))
+        greedy = torch.from_numpy(is_greedy).to(device)
+        ids = torch.where(greedy, greedy_ids, self._race(probs, requests))
+        return ids, torch.where(greedy, checks & (greedy_ids == draft_ids), random_accepts)
+
     def _sample(self, x: torch.Tensor, requests: list[Request], slots: np.ndarray) -> torch.Tensor:
         """Sample every row of x (greedy rows too; the caller discards those). Returns [B].
 
         Scales and masks x in place."""
+        return self._race(self._probabilities(x, requests, slots), requests)
+
+    def _probabilities(
+        self, x: torch.Tensor, requests: list[Request], slots: np.ndarray
+    ) -> torch.Tensor:
+        """Each row's distribution after temperature, top-k, top-p and min-p ([B, V]; a
+        greedy row's at temperature 1). Scales and masks x in place."""
         params = [req.params for req in requests]
         batch = self.batch
         top_k = batch.top_k[slots]
@@ -238,7 +285,11 @@ class Sampler:
             # Drop tokens less likely than min_p times the most likely one.
             threshold = min_p * probs.amax(-1, keepdim=True)
             probs.masked_fill_(probs < threshold, 0.0)
+        return probs
 
+    def _race(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A token from each row of probs [B, V] (unnormalized is fine). Returns [B]."""
+        params = [req.params for req in requests]
         # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with
         # probability p_i, and needs no cumulative sum or host sync.
         noise = torch.empty_like(probs)  # [B, V]

@@ -123,6 +123,17 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
+        # Speculative decoding may draft its next tokens (engine/speculative.py): its
+        # distribution at a position depends on nothing the drafts before it change.
+        self.speculates = (
+            not self.has_penalties
+            and not self.logit_bias
+            and self.logprobs is None
+            and self.seed is None
+            and self.min_tokens == 0
+            and self.grammar is None
+            and not self.pooling
+        )
         # Streamed as bare ids: its outputs between the first and the last can travel
         # as TokenDeltas entries.
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None

@@ -54,6 +54,9 @@ class SchedulerOutput:
     # InputBatch.layout when the sequences are all its running requests (their slots
     # are the batch's `slots`), else None: what was derived from those slots holds.
     layout: int | None = None
+    # [num_seqs] int64: draft tokens each sequence verifies after its last sampled one
+    # (engine/speculative.py); None: no sequence has any.
+    num_drafts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.num_seqs = num_seqs = len(self.slots)
@@ -67,6 +70,10 @@ class SchedulerOutput:
         # The rows that sample, in batch order: where their ids land in the step's output.
         every = self.num_sampling == num_seqs
         self.sampling_slots = self.slots if every else self.slots[self.samples]
+        # Logits rows: one per sampling sequence, and one more per draft it verifies.
+        self.num_logits = self.num_sampling
+        if self.num_drafts is not None:
+            self.num_logits += int(self.num_drafts.sum())
 
     def __bool__(self) -> bool:
         return self.num_seqs > 0
@@ -125,12 +132,19 @@ class Scheduler:
                 whole = False
         self.batch.scheduled(slots, ends, num_scheduled)
         num_seqs = len(slots)
+        known, num_drafts = counts[KNOWN], None
+        if self.batch.num_draft_tokens:  # what the budget left of them
+            num_drafts = np.maximum(ends - counts[TOKENS], 0)
+            if num_drafts.any():
+                known = known + num_drafts  # the host wrote them: staged from its ids
+            else:
+                num_drafts = None
         return SchedulerOutput(
             slots,
             counts[COMPUTED],
             num_new,
-            counts[KNOWN],
-            self.every_row[:num_seqs] if whole else ends == counts[TOKENS],
+            known,
+            self.every_row[:num_seqs] if whole else ends >= counts[TOKENS],
             num_scheduled,
             admitted,
             preempted,
@@ -138,6 +152,7 @@ class Scheduler:
             num_seqs if whole else -1,
             # Always a subsequence of the batch's slots, in order: all of them, if as many.
             self.batch.layout if num_seqs == len(self.batch) else None,
+            num_drafts,
         )
 
     def _schedule_running(
@@ -152,6 +167,9 @@ class Scheduler:
         computed, num_tokens = counts[COMPUTED], counts[TOKENS]
         num_new = num_tokens - computed
         whole = True  # every one gets all its tokens: ends are num_tokens
+        if batch.num_draft_tokens:  # and its drafts after them (engine/speculative.py)
+            num_new += batch.num_drafts[slots]
+            whole = False
         if batch.headroom <= 0:  # the bound says nothing: measure it
             room = counts[LIMIT] - num_tokens
             batch.headroom = int(np.minimum.reduce(room, initial=NO_LIMIT))

@@ -66,7 +66,8 @@ class StepInputs:
             {
                 **dict.fromkeys(tokens_fields, (max_tokens, i64)),
                 "slot_indices": (seqs, i64),
-                "logits_indices": (seqs, i64),
+                # A row per sampling sequence, and per draft token one verifies.
+                "logits_indices": (max_tokens if config.num_speculative_tokens else seqs, i64),
                 "seq_lens": (seqs, i32),
                 "query_start_loc": (seqs + 1, i32),
                 # Block-table entries a graph writes (BlockTable.take_changes).
@@ -150,7 +151,13 @@ class StepInputs:
             all_on_device = np.count_nonzero(on_device) == num_tokens
             last = qsl[1 : n + 1] - 1  # each sequence's last new token
             sampling_last = last[out.samples]
-            buf["logits_indices"][: len(sampling_last)] = sampling_last
+            if out.num_drafts is None:
+                buf["logits_indices"][: len(sampling_last)] = sampling_last
+            else:  # a sequence's drafts are its last tokens: a row for each, and the last
+                drafts = out.num_drafts[out.samples]
+                rows = drafts + 1
+                first = np.repeat(sampling_last - drafts - (np.cumsum(rows) - rows), rows)
+                np.add(first, arange[: out.num_logits], out=buf["logits_indices"][: out.num_logits])
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
         # slot = block * block_size + offset, read off the block table's host mirror.

@@ -1,6 +1,6 @@
 """`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
 
-Every flag but --disable-log-stats and --enable-lora sets the EngineConfig or
+Every flag but --disable-log-stats, --enable-lora and --speculative-config sets the EngineConfig or
 ServerConfig field named by its `dest`, and defaults to that field's default.
 """
 
@@ -59,6 +59,36 @@ def _lora_module(text: str) -> tuple[str, str]:
     if not (sep and name and path):
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR")
     return name, path
+
+
+SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def _speculative_config(text: str) -> dict[str, int]:
+    """vLLM's --speculative-config JSON: the n-gram method and its three numbers."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({e})") from e
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+    method = spec.pop("method", "ngram")
+    if method not in ("ngram", "[ngram]"):
+        raise argparse.ArgumentTypeError(
+            f"speculative method {method!r} is not supported: Pagoda speculates by n-gram "
+            'lookup only ("method": "ngram")'
+        )
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unsupported --speculative-config keys {unknown} (known: method, "
+            f"{', '.join(SPECULATIVE_KEYS)})"
+        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in spec.values()):
+        raise argparse.ArgumentTypeError(f"{text!r}: the values must be integers")
+    if "num_speculative_tokens" not in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: num_speculative_tokens is required")
+    return spec
 
 
 def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
@@ -122,6 +152,24 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     )
     e("--enable-lora", action="store_true", help="accepted for vLLM's command lines")
     e("--no-async-scheduling", help="read each step's sampled ids before planning the next")
+    e(
+        "--num-speculative-tokens",
+        metavar="K",
+        help="speculative decoding: up to K draft tokens a step by n-gram lookup in the "
+        "request's own tokens, verified in one forward (sampled ids are then read before "
+        "the next step is planned)",
+    )
+    e("--prompt-lookup-min", type=int, metavar="N", help="shortest n-gram matched (default 5)")
+    e("--prompt-lookup-max", type=int, metavar="N", help="longest n-gram matched (default 5)")
+    e(
+        "--speculative-config",
+        type=_speculative_config,
+        action="store",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s form of the three above: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 3}\'',
+    )
     e("--seed", help="seed for unseeded requests")
     e("--nvtx", help="NVTX ranges around step phases (for nsys)")
     e(
@@ -258,6 +306,7 @@ def parse_configs(
     if args.pop("disable_log_stats"):
         args["log_stats_interval"] = 0.0
     args.pop("enable_lora")  # adapters are served when --lora-modules names any
+    args.update(args.pop("speculative_config") or {})
     try:
         if args["lora_modules"] is not None:
             names = [name for name, _ in args["lora_modules"]]

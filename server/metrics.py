@@ -53,6 +53,8 @@ _ENGINE_COUNTERS = {
     "num_preemptions": "Cumulative preemptions.",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "spec_decode_num_draft_tokens": "Draft tokens speculative decoding proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens speculative decoding accepted.",
 }
 
 

@@ -212,3 +212,31 @@ def test_tool_flags():
     for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "pythonic"]):
         with pytest.raises(SystemExit):
             cli.parse_configs(argv)
+
+
+def test_speculative_flags_and_vllms_json_form():
+    engine, _ = cli.parse_configs(["--num-speculative-tokens", "4", "--prompt-lookup-max", "3"])
+    assert (engine.num_speculative_tokens, engine.prompt_lookup_min) == (4, 3)
+    assert not engine.async_scheduling
+    spec = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    engine, _ = cli.parse_configs(["--speculative-config", spec])
+    assert (engine.num_speculative_tokens, engine.prompt_lookup_max) == (5, 4)
+    engine, _ = cli.parse_configs([])
+    assert engine.num_speculative_tokens == 0 and engine.async_scheduling
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "n-gram lookup only"),
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"num_speculative_tokens": 3, "model": "x"}', "unsupported --speculative-config keys"),
+        ('{"num_speculative_tokens": "3"}', "must be integers"),
+        ("[3]", "expected a JSON object"),
+    ],
+)
+def test_speculative_configs_pagoda_cannot_run_are_usage_errors(spec, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_configs(["--speculative-config", spec])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,165 @@
+"""Speculative decoding by n-gram lookup against plain decoding, same GPU, same run.
+
+    python -m benchmarks.speculative --model llama3-8b --num-requests 1 --ks 0 2 4 \
+        --out benchmarks/results/speculative-llama3-8b-h200.json
+
+Each K runs in a process of its own (K = 0: speculation off, asynchronous
+scheduling on, as served by default), on the same requests: random prompts of
+--input-len tokens whose second half repeats the first (something to look up),
+greedy, EOS ignored. Reported per K: ms per output token over the decode phase,
+drafts proposed and accepted, tokens per sampling row per step, and the median step
+time by the drafts its rows verify, which does not depend on the weights: with
+acceptance a per draft, a step of d drafts yields (1 - a^(d+1)) / (1 - a) tokens
+a row, and the speedup over plain decoding is that over the step's cost ratio.
+The weights are random, so the acceptance here is this model's, not a real one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.checkpoints import build_checkpoint
+from benchmarks.provenance import git_commit, write_result
+from engine import LLM, SamplingParams
+
+
+def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for _ in range(num):
+        half = [rng.randrange(vocab) for _ in range(length // 2)]
+        out.append(half + half[: length - len(half)])
+    return out
+
+
+def run_one(args: argparse.Namespace, k: int) -> dict:
+    dtype = "bfloat16"
+    model_dir = build_checkpoint(
+        args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", torch.bfloat16
+    )
+    spec = dict(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=args.lookup_max)
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        enable_prefix_caching=False,
+        max_model_len=args.input_len + args.output_len + 16,
+        **(spec if k else {}),
+    )
+    engine = llm.engine
+    requests = prompts(args.num_requests, args.input_len, min(len(llm.tokenizer), 10000))
+    warm = SamplingParams(max_tokens=16, ignore_eos=True, temperature=args.temperature)
+    llm.generate(requests, warm, use_tqdm=False)
+    params = SamplingParams(
+        max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, final_only=True
+    )
+    for i, ids in enumerate(requests):
+        engine.add_request(str(i), ids, params)
+    schedule, scheduled = engine.scheduler.schedule, []
+
+    def keep_schedule():
+        scheduled.append(schedule())
+        return scheduled[-1]
+
+    engine.scheduler.schedule = keep_schedule
+    by_drafts: dict[int, list[float]] = defaultdict(list)  # max drafts a row -> step seconds
+    decode_s, decode_steps = 0.0, 0
+    torch.cuda.synchronize()
+    finished = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        finished += engine.step()
+        seconds = time.perf_counter() - start
+        out = scheduled.pop()
+        if not out or out.admitted or out.num_sampling < out.num_seqs:
+            continue  # a step with prefill
+        drafts = 0 if out.num_drafts is None else int(out.num_drafts.max())
+        by_drafts[drafts].append(seconds)
+        decode_s += seconds
+        decode_steps += 1
+    del engine.scheduler.schedule
+    tokens = sum(o.num_output_tokens for o in finished)
+    assert tokens == args.num_requests * args.output_len
+    stats = engine.get_stats()
+    # The first token of each comes from its prefill step.
+    decode_tokens = tokens - args.num_requests
+    return {
+        "k": k,
+        "ms_per_token": 1e3 * decode_s / (decode_tokens / args.num_requests),
+        "decode_steps": decode_steps,
+        "tokens_per_row_per_step": decode_tokens / args.num_requests / decode_steps,
+        "draft_tokens": stats.spec_decode_num_draft_tokens,
+        "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+        "acceptance": stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+        if stats.spec_decode_num_draft_tokens
+        else None,
+        "step_ms_by_drafts": {
+            d: {"p50": 1e3 * statistics.median(s), "steps": len(s)}
+            for d, s in sorted(by_drafts.items())
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/checkpoints.py")
+    p.add_argument("--num-requests", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4])
+    p.add_argument("--lookup-max", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's K
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_one(args, args.one)))
+        return 0
+    argv = list(argv if argv is not None else sys.argv[1:])
+    runs = []
+    for k in args.ks:
+        child = [sys.executable, "-m", "benchmarks.speculative", *argv, "--one", str(k)]
+        done = subprocess.run(child, capture_output=True, text=True, check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(runs[-1]), flush=True)
+    base = next((r["ms_per_token"] for r in runs if r["k"] == 0), None)
+    for run in runs:
+        run["speedup"] = base / run["ms_per_token"] if base else None
+    result = {
+        "benchmark": "speculative",
+        "command": "python -m benchmarks.speculative " + " ".join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "temperature": args.temperature,
+        "prompt_lookup": [1, args.lookup_max],
+        "runs": runs,
+    }
+    write_result(args.out, result)
+    for run in runs:
+        print(
+            f"K={run['k']}: {run['ms_per_token']:.2f} ms/token, "
+            f"{run['tokens_per_row_per_step']:.2f} tokens/step, acceptance {run['acceptance']}, "
+            f"speedup {run['speedup']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Speculative decoding by n-gram lookup (vLLM's "ngram" method: prompt lookup decoding).
+
+Each step, a running request past its prompt drafts up to K tokens: those that
+followed the earliest earlier occurrence of its last n tokens, in its prompt or
+output, for the longest n in [prompt_lookup_min, prompt_lookup_max] that occurs.
+The step then computes the request's last sampled token and its d drafts in one
+forward, as a chunk of 1 + d tokens (the scheduler adds the drafts to its new
+tokens, and StepInputs asks for a logits row at each of them), and the sampler
+checks the drafts in order (Sampler.verify). The accepted drafts, then the token
+sampled where the first draft was refused (or after the last), are the step's
+tokens: 1 to d + 1 of them, each distributed as without speculation, and
+token for token the same under greedy decoding. The KV written for refused
+drafts lies past the request's computed tokens, where later steps rewrite it.
+
+A draft continues the last sampled id, so speculation reads every step's ids
+before planning the next (EngineConfig turns asynchronous scheduling off).
+Requests whose next-token distribution depends on more than the tokens before it
+(penalties, logit_bias, min_tokens, seeds, grammars) or that ask for what is
+computed per sampled token (logprobs) do not draft (SamplingParams.speculates);
+a step with grammar rows, prompt scoring or embeddings drafts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.input_batch import InputBatch
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+
+def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to k tokens that followed the earliest earlier occurrence of the last n tokens
+    of `tokens` [L], for the longest n in [min_n, max_n] that has one (empty if none)."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # Occurrences that some token follows: the suffix itself is not one.
+        starts = np.flatnonzero(tokens[: length - n] == suffix[0])
+        for j in range(1, n):
+            if not len(starts):
+                break
+            starts = starts[tokens[starts + j] == suffix[j]]
+        if len(starts):
+            begin = starts[0] + n
+            return tokens[begin : begin + k]
+    return tokens[:0]
+
+
+@dataclass
+class Verified:
+    """A step's verdict on its drafts, per sampling sequence (in batch order)."""
+
+    num_accepted: np.ndarray  # [B] drafts accepted
+    # [B, 1 + most drafts] the sequence's tokens this step: the accepted drafts, then
+    # the token sampled after them (entries past that one: -1).
+    token_ids: np.ndarray
+    first_rows: np.ndarray  # [B] each sequence's first logits row
+
+
+class NgramSpeculator:
+    def __init__(self, config: EngineConfig, batch: InputBatch, sampler: Sampler) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.batch, self.sampler = batch, sampler
+        self.num_draft_tokens = 0  # cumulative, as vLLM's spec_decode counters
+        self.num_accepted_tokens = 0
+
+    def propose(self) -> None:
+        """Draft the next tokens of the running requests that may: into the batch's
+        token table past each one's num_tokens, their counts into num_drafts."""
+        batch = self.batch
+        batch.num_draft_tokens = 0
+        if not batch.num_speculating or batch.num_grammar or batch.num_scoring or batch.num_pooling:
+            return
+        slots = batch.slots
+        num_tokens = batch.num_tokens[slots]
+        # Past its prompt, with every id on the host; the drafts and the token sampled
+        # after them must fit under its length limit.
+        room = batch.max_num_tokens[slots] - num_tokens - 1
+        ready = batch.speculates[slots] & (batch.num_computed[slots] == num_tokens - 1) & (room > 0)
+        batch.num_drafts[slots] = 0
+        total = 0
+        for slot, n, limit in zip(
+            slots[ready].tolist(), num_tokens[ready].tolist(), room[ready].tolist()
+        ):
+            row = batch.token_ids[slot]
+            draft = ngram_draft(row[:n], self.min_n, self.max_n, min(self.k, limit))
+            d = len(draft)
+            if d:
+                row[n : n + d] = draft
+                batch.num_drafts[slot] = d
+                total += d
+        batch.num_draft_tokens = total
+
+    def verify(
+        self, logits: torch.Tensor, out: SchedulerOutput, argmax: torch.Tensor | None
+    ) -> Verified:
+        """Check a step's drafts against its logits ([out.num_logits, vocab]: per sampling
+        sequence, a row for each draft, then its last): one copy to the host."""
+        batch = self.batch
+        sampling = out.sampling_slots
+        drafts = out.num_drafts[out.samples]  # [B]
+        rows = drafts + 1
+        first = np.cumsum(rows) - rows
+        num_rows = out.num_logits
+        row_slots = np.repeat(sampling, rows)
+        offset = np.arange(num_rows) - np.repeat(first, rows)  # [R] row within its sequence
+        # Row i of a sequence checks its draft i, which sits at num_tokens + i.
+        at = batch.row_start[row_slots] + np.repeat(batch.num_tokens[sampling], rows) + offset
+        row_drafts = np.where(offset < np.repeat(drafts, rows), batch.token_flat[at], -1)
+        ids, accepted = self.sampler.verify(logits, row_slots, row_drafts, argmax)
+        width = int(drafts.max())
+        # [B, 1 + width]: row j of each sequence, its last row past its drafts.
+        grid = first[:, None] + np.minimum(np.arange(width + 1), drafts[:, None])
+        grid_t = torch.from_numpy(grid).to(ids.device)
+        # A sequence's accepted drafts: those before its first refusal (its last row
+        # checks none, so the count stops there).
+        num_accepted = accepted[grid_t[:, :width]].int().cumprod(1).sum(1)  # [B]
+        final = ids[grid_t.gather(1, num_accepted[:, None].long()).squeeze(1)]  # [B]
+        host = torch.stack([num_accepted.long(), final]).cpu().numpy()
+        num_accepted_np, final_np = host[0], host[1]
+        column = np.arange(width + 1)
+        token_ids = np.where(column < num_accepted_np[:, None], row_drafts[grid], -1)
+        token_ids[np.arange(len(sampling)), num_accepted_np] = final_np
+        self.num_draft_tokens += int(drafts.sum())
+        self.num_accepted_tokens += int(num_accepted_np.sum())
+        return Verified(num_accepted_np, token_ids, first)
