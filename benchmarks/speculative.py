@@ -1,17 +1,24 @@
-"""Speculative decoding by n-gram lookup against plain decoding, same GPU, same run.
+"""Speculative decoding against plain decoding, same GPU, same run.
 
-    python -m benchmarks.speculative --model llama3-8b --num-requests 1 --ks 0 2 4 \
+    python -m benchmarks.speculative --model llama3-8b --num-requests 1 \
+        --runs 0 2:oracle 4:oracle 4:refused 4:lookup \
         --out benchmarks/results/speculative-llama3-8b-h200.json
 
-Each K runs in a process of its own (K = 0: speculation off, asynchronous
-scheduling on, as served by default), on the same requests: random prompts of
---input-len tokens whose second half repeats the first (something to look up),
-greedy, EOS ignored. Reported per K: ms per output token over the decode phase,
-drafts proposed and accepted, tokens per sampling row per step, and the median step
-time by the drafts its rows verify, which does not depend on the weights: with
-acceptance a per draft, a step of d drafts yields (1 - a^(d+1)) / (1 - a) tokens
-a row, and the speedup over plain decoding is that over the step's cost ratio.
-The weights are random, so the acceptance here is this model's, not a real one's.
+Each run (K:DRAFTS; K = 0 is speculation off, asynchronous scheduling on, as served
+by default) is a process of its own, on the same requests: random prompts of
+--input-len tokens, greedy, EOS ignored. Acceptance depends on the weights, and
+these are random, so the drafts are chosen by the benchmark:
+
+    lookup    the engine's n-gram lookup (random weights rarely repeat themselves)
+    oracle    the tokens the K = 0 run produced next: all accepted while the two runs'
+              outputs agree (bf16 verify steps round differently from decode steps)
+    refused   those tokens plus one: every draft refused, the price of verifying
+
+Reported per run: ms per output token over the decode phase, drafts proposed and
+accepted, tokens a row gains per step, and the median step time by the drafts its
+rows verify, which does not depend on the weights: with acceptance a per draft, a
+step of d drafts yields (1 - a^(d+1)) / (1 - a) tokens a row, so the speedup at any
+acceptance follows from these step times.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
@@ -43,7 +51,7 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     return out
 
 
-def run_one(args: argparse.Namespace, k: int) -> dict:
+def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> dict:
     dtype = "bfloat16"
     model_dir = build_checkpoint(
         args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", torch.bfloat16
@@ -59,7 +67,22 @@ def run_one(args: argparse.Namespace, k: int) -> dict:
     engine = llm.engine
     requests = prompts(args.num_requests, args.input_len, min(len(llm.tokenizer), 10000))
     warm = SamplingParams(max_tokens=16, ignore_eos=True, temperature=args.temperature)
+    if k:  # warm the verify steps up too: drafts of whatever came last
+        engine.speculator.draft = lambda slot, tokens, n: tokens[-1:].repeat(n)
     llm.generate(requests, warm, use_tqdm=False)
+    if k and drafts != "lookup":
+        outputs = json.loads(reference.read_text())
+        shift = 1 if drafts == "refused" else 0
+        vocab = engine.vocab_size
+
+        def scripted(slot: int, tokens: np.ndarray, n: int) -> np.ndarray:
+            req = engine.batch.requests[slot]
+            done = len(tokens) - len(req.prompt_token_ids)
+            return (np.array(outputs[req.request_id][done : done + n]) + shift) % vocab
+
+        engine.speculator.draft = scripted
+    elif k:
+        del engine.speculator.draft  # the class's: n-gram lookup
     params = SamplingParams(
         max_tokens=args.output_len, temperature=args.temperature, ignore_eos=True, final_only=True
     )
@@ -74,7 +97,8 @@ def run_one(args: argparse.Namespace, k: int) -> dict:
     engine.scheduler.schedule = keep_schedule
     by_drafts: dict[int, list[float]] = defaultdict(list)  # max drafts a row -> step seconds
     decode_s, decode_steps = 0.0, 0
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     finished = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()
@@ -83,11 +107,13 @@ def run_one(args: argparse.Namespace, k: int) -> dict:
         out = scheduled.pop()
         if not out or out.admitted or out.num_sampling < out.num_seqs:
             continue  # a step with prefill
-        drafts = 0 if out.num_drafts is None else int(out.num_drafts.max())
-        by_drafts[drafts].append(seconds)
+        most = 0 if out.num_drafts is None else int(out.num_drafts.max())
+        by_drafts[most].append(seconds)
         decode_s += seconds
         decode_steps += 1
     del engine.scheduler.schedule
+    if not k:  # what the oracle and refused runs draft
+        reference.write_text(json.dumps({o.request_id: o.new_token_ids for o in finished}))
     tokens = sum(o.num_output_tokens for o in finished)
     assert tokens == args.num_requests * args.output_len
     stats = engine.get_stats()
@@ -95,6 +121,7 @@ def run_one(args: argparse.Namespace, k: int) -> dict:
     decode_tokens = tokens - args.num_requests
     return {
         "k": k,
+        "drafts": drafts if k else None,
         "ms_per_token": 1e3 * decode_s / (decode_tokens / args.num_requests),
         "decode_steps": decode_steps,
         "tokens_per_row_per_step": decode_tokens / args.num_requests / decode_steps,
@@ -118,20 +145,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=1)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4])
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        default=["0", "2:oracle", "4:oracle", "4:refused", "4:lookup"],
+        metavar="K:DRAFTS",
+        help="K draft tokens (0: off) and where they come from: oracle, refused, lookup "
+        "(oracle and refused need a K = 0 run first)",
+    )
     p.add_argument("--lookup-max", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's K
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's K:DRAFTS
+    p.add_argument("--reference", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(run_one(args, args.one)))
+        k, _, drafts = args.one.partition(":")
+        print(json.dumps(run_one(args, int(k), drafts or "lookup", args.reference)))
         return 0
     argv = list(argv if argv is not None else sys.argv[1:])
     runs = []
-    for k in args.ks:
-        child = [sys.executable, "-m", "benchmarks.speculative", *argv, "--one", str(k)]
-        done = subprocess.run(child, capture_output=True, text=True, check=True)
+    reference = Path(tempfile.mkdtemp()) / "outputs.json"
+    for run in args.runs:
+        child = [sys.executable, "-m", "benchmarks.speculative", *argv, "--one", run]
+        child += ["--reference", str(reference)]
+        done = subprocess.run(child, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"run {run} failed:\n{done.stderr[-4000:]}")
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(runs[-1]), flush=True)
     base = next((r["ms_per_token"] for r in runs if r["k"] == 0), None)
@@ -142,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.speculative " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "commit": git_commit(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,
         "num_requests": args.num_requests,
         "input_len": args.input_len,
@@ -154,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.out, result)
     for run in runs:
         print(
-            f"K={run['k']}: {run['ms_per_token']:.2f} ms/token, "
+            f"K={run['k']} {run['drafts']}: {run['ms_per_token']:.2f} ms/token, "
             f"{run['tokens_per_row_per_step']:.2f} tokens/step, acceptance {run['acceptance']}, "
             f"speedup {run['speedup']}"
         )

@@ -46,7 +46,7 @@ class CudaGraphs:
         self.decode: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.decode_logits: dict[int, list[torch.Tensor]] = {}
         self.decode_bucket = config.cuda_graph_bucket_table()
-        # By token bucket: (graph, its logits [max_num_seqs, vocab]).
+        # By token bucket: (graph, its logits [min(bucket, max_num_seqs), vocab]).
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.prefill_bucket: list[int] = []  # entry n: the bucket a step of n tokens replays
         # Only rank 0's logits mean anything (another rank's graphs take no argmax).
@@ -152,7 +152,9 @@ class CudaGraphs:
             runner.buf["query_start_loc"][0] = 0
             self.pad_seqs(0, 0, 0)
             max_query_len = min(bucket, runner.config.max_model_len)
-            inp = runner.send(bucket, seqs, max_query_len, False)
+            # Logits rows: a step has no more than tokens (a row per sampling sequence,
+            # and per draft it verifies).
+            inp = runner.send(bucket, seqs, max_query_len, False, min(bucket, seqs))
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             graph = torch.cuda.CUDAGraph()
@@ -160,7 +162,7 @@ class CudaGraphs:
                 table.index_copy_(0, index, values)
                 logits = runner.forward(inp)  # the block-table gather included
                 if self.driver:
-                    greedy_ids(logits, sampled[:seqs])
+                    greedy_ids(logits, sampled[: len(logits)])
             self.prefill[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
         torch.cuda.synchronize(runner.device)

@@ -89,13 +89,17 @@ class NgramSpeculator:
             slots[ready].tolist(), num_tokens[ready].tolist(), room[ready].tolist()
         ):
             row = batch.token_ids[slot]
-            draft = ngram_draft(row[:n], self.min_n, self.max_n, min(self.k, limit))
+            draft = self.draft(slot, row[:n], min(self.k, limit))
             d = len(draft)
             if d:
                 row[n : n + d] = draft
                 batch.num_drafts[slot] = d
                 total += d
         batch.num_draft_tokens = total
+
+    def draft(self, slot: int, tokens: np.ndarray, k: int) -> np.ndarray:
+        """Up to k draft tokens to follow a row's tokens [num_tokens]."""
+        return ngram_draft(tokens, self.min_n, self.max_n, k)
 
     def verify(
         self, logits: torch.Tensor, out: SchedulerOutput, argmax: torch.Tensor | None
