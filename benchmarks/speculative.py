@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, same GPU, same run.
 
     python -m benchmarks.speculative --model llama3-8b --num-requests 1 \
-        --runs 0 2:oracle 4:oracle 4:refused 4:lookup \
+        --runs 0 0:echo 2:echo 4:echo 4:refused 4:lookup \
         --out benchmarks/results/speculative-llama3-8b-h200.json
 
 Each run (K:DRAFTS; K = 0 is speculation off, asynchronous scheduling on, as served
@@ -10,9 +10,11 @@ by default) is a process of its own, on the same requests: random prompts of
 these are random, so the drafts are chosen by the benchmark:
 
     lookup    the engine's n-gram lookup (random weights rarely repeat themselves)
-    oracle    the tokens the K = 0 run produced next: all accepted while the two runs'
-              outputs agree (bf16 verify steps round differently from decode steps)
-    refused   those tokens plus one: every draft refused, the price of verifying
+    echo      the engine's n-gram lookup, on a model made to repeat its last prompt
+              token (its embeddings scaled up, so that they outweigh every layer's
+              output, and the LM head set to them): every draft accepted, the best case
+    refused   the tokens the K = 0 run produced next, plus one: every draft refused,
+              the price of verifying
 
 Reported per run: ms per output token over the decode phase, drafts proposed and
 accepted, tokens a row gains per step, and the median step time by the drafts its
@@ -65,20 +67,25 @@ def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> d
         **(spec if k else {}),
     )
     engine = llm.engine
+    if drafts == "echo":  # same shapes, same kernels: only the values change
+        model = engine.model
+        embed = (model.embed_tokens if hasattr(model, "embed_tokens") else model.wte).weight
+        with torch.no_grad():
+            embed.mul_(1000.0)
+            model.lm_head.weight[: len(embed)].copy_(embed)
     requests = prompts(args.num_requests, args.input_len, min(len(llm.tokenizer), 10000))
     warm = SamplingParams(max_tokens=16, ignore_eos=True, temperature=args.temperature)
     if k:  # warm the verify steps up too: drafts of whatever came last
         engine.speculator.draft = lambda slot, tokens, n: tokens[-1:].repeat(n)
     llm.generate(requests, warm, use_tqdm=False)
-    if k and drafts != "lookup":
+    if k and drafts == "refused":
         outputs = json.loads(reference.read_text())
-        shift = 1 if drafts == "refused" else 0
         vocab = engine.vocab_size
 
         def scripted(slot: int, tokens: np.ndarray, n: int) -> np.ndarray:
             req = engine.batch.requests[slot]
             done = len(tokens) - len(req.prompt_token_ids)
-            return (np.array(outputs[req.request_id][done : done + n]) + shift) % vocab
+            return (np.array(outputs[req.request_id][done : done + n]) + 1) % vocab
 
         engine.speculator.draft = scripted
     elif k:
@@ -112,7 +119,7 @@ def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> d
         decode_s += seconds
         decode_steps += 1
     del engine.scheduler.schedule
-    if not k:  # what the oracle and refused runs draft
+    if drafts == "plain":  # what the refused runs draft
         reference.write_text(json.dumps({o.request_id: o.new_token_ids for o in finished}))
     tokens = sum(o.num_output_tokens for o in finished)
     assert tokens == args.num_requests * args.output_len
@@ -121,7 +128,7 @@ def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> d
     decode_tokens = tokens - args.num_requests
     return {
         "k": k,
-        "drafts": drafts if k else None,
+        "drafts": drafts,
         "ms_per_token": 1e3 * decode_s / (decode_tokens / args.num_requests),
         "decode_steps": decode_steps,
         "tokens_per_row_per_step": decode_tokens / args.num_requests / decode_steps,
@@ -148,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--runs",
         nargs="+",
-        default=["0", "2:oracle", "4:oracle", "4:refused", "4:lookup"],
+        default=["0", "0:echo", "2:echo", "4:echo", "4:refused", "4:lookup"],
         metavar="K:DRAFTS",
-        help="K draft tokens (0: off) and where they come from: oracle, refused, lookup "
-        "(oracle and refused need a K = 0 run first)",
+        help="K draft tokens (0: off) and where they come from: lookup, echo, refused "
+        "(refused needs a plain K = 0 run first); 0:echo is the echo model without them",
     )
     p.add_argument("--lookup-max", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -161,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.one is not None:
         k, _, drafts = args.one.partition(":")
-        print(json.dumps(run_one(args, int(k), drafts or "lookup", args.reference)))
+        drafts = drafts or ("lookup" if int(k) else "plain")
+        print(json.dumps(run_one(args, int(k), drafts, args.reference)))
         return 0
     argv = list(argv if argv is not None else sys.argv[1:])
     runs = []
@@ -174,9 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"run {run} failed:\n{done.stderr[-4000:]}")
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(runs[-1]), flush=True)
-    base = next((r["ms_per_token"] for r in runs if r["k"] == 0), None)
+    # Against decoding without speculation, on the same model (the echo model's own).
+    base = {r["drafts"] == "echo": r["ms_per_token"] for r in runs if r["k"] == 0}
     for run in runs:
-        run["speedup"] = base / run["ms_per_token"] if base else None
+        plain = base.get(run["drafts"] == "echo")
+        run["speedup"] = plain / run["ms_per_token"] if plain else None
     result = {
         "benchmark": "speculative",
         "command": "python -m benchmarks.speculative " + " ".join(argv),

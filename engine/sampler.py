@@ -218,28 +218,29 @@ class Sampler:
         slots: np.ndarray,
         drafts: np.ndarray,
         argmax: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Speculative decoding's rows (engine/speculative.py): each row's own token, and
-        whether the draft it checks stands. Returns (ids [R], accepted [R] bool).
+        whether the draft it checks stands. Returns (ids [R], accepted [R] bool), both on
+        the device; accepted is None when every row is greedy: a greedy row accepts its
+        draft if it is the argmax, which the caller sees from the ids.
 
         logits: [R, vocab] one row per position; slots: [R] each row's slot; drafts: [R]
-        the draft token each row checks (-1: none). A greedy row accepts its draft if it
-        is the argmax. A random row accepts it with probability p(draft) and otherwise
-        samples from p without it: rejection sampling with a proposal certain of its
-        draft, so that each position's token is distributed as p (Leviathan et al.)."""
-        device = self.device
-        drafts_t = torch.from_numpy(drafts).to(device)
-        checks = drafts_t >= 0
-        draft_ids = drafts_t.clamp(min=0)
+        the draft token each row checks (-1: none). A random row accepts its draft with
+        probability p(draft) and otherwise samples from p without it: rejection sampling
+        with a proposal certain of its draft, so that each position's token is
+        distributed as p (Leviathan et al.)."""
         if np.count_nonzero(self.batch.argmax_only[slots]) == len(slots):
-            ids = logits.argmax(-1) if argmax is None else argmax
-            return ids, checks & (ids == draft_ids)
+            return (logits.argmax(-1) if argmax is None else argmax), None
         requests = self._requests(slots)
         x = self.process_logits(logits, requests)  # [R, V] fp32
         greedy_ids = x.argmax(-1)
         is_greedy = np.array([req.params.greedy for req in requests])
         if is_greedy.all():
-            return greedy_ids, checks & (greedy_ids == draft_ids)
+            return greedy_ids, None
+        device = self.device
+        drafts_t = torch.from_numpy(drafts).to(device)
+        checks = drafts_t >= 0
+        draft_ids = drafts_t.clamp(min=0)
         probs = self._probabilities(x, requests, slots)  # [R, V]
         # min-p leaves probs unnormalized: the race minds not, the acceptance does.
         p_draft = probs.gather(1, draft_ids[:, None]).squeeze(1) / probs.sum(-1)  # [R]

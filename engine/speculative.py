@@ -105,7 +105,7 @@ class NgramSpeculator:
         self, logits: torch.Tensor, out: SchedulerOutput, argmax: torch.Tensor | None
     ) -> Verified:
         """Check a step's drafts against its logits ([out.num_logits, vocab]: per sampling
-        sequence, a row for each draft, then its last): one copy to the host."""
+        sequence, a row for each draft, then its last)."""
         batch = self.batch
         sampling = out.sampling_slots
         drafts = out.num_drafts[out.samples]  # [B]
@@ -118,19 +118,21 @@ class NgramSpeculator:
         at = batch.row_start[row_slots] + np.repeat(batch.num_tokens[sampling], rows) + offset
         row_drafts = np.where(offset < np.repeat(drafts, rows), batch.token_flat[at], -1)
         ids, accepted = self.sampler.verify(logits, row_slots, row_drafts, argmax)
+        # One copy to the host; the rest is a few small arrays.
+        if accepted is None:  # all greedy: a draft stands if it is the argmax
+            ids_np = ids.cpu().numpy()
+            accepted_np = ids_np == row_drafts
+        else:
+            both = torch.stack([ids, accepted.long()]).cpu().numpy()
+            ids_np, accepted_np = both[0], both[1].astype(bool)
         width = int(drafts.max())
-        # [B, 1 + width]: row j of each sequence, its last row past its drafts.
+        # [B, 1 + width]: row j of each sequence, its last row past its drafts (it
+        # checks none, so a count of accepted drafts stops there).
         grid = first[:, None] + np.minimum(np.arange(width + 1), drafts[:, None])
-        grid_t = torch.from_numpy(grid).to(ids.device)
-        # A sequence's accepted drafts: those before its first refusal (its last row
-        # checks none, so the count stops there).
-        num_accepted = accepted[grid_t[:, :width]].int().cumprod(1).sum(1)  # [B]
-        final = ids[grid_t.gather(1, num_accepted[:, None].long()).squeeze(1)]  # [B]
-        host = torch.stack([num_accepted.long(), final]).cpu().numpy()
-        num_accepted_np, final_np = host[0], host[1]
-        column = np.arange(width + 1)
-        token_ids = np.where(column < num_accepted_np[:, None], row_drafts[grid], -1)
-        token_ids[np.arange(len(sampling)), num_accepted_np] = final_np
+        num_accepted = np.cumprod(accepted_np[grid[:, :width]], axis=1).sum(1)  # [B]
+        final = ids_np[grid[np.arange(len(sampling)), num_accepted]]
+        token_ids = np.where(np.arange(width + 1) < num_accepted[:, None], row_drafts[grid], -1)
+        token_ids[np.arange(len(sampling)), num_accepted] = final
         self.num_draft_tokens += int(drafts.sum())
-        self.num_accepted_tokens += int(num_accepted_np.sum())
-        return Verified(num_accepted_np, token_ids, first)
+        self.num_accepted_tokens += int(num_accepted.sum())
+        return Verified(num_accepted, token_ids, first)

@@ -169,7 +169,14 @@ def test_a_greedy_row_accepts_exactly_its_argmax(sampler):
     slots = sampler.slots([req]).repeat(4)
     ids, accepted = sampler.sampler.verify(logits, slots, drafts)
     assert ids.tolist() == best.tolist()
-    assert accepted.tolist() == [True, False, True, False]
+    assert accepted is None  # the caller compares: a greedy row's draft stands if it is its id
+    # Beside a random row, the device compares.
+    rand = Request("r", [1], SamplingParams(temperature=1.0))
+    slots = np.concatenate([slots, sampler.slots([rand])])
+    logits = torch.cat([logits, torch.randn(1, VOCAB)])
+    ids, accepted = sampler.sampler.verify(logits, slots, np.append(drafts, -1))
+    assert ids[:4].tolist() == best.tolist()
+    assert accepted.tolist() == [True, False, True, False, False]
 
 
 @pytest.mark.parametrize(
