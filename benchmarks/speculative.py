@@ -64,6 +64,7 @@ def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> d
         dtype=dtype,
         enable_prefix_caching=False,
         max_model_len=args.input_len + args.output_len + 16,
+        max_num_seqs=args.max_num_seqs,
         **(spec if k else {}),
     )
     engine = llm.engine
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         help="K draft tokens (0: off) and where they come from: lookup, echo, refused "
         "(refused needs a plain K = 0 run first); 0:echo is the echo model without them",
     )
+    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--lookup-max", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's K:DRAFTS
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "temperature": args.temperature,
+        "max_num_seqs": args.max_num_seqs,
         "prompt_lookup": [1, args.lookup_max],
         "runs": runs,
     }
