@@ -8,6 +8,11 @@ with every row's argmax in the device buffer the next step's inputs are
 gathered from, copied to the host: an all-greedy batch (the common case) then
 launches nothing after the replay.
 
+Speculative verify steps (a sequence's last sampled token and its drafts, every
+token a logits row) replay a graph per token bucket in which each token attends as a
+decode row of its own (AttentionMetadata.per_token), for as many tokens as the
+decode buckets have sequences; their logits land in one buffer all of them share.
+
 Steps with prefill tokens replay a whole-forward graph too, captured per token
 bucket up to 2048 tokens for max_num_seqs sequences: the prefill attention's
 grid depends on those two counts only (kernels.prefill_attention), so padded
@@ -29,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, StepHeader
+from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, VERIFY_GRAPH, StepHeader
 from kernels.argmax import greedy_ids
 
 if TYPE_CHECKING:
@@ -66,12 +71,20 @@ class CudaGraphs:
             ]
         if config.use_cuda_graphs and config.prefill_graphs:
             _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
+        # By token bucket: the verify graphs, and the logits rows they all write.
+        self.verify: dict[int, torch.cuda.CUDAGraph] = {}
+        self.verify_logits: torch.Tensor | None = None
+        if config.use_cuda_graphs and config.num_speculative_tokens:
+            sizes = config.cuda_graph_batch_sizes()
+            _timed("verify", "token counts", sizes, self._capture_verify)
+            runner.max_per_token_rows = sizes[-1]
 
     def release(self) -> None:
         """Drop every graph, before the process group goes: NCCL's communicator teardown
         waits until no captured graph holds its collectives (ncclCommDestroy would hang)."""
         self.decode.clear()
         self.prefill.clear()
+        self.verify.clear()
 
     def replay_decode(self, num_seqs: int) -> torch.Tensor:
         """Logits [num_seqs, vocab]; the runner's argmax is set, already on the host."""
@@ -106,6 +119,21 @@ class CudaGraphs:
         runner.steps_by_path["prefill graph"] += 1
         runner.argmax = runner.sampled.device_rows[num_sampling]
         return logits[:num_sampling]
+
+    def replay_verify(self, num_tokens: int) -> torch.Tensor:
+        """Logits [num_tokens, vocab] of a verify step (a row per token); argmax set."""
+        runner = self.runner
+        bucket = self.decode_bucket[num_tokens]
+        if bucket > num_tokens:
+            self.pad_decode(num_tokens, bucket)
+        runner.stage_table_changes(runner.table_capacity)
+        runner.copy_staged()
+        if runner.channel is not None:
+            runner.channel.publish(StepHeader(VERIFY_GRAPH, bucket=bucket))
+        self.verify[bucket].replay()
+        runner.steps_by_path["graph"] += 1
+        runner.argmax = runner.sampled.device_rows[num_tokens]
+        return self.verify_logits[:num_tokens]
 
     def pad_decode(self, start: int, end: int) -> None:
         """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
@@ -165,6 +193,33 @@ class CudaGraphs:
                     greedy_ids(logits, sampled[: len(logits)])
             self.prefill[bucket] = (graph, logits)
         self.prefill_bucket = [min(b for b in sizes if b >= n) for n in range(sizes[-1] + 1)]
+        torch.cuda.synchronize(runner.device)
+
+    @torch.inference_mode()
+    def _capture_verify(self, sizes: list[int]) -> None:
+        """One graph per token bucket, the largest first, in one memory pool; each copies
+        its logits into the shared verify_logits (a graph's own output would hold its
+        memory for good)."""
+        runner = self.runner
+        pool = torch.cuda.graph_pool_handle()
+        gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
+        sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
+        for bucket in reversed(sizes):
+            runner.buf["query_start_loc"][0] = 0
+            self.pad_decode(0, bucket)
+            inp = runner.send(bucket, bucket, 1, False, bucket, True)
+            logits = runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
+            if self.verify_logits is None:
+                self.verify_logits = torch.empty_like(logits)
+            torch.cuda.synchronize(runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, pool, self.capture_stream):
+                table.index_copy_(0, index, values)
+                rows = self.verify_logits[:bucket]
+                rows.copy_(runner.forward(inp))
+                if self.driver:
+                    greedy_ids(rows, sampled[:bucket])
+            self.verify[bucket] = graph
         torch.cuda.synchronize(runner.device)
 
     @torch.inference_mode()

@@ -170,13 +170,20 @@ class ModelRunner(StepInputs):
         pooling = pooling_rows(out, self.batch)  # a prompt's last token (maybe all that is left)
         if out.is_decode_only and self.graphs.decode and pooling is None:
             return self.graphs.replay_decode(num_seqs)  # a bucket holds any batch
+        per_token = self.per_token  # a verify step's tokens attend as sequences
+        if per_token and self.graphs.verify:
+            return self.graphs.replay_verify(num_tokens)
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
         graph = scoring is None and pooling is None
         with torch.inference_mode():
             prefill_graph = num_tokens < len(self.graphs.prefill_bucket)
-            if graph and prefill_graph and num_sampling <= self.max_num_seqs:
+            if graph and prefill_graph and not per_token and num_sampling <= self.max_num_seqs:
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
-            inp = self.send(num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling)
+            if per_token:
+                num_seqs = num_tokens
+            inp = self.send(
+                num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling, per_token
+            )
             if self.channel is not None:
                 rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
                 header = StepHeader(
@@ -186,6 +193,7 @@ class ModelRunner(StepInputs):
                     max_query_len=max_query_len,
                     is_decode=int(out.is_decode_only),
                     num_sampling=num_sampling,
+                    per_token=int(per_token),
                 )
                 self.channel.publish(header, rows)
             self.steps_by_path["eager"] += 1
@@ -212,6 +220,7 @@ class ModelRunner(StepInputs):
             inp.query_start_loc,
             inp.max_query_len,
             inp.is_decode,
+            inp.per_token,
         )
         return self.model(input_ids, inp.positions, meta)
 

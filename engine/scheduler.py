@@ -74,6 +74,9 @@ class SchedulerOutput:
         self.num_logits = self.num_sampling
         if self.num_drafts is not None:
             self.num_logits += int(self.num_drafts.sum())
+        # Every token is a decode's or a draft's, each a logits row: they attend as
+        # decode rows of their own (AttentionMetadata.per_token).
+        self.verifies_only = self.num_drafts is not None and self.num_logits == self.num_tokens
 
     def __bool__(self) -> bool:
         return self.num_seqs > 0

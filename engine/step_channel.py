@@ -22,13 +22,13 @@ from engine.distributed import GATE, TensorParallel
 from engine.staging import StagedFields
 
 # StepHeader.path
-STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER = range(4)
+STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH = range(5)
 HEADER_WORDS = 12
 
 
 @dataclass
 class StepHeader:
-    path: int  # STOP (the workers leave), DECODE_GRAPH, PREFILL_GRAPH or EAGER
+    path: int  # STOP (the workers leave), DECODE_GRAPH, PREFILL_GRAPH, EAGER or VERIFY_GRAPH
     bucket: int = 0  # a graph's batch or token bucket
     num_tokens: int = 0
     num_seqs: int = 0
@@ -38,6 +38,7 @@ class StepHeader:
     table_lo: int = 0  # block-table rows [lo, hi) follow as a broadcast
     table_hi: int = 0
     num_score_rows: int = 0  # prompt-scoring rows follow as a broadcast
+    per_token: int = 0  # an eager verify step's tokens attend as sequences of their own
 
 
 class StepChannel:

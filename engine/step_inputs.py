@@ -29,6 +29,7 @@ class ModelInput:
     logits_indices: torch.Tensor  # [num_sampling] last new token's row of each sampling sequence
     max_query_len: int
     is_decode: bool
+    per_token: bool  # every token a decode row of its own (AttentionMetadata.per_token)
     lora_ids: torch.Tensor | None  # [num_tokens] each token's LoRA adapter, -1: none
 
 
@@ -59,17 +60,19 @@ class StepInputs:
         # Input ids are gathered on the device from the host's ids and the last step's
         # sampled ids (device-only), so a decode never waits for the host to read them.
         tokens_fields = ("input_ids", "input_gather", "positions", "slot_mapping")
+        # Speculative verify steps have a logits row per token, and their tokens attend
+        # as sequences of their own.
+        rows = max_tokens if config.num_speculative_tokens else seqs
         self.lora = bool(config.lora_modules)
         if self.lora:
             tokens_fields += ("lora_ids",)
         self.staged = StagedFields(
             {
                 **dict.fromkeys(tokens_fields, (max_tokens, i64)),
-                "slot_indices": (seqs, i64),
-                # A row per sampling sequence, and per draft token one verifies.
-                "logits_indices": (max_tokens if config.num_speculative_tokens else seqs, i64),
-                "seq_lens": (seqs, i32),
-                "query_start_loc": (seqs + 1, i32),
+                "slot_indices": (rows, i64),
+                "logits_indices": (rows, i64),
+                "seq_lens": (rows, i32),
+                "query_start_loc": (rows + 1, i32),
                 # Block-table entries a graph writes (BlockTable.take_changes).
                 "table_index": (self.table_capacity, i64),
                 "table_value": (self.table_capacity, i32),
@@ -103,6 +106,10 @@ class StepInputs:
         # The InputBatch layout whose decode (all its rows, in order) last set
         # sampled_at: row i of the batch at sampled row i. None: another step.
         self.sampled_layout: int | None = None
+        # Verify steps up to this many tokens attend per token (AttentionMetadata.per_token;
+        # the CUDA graphs lower it to their largest verify bucket), and whether this one does.
+        self.max_per_token_rows = max_tokens
+        self.per_token = False
 
     def fill(self, out: SchedulerOutput) -> int:
         """Write the step's metadata into the pinned buffers; returns max_query_len.
@@ -160,6 +167,12 @@ class StepInputs:
                 np.add(first, arange[: out.num_logits], out=buf["logits_indices"][: out.num_logits])
             max_query_len = int(num_new.max())
         buf["seq_lens"][:n] = out.seq_lens
+        self.per_token = out.verifies_only and num_tokens <= self.max_per_token_rows
+        if self.per_token:  # each token a sequence: its context ends at itself
+            buf["slot_indices"][:num_tokens] = token_slots
+            buf["seq_lens"][:num_tokens] = positions + 1
+            qsl[: num_tokens + 1] = arange[: num_tokens + 1]
+            max_query_len = 1
         # slot = block * block_size + offset, read off the block table's host mirror.
         entries = positions >> table.block_shift
         entries += table.row_start[token_slots]
@@ -204,6 +217,7 @@ class StepInputs:
         max_query_len: int,
         is_decode: bool,
         num_sampling: int | None = None,  # None: every sequence samples
+        per_token: bool = False,  # num_seqs is then num_tokens
     ) -> ModelInput:
         gpu = self.staged.gpu
         return ModelInput(
@@ -218,6 +232,7 @@ class StepInputs:
             ],
             max_query_len=max_query_len,
             is_decode=is_decode,
+            per_token=per_token,
             lora_ids=gpu["lora_ids"][:num_tokens] if self.lora else None,
         )
 

@@ -25,7 +25,14 @@ import torch
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.prompt_logprobs import SCORE_ROWS
-from engine.step_channel import DECODE_GRAPH, EAGER, PREFILL_GRAPH, STOP, StepHeader
+from engine.step_channel import (
+    DECODE_GRAPH,
+    EAGER,
+    PREFILL_GRAPH,
+    STOP,
+    VERIFY_GRAPH,
+    StepHeader,
+)
 from engine.tp_group import Workers, init_method, join
 
 logger = logging.getLogger("pagoda.engine")
@@ -76,6 +83,8 @@ def replay(runner: ModelRunner, header: StepHeader, score_rows: torch.Tensor | N
         graphs.decode[header.bucket][0].replay()  # a worker's graphs differ only in copies out
     elif header.path == PREFILL_GRAPH:
         graphs.prefill[header.bucket][0].replay()
+    elif header.path == VERIFY_GRAPH:
+        graphs.verify[header.bucket].replay()
     elif header.path == EAGER:
         inp = runner.inputs(
             header.num_tokens,
@@ -83,6 +92,7 @@ def replay(runner: ModelRunner, header: StepHeader, score_rows: torch.Tensor | N
             header.max_query_len,
             bool(header.is_decode),
             header.num_sampling,
+            bool(header.per_token),
         )
         if score_rows is None:
             runner.forward(inp)

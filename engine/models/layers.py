@@ -33,6 +33,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     is_decode: bool  # every sequence has exactly one new token
+    # Every token attends as a decode row of its own: block_table and seq_lens are per
+    # token (its sequence's row; its position + 1). A speculative verify step's tokens
+    # are a sequence's last sampled one and its drafts (engine/speculative.py).
+    per_token: bool = False
 
 
 @dataclass
@@ -108,6 +112,19 @@ class PagedAttention(nn.Module):
                 slot_mapping=meta.slot_mapping,
                 sliding_window=self.sliding_window,
                 rope=rope,
+                softcap=self.softcap,
+                sinks=sinks,
+            )
+        elif meta.per_token:  # every row's context is in the cache once stored
+            self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = self.ops.decode(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_table,
+                meta.seq_lens,
+                self.scale,
+                sliding_window=self.sliding_window,
                 softcap=self.softcap,
                 sinks=sinks,
             )

@@ -216,3 +216,16 @@ def test_two_ranks_verify_drafts_alike(tiny_llama_dir):
         assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral"])
+def test_verify_rows_keep_windows_sinks_and_softcaps(tiny_family_dir, kind):
+    """A verify step's tokens attend as decode rows of their own: each with its own
+    sliding window (and GPT-OSS's sinks, Gemma 2's soft-cap)."""
+    model_dir = tiny_family_dir(kind)
+    tokenizer = load_tokenizer(model_dir)
+    want = [hf_greedy(model_dir, tokenizer.encode(p), 48) for p in PROMPTS]
+    llm = LLM(model_dir, device="cpu", **SPEC)
+    outs = llm.generate(PROMPTS, greedy(48), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
