@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     # Against decoding without speculation, on the same model (the echo model's own).
     base = {r["drafts"] == "echo": r["ms_per_token"] for r in runs if r["k"] == 0}
     for run in runs:
-        plain = base.get(run["drafts"] == "echo")
+        plain = base.get(run["drafts"] == "echo", base.get(False))  # speed is the values
         run["speedup"] = plain / run["ms_per_token"] if plain else None
     result = {
         "benchmark": "speculative",
