@@ -1,0 +1,35 @@
+"""A server with speculative decoding: streamed and whole answers equal the plain
+server's under greedy decoding, and /metrics counts drafts (vLLM's spec_decode names)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+BODY = {"prompt": "The cat sat on the mat. The cat sat", "max_tokens": 64, "temperature": 0.0}
+
+
+def streamed_text(base_url: str) -> str:
+    text = ""
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=BODY | {"stream": True}, timeout=60
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_speculating_server_answers_as_the_plain_one(start_server, live):
+    spec = start_server(engine=SPEC)
+    want = httpx.post(f"{live.base_url}/v1/completions", json=BODY, timeout=60).json()
+    got = httpx.post(f"{spec.base_url}/v1/completions", json=BODY, timeout=60).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["usage"] == want["usage"]
+    assert streamed_text(spec.base_url) == want["choices"][0]["text"]
+    drafted = spec.metric("pagoda:spec_decode_num_draft_tokens_total")
+    accepted = spec.metric("pagoda:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert live.metric("pagoda:spec_decode_num_draft_tokens_total") == 0
