@@ -82,6 +82,12 @@ class SchedulerOutput:
         return self.num_seqs > 0
 
 
+def _bars_drafts(req: Request) -> bool:
+    """Its steps sample as no speculative step does: under a grammar's mask, scoring its
+    prompt, or taking its embedding (engine/speculative.py)."""
+    return req.structured is not None or req.scores_prompt or req.params.pooling
+
+
 class Scheduler:
     def __init__(
         self,
@@ -131,6 +137,11 @@ class Scheduler:
                 counts = np.concatenate([counts, new_counts], axis=1)
                 num_new = np.concatenate([num_new, new_num])
                 ends = counts[COMPUTED] + num_new
+                if self.batch.num_draft_tokens and any(map(_bars_drafts, admitted)):
+                    # Its first token needs the step's ordinary sampling: no drafts.
+                    num_new -= np.maximum(ends - counts[TOKENS], 0)
+                    ends = counts[COMPUTED] + num_new
+                    self.batch.num_draft_tokens = 0
                 num_scheduled = int(num_new.sum())
                 whole = False
         self.batch.scheduled(slots, ends, num_scheduled)

@@ -229,3 +229,60 @@ def test_verify_rows_keep_windows_sinks_and_softcaps(tiny_family_dir, kind):
     outs = llm.generate(PROMPTS, greedy(48), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_arrivals_that_sample_plainly_stop_the_drafts_of_their_step(tiny_llama_dir):
+    """An embedding, a prompt-logprobs and a grammar request admitted while the others
+    draft: their step drafts nothing, and each gets what it gets without speculation."""
+    from engine.structured.spec import GrammarSpec
+
+    arrivals = {
+        "emb": SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False),
+        "scored": greedy(8, prompt_logprobs=2),
+        "choice": SamplingParams(max_tokens=8, grammar=GrammarSpec.choice(["red", "blue"])),
+    }
+
+    def run(**config) -> tuple[dict, LLM]:
+        llm = LLM(tiny_llama_dir, device="cpu", **config)
+        engine, outputs = llm.engine, {}
+
+        def step() -> None:
+            for out in engine.step():
+                if out.request_id in outputs:  # its deltas, summed into its first output
+                    outputs[out.request_id].new_token_ids += out.new_token_ids
+                    outputs[out.request_id].new_text += out.new_text
+                    outputs[out.request_id].embedding = out.embedding
+                else:
+                    outputs[out.request_id] = out
+
+        proposed: list[int] = []
+        if engine.speculator:  # drafts every step: the last token again, K times
+            engine.speculator.draft = lambda slot, tokens, k: tokens[-1:].repeat(k)
+            propose = engine.speculator.propose
+            engine.speculator.propose = lambda: (
+                propose(),
+                proposed.append(engine.batch.num_draft_tokens),
+            )
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"gen{i}", llm.tokenizer.encode(prompt), greedy(48))
+        for _ in range(3):
+            step()
+        for name, params in arrivals.items():
+            engine.add_request(name, llm.tokenizer.encode(PROMPTS[4]), params)
+        step()
+        if engine.speculator:  # proposed, then dropped when the arrivals were admitted
+            assert proposed[-1] and not engine.batch.num_draft_tokens
+        while engine.has_unfinished_requests():
+            step()
+        return outputs, llm
+
+    want, _ = run()
+    got, llm = run(**SPEC)
+    assert llm.engine.get_stats().spec_decode_num_draft_tokens > 0
+    np.testing.assert_allclose(got["emb"].embedding, want["emb"].embedding, atol=1e-5)
+    assert [e and e.logprob for e in got["scored"].prompt_logprobs] == pytest.approx(
+        [e and e.logprob for e in want["scored"].prompt_logprobs], abs=1e-5
+    )
+    assert got["choice"].new_text in ("red", "blue")
+    for name in ("gen0", "gen1", "gen2", "scored"):
+        assert got[name].new_token_ids == want[name].new_token_ids
