@@ -123,8 +123,9 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
-        # Speculative decoding may draft its next tokens (engine/speculative.py): its
-        # distribution at a position depends on nothing the drafts before it change.
+        # Speculative decoding may draft its next tokens (engine/speculative.py): it
+        # samples by temperature, top-k/p and min-p alone, which Sampler.verify applies
+        # to every draft's row, and asks for nothing read per sampled token.
         self.speculates = (
             not self.has_penalties
             and not self.logit_bias

@@ -14,10 +14,11 @@ drafts lies past the request's computed tokens, where later steps rewrite it.
 
 A draft continues the last sampled id, so speculation reads every step's ids
 before planning the next (EngineConfig turns asynchronous scheduling off).
-Requests whose next-token distribution depends on more than the tokens before it
-(penalties, logit_bias, min_tokens, seeds, grammars) or that ask for what is
-computed per sampled token (logprobs) do not draft (SamplingParams.speculates);
-a step with grammar rows, prompt scoring or embeddings drafts nothing.
+Requests with penalties or min_tokens (which count the tokens sampled before each
+position), logit_bias, a seed, a grammar or logprobs do not draft
+(SamplingParams.speculates): they sample one token a step beside those that do. A step
+with grammar rows, prompt scoring or embeddings drafts nothing (nor one that admits
+such a request: engine/scheduler.py).
 """
 
 from __future__ import annotations

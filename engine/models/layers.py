@@ -97,9 +97,12 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if meta.is_decode:
-            # The decode kernel rotates q and k and stores the new K/V itself: two
-            # launches per layer fewer.
+        if not meta.is_decode:  # stored before anything reads them
+            self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode or meta.per_token:
+            # A decode step's kernel rotates q and k and stores the new K/V itself: two
+            # launches per layer fewer. Per token, every row's context is stored already.
+            new = dict(new_k=k, new_v=v, slot_mapping=meta.slot_mapping) if meta.is_decode else {}
             out = self.ops.decode(
                 q,
                 self.k_cache,
@@ -107,29 +110,13 @@ class PagedAttention(nn.Module):
                 meta.block_table,
                 meta.seq_lens,
                 self.scale,
-                new_k=k,
-                new_v=v,
-                slot_mapping=meta.slot_mapping,
                 sliding_window=self.sliding_window,
                 rope=rope,
                 softcap=self.softcap,
                 sinks=sinks,
-            )
-        elif meta.per_token:  # every row's context is in the cache once stored
-            self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = self.ops.decode(
-                q,
-                self.k_cache,
-                self.v_cache,
-                meta.block_table,
-                meta.seq_lens,
-                self.scale,
-                sliding_window=self.sliding_window,
-                softcap=self.softcap,
-                sinks=sinks,
+                **new,
             )
         else:
-            self.ops.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = self.ops.prefill(
                 q,
                 self.k_cache,

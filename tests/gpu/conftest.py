@@ -13,6 +13,17 @@ GPU = [
 ]
 
 
+class CountedGraph:
+    """A captured graph whose replays append its bucket to `replays`."""
+
+    def __init__(self, bucket: int, graph: torch.cuda.CUDAGraph, replays: list[int]) -> None:
+        self.bucket, self.graph, self.replays = bucket, graph, replays
+
+    def replay(self) -> None:
+        self.replays.append(self.bucket)
+        self.graph.replay()
+
+
 def generate(model_dir: str, prompts: list[str], max_new: int, **config) -> list[list[int]]:
     """Token ids of `max_new` greedy tokens per prompt (EOS ignored), fp32 on CUDA."""
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16, **config)

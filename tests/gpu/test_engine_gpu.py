@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.scheduler import SchedulerOutput
 from tests.conftest import PROMPTS, hf_greedy
-from tests.gpu.conftest import GPU, generate
+from tests.gpu.conftest import GPU, CountedGraph, generate
 
 pytestmark = GPU
 
@@ -49,18 +49,9 @@ def test_prefill_graphs_are_replayed_for_steps_with_prefill(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cuda", max_num_seqs=8, max_num_batched_tokens=40)
     runner = llm.engine.runner
     assert sorted(runner.graphs.prefill) == [16, 32, 40]
-    replays = []
-
-    class Counted:
-        def __init__(self, bucket, graph):
-            self.bucket, self.graph = bucket, graph
-
-        def replay(self):
-            replays.append(self.bucket)
-            self.graph.replay()
-
+    replays: list[int] = []
     for bucket, (graph, logits) in list(runner.graphs.prefill.items()):
-        runner.graphs.prefill[bucket] = (Counted(bucket, graph), logits)
+        runner.graphs.prefill[bucket] = (CountedGraph(bucket, graph, replays), logits)
     llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert replays == [32]  # the three prompts' 31 tokens in one step; then decodes
     assert runner.steps_by_path["prefill graph"] == 1

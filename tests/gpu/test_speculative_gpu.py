@@ -8,7 +8,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from tests.conftest import PROMPTS, hf_greedy
-from tests.gpu.conftest import GPU, generate
+from tests.gpu.conftest import GPU, CountedGraph, generate
 
 pytestmark = GPU
 
@@ -30,16 +30,7 @@ def test_verify_steps_replay_their_graphs_and_sample(tiny_llama_dir):
     graphs = llm.engine.runner.graphs
     assert sorted(graphs.verify) == [1, 2, 4, 8]
     replays: list[int] = []
-
-    class Counted:
-        def __init__(self, bucket, graph):
-            self.bucket, self.graph = bucket, graph
-
-        def replay(self):
-            replays.append(self.bucket)
-            self.graph.replay()
-
-    graphs.verify = {b: Counted(b, g) for b, g in graphs.verify.items()}
+    graphs.verify = {b: CountedGraph(b, g, replays) for b, g in graphs.verify.items()}
     params = [
         SamplingParams(max_tokens=MAX_NEW, temperature=t, top_p=0.9, ignore_eos=True)
         for t in (0.0, 0.8)
