@@ -26,7 +26,7 @@ class DecodeConfig:
 
 
 @functools.lru_cache
-def _num_sms(device: torch.device) -> int:
+def num_sms_of(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # Triton interpreter
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -45,7 +45,7 @@ def decode_config(
     """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
     # A grid of half a program per SM already streams K/V fast enough that a split's
     # reduce costs more than it gains; a smaller one splits until it holds ~4 per SM.
-    programs, num_sms = num_seqs * num_kv_heads, _num_sms(device)
+    programs, num_sms = num_seqs * num_kv_heads, num_sms_of(device)
     unsplit = 2 * programs >= num_sms
     # Longer tiles keep more bytes in flight: for small heads shared by a group of
     # queries, and for one-byte (FP8) K/V when each program streams a whole sequence.
@@ -112,7 +112,8 @@ def _decode_reduce_kernel(
     lse_max = tl.max(lse, 0)
     weights = tl.exp2(lse - tl.where(lse_max > float("-inf"), lse_max, 0.0))
     part_offs = seq * stride_ss + head * stride_sh + splits[:, None] * stride_sp + dims[None, :]
-    part_mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    # An empty split may have left its partial unwritten: never read it.
+    part_mask = (split_mask & (lse > float("-inf")))[:, None] & (dims[None, :] < HEAD_DIM)
     parts = tl.load(
         split_out_ptr + part_offs, mask=part_mask, other=0.0
     )  # [SPLITS_P2, HEAD_DIM_P2]

@@ -24,10 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_store import from_cache
 from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
 from kernels.score_mods import sink_start, soft_cap, soft_cap_ref, softmax_with_sinks
+
+MAX_SPLITS = 16  # a split's partials cost num_tokens x num_heads x head_dim floats
 
 
 def paged_prefill_attention_ref(
@@ -158,10 +161,13 @@ def _prefill_kernel(
     seq_lens_ptr,
     sinks_ptr,
     out_ptr,
+    split_out_ptr,
+    split_lse_ptr,
     qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
     out_scale,  # v_scale for an FP8 cache, else 1
     window,  # a query sees keys at most `window - 1` positions behind it
     softcap,  # SOFT_CAP: the soft-cap in the scores' log2 units (softcap * LOG2E)
+    num_splits,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -170,97 +176,150 @@ def _prefill_kernel(
     stride_bts,
     stride_ot,
     stride_oh,
+    stride_st,
+    stride_sh,
+    stride_sp,
+    stride_lt,
+    stride_lh,
     num_seqs,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows: BLOCK_Q queries x the GROUP heads of one kv head
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
+    IS_SPLIT: tl.constexpr,  # partials per split into split_out/split_lse
     KV_FP8: tl.constexpr,  # the cache is e4m3
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
     SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
 ):
-    # One program per (query tile of the batch, query head), the last tiles first (under
-    # causality they see the most keys). The tile's sequence is the last s whose first
-    # tile, query_start_loc[s] // BLOCK_M + s, is not past it; tiles past a sequence's
-    # queries (and every tile of an empty sequence) exit at once.
+    # One program per (query tile of the batch, kv head, key split), the last tiles first
+    # (under causality they see the most keys). A tile's rows are BLOCK_Q queries times
+    # the query heads that share the kv head, so each K/V tile loaded serves all of them.
+    # The tile's sequence is the last s whose first tile, query_start_loc[s] // BLOCK_Q
+    # + s, is not past it; tiles past a sequence's queries (and every tile of an empty
+    # sequence) exit at once.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= tile:
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
             lo = mid + 1
         else:
             hi = mid
     seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq)
-    q_tile = tile - (q_start // BLOCK_M + seq)
+    q_tile = tile - (q_start // BLOCK_Q + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_M >= query_len:
+    if q_tile * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < query_len
-    first_pos = seq_len - query_len + q_tile * BLOCK_M  # the tile's first query position
-    q_pos = first_pos + tl.arange(0, BLOCK_M)  # absolute positions of its queries
+    r = tl.arange(0, BLOCK_M)
+    rows = q_tile * BLOCK_Q + r // GROUP  # each row's query within the sequence's
+    heads = kv_head * GROUP + r % GROUP
+    row_mask = (r < BLOCK_Q * GROUP) & (rows < query_len)
+    first_pos = seq_len - query_len + q_tile * BLOCK_Q  # the tile's first query position
+    q_pos = seq_len - query_len + rows  # absolute positions of its rows' queries
     dims = tl.arange(0, HEAD_DIM_P2)
     dim_mask = dims < HEAD_DIM
     q_mask = row_mask[:, None] & dim_mask[None, :]
-    q_offs = (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q_offs = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
 
+    # Causality bounds the keys by the tile's last query position, the window by its first.
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    kv_lo = tl.maximum(first_pos - window + 1, 0)
+    keys_from = (kv_lo // BLOCK_N) * BLOCK_N
+    # This split's keys: an equal share of whole BLOCK_N tiles (the sink counts once).
+    seg_start = keys_from
+    seg_end = kv_end
+    if IS_SPLIT:
+        share = tl.cdiv(tl.cdiv(kv_end - keys_from, num_splits), BLOCK_N) * BLOCK_N
+        seg_start = keys_from + split * share
+        seg_end = tl.minimum(seg_start + share, kv_end)
     m_i, l_i = sink_start(  # running max (log2 units) and denominator
-        sinks_ptr, tl.full([BLOCK_M], head, tl.int32), row_mask, True, SINKS, BLOCK_M
+        sinks_ptr, heads, row_mask, split == 0, SINKS, BLOCK_M
     )
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
-    head_offs = (head // GROUP) * stride_ch + dims[None, :]
+    head_offs = kv_head * stride_ch + dims[None, :]
     block_row_ptr = block_table_ptr + seq * stride_bts
-    # Causality bounds the keys by the tile's last query position, the window by its first.
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
-    kv_lo = tl.maximum(first_pos - window + 1, 0)
-    masked_from = (kv_lo // BLOCK_N) * BLOCK_N
+    masked_from = seg_start
     if not WINDOWED:  # keys up to the first query's position: visible to every query
-        masked_from = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        masked_from = tl.maximum(((first_pos + 1) // BLOCK_N) * BLOCK_N, seg_start)
         acc, l_i, m_i = _attend(
             q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
-            q_pos, kv_lo, kv_end, 0, masked_from, stride_cb, stride_co, qk_scale, window,
-            softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, False, KV_FP8, SOFT_CAP,
-            DOT_PRECISION,
+            q_pos, kv_lo, kv_end, seg_start, tl.minimum(masked_from, seg_end), stride_cb,
+            stride_co, qk_scale, window, softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N,
+            False, KV_FP8, SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
     acc, l_i, m_i = _attend(
         q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
-        q_pos, kv_lo, kv_end, masked_from, kv_end, stride_cb, stride_co, qk_scale, window,
+        q_pos, kv_lo, kv_end, masked_from, seg_end, stride_cb, stride_co, qk_scale, window,
         softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, SOFT_CAP,
         DOT_PRECISION,
     )  # fmt: skip
 
-    out_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
-    result = acc / l_i[:, None]
-    if KV_FP8:
-        result = result * out_scale
-    tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tokens = q_start + rows
+    if IS_SPLIT:  # a split may see no key of a row: its lse is -inf, its weight 0
+        seen = l_i > 0
+        result = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        lse_offs = tokens * stride_lt + heads * stride_lh + split
+        tl.store(split_lse_ptr + lse_offs, lse, mask=row_mask)
+        part_offs = tokens[:, None] * stride_st + heads[:, None] * stride_sh + dims[None, :]
+        part_mask = q_mask & seen[:, None]
+        tl.store(split_out_ptr + part_offs + split * stride_sp, result * out_scale, mask=part_mask)
+    else:
+        result = acc / l_i[:, None]
+        if KV_FP8:
+            result = result * out_scale
+        out_offs = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     """Tile shape and launch of the prefill kernel (a function of shapes only)."""
 
-    block_m: int
+    block_m: int  # rows: queries x the query heads of one kv head (GQA packed)
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int = 1  # key splits per tile; > 1 merges them in a second kernel
 
 
-def prefill_config(max_query_len: int, head_dim: int) -> PrefillConfig:
-    """Default launch config; the numbers are measured (docs/kernels.md)."""
-    if max_query_len <= 32:
-        return PrefillConfig(16, 64 if head_dim <= 64 else 32)
-    return PrefillConfig(64, 64)
+def prefill_config(
+    max_query_len: int,
+    head_dim: int,
+    group: int = 1,
+    num_tokens: int = 0,
+    num_kv_heads: int = 1,
+    max_context: int = 0,
+    device: torch.device | None = None,
+) -> PrefillConfig:
+    """Default launch config; the numbers are measured (docs/kernels.md).
+
+    A step of few query tiles (speculative verifies, a short chunk after a cached
+    prefix) splits its keys as decode does, so that the grid fills the GPU however long
+    the context: the split count follows from num_tokens (the fewest tiles a step of them
+    has) and max_context, never from the step's actual lengths."""
+    rows = min(max_query_len, 64) * group
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64 if block_m > 16 or head_dim <= 64 else 32
+    block_q = max(block_m // group, 1)
+    num_splits = 1
+    if num_tokens and device is not None:
+        programs, num_sms = triton.cdiv(num_tokens, block_q) * num_kv_heads, num_sms_of(device)
+        if programs < num_sms:  # less than a wave
+            most = max(triton.cdiv(max_context, block_n), 1)
+            num_splits = max(1, min(triton.cdiv(4 * num_sms, programs), most, MAX_SPLITS))
+    return PrefillConfig(block_m, block_n, num_splits=num_splits)
 
 
 def paged_prefill_attention(
@@ -297,11 +356,19 @@ def paged_prefill_attention(
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
+    group = num_heads // num_kv_heads
     if config is None:
-        config = prefill_config(max_query_len, head_dim)
-    block_m = config.block_m
+        context = sliding_window if sliding_window > 0 else block_table.shape[1] * block_size
+        config = prefill_config(
+            max_query_len, head_dim, group, num_tokens, num_kv_heads, context, query.device
+        )
+    block_q = max(config.block_m // group, 1)
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    num_splits = config.num_splits
     head_dim_p2 = triton.next_power_of_2(head_dim)
-    grid = (num_tokens // block_m + num_seqs, num_heads)  # every sequence's tiles, and spares
+    split_out, split_lse = decode_workspace(num_tokens, num_heads, head_dim, num_splits, query.device)
+    # Every sequence's tiles, and spares; a program per kv head and split.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -311,10 +378,13 @@ def paged_prefill_attention(
         seq_lens,
         query if sinks is None else sinks,  # a placeholder without sinks (SINKS=False)
         out,
+        split_out,
+        split_lse,
         scale * LOG2E * k_scale,
         v_scale,
         sliding_window if sliding_window > 0 else NO_WINDOW,
         softcap * LOG2E,
+        num_splits,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -323,14 +393,21 @@ def paged_prefill_attention(
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
         num_seqs,
-        GROUP=num_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         WINDOWED=sliding_window > 0,
+        IS_SPLIT=num_splits > 1,
         KV_FP8=kv_fp8,
         SOFT_CAP=softcap > 0,
         SINKS=sinks is not None,
@@ -338,6 +415,8 @@ def paged_prefill_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if num_splits > 1:
+        merge_splits(split_out, split_lse, out, num_splits, pdl=False)
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_for,
     paged_prefill_attention_ref,
+    prefill_config,
 )
 from tests.kernels.test_paged_attention import score_mod
 
@@ -17,12 +20,22 @@ from tests.kernels.test_paged_attention import score_mod
 CASES = [(12, 12, 64, 16), (8, 2, 32, 32), (8, 2, 80, 16), (14, 2, 64, 32)]
 
 
+def split(num_splits: int, max_query_len: int, head_dim: int, group: int) -> dict:
+    """Launch arguments that split the keys num_splits ways (1: the default config)."""
+    if num_splits == 1:
+        return {}
+    config = prefill_config(max_query_len, head_dim, group)
+    return {"config": dataclasses.replace(config, num_splits=num_splits)}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), CASES)
 def test_prefill_matches_reference(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
+    num_splits: int,
     rng: torch.Generator,
     device: torch.device,
     paged_kv,
@@ -39,9 +52,26 @@ def test_prefill_matches_reference(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query, k_cache, v_cache, block_table, query_start_loc, lens, head_dim**-0.5)
 
-    result = paged_prefill_attention(*args, max(query_lens))
+    group = num_heads // num_kv_heads
+    launch = split(num_splits, max(query_lens), head_dim, group)
+    result = paged_prefill_attention(*args, max(query_lens), **launch)
     expected = paged_prefill_attention_ref(*args, max(query_lens))
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_splits_keys_only_for_few_tiles_over_long_contexts(monkeypatch) -> None:
+    """The split count is a function of shapes: enough programs for the GPU when a step
+    has few query tiles, none when its tiles fill it already or the keys are short."""
+    monkeypatch.setattr("kernels.prefill_attention.num_sms_of", lambda device: 132)
+    cuda = torch.device("cuda")
+    # A verify step of one sequence (1 + 4 tokens, Llama-3-8B's heads), a 4k context.
+    one = prefill_config(5, 128, 4, 5, 8, 4096, cuda)
+    assert (one.block_m, one.num_splits) == (32, 16)
+    sixteen = prefill_config(5, 128, 4, 80, 8, 4096, cuda)  # 16 of them: 10+ tiles a head
+    assert 1 < sixteen.num_splits < one.num_splits
+    assert prefill_config(2048, 128, 4, 2048, 8, 4096, cuda).num_splits == 1
+    assert prefill_config(5, 128, 4, 5, 8, 128, cuda).num_splits == 2  # two key tiles
+    assert prefill_config(5, 128, 4, 5, 8, 4096).num_splits == 1  # no device: one launch
 
 
 def test_prefill_with_padded_rows_and_sequences(
@@ -81,10 +111,11 @@ def test_prefill_for_picks_reference_off_cuda() -> None:
     assert paged_prefill_attention_for(torch.device("cpu")) is paged_prefill_attention_ref
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("kind", ["softcap", "sinks"])
 @pytest.mark.parametrize("window", [0, 24])
 def test_prefill_score_mods_match_reference(
-    kind: str, window: int, rng: torch.Generator, device: torch.device, paged_kv
+    kind: str, window: int, num_splits: int, rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:
     # Gemma 2 soft-caps, and GPT-OSS has sinks, on sliding and global layers alike.
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
@@ -98,16 +129,23 @@ def test_prefill_score_mods_match_reference(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query * query_scale, k_cache, v_cache, block_table, query_start_loc, lens, 0.5)
     args += (max(query_lens),)
-    result = paged_prefill_attention(*args, sliding_window=window, **mod)
+    launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
+    result = paged_prefill_attention(*args, sliding_window=window, **mod, **launch)
     expected = paged_prefill_attention_ref(*args, sliding_window=window, **mod)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     plain = paged_prefill_attention_ref(*args, sliding_window=window)
     assert not torch.allclose(plain, expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("window", "block_size"), [(8, 16), (24, 16), (70, 32)])
 def test_prefill_sliding_window_matches_reference(
-    window: int, block_size: int, rng: torch.Generator, device: torch.device, paged_kv
+    window: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
 ) -> None:
     num_heads, num_kv_heads, head_dim = 8, 2, 32
     # A prompt several windows long (query tiles whose first rows see no key of the
@@ -127,7 +165,8 @@ def test_prefill_sliding_window_matches_reference(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.2, max(query_lens))
 
-    result = paged_prefill_attention(*args, sliding_window=window)
+    launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
+    result = paged_prefill_attention(*args, sliding_window=window, **launch)
     expected = paged_prefill_attention_ref(*args, sliding_window=window)
     assert not expected.isnan().any()
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
