@@ -14,10 +14,11 @@ decode row of its own (AttentionMetadata.per_token), for as many tokens as the
 decode buckets have sequences; their logits land in one buffer all of them share.
 
 Steps with prefill tokens replay a whole-forward graph too, captured per token
-bucket up to 2048 tokens for max_num_seqs sequences: the prefill attention's
-grid depends on those two counts only (kernels.prefill_attention), so padded
-tokens (slot -1) and empty padded sequences make any such step fit. Larger
-steps, and everything under --enforce-eager, run eagerly.
+bucket up to 2048 tokens, for as many sequences as the bucket has tokens (or
+max_num_seqs; a step has no more): the prefill attention's grid depends on
+those two counts only (kernels.prefill_attention), so padded tokens (slot -1)
+and empty padded sequences make any such step fit. Larger steps, and everything
+under --enforce-eager, run eagerly.
 
 With tensor parallelism every rank captures the same graphs, the model's
 collectives inside; rank 0 copies and broadcasts the staging buffer before each
@@ -109,7 +110,7 @@ class CudaGraphs:
         runner = self.runner
         bucket = self.prefill_bucket[num_tokens]
         self.pad_tokens(num_tokens, bucket)
-        self.pad_seqs(num_seqs, num_tokens, num_sampling)
+        self.pad_seqs(num_seqs, num_tokens, num_sampling, min(bucket, runner.max_num_seqs))
         runner.stage_table_changes(runner.table_capacity)
         runner.copy_staged()
         if runner.channel is not None:
@@ -154,12 +155,11 @@ class CudaGraphs:
         buf["positions"][start:end] = 0
         buf["slot_mapping"][start:end] = -1
 
-    def pad_seqs(self, start: int, num_tokens: int, num_sampling: int) -> None:
-        """Sequences start.. up to max_num_seqs, for a prefill graph: no query (their
-        query starts all sit at the end), no context, block-table row 0; and logits
-        rows past the sampling ones read token 0 (their argmax is never read)."""
+    def pad_seqs(self, start: int, num_tokens: int, num_sampling: int, end: int) -> None:
+        """Sequences start..end (a prefill graph's), padding: no query (their query
+        starts all sit at the end), no context, block-table row 0; and logits rows past
+        the sampling ones read token 0 (their argmax is never read)."""
         buf = self.runner.buf
-        end = self.runner.max_num_seqs
         buf["query_start_loc"][start + 1 : end + 1] = num_tokens
         buf["seq_lens"][start:end] = 0
         buf["slot_indices"][start:end] = 0
@@ -168,21 +168,22 @@ class CudaGraphs:
     @torch.inference_mode()
     def _capture_prefill(self, sizes: list[int]) -> None:
         """One graph per token bucket, the largest first, in one memory pool (they never
-        run at once). The bound on query lengths (it picks the attention's tile height)
-        is the bucket's size or max_model_len."""
+        run at once), for as many sequences as it has tokens: fewer padded sequences,
+        fewer attention programs that find no query. The bound on query lengths (it
+        picks the attention's tile height) is the bucket's size or max_model_len."""
         runner = self.runner
         pool = torch.cuda.graph_pool_handle()
-        seqs = runner.max_num_seqs
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
         sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
         for bucket in reversed(sizes):
+            seqs = min(bucket, runner.max_num_seqs)
             self.pad_tokens(0, bucket)
             runner.buf["query_start_loc"][0] = 0
-            self.pad_seqs(0, 0, 0)
+            self.pad_seqs(0, 0, 0, seqs)
             max_query_len = min(bucket, runner.config.max_model_len)
             # Logits rows: a step has no more than tokens (a row per sampling sequence,
             # and per draft it verifies).
-            inp = runner.send(bucket, seqs, max_query_len, False, min(bucket, seqs))
+            inp = runner.send(bucket, seqs, max_query_len, False, seqs)
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             graph = torch.cuda.CUDAGraph()

@@ -6,13 +6,18 @@ Each sequence's new tokens are the last `query_len` of its `seq_len` tokens;
 their K/V are already in the cache, so one path serves plain prefill, chunked
 prefill and prefix-cache hits alike.
 
+A tile's rows are BLOCK_Q queries times the query heads that share one kv head (as in
+vLLM's unified attention), so each K/V tile loaded serves the whole group. A step of few
+tiles (a speculative verify step, a short chunk after a cached prefix) also splits each
+tile's keys among programs, as decode does, and merges their partial softmaxes after.
+
 The Triton kernel's grid depends on the token and sequence counts only, never
 on the query lengths: a step with prefill tokens can then be captured in one
 CUDA graph per token bucket (engine.model_runner), its sequences padded with
 empty ones. Query tiles are numbered across the batch: sequence s owns tiles
-from query_start_loc[s] // BLOCK_M + s on (at least as many as its query needs,
-as in vLLM's unified attention), and each program finds its sequence by
-binary search.
+from query_start_loc[s] // BLOCK_Q + s on (at least as many as its query needs),
+and each program finds its sequence by binary search; where no query is longer
+than a tile, tile s is simply sequence s's.
 """
 
 from __future__ import annotations
@@ -190,6 +195,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
+    ONE_TILE: tl.constexpr,  # no query is longer than BLOCK_Q: tile i is sequence i's
     IS_SPLIT: tl.constexpr,  # partials per split into split_out/split_lse
     KV_FP8: tl.constexpr,  # the cache is e4m3
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
@@ -205,18 +211,21 @@ def _prefill_kernel(
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-            lo = mid + 1
-        else:
-            hi = mid
-    seq = lo - 1
+    if ONE_TILE:  # a padded sequence's programs exit after one round trip
+        seq = tile
+    else:
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
     q_start = tl.load(query_start_loc_ptr + seq)
-    q_tile = tile - (q_start // BLOCK_Q + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = 0 if ONE_TILE else tile - (q_start // BLOCK_Q + seq)
     if q_tile * BLOCK_Q >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -366,9 +375,15 @@ def paged_prefill_attention(
     block_m = max(config.block_m, triton.next_power_of_2(group))
     num_splits = config.num_splits
     head_dim_p2 = triton.next_power_of_2(head_dim)
-    split_out, split_lse = decode_workspace(num_tokens, num_heads, head_dim, num_splits, query.device)
-    # Every sequence's tiles, and spares; a program per kv head and split.
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    split_out, split_lse = decode_workspace(
+        num_tokens, num_heads, head_dim, num_splits, query.device
+    )
+    # Every sequence's tiles, and spares; a program per kv head and split. Programs of
+    # padded tiles still cost their launch and their shared memory: where no query is
+    # longer than a tile (verify steps, small prefill buckets), a tile per sequence.
+    one_tile = max_query_len <= block_q
+    tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
+    grid = (tiles, num_kv_heads, num_splits)
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -407,6 +422,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         WINDOWED=sliding_window > 0,
+        ONE_TILE=one_tile,
         IS_SPLIT=num_splits > 1,
         KV_FP8=kv_fp8,
         SOFT_CAP=softcap > 0,

@@ -8,7 +8,11 @@ import torch
 from kernels.kv_store import kv_store, kv_store_ref
 from kernels.linear import SplitKWorkspace, linear_ref, splitk_linear
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    prefill_config,
+)
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU
@@ -162,6 +166,58 @@ def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
         n, total = len(chunks), sum(query_lens)
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
         query_start_loc.fill_(total)  # the padded sequences' queries are empty
+        query_start_loc[: n + 1] = starts
+        seq_lens.zero_()
+        seq_lens[:n] = torch.tensor(lens)
+        block_table.copy_(shuffled_block_table(max_seqs, max_blocks, num_blocks))
+        query.normal_()
+        graph.replay()
+        real = (query[:total], k_cache, v_cache, block_table[:n], starts.int().cuda())
+        want = paged_prefill_attention_ref(*real, seq_lens[:n], head_dim**-0.5, max(query_lens))
+        torch.testing.assert_close(out[:total], want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
+def test_prefill_of_few_tiles_splits_the_keys_in_a_cuda_graph(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Verify steps (up to 1 + 4 queries a sequence over long contexts) as their graphs
+    run them: captured for 40 token rows and 8 sequences, replayed for fewer of both.
+    The default config splits the keys there; every replay must match the reference."""
+    torch.manual_seed(head_dim)
+    block_size, max_blocks, max_tokens, max_seqs = 16, 256, 40, 8
+    config = prefill_config(
+        5, head_dim, num_heads // num_kv_heads, max_tokens, num_kv_heads,
+        max_blocks * block_size, torch.device("cuda"),
+    )  # fmt: skip
+    assert config.num_splits > 1
+    num_blocks = max_seqs * max_blocks
+    k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    query = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device="cuda")
+    block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device="cuda")
+    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, head_dim**-0.5, 5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_prefill_attention(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_prefill_attention(*args)
+
+    # (query_len, seq_len): one sequence over 4k keys, eight of mixed lengths, short ones.
+    for chunks in (
+        [(5, 4000)],
+        [(5, 4096), (1, 9), (3, 700), (5, 2049), (2, 64), (5, 5), (4, 1500), (5, 333)],
+        [(2, 17), (5, 40)],
+    ):
+        query_lens, lens = zip(*chunks, strict=True)
+        n, total = len(chunks), sum(query_lens)
+        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+        query_start_loc.fill_(total)
         query_start_loc[: n + 1] = starts
         seq_lens.zero_()
         seq_lens[:n] = torch.tensor(lens)

@@ -107,6 +107,31 @@ def test_prefill_with_padded_rows_and_sequences(
     torch.testing.assert_close(result[:total], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_of_short_queries_takes_a_tile_per_padded_sequence(
+    num_splits: int, rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    """A verify step's graph: no query longer than a tile (so tile i is sequence i's),
+    padded rows and trailing sequences with no query, keys split or not."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 32, 16
+    chunks = [(5, 40), (1, 17), (3, 70), (5, 5)]
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    total, rows, padded_seqs = sum(query_lens), 24, 3
+    query = torch.randn(rows, num_heads, head_dim, generator=rng).to(device)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    query_start_loc = torch.tensor(starts + [total] * padded_seqs, dtype=torch.int32, device=device)
+    lens = torch.tensor(list(seq_lens) + [0] * padded_seqs, dtype=torch.int32, device=device)
+    table = torch.cat([block_table, block_table[:padded_seqs] * 0])
+    launch = split(num_splits, 5, head_dim, num_heads // num_kv_heads)
+    assert prefill_config(5, head_dim, num_heads // num_kv_heads).block_m // 4 >= 5  # one tile
+    args = (k_cache, v_cache)
+    result = paged_prefill_attention(query, *args, table, query_start_loc, lens, 0.3, 5, **launch)
+    real = (query_start_loc[: len(chunks) + 1], lens[: len(chunks)], 0.3, 5)
+    expected = paged_prefill_attention_ref(query[:total], *args, block_table, *real)
+    torch.testing.assert_close(result[:total], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_prefill_for_picks_reference_off_cuda() -> None:
     assert paged_prefill_attention_for(torch.device("cpu")) is paged_prefill_attention_ref
 
