@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from benchmarks.floors import copy_bandwidth
 from benchmarks.provenance import git_commit
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention, prefill_config
@@ -109,13 +110,6 @@ def bench_shape(name: str, tokens: int, heads: int, kv_heads: int, head_dim: int
         "pagoda_vs_sdpa": round(us["pagoda"] / us["sdpa"], 3),
         "max_abs_diff": max_err,
     }
-
-
-def copy_bandwidth() -> float:
-    """Bytes a second that a 1 GiB device-to-device copy moves (read + write)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (do_bench(lambda: b.copy_(a), rep=100) / 1e3)
 
 
 def bench_few_tiles(name: str, chunks: list[tuple[int, int]], bandwidth: float) -> dict:

@@ -131,21 +131,28 @@ def test_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
     )
 
 
-def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
-    """Captured once for 1200 token rows and 6 sequences with a bound on the query
-    length, then replayed for batches of fewer tokens and sequences (the rest padding:
-    rows past the queries, empty trailing sequences), as the engine's graphs for steps
-    with prefill tokens are. The real rows must match the reference, every replay."""
-    torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, block_size, max_blocks = 14, 2, 64, 16, 64
-    max_tokens, max_seqs, dtype = 1200, 6, torch.float16
-    num_blocks = max_seqs * max_blocks
+def replay_prefill_graph(
+    shape: tuple[int, int, int],  # (num_heads, num_kv_heads, head_dim)
+    dtype: torch.dtype,
+    max_tokens: int,
+    max_seqs: int,
+    max_blocks: int,
+    max_query_len: int,
+    batches: list[list[tuple[int, int]]],  # per replay, (query_len, seq_len) a sequence
+) -> None:
+    """Capture the kernel once for max_tokens rows and max_seqs sequences, then replay it
+    for each batch (the rest padding: rows past the queries, empty trailing sequences),
+    as the engine's graphs for steps with prefill tokens do. The real rows must match
+    the reference, every replay."""
+    num_heads, num_kv_heads, head_dim = shape
+    block_size, num_blocks = 16, max_seqs * max_blocks
     k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     query = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device="cuda")
     block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device="cuda")
     query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device="cuda")
     seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device="cuda")
-    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, head_dim**-0.5, 1024)
+    scale = head_dim**-0.5
+    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, max_query_len)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -156,12 +163,7 @@ def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
     with torch.cuda.graph(graph):
         out = paged_prefill_attention(*args)
 
-    # (query_len, seq_len) per sequence: decodes beside prompts, as in a serving step.
-    for chunks in (
-        [(1000, 1000), (1, 513), (1, 17)],
-        [(1, 40), (1, 1000), (128, 128), (64, 64 + 3 * block_size), (1, 1), (5, 900)],
-        [(16, 16)],
-    ):
+    for chunks in batches:
         query_lens, lens = zip(*chunks, strict=True)
         n, total = len(chunks), sum(query_lens)
         starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
@@ -173,8 +175,20 @@ def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
         query.normal_()
         graph.replay()
         real = (query[:total], k_cache, v_cache, block_table[:n], starts.int().cuda())
-        want = paged_prefill_attention_ref(*real, seq_lens[:n], head_dim**-0.5, max(query_lens))
+        want = paged_prefill_attention_ref(*real, seq_lens[:n], scale, max(query_lens))
         torch.testing.assert_close(out[:total], want, **tolerance(dtype))
+
+
+def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
+    """Captured for 1200 token rows and 6 sequences with a bound of 1024 on the query
+    length; replayed for decodes beside prompts, as in a serving step."""
+    torch.manual_seed(0)
+    batches = [
+        [(1000, 1000), (1, 513), (1, 17)],
+        [(1, 40), (1, 1000), (128, 128), (64, 64 + 3 * 16), (1, 1), (5, 900)],
+        [(16, 16)],
+    ]
+    replay_prefill_graph((14, 2, 64), torch.float16, 1200, 6, 64, 1024, batches)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -182,51 +196,21 @@ def test_prefill_replayed_in_cuda_graph_with_padding() -> None:
 def test_prefill_of_few_tiles_splits_the_keys_in_a_cuda_graph(
     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
-    """Verify steps (up to 1 + 4 queries a sequence over long contexts) as their graphs
-    run them: captured for 40 token rows and 8 sequences, replayed for fewer of both.
-    The default config splits the keys there; every replay must match the reference."""
+    """Steps of few tiles (up to 1 + 4 queries a sequence, as speculative verify steps
+    have, over long contexts) in a graph captured for 40 token rows and 8 sequences,
+    replayed for fewer of both. The default config splits the keys there."""
     torch.manual_seed(head_dim)
-    block_size, max_blocks, max_tokens, max_seqs = 16, 256, 40, 8
-    config = prefill_config(
-        5, head_dim, num_heads // num_kv_heads, max_tokens, num_kv_heads,
-        max_blocks * block_size, torch.device("cuda"),
-    )  # fmt: skip
-    assert config.num_splits > 1
-    num_blocks = max_seqs * max_blocks
-    k_cache, v_cache = paged_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    query = torch.zeros(max_tokens, num_heads, head_dim, dtype=dtype, device="cuda")
-    block_table = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device="cuda")
-    query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device="cuda")
-    seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device="cuda")
-    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, head_dim**-0.5, 5)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_prefill_attention(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_prefill_attention(*args)
-
-    # (query_len, seq_len): one sequence over 4k keys, eight of mixed lengths, short ones.
-    for chunks in (
+    group, context = num_heads // num_kv_heads, 256 * 16
+    device = torch.device("cuda")
+    assert prefill_config(5, head_dim, group, 40, num_kv_heads, context, device).num_splits > 1
+    # One sequence over 4k keys, eight of mixed lengths, short ones.
+    batches = [
         [(5, 4000)],
         [(5, 4096), (1, 9), (3, 700), (5, 2049), (2, 64), (5, 5), (4, 1500), (5, 333)],
         [(2, 17), (5, 40)],
-    ):
-        query_lens, lens = zip(*chunks, strict=True)
-        n, total = len(chunks), sum(query_lens)
-        starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
-        query_start_loc.fill_(total)
-        query_start_loc[: n + 1] = starts
-        seq_lens.zero_()
-        seq_lens[:n] = torch.tensor(lens)
-        block_table.copy_(shuffled_block_table(max_seqs, max_blocks, num_blocks))
-        query.normal_()
-        graph.replay()
-        real = (query[:total], k_cache, v_cache, block_table[:n], starts.int().cuda())
-        want = paged_prefill_attention_ref(*real, seq_lens[:n], head_dim**-0.5, max(query_lens))
-        torch.testing.assert_close(out[:total], want, **tolerance(dtype))
+    ]
+    shape = (num_heads, num_kv_heads, head_dim)
+    replay_prefill_graph(shape, dtype, 40, 8, 256, 5, batches)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
