@@ -4,6 +4,7 @@ back times the scale."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -16,7 +17,11 @@ from kernels.decode_config import DecodeConfig
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
 from kernels.kv_store import kv_store, kv_store_ref
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    prefill_config,
+)
 from tests.conftest import PROMPTS, hf_greedy
 
 # Scales: none (vLLM's default without checkpoint scales), and ones that matter, one of
@@ -116,12 +121,14 @@ def test_fp8_decode_stores_and_attends_like_reference(
     assert torch.equal(_bytes(v_cache), _bytes(ref_v))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(("k_scale", "v_scale", "softcap", "sinks"), ATTENTION_CASES)
 def test_fp8_prefill_matches_reference(
     k_scale: float,
     v_scale: float,
     softcap: float,
     sinks: bool,
+    num_splits: int,
     rng: torch.Generator,
     device: torch.device,
     paged_kv,
@@ -138,7 +145,10 @@ def test_fp8_prefill_matches_reference(
     args = (query, k_cache, v_cache, block_table, qsl.to(device), lens, head_dim**-0.5)
     scales = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     scales["sinks"] = torch.randn(num_heads, generator=rng).to(device) if sinks else None
-    result = paged_prefill_attention(*args, max(query_lens), **scales)
+    # Split keys merge partials already scaled by v_scale (the unsplit path scales once).
+    config = prefill_config(max(query_lens), head_dim, num_heads // num_kv_heads)
+    config = dataclasses.replace(config, num_splits=num_splits)
+    result = paged_prefill_attention(*args, max(query_lens), config=config, **scales)
     expected = paged_prefill_attention_ref(*args, max(query_lens), **scales)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
 
