@@ -16,8 +16,16 @@ from kernels.prefill_attention import (
 from tests.kernels.test_paged_attention import score_mod
 
 # (num_heads, num_kv_heads, head_dim, block_size): GPT-2, GQA groups of 4 and 7, a
-# non-power-of-2 head_dim, both block sizes.
-CASES = [(12, 12, 64, 16), (8, 2, 32, 32), (8, 2, 80, 16), (14, 2, 64, 32)]
+# non-power-of-2 head_dim, both block sizes; groups of 12 (GLM-4.5-Air's) and 16, whose
+# tiles hold a query or a few.
+CASES = [
+    (12, 12, 64, 16),
+    (8, 2, 32, 32),
+    (8, 2, 80, 16),
+    (14, 2, 64, 32),
+    (12, 1, 32, 16),
+    (16, 1, 32, 16),
+]
 
 
 def split(num_splits: int, max_query_len: int, head_dim: int, group: int) -> dict:
