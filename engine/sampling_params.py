@@ -123,12 +123,13 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
-        # Speculative decoding may draft its next tokens (engine/speculative.py): it
-        # samples by temperature, top-k/p and min-p alone, which Sampler.verify applies
-        # to every draft's row, and asks for nothing read per sampled token.
+        # Speculative decoding may draft its next tokens (engine/speculative.py): what
+        # it samples by (logit_bias, temperature, top-k/p, min-p) is the same at every
+        # position, as Sampler.verify applies it to every draft's row, and it asks for
+        # nothing read per sampled token. Penalties and min_tokens count the tokens
+        # before each position; a seed promises the tokens of a run without drafts.
         self.speculates = (
             not self.has_penalties
-            and not self.logit_bias
             and self.logprobs is None
             and self.seed is None
             and self.min_tokens == 0

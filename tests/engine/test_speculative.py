@@ -156,6 +156,21 @@ def test_rows_that_do_not_draft_share_the_batch(tiny_gpt2_dir):
     assert spec_llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_logit_bias_rows_draft_and_give_what_they_give_without_speculation(tiny_gpt2_dir):
+    """logit_bias is the same at every position: a biased greedy row drafts, and its
+    tokens are those of the run without speculation."""
+    plain = LLM(tiny_gpt2_dir, device="cpu")
+    first = plain.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    banned = greedy(logit_bias={first[0]: -100.0, first[1]: 5.0})
+    want = plain.generate(PROMPTS[0], banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert want != first and first[0] not in want  # the bias changes the output
+    assert banned.speculates
+    spec = LLM(tiny_gpt2_dir, device="cpu", **SPEC)
+    got = spec.generate(PROMPTS[0], banned, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
 @pytest.fixture
 def sampler() -> BatchSampler:
     return BatchSampler(torch.device("cpu"), seed=0)
