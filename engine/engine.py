@@ -352,22 +352,22 @@ class Engine:
             verified = self.speculator.verify(logits, out, self.runner.argmax)
         accepted, token_ids = verified.num_accepted, verified.token_ids
         batch.refuse(sampling, out.num_drafts[out.samples] - accepted)
-        logprobs = None
-        if batch.num_needs_sync and batch.needs_sync[sampling].any():  # rows without drafts
-            rows = torch.from_numpy(verified.first_rows).to(logits.device)
-            ids = torch.from_numpy(token_ids[:, 0]).to(logits.device)
-            logprobs = self.sampler.read(logits[rows], ids, sampling).logprobs
         generations = batch.generation[sampling]
         for j in range(token_ids.shape[1]):
-            slots, ids = sampling, token_ids[:, j]
+            slots, ids, rows = sampling, token_ids[:, j], verified.first_rows + j
             if j:  # rows with a j-th token, whose request no read has finished
                 keep = (accepted >= j) & (batch.generation[sampling] == generations)
                 if not keep.any():
                     break
-                slots, ids = sampling[keep], ids[keep]
+                slots, ids, rows = slots[keep], ids[keep], rows[keep]
+            logprobs = None  # a token's logprobs come from its own position's logits row
+            if batch.num_needs_sync and batch.needs_sync[slots].any():
+                at = torch.from_numpy(rows).to(logits.device)
+                chosen = torch.from_numpy(ids).to(logits.device)
+                logprobs = self.sampler.read(logits[at], chosen, slots).logprobs
             mark = batch.launched(slots)
             self.num_sampled += len(slots)
-            self.reader.read(LaunchedStep(slots, mark, ids, logprobs if j == 0 else None))
+            self.reader.read(LaunchedStep(slots, mark, ids, logprobs))
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

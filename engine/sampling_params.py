@@ -125,12 +125,11 @@ class SamplingParams:
         self.needs_sync = self.has_penalties or self.logprobs is not None
         # Speculative decoding may draft its next tokens (engine/speculative.py): what
         # it samples by (logit_bias, temperature, top-k/p, min-p) is the same at every
-        # position, as Sampler.verify applies it to every draft's row, and it asks for
-        # nothing read per sampled token. Penalties and min_tokens count the tokens
-        # before each position; a seed promises the tokens of a run without drafts.
+        # position, as Sampler.verify applies it to every draft's row, and a token's
+        # logprobs are its own row's. Penalties and min_tokens count the tokens before
+        # each position; a seed promises the tokens of a run without drafts.
         self.speculates = (
             not self.has_penalties
-            and self.logprobs is None
             and self.seed is None
             and self.min_tokens == 0
             and self.grammar is None

@@ -135,8 +135,8 @@ def test_a_stop_before_more_accepted_tokens_ends_the_request_there(tiny_gpt2_dir
 
 
 def test_rows_that_do_not_draft_share_the_batch(tiny_gpt2_dir):
-    """Penalties, logprobs and seeds sample one token a step beside drafting rows, and
-    give what they give without speculation."""
+    """Penalties and seeds sample one token a step beside drafting rows (logprob rows
+    draft among them), and give what they give without speculation."""
     params = [
         greedy(),
         greedy(repetition_penalty=1.3, presence_penalty=0.5),
@@ -169,6 +169,28 @@ def test_logit_bias_rows_draft_and_give_what_they_give_without_speculation(tiny_
     got = spec.generate(PROMPTS[0], banned, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_logprob_rows_draft_and_each_token_has_its_own_logprobs(tiny_gpt2_dir):
+    """A drafting row's tokens each get the logprobs of their own position (its row of
+    the verify step's logits): the same as without speculation, alternatives too."""
+    params = [greedy(logprobs=3), greedy(logprobs=0)]
+    prompts = PROMPTS[:2]
+    want = LLM(tiny_gpt2_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    spec = LLM(tiny_gpt2_dir, device="cpu", **SPEC)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    for g, w in zip(got, want, strict=True):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == MAX_NEW
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert (a.token_id, a.rank, [t for t, _ in a.top]) == (
+                b.token_id,
+                b.rank,
+                [t for t, _ in b.top],
+            )
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A server with speculative decoding: streamed and whole answers equal the plain
-server's under greedy decoding, and /metrics counts drafts (vLLM's spec_decode names)."""
+"""A server with speculative decoding: streamed and whole answers (logprobs too) equal
+the plain server's under greedy decoding, and /metrics counts drafts (vLLM's
+spec_decode names)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def test_speculating_server_answers_as_the_plain_one(start_server, live):
     accepted = spec.metric("pagoda:spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 <= accepted <= drafted
     assert live.metric("pagoda:spec_decode_num_draft_tokens_total") == 0
+    # A request with logprobs drafts too, and gets each token's own.
+    body = BODY | {"logprobs": 2}
+    want = httpx.post(f"{live.base_url}/v1/completions", json=body, timeout=60).json()
+    got = httpx.post(f"{spec.base_url}/v1/completions", json=body, timeout=60).json()
+    want_lp, got_lp = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
+    assert got_lp["tokens"] == want_lp["tokens"] and len(got_lp["tokens"]) == 64
+    for a, b in zip(got_lp["token_logprobs"], want_lp["token_logprobs"], strict=True):
+        assert abs(a - b) < 1e-4
+    assert spec.metric("pagoda:spec_decode_num_draft_tokens_total") > drafted
