@@ -128,23 +128,28 @@ class Sampler:
         return [by_slot[s] or _VOID for s in slots.tolist()]
 
     def process_logits(
-        self, logits: torch.Tensor, requests: Sequence[Request], bitmask: BatchBitmask | None = None
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        bitmask: BatchBitmask | None = None,
+        drafted: list[list[int]] | None = None,
     ) -> torch.Tensor:
         """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
-        fp32 [B, V] tensor."""
+        fp32 [B, V] tensor. drafted: a verify step's, per row, the drafts before its
+        position, which count as generated there."""
         # Our own copy: the steps below write into it in place.
         x = logits.to(torch.float32, copy=True)  # [B, V]
         if bitmask is not None:
             bitmask.apply(x)
         self._apply_logit_bias(x, requests)
-        self._apply_penalties(x, requests)
-        self._apply_min_tokens(x, requests)
+        self._apply_penalties(x, requests, drafted)
+        self._apply_min_tokens(x, requests, drafted)
         return x
 
-    def _min_tokens_active(self, req: Request) -> bool:
+    def _min_tokens_active(self, req: Request, drafted: int = 0) -> bool:
         params = req.params
         # Tokens still on the device count: the one sampled now comes after them.
-        return req.num_generated_tokens < params.min_tokens and bool(
+        return req.num_generated_tokens + drafted < params.min_tokens and bool(
             self.eos_token_ids or params.stop_token_ids
         )
 
@@ -160,7 +165,9 @@ class Sampler:
             bias = torch.tensor(values, dtype=x.dtype, device=self.device)
             x.index_put_((index[0], index[1]), bias, accumulate=True)
 
-    def _apply_penalties(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _apply_penalties(
+        self, x: torch.Tensor, requests: Sequence[Request], drafted: list[list[int]] | None
+    ) -> None:
         rows = [i for i, req in enumerate(requests) if req.params.has_penalties]
         if not rows:
             return
@@ -174,7 +181,10 @@ class Sampler:
 
         # How often each vocabulary entry was generated (OpenAI's penalties
         # count output tokens only). Padding goes to an extra column V.
-        output_ids = self._padded([requests[i].output_token_ids for i in rows])  # [P, L]
+        generated_ids = [requests[i].output_token_ids for i in rows]
+        if drafted is not None:
+            generated_ids = [ids + drafted[i] for ids, i in zip(generated_ids, rows, strict=True)]
+        output_ids = self._padded(generated_ids)  # [P, L]
         counts = torch.zeros(len(rows), self.vocab_size + 1, dtype=x.dtype, device=self.device)
         counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=x.dtype))
         counts = counts[:, : self.vocab_size]  # [P, V]
@@ -200,10 +210,12 @@ class Sampler:
             host[row, : len(ids)] = ids
         return torch.from_numpy(host).to(self.device)
 
-    def _apply_min_tokens(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+    def _apply_min_tokens(
+        self, x: torch.Tensor, requests: Sequence[Request], drafted: list[list[int]] | None
+    ) -> None:
         rows, cols = [], []
         for i, req in enumerate(requests):
-            if self._min_tokens_active(req):
+            if self._min_tokens_active(req, 0 if drafted is None else len(drafted[i])):
                 # vLLM masks EOS here even with ignore_eos, and the stop ids too.
                 banned = set(self.eos_token_ids) | set(req.params.stop_token_ids)
                 rows += [i] * len(banned)
@@ -232,7 +244,10 @@ class Sampler:
         if np.count_nonzero(self.batch.argmax_only[slots]) == len(slots):
             return (logits.argmax(-1) if argmax is None else argmax), None
         requests = self._requests(slots)
-        x = self.process_logits(logits, requests)  # [R, V] fp32
+        drafted = None  # penalties and min_tokens count the drafts before each position
+        if any(r.params.has_penalties or r.params.min_tokens for r in requests):
+            drafted = _drafts_before(slots, drafts)
+        x = self.process_logits(logits, requests, drafted=drafted)  # [R, V] fp32
         greedy_ids = x.argmax(-1)
         is_greedy = np.array([req.params.greedy for req in requests])
         if is_greedy.all():
@@ -304,6 +319,17 @@ class Sampler:
                     req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
                 noise[row].exponential_(generator=req.generator)
         return probs.div_(noise).argmax(-1)
+
+
+def _drafts_before(slots: np.ndarray, drafts: np.ndarray) -> list[list[int]]:
+    """Per verify row, the drafts its sequence's earlier rows check (a sequence's rows are
+    consecutive, one per position, each checking that position's draft)."""
+    before, first = [], 0
+    for row in range(len(slots)):
+        if row and slots[row] != slots[row - 1]:
+            first = row
+        before.append(drafts[first:row].tolist())
+    return before
 
 
 def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:

@@ -123,18 +123,12 @@ class SamplingParams:
         # Penalties read every generated id, and logprobs are read back with the ids:
         # such a request's step is sampled with the previous step's tokens on the host.
         self.needs_sync = self.has_penalties or self.logprobs is not None
-        # Speculative decoding may draft its next tokens (engine/speculative.py): what
-        # it samples by (logit_bias, temperature, top-k/p, min-p) is the same at every
-        # position, as Sampler.verify applies it to every draft's row, and a token's
-        # logprobs are its own row's. Penalties and min_tokens count the tokens before
-        # each position; a seed promises the tokens of a run without drafts.
-        self.speculates = (
-            not self.has_penalties
-            and self.seed is None
-            and self.min_tokens == 0
-            and self.grammar is None
-            and not self.pooling
-        )
+        # Speculative decoding may draft its next tokens (engine/speculative.py):
+        # Sampler.verify processes every draft's row as a step at that position would
+        # (penalties and min_tokens counting the drafts before it), and a token's
+        # logprobs are its own row's. A seed promises the tokens of a run without
+        # drafts; a grammar's mask follows its matcher one token at a time.
+        self.speculates = self.seed is None and self.grammar is None and not self.pooling
         # Streamed as bare ids: its outputs between the first and the last can travel
         # as TokenDeltas entries.
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None

@@ -14,11 +14,11 @@ drafts lies past the request's computed tokens, where later steps rewrite it.
 
 A draft continues the last sampled id, so speculation reads every step's ids
 before planning the next (EngineConfig turns asynchronous scheduling off).
-Requests with penalties or min_tokens (which count the tokens sampled before each
-position), a seed (which promises the tokens of a run without drafts) or a grammar do
-not draft (SamplingParams.speculates): they sample one token a step beside those that
-do. logit_bias applies at every draft's row as at any other, and each token's logprobs
-come from its own row (Engine._read_verified). A step
+Every draft's row is processed as a step at its position would be (logit_bias;
+penalties and min_tokens counting the drafts before it: Sampler.verify), and each
+token's logprobs come from its own row (Engine._read_verified). Requests with a seed
+(which promises the tokens of a run without drafts) or a grammar do not draft
+(SamplingParams.speculates): they sample one token a step beside those that do. A step
 with grammar rows, prompt scoring or embeddings drafts nothing (nor one that admits
 such a request: engine/scheduler.py).
 """

@@ -13,7 +13,7 @@ from engine.models.loader import load_tokenizer
 from engine.request import Request
 from engine.speculative import ngram_draft
 from tests.conftest import PROMPTS, hf_greedy
-from tests.engine.test_sampler import VOCAB, BatchSampler
+from tests.engine.test_sampler import EOS, VOCAB, BatchSampler
 
 MAX_NEW = 96
 SPEC = dict(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -135,8 +135,8 @@ def test_a_stop_before_more_accepted_tokens_ends_the_request_there(tiny_gpt2_dir
 
 
 def test_rows_that_do_not_draft_share_the_batch(tiny_gpt2_dir):
-    """Penalties and seeds sample one token a step beside drafting rows (logprob rows
-    draft among them), and give what they give without speculation."""
+    """Seeded rows sample one token a step beside drafting rows (penalty and logprob
+    rows among them), and every row gives what it gives without speculation."""
     params = [
         greedy(),
         greedy(repetition_penalty=1.3, presence_penalty=0.5),
@@ -193,6 +193,30 @@ def test_logprob_rows_draft_and_each_token_has_its_own_logprobs(tiny_gpt2_dir):
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(repetition_penalty=1.3), dict(presence_penalty=0.4, frequency_penalty=0.3), None],
+)
+def test_penalty_and_min_tokens_rows_draft_and_count_the_drafts_before_them(tiny_gpt2_dir, options):
+    """A draft's row counts the drafts before it as generated tokens, as the step at its
+    position would: greedy output equals the run without speculation. min_tokens: a
+    token the model repeats stops the request, banned until the 40th token."""
+    plain = LLM(tiny_gpt2_dir, device="cpu")
+    if options is None:
+        first = plain.generate(PROMPTS[:3], greedy(), use_tqdm=False)
+        repeated = [max(set(ids), key=ids.count) for ids in (o.outputs[0].token_ids for o in first)]
+        options = dict(stop_token_ids=repeated, min_tokens=40)
+    params = greedy(**options)
+    assert params.speculates
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    spec = LLM(tiny_gpt2_dir, device="cpu", **SPEC)
+    got = spec.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    if "min_tokens" in options:  # the stops came after the ban, not at MAX_NEW
+        assert all(40 <= len(w.outputs[0].token_ids) < MAX_NEW for w in want)
+
+
 @pytest.fixture
 def sampler() -> BatchSampler:
     return BatchSampler(torch.device("cpu"), seed=0)
@@ -214,6 +238,23 @@ def test_a_greedy_row_accepts_exactly_its_argmax(sampler):
     ids, accepted = sampler.sampler.verify(logits, slots, np.append(drafts, -1))
     assert ids[:4].tolist() == best.tolist()
     assert accepted.tolist() == [True, False, True, False, False]
+
+
+def test_a_rows_penalties_and_min_tokens_count_the_drafts_before_it(sampler):
+    """Row j of a sequence is its position j: the drafts of rows 0..j-1 are generated
+    tokens there, for penalties and for min_tokens."""
+    penalized = Request("p", [1], SamplingParams(temperature=0.0, frequency_penalty=2.0))
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5], logits[:, 6] = 1.5, 0.5
+    slots = sampler.slots([penalized]).repeat(3)
+    ids, _ = sampler.sampler.verify(logits, slots, np.array([5, 5, -1]))
+    assert ids.tolist() == [5, 6, 6]  # once 5 is drafted before a row, 1.5 - 2 < 0.5
+    banned = Request("m", [1], SamplingParams(temperature=0.0, min_tokens=2))
+    logits = torch.zeros(3, VOCAB)
+    logits[:, EOS], logits[:, 7] = 2.0, 1.0
+    slots = sampler.slots([banned]).repeat(3)
+    ids, _ = sampler.sampler.verify(logits, slots, np.array([7, 7, -1]))
+    assert ids.tolist() == [7, 7, EOS]  # EOS is banned at positions 0 and 1 only
 
 
 @pytest.mark.parametrize(
