@@ -1,7 +1,8 @@
 """POST /v1/embeddings: each input's embedding (engine/pooling.py: its last token's
-final hidden state, L2-normalized), in OpenAI's shape. Any served model or LoRA
-adapter answers; an embedding model (Qwen3-Embedding, e5-mistral) is what makes the
-vectors worth having."""
+final hidden state, L2-normalized), in OpenAI's shape; or, as vLLM takes it, chat
+messages' (the chat template's prompt, with no generation prompt unless asked). Any
+served model or LoRA adapter answers; an embedding model (Qwen3-Embedding, e5-mistral)
+is what makes the vectors worth having."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import BaseModel, Field
 from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.prompts import prompt_list
-from server.protocol import RequestModel
+from server.protocol import ChatMessage, ChatTemplateOptions
 from server.serving import Serving
 
 if TYPE_CHECKING:
@@ -28,9 +29,12 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------- wire format
 
 
-class EmbeddingRequest(RequestModel):
+class EmbeddingRequest(ChatTemplateOptions):
     model: str | None = None
-    input: str | list[int] | list[str] | list[list[int]]
+    input: str | list[int] | list[str] | list[list[int]] | None = None
+    # vLLM's chat form, instead of input: one embedding, of the rendered conversation.
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
     encoding_format: Literal["float", "base64"] = "float"
     # Keep the first `dimensions` values, normalized again (Matryoshka-trained models).
     dimensions: int | None = None
@@ -71,8 +75,14 @@ async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> R
             param="dimensions",
         )
     request_id = f"embd-{uuid.uuid4().hex}"
-    texts = prompt_list(req.input, "input")
-    embedded = await embed(s, raw, request_id, texts, req, "input")
+    if (req.input is None) == (req.messages is None):
+        raise APIError("Give either input or messages.", param="input")
+    if req.messages is not None:
+        prompts, size = s.prompts, sum(len(str(m.content or "")) for m in req.messages)
+        texts = [await prompts.run(raw, size, prompts.render_chat, req.messages, req)]
+        embedded = await embed(s, raw, request_id, texts, req, "messages")
+    else:
+        embedded = await embed(s, raw, request_id, prompt_list(req.input, "input"), req, "input")
     data = []
     for index, vector in enumerate(embedded.vectors):
         if req.dimensions is not None:

@@ -73,9 +73,36 @@ def test_an_adapters_name_embeds_with_it(lora_oai, tiny_llama_dir, tiny_lora_ada
     )
 
 
+def test_chat_messages_embed_as_their_rendered_prompt(live, tiny_gpt2_dir):
+    """vLLM's chat form: the chat template's prompt (no generation prompt unless asked)
+    is what embeds."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a tiny model?"},
+    ]
+    tokenizer = load_tokenizer(tiny_gpt2_dir)
+    rendered = []
+    for add in (False, True):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        rendered.append(ids)
+        body = {"messages": messages} | ({"add_generation_prompt": True} if add else {})
+        r = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["usage"]["prompt_tokens"] == len(ids) and len(got["data"]) == 1
+        np.testing.assert_allclose(
+            got["data"][0]["embedding"], reference(tiny_gpt2_dir, ids), atol=1e-5
+        )
+    assert rendered[0] != rendered[1]  # the generation prompt is there only when asked
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
+        ({"model": None}, "input"),  # neither input nor messages
+        ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "input"),
+        ({"messages": []}, "messages"),
         ({"input": []}, "input"),
         ({"input": ""}, "input"),
         ({"input": "hi", "dimensions": 0}, "dimensions"),
