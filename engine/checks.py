@@ -44,6 +44,14 @@ def check_request(
         params.check_vocab(vocab_size)
     except ValueError as exc:  # "stop_token_ids has token id ..." / "logit_bias has ..."
         raise RequestRejected(str(exc), str(exc).split(" ", 1)[0]) from None
+    if params.pooling:  # its one "sampled" token is never computed: the prompt may fill it
+        if num_prompt > max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {max_model_len} tokens, but the "
+                f"input has {num_prompt} tokens.",
+                "prompt",
+            )
+        return
     if num_prompt >= max_model_len:
         raise RequestRejected(
             f"This model's maximum context length is {max_model_len} tokens, but the prompt "

@@ -112,7 +112,10 @@ class Scheduler:
         return self.batch.running
 
     def add(self, req: Request) -> None:
-        req.max_num_tokens = min(req.max_num_tokens, self.config.max_model_len)
+        # A pooling request's one sampled token is dropped, never computed: its prompt
+        # may fill the context.
+        limit = self.config.max_model_len + (1 if req.params.pooling else 0)
+        req.max_num_tokens = min(req.max_num_tokens, limit)
         self.waiting.append(req)
 
     @property

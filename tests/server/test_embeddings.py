@@ -55,14 +55,27 @@ def test_embeddings_match_transformers_in_floats_and_base64(oai, live, tiny_gpt2
     np.testing.assert_allclose(cut, want / np.linalg.norm(want), atol=1e-5)
     # The token each embedding request samples is dropped: no generated tokens counted.
     assert live.metric("pagoda:generation_tokens_total", 0.0) == generated
+    # So an input may fill the context, as in vLLM; one token more is a 400.
+    limit = oai.models.list().data[0].max_model_len
+    full = [ids[1][i % len(ids[1])] for i in range(limit)]
+    got = oai.embeddings.create(model=model_name, input=[full], encoding_format="float")
+    np.testing.assert_allclose(got.data[0].embedding, reference(tiny_gpt2_dir, full), atol=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        oai.embeddings.create(model=model_name, input=[full + full[:1]])
 
 
 def test_the_offline_embed_matches(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_llama_dir, device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=40
+    )
     texts = ["a short one", "and a longer prompt, chunked over several steps of 16"]
     for text, got in zip(texts, llm.embed(texts, use_tqdm=False), strict=True):
         want = reference(tiny_llama_dir, llm.tokenizer.encode(text))
         np.testing.assert_allclose(got, want, atol=1e-5)
+    # A prompt may fill the context: the token an embedding samples is never computed.
+    full = list(range(100, 140))
+    got = llm.embed([full], use_tqdm=False)[0]
+    np.testing.assert_allclose(got, reference(tiny_llama_dir, full), atol=1e-5)
 
 
 def test_an_adapters_name_embeds_with_it(lora_oai, tiny_llama_dir, tiny_lora_adapters):
