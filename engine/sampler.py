@@ -229,6 +229,7 @@ class Sampler:
         logits: torch.Tensor,
         slots: np.ndarray,
         drafts: np.ndarray,
+        offsets: np.ndarray,
         argmax: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Speculative decoding's rows (engine/speculative.py): each row's own token, and
@@ -237,7 +238,9 @@ class Sampler:
         draft if it is the argmax, which the caller sees from the ids.
 
         logits: [R, vocab] one row per position; slots: [R] each row's slot; drafts: [R]
-        the draft token each row checks (-1: none). A random row accepts its draft with
+        the draft token each row checks (-1: none); offsets: [R] each row's position among
+        its sequence's (rows r - offsets[r] .. r - 1 check the drafts before it, which
+        penalties and min_tokens count). A random row accepts its draft with
         probability p(draft) and otherwise samples from p without it: rejection sampling
         with a proposal certain of its draft, so that each position's token is
         distributed as p (Leviathan et al.)."""
@@ -246,7 +249,7 @@ class Sampler:
         requests = self._requests(slots)
         drafted = None  # penalties and min_tokens count the drafts before each position
         if any(r.params.has_penalties or r.params.min_tokens for r in requests):
-            drafted = _drafts_before(slots, drafts)
+            drafted = [drafts[r - o : r].tolist() for r, o in enumerate(offsets.tolist())]
         x = self.process_logits(logits, requests, drafted=drafted)  # [R, V] fp32
         greedy_ids = x.argmax(-1)
         is_greedy = np.array([req.params.greedy for req in requests])
@@ -319,17 +322,6 @@ class Sampler:
                     req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
                 noise[row].exponential_(generator=req.generator)
         return probs.div_(noise).argmax(-1)
-
-
-def _drafts_before(slots: np.ndarray, drafts: np.ndarray) -> list[list[int]]:
-    """Per verify row, the drafts its sequence's earlier rows check (a sequence's rows are
-    consecutive, one per position, each checking that position's draft)."""
-    before, first = [], 0
-    for row in range(len(slots)):
-        if row and slots[row] != slots[row - 1]:
-            first = row
-        before.append(drafts[first:row].tolist())
-    return before
 
 
 def logprob_rows(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:

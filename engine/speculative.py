@@ -120,7 +120,7 @@ class NgramSpeculator:
         # Row i of a sequence checks its draft i, which sits at num_tokens + i.
         at = batch.row_start[row_slots] + np.repeat(batch.num_tokens[sampling], rows) + offset
         row_drafts = np.where(offset < np.repeat(drafts, rows), batch.token_flat[at], -1)
-        ids, accepted = self.sampler.verify(logits, row_slots, row_drafts, argmax)
+        ids, accepted = self.sampler.verify(logits, row_slots, row_drafts, offset, argmax)
         # One copy to the host; the rest is a few small arrays.
         if accepted is None:  # all greedy: a draft stands if it is the argmax
             ids_np = ids.cpu().numpy()

@@ -228,14 +228,14 @@ def test_a_greedy_row_accepts_exactly_its_argmax(sampler):
     best = logits.argmax(-1)
     drafts = np.array([best[0].item(), (best[1].item() + 1) % VOCAB, best[2].item(), -1])
     slots = sampler.slots([req]).repeat(4)
-    ids, accepted = sampler.sampler.verify(logits, slots, drafts)
+    ids, accepted = sampler.sampler.verify(logits, slots, drafts, np.arange(4))
     assert ids.tolist() == best.tolist()
     assert accepted is None  # the caller compares: a greedy row's draft stands if it is its id
     # Beside a random row, the device compares.
     rand = Request("r", [1], SamplingParams(temperature=1.0))
     slots = np.concatenate([slots, sampler.slots([rand])])
     logits = torch.cat([logits, torch.randn(1, VOCAB)])
-    ids, accepted = sampler.sampler.verify(logits, slots, np.append(drafts, -1))
+    ids, accepted = sampler.sampler.verify(logits, slots, np.append(drafts, -1), np.r_[0:4, 0])
     assert ids[:4].tolist() == best.tolist()
     assert accepted.tolist() == [True, False, True, False, False]
 
@@ -247,13 +247,13 @@ def test_a_rows_penalties_and_min_tokens_count_the_drafts_before_it(sampler):
     logits = torch.zeros(3, VOCAB)
     logits[:, 5], logits[:, 6] = 1.5, 0.5
     slots = sampler.slots([penalized]).repeat(3)
-    ids, _ = sampler.sampler.verify(logits, slots, np.array([5, 5, -1]))
+    ids, _ = sampler.sampler.verify(logits, slots, np.array([5, 5, -1]), np.arange(3))
     assert ids.tolist() == [5, 6, 6]  # once 5 is drafted before a row, 1.5 - 2 < 0.5
     banned = Request("m", [1], SamplingParams(temperature=0.0, min_tokens=2))
     logits = torch.zeros(3, VOCAB)
     logits[:, EOS], logits[:, 7] = 2.0, 1.0
     slots = sampler.slots([banned]).repeat(3)
-    ids, _ = sampler.sampler.verify(logits, slots, np.array([7, 7, -1]))
+    ids, _ = sampler.sampler.verify(logits, slots, np.array([7, 7, -1]), np.arange(3))
     assert ids.tolist() == [7, 7, EOS]  # EOS is banned at positions 0 and 1 only
 
 
@@ -274,7 +274,7 @@ def test_a_random_row_keeps_the_models_distribution(sampler, knobs):
     for draft_id in (0, 2):
         logits = row.expand(trials, VOCAB).contiguous()
         drafts = np.full(trials, draft_id)
-        ids, accepted = sampler.sampler.verify(logits, slots, drafts)
+        ids, accepted = sampler.sampler.verify(logits, slots, drafts, np.zeros(trials, int))
         assert not (ids[~accepted] == draft_id).any()  # a refused draft is never resampled
         tokens = torch.where(accepted, torch.tensor(draft_id), ids).numpy()
         freq = np.bincount(tokens, minlength=VOCAB) / trials
