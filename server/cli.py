@@ -1,7 +1,8 @@
 """`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
 
-Every flag but --disable-log-stats, --enable-lora and --speculative-config sets the EngineConfig or
-ServerConfig field named by its `dest`, and defaults to that field's default.
+Every flag but --disable-log-stats, --enable-lora and --speculative-config sets the
+EngineConfig or ServerConfig field named by its `dest`, and defaults to that field's
+default.
 """
 
 from __future__ import annotations

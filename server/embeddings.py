@@ -78,8 +78,7 @@ async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> R
     if (req.input is None) == (req.messages is None):
         raise APIError("Give either input or messages.", param="input")
     if req.messages is not None:
-        prompts, size = s.prompts, sum(len(str(m.content or "")) for m in req.messages)
-        texts = [await prompts.run(raw, size, prompts.render_chat, req.messages, req)]
+        texts = [await s.render_messages(raw, req.messages, req)]
         embedded = await embed(s, raw, request_id, texts, req, "messages")
     else:
         embedded = await embed(s, raw, request_id, prompt_list(req.input, "input"), req, "input")

@@ -22,6 +22,8 @@ from server.config import ServerConfig
 from server.errors import APIError, error_body, from_value_error
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
+    ChatMessage,
+    ChatTemplateOptions,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -237,14 +239,20 @@ class Serving:
         self.check_model(model_id)
         return next(card for card in self.models().data if card.id == model_id)
 
+    async def render_messages(
+        self, raw: Request, messages: list[ChatMessage], options: ChatTemplateOptions
+    ) -> list[int]:
+        """The chat template's prompt ids for messages (no tools), on a prompt lane."""
+        prompts, size = self.prompts, sum(len(str(m.content or "")) for m in messages)
+        return await prompts.run(raw, size, prompts.render_chat, messages, options)
+
     async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         self.check_model(req.model)
         prompts = self.prompts
         if (req.prompt is None) == (req.messages is None):
             raise APIError("Give either prompt or messages.", param="prompt")
         if req.messages is not None:
-            size = sum(len(str(m.content or "")) for m in req.messages)
-            ids = await prompts.run(raw, size, prompts.render_chat, req.messages, req)
+            ids = await self.render_messages(raw, req.messages, req)
         else:
             prompts.check_length(req.prompt, "prompt")
             ids = await prompts.run(
