@@ -2,7 +2,7 @@
 system prompt), against the same length uncached, and against transformers' forward
 over the new tokens given the prefix's KV (its own cache, `--compare-hf`), same GPU.
 
-    python -m benchmarks.prefix_ttft --model llama3-8b --cases 1008:16 4032:64 7936:256 \
+    python -m benchmarks.prefix_ttft --model llama3-8b --cases 1008:16 4032:64 7680:256 \
         --compare-hf --out benchmarks/results/prefix-ttft-llama3-8b-h200.json
 
 A case PREFIX:NEW caches a random PREFIX-token prompt (a multiple of the block size, so
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/checkpoints.py")
-    p.add_argument("--cases", nargs="+", default=["1008:16", "4032:64", "7936:256"])
+    p.add_argument("--cases", nargs="+", default=["1008:16", "4032:64", "7680:256"])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto")
