@@ -144,7 +144,9 @@ class Engine:
         leave()
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Reject what can never run, before any work is done. Pure: safe from any thread."""
+        """Reject what can never run, before any work is done. Safe from any thread but
+        for bad_words given without their token ids (the server tokenizes them itself)."""
+        params.with_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
         self.lora_index(params.lora_name)
         if not params.pooling and not self.can_generate:

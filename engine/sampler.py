@@ -1,7 +1,7 @@
 """Sampler: one batched pass from logits to next tokens (and their logprobs).
 
 Order of processing, per row, as vLLM does it:
-    grammar bitmask (structured outputs) → logit_bias
+    grammar bitmask (structured outputs) → allowed_token_ids → bad_words → logit_bias
     → repetition/frequency/presence penalties → min_tokens mask
     → greedy rows take the argmax here
     → temperature → top_k → top_p → min_p → exponential race.
@@ -12,8 +12,8 @@ The all-greedy, nothing-to-apply batch is exactly `logits.argmax(-1)`, which
 the CUDA decode graph has taken already (`argmax`): its result stays on the
 device for the next step. Rows are the InputBatch's slots: what every row
 asks every step (is it argmax-only, its temperature and top-k/p) is read from
-the batch's columns; the rest (penalties, biases, seeds, logprobs) from the
-few requests that ask for it.
+the batch's columns; the rest (penalties, biases, token bans, seeds, logprobs) from
+the few requests that ask for it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.bad_words import banned_ids
 from engine.input_batch import InputBatch
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -134,13 +135,15 @@ class Sampler:
         bitmask: BatchBitmask | None = None,
         drafted: list[list[int]] | None = None,
     ) -> torch.Tensor:
-        """The grammar mask, logit_bias, penalties and the min_tokens mask, on a new
-        fp32 [B, V] tensor. drafted: a verify step's, per row, the drafts before its
-        position, which count as generated there."""
+        """The grammar mask, allowed_token_ids, bad_words, logit_bias, penalties and the
+        min_tokens mask, on a new fp32 [B, V] tensor. drafted: a verify step's, per row,
+        the drafts before its position, which count as generated there."""
         # Our own copy: the steps below write into it in place.
         x = logits.to(torch.float32, copy=True)  # [B, V]
         if bitmask is not None:
             bitmask.apply(x)
+        self._apply_allowed(x, requests)
+        self._apply_bad_words(x, requests, drafted)
         self._apply_logit_bias(x, requests)
         self._apply_penalties(x, requests, drafted)
         self._apply_min_tokens(x, requests, drafted)
@@ -152,6 +155,36 @@ class Sampler:
         return req.num_generated_tokens + drafted < params.min_tokens and bool(
             self.eos_token_ids or params.stop_token_ids
         )
+
+    def _apply_allowed(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
+        rows = [i for i, req in enumerate(requests) if req.params.allowed_token_ids]
+        if not rows:
+            return
+        allowed = [requests[i].params.allowed_token_ids for i in rows]
+        cols = [t for ids in allowed for t in ids]
+        at = [r for r, ids in enumerate(allowed) for _ in ids]
+        index = torch.tensor([at, cols], device=self.device)  # [2, num_allowed]
+        keep = torch.zeros(len(rows), x.shape[1], dtype=torch.bool, device=self.device)
+        keep[index[0], index[1]] = True
+        row_index = torch.tensor(rows, device=self.device)
+        x[row_index] = x[row_index].masked_fill(~keep, float("-inf"))
+
+    def _apply_bad_words(
+        self, x: torch.Tensor, requests: Sequence[Request], drafted: list[list[int]] | None
+    ) -> None:
+        rows, cols = [], []
+        for i, req in enumerate(requests):
+            spellings = req.params.bad_words_token_ids
+            if spellings:
+                generated = req.output_token_ids
+                if drafted is not None and drafted[i]:
+                    generated = generated + drafted[i]
+                banned = banned_ids(spellings, generated)
+                rows += [i] * len(banned)
+                cols += banned
+        if rows:
+            index = torch.tensor([rows, cols], device=self.device)  # [2, num_banned]
+            x[index[0], index[1]] = float("-inf")
 
     def _apply_logit_bias(self, x: torch.Tensor, requests: Sequence[Request]) -> None:
         rows, cols, values = [], [], []
@@ -247,8 +280,11 @@ class Sampler:
         if np.count_nonzero(self.batch.argmax_only[slots]) == len(slots):
             return (logits.argmax(-1) if argmax is None else argmax), None
         requests = self._requests(slots)
-        drafted = None  # penalties and min_tokens count the drafts before each position
-        if any(r.params.has_penalties or r.params.min_tokens for r in requests):
+        drafted = None  # penalties, min_tokens and bad words see the drafts before each row
+        if any(
+            r.params.has_penalties or r.params.min_tokens or r.params.bans_after_tokens
+            for r in requests
+        ):
             drafted = [drafts[r - o : r].tolist() for r, o in enumerate(offsets.tolist())]
         x = self.process_logits(logits, requests, drafted=drafted)  # [R, V] fp32
         greedy_ids = x.argmax(-1)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.bad_words import bad_words_token_ids
 from engine.structured.spec import GrammarSpec
 
 MAX_LOGPROBS = 20
@@ -22,6 +24,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these ids may be generated
+    # vLLM's bad_words: words never generated (engine/bad_words.py), and their spellings
+    # as token ids, which with_bad_words fills in from the tokenizer before sampling.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     # vLLM's prompt_logprobs: each prompt token's logprob (but the first's), with the
     # number of top alternatives given here; computed in the prefill.
@@ -52,6 +59,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
@@ -106,6 +114,16 @@ class SamplingParams:
                 raise ValueError(f"logit_bias has a negative token id {token_id}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if min(self.allowed_token_ids) < 0:
+                raise ValueError("allowed_token_ids must be non-negative token ids")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must not contain empty or blank strings")
+        self._derive()
+
+    def _derive(self) -> None:
         # The hot decode path asks these of every request every step: answer once.
         self.greedy = self.temperature == 0.0 or self.top_k == 1
         self.has_penalties = (
@@ -116,16 +134,23 @@ class SamplingParams:
         # Greedy with nothing to apply but a grammar's mask (and min_tokens' while it
         # lasts): the masked logits' argmax.
         self.greedy_plain = (
-            self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
+            self.greedy
+            and not self.has_penalties
+            and not self.logit_bias
+            and self.allowed_token_ids is None
+            and not self.bad_words
+            and self.logprobs is None
         )
         self.argmax_masked = self.greedy_plain and self.min_tokens == 0
         self.argmax_only = self.argmax_masked and self.grammar is None
-        # Penalties read every generated id, and logprobs are read back with the ids:
-        # such a request's step is sampled with the previous step's tokens on the host.
-        self.needs_sync = self.has_penalties or self.logprobs is not None
+        # Penalties and bad words of several tokens read every generated id, and logprobs
+        # are read back with the ids: such a request's step is sampled with the previous
+        # step's tokens on the host.
+        self.bans_after_tokens = any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+        self.needs_sync = self.has_penalties or self.bans_after_tokens or self.logprobs is not None
         # Speculative decoding may draft its next tokens (engine/speculative.py):
         # Sampler.verify processes every draft's row as a step at that position would
-        # (penalties and min_tokens counting the drafts before it), and a token's
+        # (penalties, min_tokens and bad words counting the drafts before it), and a token's
         # logprobs are its own row's. A seed promises the tokens of a run without
         # drafts; a grammar's mask follows its matcher one token at a time.
         self.speculates = self.seed is None and self.grammar is None and not self.pooling
@@ -133,10 +158,22 @@ class SamplingParams:
         # as TokenDeltas entries.
         self.plain = not self.final_only and not self.detokenize and self.logprobs is None
 
+    def with_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Fill in bad_words_token_ids from the tokenizer's encode (no special tokens)."""
+        if self.bad_words and self.bad_words_token_ids is None:
+            self.bad_words_token_ids = bad_words_token_ids(self.bad_words, encode)
+            self._derive()
+
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the params name must exist in the model's vocabulary."""
-        for name in ("stop_token_ids", "logit_bias"):
-            for token_id in getattr(self, name) or ():  # logit_bias: its keys
+        bad_ids = [t for ids in self.bad_words_token_ids or () for t in ids]
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias or ()),  # its keys
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words", bad_ids),
+        ):
+            for token_id in ids:
                 if token_id >= vocab_size:
                     raise ValueError(
                         f"{name} has token id {token_id} outside the vocabulary (size {vocab_size})"

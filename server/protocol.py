@@ -12,8 +12,7 @@ from server.errors import APIError
 # vLLM's and OpenAI's request fields Pagoda does not implement: a 400 that says so (any
 # other unknown field is a 400 too, as an unrecognized one).
 UNSUPPORTED_FIELDS = (
-    "use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
-    "guided_decoding_backend", "guided_whitespace_pattern", "logits_processors", "priority",
+    "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend", "guided_whitespace_pattern", "logits_processors", "priority",
     "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "documents",
     "mm_processor_kwargs", "cache_salt", "spaces_between_special_tokens", "functions",
     "function_call", "prediction", "audio", "modalities", "prompt_embeds", "lora_request",
@@ -143,6 +142,8 @@ class SamplingRequest(_Request):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these ids may be generated
+    bad_words: list[str] | None = None  # vLLM: words never generated
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens

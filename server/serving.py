@@ -135,6 +135,10 @@ class Serving:
         the engine's own check (engine/checks.py), as a 400 naming the field."""
         if truncate is not None:
             ids = ids[-truncate:]
+        try:  # on a tokenizer lane wherever bad_words are given (their callers see to it)
+            params.with_bad_words(lambda text: self.prompts.encode(text, add_special_tokens=False))
+        except ValueError as exc:  # "bad_words entry ' ' has no tokens"
+            raise from_value_error(exc) from exc
         try:
             check_request(ids, params, self.max_model_len, self.vocab_size)
         except RequestRejected as exc:
@@ -193,6 +197,8 @@ class Serving:
                 stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [],
                 logit_bias=req.logit_bias or None,  # its keys are JSON's strings: made ids there
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words or [],
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 ignore_eos=req.ignore_eos,

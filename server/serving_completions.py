@@ -63,10 +63,10 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
             out.append(Prompt(ids, echo))
         return out
 
-    # Token-id prompts need no tokenizer: checking them inline saves the executor's
-    # round trip (a thread wake and two GIL hand-offs) per request.
+    # Token-id prompts need no tokenizer (unless for bad words): checking them inline
+    # saves the executor's round trip (a thread wake and two GIL hand-offs) per request.
     text_chars = sum(len(t) for t in texts if isinstance(t, str))
-    if req.echo or text_chars:
+    if req.echo or text_chars or params.bad_words:
         prompts = await prompts_.run(raw, text_chars, prepare)  # ClientDisconnected: the app's 499
     else:
         prompts = prepare()

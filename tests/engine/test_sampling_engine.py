@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.bad_words import bad_words_token_ids
+from tests.conftest import hf_greedy
 
 EMOJI_CJK = ["Emoji: 😀 🚀 🌸", "中文：你好，世界！", "日本語：こんにちは世界。", "café 🔥 中文"]
 
@@ -147,3 +151,41 @@ def test_stop_token_ids_end_the_request(llm):
     choice = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
     assert choice.token_ids == tokens[: first + 1]
     assert choice.finish_reason == "stop" and choice.stop_reason == stop_id
+
+
+def spellings(llm: LLM, word: str) -> list[list[int]]:
+    return bad_words_token_ids([word], lambda t: llm.tokenizer.encode(t, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("span", [(1, 3), (3, 4)], ids=["two-token word", "one-token word"])
+def test_bad_words_match_transformers_bad_words_ids(llm, tiny_gpt2_dir, span):
+    """A word of the greedy output, banned: the output is transformers' with the word's
+    spellings as bad_words_ids, and changes where the plain output spelled it."""
+    ids = llm.tokenizer.encode("Hello")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    word = llm.tokenizer.decode(plain[span[0] : span[1]])
+    banned = spellings(llm, word)
+    assert plain[span[0] : span[1]] in banned  # the plain output spells the word
+    params = dataclasses.replace(greedy, bad_words=[word])
+    got = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got[: span[1] - 1] == plain[: span[1] - 1] and got[span[1] - 1] != plain[span[1] - 1]
+    assert got == hf_greedy(tiny_gpt2_dir, ids, 12, bad_words_ids=banned)
+
+
+def test_allowed_token_ids_match_transformers_constrained_generation(llm, tiny_gpt2_dir):
+    """Only the allowed ids come out: greedy equals transformers' generate constrained to
+    them, and sampling draws from them alone."""
+    ids = llm.tokenizer.encode("Hello")
+    plain = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    allowed = sorted(set(plain[0].outputs[0].token_ids[1:5]) | {7, 100, 301})
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed
+    )
+    got = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got != plain[0].outputs[0].token_ids[:8]  # the first token was not allowed
+    want = hf_greedy(tiny_gpt2_dir, ids, 8, prefix_allowed_tokens_fn=lambda _b, _ids: allowed)
+    assert got == want
+    sampled = dataclasses.replace(params, temperature=1.0, seed=3, max_tokens=40)
+    out = llm.generate([ids], sampled, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(out) <= set(allowed) and len(set(out)) > 1

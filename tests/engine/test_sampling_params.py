@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.bad_words import bad_words_token_ids, banned_ids
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -99,3 +100,31 @@ def test_check_vocab():
         SamplingParams(stop_token_ids=[100]).check_vocab(100)
     with pytest.raises(ValueError, match="^logit_bias"):
         SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+
+
+def test_bad_words_spellings_and_bans():
+    # "ab" spells [1, 2] bare and [9, 2] after a space: both count, as in vLLM.
+    spell = {"ab": [1, 2], " ab": [9, 2], "c": [3], " c": [3]}
+    assert bad_words_token_ids(["ab", "  c"], spell.__getitem__) == [[1, 2], [9, 2], [3]]
+    spellings = [[1, 2], [9, 2], [3]]
+    assert banned_ids(spellings, []) == [3]  # a word's later tokens need its first before
+    assert banned_ids(spellings, [4, 1]) == [2, 3]
+    assert banned_ids(spellings, [9]) == [2, 3]
+    assert banned_ids(spellings, [1, 4]) == [3]
+
+
+def test_bad_words_and_allowed_token_ids_turn_off_the_argmax_path_and_are_checked():
+    params = SamplingParams(temperature=0.0, bad_words=["no"])
+    assert not params.greedy_plain and not params.needs_sync  # no spellings known yet
+    params.with_bad_words({"no": [4, 5], " no": [6, 5]}.__getitem__)
+    assert params.bad_words_token_ids == [[4, 5], [6, 5]]
+    assert params.needs_sync  # a two-token word reads the generated ids
+    assert not SamplingParams(temperature=0.0, allowed_token_ids=[3]).greedy_plain
+    with pytest.raises(ValueError, match="bad_words has token id 5 outside"):
+        params.check_vocab(5)
+    with pytest.raises(ValueError, match="allowed_token_ids has token id 9 outside"):
+        SamplingParams(allowed_token_ids=[1, 9]).check_vocab(5)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words must not contain empty or blank"):
+        SamplingParams(bad_words=["ok", "  "])

@@ -217,6 +217,27 @@ def test_penalty_and_min_tokens_rows_draft_and_count_the_drafts_before_them(tiny
         assert all(40 <= len(w.outputs[0].token_ids) < MAX_NEW for w in want)
 
 
+def test_bad_words_and_allowed_token_ids_rows_draft_alike(tiny_gpt2_dir):
+    """Bans and the allowed set hold at every draft's row, a word's earlier tokens
+    counted among the drafts before it: greedy output equals the run without
+    speculation."""
+    plain = LLM(tiny_gpt2_dir, device="cpu")
+    first = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], greedy(), use_tqdm=False)]
+    words = [plain.tokenizer.decode(ids[4:6]) for ids in first]
+    allowed = sorted({t for ids in first for t in ids[:40]})
+    params = [
+        greedy(bad_words=words),
+        greedy(allowed_token_ids=allowed[::2]),
+        greedy(bad_words=words),
+    ]
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [w.outputs[0].token_ids for w in want] != first
+    spec = LLM(tiny_gpt2_dir, device="cpu", **SPEC)
+    got = spec.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    assert spec.engine.get_stats().spec_decode_num_accepted_tokens > 0
+
+
 @pytest.fixture
 def sampler() -> BatchSampler:
     return BatchSampler(torch.device("cpu"), seed=0)
@@ -255,6 +276,21 @@ def test_a_rows_penalties_and_min_tokens_count_the_drafts_before_it(sampler):
     slots = sampler.slots([banned]).repeat(3)
     ids, _ = sampler.sampler.verify(logits, slots, np.array([7, 7, -1]), np.arange(3))
     assert ids.tolist() == [7, 7, EOS]  # EOS is banned at positions 0 and 1 only
+
+
+def test_a_bad_words_earlier_tokens_may_be_drafts_before_the_row(sampler):
+    """A two-token word is banned at its last token where its first is the draft of the
+    row before (or the last output token), and nowhere else."""
+    params = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[5, 6]])
+    req = Request("b", [1], params)
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 6], logits[:, 7] = 2.0, 1.0
+    slots = sampler.slots([req]).repeat(3)
+    ids, _ = sampler.sampler.verify(logits, slots, np.array([6, 5, -1]), np.arange(3))
+    assert ids.tolist() == [6, 6, 7]  # row 2 follows the draft 5
+    sampler.append(req, 5)
+    ids, _ = sampler.sampler.verify(logits[:2], slots[:2], np.array([6, -1]), np.arange(2))
+    assert ids.tolist() == [7, 6]  # row 0 follows the output's 5
 
 
 @pytest.mark.parametrize(

@@ -56,9 +56,9 @@ def test_an_unknown_field_is_a_400_unless_null(client):
         assert schemas[name]["additionalProperties"] == {"type": "null"}
 
 
-@pytest.mark.parametrize("field", ["use_beam_search", "bad_words", "allowed_token_ids"])
+@pytest.mark.parametrize("field", ["use_beam_search", "kv_transfer_params"])
 def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
-    value = True if field == "use_beam_search" else [1] if field == "allowed_token_ids" else ["x"]
+    value = True if field == "use_beam_search" else {"do_remote_prefill": True}
     r = client.post("/v1/completions", json={"prompt": "x", field: value})
     assert r.status_code == 400
     error = r.json()["error"]
@@ -67,6 +67,48 @@ def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
     off = False if field == "use_beam_search" else None
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, field: off})
     assert r.status_code == 200
+
+
+def test_allowed_token_ids_and_bad_words(client, tokenizer):
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    body |= {"ignore_eos": True}
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    allowed = sorted(set(plain[2:6]) | {40, 41})
+    chat = {k: v for k, v in body.items() if k != "prompt"} | CHAT | {"max_tokens": 8}
+    for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        r = client.post(path, json=request | {"allowed_token_ids": allowed})
+        assert r.status_code == 200, r.text
+        assert set(r.json()["choices"][0]["token_ids"]) <= set(allowed)
+    # A word the plain output spells is not spelled again: it changes where it began.
+    word = tokenizer.decode(plain[2:4])
+    banned = tokenizer.encode(word, add_special_tokens=False)
+    r = client.post("/v1/completions", json=body | {"bad_words": [word]})
+    ids = r.json()["choices"][0]["token_ids"]
+    assert plain[2:4] == banned and ids[:3] == plain[:3] and ids[3] != plain[3]
+    # Token-id prompts are checked inline unless bad words need the tokenizer.
+    prompt = {"prompt": tokenizer.encode("Hello")}
+    assert (
+        client.post("/v1/completions", json=body | prompt | {"bad_words": [word]}).json()[
+            "choices"
+        ][0]["token_ids"]
+        == ids
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("allowed_token_ids", [], "must not be empty"),
+        ("allowed_token_ids", [1, 10**6], "outside the vocabulary"),
+        ("bad_words", ["ok", " "], "empty or blank"),
+    ],
+)
+def test_bad_allowed_token_ids_and_bad_words_are_400s(client, field, value, message):
+    for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)):
+        r = client.post(path, json=extra | {field: value})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and message in error["message"]
 
 
 def test_logit_bias_error_names_the_bad_keys(client):
