@@ -12,10 +12,11 @@ from server.errors import APIError
 # vLLM's and OpenAI's request fields Pagoda does not implement: a 400 that says so (any
 # other unknown field is a 400 too, as an unrecognized one).
 UNSUPPORTED_FIELDS = (
-    "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend", "guided_whitespace_pattern", "logits_processors", "priority",
-    "return_tokens_as_token_ids", "kv_transfer_params", "vllm_xargs", "documents",
-    "mm_processor_kwargs", "cache_salt", "spaces_between_special_tokens", "functions",
-    "function_call", "prediction", "audio", "modalities", "prompt_embeds", "lora_request",
+    "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend",
+    "guided_whitespace_pattern", "logits_processors", "priority", "kv_transfer_params",
+    "vllm_xargs", "documents", "mm_processor_kwargs", "cache_salt",
+    "spaces_between_special_tokens", "functions", "function_call", "prediction", "audio",
+    "modalities", "prompt_embeds", "lora_request",
 )  # fmt: skip
 
 # ---------------------------------------------------------------- requests
@@ -148,6 +149,7 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:{id}"
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, k alternatives each
 
 

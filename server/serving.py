@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -127,6 +127,12 @@ class Serving:
     def answering(self, model: str | None) -> str:
         """The `model` a response names: the adapter asked for, else the base model."""
         return self.lora_name(model) or self.model_name
+
+    def token_names(self, req: SamplingRequest) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or "token_id:{id}" where the request asks
+        (vLLM's return_tokens_as_token_ids: a token whose bytes are no UTF-8 text alone
+        stays identifiable)."""
+        return _token_id_name if req.return_tokens_as_token_ids else self.prompts.token_text
 
     def check_prompt(
         self, ids: list[int], params: SamplingParams, param: str, truncate: int | None = None
@@ -291,6 +297,10 @@ class Serving:
             "model_max_length": self.max_model_len,
         }
         return config | special | own
+
+
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def prompt_logprobs_out(

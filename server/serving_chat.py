@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -93,7 +93,9 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             ChatChoice(
                 index=out.index,
                 message=message,
-                logprobs=_logprobs(s, out.new_logprobs or []) if req.logprobs else None,
+                logprobs=_logprobs(s.token_names(req), out.new_logprobs or [])
+                if req.logprobs
+                else None,
                 finish_reason=finish_reason,
                 stop_reason=out.stop_reason,
                 token_ids=out.new_token_ids if req.return_token_ids else None,
@@ -168,7 +170,9 @@ async def _chunks(
     async for outputs in stream:
         for out in outputs:
             usage.add(out)
-            logprobs = _logprobs(s, out.new_logprobs or []) if req.logprobs else None
+            logprobs = (
+                _logprobs(s.token_names(req), out.new_logprobs or []) if req.logprobs else None
+            )
             finish_reason = out.finish_reason if out.finished else None
             delta = news(out.index, out.new_text, out.finished)
             if calls is not None and out.finished:
@@ -188,9 +192,9 @@ async def _chunks(
         yield chunk([], last=True)
 
 
-def _logprobs(s: Serving, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
+def _logprobs(name: Callable[[int], str], logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
-        token = s.prompts.token_text(token_id)
+        token = name(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
 
     content = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -94,6 +94,7 @@ class _Answer:
     def __post_init__(self) -> None:
         # A choice's index in the response: prompt-major, then choice (as OpenAI numbers them).
         self.position = {rid: i for i, rid in enumerate(self.stream.request_ids)}
+        self.name = self.s.token_names(self.req)  # how logprobs name a token
 
     def index(self, rid: str, choice: int) -> int:
         return self.position[rid] * self.req.n + choice
@@ -117,8 +118,8 @@ class _Answer:
                 choice.logprobs = into = CompletionLogprobs()
                 offset = 0
                 if req.echo:
-                    offset = _extend_logprobs(s, into, _echoed(prompt, out))
-                _extend_logprobs(s, into, _sampled(out), offset, req.logprobs)
+                    offset = _extend_logprobs(self.name, into, _echoed(prompt, out))
+                _extend_logprobs(self.name, into, _sampled(out), offset, req.logprobs)
             self._extras(choice, prompt, out.new_token_ids, out.prompt_logprobs)
             choices.append(choice)
             usage.add(out)
@@ -188,11 +189,11 @@ class _Answer:
                     # The echoed prompt opens the choice's first chunk (never a skipped
                     # or plain one).
                     if opening and req.echo:
-                        _extend_logprobs(s, logprobs, _echoed(prompt, out))
+                        _extend_logprobs(self.name, logprobs, _echoed(prompt, out))
                         text = prompt.echo + text
                     if not self.score_only:
                         offsets[key] = _extend_logprobs(
-                            s, logprobs, _sampled(out), offsets[key], req.logprobs
+                            self.name, logprobs, _sampled(out), offsets[key], req.logprobs
                         )
                 finish = out.finish_reason if out.finished else None
                 if self.score_only and out.finished:
@@ -243,18 +244,18 @@ def _json(value: str | int | None) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _top(s: Serving, lp: TokenLogprob, num: int | None) -> dict[str, float]:
+def _top(name: Callable[[int], str], lp: TokenLogprob, num: int | None) -> dict[str, float]:
     """The legacy top_logprobs entry: the chosen token, then the `num` most likely (None:
     all the engine gave). Tokens whose text collides keep the first (most likely) one's
     logprob."""
-    top = {s.prompts.token_text(lp.token_id): lp.logprob}
+    top = {name(lp.token_id): lp.logprob}
     for token_id, logprob in lp.top[:num]:
-        top.setdefault(s.prompts.token_text(token_id), logprob)
+        top.setdefault(name(token_id), logprob)
     return top
 
 
 def _extend_logprobs(
-    s: Serving,
+    name: Callable[[int], str],  # a token's name (Serving.token_names)
     into: CompletionLogprobs,
     tokens: Iterable[tuple[int, TokenLogprob | None]],
     offset: int = 0,
@@ -263,10 +264,10 @@ def _extend_logprobs(
     """Append (token id, logprob) pairs in the legacy format, one without a logprob (a
     prompt's first) as nulls; returns the text offset after them."""
     for token_id, lp in tokens:
-        token = s.prompts.token_text(token_id)
+        token = name(token_id)
         into.tokens.append(token)
         into.token_logprobs.append(None if lp is None else lp.logprob)
-        into.top_logprobs.append(None if lp is None else _top(s, lp, num))
+        into.top_logprobs.append(None if lp is None else _top(name, lp, num))
         into.text_offset.append(offset)
         offset += len(token)
     return offset

@@ -278,3 +278,26 @@ def test_responses_are_what_the_schema_says(live):
     """The error body a 404 route gets is the documented one."""
     r = httpx.get(f"{live.base_url}/nowhere")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, tokenizer, stream):
+    ids = tokenizer.encode("Hello")
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True}
+    body |= {"return_tokens_as_token_ids": True, "return_token_ids": True, "stream": stream}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = [x for x in r.iter_lines() if x.startswith(("data: {", "{"))]
+    chunks = [json.loads(x.removeprefix("data: ")) for x in lines]
+    choices = [c["choices"][0] for c in chunks]
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    generated = [t for c in choices for t in c.get("token_ids") or []]
+    assert tokens == [f"token_id:{t}" for t in ids + generated]
+    top = [k for c in choices for entry in c["logprobs"]["top_logprobs"] if entry for k in entry]
+    assert top and all(k.startswith("token_id:") for k in top)
+    chat = CHAT | {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    chat |= {"return_token_ids": True}
+    answer = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = answer["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in answer["token_ids"]]
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
