@@ -15,6 +15,7 @@ frees its blocks. A steady decode batch that nobody looks up hashes nothing.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from engine.request import Request
@@ -23,6 +24,14 @@ from engine.request import Request
 def chain_hash(parent: int | None, tokens: list[int]) -> int:
     # Python's hash of a tuple of ints is deterministic across processes.
     return hash((parent, tuple(tokens)))
+
+
+def salted_root(parent: int | None, salt: str) -> int:
+    """The root a request's block hashes chain from under vLLM's cache_salt: only requests
+    of the same salt (and adapter) share cached blocks. A str's hash differs between
+    processes, so the salt enters as a digest."""
+    digest = int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")
+    return chain_hash(parent, [digest])
 
 
 class BlockManager:

@@ -50,6 +50,9 @@ class SamplingParams:
     # The LoRA adapter to generate with (EngineConfig.lora_modules' name); None: the base
     # model. The server sets it from the request's `model`.
     lora_name: str | None = None
+    # vLLM's cache_salt: the prefix cache shares blocks only among requests of one salt
+    # (so that one tenant cannot time another's cached prompts).
+    cache_salt: str | None = None
     # Return the prompt's embedding (engine/pooling.py: its last token's final hidden
     # state, L2-normalized) with the one token generated, which the server drops.
     pooling: bool = False
@@ -119,6 +122,8 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
             if min(self.allowed_token_ids) < 0:
                 raise ValueError("allowed_token_ids must be non-negative token ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string if given")
         if any(not w.strip() for w in self.bad_words):
             raise ValueError("bad_words must not contain empty or blank strings")
         self._derive()

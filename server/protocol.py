@@ -14,9 +14,9 @@ from server.errors import APIError
 UNSUPPORTED_FIELDS = (
     "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend",
     "guided_whitespace_pattern", "logits_processors", "priority", "kv_transfer_params",
-    "vllm_xargs", "documents", "mm_processor_kwargs", "cache_salt",
-    "spaces_between_special_tokens", "functions", "function_call", "prediction", "audio",
-    "modalities", "prompt_embeds", "lora_request",
+    "vllm_xargs", "documents", "mm_processor_kwargs", "spaces_between_special_tokens",
+    "functions", "function_call", "prediction", "audio", "modalities", "prompt_embeds",
+    "lora_request",
 )  # fmt: skip
 
 # ---------------------------------------------------------------- requests
@@ -150,6 +150,7 @@ class SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:{id}"
+    cache_salt: str | None = None  # vLLM: cached prefixes shared within one salt only
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, k alternatives each
 
 

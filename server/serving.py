@@ -205,6 +205,7 @@ class Serving:
                 logit_bias=req.logit_bias or None,  # its keys are JSON's strings: made ids there
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words or [],
+                cache_salt=req.cache_salt,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 ignore_eos=req.ignore_eos,

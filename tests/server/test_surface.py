@@ -301,3 +301,22 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, tokenizer
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in answer["token_ids"]]
     assert all(len(c["top_logprobs"]) == 2 for c in content)
     assert content[0]["bytes"] == list(content[0]["token"].encode())
+
+
+def test_cache_salt_shares_cached_prefixes_within_one_salt_only(client):
+    prompt = list(range(100, 150))  # 50 tokens: three full blocks of 16
+
+    def cached(**salt) -> int:
+        body = {"prompt": prompt, "max_tokens": 1} | salt
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0  # another salt: nothing shared
+    assert cached() == 0  # nor without one
+    assert cached(cache_salt="tenant-a") == 48
+    assert cached() == 48
+    chat = CHAT | {"cache_salt": ""}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
