@@ -156,6 +156,7 @@ class Prompts:
             text = tokenizer.apply_chat_template(
                 conversation,
                 tools=tools,
+                documents=options.documents,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tokenize=False,

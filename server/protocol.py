@@ -14,7 +14,7 @@ from server.errors import APIError
 UNSUPPORTED_FIELDS = (
     "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend",
     "guided_whitespace_pattern", "logits_processors", "priority", "kv_transfer_params",
-    "vllm_xargs", "documents", "mm_processor_kwargs", "spaces_between_special_tokens",
+    "vllm_xargs", "mm_processor_kwargs", "spaces_between_special_tokens",
     "functions", "function_call", "prediction", "audio", "modalities", "prompt_embeds",
     "lora_request",
 )  # fmt: skip
@@ -197,6 +197,8 @@ class ChatTemplateOptions(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is left open
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    # vLLM's: documents for a RAG template (each e.g. {"title": ..., "text": ...})
+    documents: list[dict[str, str]] | None = None
     # OpenAI's field, the template variable `reasoning_effort` (GPT-OSS's template reads it)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 

@@ -3,11 +3,14 @@ lacks, chat template options, token ids, usage details, small endpoints, the sch
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
 import pytest
 
+from server.prompts import Prompts
+from server.protocol import ChatMessage, ChatTemplateOptions
 from tests.server.conftest import MAX_MODEL_LEN
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -320,3 +323,27 @@ def test_cache_salt_shares_cached_prefixes_within_one_salt_only(client):
     chat = CHAT | {"cache_salt": ""}
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_documents_reach_the_chat_template(tokenizer):
+    rag = copy.deepcopy(tokenizer)
+    rag.chat_template = (
+        "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    prompts = Prompts(rag, 256)
+    try:
+        hi = [ChatMessage(role="user", content="Hi")]
+        docs = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
+        ids = prompts.render_chat(hi, ChatTemplateOptions(documents=docs))
+        assert rag.decode(ids) == "[A: alpha][B: beta]Hi"
+        assert rag.decode(prompts.render_chat(hi, ChatTemplateOptions())) == "Hi"
+    finally:
+        prompts.close()
+
+
+def test_documents_are_checked(client):
+    r = client.post("/v1/chat/completions", json=CHAT | {"documents": [{"title": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents")
+    r = client.post("/v1/chat/completions", json=CHAT | {"documents": [{"text": "alpha"}]})
+    assert r.status_code == 200, r.text
