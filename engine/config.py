@@ -28,6 +28,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
+    # "fcfs": requests in arrival order; "priority": by SamplingParams.priority (lower
+    # first), then arrival, for admission and (the last of that order) preemption.
+    scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     # The fields below are documented by their flags' help (server/cli.py).
     prefill_graphs: bool = True  # steps with prefill replay graphs by token bucket
@@ -68,6 +71,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -147,6 +147,11 @@ class Engine:
         """Reject what can never run, before any work is done. Safe from any thread but
         for bad_words given without their token ids (the server tokenizes them itself)."""
         params.with_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {params.priority} needs priority scheduling (--scheduling-policy "
+                "priority)"
+            )
         check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
         self.lora_index(params.lora_name)
         if not params.pooling and not self.can_generate:

@@ -53,6 +53,9 @@ class SamplingParams:
     # vLLM's cache_salt: the prefix cache shares blocks only among requests of one salt
     # (so that one tenant cannot time another's cached prompts).
     cache_salt: str | None = None
+    # vLLM's request priority (lower first) under EngineConfig.scheduling_policy
+    # "priority"; the engine refuses any other value than 0 without it.
+    priority: int = 0
     # Return the prompt's embedding (engine/pooling.py: its last token's final hidden
     # state, L2-normalized) with the one token generated, which the server drops.
     pooling: bool = False

@@ -6,7 +6,8 @@ then waiting requests are admitted while budget, sequence slots and KV blocks
 last. When a running request cannot get a block, the newest running request
 is preempted: its blocks are freed and it goes back to the front of the
 queue, to be recomputed later (its full blocks usually survive in the prefix
-cache, so recompute is cheap).
+cache, so recompute is cheap). Under the "priority" policy the queue is ordered by
+(priority, arrival) instead, and the victim is the last running request in that order.
 
 The running requests' part is array operations over the InputBatch's columns
 (every running request, every step); only requests that need a block, and
@@ -88,6 +89,12 @@ def _bars_drafts(req: Request) -> bool:
     return req.structured is not None or req.scores_prompt or req.params.pooling
 
 
+def _rank(req: Request) -> tuple[int, float]:
+    """A request's place under the priority policy: lower priority values first, then
+    earlier arrivals."""
+    return req.params.priority, req.metrics.arrival_time
+
+
 class Scheduler:
     def __init__(
         self,
@@ -101,6 +108,7 @@ class Scheduler:
         self.batch = batch
         self.block_table = block_table
         self.waiting: deque[Request] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
         self.num_preemptions = 0
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
@@ -116,7 +124,18 @@ class Scheduler:
         # may fill the context.
         limit = self.config.max_model_len + (1 if req.params.pooling else 0)
         req.max_num_tokens = min(req.max_num_tokens, limit)
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: at its end (a new request) or front (a preempted one),
+        or, by priority, after every request that comes before it in (priority, arrival)."""
+        if not self.by_priority:
+            self.waiting.appendleft(req) if front else self.waiting.append(req)
+            return
+        key, i = _rank(req), len(self.waiting)
+        while i and _rank(self.waiting[i - 1]) > key:  # new arrivals: usually none to pass
+            i -= 1
+        self.waiting.insert(i, req)
 
     @property
     def num_unfinished(self) -> int:
@@ -205,8 +224,8 @@ class Scheduler:
         grows = ends > counts[CAPACITY]
         if np.count_nonzero(grows):
             self._grow(grows.nonzero()[0], counts, ends, preempted)
-            if preempted:  # the newest running requests: dropped below
-                num_new[len(batch) :] = 0
+            if preempted:  # dropped below
+                num_new[~np.isin(slots, batch.slots)] = 0
                 whole = False
         if not whole:
             keep = num_new > 0
@@ -218,7 +237,8 @@ class Scheduler:
         self, rows: np.ndarray, counts: np.ndarray, ends: np.ndarray, preempted: list[Request]
     ) -> None:
         """Blocks for the running requests at `rows` (batch indices) to hold their
-        tokens up to `ends`, preempting the newest when there are too few."""
+        tokens up to `ends`, preempting the newest (or, by priority, the last in
+        priority order) when there are too few."""
         running = self.batch.running
         reqs = [running[i] for i in rows.tolist()]
         # The last block of each may be full now: the prefix cache may have it.
@@ -239,12 +259,11 @@ class Scheduler:
         live = RequestStatus.RUNNING
         for i, req in zip(rows.tolist(), reqs):
             while req.status is live and not self.blocks.allocate(req, int(num_new[i])):
-                victim = running[-1]
+                victim = max(running, key=_rank) if self.by_priority else running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
-            if req.status is not live:
-                break  # preempted (by itself, or for one before it): so is everyone after it
-            self._update_blocks(req)
+            if req.status is live:  # not preempted (by itself, or for one before it)
+                self._update_blocks(req)
 
     def _update_blocks(self, req: Request) -> None:
         self.block_table.update_row(req.slot, req.block_ids)
@@ -288,7 +307,7 @@ class Scheduler:
         self.blocks.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.num_preemptions += 1
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

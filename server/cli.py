@@ -125,6 +125,12 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e("--max-num-batched-tokens", help="most tokens in one step")
     e("--max-model-len", type=int, help="context length (default: the model's)")
     e("--no-prefix-caching", dest="enable_prefix_caching", help="turn the prefix cache off")
+    e(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs: requests in arrival order; priority: by each request's `priority` "
+        "(lower first), then arrival, to admit and (the last) to preempt",
+    )
     e("--enforce-eager", help="no CUDA graphs")
     e(
         "--no-prefill-graphs",

@@ -13,7 +13,7 @@ from server.errors import APIError
 # other unknown field is a 400 too, as an unrecognized one).
 UNSUPPORTED_FIELDS = (
     "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend",
-    "guided_whitespace_pattern", "logits_processors", "priority", "kv_transfer_params",
+    "guided_whitespace_pattern", "logits_processors", "kv_transfer_params",
     "vllm_xargs", "mm_processor_kwargs", "spaces_between_special_tokens",
     "functions", "function_call", "prediction", "audio", "modalities", "prompt_embeds",
     "lora_request",
@@ -151,6 +151,7 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:{id}"
     cache_salt: str | None = None  # vLLM: cached prefixes shared within one salt only
+    priority: int = 0  # vLLM: lower first, under --scheduling-policy priority
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, k alternatives each
 
 

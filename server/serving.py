@@ -98,6 +98,7 @@ class Serving:
         # LoRA adapters, each served as a model of its own name: name -> its directory.
         self.lora_modules = dict(info.config.lora_modules or {})
         self.max_model_len = info.max_model_len
+        self.by_priority = info.config.scheduling_policy == "priority"
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
         self.can_generate = info.can_generate
@@ -194,6 +195,12 @@ class Serving:
             raise APIError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
             )
+        if req.priority and not self.by_priority:
+            raise APIError(
+                f"priority {req.priority} needs priority scheduling (--scheduling-policy "
+                "priority).",
+                param="priority",
+            )
         optional = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING}  # null: the default
         try:
             params = SamplingParams(
@@ -206,6 +213,7 @@ class Serving:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words or [],
                 cache_salt=req.cache_salt,
+                priority=req.priority,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 ignore_eos=req.ignore_eos,

@@ -44,7 +44,19 @@ def test_out_of_vocab_names_the_first_bad_id():
     assert out_of_vocab([3, -1, 10], 10) == -1
 
 
-def test_no_block_leaks_after_finish_and_abort(llm):
+def test_priority_scheduling_runs_requests_by_priority(llm, tiny_gpt2_dir):
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="priority 1 needs priority scheduling"):
+        llm.engine.check_request([1, 2], dataclasses.replace(params, priority=1))
+    one = LLM(tiny_gpt2_dir, device="cpu", max_num_seqs=1, scheduling_policy="priority")
+    engine = one.engine
+    for name, priority in (("late", 2), ("first", -1), ("middle", 0), ("second", -1)):
+        engine.add_request(name, [5, 6, 7], dataclasses.replace(params, priority=priority))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert done == ["first", "second", "middle", "late"]
+
     engine = llm.engine
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     for i in range(6):

@@ -1,4 +1,5 @@
-"""Scheduler: token budget, chunked prefill, slots, preemption newest-first."""
+"""Scheduler: token budget, chunked prefill, slots, preemption newest-first (or by
+priority)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def setup(num_blocks=64, block_size=4, **config) -> Scheduler:
 
 def req(name: str, n: int) -> Request:
     return Request(name, list(range(1, n + 1)), SamplingParams())
+
+
+def prioritized(name: str, n: int, priority: int) -> Request:
+    """n tokens of a prompt of its own (no prefix-cache hits between them)."""
+    first = 1 + 32 * (ord(name) % 8)
+    return Request(name, list(range(first, first + n)), SamplingParams(priority=priority))
 
 
 def requests_of(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
@@ -110,6 +117,39 @@ def test_preempts_newest_when_blocks_run_out():
     assert b.output_token_ids == [7]  # generated tokens survive and are recomputed
     assert sched.num_preemptions >= 1
     assert a.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_victim_by_policy(policy):
+    """x and y (7 tokens, 2 blocks each) run, then z (8 tokens) fills the last 2 of 6
+    blocks; then each needs a third. fcfs preempts the newest (z); priority the last in
+    (priority, arrival) order, y, which runs between x and z."""
+    sched = setup(num_blocks=6, scheduling_policy=policy)
+    x, y, z = (prioritized(name, n, p) for name, n, p in (("x", 7, 0), ("y", 7, 1), ("z", 8, 0)))
+    sched.add(x)
+    sched.add(y)
+    assert run_step(sched) == {"x": 7, "y": 7}
+    sched.add(z)
+    assert run_step(sched) == {"x": 1, "y": 1, "z": 8}
+    victim = z if policy == "fcfs" else y
+    assert run_step(sched) == {r.request_id: 1 for r in (x, y, z) if r is not victim}
+    assert victim.status == RequestStatus.PREEMPTED and victim.block_ids == []
+    assert list(sched.waiting) == [victim]
+
+
+def test_priority_orders_admission_and_requeued_requests():
+    sched = setup(max_num_seqs=2, scheduling_policy="priority")
+    a, b, c, d = (prioritized(n, 2, p) for n, p in (("a", 5), ("b", 0), ("c", 5), ("d", -1)))
+    for r in (a, b, c, d):
+        sched.add(r)
+    assert list(sched.waiting) == [d, b, a, c]  # by priority, then arrival
+    assert run_step(sched) == {"d": 2, "b": 2}
+    sched.finish(d, "length")
+    assert run_step(sched) == {"b": 1, "a": 2}
+    e = prioritized("e", 2, 5)
+    sched.add(e)  # after a and c: same priority, later arrival
+    sched._preempt(a)
+    assert list(sched.waiting) == [a, c, e]  # a keeps its arrival's place
 
 
 def test_finish_frees_everything():

@@ -347,3 +347,11 @@ def test_documents_are_checked(client):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("documents")
     r = client.post("/v1/chat/completions", json=CHAT | {"documents": [{"text": "alpha"}]})
     assert r.status_code == 200, r.text
+
+
+def test_priority_needs_priority_scheduling(client):
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=CHAT | {"priority": 0})
+    assert r.status_code == 200, r.text
