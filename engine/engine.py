@@ -26,7 +26,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
 from engine.generation_config import load_generation_config
 from engine.input_batch import InputBatch
-from engine.kv_cache import BlockManager, chain_hash, salted_root
+from engine.kv_cache import BlockManager, adapter_root, salted_root
 from engine.model_runner import ModelRunner
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
@@ -192,8 +192,8 @@ class Engine:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, choice_params
                 )
-            if lora_index >= 0:  # its blocks chain from a block of one id no prompt holds
-                req.lora_index, req.hash_root = lora_index, chain_hash(None, [-1 - lora_index])
+            if lora_index >= 0:  # its blocks chain from a root of its own
+                req.lora_index, req.hash_root = lora_index, adapter_root(lora_index)
             if params.cache_salt is not None:
                 req.hash_root = salted_root(req.hash_root, params.cache_salt)
             eos = frozenset() if choice_params.ignore_eos else self.eos_set

@@ -16,22 +16,36 @@ frees its blocks. A steady decode batch that nobody looks up hashes nothing.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from engine.request import Request
 
-
-def chain_hash(parent: int | None, tokens: list[int]) -> int:
-    # Python's hash of a tuple of ints is deterministic across processes.
-    return hash((parent, tuple(tokens)))
+_NO_PARENT = bytes(32)  # the parent of a prompt's first block
 
 
-def salted_root(parent: int | None, salt: str) -> int:
-    """The root a request's block hashes chain from under vLLM's cache_salt: only requests
-    of the same salt (and adapter) share cached blocks. A str's hash differs between
-    processes, so the salt enters as a digest."""
-    digest = int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")
-    return chain_hash(parent, [digest])
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """A full block's key: SHA-256 of its parent's key and its tokens (vLLM's default).
+    A non-cryptographic hash (Python's) lets a client craft a prompt whose blocks
+    collide with another's, and so read or poison their KV; it even maps -1 and -2
+    alike."""
+    return _chain(parent, array("q", tokens).tobytes())
+
+
+def _chain(parent: bytes | None, tokens: bytes) -> bytes:
+    return hashlib.sha256(b"B" + (parent or _NO_PARENT) + tokens).digest()
+
+
+def adapter_root(lora_index: int) -> bytes:
+    """The root a LoRA adapter's blocks chain from: its KV is not the base model's."""
+    return hashlib.sha256(b"L" + lora_index.to_bytes(8, "little")).digest()
+
+
+def salted_root(parent: bytes | None, salt: str) -> bytes:
+    """The root a request's blocks chain from under vLLM's cache_salt: only requests of
+    the same salt (and adapter) share cached blocks."""
+    return hashlib.sha256(b"S" + (parent or _NO_PARENT) + salt.encode()).digest()
 
 
 class BlockManager:
@@ -40,8 +54,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -68,10 +82,11 @@ class BlockManager:
         bs = self.block_size
         tokens = req.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
+        raw, width = array("q", tokens[: max_blocks * bs]).tobytes(), 8 * bs
         blocks: list[int] = []
         parent = req.hash_root
         for i in range(max_blocks):
-            parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
+            parent = _chain(parent, raw[i * width : (i + 1) * width])
             block = self.cached.get(parent)
             if block is None:
                 break
@@ -142,8 +157,10 @@ class BlockManager:
         tokens = req.token_slice(len(hashes) * bs, req.num_computed_tokens)
         cached, block_hash = self.cached, self.block_hash
         parent = hashes[-1] if hashes else req.hash_root
-        for at in range(0, len(tokens) - bs + 1, bs):  # no block filled up: none
-            parent = chain_hash(parent, tokens[at : at + bs])
+        full = len(tokens) // bs * bs  # no block filled up: none
+        raw, width = array("q", tokens[:full]).tobytes(), 8 * bs
+        for at in range(0, len(raw), width):
+            parent = _chain(parent, raw[at : at + width])
             if parent not in cached:
                 block = req.block_ids[len(hashes)]
                 cached[parent] = block

@@ -156,10 +156,10 @@ class Request:
         # Its LoRA adapter's index (-1: the base model), set by the engine; the adapter's
         # KV differs from the base model's, so its blocks hash from a root of their own.
         self.lora_index = -1
-        self.hash_root: int | None = None
+        self.hash_root: bytes | None = None
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of its full blocks, as computed
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, as computed
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # Ended by a stop token (EOS or stop_token_ids) whose text the answer leaves out.

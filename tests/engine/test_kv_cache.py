@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine.kv_cache import BlockManager
+import hashlib
+
+from engine.kv_cache import BlockManager, adapter_root, chain_hash, salted_root
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -123,3 +125,15 @@ def test_noting_without_prefix_caching_keeps_nothing():
     admit(bm, req)
     bm.note_filled([req])
     assert bm.unhashed == {}
+
+
+def test_block_keys_are_sha256_of_the_parent_and_the_tokens():
+    tokens = [5, 70000, 3, 9]
+    first = chain_hash(None, tokens)
+    raw = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens)
+    assert first == hashlib.sha256(b"B" + bytes(32) + raw).digest()
+    assert chain_hash(first, tokens) == hashlib.sha256(b"B" + first + raw).digest()
+    # Python's hash maps -1 and -2 alike; these keys tell every root and block apart.
+    keys = {adapter_root(0), adapter_root(1), salted_root(None, "a"), salted_root(None, "b")}
+    keys |= {salted_root(adapter_root(0), "a"), chain_hash(None, [-1]), chain_hash(None, [-2])}
+    assert len(keys) == 7

@@ -69,6 +69,13 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(llm, tiny_llama_dir, 
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == want
     assert generate(llm, [prompt], [None])[0].num_cached_tokens > 0
     assert base.outputs[0].token_ids != want
+    # Nor are another adapter's (adapters 0 and 1 once shared a root: hash(-1) == hash(-2)).
+    other = generate(llm, [prompt], ["qv"])[0]
+    assert other.num_cached_tokens == 0
+    assert (
+        other.outputs[0].token_ids
+        == expected(tiny_llama_dir, tiny_lora_adapters, [prompt], ["qv"])[0]
+    )
 
 
 def test_a_larger_max_lora_rank_pads_without_changing_tokens(
