@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.bad_words import bad_words_token_ids
 from engine.models.loader import load_tokenizer
 from engine.scheduler import SchedulerOutput
 from tests.conftest import PROMPTS, hf_greedy
@@ -144,6 +147,32 @@ def test_sampled_and_greedy_rows_in_one_decode_graph_match_eager(tiny_model_dir)
     graphs = run()
     assert graphs == run(enforce_eager=True)
     assert graphs[1] != graphs[0] or graphs[2] != graphs[0]  # the sampler did run
+
+
+def test_banned_and_allowed_rows_in_decode_graphs_match_transformers(tiny_gpt2_dir):
+    """A bad_words row and an allowed_token_ids row beside a plain greedy one: the graph's
+    argmax stands for the plain row only; each equals transformers' generate under the
+    same constraint, graphs on and off."""
+    tokenizer = load_tokenizer(tiny_gpt2_dir)
+    ids = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    plain = [hf_greedy(tiny_gpt2_dir, i, MAX_NEW) for i in ids]
+    word = tokenizer.decode(plain[1][2:4])
+    spellings = bad_words_token_ids([word], lambda t: tokenizer.encode(t, add_special_tokens=False))
+    assert plain[1][2:4] in spellings
+    allowed = sorted(set(plain[2][1:6]) | {7, 100, 301})
+    want = [
+        plain[0],
+        hf_greedy(tiny_gpt2_dir, ids[1], MAX_NEW, bad_words_ids=spellings),
+        hf_greedy(tiny_gpt2_dir, ids[2], MAX_NEW, prefix_allowed_tokens_fn=lambda _b, _i: allowed),
+    ]
+    assert want[1] != plain[1] and want[2] != plain[2]
+    base = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    params = [base, replace(base, bad_words=[word]), replace(base, allowed_token_ids=allowed)]
+    for eager in (False, True):
+        llm = LLM(
+            tiny_gpt2_dir, device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager
+        )
+        assert [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)] == want
 
 
 def test_half_precision_runs_with_cuda_graphs(tiny_llama_dir):
