@@ -63,6 +63,7 @@ class EngineInfo:
     tokenizer: PreTrainedTokenizerBase | None = None
     hidden_size: int = 0  # an embedding's length (0: unknown)
     can_generate: bool = True  # False: a bare model, embeddings only
+    eos_token_ids: frozenset[int] = frozenset()  # the ids that end a choice (beam search's)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -73,6 +74,7 @@ class EngineInfo:
             engine.vocab_size,
             hidden_size=engine.model.config.hidden_size,
             can_generate=engine.can_generate,
+            eos_token_ids=frozenset(engine.eos_set),
         )
 
     @property

@@ -12,11 +12,10 @@ from server.errors import APIError
 # vLLM's and OpenAI's request fields Pagoda does not implement: a 400 that says so (any
 # other unknown field is a 400 too, as an unrecognized one).
 UNSUPPORTED_FIELDS = (
-    "use_beam_search", "length_penalty", "early_stopping", "guided_decoding_backend",
-    "guided_whitespace_pattern", "logits_processors", "kv_transfer_params",
-    "vllm_xargs", "mm_processor_kwargs", "spaces_between_special_tokens",
-    "functions", "function_call", "prediction", "audio", "modalities", "prompt_embeds",
-    "lora_request",
+    "early_stopping", "guided_decoding_backend", "guided_whitespace_pattern",
+    "logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
+    "spaces_between_special_tokens", "functions", "function_call", "prediction", "audio",
+    "modalities", "prompt_embeds", "lora_request",
 )  # fmt: skip
 
 # ---------------------------------------------------------------- requests
@@ -152,6 +151,8 @@ class SamplingRequest(_Request):
     return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:{id}"
     cache_salt: str | None = None  # vLLM: cached prefixes shared within one salt only
     priority: int = 0  # vLLM: lower first, under --scheduling-policy priority
+    use_beam_search: bool = False  # vLLM: the n best beams (server/beam_search.py)
+    length_penalty: float = 1.0  # beam search: scores are logprob / length ** this
     prompt_logprobs: int | None = None  # vLLM: the prompt's logprobs, k alternatives each
 
 

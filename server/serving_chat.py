@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
+from server import beam_search
 from server.errors import APIError
 from server.prompts import template_message
 from server.protocol import (
@@ -51,6 +52,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     params = s.sampling_params(
         req, max_tokens, logprobs, req.prompt_logprobs, grammar_of(req, tools.grammar)
     )
+    if req.use_beam_search:
+        beam_search.check(req, params)
     if s.reasoning_parser in KEEPS_SPECIAL_TOKENS or s.tool_call_parser in TOOL_MARKERS:
         params.skip_special_tokens = False  # the parsers read markers that are special tokens
     truncate = s.truncation(req)
@@ -71,7 +74,12 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     last = req.messages[-1]
     echo = template_message(last)["content"] if req.echo and last.role == "assistant" else ""
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = s.async_engine.submit(request_id, [prompt_ids], params)
+    if req.use_beam_search:
+        stream = beam_search.beam_stream(
+            s, raw, request_id, [prompt_ids], params, req.length_penalty
+        )
+    else:
+        stream = s.async_engine.submit(request_id, [prompt_ids], params)
     created = int(time.time())
     if req.stream:
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.request import RequestOutput, TokenLogprob
+from server import beam_search
 from server.errors import APIError
 from server.prompts import prompt_list
 from server.protocol import (
@@ -49,6 +50,8 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     if req.echo and req.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     params = s.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, grammar_of(req))
+    if req.use_beam_search:
+        beam_search.check(req, params)
     truncate = s.truncation(req)
     prompts_ = s.prompts
 
@@ -71,7 +74,11 @@ async def create_completion(s: Serving, req: CompletionRequest, raw: Request) ->
     else:
         prompts = prepare()
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    stream = s.async_engine.submit(request_id, [p.token_ids for p in prompts], params)
+    ids = [p.token_ids for p in prompts]
+    if req.use_beam_search:
+        stream = beam_search.beam_stream(s, raw, request_id, ids, params, req.length_penalty)
+    else:
+        stream = s.async_engine.submit(request_id, ids, params)
     answer = _Answer(s, req, request_id, stream, prompts, score_only)
     if req.stream:
         return SSEResponse(stream, answer.chunks())

@@ -59,15 +59,15 @@ def test_an_unknown_field_is_a_400_unless_null(client):
         assert schemas[name]["additionalProperties"] == {"type": "null"}
 
 
-@pytest.mark.parametrize("field", ["use_beam_search", "kv_transfer_params"])
+@pytest.mark.parametrize("field", ["early_stopping", "kv_transfer_params"])
 def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
-    value = True if field == "use_beam_search" else {"do_remote_prefill": True}
+    value = True if field == "early_stopping" else {"do_remote_prefill": True}
     r = client.post("/v1/completions", json={"prompt": "x", field: value})
     assert r.status_code == 400
     error = r.json()["error"]
     assert error["param"] == field and field in error["message"]
     # Off or null is no request for it.
-    off = False if field == "use_beam_search" else None
+    off = False if field == "early_stopping" else None
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, field: off})
     assert r.status_code == 200
 
