@@ -24,6 +24,11 @@ cut out of the call object, never re-serialized.
     qwen3_coder  <tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>
                  (Qwen3-Coder). These two write no JSON: their pairs become an object,
                  each pair once its value closes, typed by the function's schema
+    granite      [{"name": ..., "arguments": {...}}, ...]  (Granite 3.x), the whole output,
+                 after an optional <|tool_call|> or <tool_call>
+    pythonic     [f(a=1, b="x"), g()]  (Llama 3.2/4), the whole output: Python calls with
+                 keyword arguments of literal values, each call whole once it closes, its
+                 arguments as json.dumps makes them (as vLLM's)
 """
 
 from __future__ import annotations
@@ -260,10 +265,36 @@ class Qwen3CoderParser(PairsParser):
         return value.removeprefix("\n").removesuffix("\n")
 
 
+class GraniteParser(ToolParser):
+    TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's, 3.1+'s
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        i = _skip_ws(text, 0)
+        tag = next((t for t in self.TAGS if text.startswith(t, i)), None)
+        if tag is not None:
+            i = _skip_ws(text, i + len(tag))
+        elif not final and any(t.startswith(text[i:]) for t in self.TAGS):
+            return Extracted("")  # a tag may be coming
+        if i >= len(text):
+            return Extracted(text if final else "")
+        if text[i] != "[":
+            return Extracted(text, tail="content")  # no array of calls: content, whatever comes
+        calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
+        if final and not calls:
+            return Extracted(text)
+        return Extracted("", calls, tail)
+
+
 def _harmony() -> ToolParser:
     from server.harmony import HarmonyToolParser  # harmony.py builds on this module
 
     return HarmonyToolParser()
+
+
+def _pythonic() -> ToolParser:
+    from server.pythonic import PythonicParser  # pythonic.py builds on this module
+
+    return PythonicParser()
 
 
 PARSERS: dict[str, Callable[[], ToolParser]] = {
@@ -273,6 +304,8 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "glm45": Glm45Parser,
     "qwen3_coder": Qwen3CoderParser,
     "mistral": MistralParser,
+    "granite": GraniteParser,
+    "pythonic": _pythonic,
 }
 # The parsers whose markers are special tokens: their answers are decoded with them.
 KEEPS_SPECIAL_TOKENS = ("openai", "mistral")

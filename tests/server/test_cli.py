@@ -209,7 +209,7 @@ def test_tool_flags():
     assert server.enable_auto_tool_choice and server.tool_call_parser == "llama3_json"
     _, server = cli.parse_configs([])
     assert not server.enable_auto_tool_choice and server.tool_call_parser is None
-    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "pythonic"]):
+    for argv in (["--enable-auto-tool-choice"], ["--tool-call-parser", "xlam"]):
         with pytest.raises(SystemExit):
             cli.parse_configs(argv)
 

@@ -8,10 +8,12 @@ import json
 import pytest
 
 from server.protocol import ChatCompletionRequest, FunctionDefinition
+from server.pythonic import PythonicParser
 from server.tool_parsers import (
     PARSERS,
     DraftCall,
     Glm45Parser,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -54,6 +56,21 @@ QWEN3_CODER = (
     "</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>\n"
     "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
 )
+
+# Granite 3.x's: a JSON array of call objects after its tag.
+GRANITE = (
+    '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2]}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+# Llama 3.2's pythonic calls: literals of every kind, a ")" and quotes inside strings.
+PYTHONIC = (
+    "[get_weather(city='San Francisco', days=[1, 2], opts={'unit': \"c)\"}), "
+    'get_time(zone="it\'s", exact=True, skew=-1.5, none=None)]'
+)
+PYTHONIC_CALLS = [
+    DraftCall("get_weather", '{"city": "San Francisco", "days": [1, 2], "opts": {"unit": "c)"}}'),
+    DraftCall("get_time", '{"zone": "it\'s", "exact": true, "skew": -1.5, "none": null}'),
+]
 
 
 def test_hermes_whole_text():
@@ -138,6 +155,18 @@ def test_plan_tools_hands_the_pair_parsers_the_requests_functions(parser, text):
     assert found.calls == [DraftCall("f", '{"x": "1"}')]  # a string, as its schema says
 
 
+def test_granite_and_pythonic_whole_texts():
+    assert GraniteParser().extract(GRANITE, True).calls == [
+        DraftCall("get_weather", '{"city": "Oslo", "days": [1, 2]}'),
+        DraftCall("get_time", "{}"),
+    ]
+    found = PythonicParser().extract(f"<|python_start|>{PYTHONIC}<|python_end|>", True)
+    assert (found.content, found.calls) == ("", PYTHONIC_CALLS)
+    # Not a list of calls of literals: the text is the answer.
+    for text in ("[1, 2]", "[f(1)]", "[f(a=x)]", "[f(**k)]", "[f(a={1})]", "See [1]."):
+        assert PythonicParser().extract(text, True).content == text
+
+
 def test_required_and_named():
     assert RequiredParser().extract(REQUIRED, True).calls == [
         DraftCall("get_weather", '{"city": "Rome", "n": 3}'),
@@ -192,6 +221,11 @@ ESCAPES = (
             "",
             None,
         ),
+        (GraniteParser, GRANITE, "", None),
+        (GraniteParser, "[1] is a footnote.", "[1] is a footnote.", []),
+        (PythonicParser, PYTHONIC, "", PYTHONIC_CALLS),
+        (PythonicParser, "[Note](see f(a=1))", "[Note](see f(a=1))", []),
+        (PythonicParser, "No call here.", "No call here.", []),
         (HermesParser, "no calls <tool_ here", "no calls <tool_ here", []),
         (Llama3JsonParser, '{"not": "a call"}', '{"not": "a call"}', []),
     ],
@@ -217,6 +251,8 @@ def test_stream_without_parallel_calls_keeps_the_first():
     ("parser", "opening", "field"),
     [
         ("hermes", "Sure.", "content"),
+        ("granite", "Sure.", "content"),
+        ("pythonic", "Sure.", "content"),
         ("openai", "<|channel|>final<|message|>Sure.", "content"),
         ("openai", '<|channel|>commentary to=functions.f<|message|>{"code": "', "arguments"),
         # Inside a JSON string of the arguments: pieces without '"' or a backslash.
