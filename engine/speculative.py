@@ -16,12 +16,11 @@ A draft continues the last sampled id, so speculation reads every step's ids
 before planning the next (EngineConfig turns asynchronous scheduling off).
 Every draft's row is processed as a step at its position would be (logit_bias and
 allowed_token_ids; penalties, min_tokens and bad words counting the drafts before it:
-Sampler.verify), and each
-token's logprobs come from its own row (Engine._read_verified). Requests with a seed
-(which promises the tokens of a run without drafts) or a grammar do not draft
-(SamplingParams.speculates): they sample one token a step beside those that do. A step
-with grammar rows, prompt scoring or embeddings drafts nothing (nor one that admits
-such a request: engine/scheduler.py).
+Sampler.verify), and each token's logprobs come from its own row
+(Engine._read_verified). Requests with a seed (which promises the tokens of a run
+without drafts) or a grammar do not draft (SamplingParams.speculates): they sample
+one token a step beside those that do. A step with grammar rows, prompt scoring or
+embeddings drafts nothing (nor one that admits such a request: engine/scheduler.py).
 """
 
 from __future__ import annotations

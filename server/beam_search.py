@@ -26,6 +26,7 @@ from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError
 from server.prompts import ClientDisconnected
+from server.protocol import SamplingRequest
 from server.request_stream import RequestStream
 from server.serving import Serving
 
@@ -48,7 +49,7 @@ def score(beam: Beam, prompt_len: int, length_penalty: float) -> float:
     return beam.cum_logprob / length**length_penalty
 
 
-def check(req, params: SamplingParams) -> None:
+def check(req: SamplingRequest, params: SamplingParams) -> None:
     """400 for what a beam search cannot honor (n > MAX_BEAM_WIDTH, or an option that
     would change which tokens may come)."""
     if req.n > MAX_BEAM_WIDTH:
@@ -125,7 +126,7 @@ def beam_stream(
 
 async def search(
     s: Serving,
-    raw: Request,
+    raw: Request | None,
     request_id: str,
     prompt: list[int],
     params: SamplingParams,
