@@ -111,6 +111,25 @@ def test_impossible_requests_are_400s_checked_in_the_api_process(proc):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
 
 
+def test_bans_allowed_ids_and_beam_search_cross_the_pipe(proc, live, tokenizer):
+    """Each changes the thread engine's answer (a beam search's second beam, at least),
+    and the engine process gives the same."""
+    base = {"prompt": "Once upon", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    base |= {"return_token_ids": True}
+    plain = completion(live.base_url, base).json()["choices"][0]["token_ids"]
+    bodies = [
+        base | {"bad_words": [tokenizer.decode(plain[2:4])]},
+        base | {"allowed_token_ids": sorted((set(plain[1:]) | {40, 41}) - {plain[0]})},
+        base | {"use_beam_search": True, "n": 2},
+    ]
+    for body in bodies:
+        want = [c["token_ids"] for c in completion(live.base_url, body).json()["choices"]]
+        assert any(w != plain for w in want)
+        got = completion(proc.base_url, body)
+        assert got.status_code == 200, got.text
+        assert [c["token_ids"] for c in got.json()["choices"]] == want
+
+
 def test_structured_outputs_cross_to_the_engine_process(proc):
     body = {"prompt": "Hi", "guided_regex": "[a-d]{3}[0-9]", "max_tokens": 20, "n": 3}
     r = completion(proc.base_url, body)
