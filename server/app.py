@@ -24,6 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import EngineConfig
 from engine.heap import freeze_startup_heap
 from server.async_engine import AsyncEngine
+from server.classify import (
+    ClassificationRequest,
+    ClassificationResponse,
+    create_classification,
+)
 from server.config import ServerConfig
 from server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from server.engine_loop import EngineFactory, build_engine
@@ -168,6 +173,10 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
     )
     async def rerank(body: RerankRequest, request: Request) -> Response:
         return await create_rerank(_serving(request), body, request)
+
+    @app.post("/classify", response_model=ClassificationResponse, responses=_EMBED)
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        return await create_classification(_serving(request), body, request)
 
     @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:

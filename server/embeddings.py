@@ -68,7 +68,7 @@ class EmbeddingResponse(BaseModel):
 
 
 async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    s.admit(req.model, generates=False)
+    s.admit(req.model, task="embed")
     if req.dimensions is not None and not 1 <= req.dimensions <= (s.hidden_size or req.dimensions):
         raise APIError(
             f"dimensions must be in [1, {s.hidden_size}], got {req.dimensions}.",

@@ -25,7 +25,7 @@ import io
 import operator
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,7 @@ class EngineInfo:
     hidden_size: int = 0  # an embedding's length (0: unknown)
     can_generate: bool = True  # False: a bare model, embeddings only
     eos_token_ids: frozenset[int] = frozenset()  # the ids that end a choice (beam search's)
+    labels: list[str] = field(default_factory=list)  # a sequence classifier's (/classify)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -75,6 +76,7 @@ class EngineInfo:
             hidden_size=engine.model.config.hidden_size,
             can_generate=engine.can_generate,
             eos_token_ids=frozenset(engine.eos_set),
+            labels=engine.labels,
         )
 
     @property

@@ -91,7 +91,7 @@ def _texts(value: str | list[str], param: str) -> list[str]:
 
 
 async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
-    s.admit(req.model, generates=False)
+    s.admit(req.model, task="embed")
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) != 1 and len(first) != len(second):
         raise APIError(
@@ -113,7 +113,7 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
 
 
 async def create_rerank(s: Serving, req: RerankRequest, raw: Request) -> Response:
-    s.admit(req.model, generates=False)
+    s.admit(req.model, task="embed")
     query, documents = _texts(req.query, "query")[0], _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise APIError(f"top_n must be non-negative, got {req.top_n}.", param="top_n")

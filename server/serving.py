@@ -102,16 +102,28 @@ class Serving:
         self.vocab_size = info.vocab_size
         self.hidden_size = info.hidden_size
         self.can_generate = info.can_generate
+        self.labels = info.labels  # a sequence classifier's, by class index
         self.prompts = Prompts(info.tokenizer, self.max_model_len)
 
-    def admit(self, model: str | None, generates: bool = True) -> None:
+    def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it
-        names, that it can generate (unless the request only embeds), and room in the
-        waiting queue (a 503 with Retry-After)."""
+        names, that the model does the task ("generate", "embed" or "classify"), and
+        room in the waiting queue (a 503 with Retry-After)."""
         self.check_model(model)
-        if generates and not self.can_generate:
+        classifies = bool(self.labels)
+        if task != "classify" and classifies:
+            raise APIError(
+                "This model is a sequence classifier: it serves /classify only.", param="model"
+            )
+        if task == "generate" and not self.can_generate:
             raise APIError(
                 "This model has no LM head: it serves /v1/embeddings only.", param="model"
+            )
+        if task == "classify" and not classifies:
+            raise APIError(
+                "This model has no classification head (a *ForSequenceClassification "
+                "checkpoint's): /classify is not served.",
+                param="model",
             )
         self.async_engine.check_capacity()
 

@@ -193,6 +193,7 @@ def load_model(
     # Not to_empty(): empty_like of a meta tensor goes through torch._refs, whose first
     # use imports sympy (a quarter of a second); _apply is what to_empty calls.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.classifier = None  # a sequence classifier's head, where the checkpoint has one
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
         return _finish(model, device, quantization, lora_modules, max_lora_rank), config
@@ -200,6 +201,8 @@ def load_model(
     kv_scales: dict[int, dict[str, float]] = {}
     if scheme is not None:
         weights = dequantize_checkpoint(weights, scheme, kv_scales)
+    heads: dict[str, WeightSlice] = {}  # a *ForSequenceClassification's score head
+    weights = _without_heads(weights, heads)
     try:
         with staged_copies(device):
             loaded = model.load_weights(weights)
@@ -209,11 +212,20 @@ def load_model(
         raise ModelLoadError(f"{model_dir}: weights do not fit the config: {e}") from e
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     model.has_lm_head = not any(name.startswith("lm_head.") for name in missing)
+    if "score.weight" in heads:  # its head classifies the last token (engine/pooling.py)
+        model.classifier = heads["score.weight"][:].to(device, dtype)
+        model.has_lm_head = False
+        logger.info(
+            "%s: a classifier of %d labels: it serves /classify only",
+            model_dir,
+            model.classifier.shape[0],
+        )
     if not model.has_lm_head and all(name.startswith("lm_head.") for name in missing):
         # The bare model, as embedding models are saved (Qwen3-Embedding-8B): it embeds
         # (engine/pooling.py) and generates nothing; its head is zeros, never read.
         model.lm_head.weight.data.zero_()
-        logger.warning("%s: no LM head in the checkpoint: it serves embeddings only", model_dir)
+        if model.classifier is None:
+            logger.warning("%s: no LM head in the checkpoint: it serves embeddings only", model_dir)
         missing = []
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -222,6 +234,17 @@ def load_model(
         )
     set_kv_scales(model, kv_scales)
     return _finish(model, device, quantization, lora_modules, max_lora_rank), config
+
+
+def _without_heads(
+    weights: Iterator[tuple[str, WeightSlice]], heads: dict[str, WeightSlice]
+) -> Iterator[tuple[str, WeightSlice]]:
+    """The checkpoint's tensors but a sequence classifier's head, which goes to `heads`."""
+    for name, weight in weights:
+        if name == "score.weight":
+            heads[name] = weight
+        else:
+            yield name, weight
 
 
 def load_for_engine(
