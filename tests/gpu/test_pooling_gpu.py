@@ -39,3 +39,15 @@ def test_embeddings_beside_decoding_requests(tiny_llama_dir) -> None:
             hidden = model(torch.tensor([prompt])).last_hidden_state[0, -1]
         want = torch.nn.functional.normalize(hidden, dim=-1).numpy()
         np.testing.assert_allclose(embeddings[f"emb{i}"], want, atol=1e-4)
+
+
+def test_a_classifier_on_cuda_equals_transformers(tmp_path, tiny_qwen2_dir) -> None:
+    """A Qwen2 body under a three-label head (tied embeddings), its logits through the
+    pooling step on CUDA, batched, fp32 against transformers."""
+    from tests.server.test_classify import build_classifier, hf_logits
+
+    model_dir = build_classifier(tiny_qwen2_dir, tmp_path / "cls", 3)
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:6]]
+    for got, prompt in zip(llm.embed(ids, use_tqdm=False), ids, strict=True):
+        np.testing.assert_allclose(got, hf_logits(model_dir, prompt), atol=1e-4)
