@@ -6,11 +6,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.heap import freeze_startup_heap
+from engine.pooling import class_probabilities
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import build_grammar
@@ -59,6 +61,27 @@ class LLM:
     ) -> list[list[float]]:
         """Each prompt's embedding: its last token's final hidden state, L2-normalized
         (engine/pooling.py)."""
+        if self.engine.labels:
+            raise ValueError("this model is a sequence classifier: use classify()")
+        return self._pooled(prompts, lora_name, use_tqdm)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        lora_name: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[list[float]]:
+        """Each prompt's class probabilities, from a sequence classifier's head over its
+        last token (engine/pooling.py): the logits' softmax, or with one label their
+        sigmoid. The classes' names are `engine.labels`."""
+        if not self.engine.labels:
+            raise ValueError("this model has no classification head")
+        logits = np.asarray(self._pooled(prompts, lora_name, use_tqdm), dtype=np.float64)
+        return class_probabilities(logits).tolist()
+
+    def _pooled(
+        self, prompts: Prompt | Sequence[Prompt], lora_name: str | None, use_tqdm: bool
+    ) -> list[list[float]]:
         params = SamplingParams(
             max_tokens=1, temperature=0.0, pooling=True, detokenize=False, lora_name=lora_name
         )

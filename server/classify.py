@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from engine.pooling import class_probabilities
 from server.embeddings import EmbeddingUsage, embed
 from server.prompts import prompt_list
 from server.scoring import ScoringOptions
@@ -47,15 +48,6 @@ class ClassificationResponse(BaseModel):
 # ---------------------------------------------------------------- serving
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """[n, labels] logits -> their softmax per row, or their sigmoid with one label."""
-    logits = logits.astype(np.float64)
-    if logits.shape[1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits))
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
-
-
 async def create_classification(s: Serving, req: ClassificationRequest, raw: Request) -> Response:
     s.admit(req.model, task="classify")
     request_id = f"classify-{uuid.uuid4().hex}"
@@ -67,7 +59,7 @@ async def create_classification(s: Serving, req: ClassificationRequest, raw: Req
             probs=probs.tolist(),
             num_classes=len(probs),
         )
-        for index, probs in enumerate(probabilities(logits.vectors))
+        for index, probs in enumerate(class_probabilities(logits.vectors))
     ]
     response = ClassificationResponse(
         id=request_id,

@@ -42,12 +42,14 @@ def test_embeddings_beside_decoding_requests(tiny_llama_dir) -> None:
 
 
 def test_a_classifier_on_cuda_equals_transformers(tmp_path, tiny_qwen2_dir) -> None:
-    """A Qwen2 body under a three-label head (tied embeddings), its logits through the
-    pooling step on CUDA, batched, fp32 against transformers."""
+    """A Qwen2 body under a three-label head (tied embeddings), through the pooling step
+    on CUDA, batched, fp32: its probabilities are transformers' logits' softmax."""
     from tests.server.test_classify import build_classifier, hf_logits
 
     model_dir = build_classifier(tiny_qwen2_dir, tmp_path / "cls", 3)
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS[:6]]
-    for got, prompt in zip(llm.embed(ids, use_tqdm=False), ids, strict=True):
-        np.testing.assert_allclose(got, hf_logits(model_dir, prompt), atol=1e-4)
+    for got, prompt in zip(llm.classify(ids, use_tqdm=False), ids, strict=True):
+        logits = hf_logits(model_dir, prompt)
+        want = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        np.testing.assert_allclose(got, want, atol=1e-5)

@@ -86,16 +86,13 @@ def test_a_classifier_serves_nothing_else(classify_server, live):
 
 
 def test_one_label_is_a_sigmoid_score(tmp_path, tiny_llama_dir, tokenizer):
-    """An untied Llama body under one label's head (a reward model's shape): the engine's
-    vector is transformers' logit, and /classify's probability its sigmoid."""
-    from server.classify import probabilities
-
+    """An untied Llama body under one label's head (a reward model's shape), offline:
+    classify() gives the sigmoid of transformers' logit; embed() is refused."""
     model_dir = build_classifier(tiny_llama_dir, tmp_path / "llama-reward", 1)
     llm = LLM(model_dir, device="cpu")
     assert not llm.engine.can_generate and llm.engine.labels == ["LABEL_0"]
-    ids = tokenizer.encode(PROMPTS[1])
-    (logits,) = llm.embed([ids], use_tqdm=False)
-    want = hf_logits(model_dir, ids)
-    assert logits == pytest.approx(want.tolist(), abs=1e-5)
-    sigmoid = 1 / (1 + np.exp(-want[0]))
-    assert probabilities(np.array([logits]))[0, 0] == pytest.approx(sigmoid, abs=1e-5)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+    for (prob,), ids in zip(llm.classify(prompts, use_tqdm=False), prompts, strict=True):
+        assert prob == pytest.approx(1 / (1 + np.exp(-hf_logits(model_dir, ids)[0])), abs=1e-5)
+    with pytest.raises(ValueError, match="use classify"):
+        llm.embed(prompts, use_tqdm=False)
