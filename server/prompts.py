@@ -121,6 +121,17 @@ class Prompts:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pairs(
+        self, pairs: list[tuple[str, str]], add_special_tokens: bool
+    ) -> list[list[int]]:
+        """A cross-encoder's inputs: the tokenizer's own encoding of each text pair (its
+        template's separators, or the two texts' tokens one after the other), as vLLM's."""
+        tokenizer = self._tokenizer
+        return [
+            list(tokenizer(a, b, add_special_tokens=add_special_tokens)["input_ids"])
+            for a, b in pairs
+        ]
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)
 

@@ -1,8 +1,10 @@
-"""vLLM's score and rerank APIs over embeddings: a pair's score is the cosine similarity
-of the two texts' embeddings (server/embeddings.py), as vLLM scores with an embedding
-model. `/v1/score` scores text_1 against each text_2 (or pairwise, two lists of one
-length); `/v1/rerank` (also `/rerank`, `/v2/rerank`: Jina's and Cohere's shape) orders
-documents by their score against the query."""
+"""vLLM's score and rerank APIs: a pair's score is the cosine similarity of the two
+texts' embeddings (server/embeddings.py), as vLLM scores with an embedding model; with a
+one-label sequence classifier (a cross-encoder, server/classify.py), the sigmoid of its
+logit over the pair, encoded as the tokenizer encodes a text pair. `/v1/score` scores
+text_1 against each text_2 (or pairwise, two lists of one length); `/v1/rerank` (also
+`/rerank`, `/v2/rerank`: Jina's and Cohere's shape) orders documents by their score
+against the query."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from engine.pooling import class_probabilities
 from server.embeddings import EmbeddingUsage, embed
 from server.errors import APIError
 from server.protocol import RequestModel
@@ -90,8 +93,26 @@ def _texts(value: str | list[str], param: str) -> list[str]:
     return texts
 
 
+async def pair_scores(
+    s: Serving,
+    raw: Request,
+    request_id: str,
+    pairs: list[tuple[str, str]],
+    req: ScoringOptions,
+    param: str,  # the field the pairs' texts came in, for errors
+) -> tuple[np.ndarray, int]:
+    """A cross-encoder's scores of the pairs, and the tokens they took."""
+    for pair in pairs:
+        for text in pair:
+            s.prompts.check_length(text, param)
+    chars = sum(len(a) + len(b) for a, b in pairs)
+    ids = await s.prompts.run(raw, chars, s.prompts.encode_pairs, pairs, req.add_special_tokens)
+    logits = await embed(s, raw, request_id, ids, req, param)
+    return class_probabilities(logits.vectors)[:, 0], logits.num_tokens
+
+
 async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
-    s.admit(req.model, task="embed")
+    s.admit(req.model, task="score")
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) != 1 and len(first) != len(second):
         raise APIError(
@@ -100,26 +121,36 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
             param="text_1",
         )
     request_id = f"score-{uuid.uuid4().hex}"
-    embedded = await embed(s, raw, request_id, [*first, *second], req, "text_1")
-    left, right = embedded.vectors[: len(first)], embedded.vectors[len(first) :]
-    scores = (left * right).sum(axis=1)  # unit vectors: their cosine similarity
+    if s.labels:  # a cross-encoder
+        pairs = [(first[i if len(first) > 1 else 0], b) for i, b in enumerate(second)]
+        scores, num_tokens = await pair_scores(s, raw, request_id, pairs, req, "text_1")
+    else:
+        embedded = await embed(s, raw, request_id, [*first, *second], req, "text_1")
+        left, right = embedded.vectors[: len(first)], embedded.vectors[len(first) :]
+        scores = (left * right).sum(axis=1)  # unit vectors: their cosine similarity
+        num_tokens = embedded.num_tokens
     response = ScoreResponse(
         id=request_id,
         model=s.answering(req.model),
         data=[ScoreData(index=i, score=float(v)) for i, v in enumerate(scores)],
-        usage=EmbeddingUsage(prompt_tokens=embedded.num_tokens, total_tokens=embedded.num_tokens),
+        usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens),
     )
     return Response(response.model_dump_json(), media_type="application/json")
 
 
 async def create_rerank(s: Serving, req: RerankRequest, raw: Request) -> Response:
-    s.admit(req.model, task="embed")
+    s.admit(req.model, task="score")
     query, documents = _texts(req.query, "query")[0], _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise APIError(f"top_n must be non-negative, got {req.top_n}.", param="top_n")
     request_id = f"rerank-{uuid.uuid4().hex}"
-    embedded = await embed(s, raw, request_id, [query, *documents], req, "documents")
-    scores = embedded.vectors[1:] @ embedded.vectors[0]
+    if s.labels:  # a cross-encoder
+        pairs = [(query, document) for document in documents]
+        scores, num_tokens = await pair_scores(s, raw, request_id, pairs, req, "documents")
+    else:
+        embedded = await embed(s, raw, request_id, [query, *documents], req, "documents")
+        scores = embedded.vectors[1:] @ embedded.vectors[0]
+        num_tokens = embedded.num_tokens
     order = np.argsort(-scores, kind="stable")[: req.top_n or None]
     results = [
         RerankResult(
@@ -132,7 +163,7 @@ async def create_rerank(s: Serving, req: RerankRequest, raw: Request) -> Respons
     response = RerankResponse(
         id=request_id,
         model=s.answering(req.model),
-        usage=RerankUsage(total_tokens=embedded.num_tokens),
+        usage=RerankUsage(total_tokens=num_tokens),
         results=results,
     )
     return Response(response.model_dump_json(), media_type="application/json")

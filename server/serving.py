@@ -107,13 +107,17 @@ class Serving:
 
     def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it
-        names, that the model does the task ("generate", "embed" or "classify"), and
-        room in the waiting queue (a 503 with Retry-After)."""
+        names, that the model does the task ("generate", "embed", "score": an embedding
+        model's or a one-label classifier's, or "classify"), and room in the waiting queue
+        (a 503 with Retry-After)."""
         self.check_model(model)
         classifies = bool(self.labels)
-        if task != "classify" and classifies:
+        cross_encodes = task == "score" and len(self.labels) == 1
+        if task != "classify" and classifies and not cross_encodes:
             raise APIError(
-                "This model is a sequence classifier: it serves /classify only.", param="model"
+                "This model is a sequence classifier: it serves /classify only (and, with "
+                "one label, /v1/score and /v1/rerank).",
+                param="model",
             )
         if task == "generate" and not self.can_generate:
             raise APIError(

@@ -1,5 +1,6 @@
 """Sequence classifiers (*ForSequenceClassification checkpoints): /classify equals
-transformers' logits, softmaxed (sigmoid with one label); such a model serves nothing else."""
+transformers' logits, softmaxed (sigmoid with one label); with one label, /v1/score and
+/v1/rerank score text pairs (a cross-encoder); such a model serves nothing else."""
 
 from __future__ import annotations
 
@@ -77,12 +78,49 @@ def test_a_classifier_serves_nothing_else(classify_server, live):
     for path, body in (
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
         ("/v1/embeddings", {"input": "Hi"}),
-        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),  # three labels: no cross-encoder
     ):
         r = httpx.post(f"{url}{path}", json=body, timeout=60)
         assert r.status_code == 400 and "/classify only" in r.json()["error"]["message"]
     r = httpx.post(f"{live.base_url}/classify", json={"input": "Hi"}, timeout=60)
     assert r.status_code == 400 and "no classification head" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory, tiny_qwen2_dir) -> Iterator[tuple[str, LiveServer]]:
+    model_dir = build_classifier(tiny_qwen2_dir, tmp_path_factory.mktemp("qwen2-ce"), 1)
+    server_config = ServerConfig(shutdown_timeout=5.0)
+    live = LiveServer(create_app(engine_config(model_dir), server_config), server_config)
+    yield model_dir, live.start()
+    live.stop()
+
+
+def test_a_one_label_classifier_scores_and_reranks_pairs(cross_encoder, tokenizer):
+    """Each pair as the tokenizer encodes a text pair, its logit's sigmoid: score and
+    rerank equal transformers' over those ids."""
+    model_dir, server = cross_encoder
+    query, documents = "Where is Paris?", ["Paris is in France.", "Cats sleep.", "Hello"]
+
+    def want(a: str, b: str) -> float:
+        ids = tokenizer(a, b)["input_ids"]
+        return float(1 / (1 + np.exp(-hf_logits(model_dir, ids)[0])))
+
+    wants = [want(query, d) for d in documents]
+    assert len(set(wants)) == 3
+    body = {"text_1": query, "text_2": documents}
+    r = httpx.post(f"{server.base_url}/v1/score", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(wants, abs=1e-5)
+    pairwise = {"text_1": documents, "text_2": [query] * 3}
+    r = httpx.post(f"{server.base_url}/v1/score", json=pairwise, timeout=60)
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(
+        [want(d, query) for d in documents], abs=1e-5
+    )
+    body = {"query": query, "documents": documents, "top_n": 2}
+    results = httpx.post(f"{server.base_url}/v1/rerank", json=body, timeout=60).json()["results"]
+    best = sorted(range(3), key=lambda i: -wants[i])[:2]
+    assert [x["index"] for x in results] == best
+    assert [x["relevance_score"] for x in results] == pytest.approx([wants[i] for i in best])
 
 
 def test_one_label_is_a_sigmoid_score(tmp_path, tiny_llama_dir, tokenizer):
