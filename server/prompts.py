@@ -122,13 +122,16 @@ class Prompts:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_pairs(
-        self, pairs: list[tuple[str, str]], add_special_tokens: bool
+        self, pairs: list[tuple[str, str]], add_special_tokens: bool, max_length: int | None
     ) -> list[list[int]]:
         """A cross-encoder's inputs: the tokenizer's own encoding of each text pair (its
-        template's separators, or the two texts' tokens one after the other), as vLLM's."""
-        tokenizer = self._tokenizer
+        template's separators, or the two texts' tokens one after the other), as vLLM's;
+        max_length: cut to that many tokens, the longer text first."""
+        tokenizer, cut = self._tokenizer, {}
+        if max_length is not None:
+            cut = dict(truncation="longest_first", max_length=max_length)
         return [
-            list(tokenizer(a, b, add_special_tokens=add_special_tokens)["input_ids"])
+            list(tokenizer(a, b, add_special_tokens=add_special_tokens, **cut)["input_ids"])
             for a, b in pairs
         ]
 

@@ -106,7 +106,8 @@ async def pair_scores(
         for text in pair:
             s.prompts.check_length(text, param)
     chars = sum(len(a) + len(b) for a, b in pairs)
-    ids = await s.prompts.run(raw, chars, s.prompts.encode_pairs, pairs, req.add_special_tokens)
+    encode, special = s.prompts.encode_pairs, req.add_special_tokens
+    ids = await s.prompts.run(raw, chars, encode, pairs, special, s.truncation(req))
     logits = await embed(s, raw, request_id, ids, req, param)
     return class_probabilities(logits.vectors)[:, 0], logits.num_tokens
 

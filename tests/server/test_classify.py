@@ -116,6 +116,13 @@ def test_a_one_label_classifier_scores_and_reranks_pairs(cross_encoder, tokenize
     assert [d["score"] for d in r.json()["data"]] == pytest.approx(
         [want(d, query) for d in documents], abs=1e-5
     )
+    # Truncated, the longer text of a pair loses its tokens first (as transformers cuts).
+    cut = {"text_1": query, "text_2": documents[:1], "truncate_prompt_tokens": 6}
+    r = httpx.post(f"{server.base_url}/v1/score", json=cut, timeout=60)
+    ids = tokenizer(query, documents[0], truncation="longest_first", max_length=6)["input_ids"]
+    assert len(ids) == 6 and ids[:2] == tokenizer(query)["input_ids"][:2]
+    sigmoid = 1 / (1 + np.exp(-hf_logits(model_dir, ids)[0]))
+    assert r.json()["data"][0]["score"] == pytest.approx(sigmoid, abs=1e-5)
     body = {"query": query, "documents": documents, "top_n": 2}
     results = httpx.post(f"{server.base_url}/v1/rerank", json=body, timeout=60).json()["results"]
     best = sorted(range(3), key=lambda i: -wants[i])[:2]
