@@ -7,17 +7,15 @@ their softmax, or with one label their sigmoid (a reward or relevance score), as
 
 from __future__ import annotations
 
-import time
 import uuid
-from typing import Literal
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from engine.pooling import class_probabilities
-from server.embeddings import EmbeddingUsage, embed
+from server.embeddings import EmbeddingUsage, ListResponse, embed
 from server.prompts import prompt_list
 from server.scoring import ScoringOptions
 from server.serving import Serving
@@ -36,11 +34,7 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(ListResponse):
     data: list[ClassificationData]
     usage: EmbeddingUsage
 

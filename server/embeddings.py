@@ -55,11 +55,16 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class ListResponse(BaseModel):
+    """What the pooling APIs' answers open with (embeddings, score, classify)."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class EmbeddingResponse(ListResponse):
     data: list[EmbeddingData]
     usage: EmbeddingUsage
 

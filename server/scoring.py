@@ -8,17 +8,16 @@ against the query."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Literal
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from engine.pooling import class_probabilities
-from server.embeddings import EmbeddingUsage, embed
+from server.embeddings import EmbeddingUsage, ListResponse, embed
 from server.errors import APIError
 from server.protocol import RequestModel
 from server.serving import Serving
@@ -46,11 +45,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(ListResponse):
     data: list[ScoreData]
     usage: EmbeddingUsage
 
