@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from engine.classification import class_probabilities
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.heap import freeze_startup_heap
-from engine.pooling import class_probabilities
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import build_grammar

@@ -36,16 +36,6 @@ def pooling_rows(out: SchedulerOutput, batch: InputBatch) -> np.ndarray | None:
     return rows if rows.any() else None
 
 
-def class_probabilities(logits: np.ndarray) -> np.ndarray:
-    """[n, labels] a classifier's logits -> their softmax per row, or with one label their
-    sigmoid (a reward or relevance score), as vLLM's classify does."""
-    logits = logits.astype(np.float64)
-    if logits.shape[1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits))
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
-
-
 def pool(
     last_hidden: torch.Tensor,
     rows: np.ndarray,

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from engine.pooling import class_probabilities
+from engine.classification import class_probabilities
 from server.embeddings import EmbeddingUsage, ListResponse, embed
 from server.errors import APIError
 from server.protocol import RequestModel
