@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 
 PROMPT_LENGTHS = (16, 32, 48, 64)
 BAR = 0.95  # issue 35: >= 95% of tokens agree, 64 requests x 128 tokens
@@ -249,11 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_s = time.perf_counter() - start
 
     result = {
-        "benchmark": "agreement",
-        "command": "python -m benchmarks.agreement "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("agreement", argv),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,

@@ -41,7 +41,7 @@ import torch
 import xgrammar as xgr
 
 from benchmarks.checkpoints import CONFIGS, synthetic_tokenizer
-from benchmarks.provenance import git_commit, package_version, write_result
+from benchmarks.provenance import package_version, provenance, write_result
 from benchmarks.structured import SCHEMAS
 from engine.structured.grammars import Grammars, GrammarState
 from engine.structured.spec import GrammarSpec
@@ -272,11 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     # spinning on the cores the fill threads want.
     torch.set_num_threads(1)
     result = {
-        "benchmark": "grammar_fill",
-        "command": "python -m benchmarks.grammar_fill "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("grammar_fill", argv),
         "cpus": os.cpu_count(),
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,

@@ -34,7 +34,7 @@ import torch
 from benchmarks.checkpoints import build_checkpoint, write_random_adapters
 from benchmarks.decode_step import profile_decode_step
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 
 
@@ -239,11 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate(prompts, SamplingParams(max_tokens=warm, ignore_eos=True), use_tqdm=False)
 
     result = {
-        "benchmark": "offline",
-        "command": "python -m benchmarks.offline "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("offline", argv),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "model": args.model,

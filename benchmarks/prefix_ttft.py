@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 
 
@@ -122,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         del row["news"]
     result = {
-        "benchmark": "prefix_ttft",
-        "command": "python -m benchmarks.prefix_ttft "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("prefix_ttft", argv),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "model": args.model,
         "dtype": args.dtype,

@@ -19,14 +19,13 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.checkpoints import build_checkpoint, write_random_adapters
 from benchmarks.decode_step import start_decoding
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 
 WARMUP = 16
@@ -116,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_modules=loras,
     )
     result = {
-        "benchmark": "profile_decode",
-        "command": "python -m benchmarks.profile_decode "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("profile_decode", argv),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,
         "dtype": dtype,

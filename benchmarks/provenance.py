@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -25,6 +27,18 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sha + ("-dirty" if dirty else "")
+
+
+def provenance(benchmark: str, argv: list[str] | None) -> dict:
+    """What a result file opens with: the benchmark, the command that ran it (argv None:
+    this process's), when, and the commit."""
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m benchmarks.{benchmark} "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_commit(),
+    }
 
 
 def write_result(path: Path | None, result: dict) -> None:

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 
 POLL_S = 0.005  # a benchmark, not a test: the ready instant matters to the millisecond
 
@@ -285,11 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in run.phases.items())
         print(f"{label}: ready in {shown} ({phases})", file=sys.stderr)
     result = {
-        "benchmark": "startup",
-        "command": "python -m benchmarks.startup "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("startup", argv),
         "device": device_name(),
         "model": args.model_dir or args.model,
         "server_command": command,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoints import build_checkpoint
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 from engine.structured import mask_worker
 from engine.structured.mask_worker import accept_all
@@ -227,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = p.parse_args(argv)
     result = {
-        "benchmark": "structured",
-        "command": "python -m benchmarks.structured "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("structured", argv),
         "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
         "torch": torch.__version__,
         "batch": args.batch,

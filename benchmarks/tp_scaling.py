@@ -29,7 +29,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch
 from benchmarks.checkpoints import CONFIGS, build_checkpoint
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.offline import run_pagoda
-from benchmarks.provenance import git_commit, write_result
+from benchmarks.provenance import provenance, write_result
 from engine import LLM
 from engine.tp_group import WORKER_ENV
 
@@ -250,11 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     result: dict = {
-        "benchmark": "tp_scaling",
-        "command": "python -m benchmarks.tp_scaling "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": git_commit(),
+        **provenance("tp_scaling", argv),
         "gpu": torch.cuda.get_device_name(),
         "gpus": gpus,
         "torch": torch.__version__,

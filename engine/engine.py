@@ -87,9 +87,9 @@ class Engine:
             # sequence classifier classifies (engine/pooling.py) and does neither.
             self.can_generate = getattr(self.model, "has_lm_head", True)
             head = getattr(self.model, "classifier", None)
-            self.num_labels = 0 if head is None else head.shape[0]
+            num_labels = 0 if head is None else head.shape[0]
             names = getattr(hf_config, "id2label", None) or {}
-            self.labels = [names.get(i, f"LABEL_{i}") for i in range(self.num_labels)]
+            self.labels = [names.get(i, f"LABEL_{i}") for i in range(num_labels)]
             eos = getattr(hf_config, "eos_token_id", None)
             eos = [*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id]
             eos += load_generation_config(model_dir).eos_token_ids
