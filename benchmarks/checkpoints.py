@@ -171,6 +171,29 @@ def llama3_70b():
     return llama3(8192, 28672, 80, 64)
 
 
+def bert_base():
+    """bge-base-en-v1.5's shape (BERT-base): 12 layers, 768 hidden, 12 heads, 512 positions."""
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=30522, max_position_embeddings=512)
+
+
+def bge_m3():
+    """bge-m3's shape (XLM-RoBERTa-large): 24 layers, 1024 hidden, 16 heads, 8,192 tokens."""
+    from transformers import XLMRobertaConfig
+
+    return XLMRobertaConfig(
+        vocab_size=250002,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        max_position_embeddings=8194,
+        type_vocab_size=1,
+        pad_token_id=1,
+    )
+
+
 CONFIGS = {
     "gpt2": gpt2_124m,
     "qwen2-0.5b": qwen2_0_5b,
@@ -179,7 +202,10 @@ CONFIGS = {
     "glm-4.5-air": glm_4_5_air,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
+    "bert-base": bert_base,
+    "bge-m3": bge_m3,
 }
+ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embed
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "llama3-8b", "llama3-70b"}
@@ -187,7 +213,7 @@ ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "llama3-8b", "llama3
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:
     """Save a random checkpoint + tokenizer under path (skipped if already there)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from engine.models.loader import RANDOM_WEIGHTS_MARKER
 
@@ -203,7 +229,8 @@ def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) 
         (path / RANDOM_WEIGHTS_MARKER).write_text("weights drawn at load; see loader.py\n")
     else:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        auto = AutoModel if name in ENCODERS else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=dtype)
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

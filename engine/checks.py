@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
 
+# An encoder's prompt id with a token type (BERT's segment id: 1 on a cross-encoder
+# pair's second text) is token | token_type << TOKEN_TYPE_SHIFT, as vLLM packs them; the
+# model's embedding unpacks them (engine/models/bert.py).
+TOKEN_TYPE_SHIFT = 30
+
 
 class RequestRejected(ValueError):
     """A request that can never run; `param` names the request field at fault
@@ -20,22 +25,35 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-def out_of_vocab(token_ids: list[int], vocab_size: int) -> int | None:
-    """The first id outside [0, vocab_size), or None; min/max first, since a scan in
-    Python costs tens of ns an id, paid on every request's prompt."""
+def out_of_vocab(token_ids: list[int], vocab_size: int, token_types: int = 1) -> int | None:
+    """The first id outside [0, vocab_size) (with token_types > 1, whose token or type
+    is out of range), or None; min/max first, since a scan in Python costs tens of ns
+    an id, paid on every request's prompt."""
     if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
         return None
-    return next(t for t in token_ids if not 0 <= t < vocab_size)
+    mask = (1 << TOKEN_TYPE_SHIFT) - 1 if token_types > 1 else -1
+    return next(
+        (
+            t
+            for t in token_ids
+            if not (0 <= t & mask < vocab_size and 0 <= t >> TOKEN_TYPE_SHIFT < token_types)
+        ),
+        None,
+    )
 
 
 def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    vocab_size: int,
+    token_types: int = 1,  # an encoder's type_vocab_size: its ids may carry a type
 ) -> None:
     """Raise RequestRejected for a request that can never run (any thread, any process)."""
     num_prompt = len(prompt_token_ids)
     if num_prompt == 0:
         raise RequestRejected("The prompt is empty.", "prompt")
-    bad = out_of_vocab(prompt_token_ids, vocab_size)
+    bad = out_of_vocab(prompt_token_ids, vocab_size, token_types)
     if bad is not None:
         raise RequestRejected(
             f"Token id {bad} is out of vocabulary (vocabulary size {vocab_size}).", "prompt"

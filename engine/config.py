@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is asked for, not with the config
@@ -14,6 +14,7 @@ STEP_PATHS = ("graph", "prefill graph", "eager")
 _DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
+POOLING_TYPES = ("LAST", "CLS", "MEAN")  # engine/pooling.py
 
 
 @dataclass
@@ -59,6 +60,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    # How pooling requests pool (engine/pooling.py); None: as the model does.
+    pooling_type: str | None = None
+    # Set by the engine for an encoder (engine/models/bert.py): see encoder_only().
+    encoder: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -108,6 +113,10 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
         if self.nnodes > 1 and self.master_port == 0:
@@ -129,6 +138,22 @@ class EngineConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = low, high
         # A step's drafts follow the ids the last step sampled: they are read first.
         self.async_scheduling = False
+
+    def encoder_only(self) -> None:
+        """An encoder's settings: every request pools its prompt, which runs whole in one
+        step (attention is bidirectional), so no prefix is cached for another prompt and
+        no step replays a graph (pooling steps run eagerly)."""
+        if self.num_speculative_tokens:
+            raise ValueError("an encoder model generates nothing: no speculative decoding")
+        self.encoder = True
+        self.enable_prefix_caching = False
+        self.enforce_eager = True
+
+    @property
+    def whole_pooling_prompts(self) -> bool:
+        """Pooling prompts run whole in one step, never from the prefix cache: an
+        encoder's, and every prompt CLS or MEAN pooling reads all the states of."""
+        return self.encoder or self.pooling_type not in (None, "LAST")
 
     @property
     def ranks_per_node(self) -> int:

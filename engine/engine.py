@@ -28,9 +28,11 @@ from engine.generation_config import load_generation_config
 from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager, adapter_root, salted_root
 from engine.model_runner import ModelRunner
+from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.outputs import take_outputs, take_plain
+from engine.pooling import pooling_type
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -71,6 +73,16 @@ class Engine:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
+        encoder = is_encoder(hf_config)
+        if encoder:
+            config.encoder_only()
+        if config.pooling_type is None:
+            classifier = any(
+                a.endswith("ForSequenceClassification") for a in hf_config.architectures or []
+            )
+            config.pooling_type = pooling_type(model_dir, encoder, classifier)
+        if config.whole_pooling_prompts:  # the longest prompt fits one step
+            config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
         device = config.torch_device
         # Tensor parallelism: the other ranks start loading beside this one.
         self.workers: Workers | None = None
@@ -83,11 +95,12 @@ class Engine:
             self.model = load_for_engine(config, model_dir, hf_config, tp)
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
+            self.token_types = token_types(hf_config)
             # A bare model (no LM head in its checkpoint) embeds and generates nothing; a
             # sequence classifier classifies (engine/pooling.py) and does neither.
             self.can_generate = getattr(self.model, "has_lm_head", True)
             head = getattr(self.model, "classifier", None)
-            num_labels = 0 if head is None else head.shape[0]
+            num_labels = 0 if head is None else head.num_labels
             names = getattr(hf_config, "id2label", None) or {}
             self.labels = [names.get(i, f"LABEL_{i}") for i in range(num_labels)]
             eos = getattr(hf_config, "eos_token_id", None)
@@ -157,7 +170,9 @@ class Engine:
                 f"priority {params.priority} needs priority scheduling (--scheduling-policy "
                 "priority)"
             )
-        check_request(prompt_token_ids, params, self.config.max_model_len, self.vocab_size)
+        check_request(
+            prompt_token_ids, params, self.config.max_model_len, self.vocab_size, self.token_types
+        )
         self.lora_index(params.lora_name)
         if not params.pooling and not self.can_generate:
             raise ValueError("this model has no LM head: it serves embeddings only")

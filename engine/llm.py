@@ -59,8 +59,8 @@ class LLM:
         lora_name: str | None = None,
         use_tqdm: bool = True,
     ) -> list[list[float]]:
-        """Each prompt's embedding: its last token's final hidden state, L2-normalized
-        (engine/pooling.py)."""
+        """Each prompt's embedding: its final hidden states pooled as the model pools
+        (the last token's, the first's or their mean), L2-normalized (engine/pooling.py)."""
         if self.engine.labels:
             raise ValueError("this model is a sequence classifier: use classify()")
         return self._pooled(prompts, lora_name, use_tqdm)
@@ -72,7 +72,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[list[float]]:
         """Each prompt's class probabilities, from a sequence classifier's head over its
-        last token (engine/pooling.py): the logits' softmax, or with one label their
+        last token (an encoder's: its first; engine/pooling.py): the logits' softmax, or with one label their
         sigmoid. The classes' names are `engine.labels`."""
         if not self.engine.labels:
             raise ValueError("this model has no classification head")

@@ -204,7 +204,9 @@ class ModelRunner(StepInputs):
                 self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
             last = hidden[inp.logits_indices]  # [num_sampling, hidden_size]
             if pooling is not None:
-                self.pooled = pool(last, pooling, out, getattr(self.model, "classifier", None))
+                classifier = getattr(self.model, "classifier", None)
+                method = self.config.pooling_type or "LAST"
+                self.pooled = pool(hidden, last, pooling, out, method, classifier)
             return self.model.compute_logits(last)
 
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:

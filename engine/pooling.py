@@ -1,23 +1,46 @@
-"""Embeddings (the server's /v1/embeddings): a pooling request's embedding is its
-prompt's last token's final hidden state (after the model's last norm), L2-normalized
-in fp32: the pooling a decoder-only embedding model is trained with (Qwen3-Embedding,
-e5-mistral; vLLM's LAST pooling with normalization, its default for them). A sequence
-classifier's (/classify) is its head's logits of that same state instead.
+"""Embeddings (the server's /v1/embeddings) and classifier logits (/classify): a
+pooling request's vector comes from its prompt's final hidden states (after the
+model's last norm), pooled one of three ways, as vLLM's poolers do:
+
+- LAST: the last token's, the pooling a decoder-only embedding model is trained with
+  (Qwen3-Embedding, e5-mistral), and a decoder classifier's;
+- CLS: the first token's, an encoder's default (bge) and its classifier's;
+- MEAN: the mean over the prompt's tokens (e5, all-MiniLM).
+
+A sentence-transformers directory names its pooling (modules.json's Pooling module);
+else an encoder takes CLS, a decoder LAST. Embeddings are L2-normalized in fp32; a
+classifier's vector is its head's logits of the pooled state, unnormalized.
 
 The request is an ordinary one-token request: the step that runs its prompt's last
-token samples its one token, and that step also keeps the row's hidden state. Such a
-step runs eagerly (the graphs keep only logits); the token is dropped by the server.
+token samples its one token, and that step also pools the row. Such a step runs
+eagerly (the graphs keep only logits); the token is dropped by the server. CLS and
+MEAN read every prompt token's state, so such prompts run whole in one step, never
+from the prefix cache (EngineConfig.whole_pooling_prompts).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from engine.input_batch import InputBatch
 from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagoda.engine")
+
+POOLING_TYPES = ("LAST", "CLS", "MEAN")
+# sentence-transformers' Pooling config key -> ours.
+_ST_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_mean_tokens": "MEAN",
+}
 
 
 @dataclass
@@ -26,6 +49,37 @@ class PooledRows:
 
     slots: list[int]
     embeddings: list[list[float]]
+
+
+def pooling_type(model_dir: str, encoder: bool, classifier: bool) -> str:
+    """How the model pools: a classifier as transformers scores a sequence (an encoder's
+    first token, a decoder's last); an embedder as its sentence-transformers config
+    says, else CLS for an encoder, LAST for a decoder."""
+    default = "CLS" if encoder else "LAST"
+    if classifier:
+        return default
+    root = Path(model_dir)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+    except (OSError, ValueError):
+        return default
+    for module in modules if isinstance(modules, list) else []:
+        if str(module.get("type", "")).endswith("Pooling"):
+            try:
+                settings = json.loads((root / module.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                break
+            chosen = [ours for key, ours in _ST_MODES.items() if settings.get(key)]
+            if len(chosen) == 1:
+                return chosen[0]
+            logger.warning(
+                "%s: sentence-transformers pooling %s not supported (one of CLS, MEAN, "
+                "last token); pooling %s",
+                model_dir,
+                {k: v for k, v in settings.items() if k.startswith("pooling_mode") and v},
+                default,
+            )
+    return default
 
 
 def pooling_rows(out: SchedulerOutput, batch: InputBatch) -> np.ndarray | None:
@@ -37,18 +91,37 @@ def pooling_rows(out: SchedulerOutput, batch: InputBatch) -> np.ndarray | None:
 
 
 def pool(
-    last_hidden: torch.Tensor,
+    hidden: torch.Tensor,
+    last: torch.Tensor,
     rows: np.ndarray,
     out: SchedulerOutput,
-    classifier: torch.Tensor | None = None,
+    method: str,
+    classifier: nn.Module | None = None,
 ) -> PooledRows:
-    """last_hidden: [num_sampling, hidden] the sampling rows' final hidden states;
-    classifier: a sequence classifier's head [num_labels, hidden], whose logits of the
-    last token are then the rows' vectors (as transformers' *ForSequenceClassification
-    scores a sequence), unnormalized."""
-    picked = last_hidden[torch.from_numpy(np.flatnonzero(rows)).to(last_hidden.device)]
-    if classifier is not None:
-        vectors = (picked.to(classifier.dtype) @ classifier.T).float()
+    """hidden: [num_tokens, hidden] the step's final hidden states; last: [num_sampling,
+    hidden] the sampling rows' last tokens' (rows selects those that pool). For CLS
+    and MEAN each pooling sequence's tokens in this step are its whole prompt."""
+    picked = np.flatnonzero(rows)
+    if method == "LAST":
+        states = last[torch.from_numpy(picked).to(last.device)]
     else:
-        vectors = torch.nn.functional.normalize(picked.float(), dim=-1)
+        seqs = np.flatnonzero(out.samples)[picked]  # the pooling rows' sequences
+        lengths = out.num_new_tokens[seqs]
+        starts = (np.cumsum(out.num_new_tokens) - out.num_new_tokens)[seqs]
+        if method == "CLS":
+            states = hidden[torch.from_numpy(starts).to(hidden.device)]
+        else:  # MEAN: the sum over each prompt's tokens, in fp32, over its length
+            index = np.repeat(np.arange(len(seqs)), lengths)
+            tokens = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+            sums = hidden.new_zeros(len(seqs), hidden.shape[1], dtype=torch.float32)
+            sums.index_add_(
+                0,
+                torch.from_numpy(index).to(hidden.device),
+                hidden[torch.from_numpy(tokens).to(hidden.device)].float(),
+            )
+            states = sums / torch.from_numpy(lengths).to(hidden.device)[:, None]
+    if classifier is not None:
+        vectors = classifier(states)
+    else:
+        vectors = torch.nn.functional.normalize(states.float(), dim=-1)
     return PooledRows(out.sampling_slots[rows].tolist(), vectors.tolist())

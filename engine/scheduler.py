@@ -109,6 +109,7 @@ class Scheduler:
         self.block_table = block_table
         self.waiting: deque[Request] = deque()
         self.by_priority = config.scheduling_policy == "priority"
+        self.whole_pooling = config.whole_pooling_prompts
         self.num_preemptions = 0
         # `samples` of a step whose every sequence samples (read-only).
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
@@ -284,11 +285,15 @@ class Scheduler:
             first = req.wait_for  # its prompt's blocks are cached once its first id is read
             if first is not None and not (first.is_finished or first.num_output_tokens):
                 break  # FIFO: nothing overtakes a request held for its sibling
-            # Prompt logprobs need the logits at every prompt position: no cache hits.
-            fresh = req.num_computed_tokens == 0 and not req.scores_prompt
+            # Prompt logprobs need the logits at every prompt position, and CLS or MEAN
+            # pooling (or an encoder) every prompt token's state: no cache hits.
+            whole = self.whole_pooling and req.params.pooling
+            fresh = req.num_computed_tokens == 0 and not req.scores_prompt and not whole
             cached = self.blocks.find_cached_prefix(req) if fresh else []
             num_computed = len(cached) * self.blocks.block_size
             todo = min(req.num_tokens - num_computed, budget)
+            if whole and todo < req.num_tokens - num_computed:
+                break  # not chunked: it waits for a step with room for all of it
             if not self.blocks.allocate(req, todo, cached):
                 break
             self.waiting.popleft()

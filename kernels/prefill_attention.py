@@ -1,4 +1,5 @@
-"""Causal attention for chunks of new tokens over the paged KV cache (varlen batch).
+"""Causal attention for chunks of new tokens over the paged KV cache (varlen batch);
+bidirectional (causal=False) for an encoder's prompts, each whole in one step.
 
 An FP8 cache is read as in the decode kernel (kernels/paged_attention.py).
 
@@ -52,6 +53,7 @@ def paged_prefill_attention_ref(
     v_scale: float = 1.0,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
+    causal: bool = True,  # False: every query sees every key of its sequence (an encoder's)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -73,6 +75,8 @@ def paged_prefill_attention_ref(
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         k_pos = torch.arange(lo, seq_len, device=query.device)
         hidden = k_pos[None, :] > q_pos[:, None]  # [query_len, seq_len]
+        if not causal:
+            hidden.zero_()
         if sliding_window > 0:
             hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(hidden[None], float("-inf"))
@@ -201,6 +205,7 @@ def _prefill_kernel(
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
     SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr,  # False: every query sees its sequence's every key (no window)
 ):
     # One program per (query tile of the batch, kv head, key split), the last tiles first
     # (under causality they see the most keys). A tile's rows are BLOCK_Q queries times
@@ -243,6 +248,10 @@ def _prefill_kernel(
 
     # Causality bounds the keys by the tile's last query position, the window by its first.
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    if not CAUSAL:  # as if every query were the last: the mask then only bounds seq_len
+        kv_end = seq_len
+        q_pos = tl.zeros_like(q_pos) + seq_len - 1
+        first_pos = seq_len - 1
     kv_lo = tl.maximum(first_pos - window + 1, 0)
     keys_from = (kv_lo // BLOCK_N) * BLOCK_N
     # This split's keys: an equal share of whole BLOCK_N tiles (the sink counts once).
@@ -346,6 +355,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads], contiguous
+    causal: bool = True,  # False: bidirectional within each sequence (no window)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -365,6 +375,8 @@ def paged_prefill_attention(
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
+    if not causal and sliding_window > 0:
+        raise ValueError("bidirectional attention has no sliding window")
     group = num_heads // num_kv_heads
     if config is None:
         context = sliding_window if sliding_window > 0 else block_table.shape[1] * block_size
@@ -428,6 +440,7 @@ def paged_prefill_attention(
         SOFT_CAP=softcap > 0,
         SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(query.dtype),
+        CAUSAL=causal,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,7 +1,8 @@
 """POST /classify (vLLM's classification API): each input's class probabilities from a
 sequence classifier (a *ForSequenceClassification checkpoint: Qwen2, Qwen3, Llama,
-Mistral, ... with a `score` head). The logits are the head's over the last token's final
-hidden state (engine/pooling.py), as transformers scores a sequence; the probabilities
+Mistral, ... with a `score` head, or a BERT or XLM-RoBERTa encoder's). The logits are the
+head's over the last token's final hidden state (an encoder's: the first token's;
+engine/pooling.py), as transformers scores a sequence; the probabilities
 their softmax, or with one label their sigmoid (a reward or relevance score), as vLLM's.
 """
 

@@ -131,6 +131,14 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="fcfs: requests in arrival order; priority: by each request's `priority` "
         "(lower first), then arrival, to admit and (the last) to preempt",
     )
+    e(
+        "--pooling-type",
+        type=str.upper,
+        choices=["LAST", "CLS", "MEAN"],
+        help="how embeddings pool the prompt's final states: the last token's, the first's, "
+        "or their mean (default: the model's sentence-transformers config, else CLS for an "
+        "encoder, LAST for a decoder)",
+    )
     e("--enforce-eager", help="no CUDA graphs")
     e(
         "--no-prefill-graphs",
@@ -320,7 +328,9 @@ def parse_configs(
             if len(set(names)) < len(names):
                 raise ValueError(f"--lora-modules names an adapter twice: {names}")
             args["lora_modules"] = dict(args["lora_modules"])
-        engine_config = EngineConfig(**{f.name: args[f.name] for f in fields(EngineConfig)})
+        engine_config = EngineConfig(
+            **{f.name: args[f.name] for f in fields(EngineConfig) if f.init}
+        )
         server_config = ServerConfig(**{f.name: args[f.name] for f in fields(ServerConfig)})
         if engine_config.node_rank > 0 and not server_config.headless:
             raise ValueError("--node-rank > 0 runs this node's ranks only: add --headless")

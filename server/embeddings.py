@@ -1,8 +1,8 @@
-"""POST /v1/embeddings: each input's embedding (engine/pooling.py: its last token's
-final hidden state, L2-normalized), in OpenAI's shape; or, as vLLM takes it, chat
-messages' (the chat template's prompt, with no generation prompt unless asked). Any
-served model or LoRA adapter answers; an embedding model (Qwen3-Embedding, e5-mistral)
-is what makes the vectors worth having."""
+"""POST /v1/embeddings: each input's embedding (engine/pooling.py: its final hidden
+states pooled as the model pools, L2-normalized), in OpenAI's shape; or, as vLLM takes
+it, chat messages' (the chat template's prompt, with no generation prompt unless asked).
+Any served model or LoRA adapter answers; an embedding model (Qwen3-Embedding,
+e5-mistral, or an encoder: bge, e5, bge-m3) is what makes the vectors worth having."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ class EngineInfo:
     can_generate: bool = True  # False: a bare model, embeddings only
     eos_token_ids: frozenset[int] = frozenset()  # the ids that end a choice (beam search's)
     labels: list[str] = field(default_factory=list)  # a sequence classifier's (/classify)
+    token_types: int = 1  # an encoder's type_vocab_size (engine/checks.py's TOKEN_TYPE_SHIFT)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -77,6 +78,7 @@ class EngineInfo:
             can_generate=engine.can_generate,
             eos_token_ids=frozenset(engine.eos_set),
             labels=engine.labels,
+            token_types=engine.token_types,
         )
 
     @property

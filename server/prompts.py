@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
+from engine.checks import TOKEN_TYPE_SHIFT
 from server.errors import APIError
 from server.protocol import ChatMessage, ChatTemplateOptions, ToolCall
 
@@ -58,9 +59,12 @@ class ClientDisconnected(Exception):
 
 
 class Prompts:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, token_types: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.token_types = token_types  # > 1: an encoder whose pairs carry token types
         self._local = threading.local()  # each lane's worker: its own tokenizer copy
         self._lanes = [
             ThreadPoolExecutor(
@@ -126,14 +130,22 @@ class Prompts:
     ) -> list[list[int]]:
         """A cross-encoder's inputs: the tokenizer's own encoding of each text pair (its
         template's separators, or the two texts' tokens one after the other), as vLLM's;
-        max_length: cut to that many tokens, the longer text first."""
+        max_length: cut to that many tokens, the longer text first. An encoder with token
+        types gets each token's packed into its id (engine/checks.py)."""
         tokenizer, cut = self._tokenizer, {}
         if max_length is not None:
             cut = dict(truncation="longest_first", max_length=max_length)
-        return [
-            list(tokenizer(a, b, add_special_tokens=add_special_tokens, **cut)["input_ids"])
-            for a, b in pairs
-        ]
+        if self.token_types > 1:
+            cut["return_token_type_ids"] = True
+        out = []
+        for a, b in pairs:
+            enc = tokenizer(a, b, add_special_tokens=add_special_tokens, **cut)
+            ids = list(enc["input_ids"])
+            if self.token_types > 1:
+                types = enc["token_type_ids"]
+                ids = [t | k << TOKEN_TYPE_SHIFT for t, k in zip(ids, types, strict=True)]
+            out.append(ids)
+        return out
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)

@@ -103,7 +103,8 @@ class Serving:
         self.hidden_size = info.hidden_size
         self.can_generate = info.can_generate
         self.labels = info.labels  # a sequence classifier's, by class index
-        self.prompts = Prompts(info.tokenizer, self.max_model_len)
+        self.token_types = info.token_types
+        self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types)
 
     def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it
@@ -163,7 +164,7 @@ class Serving:
         except ValueError as exc:  # "bad_words entry ' ' has no tokens"
             raise from_value_error(exc) from exc
         try:
-            check_request(ids, params, self.max_model_len, self.vocab_size)
+            check_request(ids, params, self.max_model_len, self.vocab_size, self.token_types)
         except RequestRejected as exc:
             raise APIError(str(exc), param=param if exc.param == "prompt" else exc.param) from None
         return ids

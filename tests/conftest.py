@@ -394,6 +394,92 @@ def tiny_family_dir(tmp_path_factory, tokenizer):
     return get
 
 
+# Tiny encoders (engine/models/bert.py): kind -> (transformers class, config extras,
+# sentence-transformers pooling mode or None). bert_mean: an embedder whose
+# sentence-transformers config says MEAN; the rest take their default pooling (CLS).
+ENCODERS = {
+    "bert_mean": ("BertModel", {}, "pooling_mode_mean_tokens"),
+    "bert_cls": ("BertModel", {}, None),
+    "xlm_roberta": ("XLMRobertaModel", {}, None),
+    "bert_classifier": ("BertForSequenceClassification", {"num_labels": 3}, None),
+    "bert_cross_encoder": ("BertForSequenceClassification", {"num_labels": 1}, None),
+    "xlm_roberta_reranker": (
+        "XLMRobertaForSequenceClassification",
+        {"num_labels": 1, "type_vocab_size": 1},
+        None,
+    ),
+}
+
+
+def encoder_tokenizer():
+    """The BPE tokenizer with BERT's special tokens and template: [CLS] a [SEP], and for
+    pairs [CLS] a [SEP] b [SEP] with token type 1 on b's part."""
+    from tokenizers import processors
+
+    tok = train_tokenizer()
+    tok.add_special_tokens({"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]"})
+    cls, sep = tok.cls_token_id, tok.sep_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return tok
+
+
+def build_encoder(kind: str, path: Path) -> str:
+    import json
+
+    import transformers
+
+    cls_name, extras, st_mode = ENCODERS[kind]
+    tokenizer = encoder_tokenizer()
+    roberta = "XLMRoberta" in cls_name
+    config_cls = transformers.XLMRobertaConfig if roberta else transformers.BertConfig
+    pad = tokenizer.pad_token_id
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        # RoBERTa numbers positions from pad + 1.
+        max_position_embeddings=128 + (pad + 1 if roberta else 0),
+        pad_token_id=pad,
+        initializer_range=0.2,
+        **({"type_vocab_size": 2} | extras),
+    )
+    torch.manual_seed(0)
+    _save(path, getattr(transformers, cls_name)(config), tokenizer)
+    if st_mode is not None:  # a sentence-transformers directory's Pooling module
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {
+                "idx": 1,
+                "name": "1",
+                "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling",
+            },
+        ]
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({st_mode: True}))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_dir(tmp_path_factory):
+    """`tiny_encoder_dir(kind)` -> a saved tiny encoder of an ENCODERS kind, built once."""
+    built: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in built:
+            built[kind] = build_encoder(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return built[kind]
+
+    return get
+
+
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """transformers' greedy continuation in fp32 on CPU, EOS ignored (kwargs: to generate)."""
     from transformers import AutoModelForCausalLM

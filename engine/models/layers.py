@@ -68,8 +68,10 @@ class PagedAttention(nn.Module):
         scale: float,
         sliding_window: int = 0,  # > 0: attend to the last `sliding_window` positions only
         softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap) (Gemma 2)
+        causal: bool = True,  # False: an encoder's, each prompt whole in its step
     ) -> None:
         super().__init__()
+        self.causal = causal
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -129,6 +131,7 @@ class PagedAttention(nn.Module):
                 sliding_window=self.sliding_window,
                 softcap=self.softcap,
                 sinks=sinks,
+                causal=self.causal,
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.bert import ENCODER_TYPES, BertModel, ClassifierHead, encoder_max_len
 from engine.models.cohere import CohereForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
@@ -62,7 +63,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
-}
+} | dict.fromkeys(ENCODER_TYPES, BertModel)
 
 
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
@@ -124,6 +125,8 @@ def _initialisers_skipped() -> Iterator[None]:
 
 def max_model_len(config: PretrainedConfig) -> int:
     """The longest context the model handles exactly (with YaRN, what it extends to)."""
+    if config.model_type in ENCODER_TYPES:
+        return encoder_max_len(config)
     positions = getattr(config, "n_positions", None) or config.max_position_embeddings
     return rope_positions(positions, rope_settings(config)[1])
 
@@ -193,7 +196,8 @@ def load_model(
     # Not to_empty(): empty_like of a meta tensor goes through torch._refs, whose first
     # use imports sympy (a quarter of a second); _apply is what to_empty calls.
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    model.classifier = None  # a sequence classifier's head, where the checkpoint has one
+    if not hasattr(model, "classifier"):  # a decoder's score head, where the checkpoint has one
+        model.classifier = None
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
         return _finish(model, device, quantization, lora_modules, max_lora_rank), config
@@ -211,16 +215,17 @@ def load_model(
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{model_dir}: weights do not fit the config: {e}") from e
     missing = sorted(set(dict(model.named_parameters())) - loaded)
-    model.has_lm_head = not any(name.startswith("lm_head.") for name in missing)
+    if not getattr(model, "is_encoder", False):
+        model.has_lm_head = not any(name.startswith("lm_head.") for name in missing)
     if "score.weight" in heads:  # its head classifies the last token (engine/pooling.py)
-        model.classifier = heads["score.weight"][:].to(device, dtype)
+        score = heads["score.weight"][:]
+        model.classifier = ClassifierHead(score.shape[1], score.shape[0], dense=False, bias=False)
+        model.classifier.out.weight.data = score.to(device, dtype)
         model.has_lm_head = False
-        logger.info(
-            "%s: a classifier of %d labels: it serves /classify only",
-            model_dir,
-            model.classifier.shape[0],
-        )
-    if not model.has_lm_head and all(name.startswith("lm_head.") for name in missing):
+    if model.classifier is not None:
+        labels = model.classifier.num_labels
+        logger.info("%s: a classifier of %d labels: it serves /classify only", model_dir, labels)
+    if missing and not model.has_lm_head and all(n.startswith("lm_head.") for n in missing):
         # The bare model, as embedding models are saved (Qwen3-Embedding-8B): it embeds
         # (engine/pooling.py) and generates nothing; its head is zeros, never read.
         model.lm_head.weight.data.zero_()

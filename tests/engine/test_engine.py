@@ -138,10 +138,10 @@ def test_without_max_tokens_the_context_length_ends_it(llm):
 def test_unsupported_architecture_names_the_file(tmp_path, tiny_gpt2_dir):
     shutil.copytree(tiny_gpt2_dir, tmp_path / "m", dirs_exist_ok=True)
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["model_type"] = "bert"
-    config["architectures"] = ["BertModel"]
+    config["model_type"] = "t5"
+    config["architectures"] = ["T5ForConditionalGeneration"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"config\.json.*unsupported architecture 'bert'"):
+    with pytest.raises(ModelLoadError, match=r"config\.json.*unsupported architecture 't5'"):
         load_model(str(tmp_path / "m"), torch.device("cpu"), torch.float32)
 
 

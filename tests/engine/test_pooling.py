@@ -40,3 +40,28 @@ def test_pooling_rows_among_generating_ones(tiny_llama_dir):
     for i, ids in enumerate(generating):
         assert finished[f"gen{i}"].embedding is None
         assert tokens[f"gen{i}"] == hf_greedy(tiny_llama_dir, ids, 12)
+
+
+def test_mean_pooling_of_a_decoder_reads_whole_prompts(tiny_llama_dir):
+    """--pooling-type MEAN on a decoder: each prompt runs whole (the budget grows to the
+    longest), and a prompt embedded again is recomputed, not read from the prefix cache
+    (whose blocks hold no hidden states); a generating request still decodes exactly."""
+    from transformers import AutoModel
+
+    llm = LLM(
+        tiny_llama_dir, device="cpu", block_size=4, max_num_batched_tokens=8, pooling_type="MEAN"
+    )
+    assert llm.engine.config.max_num_batched_tokens == llm.engine.config.max_model_len
+    prompts = [PROMPTS[5], PROMPTS[8], PROMPTS[5]]
+    got = llm.embed(prompts[:2], use_tqdm=False) + llm.embed(prompts[2:], use_tqdm=False)
+    model = AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for prompt, vector in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            states = model(torch.tensor([llm.tokenizer.encode(prompt)])).last_hidden_state[0]
+        want = torch.nn.functional.normalize(states.mean(0), dim=-1).numpy()
+        np.testing.assert_allclose(vector, want, atol=1e-5)
+    ids = llm.tokenizer.encode(PROMPTS[5])
+    out = llm.generate(
+        [ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    assert out[0].outputs[0].token_ids == hf_greedy(tiny_llama_dir, ids, 8)

@@ -205,3 +205,57 @@ def test_prefill_sliding_window_matches_reference(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     unwindowed = paged_prefill_attention_ref(*args)
     assert unwindowed.isnan().any()  # the poison is there to be read
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), CASES[:3])
+def test_bidirectional_prefill_matches_reference_and_sdpa(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
+) -> None:
+    """causal=False (an encoder's prompts, each whole in its step): every query sees every
+    key of its own sequence, over tiles both full and partial, and no other sequence's."""
+    seq_lens = [70, 3, 1, 2 * block_size]
+    k_cache, v_cache, block_table = paged_kv(seq_lens, num_kv_heads, head_dim, block_size)
+    num_tokens = sum(seq_lens)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=rng).to(device)
+    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    query_start_loc = starts.to(device=device, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, head_dim**-0.5)
+    launch = split(num_splits, max(seq_lens), head_dim, num_heads // num_kv_heads)
+    result = paged_prefill_attention(*args, max(seq_lens), causal=False, **launch)
+    expected = paged_prefill_attention_ref(*args, max(seq_lens), causal=False)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    causal = paged_prefill_attention_ref(*args, max(seq_lens))
+    assert not torch.allclose(causal[:70], expected[:70], atol=1e-3)  # the flag does something
+    for i, n in enumerate(seq_lens):  # the reference against SDPA without a mask
+        blocks = block_table[i, : -(-n // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1).float()
+        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1).float()
+        q = query[starts[i] : starts[i + 1]].transpose(0, 1).float()
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, scale=head_dim**-0.5, enable_gqa=True
+        )
+        torch.testing.assert_close(
+            expected[starts[i] : starts[i + 1]],
+            want.transpose(0, 1).to(expected.dtype),
+            rtol=1e-4,
+            atol=1e-5,
+        )
+
+
+def test_bidirectional_prefill_has_no_window(device: torch.device) -> None:
+    q = torch.zeros(2, 1, 16, device=device)
+    cache = torch.zeros(1, 16, 1, 16, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    loc = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    lens = torch.tensor([2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="no sliding window"):
+        paged_prefill_attention(q, cache, cache, table, loc, lens, 1.0, 2, 4, causal=False)

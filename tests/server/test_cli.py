@@ -38,7 +38,7 @@ def test_every_flag_maps_to_its_field():
         "--max-request-body-bytes 1000 --shutdown-timeout 2 --log-level debug --engine-process --api-server-count 3 "
         "--disable-uvicorn-access-log --disable-log-stats --stream-interval 4 "
         "--header-timeout 3 --body-timeout 4 --timeout-keep-alive 6 --max-connections 9 "
-        "--cuda-graph-sizes 1 4 16"
+        "--cuda-graph-sizes 1 4 16 --pooling-type mean"
     )
     engine, server = cli.parse_configs(argv)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == (
@@ -58,6 +58,7 @@ def test_every_flag_maps_to_its_field():
     assert (engine.seed, engine.nvtx, engine.log_stats_interval) == (7, True, 0.0)
     assert engine.stream_interval == 4
     assert engine.cuda_graph_sizes == [1, 4, 16]
+    assert engine.pooling_type == "MEAN"
     assert (server.host, server.port, server.served_model_name, server.api_key) == (
         "0.0.0.0",
         9001,

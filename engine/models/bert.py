@@ -1,0 +1,208 @@
+"""BERT, RoBERTa and XLM-RoBERTa encoders: embedding models (bge, e5, all-MiniLM, gte,
+bge-m3) and their sequence classifiers (cross-encoders such as bge-reranker).
+
+An encoder attends both ways within its prompt, so each prompt runs whole in one step,
+over the paged cache like any prefill (PagedAttention with causal=False), and nothing
+of it is cached for another prompt (EngineConfig.for_encoder). Its outputs are pooled
+(engine/pooling.py): it generates nothing, so its logits are zeros.
+
+Token types (BERT's segment ids, which a cross-encoder's pair encoding sets to 1 on the
+second text) travel packed into the prompt's ids (engine/checks.py's TOKEN_TYPE_SHIFT),
+as vLLM packs them; the embedding unpacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.checks import TOKEN_TYPE_SHIFT
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.gpt2 import ACTIVATIONS
+from engine.models.layers import AttentionMetadata, LayerNorm, PagedAttention
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightSlice,
+    head_shard,
+    load_weight,
+    split,
+)
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+# HF module path inside a layer -> ours (and the qkv section).
+LAYER_NAMES = {
+    "attention.self.query": ("qkv", 0),
+    "attention.self.key": ("qkv", 1),
+    "attention.self.value": ("qkv", 2),
+    "attention.output.dense": ("attn_out", None),
+    "attention.output.LayerNorm": ("attn_norm", None),
+    "intermediate.dense": ("up", None),
+    "output.dense": ("down", None),
+    "output.LayerNorm": ("out_norm", None),
+}
+# Checkpoint tensors an encoder serving embeddings or scores never reads: the masked-LM
+# and next-sentence heads, and old checkpoints' position-id buffers.
+IGNORED_PREFIXES = ("cls.", "lm_head.")
+IGNORED_SUFFIXES = ("position_ids",)
+
+
+def is_encoder(config) -> bool:
+    return config.model_type in ENCODER_TYPES
+
+
+def check_config(config) -> None:
+    """Raise ValueError naming a config feature this code would silently ignore."""
+    kind = getattr(config, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"unsupported position_embedding_type {kind!r} (only absolute)")
+    if getattr(config, "is_decoder", False):
+        raise ValueError("a BERT-family model configured as a decoder is not supported")
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+
+
+def position_offset(config) -> int:
+    """RoBERTa numbers positions from padding_idx + 1 (transformers'
+    create_position_ids_from_input_ids on an unpadded prompt); BERT from 0."""
+    return config.pad_token_id + 1 if config.model_type != "bert" else 0
+
+
+def token_types(config) -> int:
+    """How many token types an encoder's prompt ids may carry (1: a decoder's, none)."""
+    return getattr(config, "type_vocab_size", 1) if is_encoder(config) else 1
+
+
+def encoder_max_len(config) -> int:
+    return config.max_position_embeddings - position_offset(config)
+
+
+class ClassifierHead(nn.Module):
+    """A sequence classifier's head over its pooled state: dense + tanh, then the labels'
+    projection (BERT's pooler and classifier; RoBERTa's classification head). A
+    decoder's `score` is the projection alone, without bias (dense False)."""
+
+    def __init__(self, hidden: int, num_labels: int, dense: bool, bias: bool) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+        self.dense = nn.Linear(hidden, hidden) if dense else None
+        self.out = nn.Linear(hidden, num_labels, bias=bias)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:  # [n, num_labels] fp32
+        x = pooled.to(self.out.weight.dtype)
+        if self.dense is not None:
+            x = torch.tanh(self.dense(x))
+        return self.out(x).float()
+
+
+class BertLayer(nn.Module):
+    """Post-norm: each sublayer's output is added to its input, then normalized."""
+
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        d, n = config.hidden_size, config.num_attention_heads
+        head_dim = d // n
+        heads = head_shard(n, n, head_dim, tp)
+        self.qkv = ColumnParallelLinear(d, heads.sections, bias=True)
+        scale = head_dim**-0.5
+        self.attn = PagedAttention(
+            heads.num_heads, heads.num_kv_heads, head_dim, scale, causal=False
+        )
+        self.attn_out = RowParallelLinear(d, d, bias=True, tp=tp)
+        self.attn_norm = LayerNorm(d, config.layer_norm_eps)
+        self.up = ColumnParallelLinear(
+            d, [split(config.intermediate_size, tp, "intermediate_size")], bias=True
+        )
+        self.down = RowParallelLinear(config.intermediate_size, d, bias=True, tp=tp)
+        self.out_norm = LayerNorm(d, config.layer_norm_eps)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = self.attn_norm(self.attn_out(self.attn(q, k, v, meta)), x)[0]
+        return self.out_norm(self.down(self.act(self.up(h))), h)[0]
+
+
+class BertModel(nn.Module):
+    """The encoder (BertModel, RobertaModel, XLMRobertaModel), and where the config's
+    architecture is a *ForSequenceClassification, its head (`classifier`)."""
+
+    is_encoder = True
+    has_lm_head = False
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        d = config.hidden_size
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, d, tp)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
+        self.emb_norm = LayerNorm(d, config.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.offset = position_offset(config)
+        self.vocab_size = config.vocab_size
+        architectures = getattr(config, "architectures", None) or []
+        self.classifier = None
+        if any(a.endswith("ForSequenceClassification") for a in architectures):
+            self.classifier = ClassifierHead(d, config.num_labels, dense=True, bias=True)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        types = input_ids >> TOKEN_TYPE_SHIFT
+        words = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
+        extra = self.position_embeddings(positions + self.offset)
+        extra += self.token_type_embeddings(types)
+        x = self.emb_norm(self.word_embeddings(words), extra)[0]
+        for layer in self.layers:
+            x = layer(x, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # It generates nothing: the pooling rows' one token, sampled and dropped, is 0.
+        return hidden.new_zeros(hidden.shape[0], self.vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, weight in weights:
+            ours, section = self._our_name(name)
+            if ours is None:
+                continue
+            if ours not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            module, _, leaf = ours.rpartition(".")
+            load_weight(self.get_submodule(module), leaf, weight, name, section)
+            loaded.add(ours if section is None else f"{ours}#{section}")
+        for ours in {k.split("#")[0] for k in loaded if "#" in k}:
+            if all(f"{ours}#{i}" in loaded for i in range(3)):
+                loaded.add(ours)
+        return loaded
+
+    def _our_name(self, name: str) -> tuple[str | None, int | None]:
+        """Our parameter for a checkpoint tensor (None: one not read), and its section."""
+        if name.startswith(IGNORED_PREFIXES) or name.endswith(IGNORED_SUFFIXES):
+            return None, None
+        if name.startswith("classifier."):  # BERT's is one Linear; RoBERTa's dense + out_proj
+            rest = name.removeprefix("classifier.").removeprefix("out_proj.")
+            return "classifier." + (rest if rest.startswith("dense.") else "out." + rest), None
+        for prefix in ("bert.", "roberta."):
+            name = name.removeprefix(prefix)
+        if name.startswith("pooler."):  # BERT's pooler: the classifier's dense layer
+            if self.classifier is None:
+                return None, None  # a bare BertModel's pooler: sentence embeddings skip it
+            return "classifier.dense." + name.removeprefix("pooler.dense."), None
+        name = name.replace("embeddings.LayerNorm", "emb_norm")
+        if name.startswith("embeddings."):
+            return name.removeprefix("embeddings."), None
+        if name.startswith("encoder.layer."):
+            index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+            module, _, leaf = rest.rpartition(".")
+            if module in LAYER_NAMES:
+                ours, section = LAYER_NAMES[module]
+                return f"layers.{index}.{ours}.{leaf}", section
+        return name, None

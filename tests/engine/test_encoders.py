@@ -1,0 +1,117 @@
+"""Encoders (BERT, XLM-RoBERTa): embeddings and classifier logits equal transformers'
+on tiny random checkpoints, prompts of many lengths batched together."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.classification import class_probabilities
+from tests.conftest import PROMPTS
+
+TEXTS = [*PROMPTS, "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3]
+
+
+def hf_states(model_dir: str, texts: list[str], pairs: list[str] | None = None):
+    """transformers' (token ids, last hidden states or logits) per text, fp32, one at a
+    time (no padding)."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    archs = AutoConfig.from_pretrained(model_dir).architectures
+    classifier = archs[0].endswith("ForSequenceClassification")
+    auto = AutoModelForSequenceClassification if classifier else AutoModel
+    model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for i, text in enumerate(texts):
+        enc = tok(text, pairs[i] if pairs else None, return_tensors="pt")
+        with torch.no_grad():
+            result = model(**enc)
+        states = result.logits[0] if classifier else result.last_hidden_state[0]
+        out.append((enc, states))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "pooling"), [("bert_mean", "MEAN"), ("bert_cls", "CLS"), ("xlm_roberta", "CLS")]
+)
+def test_encoder_embeddings_equal_transformers(tiny_encoder_dir, kind, pooling):
+    model_dir = tiny_encoder_dir(kind)
+    # A budget of one long prompt: the others wait whole, never chunked.
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=8)
+    assert llm.engine.config.pooling_type == pooling
+    assert llm.engine.config.max_num_batched_tokens == 128
+    assert not llm.engine.config.enable_prefix_caching
+    got = llm.embed(TEXTS, use_tqdm=False)
+    for vector, (_, states) in zip(got, hf_states(model_dir, TEXTS), strict=True):
+        pooled = states.mean(0) if pooling == "MEAN" else states[0]
+        want = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+        np.testing.assert_allclose(vector, want, atol=1e-5)
+
+
+def test_encoder_prompts_share_steps_and_wait_whole(tiny_encoder_dir):
+    """Several prompts in one step attend only within themselves; a prompt that does
+    not fit the step's room waits for the next step instead of being chunked."""
+    model_dir = tiny_encoder_dir("bert_mean")
+    llm = LLM(model_dir, device="cpu", block_size=4, max_model_len=48, max_num_batched_tokens=48)
+    engine = llm.engine
+    texts = [TEXTS[-1], TEXTS[1], TEXTS[3], TEXTS[-1]]
+    ids = [llm.tokenizer.encode(t)[:40] for t in texts]
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=True, detokenize=False)
+    for i, prompt in enumerate(ids):
+        engine.add_request(str(i), prompt, params)
+    steps: list[list[int]] = []
+    execute = engine.runner.execute
+
+    def recorded(out):
+        steps.append(out.num_new_tokens.tolist())
+        return execute(out)
+
+    engine.runner.execute = recorded
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.embedding
+    lengths = [len(p) for p in ids]
+    assert lengths[0] == lengths[3] == 40 and lengths[1] + lengths[2] <= 48
+    assert [s for s in steps if s] == [[40], lengths[1:3], [40]]
+    model = hf_model(model_dir)
+    for i, prompt in enumerate(ids):
+        with torch.no_grad():
+            states = model(torch.tensor([prompt])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(states.mean(0), dim=-1).numpy()
+        np.testing.assert_allclose(finished[str(i)], expected, atol=1e-5)
+
+
+def hf_model(model_dir: str):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["bert_classifier", "xlm_roberta_reranker"])
+def test_encoder_classifiers_equal_transformers(tiny_encoder_dir, kind):
+    model_dir = tiny_encoder_dir(kind)
+    llm = LLM(model_dir, device="cpu", block_size=4)
+    got = llm.classify(TEXTS, use_tqdm=False)
+    logits = torch.stack([s for _, s in hf_states(model_dir, TEXTS)]).double().numpy()
+    np.testing.assert_allclose(got, class_probabilities(logits), atol=1e-5)
+    assert len(llm.engine.labels) == logits.shape[1]
+    with pytest.raises(ValueError, match="sequence classifier"):
+        llm.embed(["x"], use_tqdm=False)
+
+
+def test_encoder_generates_nothing(tiny_encoder_dir):
+    llm = LLM(tiny_encoder_dir("bert_cls"), device="cpu")
+    with pytest.raises(ValueError, match="embeddings only"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="no speculative decoding"):
+        LLM(tiny_encoder_dir("bert_cls"), device="cpu", num_speculative_tokens=2)
