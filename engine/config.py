@@ -15,6 +15,10 @@ _DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")
 POOLING_TYPES = ("LAST", "CLS", "MEAN")  # engine/pooling.py
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# An encoder's default step budget (vLLM's for pooling models): its steps are prompts
+# only, and the more a step holds, the fewer launches each token costs.
+ENCODER_MAX_NUM_BATCHED_TOKENS = 32768
 
 
 @dataclass
@@ -26,7 +30,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: size from free memory
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     # "fcfs": requests in arrival order; "priority": by SamplingParams.priority (lower
@@ -142,9 +146,12 @@ class EngineConfig:
     def encoder_only(self) -> None:
         """An encoder's settings: every request pools its prompt, which runs whole in one
         step (attention is bidirectional), so no prefix is cached for another prompt and
-        no step replays a graph (pooling steps run eagerly)."""
+        no step replays a graph (pooling steps run eagerly). The default step budget
+        grows to ENCODER_MAX_NUM_BATCHED_TOKENS."""
         if self.num_speculative_tokens:
             raise ValueError("an encoder model generates nothing: no speculative decoding")
+        if self.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS:
+            self.max_num_batched_tokens = ENCODER_MAX_NUM_BATCHED_TOKENS
         self.encoder = True
         self.enable_prefix_caching = False
         self.enforce_eager = True

@@ -101,7 +101,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Only finished outputs are returned: the engine need not build per-step deltas.
-        params = [dataclasses.replace(p, final_only=True) for p in params]
+        # One copy per distinct params object (one given for all prompts: one copy).
+        final = {id(p): dataclasses.replace(p, final_only=True) for p in params}
+        params = [final[id(p)] for p in params]
 
         # Validate everything first, so a bad prompt fails before any work is done.
         token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -101,6 +101,7 @@ def hf_model(model_dir: str):
 def test_encoder_classifiers_equal_transformers(tiny_encoder_dir, kind):
     model_dir = tiny_encoder_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4)
+    assert llm.engine.config.max_num_batched_tokens == 32768  # an encoder's default
     got = llm.classify(TEXTS, use_tqdm=False)
     logits = torch.stack([s for _, s in hf_states(model_dir, TEXTS)]).double().numpy()
     np.testing.assert_allclose(got, class_probabilities(logits), atol=1e-5)

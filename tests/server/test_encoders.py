@@ -1,6 +1,7 @@
 """Encoders through the server: a sentence-transformers BERT's /v1/embeddings (mean
-pooling) and a BERT cross-encoder's /v1/score and /v1/rerank, whose pairs carry token
-types, each equal to transformers; an encoder generates nothing."""
+pooling) and a BERT cross-encoder's /v1/score and /v1/rerank (its engine in a process
+of its own), whose pairs carry token types, each equal to transformers; an encoder
+generates nothing."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from tests.conftest import PROMPTS
 from tests.server.conftest import LiveServer, engine_config
 
 
-def serve(model_dir: str) -> LiveServer:
-    server_config = ServerConfig(shutdown_timeout=5.0)
+def serve(model_dir: str, **server: object) -> LiveServer:
+    server_config = ServerConfig(shutdown_timeout=5.0, **server)
     config = engine_config(model_dir, max_model_len=128, max_num_batched_tokens=64)
     return LiveServer(create_app(config, server_config), server_config).start()
 
@@ -34,7 +35,7 @@ def embedder(tiny_encoder_dir) -> Iterator[tuple[LiveServer, str]]:
 @pytest.fixture(scope="module")
 def cross_encoder(tiny_encoder_dir) -> Iterator[tuple[LiveServer, str]]:
     model_dir = tiny_encoder_dir("bert_cross_encoder")
-    live = serve(model_dir)
+    live = serve(model_dir, engine_process=True)  # token types checked in the API process too
     yield live, model_dir
     live.stop()
 
