@@ -322,8 +322,9 @@ class Engine:
                 return self.take_outputs(deltas) if emit else []
             if self.runner.prompt_scores is not None:  # before any first output is built
                 self.reader.keep_prompt_logprobs(self.runner.prompt_scores)
-            if self.runner.pooled is not None:  # before its request's last output is built
-                self.reader.keep_embeddings(self.runner.pooled)
+            pooled = self.runner.pooled
+            if pooled is not None:
+                self.reader.keep_embeddings(pooled)
             batch = self.batch
             sampling = out.sampling_slots
             sync = not self.config.async_scheduling or (
@@ -358,7 +359,7 @@ class Engine:
                     logprobs = sampled.logprobs
                 else:
                     ids = self.runner.keep_sampled(token_ids)
-                step = LaunchedStep(sampling, mark, ids, logprobs)
+                step = LaunchedStep(sampling, mark, ids, logprobs, pooled=pooled)
                 if grammar:  # the worker has the matchers accept the ids as they land
                     step.grammar = masks.follow(
                         sampling, occupants, rows, ids if sync else token_ids

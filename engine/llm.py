@@ -102,7 +102,8 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Only finished outputs are returned: the engine need not build per-step deltas.
         # One copy per distinct params object (one given for all prompts: one copy).
-        final = {id(p): dataclasses.replace(p, final_only=True) for p in params}
+        distinct = {id(p): p for p in params}
+        final = {key: dataclasses.replace(p, final_only=True) for key, p in distinct.items()}
         params = [final[id(p)] for p in params]
 
         # Validate everything first, so a bad prompt fails before any work is done.

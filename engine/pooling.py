@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from engine.input_batch import InputBatch
+from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagoda.engine")
@@ -45,10 +46,20 @@ _ST_MODES = {
 
 @dataclass
 class PooledRows:
-    """A step's embeddings: the pooling rows' slots, and their vectors on the host."""
+    """A step's embeddings: the pooling rows' slots, and their vectors [rows, dim] on
+    the host, still being copied there when the step ran on CUDA: the step's sampled
+    ids, copied after them, say when they are there (engine/step_reader.py)."""
 
     slots: list[int]
-    embeddings: list[list[float]]
+    vectors: torch.Tensor
+    requests: list[Request] = field(default_factory=list)  # by slot, when launched
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices on the device without waiting for it: a copy from pageable memory
+    would first wait for the stream (the step's forward) to drain."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
 def pooling_type(model_dir: str, encoder: bool, classifier: bool) -> str:
@@ -102,26 +113,26 @@ def pool(
     hidden] the sampling rows' last tokens' (rows selects those that pool). For CLS
     and MEAN each pooling sequence's tokens in this step are its whole prompt."""
     picked = np.flatnonzero(rows)
+    device = hidden.device
     if method == "LAST":
-        states = last[torch.from_numpy(picked).to(last.device)]
+        states = last[_to(picked, device)]
     else:
         seqs = np.flatnonzero(out.samples)[picked]  # the pooling rows' sequences
         lengths = out.num_new_tokens[seqs]
         starts = (np.cumsum(out.num_new_tokens) - out.num_new_tokens)[seqs]
         if method == "CLS":
-            states = hidden[torch.from_numpy(starts).to(hidden.device)]
+            states = hidden[_to(starts, device)]
         else:  # MEAN: the sum over each prompt's tokens, in fp32, over its length
             index = np.repeat(np.arange(len(seqs)), lengths)
             tokens = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
             sums = hidden.new_zeros(len(seqs), hidden.shape[1], dtype=torch.float32)
-            sums.index_add_(
-                0,
-                torch.from_numpy(index).to(hidden.device),
-                hidden[torch.from_numpy(tokens).to(hidden.device)].float(),
-            )
-            states = sums / torch.from_numpy(lengths).to(hidden.device)[:, None]
+            sums.index_add_(0, _to(index, device), hidden[_to(tokens, device)].float())
+            states = sums / _to(lengths, device)[:, None]
     if classifier is not None:
         vectors = classifier(states)
     else:
         vectors = torch.nn.functional.normalize(states.float(), dim=-1)
-    return PooledRows(out.sampling_slots[rows].tolist(), vectors.tolist())
+    if device.type == "cuda":
+        host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+        vectors = host.copy_(vectors, non_blocking=True)
+    return PooledRows(out.sampling_slots[rows].tolist(), vectors)

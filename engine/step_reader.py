@@ -38,6 +38,8 @@ class LaunchedStep:
     logprobs: list[TokenLogprob | None] | None = None
     # Its grammar rows, whose grammars the ids may complete
     grammar: GrammarRows | None = None
+    # Its pooling rows' embeddings, on the host once its ids are (engine/pooling.py)
+    pooled: PooledRows | None = None
 
 
 class StepReader:
@@ -67,6 +69,10 @@ class StepReader:
                 if not ids.ready():
                     self.blocks.hash_unhashed()  # work that can wait, while the device runs
                 ids = ids.numpy()
+            if step.pooled is not None:  # before the requests finish: their last output has them
+                pooled = step.pooled
+                for req, embedding in zip(pooled.requests, pooled.vectors.tolist(), strict=True):
+                    req.embedding = embedding
             if step.logprobs is not None:  # before any request can finish: its last output has them
                 self._keep_logprobs(step)
             grammar = step.grammar
@@ -97,9 +103,11 @@ class StepReader:
                 batch.prompt_scored(slot)
 
     def keep_embeddings(self, pooled: PooledRows) -> None:
+        """Note the step's pooling rows' requests (their embeddings are read with the
+        step's ids); their rows pool no more."""
         batch = self.batch
-        for slot, embedding in zip(pooled.slots, pooled.embeddings, strict=True):
-            batch.requests[slot].embedding = embedding
+        pooled.requests = [batch.requests[slot] for slot in pooled.slots]
+        for slot in pooled.slots:
             batch.pooled(slot)
 
     def _apply(self, got: ReadTokens, ended: list[tuple[Request, str]] | None) -> None:

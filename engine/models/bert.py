@@ -3,7 +3,7 @@ bge-m3) and their sequence classifiers (cross-encoders such as bge-reranker).
 
 An encoder attends both ways within its prompt, so each prompt runs whole in one step,
 over the paged cache like any prefill (PagedAttention with causal=False), and nothing
-of it is cached for another prompt (EngineConfig.for_encoder). Its outputs are pooled
+of it is cached for another prompt (EngineConfig.encoder_only). Its outputs are pooled
 (engine/pooling.py): it generates nothing, so its logits are zeros.
 
 Token types (BERT's segment ids, which a cross-encoder's pair encoding sets to 1 on the
