@@ -30,7 +30,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: size from free memory
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS (an encoder's: ENCODER_MAX_NUM_BATCHED_TOKENS).
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own limit
     enable_prefix_caching: bool = True
     # "fcfs": requests in arrival order; "priority": by SamplingParams.priority (lower
@@ -68,8 +69,12 @@ class EngineConfig:
     pooling_type: str | None = None
     # Set by the engine for an encoder (engine/models/bert.py): see encoder_only().
     encoder: bool = field(default=False, init=False)
+    budget_given: bool = field(default=False, init=False)  # max_num_batched_tokens was set
 
     def __post_init__(self) -> None:
+        self.budget_given = self.max_num_batched_tokens is not None
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -146,11 +151,11 @@ class EngineConfig:
     def encoder_only(self) -> None:
         """An encoder's settings: every request pools its prompt, which runs whole in one
         step (attention is bidirectional), so no prefix is cached for another prompt and
-        no step replays a graph (pooling steps run eagerly). The default step budget
-        grows to ENCODER_MAX_NUM_BATCHED_TOKENS."""
+        no step replays a graph (pooling steps run eagerly). The step budget, unless
+        given, is ENCODER_MAX_NUM_BATCHED_TOKENS."""
         if self.num_speculative_tokens:
             raise ValueError("an encoder model generates nothing: no speculative decoding")
-        if self.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        if not self.budget_given:
             self.max_num_batched_tokens = ENCODER_MAX_NUM_BATCHED_TOKENS
         self.encoder = True
         self.enable_prefix_caching = False

@@ -122,7 +122,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e("--num-kv-blocks", type=int, help="KV-cache blocks (default: sized from free memory)")
     e("--gpu-memory-utilization", help="fraction of GPU memory the engine may use")
     e("--max-num-seqs", help="most requests in one batch")
-    e("--max-num-batched-tokens", help="most tokens in one step")
+    e(
+        "--max-num-batched-tokens",
+        type=int,
+        help="most tokens in one step (default: 2048; an encoder's 32768)",
+    )
     e("--max-model-len", type=int, help="context length (default: the model's)")
     e("--no-prefix-caching", dest="enable_prefix_caching", help="turn the prefix cache off")
     e(

@@ -10,7 +10,8 @@ import ast
 import json
 import re
 
-from server.tool_parsers import DraftCall, Extracted, ToolParser, _skip_ws
+from server.json_scan import skip_ws
+from server.tool_parsers import DraftCall, Extracted, ToolParser
 
 
 class PythonicParser(ToolParser):
@@ -18,17 +19,17 @@ class PythonicParser(ToolParser):
     NAME = re.compile(r"[A-Za-z_]\w*")
 
     def extract(self, text: str, final: bool) -> Extracted:
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         if text.startswith(self.START, i):
-            i = _skip_ws(text, i + len(self.START))
+            i = skip_ws(text, i + len(self.START))
         if i >= len(text) or (not final and self.START.startswith(text[i:])):
             return Extracted(text if final else "")
         if text[i] != "[":
             return Extracted(text, tail="content")  # no list of calls: content, whatever comes
-        calls, j, n = [], _skip_ws(text, i + 1), len(text)
+        calls, j, n = [], skip_ws(text, i + 1), len(text)
         while True:  # each call, until one is unfinished (undecided) or not a call
             name = self.NAME.match(text, j)
-            k = n if name is None else _skip_ws(text, name.end())
+            k = n if name is None else skip_ws(text, name.end())
             end = _python_call_end(text, k) if k < n and text[k] == "(" else None
             if end is None:
                 if (name is None and j < n) or (k < n and text[k] != "("):
@@ -38,10 +39,10 @@ class PythonicParser(ToolParser):
             if arguments is None:
                 break
             calls.append(DraftCall(name.group(), arguments))
-            j = _skip_ws(text, end)
+            j = skip_ws(text, end)
             if not text.startswith(",", j):
                 break  # the list ends (what follows it is dropped)
-            j = _skip_ws(text, j + 1)
+            j = skip_ws(text, j + 1)
         return Extracted("", calls) if calls else Extracted(text, tail="content")
 
 

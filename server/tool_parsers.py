@@ -39,9 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-_WS = re.compile(r"[ \t\r\n]*")
-_SCALAR = re.compile(r"[^,}\] \t\r\n]*")
-_STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*"')  # an escape takes the character after it
+from server.json_scan import scan_call, skip_ws, value_end
 
 
 @dataclass
@@ -81,7 +79,7 @@ class HermesParser(ToolParser):
         calls: list[DraftCall] = []
         pos, tail = start, None
         while pos >= 0:
-            i = _skip_ws(text, pos + len(self.OPEN))
+            i = skip_ws(text, pos + len(self.OPEN))
             if i >= len(text) or text[i] != "{":
                 break
             scan = scan_call(text, i, ("arguments", "parameters"))
@@ -100,9 +98,9 @@ class Llama3JsonParser(ToolParser):
     PYTHON_TAG = "<|python_tag|>"
 
     def extract(self, text: str, final: bool) -> Extracted:
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         if text.startswith(self.PYTHON_TAG, i):
-            i = _skip_ws(text, i + len(self.PYTHON_TAG))
+            i = skip_ws(text, i + len(self.PYTHON_TAG))
         elif not final and self.PYTHON_TAG.startswith(text[i:]):
             return Extracted("")  # the tag may be coming
         if i >= len(text):
@@ -117,10 +115,10 @@ class Llama3JsonParser(ToolParser):
 
 class RequiredParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         calls, tail = [], None
         if text.startswith("[", i):
-            calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("parameters",))
+            calls, tail = _call_sequence(text, skip_ws(text, i + 1), ",", ("parameters",))
         if final and not calls:
             return Extracted(text)
         return Extracted("", calls, tail)
@@ -146,10 +144,10 @@ class MistralParser(ToolParser):
         start = text.find(self.TAG)
         if start < 0:
             return _before_any_call(text, self.TAG, final)
-        i = _skip_ws(text, start + len(self.TAG))
+        i = skip_ws(text, start + len(self.TAG))
         tail = None
         if text.startswith("[", i):
-            calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
+            calls, tail = _call_sequence(text, skip_ws(text, i + 1), ",", ("arguments",))
         else:
             calls = self._named_calls(text, start)
         if final and not calls:
@@ -164,8 +162,8 @@ class MistralParser(ToolParser):
             if args < 0:
                 break  # the name may still be arriving
             name = text[name_start:args].strip()
-            i = _skip_ws(text, args + len(self.ARGS))
-            end = _value_end(text, i) if text.startswith("{", i) else None
+            i = skip_ws(text, args + len(self.ARGS))
+            end = value_end(text, i) if text.startswith("{", i) else None
             calls.append(DraftCall(name, text[i : len(text) if end is None else end]))
             if end is None:
                 break
@@ -269,17 +267,17 @@ class GraniteParser(ToolParser):
     TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's, 3.1+'s
 
     def extract(self, text: str, final: bool) -> Extracted:
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         tag = next((t for t in self.TAGS if text.startswith(t, i)), None)
         if tag is not None:
-            i = _skip_ws(text, i + len(tag))
+            i = skip_ws(text, i + len(tag))
         elif not final and any(t.startswith(text[i:]) for t in self.TAGS):
             return Extracted("")  # a tag may be coming
         if i >= len(text):
             return Extracted(text if final else "")
         if text[i] != "[":
             return Extracted(text, tail="content")  # no array of calls: content, whatever comes
-        calls, tail = _call_sequence(text, _skip_ws(text, i + 1), ",", ("arguments",))
+        calls, tail = _call_sequence(text, skip_ws(text, i + 1), ",", ("arguments",))
         if final and not calls:
             return Extracted(text)
         return Extracted("", calls, tail)
@@ -311,56 +309,6 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
 KEEPS_SPECIAL_TOKENS = ("openai", "mistral")
 
 
-# ---------------------------------------------------------------- a small JSON scanner
-
-
-@dataclass
-class CallScan:
-    name: str | None  # None until the name's string is complete
-    arguments: str  # the arguments value's text so far
-    end: int | None  # just past the object's closing brace; None: not there yet
-    in_string: bool = False  # the text ends inside a string of the arguments
-
-
-def scan_call(text: str, i: int, argument_keys: tuple[str, ...]) -> CallScan:
-    """The call object starting at text[i] == "{", as far as text goes."""
-    scan = CallScan(None, "", None)
-    n = len(text)
-    j = i + 1
-    while True:
-        j = _skip_ws(text, j)
-        if j >= n:
-            return scan
-        if text[j] == "}":
-            scan.end = j + 1
-            return scan
-        if text[j] == ",":
-            j += 1
-            continue
-        if text[j] != '"':
-            return scan  # not a call object: it never completes
-        key_end = _string_end(text, j)
-        if key_end is None:
-            return scan
-        key = json.loads(text[j:key_end])
-        j = _skip_ws(text, key_end)
-        if j >= n or text[j] != ":":
-            return scan
-        j = _skip_ws(text, j + 1)
-        if j >= n:
-            return scan
-        end, in_string = _value_scan(text, j)
-        if key in argument_keys:
-            scan.arguments = text[j : n if end is None else end]
-            scan.in_string = in_string
-        elif key == "name" and end is not None:
-            name = json.loads(text[j:end])
-            scan.name = name if isinstance(name, str) else None
-        if end is None:
-            return scan
-        j = end
-
-
 def _call_sequence(
     text: str, i: int, separator: str, argument_keys: tuple[str, ...]
 ) -> tuple[list[DraftCall], str | None]:
@@ -375,53 +323,10 @@ def _call_sequence(
             tail = "string" if scan.in_string else None
         if scan.end is None:
             break
-        i = _skip_ws(text, scan.end)
+        i = skip_ws(text, scan.end)
         if text.startswith(separator, i):
-            i = _skip_ws(text, i + 1)
+            i = skip_ws(text, i + 1)
     return calls, tail
-
-
-def _skip_ws(text: str, i: int) -> int:
-    return _WS.match(text, i).end()
-
-
-def _string_end(text: str, i: int) -> int | None:
-    """Just past the JSON string starting at text[i] == '"' (None: not closed yet)."""
-    match = _STRING.match(text, i)
-    return None if match is None else match.end()
-
-
-def _value_end(text: str, i: int) -> int | None:
-    """Just past the JSON value starting at text[i]; None if the text ends first."""
-    return _value_scan(text, i)[0]
-
-
-def _value_scan(text: str, i: int) -> tuple[int | None, bool]:
-    """(_value_end, whether the text ends inside one of the value's strings)."""
-    c, n = text[i], len(text)
-    if c == '"':
-        end = _string_end(text, i)
-        return end, end is None
-    if c in "{[":
-        depth, j = 0, i
-        while j < n:
-            c = text[j]
-            if c == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    return None, True
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1, False
-            j += 1
-        return None, False
-    j = _SCALAR.match(text, i).end()  # a number, true, false or null: up to a delimiter
-    return (j if j < n else None), False
 
 
 def _before_any_call(text: str, tag: str, final: bool) -> Extracted:

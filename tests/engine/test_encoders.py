@@ -111,7 +111,8 @@ def test_encoder_classifiers_equal_transformers(tiny_encoder_dir, kind):
 
 
 def test_encoder_generates_nothing(tiny_encoder_dir):
-    llm = LLM(tiny_encoder_dir("bert_cls"), device="cpu")
+    llm = LLM(tiny_encoder_dir("bert_cls"), device="cpu", max_num_batched_tokens=2048)
+    assert llm.engine.config.max_num_batched_tokens == 2048  # a budget given is kept
     with pytest.raises(ValueError, match="embeddings only"):
         llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="no speculative decoding"):
