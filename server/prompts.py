@@ -122,8 +122,23 @@ class Prompts:
                 param=param,
             )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def encode(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[int]:
+        """max_length (truncate_prompt_tokens): the text's last tokens, its special tokens
+        kept (an encoder's [CLS] ... [SEP], a decoder's BOS), as vLLM's tokenizer, loaded
+        with truncation_side "left", truncates a text prompt."""
+        tokenizer = self._tokenizer
+        if max_length is None:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        side, tokenizer.truncation_side = tokenizer.truncation_side, "left"
+        try:  # on a lane's own copy, or the loop thread's: no other thread sees the side
+            ids = tokenizer.encode(
+                text, add_special_tokens=add_special_tokens, truncation=True, max_length=max_length
+            )
+        finally:
+            tokenizer.truncation_side = side
+        return list(ids)
 
     def encode_pairs(
         self, pairs: list[tuple[str, str]], add_special_tokens: bool, max_length: int | None

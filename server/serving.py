@@ -178,11 +178,12 @@ class Serving:
         add_special_tokens: bool,
     ) -> list[int]:
         """A text or token-id prompt as the engine gets it (check_prompt); a text too long
-        for the context is refused before it is tokenized, unless it is to be truncated."""
+        for the context is refused before it is tokenized, unless it is to be truncated
+        (by the tokenizer, which keeps its special tokens: Prompts.encode)."""
         if isinstance(prompt, str):
             if truncate is None:
                 self.prompts.check_length(prompt, param)
-            prompt = self.prompts.encode(prompt, add_special_tokens)
+            prompt = self.prompts.encode(prompt, add_special_tokens, truncate)
         return self.check_prompt(prompt, params, param, truncate)
 
     def truncation(self, req: SamplingRequest) -> int | None:

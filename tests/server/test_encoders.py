@@ -102,3 +102,25 @@ def test_token_types_are_checked(cross_encoder, embedder):
     live, _ = embedder  # it has token types too; a decoder has none (test_embeddings.py)
     r = httpx.post(f"{live.base_url}/v1/embeddings", json={"input": [ok]}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_truncated_text_keeps_its_special_tokens(embedder):
+    """truncate_prompt_tokens on a text cuts its start, keeping [CLS] and [SEP] (as
+    vLLM's tokenizer, truncating on the left): the embedding is of those tokens."""
+    from transformers import AutoModel, AutoTokenizer
+
+    live, model_dir = embedder
+    text = " ".join(PROMPTS)
+    body = {"input": text, "truncate_prompt_tokens": 12}
+    r = httpx.post(f"{live.base_url}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 12
+    tok = AutoTokenizer.from_pretrained(model_dir, truncation_side="left")
+    enc = tok(text, truncation=True, max_length=12, return_tensors="pt")
+    assert (
+        enc["input_ids"][0, 0] == tok.cls_token_id and enc["input_ids"][0, -1] == tok.sep_token_id
+    )
+    with torch.no_grad():
+        states = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()(**enc)
+    want = torch.nn.functional.normalize(states.last_hidden_state[0].mean(0), dim=-1)
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], want.numpy(), atol=1e-5)
