@@ -73,14 +73,10 @@ class Engine:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
             )
-        encoder = is_encoder(hf_config)
-        if encoder:
+        if is_encoder(hf_config):
             config.encoder_only()
         if config.pooling_type is None:
-            classifier = any(
-                a.endswith("ForSequenceClassification") for a in hf_config.architectures or []
-            )
-            config.pooling_type = pooling_type(model_dir, encoder, classifier)
+            config.pooling_type = pooling_type(model_dir, hf_config)
         if config.whole_pooling_prompts:  # the longest prompt fits one step
             config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len)
         device = config.torch_device

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from engine.input_batch import InputBatch
+from engine.models.bert import is_encoder
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -62,13 +63,15 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
-def pooling_type(model_dir: str, encoder: bool, classifier: bool) -> str:
+def pooling_type(model_dir: str, hf_config) -> str:
     """How the model pools: a classifier as transformers scores a sequence (an encoder's
-    first token, a decoder's last); an embedder as its sentence-transformers config
-    says, else CLS for an encoder, LAST for a decoder."""
-    default = "CLS" if encoder else "LAST"
-    if classifier:
-        return default
+    first token, a decoder's last; ModernBERT's as its classifier_pooling says); an
+    embedder as its sentence-transformers config says, else CLS for an encoder, LAST
+    for a decoder."""
+    default = "CLS" if is_encoder(hf_config) else "LAST"
+    architectures = getattr(hf_config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        return getattr(hf_config, "classifier_pooling", default).upper()
     root = Path(model_dir)
     try:
         modules = json.loads((root / "modules.json").read_text())

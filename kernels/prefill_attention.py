@@ -53,7 +53,9 @@ def paged_prefill_attention_ref(
     v_scale: float = 1.0,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
-    causal: bool = True,  # False: every query sees every key of its sequence (an encoder's)
+    # False: every query sees every key of its sequence (an encoder's), or with a
+    # sliding_window, those at most sliding_window positions away either side (ModernBERT's).
+    causal: bool = True,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -65,6 +67,8 @@ def paged_prefill_attention_ref(
             continue
         # Keys from the first query's window on (all of them without a window).
         lo = max(seq_len - query_len - sliding_window + 1, 0) if sliding_window > 0 else 0
+        if not causal:  # a window of sliding_window keys either side
+            lo = max(seq_len - query_len - sliding_window, 0)
         k = from_cache(gather_kv(k_cache, block_table[i], seq_len)[lo:], k_scale)
         v = from_cache(gather_kv(v_cache, block_table[i], seq_len)[lo:], v_scale)
         group = num_heads // k.shape[1]
@@ -74,11 +78,13 @@ def paged_prefill_attention_ref(
         scores = soft_cap_ref(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
         k_pos = torch.arange(lo, seq_len, device=query.device)
-        hidden = k_pos[None, :] > q_pos[:, None]  # [query_len, seq_len]
-        if not causal:
-            hidden.zero_()
-        if sliding_window > 0:
-            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        distance = k_pos[None, :] - q_pos[:, None]  # [query_len, seq_len]
+        if causal:
+            hidden = distance > 0
+            if sliding_window > 0:
+                hidden |= distance <= -sliding_window
+        else:
+            hidden = distance.abs() > (sliding_window if sliding_window > 0 else seq_len)
         scores.masked_fill_(hidden[None], float("-inf"))
         probs = softmax_with_sinks(scores, sinks)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
@@ -205,7 +211,7 @@ def _prefill_kernel(
     SOFT_CAP: tl.constexpr,  # scores -> softcap * tanh(scores / softcap)
     SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
-    CAUSAL: tl.constexpr,  # False: every query sees its sequence's every key (no window)
+    CAUSAL: tl.constexpr,  # False: both ways (with a window: `window` = 2 x half-width + 1)
 ):
     # One program per (query tile of the batch, kv head, key split), the last tiles first
     # (under causality they see the most keys). A tile's rows are BLOCK_Q queries times
@@ -246,12 +252,15 @@ def _prefill_kernel(
     q_offs = (q_start + rows)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
 
+    if not CAUSAL:  # both ways: each query seen as a causal one further on
+        if WINDOWED:  # |key - query| <= W, window = 2W + 1: a causal window W ahead
+            q_pos += (window - 1) // 2
+            first_pos += (window - 1) // 2
+        else:  # as if every query were the last: the mask then only bounds seq_len
+            q_pos = tl.zeros_like(q_pos) + seq_len - 1
+            first_pos = seq_len - 1
     # Causality bounds the keys by the tile's last query position, the window by its first.
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
-    if not CAUSAL:  # as if every query were the last: the mask then only bounds seq_len
-        kv_end = seq_len
-        q_pos = tl.zeros_like(q_pos) + seq_len - 1
-        first_pos = seq_len - 1
     kv_lo = tl.maximum(first_pos - window + 1, 0)
     keys_from = (kv_lo // BLOCK_N) * BLOCK_N
     # This split's keys: an equal share of whole BLOCK_N tiles (the sink counts once).
@@ -355,7 +364,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads], contiguous
-    causal: bool = True,  # False: bidirectional within each sequence (no window)
+    causal: bool = True,  # False: both ways within each sequence (sliding_window: either side)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -375,11 +384,10 @@ def paged_prefill_attention(
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
-    if not causal and sliding_window > 0:
-        raise ValueError("bidirectional attention has no sliding window")
+    window = sliding_window if causal else 2 * sliding_window + 1  # the kernel's: see CAUSAL
     group = num_heads // num_kv_heads
     if config is None:
-        context = sliding_window if sliding_window > 0 else block_table.shape[1] * block_size
+        context = window if sliding_window > 0 else block_table.shape[1] * block_size
         config = prefill_config(
             max_query_len, head_dim, group, num_tokens, num_kv_heads, context, query.device
         )
@@ -409,7 +417,7 @@ def paged_prefill_attention(
         split_lse,
         scale * LOG2E * k_scale,
         v_scale,
-        sliding_window if sliding_window > 0 else NO_WINDOW,
+        window if sliding_window > 0 else NO_WINDOW,
         softcap * LOG2E,
         num_splits,
         query.stride(0),

@@ -408,6 +408,13 @@ ENCODERS = {
         {"num_labels": 1, "type_vocab_size": 1},
         None,
     ),
+    # Three layers, the middle one local (a query sees 4 keys either side), biases on.
+    "modernbert": ("ModernBertModel", {}, None),
+    "modernbert_classifier": (
+        "ModernBertForSequenceClassification",
+        {"num_labels": 2, "classifier_pooling": "mean", "classifier_bias": True},
+        None,
+    ),
 }
 
 
@@ -434,21 +441,34 @@ def build_encoder(kind: str, path: Path) -> str:
 
     cls_name, extras, st_mode = ENCODERS[kind]
     tokenizer = encoder_tokenizer()
-    roberta = "XLMRoberta" in cls_name
-    config_cls = transformers.XLMRobertaConfig if roberta else transformers.BertConfig
     pad = tokenizer.pad_token_id
-    config = config_cls(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        # RoBERTa numbers positions from pad + 1.
-        max_position_embeddings=128 + (pad + 1 if roberta else 0),
-        pad_token_id=pad,
-        initializer_range=0.2,
-        **({"type_vocab_size": 2} | extras),
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, pad_token_id=pad
     )
+    common |= dict(initializer_range=0.2, **extras)
+    if cls_name.startswith("ModernBert"):
+        config = transformers.ModernBertConfig(
+            num_hidden_layers=3,
+            intermediate_size=96,
+            max_position_embeddings=128,
+            local_attention=8,
+            global_attn_every_n_layers=2,
+            norm_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            **common,
+        )
+    else:
+        roberta = "XLMRoberta" in cls_name
+        config = (transformers.XLMRobertaConfig if roberta else transformers.BertConfig)(
+            num_hidden_layers=2,
+            intermediate_size=128,
+            # RoBERTa numbers positions from pad + 1.
+            max_position_embeddings=128 + (pad + 1 if roberta else 0),
+            **({"type_vocab_size": 2} | common),
+        )
     torch.manual_seed(0)
     _save(path, getattr(transformers, cls_name)(config), tokenizer)
     if st_mode is not None:  # a sentence-transformers directory's Pooling module

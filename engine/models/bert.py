@@ -13,7 +13,7 @@ as vLLM packs them; the embedding unpacks them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from engine.models.parallel import (
     split,
 )
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # HF module path inside a layer -> ours (and the qkv section).
 LAYER_NAMES = {
     "attention.self.query": ("qkv", 0),
@@ -67,8 +67,8 @@ def check_config(config) -> None:
 
 def position_offset(config) -> int:
     """RoBERTa numbers positions from padding_idx + 1 (transformers'
-    create_position_ids_from_input_ids on an unpadded prompt); BERT from 0."""
-    return config.pad_token_id + 1 if config.model_type != "bert" else 0
+    create_position_ids_from_input_ids on an unpadded prompt); BERT and ModernBERT from 0."""
+    return config.pad_token_id + 1 if config.model_type in ("roberta", "xlm-roberta") else 0
 
 
 def token_types(config) -> int:
@@ -81,20 +81,34 @@ def encoder_max_len(config) -> int:
 
 
 class ClassifierHead(nn.Module):
-    """A sequence classifier's head over its pooled state: dense + tanh, then the labels'
-    projection (BERT's pooler and classifier; RoBERTa's classification head). A
+    """A sequence classifier's head over its pooled state: dense, an activation (tanh)
+    and a norm (none), then the labels' projection (BERT's pooler and classifier;
+    RoBERTa's classification head; ModernBERT's head, GELU and a LayerNorm). A
     decoder's `score` is the projection alone, without bias (dense False)."""
 
-    def __init__(self, hidden: int, num_labels: int, dense: bool, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_labels: int,
+        dense: bool = True,
+        bias: bool = True,
+        dense_bias: bool = True,
+        act: Callable[[torch.Tensor], torch.Tensor] = torch.tanh,
+        norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.num_labels = num_labels
-        self.dense = nn.Linear(hidden, hidden) if dense else None
+        self.dense = nn.Linear(hidden, hidden, bias=dense_bias) if dense else None
+        self.act = act
+        self.norm = norm
         self.out = nn.Linear(hidden, num_labels, bias=bias)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:  # [n, num_labels] fp32
         x = pooled.to(self.out.weight.dtype)
         if self.dense is not None:
-            x = torch.tanh(self.dense(x))
+            x = self.act(self.dense(x))
+            if self.norm is not None:
+                x = self.norm(x)
         return self.out(x).float()
 
 
@@ -148,7 +162,7 @@ class BertModel(nn.Module):
         architectures = getattr(config, "architectures", None) or []
         self.classifier = None
         if any(a.endswith("ForSequenceClassification") for a in architectures):
-            self.classifier = ClassifierHead(d, config.num_labels, dense=True, bias=True)
+            self.classifier = ClassifierHead(d, config.num_labels)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

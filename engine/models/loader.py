@@ -27,6 +27,7 @@ from engine.models.granite import GraniteForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.lora import LoRAError, attach_adapters
+from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.parallel import WeightSlice
@@ -63,7 +64,12 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
-} | dict.fromkeys(ENCODER_TYPES, BertModel)
+    # Encoders (engine/models/bert.py's ENCODER_TYPES): embeddings and scores only.
+    "bert": BertModel,
+    "roberta": BertModel,
+    "xlm-roberta": BertModel,
+    "modernbert": ModernBertModel,
+}
 
 
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and

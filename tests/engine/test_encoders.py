@@ -40,7 +40,8 @@ def hf_states(model_dir: str, texts: list[str], pairs: list[str] | None = None):
 
 
 @pytest.mark.parametrize(
-    ("kind", "pooling"), [("bert_mean", "MEAN"), ("bert_cls", "CLS"), ("xlm_roberta", "CLS")]
+    ("kind", "pooling"),
+    [("bert_mean", "MEAN"), ("bert_cls", "CLS"), ("xlm_roberta", "CLS"), ("modernbert", "CLS")],
 )
 def test_encoder_embeddings_equal_transformers(tiny_encoder_dir, kind, pooling):
     model_dir = tiny_encoder_dir(kind)
@@ -97,7 +98,9 @@ def hf_model(model_dir: str):
     return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kind", ["bert_classifier", "xlm_roberta_reranker"])
+@pytest.mark.parametrize(
+    "kind", ["bert_classifier", "xlm_roberta_reranker", "modernbert_classifier"]
+)
 def test_encoder_classifiers_equal_transformers(tiny_encoder_dir, kind):
     model_dir = tiny_encoder_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4)

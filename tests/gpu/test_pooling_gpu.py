@@ -56,14 +56,19 @@ def test_a_classifier_on_cuda_equals_transformers(tmp_path, tiny_qwen2_dir) -> N
 
 
 def test_encoders_on_cuda_equal_transformers(tiny_encoder_dir) -> None:
-    """BERT (mean pooling) and an XLM-RoBERTa reranker through the bidirectional Triton
-    prefill kernel, prompts of several lengths in one step, fp32."""
+    """BERT (mean pooling), ModernBERT and an XLM-RoBERTa reranker through the
+    bidirectional Triton prefill kernel, prompts of several lengths in one step, fp32."""
     from tests.engine.test_encoders import TEXTS, hf_states
 
     model_dir = tiny_encoder_dir("bert_mean")
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)
     for vector, (_, states) in zip(llm.embed(TEXTS, use_tqdm=False), hf_states(model_dir, TEXTS)):
         want = torch.nn.functional.normalize(states.mean(0), dim=-1).numpy()
+        np.testing.assert_allclose(vector, want, atol=1e-4)
+    model_dir = tiny_encoder_dir("modernbert")  # a local layer: the windowed kernel both ways
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)
+    for vector, (_, states) in zip(llm.embed(TEXTS, use_tqdm=False), hf_states(model_dir, TEXTS)):
+        want = torch.nn.functional.normalize(states[0], dim=-1).numpy()
         np.testing.assert_allclose(vector, want, atol=1e-4)
     model_dir = tiny_encoder_dir("xlm_roberta_reranker")
     llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)

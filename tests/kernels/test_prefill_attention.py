@@ -253,11 +253,34 @@ def test_bidirectional_prefill_matches_reference_and_sdpa(
         )
 
 
-def test_bidirectional_prefill_has_no_window(device: torch.device) -> None:
-    q = torch.zeros(2, 1, 16, device=device)
-    cache = torch.zeros(1, 16, 1, 16, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    loc = torch.tensor([0, 2], dtype=torch.int32, device=device)
-    lens = torch.tensor([2], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="no sliding window"):
-        paged_prefill_attention(q, cache, cache, table, loc, lens, 1.0, 2, 4, causal=False)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_bidirectional_sliding_window_matches_reference(
+    num_splits: int, rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    """causal=False with a window (ModernBERT's local layers): each query sees the keys at
+    most `window` positions away on either side, and the reference agrees with a dense
+    mask of |i - j| <= window."""
+    window, seq_lens, head_dim = 5, [70, 3, 12], 32
+    k_cache, v_cache, block_table = paged_kv(seq_lens, 2, head_dim, 16)
+    query = torch.randn(sum(seq_lens), 4, head_dim, generator=rng).to(device)
+    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()])
+    loc = starts.to(device=device, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, loc, lens, head_dim**-0.5, max(seq_lens), window)
+    launch = split(num_splits, max(seq_lens), head_dim, 2)
+    result = paged_prefill_attention(*args, causal=False, **launch)
+    expected = paged_prefill_attention_ref(*args, causal=False)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    n = seq_lens[0]
+    k = k_cache[block_table[0, :5].long()].flatten(0, 1)[:n].repeat_interleave(2, 1)
+    v = v_cache[block_table[0, :5].long()].flatten(0, 1)[:n].repeat_interleave(2, 1)
+    pos = torch.arange(n, device=device)
+    near = (pos[:, None] - pos[None, :]).abs() <= window
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query[:n].transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        attn_mask=near,
+        scale=head_dim**-0.5,
+    )
+    torch.testing.assert_close(expected[:n], want.transpose(0, 1), rtol=1e-4, atol=1e-5)
