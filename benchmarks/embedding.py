@@ -41,6 +41,18 @@ def flops(config, lengths: list[int], dense_params: int) -> float:
     return 2.0 * dense_params * tokens + 4.0 * config.num_hidden_layers * config.hidden_size * pairs
 
 
+def rates(seconds: float, lengths: list[int], work: float, peak_tflops: float) -> dict:
+    """A timed pass's figures: tokens and prompts a second, TFLOPS and their share of peak."""
+    tflops = work / seconds / 1e12
+    return {
+        "seconds": round(seconds, 3),
+        "tok_s": round(sum(lengths) / seconds),
+        "req_s": round(len(lengths) / seconds, 1),
+        "tflops": round(tflops, 1),
+        "vs_peak": round(tflops / peak_tflops, 3),
+    }
+
+
 def hf_embed(model, prompts: list[list[int]], batch_size: int, pad_id: int) -> np.ndarray:
     """CLS embeddings, normalized, in the prompts' order (batched by length)."""
     device = next(model.parameters()).device
@@ -123,15 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         work = flops(config, lengths, dense)
         llm.embed(prompts, use_tqdm=False)  # warm up: kernels compile per shape
         seconds, vectors = timed(functools.partial(llm.embed, prompts, use_tqdm=False))
-        run = {
-            "engine": "pagoda",
-            "max_num_batched_tokens": budget,
-            "seconds": round(seconds, 3),
-            "tok_s": round(sum(lengths) / seconds),
-            "req_s": round(len(lengths) / seconds, 1),
-            "tflops": round(work / seconds / 1e12, 1),
-        }
-        run["vs_peak"] = round(run["tflops"] / args.peak_tflops, 3)
+        run = {"engine": "pagoda", "max_num_batched_tokens": budget}
+        run |= rates(seconds, lengths, work, args.peak_tflops)
         result["runs"].append(run)
         print(run, flush=True)
         pagoda = np.asarray(vectors, dtype=np.float32)
@@ -148,16 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         pad = model.config.pad_token_id or 0
         hf_embed(model, prompts, args.hf_batch_size, pad)  # warm up, as Pagoda's
         seconds, hf = timed(functools.partial(hf_embed, model, prompts, args.hf_batch_size, pad))
-        run = {
-            "engine": "transformers",
-            "batch_size": args.hf_batch_size,
-            "attn_implementation": model.config._attn_implementation,
-            "seconds": round(seconds, 3),
-            "tok_s": round(sum(lengths) / seconds),
-            "req_s": round(len(lengths) / seconds, 1),
-            "tflops": round(work / seconds / 1e12, 1),
-        }
-        run["vs_peak"] = round(run["tflops"] / args.peak_tflops, 3)
+        run = {"engine": "transformers", "batch_size": args.hf_batch_size}
+        run["attn_implementation"] = model.config._attn_implementation
+        run |= rates(seconds, lengths, work, args.peak_tflops)
         result["runs"].append(run)
         print(run, flush=True)
         cosine = (pagoda * hf).sum(axis=1)

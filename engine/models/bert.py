@@ -140,12 +140,21 @@ class BertLayer(nn.Module):
         return self.out_norm(self.down(self.act(self.up(h))), h)[0]
 
 
-class BertModel(nn.Module):
-    """The encoder (BertModel, RobertaModel, XLMRobertaModel), and where the config's
-    architecture is a *ForSequenceClassification, its head (`classifier`)."""
+class Encoder(nn.Module):
+    """What every encoder model is to the engine: it pools, and generates nothing."""
 
     is_encoder = True
     has_lm_head = False
+    vocab_size: int
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The pooling rows' one token, sampled and dropped, is 0.
+        return hidden.new_zeros(hidden.shape[0], self.vocab_size)
+
+
+class BertModel(Encoder):
+    """The encoder (BertModel, RobertaModel, XLMRobertaModel), and where the config's
+    architecture is a *ForSequenceClassification, its head (`classifier`)."""
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -175,10 +184,6 @@ class BertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, meta)
         return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # It generates nothing: the pooling rows' one token, sampled and dropped, is 0.
-        return hidden.new_zeros(hidden.shape[0], self.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.bert import ClassifierHead
+from engine.models.bert import ClassifierHead, Encoder
 from engine.models.gpt2 import ACTIVATIONS
 from engine.models.layers import (
     AddNorm,
@@ -87,12 +87,9 @@ class ModernBertLayer(nn.Module):
         return self.down(self.act(gelu_in) * gate), residual
 
 
-class ModernBertModel(nn.Module):
+class ModernBertModel(Encoder):
     """The encoder, and where the config's architecture is a *ForSequenceClassification,
     its head (`classifier`: dense, activation, norm, then the labels' projection)."""
-
-    is_encoder = True
-    has_lm_head = False
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -130,10 +127,6 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.final_norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # It generates nothing: the pooling rows' one token, sampled and dropped, is 0.
-        return hidden.new_zeros(hidden.shape[0], self.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         params = dict(self.named_parameters())
