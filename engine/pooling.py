@@ -126,8 +126,9 @@ def pool(
         if method == "CLS":
             states = hidden[_to(starts, device)]
         else:  # MEAN: the sum over each prompt's tokens, in fp32, over its length
-            index = np.repeat(np.arange(len(seqs)), lengths)
-            tokens = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+            index = np.repeat(np.arange(len(seqs)), lengths)  # each token's pooling row
+            before = np.cumsum(lengths) - lengths  # a row's first entry in `index`
+            tokens = np.arange(len(index)) + np.repeat(starts - before, lengths)
             sums = hidden.new_zeros(len(seqs), hidden.shape[1], dtype=torch.float32)
             sums.index_add_(0, _to(index, device), hidden[_to(tokens, device)].float())
             states = sums / _to(lengths, device)[:, None]
