@@ -41,17 +41,32 @@ def _check_text(value: Any, field: str) -> None:
             _check_text(item, field)
 
 
+def _null_where_screened(schema: dict[str, Any]) -> None:
+    """The request schema says what _screen accepts: null for every optional field (the
+    default) and for any property not declared (ignored)."""
+    schema["additionalProperties"] = {"type": "null"}
+    required = set(schema.get("required", ()))
+    properties = schema.get("properties", {})
+    for name, prop in properties.items():
+        kinds = [prop, *prop.get("anyOf", ())]
+        if name in required or any(kind.get("type") == "null" for kind in kinds):
+            continue
+        outer = {key: prop.pop(key) for key in ("title", "description", "default") if key in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 class _Request(BaseModel):
     # Types are strict ("10" is no int, true no number: 400, never coerced). A field
     # Pagoda does not implement is a 400 naming it, never silently ignored (OpenAI
     # answers an unrecognized argument so too): the hints OpenAI documents are
-    # declared, and change nothing. An unknown field sent as null asks for nothing and is
-    # dropped (_screen), which the schema says: extra properties must be null.
+    # declared, and change nothing. null is the default of an optional field (the
+    # OpenAI SDK sends it) and an unknown field sent as null asks for nothing: both
+    # are dropped (_screen), and the schema says so.
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
         populate_by_name=True,
-        json_schema_extra={"additionalProperties": {"type": "null"}},
+        json_schema_extra=_null_where_screened,
     )
 
     @model_validator(mode="before")

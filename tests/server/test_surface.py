@@ -59,6 +59,24 @@ def test_an_unknown_field_is_a_400_unless_null(client):
         assert schemas[name]["additionalProperties"] == {"type": "null"}
 
 
+def test_the_schema_lets_every_optional_field_be_null(client):
+    # null is taken as the default wherever a field is optional, so the schema must allow
+    # it: fuzzers and typed clients (schemathesis' negative mode) read it from there.
+    r = client.post("/tokenize", json={"prompt": "x", "add_special_tokens": None})
+    assert r.status_code == 200, r.text
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    checked = 0
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest"):
+        schema = schemas[name]
+        for field, prop in schema["properties"].items():
+            if field in schema.get("required", ()):
+                assert {"type": "null"} not in prop.get("anyOf", ()), (name, field)
+            else:
+                assert {"type": "null"} in prop.get("anyOf", ()), (name, field)
+                checked += 1
+    assert checked > 50
+
+
 @pytest.mark.parametrize("field", ["early_stopping", "kv_transfer_params"])
 def test_a_vllm_field_pagoda_lacks_is_a_400_naming_it(client, field):
     value = True if field == "early_stopping" else {"do_remote_prefill": True}
