@@ -1,6 +1,6 @@
-"""Tensor-parallel models on 2 GPUs over NCCL in bf16: TP=2's logits match TP=1's for every
-family, and a CUDA graph that captured the decode step's all-reduces and logits all-gather
-replays to the eager result."""
+"""Tensor-parallel models on 2 GPUs over NCCL: TP=2's logits match TP=1's for every family
+(bf16; fp32 for those with a router), and a CUDA graph that captured the decode step's
+all-reduces and logits all-gather replays to the eager result."""
 
 from __future__ import annotations
 
@@ -30,14 +30,37 @@ def checkpoints(tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, 
     )
 
 
+# Families with a router: in bf16 a token whose top-k experts are nearly tied can pick
+# another expert at TP 2 than at TP 1 (the partial sums round differently), and its row of
+# logits then differs by far more than rounding (Qwen2-MoE's tiny checkpoint did). They
+# are compared in fp32, where the sharded model must equal the whole one.
+ROUTED = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"}
+
+
 @pytest.fixture(scope="module")
 def tp2(checkpoints, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp2-nccl")
-    return run_tensor_parallel(checkpoints, out, "nccl", torch.bfloat16)
+    dense = {kind: path for kind, path in checkpoints.items() if kind not in ROUTED}
+    return run_tensor_parallel(dense, out, "nccl", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def tp2_routed_fp32(checkpoints, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("tp2-nccl-fp32")
+    return run_tensor_parallel({k: checkpoints[k] for k in ROUTED}, out, "nccl", torch.float32)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_tp2_nccl_bf16_logits_match_tp1(kind, checkpoints, tp2):
+def test_tp2_nccl_logits_match_tp1(kind, checkpoints, request):
+    if kind in ROUTED:
+        results = request.getfixturevalue("tp2_routed_fp32")
+        model, _ = load_model(checkpoints[kind], torch.device("cuda", 0), torch.float32)
+        want, got = prefill_and_decode(model), results[0][kind]
+        for step in ("prefill", "decode"):
+            torch.testing.assert_close(got[step], want[step], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["decode_graph"], got["decode"], rtol=0, atol=0)
+        return
+    tp2 = request.getfixturevalue("tp2")
     model, _ = load_model(checkpoints[kind], torch.device("cuda", 0), torch.bfloat16)
     want = prefill_and_decode(model)
     got = tp2[0][kind]
