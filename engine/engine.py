@@ -32,7 +32,7 @@ from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.outputs import take_outputs, take_plain
-from engine.pooling import pooling_type
+from engine.pooling import pooling_type, projector
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -89,6 +89,10 @@ class Engine:
             tp = membership.tp if membership is not None else SINGLE
             start = time.perf_counter()
             self.model = load_for_engine(config, model_dir, hf_config, tp)
+            # An embedding's sentence-transformers Dense modules, which the pooling applies.
+            dense = projector(model_dir)
+            self.model.projector = None if dense is None else dense.to(device)
+            self.embedding_size = hf_config.hidden_size if dense is None else dense.out_features
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
             self.token_types = token_types(hf_config)

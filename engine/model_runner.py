@@ -206,7 +206,8 @@ class ModelRunner(StepInputs):
             if pooling is not None:
                 classifier = getattr(self.model, "classifier", None)
                 method = self.config.pooling_type or "LAST"
-                self.pooled = pool(hidden, last, pooling, out, method, classifier)
+                dense = getattr(self.model, "projector", None)
+                self.pooled = pool(hidden, last, pooling, out, method, classifier, dense)
             return self.model.compute_logits(last)
 
     def hidden_states(self, inp: ModelInput) -> torch.Tensor:

@@ -8,8 +8,10 @@ model's last norm), pooled one of three ways, as vLLM's poolers do:
 - MEAN: the mean over the prompt's tokens (e5, all-MiniLM).
 
 A sentence-transformers directory names its pooling (modules.json's Pooling module);
-else an encoder takes CLS, a decoder LAST. Embeddings are L2-normalized in fp32; a
-classifier's vector is its head's logits of the pooled state, unnormalized.
+else an encoder takes CLS, a decoder LAST. Its Dense modules after the pooling (LaBSE's
+tanh layer, a projection to fewer dimensions) apply to the pooled vector, in fp32.
+Embeddings are L2-normalized in fp32; a classifier's vector is its head's logits of the
+pooled state, unnormalized.
 
 The request is an ordinary one-token request: the step that runs its prompt's last
 token samples its one token, and that step also pools the row. Such a step runs
@@ -63,6 +65,67 @@ def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor
 
 
+def _st_modules(model_dir: str) -> list[dict]:
+    """modules.json's entries, in order ([] without one)."""
+    try:
+        modules = json.loads((Path(model_dir) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
+
+
+# sentence-transformers' Dense activation_function -> the module; others are refused.
+_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": nn.Identity,
+    "torch.nn.modules.activation.Tanh": nn.Tanh,
+    "torch.nn.modules.activation.ReLU": nn.ReLU,
+    "torch.nn.modules.activation.GELU": nn.GELU,
+    "torch.nn.modules.activation.Sigmoid": nn.Sigmoid,
+}
+# Modules after the pooling that leave the vector as it is (Normalize: it is normalized).
+_NO_CHANGE = ("Transformer", "Pooling", "Normalize")
+
+
+def _dense(folder: Path) -> nn.Sequential:
+    """One sentence-transformers Dense module: its linear layer and activation, fp32."""
+    settings = json.loads((folder / "config.json").read_text())
+    name = settings.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{folder}: Dense activation {name} is not supported")
+    bias = settings.get("bias", True)
+    linear = nn.Linear(settings["in_features"], settings["out_features"], bias=bias)
+    if (folder / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        state = load_file(folder / "model.safetensors")
+    else:
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in state.items()})
+    return nn.Sequential(linear, _ACTIVATIONS[name]())
+
+
+class Projector(nn.Sequential):
+    """Dense modules in order: each a linear layer and its activation."""
+
+    @property
+    def out_features(self) -> int:  # the embeddings' length
+        return [m for m in self if isinstance(m, nn.Linear)][-1].out_features
+
+
+def projector(model_dir: str) -> Projector | None:
+    """The sentence-transformers Dense modules an embedding passes through after its
+    pooling, in order (None: none). A module that would change the vector otherwise is
+    named in a warning: the embeddings then differ from sentence-transformers'."""
+    layers: list[nn.Module] = []
+    for module in _st_modules(model_dir):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Dense":
+            layers.extend(_dense(Path(model_dir) / module.get("path", "")))
+        elif kind not in _NO_CHANGE:
+            logger.warning("%s: sentence-transformers module %s is not applied", model_dir, kind)
+    return Projector(*layers).eval() if layers else None
+
+
 def pooling_type(model_dir: str, hf_config) -> str:
     """How the model pools: a classifier as transformers scores a sequence (an encoder's
     first token, a decoder's last; ModernBERT's as its classifier_pooling says); an
@@ -73,11 +136,7 @@ def pooling_type(model_dir: str, hf_config) -> str:
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         return getattr(hf_config, "classifier_pooling", default).upper()
     root = Path(model_dir)
-    try:
-        modules = json.loads((root / "modules.json").read_text())
-    except (OSError, ValueError):
-        return default
-    for module in modules if isinstance(modules, list) else []:
+    for module in _st_modules(model_dir):
         if str(module.get("type", "")).endswith("Pooling"):
             try:
                 settings = json.loads((root / module.get("path", "") / "config.json").read_text())
@@ -111,6 +170,7 @@ def pool(
     out: SchedulerOutput,
     method: str,
     classifier: nn.Module | None = None,
+    dense: nn.Module | None = None,  # an embedding's Dense modules (projector)
 ) -> PooledRows:
     """hidden: [num_tokens, hidden] the step's final hidden states; last: [num_sampling,
     hidden] the sampling rows' last tokens' (rows selects those that pool). For CLS
@@ -135,7 +195,8 @@ def pool(
     if classifier is not None:
         vectors = classifier(states)
     else:
-        vectors = torch.nn.functional.normalize(states.float(), dim=-1)
+        states = states.float() if dense is None else dense(states.float())
+        vectors = torch.nn.functional.normalize(states, dim=-1)
     if device.type == "cuda":
         host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
         vectors = host.copy_(vectors, non_blocking=True)

@@ -74,7 +74,7 @@ class EngineInfo:
             engine.model_dir,
             engine.config,
             engine.vocab_size,
-            hidden_size=engine.model.config.hidden_size,
+            hidden_size=engine.embedding_size,
             can_generate=engine.can_generate,
             eos_token_ids=frozenset(engine.eos_set),
             labels=engine.labels,

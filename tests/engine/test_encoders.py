@@ -3,12 +3,17 @@ on tiny random checkpoints, prompts of many lengths batched together."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.classification import class_probabilities
+from server.engine_wire import EngineInfo
 from tests.conftest import PROMPTS
 
 TEXTS = [*PROMPTS, "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3]
@@ -120,3 +125,50 @@ def test_encoder_generates_nothing(tiny_encoder_dir):
         llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="no speculative decoding"):
         LLM(tiny_encoder_dir("bert_cls"), device="cpu", num_speculative_tokens=2)
+
+
+def _with_dense_modules(model_dir: str, path, second_activation: str) -> list[torch.nn.Linear]:
+    """A copy of model_dir as a sentence-transformers directory (LaBSE's layout): CLS
+    pooling, a tanh Dense 64 -> 48 (safetensors), a second Dense 48 -> 32 without bias
+    (a torch .bin), Normalize. Returns the two linear layers."""
+    shutil.copytree(model_dir, path)
+    torch.manual_seed(1)
+    first, second = torch.nn.Linear(64, 48), torch.nn.Linear(48, 32, bias=False)
+    modules = [
+        ("", "Transformer", None),
+        ("1_Pooling", "Pooling", {"pooling_mode_cls_token": True}),
+        ("2_Dense", "Dense", {"in_features": 64, "out_features": 48, "bias": True}),
+        ("3_Dense", "Dense", {"in_features": 48, "out_features": 32, "bias": False}),
+        ("4_Normalize", "Normalize", None),
+    ]
+    modules[2][2]["activation_function"] = "torch.nn.modules.activation.Tanh"
+    modules[3][2]["activation_function"] = second_activation
+    entries = []
+    for i, (folder, kind, settings) in enumerate(modules):
+        entries.append({"idx": i, "name": str(i), "path": folder, "type": f"st.models.{kind}"})
+        if folder:
+            (path / folder).mkdir()
+        if settings is not None:
+            (path / folder / "config.json").write_text(json.dumps(settings))
+    save_file({f"linear.{k}": v for k, v in first.state_dict().items()},
+              path / "2_Dense" / "model.safetensors")  # fmt: skip
+    torch.save({"linear.weight": second.weight.detach()}, path / "3_Dense" / "pytorch_model.bin")
+    (path / "modules.json").write_text(json.dumps(entries))
+    return [first, second]
+
+
+def test_sentence_transformers_dense_modules_apply(tiny_encoder_dir, tmp_path):
+    model_dir = tiny_encoder_dir("bert_cls")
+    identity = "torch.nn.modules.linear.Identity"
+    first, second = _with_dense_modules(model_dir, tmp_path / "st", identity)
+    llm = LLM(str(tmp_path / "st"), device="cpu", block_size=4)
+    assert EngineInfo.of(llm.engine).hidden_size == 32  # /v1/embeddings' dimensions bound
+    got = llm.embed(TEXTS, use_tqdm=False)
+    with torch.no_grad():
+        for vector, (_, states) in zip(got, hf_states(model_dir, TEXTS), strict=True):
+            want = torch.nn.functional.normalize(second(torch.tanh(first(states[0]))), dim=-1)
+            np.testing.assert_allclose(vector, want.numpy(), atol=1e-5)
+    # An activation Pagoda does not know is refused, not skipped.
+    _with_dense_modules(model_dir, tmp_path / "bad", "torch.nn.modules.activation.SiLU")
+    with pytest.raises(ValueError, match="Dense activation .*SiLU"):
+        LLM(str(tmp_path / "bad"), device="cpu")
