@@ -408,6 +408,8 @@ ENCODERS = {
         {"num_labels": 1, "type_vocab_size": 1},
         None,
     ),
+    "distilbert": ("DistilBertModel", {}, "pooling_mode_mean_tokens"),
+    "distilbert_classifier": ("DistilBertForSequenceClassification", {"num_labels": 2}, None),
     # Three layers, the middle one local (a query sees 4 keys either side), biases on.
     "modernbert": ("ModernBertModel", {}, None),
     "modernbert_classifier": (
@@ -459,6 +461,18 @@ def build_encoder(kind: str, path: Path) -> str:
             cls_token_id=tokenizer.cls_token_id,
             sep_token_id=tokenizer.sep_token_id,
             **common,
+        )
+    elif cls_name.startswith("DistilBert"):  # its own names for the sizes
+        config = transformers.DistilBertConfig(
+            vocab_size=len(tokenizer),
+            dim=64,
+            n_heads=4,
+            n_layers=2,
+            hidden_dim=96,
+            max_position_embeddings=128,
+            pad_token_id=pad,
+            initializer_range=0.2,
+            **extras,
         )
     else:
         roberta = "XLMRoberta" in cls_name

@@ -1,5 +1,6 @@
-"""BERT, RoBERTa and XLM-RoBERTa encoders: embedding models (bge, e5, all-MiniLM, gte,
-bge-m3) and their sequence classifiers (cross-encoders such as bge-reranker).
+"""BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders: embedding models (bge, e5,
+all-MiniLM, gte, bge-m3, msmarco-distilbert) and their sequence classifiers
+(cross-encoders such as bge-reranker, sentiment classifiers).
 
 An encoder attends both ways within its prompt, so each prompt runs whole in one step,
 over the paged cache like any prefill (PagedAttention with causal=False), and nothing
@@ -14,6 +15,7 @@ as vLLM packs them; the embedding unpacks them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +34,7 @@ from engine.models.parallel import (
     split,
 )
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert")
 # HF module path inside a layer -> ours (and the qkv section).
 LAYER_NAMES = {
     "attention.self.query": ("qkv", 0),
@@ -43,6 +45,15 @@ LAYER_NAMES = {
     "intermediate.dense": ("up", None),
     "output.dense": ("down", None),
     "output.LayerNorm": ("out_norm", None),
+    # DistilBERT's names for the same
+    "attention.q_lin": ("qkv", 0),
+    "attention.k_lin": ("qkv", 1),
+    "attention.v_lin": ("qkv", 2),
+    "attention.out_lin": ("attn_out", None),
+    "sa_layer_norm": ("attn_norm", None),
+    "ffn.lin1": ("up", None),
+    "ffn.lin2": ("down", None),
+    "output_layer_norm": ("out_norm", None),
 }
 # Checkpoint tensors an encoder serving embeddings or scores never reads: the masked-LM
 # and next-sentence heads, and old checkpoints' position-id buffers.
@@ -54,6 +65,23 @@ def is_encoder(config) -> bool:
     return config.model_type in ENCODER_TYPES
 
 
+@dataclass(frozen=True)
+class BertShape:
+    """What the layers read of a config, whose names DistilBERT's differs in."""
+
+    intermediate_size: int
+    act: str
+    eps: float
+    type_vocab_size: int  # 0: no token type embeddings (DistilBERT)
+
+    @classmethod
+    def of(cls, config) -> BertShape:
+        if config.model_type == "distilbert":  # its LayerNorms' eps is fixed in the code
+            return cls(config.hidden_dim, config.activation, 1e-12, 0)
+        eps, types = config.layer_norm_eps, config.type_vocab_size
+        return cls(config.intermediate_size, config.hidden_act, eps, types)
+
+
 def check_config(config) -> None:
     """Raise ValueError naming a config feature this code would silently ignore."""
     kind = getattr(config, "position_embedding_type", "absolute")
@@ -61,8 +89,8 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported position_embedding_type {kind!r} (only absolute)")
     if getattr(config, "is_decoder", False):
         raise ValueError("a BERT-family model configured as a decoder is not supported")
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+    if BertShape.of(config).act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {BertShape.of(config).act!r}")
 
 
 def position_offset(config) -> int:
@@ -117,7 +145,7 @@ class BertLayer(nn.Module):
 
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        d, n = config.hidden_size, config.num_attention_heads
+        d, n, shape = config.hidden_size, config.num_attention_heads, BertShape.of(config)
         head_dim = d // n
         heads = head_shard(n, n, head_dim, tp)
         self.qkv = ColumnParallelLinear(d, heads.sections, bias=True)
@@ -126,13 +154,12 @@ class BertLayer(nn.Module):
             heads.num_heads, heads.num_kv_heads, head_dim, scale, causal=False
         )
         self.attn_out = RowParallelLinear(d, d, bias=True, tp=tp)
-        self.attn_norm = LayerNorm(d, config.layer_norm_eps)
-        self.up = ColumnParallelLinear(
-            d, [split(config.intermediate_size, tp, "intermediate_size")], bias=True
-        )
-        self.down = RowParallelLinear(config.intermediate_size, d, bias=True, tp=tp)
-        self.out_norm = LayerNorm(d, config.layer_norm_eps)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.attn_norm = LayerNorm(d, shape.eps)
+        inter = shape.intermediate_size
+        self.up = ColumnParallelLinear(d, [split(inter, tp, "intermediate_size")], bias=True)
+        self.down = RowParallelLinear(inter, d, bias=True, tp=tp)
+        self.out_norm = LayerNorm(d, shape.eps)
+        self.act = ACTIVATIONS[shape.act]
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
@@ -153,25 +180,29 @@ class Encoder(nn.Module):
 
 
 class BertModel(Encoder):
-    """The encoder (BertModel, RobertaModel, XLMRobertaModel), and where the config's
-    architecture is a *ForSequenceClassification, its head (`classifier`)."""
+    """The encoder (BertModel, RobertaModel, XLMRobertaModel, DistilBertModel), and where
+    the config's architecture is a *ForSequenceClassification, its head (`classifier`;
+    DistilBERT's pre_classifier is its dense layer, with a ReLU)."""
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_config(config)
         self.config = config
-        d = config.hidden_size
+        d, shape = config.hidden_size, BertShape.of(config)
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, d, tp)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, d)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, d)
-        self.emb_norm = LayerNorm(d, config.layer_norm_eps)
+        self.token_type_embeddings = None
+        if shape.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(shape.type_vocab_size, d)
+        self.emb_norm = LayerNorm(d, shape.eps)
         self.layers = nn.ModuleList(BertLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.offset = position_offset(config)
         self.vocab_size = config.vocab_size
         architectures = getattr(config, "architectures", None) or []
         self.classifier = None
         if any(a.endswith("ForSequenceClassification") for a in architectures):
-            self.classifier = ClassifierHead(d, config.num_labels)
+            act = torch.relu if config.model_type == "distilbert" else torch.tanh
+            self.classifier = ClassifierHead(d, config.num_labels, act=act)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -179,7 +210,8 @@ class BertModel(Encoder):
         types = input_ids >> TOKEN_TYPE_SHIFT
         words = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
         extra = self.position_embeddings(positions + self.offset)
-        extra += self.token_type_embeddings(types)
+        if self.token_type_embeddings is not None:
+            extra += self.token_type_embeddings(types)
         x = self.emb_norm(self.word_embeddings(words), extra)[0]
         for layer in self.layers:
             x = layer(x, meta)
@@ -209,15 +241,18 @@ class BertModel(Encoder):
         if name.startswith("classifier."):  # BERT's is one Linear; RoBERTa's dense + out_proj
             rest = name.removeprefix("classifier.").removeprefix("out_proj.")
             return "classifier." + (rest if rest.startswith("dense.") else "out." + rest), None
-        for prefix in ("bert.", "roberta."):
+        for prefix in ("bert.", "roberta.", "distilbert."):
             name = name.removeprefix(prefix)
-        if name.startswith("pooler."):  # BERT's pooler: the classifier's dense layer
-            if self.classifier is None:
-                return None, None  # a bare BertModel's pooler: sentence embeddings skip it
-            return "classifier.dense." + name.removeprefix("pooler.dense."), None
+        # BERT's pooler, DistilBERT's pre_classifier: the classifier's dense layer
+        for prefix in ("pooler.dense.", "pre_classifier."):
+            if name.startswith(prefix):
+                if self.classifier is None:
+                    return None, None  # a bare BertModel's pooler: embeddings skip it
+                return "classifier.dense." + name.removeprefix(prefix), None
         name = name.replace("embeddings.LayerNorm", "emb_norm")
         if name.startswith("embeddings."):
             return name.removeprefix("embeddings."), None
+        name = name.replace("transformer.layer.", "encoder.layer.")  # DistilBERT's
         if name.startswith("encoder.layer."):
             index, _, rest = name.removeprefix("encoder.layer.").partition(".")
             module, _, leaf = rest.rpartition(".")

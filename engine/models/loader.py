@@ -68,6 +68,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "bert": BertModel,
     "roberta": BertModel,
     "xlm-roberta": BertModel,
+    "distilbert": BertModel,
     "modernbert": ModernBertModel,
 }
 

@@ -1,5 +1,5 @@
-"""Encoders (BERT, XLM-RoBERTa): embeddings and classifier logits equal transformers'
-on tiny random checkpoints, prompts of many lengths batched together."""
+"""Encoders (BERT, XLM-RoBERTa, DistilBERT, ModernBERT): embeddings and classifier logits
+equal transformers' on tiny random checkpoints, prompts of many lengths batched together."""
 
 from __future__ import annotations
 
@@ -46,7 +46,13 @@ def hf_states(model_dir: str, texts: list[str], pairs: list[str] | None = None):
 
 @pytest.mark.parametrize(
     ("kind", "pooling"),
-    [("bert_mean", "MEAN"), ("bert_cls", "CLS"), ("xlm_roberta", "CLS"), ("modernbert", "CLS")],
+    [
+        ("bert_mean", "MEAN"),
+        ("bert_cls", "CLS"),
+        ("xlm_roberta", "CLS"),
+        ("distilbert", "MEAN"),
+        ("modernbert", "CLS"),
+    ],
 )
 def test_encoder_embeddings_equal_transformers(tiny_encoder_dir, kind, pooling):
     model_dir = tiny_encoder_dir(kind)
@@ -104,7 +110,8 @@ def hf_model(model_dir: str):
 
 
 @pytest.mark.parametrize(
-    "kind", ["bert_classifier", "xlm_roberta_reranker", "modernbert_classifier"]
+    "kind",
+    ["bert_classifier", "xlm_roberta_reranker", "distilbert_classifier", "modernbert_classifier"],
 )
 def test_encoder_classifiers_equal_transformers(tiny_encoder_dir, kind):
     model_dir = tiny_encoder_dir(kind)
