@@ -73,6 +73,13 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
+# Multimodal checkpoints served as their language model, text only: model_type -> the
+# attribute holding that model's config. The language model's tensors are under
+# `language_model.` (`model.language_model.` in newer saves); the vision tower's and the
+# projector's are not read. An image in a request is a 400 (text content parts only).
+TEXT_OF_MULTIMODAL = {"gemma3": "text_config"}
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
 # tokenizer only; the weights are drawn on the device at load, like vLLM's dummy format.
 RANDOM_WEIGHTS_MARKER = "pagoda-random-weights"
@@ -94,6 +101,8 @@ def load_config(model_dir: str) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises several kinds here
         raise ModelLoadError(f"{path / 'config.json'}: cannot be read: {e}") from e
+    if config.model_type in TEXT_OF_MULTIMODAL:
+        config = _language_config(config, path)
     if config.model_type not in MODEL_TYPES:
         raise ModelLoadError(
             f"{path / 'config.json'}: unsupported architecture {config.model_type!r} "
@@ -106,6 +115,36 @@ def load_config(model_dir: str) -> PretrainedConfig:
     except ValueError as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
     return config
+
+
+def _language_config(outer: PretrainedConfig, path: Path) -> PretrainedConfig:
+    """A multimodal checkpoint's language model config, with the checkpoint's dtype."""
+    if getattr(outer, "quantization_config", None):
+        raise ModelLoadError(
+            f"{path / 'config.json'}: a quantized multimodal {outer.model_type} checkpoint "
+            "is not supported (its bf16 or fp16 one is, with --quantization fp8)"
+        )
+    config = getattr(outer, TEXT_OF_MULTIMODAL[outer.model_type])
+    config.dtype = checkpoint_dtype(config) or checkpoint_dtype(outer)
+    logger.info(
+        "%s: a multimodal %s checkpoint: its language model, text only", path, outer.model_type
+    )
+    return config
+
+
+def _language_model_weights(
+    weights: Iterator[tuple[str, WeightSlice]],
+) -> Iterator[tuple[str, WeightSlice]]:
+    """A multimodal checkpoint's language model tensors, under a text model's names."""
+    for name, weight in weights:
+        bare = name.removeprefix("model.")
+        if bare.startswith(_VISION_PARTS):
+            continue
+        if bare.startswith("language_model."):
+            rest = bare.removeprefix("language_model.")
+            # `language_model.model.layers...` (and its lm_head), or `model.language_model.layers...`
+            name = rest if name.startswith("language_model.") else f"model.{rest}"
+        yield name, weight
 
 
 def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.Module:
@@ -209,6 +248,10 @@ def load_model(
         _fill_random(model)
         return _finish(model, device, quantization, lora_modules, max_lora_rank), config
     weights = iter_weights(model_dir)
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") in (
+        TEXT_OF_MULTIMODAL
+    ):
+        weights = _language_model_weights(weights)
     kv_scales: dict[int, dict[str, float]] = {}
     if scheme is not None:
         weights = dequantize_checkpoint(weights, scheme, kv_scales)
