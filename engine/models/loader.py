@@ -73,11 +73,12 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
-# Multimodal checkpoints served as their language model, text only: model_type -> the
+# Multimodal checkpoints served as their language model, text only (Gemma 3 from 4B up,
+# Mistral Small 3.1 and later): model_type -> the
 # attribute holding that model's config. The language model's tensors are under
 # `language_model.` (`model.language_model.` in newer saves); the vision tower's and the
 # projector's are not read. An image in a request is a 400 (text content parts only).
-TEXT_OF_MULTIMODAL = {"gemma3": "text_config"}
+TEXT_OF_MULTIMODAL = {"gemma3": "text_config", "mistral3": "text_config"}
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
@@ -126,6 +127,10 @@ def _language_config(outer: PretrainedConfig, path: Path) -> PretrainedConfig:
         )
     config = getattr(outer, TEXT_OF_MULTIMODAL[outer.model_type])
     config.dtype = checkpoint_dtype(config) or checkpoint_dtype(outer)
+    # transformers ties the head as the outer config says, which a checkpoint with a
+    # head of its own (Mistral Small 3.1's) does not mean: tied where there is none.
+    has_head = any(name.endswith("lm_head.weight") for name, _ in iter_weights(str(path)))
+    config.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) or not has_head
     logger.info(
         "%s: a multimodal %s checkpoint: its language model, text only", path, outer.model_type
     )
