@@ -47,7 +47,8 @@ FUSED = {
 }
 
 
-QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text")
+QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
+QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe")
 
@@ -93,7 +94,7 @@ class LlamaAttention(nn.Module):
         self.q_size = heads.num_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
         # Qwen2 always has q/k/v biases, Qwen2-MoE with qkv_bias, Llama with attention_bias.
-        bias = config.model_type == "qwen2" or getattr(config, "qkv_bias", False)
+        bias = config.model_type in QKV_BIAS_MODELS or getattr(config, "qkv_bias", False)
         bias = bias or getattr(config, "attention_bias", False)
         bias = bias if options.qkv_bias is None else options.qkv_bias
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)

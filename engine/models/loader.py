@@ -48,6 +48,9 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen2_vl_text": LlamaForCausalLM,  # the VL models' language models (TEXT_OF_MULTIMODAL)
+    "qwen2_5_vl_text": LlamaForCausalLM,
+    "qwen3_vl_text": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
@@ -74,12 +77,15 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 
 
 # Multimodal checkpoints served as their language model, text only (Gemma 3 from 4B up,
-# Mistral Small 3.1 and later): model_type -> the
+# Mistral Small 3.1 and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: their multimodal rotary
+# sections see one position per text token, which is plain rotary): model_type -> the
 # attribute holding that model's config. The language model's tensors are under
 # `language_model.` (`model.language_model.` in newer saves); the vision tower's and the
 # projector's are not read. An image in a request is a 400 (text content parts only).
-TEXT_OF_MULTIMODAL = {"gemma3": "text_config", "mistral3": "text_config"}
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+TEXT_OF_MULTIMODAL = {
+    kind: "text_config" for kind in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+}
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
 # tokenizer only; the weights are drawn on the device at load, like vLLM's dummy format.

@@ -1,6 +1,7 @@
 """Multimodal checkpoints (Gemma3ForConditionalGeneration, as gemma-3-4b-it and up are
-published; Mistral3ForConditionalGeneration, Mistral Small 3.1's) served as their
-language model: greedy output equal to transformers' on text prompts, under either
+published; Mistral Small 3.1's Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL
+and Qwen3-VL, whose multimodal rotary sections see one position per text token) served as
+their language model: greedy output equal to transformers' on text prompts, under either
 naming of their tensors; a quantized one refused by name."""
 
 from __future__ import annotations
@@ -19,40 +20,66 @@ from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
 MAX_NEW = 16
 
 
-# kind -> (the text model's FAMILY_CONFIGS kind, the wrapper's config and model classes)
+# kind -> the wrapper's config and model classes
 WRAPPERS = {
-    "gemma3": ("gemma3", "Gemma3Config", "Gemma3ForConditionalGeneration"),
-    "mistral3": ("mistral", "Mistral3Config", "Mistral3ForConditionalGeneration"),
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
 }
+SMALL_VISION = dict(hidden_size=32, intermediate_size=48)
+
+
+def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
+    """The wrapper's config arguments: its text model (from FAMILY_CONFIGS where the
+    family has one), a tiny vision tower, its special tokens."""
+    import transformers
+
+    common = dict(**TINY, vocab_size=vocab, bos_token_id=eos, eos_token_id=eos)
+    if kind in ("gemma3", "mistral3"):
+        text_class, _, fields = FAMILY_CONFIGS["gemma3" if kind == "gemma3" else "mistral"]
+        text = getattr(transformers, text_class)(**common, **fields).to_dict()
+        vision = dict(SMALL_VISION, num_hidden_layers=1, num_attention_heads=2, image_size=32)
+        vision["patch_size"] = 8
+        if kind == "gemma3":
+            vision = transformers.SiglipVisionConfig(**vision).to_dict()
+            extra = dict(
+                mm_tokens_per_image=4, boi_token_index=vocab - 2, eoi_token_index=vocab - 3
+            )
+            return dict(
+                text_config=text, vision_config=vision, image_token_index=vocab - 1, **extra
+            )
+        # With a head of its own, as Mistral Small 3.1's checkpoint has.
+        vision = transformers.PixtralVisionConfig(**vision, head_dim=16).to_dict()
+        extra = dict(spatial_merge_size=2, tie_word_embeddings=False)
+        return dict(text_config=text, vision_config=vision, image_token_index=vocab - 1, **extra)
+    # Qwen VL: multimodal rotary sections (interleaved in Qwen3-VL's), q/k norm in Qwen3's.
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    vision = dict(SMALL_VISION, depth=1, num_heads=2, out_hidden_size=64, patch_size=4)
+    vision |= dict(spatial_merge_size=2, temporal_patch_size=2)
+    if kind == "qwen3_vl":
+        rope["mrope_interleaved"] = True
+        common["head_dim"] = 16
+        vision |= dict(deepstack_visual_indexes=[0], num_position_embeddings=16)
+    elif kind == "qwen2_vl":
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4)
+        vision |= dict(spatial_merge_size=2, temporal_patch_size=2)
+    else:
+        vision |= dict(window_size=16, fullatt_block_indexes=[0])
+    tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
+    tokens |= dict(vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4)
+    text = dict(common, rope_scaling=rope)
+    return dict(text_config=text, vision_config=vision, **tokens)
 
 
 def build(kind: str, path, tokenizer) -> object:
     """A tiny multimodal checkpoint of `kind` saved at path; its transformers model."""
     import transformers
 
-    family, config_class, model_class = WRAPPERS[kind]
-    vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    text_class, _, fields = FAMILY_CONFIGS[family]
-    text = getattr(transformers, text_class)(
-        **TINY, **fields, vocab_size=vocab, bos_token_id=eos, eos_token_id=eos
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-        image_size=32, patch_size=8,
-    )  # fmt: skip
-    if kind == "gemma3":
-        vision = transformers.SiglipVisionConfig(**vision)
-        extra = dict(mm_tokens_per_image=4, boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
-    else:  # with a head of its own, as Mistral Small 3.1's checkpoint has
-        vision = transformers.PixtralVisionConfig(**vision, head_dim=16)
-        extra = dict(spatial_merge_size=2, tie_word_embeddings=False)
-    config = getattr(transformers, config_class)(
-        text_config=text.to_dict(),
-        vision_config=vision.to_dict(),
-        image_token_index=vocab - 1,
-        initializer_range=0.2,
-        **extra,
-    )
+    config_class, model_class = WRAPPERS[kind]
+    fields = wrapper_config(kind, len(tokenizer), tokenizer.eos_token_id)
+    config = getattr(transformers, config_class)(**fields, initializer_range=0.2)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
     model.save_pretrained(path)
@@ -78,6 +105,20 @@ def multimodal(request, tmp_path_factory, tokenizer):
     return path, want
 
 
+def renamed_tensor(name: str) -> str:
+    """A wrapper's tensor under the naming it was not saved with: `language_model.model.`
+    and top-level towers (the published checkpoints') <-> all of it under `model.`."""
+    if name.startswith("language_model.model."):
+        return "model.language_model." + name.removeprefix("language_model.model.")
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith(("vision_tower.", "multi_modal_projector.", "visual.")):
+        return "model." + name
+    if name.startswith(("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")):
+        return name.removeprefix("model.")
+    return name.replace("language_model.lm_head.", "lm_head.")
+
+
 def greedy_ids(model_dir) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs = LLM(str(model_dir), device="cpu").generate(PROMPTS[:4], params, use_tqdm=False)
@@ -86,27 +127,21 @@ def greedy_ids(model_dir) -> list[list[int]]:
 
 def test_a_multimodal_checkpoint_serves_its_language_model(multimodal, tmp_path):
     path, want = multimodal
+    assert len({token for ids in want for token in ids}) > 4  # not one repeated token
     names = load_file(path / "model.safetensors")
-    assert any(n.startswith("language_model.model.") for n in names)  # the published naming
-    assert any(n.startswith("vision_tower.") for n in names)
-    assert any(n.endswith("lm_head.weight") for n in names) == (path.name[:8] == "mistral3")
+    assert any(n.startswith(("vision_tower.", "visual.", "model.visual.")) for n in names)
     # The language model's config, with the checkpoint's dtype (the outer config's).
     config = load_config(str(path))
-    assert config.model_type in ("gemma3_text", "mistral") and not hasattr(config, "text_config")
-    assert checkpoint_dtype(config) == torch.float32
+    assert not hasattr(config, "text_config") and checkpoint_dtype(config) == torch.float32
     assert greedy_ids(path) == want
-    # Newer saves nest both under `model.`: the same model.
-    newer = tmp_path / "newer"
-    shutil.copytree(path, newer)
-    renamed = {
-        n.replace("language_model.model.", "model.language_model.")
-        .replace("language_model.lm_head.", "lm_head.")
-        .replace("vision_tower.", "model.vision_tower.")
-        .replace("multi_modal_projector.", "model.multi_modal_projector."): t
-        for n, t in names.items()
-    }
-    save_file(renamed, newer / "model.safetensors")
-    assert greedy_ids(newer) == want
+    # The other naming (transformers 5 saves Gemma 3's and Mistral 3's the published way,
+    # `language_model.model.`, and Qwen3-VL's nested under `model.`): the same model.
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    renamed = {renamed_tensor(n): t for n, t in names.items()}
+    assert renamed.keys() != names.keys()
+    save_file(renamed, other / "model.safetensors")
+    assert greedy_ids(other) == want
 
 
 def test_a_quantized_multimodal_checkpoint_is_refused(multimodal, tmp_path):
