@@ -393,6 +393,14 @@ def fill_random_(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {e}") from e
+    processor = Path(model_dir) / "chat_template.json"
+    if not getattr(tokenizer, "chat_template", None) and processor.is_file():
+        # A multimodal checkpoint may keep its chat template with its processor only.
+        try:
+            tokenizer.chat_template = json.loads(processor.read_text())["chat_template"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{processor}: cannot read its chat_template: {e}") from e
+    return tokenizer

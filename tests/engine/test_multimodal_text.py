@@ -2,7 +2,8 @@
 published; Mistral Small 3.1's Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL
 and Qwen3-VL, whose multimodal rotary sections see one position per text token) served as
 their language model: greedy output equal to transformers' on text prompts, under either
-naming of their tensors; a quantized one refused by name."""
+naming of their tensors; a quantized one refused by name; a chat template kept with the
+processor (chat_template.json) read."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.models.loader import ModelLoadError, checkpoint_dtype, load_config
+from engine.models.loader import ModelLoadError, checkpoint_dtype, load_config, load_tokenizer
 from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
 
 MAX_NEW = 16
@@ -152,3 +153,17 @@ def test_a_quantized_multimodal_checkpoint_is_refused(multimodal, tmp_path):
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="quantized multimodal"):
         LLM(str(tmp_path / "fp8"), device="cpu")
+
+
+def test_a_chat_template_kept_with_the_processor_only_is_read(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path / "ct")
+    (tmp_path / "ct" / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((tmp_path / "ct" / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (tmp_path / "ct" / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert not load_tokenizer(str(tmp_path / "ct")).chat_template
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tmp_path / "ct" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    loaded = load_tokenizer(str(tmp_path / "ct"))
+    messages = [{"role": "user", "content": "hi"}]
+    assert loaded.apply_chat_template(messages, tokenize=False) == "<user>hi"
