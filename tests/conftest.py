@@ -259,6 +259,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
+    # first half of each head rotated, gate and up one tensor.
+    "glm4": (
+        "Glm4Config",
+        "Glm4ForCausalLM",
+        dict(head_dim=16, attention_bias=True, partial_rotary_factor=0.5, pad_token_id=0),
+    ),
     # GLM-4.5: a dense layer then an MoE one: 8 experts in 2 groups, the best group's
     # top-2 by sigmoid scores plus a drawn correction bias, times 2.5, a shared expert;
     # q/k/v biases (o_proj none), q/k norms, half of each head rotated.

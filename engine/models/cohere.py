@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.layers import AddNorm, AttentionMetadata, RotaryEmbedding, rope_settings
+from engine.models.layers import (
+    AddNorm,
+    AttentionMetadata,
+    RotaryEmbedding,
+    interleaved_dim_order,
+    rope_settings,
+)
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, check_config
 from engine.models.parallel import WeightSlice
 
@@ -57,7 +63,7 @@ class CohereForCausalLM(LlamaForCausalLM):
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         # The interleaved pairs to the halves' (LlamaAttention.reorder_rotary_dims).
-        self.rotary.dim_order = [*range(0, head_dim, 2), *range(1, head_dim, 2)]
+        self.rotary.dim_order = interleaved_dim_order(head_dim, head_dim)
         return [CohereLayer(config, self.rotary, self.tp) for _ in range(config.num_hidden_layers)]
 
     def make_norm(self, config) -> nn.Module:

@@ -21,7 +21,7 @@ from engine.models.layers import (
     layer_sliding_windows,
     rope_settings,
 )
-from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import TensorSlice, WeightSlice, read
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
@@ -45,9 +45,16 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
     }
 
     def __init__(
-        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel = SINGLE
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        sliding_window: int,
+        tp: TensorParallel = SINGLE,
+        act: str = "gelu_tanh",  # GLM-4's layers, the same shape, have SiLU
+        attention: AttentionOptions = AttentionOptions(),
     ) -> None:
-        super().__init__(config, rotary, sliding_window, LlamaMLP(config, tp, act="gelu_tanh"), tp)
+        mlp = LlamaMLP(config, tp, act=act)
+        super().__init__(config, rotary, sliding_window, mlp, tp, attention)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

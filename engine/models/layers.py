@@ -300,6 +300,16 @@ def rotary_dim_order(head_dim: int, rotary_dim: int) -> list[int]:
     return first + list(range(rotary_half, rotary_dim)) + passing[half - rotary_half :]
 
 
+def interleaved_dim_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """With the rotation on interleaved pairs (GPT-J's: dims 2i and 2i + 1 at frequency
+    i, over the first rotary_dim dims), the head's dims in the order the kernels rotate
+    them, as rotary_dim_order's: each pair's dims to the first slots of the halves."""
+    half, rotary_half = head_dim // 2, rotary_dim // 2
+    passing = list(range(rotary_dim, head_dim))
+    first = list(range(0, rotary_dim, 2)) + passing[: half - rotary_half]
+    return first + list(range(1, rotary_dim, 2)) + passing[half - rotary_half :]
+
+
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rotary embedding with a cos/sin cache; with a
     partial_rotary_factor, over its share of each head (`dim_order`)."""

@@ -19,6 +19,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.bert import ENCODER_TYPES, BertModel, ClassifierHead, encoder_max_len
 from engine.models.cohere import CohereForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
@@ -64,6 +65,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
     "cohere": CohereForCausalLM,
+    "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
