@@ -259,6 +259,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # ERNIE 4.5: the rotation on interleaved pairs of the whole head; tied head.
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, pad_token_id=0)),
+    # Seed-OSS: q/k/v biases, o_proj without one (attention_out_bias).
+    "seed_oss": (
+        "SeedOssConfig",
+        "SeedOssForCausalLM",
+        dict(head_dim=16, attention_bias=True, attention_out_bias=False, pad_token_id=0),
+    ),
     # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
     # first half of each head rotated, gate and up one tensor.
     "glm4": (

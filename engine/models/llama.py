@@ -98,7 +98,8 @@ class LlamaAttention(nn.Module):
         bias = bias or getattr(config, "attention_bias", False)
         bias = bias if options.qkv_bias is None else options.qkv_bias
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads.sections, bias=bias)
-        o_bias = getattr(config, "attention_bias", False)  # as transformers' o_proj
+        # As transformers' o_proj: attention_bias's, or Seed-OSS's attention_out_bias.
+        o_bias = getattr(config, "attention_out_bias", getattr(config, "attention_bias", False))
         o_bias = o_bias if options.o_bias is None else options.o_bias
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
