@@ -267,6 +267,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "SeedOssForCausalLM",
         dict(head_dim=16, attention_bias=True, attention_out_bias=False, pad_token_id=0),
     ),
+    # EXAONE 4: post-norm layers, per-head q/k norms; a sliding layer (window 8, rotary)
+    # then a global one without position encoding.
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    ),
     # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
     # first half of each head rotated, gate and up one tensor.
     "glm4": (

@@ -410,9 +410,15 @@ class LMHead(nn.Module):
 
 class HeadNorm(nn.Module):
     """RMSNorm weights over each head's vector (Qwen3's and Gemma 3's q/k norms), applied
-    by RotaryEmbedding.forward together with the rotation."""
+    by RotaryEmbedding.forward together with the rotation, or where a layer has none
+    (EXAONE 4's global layers) by this module."""
 
     def __init__(self, head_dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, heads * head_dim]
+        heads = x.reshape(-1, self.weight.shape[0])
+        add_norm = add_norm_for(x.device)
+        return add_norm(heads, None, self.weight, None, self.eps, True, False)[0].view(x.shape)

@@ -47,7 +47,7 @@ FUSED = {
 }
 
 
-QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text")
+QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_vl_text", "exaone4")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4")
@@ -144,10 +144,12 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rope = (
-            None if self.rotary is None else self.rotary.rope(positions, self.q_norm, self.k_norm)
-        )
-        return self.o_proj(self.attn(q, k, v, meta, rope, self.sinks))
+        if self.rotary is not None:  # the q/k norms go with the rotation
+            rope = self.rotary.rope(positions, self.q_norm, self.k_norm)
+            return self.o_proj(self.attn(q, k, v, meta, rope, self.sinks))
+        if self.q_norm is not None:  # no position encoding (NoPE), normed all the same
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(self.attn(q, k, v, meta, None, self.sinks))
 
 
 class LlamaMLP(nn.Module):

@@ -39,11 +39,13 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    ATTENTION: type[LlamaAttention] = Olmo2Attention  # EXAONE 4's: per-head q/k norms
+
     def __init__(
-        self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel
+        self, config, rotary: RotaryEmbedding | None, sliding_window: int, tp: TensorParallel
     ) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(config, rotary, sliding_window, tp)
+        self.self_attn = self.ATTENTION(config, rotary, sliding_window, tp)
         self.mlp = LlamaMLP(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
