@@ -32,6 +32,12 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.lora import LoRAError, attach_adapters
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
+from engine.models.multimodal import (
+    TEXT_OF_MULTIMODAL,
+    is_multimodal,
+    language_config,
+    language_model_weights,
+)
 from engine.models.olmo2 import Olmo2ForCausalLM
 from engine.models.parallel import WeightSlice
 from engine.models.quantization import (
@@ -83,17 +89,6 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 }
 
 
-# Multimodal checkpoints served as their language model, text only (Gemma 3 from 4B up,
-# Mistral Small 3.1 and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL: their multimodal rotary
-# sections see one position per text token, which is plain rotary): model_type -> the
-# attribute holding that model's config. The language model's tensors are under
-# `language_model.` (`model.language_model.` in newer saves); the vision tower's and the
-# projector's are not read. An image in a request is a 400 (text content parts only).
-TEXT_OF_MULTIMODAL = {
-    kind: "text_config" for kind in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-}
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
-
 # A benchmark checkpoint too large to write out (benchmarks/checkpoints.py): config and
 # tokenizer only; the weights are drawn on the device at load, like vLLM's dummy format.
 RANDOM_WEIGHTS_MARKER = "pagoda-random-weights"
@@ -116,7 +111,12 @@ def load_config(model_dir: str) -> PretrainedConfig:
     except Exception as e:  # transformers raises several kinds here
         raise ModelLoadError(f"{path / 'config.json'}: cannot be read: {e}") from e
     if config.model_type in TEXT_OF_MULTIMODAL:
-        config = _language_config(config, path)
+        has_head = any(name.endswith("lm_head.weight") for name, _ in iter_weights(str(path)))
+        try:
+            config = language_config(config, has_head)
+        except ValueError as e:
+            raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
+        logger.info("%s: a multimodal checkpoint: its language model, text only", path)
     if config.model_type not in MODEL_TYPES:
         raise ModelLoadError(
             f"{path / 'config.json'}: unsupported architecture {config.model_type!r} "
@@ -129,40 +129,6 @@ def load_config(model_dir: str) -> PretrainedConfig:
     except ValueError as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from e
     return config
-
-
-def _language_config(outer: PretrainedConfig, path: Path) -> PretrainedConfig:
-    """A multimodal checkpoint's language model config, with the checkpoint's dtype."""
-    if getattr(outer, "quantization_config", None):
-        raise ModelLoadError(
-            f"{path / 'config.json'}: a quantized multimodal {outer.model_type} checkpoint "
-            "is not supported (its bf16 or fp16 one is, with --quantization fp8)"
-        )
-    config = getattr(outer, TEXT_OF_MULTIMODAL[outer.model_type])
-    config.dtype = checkpoint_dtype(config) or checkpoint_dtype(outer)
-    # transformers ties the head as the outer config says, which a checkpoint with a
-    # head of its own (Mistral Small 3.1's) does not mean: tied where there is none.
-    has_head = any(name.endswith("lm_head.weight") for name, _ in iter_weights(str(path)))
-    config.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) or not has_head
-    logger.info(
-        "%s: a multimodal %s checkpoint: its language model, text only", path, outer.model_type
-    )
-    return config
-
-
-def _language_model_weights(
-    weights: Iterator[tuple[str, WeightSlice]],
-) -> Iterator[tuple[str, WeightSlice]]:
-    """A multimodal checkpoint's language model tensors, under a text model's names."""
-    for name, weight in weights:
-        bare = name.removeprefix("model.")
-        if bare.startswith(_VISION_PARTS):
-            continue
-        if bare.startswith("language_model."):
-            rest = bare.removeprefix("language_model.")
-            # `language_model.model.layers...` (and its lm_head), or `model.language_model.layers...`
-            name = rest if name.startswith("language_model.") else f"model.{rest}"
-        yield name, weight
 
 
 def build_on_meta(config: PretrainedConfig, tp: TensorParallel = SINGLE) -> nn.Module:
@@ -266,10 +232,8 @@ def load_model(
         _fill_random(model)
         return _finish(model, device, quantization, lora_modules, max_lora_rank), config
     weights = iter_weights(model_dir)
-    if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") in (
-        TEXT_OF_MULTIMODAL
-    ):
-        weights = _language_model_weights(weights)
+    if is_multimodal(model_dir):
+        weights = language_model_weights(weights)
     kv_scales: dict[int, dict[str, float]] = {}
     if scheme is not None:
         weights = dequantize_checkpoint(weights, scheme, kv_scales)
