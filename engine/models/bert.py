@@ -62,7 +62,9 @@ IGNORED_SUFFIXES = ("position_ids",)
 
 
 def is_encoder(config) -> bool:
-    return config.model_type in ENCODER_TYPES
+    # EmbeddingGemma too: a Gemma 3 whose attention runs both ways (engine/models/gemma3.py)
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    return config.model_type in ENCODER_TYPES or bool(bidirectional)
 
 
 @dataclass(frozen=True)

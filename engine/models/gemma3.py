@@ -31,7 +31,7 @@ NORMS += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def check_config(config) -> None:
-    if getattr(config, "use_bidirectional_attention", False):
+    if getattr(config, "use_bidirectional_attention", False) and config.model_type != "gemma3_text":
         raise ValueError("unsupported use_bidirectional_attention=True")
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {config.hidden_activation!r}")
@@ -80,6 +80,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.embed_scale = config.hidden_size**0.5
+        # EmbeddingGemma: attention both ways, embeddings only (an encoder to the engine).
+        self.is_encoder = bool(getattr(config, "use_bidirectional_attention", False))
+        if self.is_encoder:
+            self.has_lm_head = False
+            for layer in self.layers:
+                attn = layer.self_attn.attn
+                attn.causal = False
+                # transformers' window is |q - k| < sliding_window, the kernels' <= theirs.
+                if attn.sliding_window > 1:
+                    attn.sliding_window -= 1
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary_local, self.rotary_global = (
@@ -99,6 +109,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.is_encoder:  # its pooling rows' one token, sampled and dropped, is 0
+            return hidden.new_zeros(hidden.shape[0], self.config.vocab_size)
         logits = self.lm_head(hidden)  # [num_seqs, vocab_size]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -9,12 +9,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.classification import class_probabilities
 from server.engine_wire import EngineInfo
-from tests.conftest import PROMPTS
+from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
 
 TEXTS = [*PROMPTS, "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3]
 
@@ -134,16 +135,18 @@ def test_encoder_generates_nothing(tiny_encoder_dir):
         LLM(tiny_encoder_dir("bert_cls"), device="cpu", num_speculative_tokens=2)
 
 
-def _with_dense_modules(model_dir: str, path, second_activation: str) -> list[torch.nn.Linear]:
+def _with_dense_modules(
+    model_dir: str, path, second_activation: str, pooling: str = "pooling_mode_cls_token"
+) -> list[torch.nn.Linear]:
     """A copy of model_dir as a sentence-transformers directory (LaBSE's layout): CLS
-    pooling, a tanh Dense 64 -> 48 (safetensors), a second Dense 48 -> 32 without bias
-    (a torch .bin), Normalize. Returns the two linear layers."""
+    pooling (or `pooling`), a tanh Dense 64 -> 48 (safetensors), a second Dense 48 -> 32
+    without bias (a torch .bin), Normalize. Returns the two linear layers."""
     shutil.copytree(model_dir, path)
     torch.manual_seed(1)
     first, second = torch.nn.Linear(64, 48), torch.nn.Linear(48, 32, bias=False)
     modules = [
         ("", "Transformer", None),
-        ("1_Pooling", "Pooling", {"pooling_mode_cls_token": True}),
+        ("1_Pooling", "Pooling", {pooling: True}),
         ("2_Dense", "Dense", {"in_features": 64, "out_features": 48, "bias": True}),
         ("3_Dense", "Dense", {"in_features": 48, "out_features": 32, "bias": False}),
         ("4_Normalize", "Normalize", None),
@@ -179,3 +182,31 @@ def test_sentence_transformers_dense_modules_apply(tiny_encoder_dir, tmp_path):
     _with_dense_modules(model_dir, tmp_path / "bad", "torch.nn.modules.activation.SiLU")
     with pytest.raises(ValueError, match="Dense activation .*SiLU"):
         LLM(str(tmp_path / "bad"), device="cpu")
+
+
+def test_embedding_gemma_attends_both_ways(tokenizer, tmp_path):
+    """EmbeddingGemma's layout: a bare Gemma 3 with use_bidirectional_attention (its
+    sliding layers see |q - k| < sliding_window either way), mean pooling, Dense
+    modules; the longest text crosses the window of 8 several times."""
+    import transformers
+
+    _, _, fields = FAMILY_CONFIGS["gemma3"]
+    config = transformers.Gemma3TextConfig(
+        **TINY, **fields, vocab_size=len(tokenizer), use_bidirectional_attention=True
+    )
+    torch.manual_seed(0)
+    transformers.Gemma3TextModel(config).save_pretrained(tmp_path / "bare")
+    tokenizer.save_pretrained(tmp_path / "bare")
+    identity = "torch.nn.modules.linear.Identity"
+    first, second = _with_dense_modules(
+        str(tmp_path / "bare"), tmp_path / "st", identity, "pooling_mode_mean_tokens"
+    )
+    llm = LLM(str(tmp_path / "st"), device="cpu", block_size=4)
+    assert llm.engine.config.encoder and llm.engine.config.pooling_type == "MEAN"
+    got = llm.embed(TEXTS, use_tqdm=False)
+    with torch.no_grad():
+        for vector, (_, states) in zip(got, hf_states(str(tmp_path / "bare"), TEXTS), strict=True):
+            want = second(torch.tanh(first(states.mean(0))))
+            np.testing.assert_allclose(vector, F.normalize(want, dim=-1).numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="embeddings only"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)

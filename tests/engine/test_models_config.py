@@ -167,7 +167,7 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
             {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}},
             "unsupported rope_scaling type 'dynamic'",
         ),
-        ("gemma3", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
+        ("gemma2", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
         ("cohere", {"use_qk_norm": True}, "unsupported use_qk_norm"),
         ("phi", {"qk_layernorm": True}, "unsupported qk_layernorm"),
         ("gpt_neox", {"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
