@@ -333,6 +333,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             logits_scaling=2.0,
         ),
     ),
+    # Granite MoE: the four scalars over 4 stacked experts, top 2.
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            embedding_multiplier=4.0,
+            attention_multiplier=0.1,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+    ),
     # Sinks, biases on attention and experts (randomized in _build: transformers starts
     # them at zero), a sliding layer then a full one, YaRN without truncation, experts
     # whose clamp (1.0) the gate and up values cross.

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import WeightSlice
 
@@ -35,5 +36,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         # the fused add + norm kernels take the outputs as they are.
         for layer in self.layers:
             layer.self_attn.o_proj.weight.mul_(self.residual_multiplier)
-            layer.mlp.down_proj.weight.mul_(self.residual_multiplier)
+            mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
+            (mlp.w2 if isinstance(mlp, FusedMoE) else mlp.down_proj.weight).mul_(
+                self.residual_multiplier
+            )
         return loaded

@@ -27,6 +27,7 @@ from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.granite_moe import GraniteMoeForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.lora import LoRAError, attach_adapters
@@ -69,6 +70,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,
+    "granitemoe": GraniteMoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
