@@ -34,7 +34,7 @@ def checkpoints(tiny_gpt2_dir, tiny_llama_dir, tiny_qwen2_dir, tiny_family_dir, 
 # another expert at TP 2 than at TP 1 (the partial sums round differently), and its row of
 # logits then differs by far more than rounding (Qwen2-MoE's tiny checkpoint did). They
 # are compared in fp32, where the sharded model must equal the whole one.
-ROUTED = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss"}
+ROUTED = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss", "granitemoe"}
 
 
 @pytest.fixture(scope="module")
