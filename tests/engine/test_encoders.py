@@ -4,6 +4,7 @@ equal transformers' on tiny random checkpoints, prompts of many lengths batched 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from engine.classification import class_probabilities
+from engine.pooling import projector
 from server.engine_wire import EngineInfo
 from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
 
@@ -167,7 +169,7 @@ def _with_dense_modules(
     return [first, second]
 
 
-def test_sentence_transformers_dense_modules_apply(tiny_encoder_dir, tmp_path):
+def test_sentence_transformers_dense_modules_apply(tiny_encoder_dir, tmp_path, caplog):
     model_dir = tiny_encoder_dir("bert_cls")
     identity = "torch.nn.modules.linear.Identity"
     first, second = _with_dense_modules(model_dir, tmp_path / "st", identity)
@@ -178,6 +180,13 @@ def test_sentence_transformers_dense_modules_apply(tiny_encoder_dir, tmp_path):
         for vector, (_, states) in zip(got, hf_states(model_dir, TEXTS), strict=True):
             want = torch.nn.functional.normalize(second(torch.tanh(first(states[0]))), dim=-1)
             np.testing.assert_allclose(vector, want.numpy(), atol=1e-5)
+    # A module Pagoda does not apply is named in the log.
+    entries = json.loads((tmp_path / "st" / "modules.json").read_text())
+    entries.insert(4, {"idx": 9, "name": "9", "path": "", "type": "st.models.LayerNorm"})
+    (tmp_path / "st" / "modules.json").write_text(json.dumps(entries))
+    with caplog.at_level(logging.WARNING, logger="pagoda.engine"):
+        assert projector(str(tmp_path / "st")) is not None
+    assert "module LayerNorm is not applied" in caplog.text
     # An activation Pagoda does not know is refused, not skipped.
     _with_dense_modules(model_dir, tmp_path / "bad", "torch.nn.modules.activation.SiLU")
     with pytest.raises(ValueError, match="Dense activation .*SiLU"):
