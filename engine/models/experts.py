@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.parallel import WeightSlice, read, split
+from engine.models.parallel import TensorSlice, WeightSlice, check_shape, read, split
 from engine.models.weight_copy import fill
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, ExpertScales, fused_moe_for
@@ -93,3 +93,21 @@ class FusedMoE(nn.Module):
         else:
             w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
             fill(self.w13.data[expert, half * local : (half + 1) * local], w13)
+
+
+def load_stacked(moe: FusedMoE, ours: str, weight: WeightSlice, transposed: bool) -> None:
+    """Experts stacked in one tensor, gate and up concatenated (not interleaved, as
+    GPT-OSS's are): w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter], or
+    each expert's matrix transposed (Qwen3-VL-MoE's published checkpoints). Expert by
+    expert; load_shard takes this rank's rows or columns."""
+    num_experts, hidden, inter = moe.w2.shape[0], moe.w2.shape[1], moe.inter.size
+    rows, cols = (2 * inter, hidden) if ours == "w13" else (hidden, inter)
+    check_shape(weight, [num_experts, cols, rows] if transposed else [num_experts, rows, cols])
+    for e in range(num_experts):
+        matrix = weight[e : e + 1][0]
+        matrix = matrix.t() if transposed else matrix
+        if ours == "w2":
+            moe.load_shard("w2", TensorSlice(matrix), (e, None))
+        else:
+            moe.load_shard("w13", TensorSlice(matrix[:inter]), (e, 0))
+            moe.load_shard("w13", TensorSlice(matrix[inter:]), (e, 1))

@@ -10,28 +10,13 @@ from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-from engine.models.experts import FusedMoE
+from engine.models.experts import FusedMoE, load_stacked
 from engine.models.granite import GraniteForCausalLM
-from engine.models.parallel import TensorSlice, WeightSlice, check_shape
+from engine.models.parallel import WeightSlice
 
 STACKED = re.compile(
     r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\.(input_linear|output_linear)\.weight"
 )
-
-
-def load_stacked(moe: FusedMoE, tensor: str, weight: WeightSlice) -> None:
-    """One stacked expert tensor into the FusedMoE, expert by expert (its load_shard takes
-    this rank's rows or columns)."""
-    num_experts, hidden, inter = moe.w2.shape[0], moe.w2.shape[1], moe.inter.size
-    shape = [2 * inter, hidden] if tensor == "input_linear" else [hidden, inter]
-    check_shape(weight, [num_experts, *shape])
-    for e in range(num_experts):
-        matrix = weight[e : e + 1][0]
-        if tensor == "output_linear":
-            moe.load_shard("w2", TensorSlice(matrix), (e, None))
-        else:
-            moe.load_shard("w13", TensorSlice(matrix[:inter]), (e, 0))
-            moe.load_shard("w13", TensorSlice(matrix[inter:]), (e, 1))
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):
@@ -50,11 +35,11 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
                     yield name.replace(".block_sparse_moe.router.layer.", ".mlp.gate."), weight
                     continue
                 moe = self.get_submodule(f"layers.{match[1]}.mlp")
+                ours = "w13" if match[2] == "input_linear" else "w2"
                 try:
-                    load_stacked(moe, match[2], weight)
+                    load_stacked(moe, ours, weight, transposed=False)
                 except ValueError as err:
                     raise ValueError(f"{name}: {err}") from err
-                ours = "w13" if match[2] == "input_linear" else "w2"
                 loaded.add(f"layers.{match[1]}.mlp.{ours}")
 
         rest = super().load_weights(others())  # runs others(), which fills `loaded`

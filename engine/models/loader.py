@@ -65,6 +65,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
     "qwen3_moe": MoeForCausalLM,
+    "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
     "mixtral": MoeForCausalLM,
     "gemma2": Gemma3ForCausalLM,

@@ -1,9 +1,10 @@
 """Mixture-of-experts Llama-shaped models: Qwen3-MoE (q/k norm, norm_topk_prob, dense
 layers by mlp_only_layers / decoder_sparse_step), Qwen2-MoE (the same routing, qkv bias,
 and a shared expert beside the routed ones, scaled by a sigmoid gate) and Mixtral
-(sliding window, renormalized top-k). Attention is llama.py's; each sparse layer's MLP
-is a FusedMoE whose stacked expert weights are filled from HF's per-expert tensors at
-load."""
+(sliding window, renormalized top-k), and Qwen3-VL-MoE's language model (Qwen3-MoE,
+always renormalized). Attention is llama.py's; each sparse layer's MLP is a FusedMoE
+whose stacked expert weights are filled from HF's per-expert tensors at load, or from
+tensors that stack them already (Qwen3-VL-MoE's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.experts import FusedMoE
+from engine.models.experts import FusedMoE, load_stacked
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import WeightSlice, load_weight
 
@@ -30,6 +31,16 @@ EXPERT_WEIGHTS = {
 }
 RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral's MoE module is our `mlp`
 EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
+STACKED = re.compile(r"(.+)\.experts\.(gate_up_proj|down_proj)")
+
+
+def transposed(moe: FusedMoE, ours: str, weight: WeightSlice) -> bool:
+    """Whether a stacked tensor holds each expert's matrix transposed ([experts, hidden,
+    2 * inter] gate/up, as Qwen3-VL-MoE's published checkpoints; transformers 5 saves
+    [experts, 2 * inter, hidden]). A square matrix is taken as published."""
+    hidden, inter = moe.w2.shape[1], moe.inter.size
+    rows, cols = (2 * inter, hidden) if ours == "w13" else (hidden, inter)
+    return list(weight.get_shape()[1:]) == [cols, rows]
 
 
 def num_experts(config) -> int:
@@ -59,7 +70,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         else:  # qwen3_moe, qwen2_moe
             step = getattr(config, "decoder_sparse_step", 1)
             sparse = layer not in (config.mlp_only_layers or []) and (layer + 1) % step == 0
-            renormalize = config.norm_topk_prob
+            # Qwen3-VL-MoE's transformers code renormalizes whatever the config says.
+            always = config.model_type == "qwen3_vl_moe_text"
+            renormalize = always or getattr(config, "norm_topk_prob", False)
         if not sparse:
             return LlamaMLP(config, self.tp)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -83,6 +96,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             for name, weight in weights:
                 for old, new in RENAMES.items():
                     name = name.replace(old, new)
+                stacked = STACKED.fullmatch(name.removeprefix("model."))
+                if stacked is not None:
+                    moe = self.get_submodule(stacked[1])
+                    ours = "w13" if stacked[2] == "gate_up_proj" else "w2"
+                    load_stacked(moe, ours, weight, transposed(moe, ours, weight))
+                    halves = 2 if ours == "w13" else 1  # as many as per-expert tensors fill
+                    filled[f"{stacked[1]}.{ours}"] += halves * num_experts(self.config)
+                    continue
                 match = EXPERT.fullmatch(name.removeprefix("model."))
                 if match is None:
                     yield name, weight

@@ -1,6 +1,7 @@
 """Multimodal checkpoints served as their language model, text only: Gemma 3 from 4B up,
-Mistral Small 3.1 and later, Qwen2-VL, Qwen2.5-VL and Qwen3-VL. (The Qwen models'
-multimodal rotary sections see one position per text token, which is plain rotary.)
+Mistral Small 3.1 and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. (The
+Qwen models' multimodal rotary sections see one position per text token, which is
+plain rotary.)
 The language model's tensors sit under `language_model.` (`model.language_model.` in
 newer saves); the vision tower's and the projector's are not read. An image in a
 request is a 400: the server takes text content parts only."""
@@ -17,7 +18,8 @@ from engine.models.parallel import WeightSlice
 
 # model_type -> the attribute holding the language model's config
 TEXT_OF_MULTIMODAL = {
-    kind: "text_config" for kind in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    kind: "text_config"
+    for kind in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 }
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 
@@ -37,9 +39,10 @@ def language_config(outer: PretrainedConfig, has_head: bool) -> PretrainedConfig
         )
     config = getattr(outer, TEXT_OF_MULTIMODAL[outer.model_type])
     config.dtype = getattr(config, "dtype", None) or getattr(outer, "dtype", None)
-    # transformers ties the head as the outer config says, which a checkpoint with a
-    # head of its own (Mistral Small 3.1's) does not mean: tied where there is none.
-    config.tie_word_embeddings = getattr(config, "tie_word_embeddings", False) or not has_head
+    # The outer and the text config may disagree on tying (transformers follows the
+    # outer one, whose default may say tied beside a head of its own): the checkpoint's
+    # head where it has one (a tied one equals the embeddings), else the embeddings.
+    config.tie_word_embeddings = not has_head
     return config
 
 

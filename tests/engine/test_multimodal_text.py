@@ -1,6 +1,6 @@
 """Multimodal checkpoints (Gemma3ForConditionalGeneration, as gemma-3-4b-it and up are
-published; Mistral Small 3.1's Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL
-and Qwen3-VL, whose multimodal rotary sections see one position per text token) served as
+published; Mistral Small 3.1's Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and Qwen3-VL-MoE (its experts stacked either way), whose multimodal rotary sections see one position per text token) served as
 their language model: greedy output equal to transformers' on text prompts, under either
 naming of their tensors; a quantized one refused by name; a chat template kept with the
 processor (chat_template.json) read."""
@@ -28,6 +28,7 @@ WRAPPERS = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
 }
 SMALL_VISION = dict(hidden_size=32, intermediate_size=48)
 
@@ -59,10 +60,12 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
     vision = dict(SMALL_VISION, depth=1, num_heads=2, out_hidden_size=64, patch_size=4)
     vision |= dict(spatial_merge_size=2, temporal_patch_size=2)
-    if kind == "qwen3_vl":
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):
         rope["mrope_interleaved"] = True
         common["head_dim"] = 16
         vision |= dict(deepstack_visual_indexes=[0], num_position_embeddings=16)
+        if kind == "qwen3_vl_moe":  # 4 experts stacked in one tensor, top 2
+            common |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     elif kind == "qwen2_vl":
         vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4)
         vision |= dict(spatial_merge_size=2, temporal_patch_size=2)
@@ -120,6 +123,13 @@ def renamed_tensor(name: str) -> str:
     return name.replace("language_model.lm_head.", "lm_head.")
 
 
+def published_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Stacked experts as Qwen3-VL-MoE's published checkpoints hold them, each expert's
+    matrix transposed ([experts, hidden, 2 * inter]); transformers 5 saves the other way."""
+    stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    return tensor.transpose(1, 2).contiguous() if stacked else tensor
+
+
 def greedy_ids(model_dir) -> list[list[int]]:
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs = LLM(str(model_dir), device="cpu").generate(PROMPTS[:4], params, use_tqdm=False)
@@ -139,7 +149,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model(multimodal, tmp_path)
     # `language_model.model.`, and Qwen3-VL's nested under `model.`): the same model.
     other = tmp_path / "other"
     shutil.copytree(path, other)
-    renamed = {renamed_tensor(n): t for n, t in names.items()}
+    renamed = {renamed_tensor(n): published_layout(n, t) for n, t in names.items()}
     assert renamed.keys() != names.keys()
     save_file(renamed, other / "model.safetensors")
     assert greedy_ids(other) == want
