@@ -195,6 +195,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "MistralForCausalLM",
         dict(head_dim=16, sliding_window=12, tie_word_embeddings=False),
     ),
+    # Ministral 8B: sliding and full layers by layer_types.
+    "ministral": (
+        "MinistralConfig",
+        "MinistralForCausalLM",
+        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    ),
     # A local layer (window 8, base 10k) then a global one (base 1M, linear x2), soft-cap.
     "gemma3": (
         "Gemma3TextConfig",

@@ -62,6 +62,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl_text": LlamaForCausalLM,
     "qwen3_vl_text": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "ministral": LlamaForCausalLM,  # Ministral 8B: Mistral with layer_types' windows
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
     "qwen3_moe": MoeForCausalLM,
