@@ -91,8 +91,9 @@ def check_config(config) -> None:
         raise ValueError(f"unsupported position_embedding_type {kind!r} (only absolute)")
     if getattr(config, "is_decoder", False):
         raise ValueError("a BERT-family model configured as a decoder is not supported")
-    if BertShape.of(config).act not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {BertShape.of(config).act!r}")
+    act = BertShape.of(config).act
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {act!r}")
 
 
 def position_offset(config) -> int:

@@ -84,12 +84,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.is_encoder = bool(getattr(config, "use_bidirectional_attention", False))
         if self.is_encoder:
             self.has_lm_head = False
-            for layer in self.layers:
-                attn = layer.self_attn.attn
-                attn.causal = False
-                # transformers' window is |q - k| < sliding_window, the kernels' <= theirs.
-                if attn.sliding_window > 1:
-                    attn.sliding_window -= 1
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary_local, self.rotary_global = (
@@ -98,9 +92,20 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             )
             for kind in ("sliding_attention", "full_attention")
         )
+        windows = layer_sliding_windows(config)
+        both_ways = getattr(config, "use_bidirectional_attention", False)  # EmbeddingGemma
+        if both_ways:  # transformers' window is |q - k| < sliding_window, the kernels' <= theirs
+            windows = [max(w - 1, 1) if w else 0 for w in windows]
+        attention = AttentionOptions(causal=not both_ways)
         return [
-            Gemma3DecoderLayer(config, self.rotary_local if w else self.rotary_global, w, self.tp)
-            for w in layer_sliding_windows(config)
+            Gemma3DecoderLayer(
+                config,
+                self.rotary_local if w else self.rotary_global,
+                w,
+                self.tp,
+                attention=attention,
+            )
+            for w in windows
         ]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ class AttentionOptions:
     num_kv_heads: int | None = None
     qkv_bias: bool | None = None
     o_bias: bool | None = None
+    causal: bool = True  # False: attention both ways (EmbeddingGemma's)
 
 
 class LlamaAttention(nn.Module):
@@ -112,8 +113,9 @@ class LlamaAttention(nn.Module):
         scale = getattr(config, "attention_multiplier", None) or scale  # Granite's
         softcap = getattr(config, "attn_logit_softcapping", None) or 0.0  # Gemma 2
         self.attn = PagedAttention(
-            heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window, softcap
-        )
+            heads.num_heads, heads.num_kv_heads, head_dim, scale, sliding_window, softcap,
+            causal=options.causal,
+        )  # fmt: skip
         self.sinks = None  # GPT-OSS: a sink logit per q head in the softmax's denominator
         if config.model_type == "gpt_oss":
             self.sink_heads = split(num_heads, tp, "num_attention_heads")
