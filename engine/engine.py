@@ -25,12 +25,14 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
 from engine.generation_config import load_generation_config
+from engine.images import ImageInputs, encode_prompt_images
 from engine.input_batch import InputBatch
 from engine.kv_cache import BlockManager, adapter_root, salted_root
 from engine.model_runner import ModelRunner
 from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
+from engine.models.vision import vision_encoder
 from engine.outputs import take_outputs, take_plain
 from engine.pooling import pooling_type, projector
 from engine.request import Request, RequestOutput, TokenDeltas
@@ -92,6 +94,7 @@ class Engine:
             # An embedding's sentence-transformers Dense modules, which the pooling applies.
             dense = projector(model_dir)
             self.model.projector = None if dense is None else dense.to(device)
+            self.vision = vision_encoder(model_dir, device, next(self.model.parameters()).dtype)
             self.embedding_size = hf_config.hidden_size if dense is None else dense.out_features
             self.tokenizer = load_tokenizer(model_dir)
             self.vocab_size = hf_config.vocab_size
@@ -192,10 +195,15 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
+        """images: the prompt's, whose placeholder ids it holds (engine/images.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
+        features = None
+        if images is not None:
+            features = encode_prompt_images(self.vision, prompt_token_ids, images)
         lora_index = self.lora_index(params.lora_name)
         arrival_time = arrival_time or time.time()
         choices: list[Request] = []
@@ -216,6 +224,9 @@ class Engine:
                 req.lora_index, req.hash_root = lora_index, adapter_root(lora_index)
             if params.cache_salt is not None:
                 req.hash_root = salted_root(req.hash_root, params.cache_salt)
+            if images is not None:  # the same text with other images: another prompt
+                req.images = features
+                req.hash_root = salted_root(req.hash_root, f"images:{images.digest}")
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)
             if params.grammar is not None:  # a matcher per choice

@@ -106,6 +106,10 @@ class InputBatch:
         # (engine/pooling.py).
         self.pools = np.zeros(n, dtype=bool)
         self.num_pooling = 0
+        # Its prompt holds images, whose features replace their placeholders' embeddings
+        # in its prefill steps (engine/images.py).
+        self.has_images = np.zeros(n, dtype=bool)
+        self.num_images = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         # Plain streams (ids only) whose first id was read (news carries their first
@@ -188,6 +192,8 @@ class InputBatch:
         self.num_scoring += scores
         self.pools[slot] = pools = params.pooling and req.embedding is None
         self.num_pooling += pools
+        self.has_images[slot] = images = req.images is not None
+        self.num_images += images
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
         self.plain[slot] = plain = params.plain and n > num_prompt
@@ -241,6 +247,8 @@ class InputBatch:
         self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
         self.pooled(slot)
+        self.num_images -= self.has_images.item(slot)
+        self.has_images[slot] = False
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
         self.num_speculating -= self.speculates.item(slot)

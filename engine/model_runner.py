@@ -18,6 +18,7 @@ from engine.block_table import BlockTable
 from engine.config import STEP_PATHS, EngineConfig
 from engine.cuda_graphs import CudaGraphs
 from engine.distributed import SINGLE
+from engine.images import ImageRows, plan_images
 from engine.input_batch import InputBatch
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.pooling import PooledRows, pool, pooling_rows
@@ -90,7 +91,14 @@ class ModelRunner(StepInputs):
         # Steps by how they ran, read by the server's periodic stats line.
         self.steps_by_path = dict.fromkeys(STEP_PATHS, 0)
         self.channel = (
-            StepChannel(self.tp, membership.control, self.staged, self.block_table, self.device)
+            StepChannel(
+                self.tp,
+                membership.control,
+                self.staged,
+                self.block_table,
+                self.device,
+                (model.config.hidden_size, self.dtype),
+            )
             if membership is not None
             else None
         )
@@ -168,13 +176,16 @@ class ModelRunner(StepInputs):
         # (engine/speculative.py), in sequence order.
         num_seqs, num_tokens, num_sampling = out.num_seqs, out.num_tokens, out.num_logits
         pooling = pooling_rows(out, self.batch)  # a prompt's last token (maybe all that is left)
-        if out.is_decode_only and self.graphs.decode and pooling is None:
+        # A prompt's image features in place of its placeholders' embeddings: eager.
+        images = plan_images(out, self.batch)
+        eager = pooling is not None or images is not None
+        if out.is_decode_only and self.graphs.decode and not eager:
             return self.graphs.replay_decode(num_seqs)  # a bucket holds any batch
         per_token = self.per_token  # a verify step's tokens attend as sequences
         if per_token and self.graphs.verify:
             return self.graphs.replay_verify(num_tokens)
         scoring = plan_scoring(out, self.batch) if self.batch.num_scoring else None
-        graph = scoring is None and pooling is None
+        graph = scoring is None and not eager
         with torch.inference_mode():
             prefill_graph = num_tokens < len(self.graphs.prefill_bucket)
             if graph and prefill_graph and not per_token and num_sampling <= self.max_num_seqs:
@@ -195,11 +206,11 @@ class ModelRunner(StepInputs):
                     num_sampling=num_sampling,
                     per_token=int(per_token),
                 )
-                self.channel.publish(header, rows)
+                self.channel.publish(header, rows, images)
             self.steps_by_path["eager"] += 1
             if graph:
                 return self.forward(inp)
-            hidden = self.hidden_states(inp)  # [num_tokens, hidden_size]
+            hidden = self.hidden_states(inp, images)  # [num_tokens, hidden_size]
             if scoring is not None:
                 self.prompt_scores = score_prompts(hidden, scoring, self.model.compute_logits)
             last = hidden[inp.logits_indices]  # [num_sampling, hidden_size]
@@ -210,7 +221,7 @@ class ModelRunner(StepInputs):
                 self.pooled = pool(hidden, last, pooling, out, method, classifier, dense)
             return self.model.compute_logits(last)
 
-    def hidden_states(self, inp: ModelInput) -> torch.Tensor:
+    def hidden_states(self, inp: ModelInput, images: ImageRows | None = None) -> torch.Tensor:
         # Gathered here, so that a captured graph gathers the ids and rows on every replay.
         input_ids = self.staged.words[inp.input_gather]
         if self.lora_state is not None:  # the adapters' masks, from the tokens' ids
@@ -225,10 +236,12 @@ class ModelRunner(StepInputs):
             inp.is_decode,
             inp.per_token,
         )
+        if images is not None:
+            return self.model(input_ids, inp.positions, meta, images)
         return self.model(input_ids, inp.positions, meta)
 
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        hidden = self.hidden_states(inp)
+    def forward(self, inp: ModelInput, images: ImageRows | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(inp, images)
         if not inp.is_decode:  # a decode's rows are its sequences already
             hidden = hidden[inp.logits_indices]
         return self.model.compute_logits(hidden)

@@ -13,6 +13,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:  # the API processes import this module, and never need torch
     import torch
 
+    from engine.images import PromptImages
     from engine.input_batch import InputBatch
 
 
@@ -180,6 +181,7 @@ class Request:
         )
         self.num_detokenized_tokens = 0
         self.embedding: list[float] | None = None  # params.pooling: engine/pooling.py
+        self.images: PromptImages | None = None  # its prompt's image features (engine/images.py)
         self._num_emitted = 0  # off the batch: output ids already in outputs
 
     @property

@@ -6,7 +6,8 @@ the gloo control group, host to host, then one broadcast of the whole staged
 device buffer over the tensors' group (the step's metadata and, in its
 device-only tail, the ids rank 0 sampled last step, which this step's inputs
 are gathered from). Block-table rows sent as a copy rather than as pairs follow
-as a broadcast of their span; a step that scores prompts sends its scoring rows.
+as a broadcast of their span; a step that scores prompts sends its scoring rows,
+and one that embeds images its image rows and features (rank 0 alone encodes images).
 Nothing is pickled per step.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from engine.block_table import BlockTable
 from engine.distributed import GATE, TensorParallel
+from engine.images import ImageRows
 from engine.staging import StagedFields
 
 # StepHeader.path
@@ -39,6 +41,16 @@ class StepHeader:
     table_hi: int = 0
     num_score_rows: int = 0  # prompt-scoring rows follow as a broadcast
     per_token: int = 0  # an eager verify step's tokens attend as sequences of their own
+    num_image_rows: int = 0  # image rows and their features follow as broadcasts
+
+
+@dataclass
+class ReceivedStep:
+    """What a worker receives for one step, beside its staged buffer and table rows."""
+
+    header: StepHeader
+    score_rows: torch.Tensor | None = None
+    images: ImageRows | None = None
 
 
 class StepChannel:
@@ -49,8 +61,10 @@ class StepChannel:
         staged: StagedFields,
         block_table: BlockTable,
         device: torch.device,
+        hidden: tuple[int, torch.dtype],  # the model's (hidden_size, dtype): image features'
     ) -> None:
         self.tp = tp
+        self.hidden = hidden
         self.control = control
         self.staged = staged
         self.block_table = block_table
@@ -58,16 +72,22 @@ class StepChannel:
         self.header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         self.header_np = self.header.numpy()
 
-    def publish(self, header: StepHeader, score_rows: torch.Tensor | None = None) -> None:
+    def publish(
+        self,
+        header: StepHeader,
+        score_rows: torch.Tensor | None = None,
+        images: ImageRows | None = None,
+    ) -> None:
         """Rank 0, after the step's staged copy: send the workers what this step runs on."""
         table = self.block_table
         if table.rows_sent is not None:
             header.table_lo, header.table_hi = table.rows_sent
             table.rows_sent = None
         header.num_score_rows = 0 if score_rows is None else len(score_rows)
+        header.num_image_rows = 0 if images is None else len(images.rows)
         words = astuple(header)
         self.header_np[: len(words)] = words
-        self._send_all(header, score_rows)
+        self._send_all(header, ReceivedStep(header, score_rows, images))
 
     def stop(self) -> None:
         """Rank 0: the workers leave their loop."""
@@ -76,20 +96,27 @@ class StepChannel:
         with GATE.call():
             dist.broadcast(self.header, src=0, group=self.control)
 
-    def receive(self) -> tuple[StepHeader, torch.Tensor | None]:
+    def receive(self) -> ReceivedStep:
         """A worker: the next step's header, its staged buffer and table rows in place;
-        and its scoring rows, if any."""
+        and its scoring rows and image rows, if any."""
         dist.broadcast(self.header, src=0, group=self.control)
         header = StepHeader(*self.header_np[: len(StepHeader.__dataclass_fields__)].tolist())
+        step = ReceivedStep(header)
         if header.path == STOP:
-            return header, None
-        score_rows = None
+            return step
         if header.num_score_rows:
-            score_rows = torch.empty(header.num_score_rows, dtype=torch.int64, device=self.device)
-        self._send_all(header, score_rows)
-        return header, score_rows
+            step.score_rows = self._empty(header.num_score_rows)
+        if header.num_image_rows:
+            size, dtype = self.hidden
+            features = torch.empty(header.num_image_rows, size, dtype=dtype, device=self.device)
+            step.images = ImageRows(self._empty(header.num_image_rows), features)
+        self._send_all(header, step)
+        return step
 
-    def _send_all(self, header: StepHeader, score_rows: torch.Tensor | None) -> None:
+    def _empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int64, device=self.device)
+
+    def _send_all(self, header: StepHeader, step: ReceivedStep) -> None:
         """The broadcasts, in one order on every rank (rank 0 sends, the rest receive)."""
         group = self.tp.group
         with GATE.call():
@@ -99,5 +126,8 @@ class StepChannel:
             if header.table_hi > header.table_lo:
                 rows = self.block_table.gpu[header.table_lo : header.table_hi]
                 dist.broadcast(rows, src=0, group=group)
-            if score_rows is not None:
-                dist.broadcast(score_rows, src=0, group=group)
+            if step.score_rows is not None:
+                dist.broadcast(step.score_rows, src=0, group=group)
+            if step.images is not None:
+                dist.broadcast(step.images.rows, src=0, group=group)
+                dist.broadcast(step.images.features, src=0, group=group)

@@ -31,7 +31,7 @@ from engine.step_channel import (
     PREFILL_GRAPH,
     STOP,
     VERIFY_GRAPH,
-    StepHeader,
+    ReceivedStep,
 )
 from engine.tp_group import Workers, init_method, join
 
@@ -59,10 +59,10 @@ def worker_main(config: EngineConfig, rank: int, address: str) -> None:
 def follow_steps(runner: ModelRunner) -> None:
     """Replay rank 0's steps as they are published, until it sends STOP."""
     while True:
-        header, score_rows = runner.channel.receive()
-        if header.path == STOP:
+        step = runner.channel.receive()
+        if step.header.path == STOP:
             return
-        replay(runner, header, score_rows)
+        replay(runner, step)
 
 
 def build_runner(config: EngineConfig, membership) -> ModelRunner:
@@ -76,9 +76,9 @@ def build_runner(config: EngineConfig, membership) -> ModelRunner:
 
 
 @torch.inference_mode()
-def replay(runner: ModelRunner, header: StepHeader, score_rows: torch.Tensor | None) -> None:
+def replay(runner: ModelRunner, step: ReceivedStep) -> None:
     """Run the forward rank 0 runs for this step (its staged buffer is in place)."""
-    graphs = runner.graphs
+    graphs, header, score_rows = runner.graphs, step.header, step.score_rows
     if header.path == DECODE_GRAPH:
         graphs.decode[header.bucket][0].replay()  # a worker's graphs differ only in copies out
     elif header.path == PREFILL_GRAPH:
@@ -95,11 +95,11 @@ def replay(runner: ModelRunner, header: StepHeader, score_rows: torch.Tensor | N
             bool(header.per_token),
         )
         if score_rows is None:
-            runner.forward(inp)
+            runner.forward(inp, step.images)
             return
         # score_prompts' calls, in its order: the prompt rows a chunk at a time, then
         # the sampling rows.
-        hidden = runner.hidden_states(inp)
+        hidden = runner.hidden_states(inp, step.images)
         compute_logits = runner.model.compute_logits
         for i in range(0, len(score_rows), SCORE_ROWS):
             compute_logits(hidden[score_rows[i : i + SCORE_ROWS]])

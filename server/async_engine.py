@@ -39,6 +39,7 @@ from server.request_stream import RequestStream
 
 if TYPE_CHECKING:
     from engine.engine import Engine, EngineStats
+    from engine.images import ImageInputs
 
 logger = logging.getLogger("pagoda.server")
 
@@ -166,9 +167,14 @@ class AsyncEngine:
             )
 
     def submit(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        images: ImageInputs | None = None,
     ) -> RequestStream:
-        """Queue one engine request per prompt; 503 if the waiting queue is full."""
+        """Queue one engine request per prompt (images: a single prompt's); 503 if the
+        waiting queue is full."""
         if not self.is_alive:
             raise APIError("The engine is not running.", 503, code="service_unavailable")
         ids = [
@@ -192,7 +198,7 @@ class AsyncEngine:
         self._metrics.on_submit(params.n, params.max_tokens)
         for rid in ids:
             self._streams[rid] = stream
-        self._put([Add(rid, p, params, now) for rid, p in zip(ids, prompts, strict=True)])
+        self._put([Add(rid, p, params, now, images) for rid, p in zip(ids, prompts, strict=True)])
         return stream
 
     def _abort(self, stream: RequestStream) -> None:

@@ -32,6 +32,7 @@ from server.errors import APIError, from_value_error
 
 if TYPE_CHECKING:
     from engine.engine import Engine, EngineStats
+    from engine.images import ImageInputs
 
 logger = logging.getLogger("pagoda.server")
 
@@ -77,6 +78,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    images: ImageInputs | None = None  # the prompt's (engine/images.py)
 
 
 @dataclass
@@ -217,7 +219,11 @@ class EngineLoop:
             added.append(item.request_id)
             try:
                 self.engine.add_request(
-                    item.request_id, item.prompt_token_ids, item.params, item.arrival_time
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    item.arrival_time,
+                    item.images,
                 )
                 self.active[item.request_id] = item.params.n
             except RequestRejected as exc:

@@ -25,7 +25,8 @@ from fastapi import Request
 
 from engine.checks import TOKEN_TYPE_SHIFT
 from server.errors import APIError
-from server.protocol import ChatMessage, ChatTemplateOptions, ToolCall
+from server.images import ChatPrompt, ImageProcessor
+from server.protocol import ChatMessage, ChatTemplateOptions, ContentPart, ToolCall
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,9 +61,14 @@ class ClientDisconnected(Exception):
 
 class Prompts:
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, token_types: int = 1
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        token_types: int = 1,
+        images: ImageProcessor | None = None,  # a model that reads images: its processor
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self.max_model_len = max_model_len
         self.token_types = token_types  # > 1: an encoder whose pairs carry token types
         self._local = threading.local()  # each lane's worker: its own tokenizer copy
@@ -170,9 +176,10 @@ class Prompts:
         messages: list[ChatMessage],
         options: ChatTemplateOptions,
         tools: list[dict] | None = None,
-    ) -> list[int]:
+    ) -> ChatPrompt:
         """tools: the functions the template shows the model (server/tools.py)."""
-        conversation = [template_message(m) for m in messages]
+        urls: list[str] | None = [] if self.images is not None else None
+        conversation = [template_message(m, urls) for m in messages]
         tokenizer = self._tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
@@ -192,7 +199,7 @@ class Prompts:
                 f"chat_template_kwargs may not set {', '.join(reserved)}.",
                 param="chat_template_kwargs",
             )
-        self.check_length("".join(m["content"] for m in conversation), "messages")
+        self.check_length("".join(_text(m["content"]) for m in conversation), "messages")
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -214,8 +221,10 @@ class Prompts:
             raise APIError(
                 f"The chat template rejected the messages{why}", param="messages"
             ) from exc
+        if urls and self.images is not None:
+            return self.images(text, urls)
         # The template already wrote any BOS it wants.
-        return self.encode(text, add_special_tokens=False)
+        return ChatPrompt(self.encode(text, add_special_tokens=False))
 
 
 async def unless_disconnected(raw: Request, work: asyncio.Future[T]) -> T:
@@ -235,11 +244,18 @@ async def unless_disconnected(raw: Request, work: asyncio.Future[T]) -> T:
     return work.result()
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage, urls: list[str] | None = None) -> dict[str, Any]:
+    """urls: where a model that reads images collects the message's image URLs (its
+    content then stays a list of parts, an image's `{"type": "image"}`); None: text only."""
+    content: str | list[dict[str, str]]
     if isinstance(message.content, list):
-        if any(part.type != "text" for part in message.content):
-            raise APIError("Only text content parts are supported.", param="messages")
-        content = "".join(part.text or "" for part in message.content)
+        content = "".join(part.text or "" for part in message.content if part.type == "text")
+        kinds = {part.type for part in message.content}
+        if "image_url" in kinds and urls is not None:
+            content = [_template_part(part, urls) for part in message.content]
+        elif kinds - {"text"}:
+            what = "text and image_url" if urls is not None else "text"
+            raise APIError(f"This model takes {what} content parts only.", param="messages")
     else:
         content = message.content or ""
     role = "system" if message.role == "developer" else message.role  # templates know "system"
@@ -262,6 +278,21 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
         # Qwen3's and DeepSeek's templates read reasoning_content, GPT-OSS's `thinking`.
         out["reasoning_content"] = out["thinking"] = message.reasoning_content
     return out
+
+
+def _template_part(part: ContentPart, urls: list[str]) -> dict[str, str]:
+    if part.type == "text":
+        return {"type": "text", "text": part.text or ""}
+    if part.type != "image_url":
+        raise APIError("This model takes text and image_url content parts only.", param="messages")
+    if part.image_url is None:
+        raise APIError("An image_url content part needs its image_url.", param="messages")
+    urls.append(part.image_url.url)
+    return {"type": "image"}
+
+
+def _text(content: str | list[dict[str, str]]) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
 def _template_call(call: ToolCall) -> dict[str, Any]:

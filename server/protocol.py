@@ -181,9 +181,15 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS and friends
 
 
-class TextContentPart(_Request):
-    type: str
+class ImageURL(_Request):
+    url: str  # a data URL (base64) or an http(s) URL
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's hint: changes nothing
+
+
+class ContentPart(_Request):
+    type: str  # "text", or "image_url" for a model that reads images
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(_Request):
@@ -199,7 +205,7 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's answer: to which call

@@ -14,12 +14,14 @@ from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.generation_config import load_generation_config
+from engine.images import reads_images
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.errors import APIError, error_body, from_value_error
+from server.images import ImageProcessor
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
     ChatMessage,
@@ -104,7 +106,8 @@ class Serving:
         self.can_generate = info.can_generate
         self.labels = info.labels  # a sequence classifier's, by class index
         self.token_types = info.token_types
-        self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types)
+        images = ImageProcessor(info.model_dir) if reads_images(info.model_dir) else None
+        self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types, images)
 
     def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it
@@ -283,7 +286,8 @@ class Serving:
     ) -> list[int]:
         """The chat template's prompt ids for messages (no tools), on a prompt lane."""
         prompts, size = self.prompts, sum(len(str(m.content or "")) for m in messages)
-        return await prompts.run(raw, size, prompts.render_chat, messages, options)
+        prompt = await prompts.run(raw, size, prompts.render_chat, messages, options)
+        return prompt.token_ids
 
     async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         self.check_model(req.model)

@@ -13,6 +13,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
 from server import beam_search
 from server.errors import APIError
+from server.images import ChatPrompt
 from server.prompts import template_message
 from server.protocol import (
     ChatChoice,
@@ -59,17 +60,21 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     truncate = s.truncation(req)
     prompts = s.prompts
 
-    def prepare() -> list[int]:
-        ids = prompts.render_chat(req.messages, req, tools.template_tools)
-        ids = s.check_prompt(ids, params, "messages", truncate)
+    def prepare() -> ChatPrompt:
+        prompt = prompts.render_chat(req.messages, req, tools.template_tools)
+        if prompt.images is not None and (req.use_beam_search or truncate is not None):
+            what = "use_beam_search" if req.use_beam_search else "truncate_prompt_tokens"
+            raise APIError(f"{what} does not take images.", param=what)
+        ids = prompt.token_ids = s.check_prompt(prompt.token_ids, params, "messages", truncate)
         if max_tokens is None and s.default_max_tokens is not None:
             # As vLLM: the model's default length, within the room the context leaves.
             room = s.max_model_len - len(ids)
             params.max_tokens = min(max(s.default_max_tokens, params.min_tokens), room)
-        return ids
+        return prompt
 
     size = sum(len(str(m.content or "")) for m in req.messages)
-    prompt_ids = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499
+    prompt = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499
+    prompt_ids = prompt.token_ids
     # vLLM's echo: an open assistant message is repeated at the head of the answer.
     last = req.messages[-1]
     echo = template_message(last)["content"] if req.echo and last.role == "assistant" else ""
@@ -79,7 +84,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             s, raw, request_id, [prompt_ids], params, req.length_penalty
         )
     else:
-        stream = s.async_engine.submit(request_id, [prompt_ids], params)
+        stream = s.async_engine.submit(request_id, [prompt_ids], params, prompt.images)
     created = int(time.time())
     if req.stream:
         chunks = _chunks(s, stream, req, tools, request_id, created, prompt_ids, echo)

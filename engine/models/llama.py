@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.images import ImageRows
 from engine.models.layers import (
     AttentionMetadata,
     HeadNorm,
@@ -268,9 +269,15 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageRows | None = None,  # image features in place of their placeholders
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x, residual = self.embed(input_ids), None
+        if images is not None:
+            x = images.apply(x)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm(x, residual)[0]

@@ -19,7 +19,15 @@ from engine.models.parallel import WeightSlice
 # model_type -> the attribute holding the language model's config
 TEXT_OF_MULTIMODAL = {
     kind: "text_config"
-    for kind in ("gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    for kind in (
+        "gemma3",
+        "llava",
+        "mistral3",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    )  # fmt: skip
 }
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 

@@ -24,6 +24,7 @@ MAX_NEW = 16
 # kind -> the wrapper's config and model classes
 WRAPPERS = {
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
@@ -39,11 +40,15 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
     import transformers
 
     common = dict(**TINY, vocab_size=vocab, bos_token_id=eos, eos_token_id=eos)
-    if kind in ("gemma3", "mistral3"):
-        text_class, _, fields = FAMILY_CONFIGS["gemma3" if kind == "gemma3" else "mistral"]
+    if kind in ("gemma3", "llava", "mistral3"):
+        family = {"gemma3": "gemma3", "mistral3": "mistral"}.get(kind)
+        text_class, _, fields = FAMILY_CONFIGS[family] if family else ("LlamaConfig", 0, {})
         text = getattr(transformers, text_class)(**common, **fields).to_dict()
         vision = dict(SMALL_VISION, num_hidden_layers=1, num_attention_heads=2, image_size=32)
         vision["patch_size"] = 8
+        if kind == "llava":  # CLIP's tower, its CLS row dropped
+            vision = transformers.CLIPVisionConfig(**vision).to_dict()
+            return dict(text_config=text, vision_config=vision, image_token_index=vocab - 1)
         if kind == "gemma3":
             vision = transformers.SiglipVisionConfig(**vision).to_dict()
             extra = dict(

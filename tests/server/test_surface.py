@@ -353,9 +353,9 @@ def test_documents_reach_the_chat_template(tokenizer):
     try:
         hi = [ChatMessage(role="user", content="Hi")]
         docs = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
-        ids = prompts.render_chat(hi, ChatTemplateOptions(documents=docs))
+        ids = prompts.render_chat(hi, ChatTemplateOptions(documents=docs)).token_ids
         assert rag.decode(ids) == "[A: alpha][B: beta]Hi"
-        assert rag.decode(prompts.render_chat(hi, ChatTemplateOptions())) == "Hi"
+        assert rag.decode(prompts.render_chat(hi, ChatTemplateOptions()).token_ids) == "Hi"
     finally:
         prompts.close()
 

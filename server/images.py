@@ -1,0 +1,109 @@
+"""Chat images: image_url content parts into the prompt's ids and pixel values.
+
+For a model whose images Pagoda reads (engine/models/vision.py), a message with
+image parts reaches the chat template as a list of parts, `{"type": "image"}` where
+each image was, as the models' own templates expect; the checkpoint's processor then
+expands each image's placeholder into one token per feature and makes its pixel
+values. Images come as data URLs (base64) or http(s) URLs, fetched on the prompt lane.
+Anything that is not an image it can open is a 400.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import hashlib
+import io
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import httpx
+
+from engine.images import ImageInputs
+from server.errors import APIError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+
+@dataclass
+class ChatPrompt:
+    """A chat's prompt: its ids, and its images where it has any."""
+
+    token_ids: list[int]
+    images: ImageInputs | None = None
+
+
+MAX_IMAGE_BYTES = 20 << 20  # OpenAI's limit per image
+FETCH_TIMEOUT_S = 10.0
+
+
+def image_bytes(url: str) -> bytes:
+    """An image_url's bytes: a data URL's, or an http(s) URL's body."""
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise APIError("An image data URL must be base64 (data:image/...;base64,...).",
+                           param="messages")  # fmt: skip
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise APIError(
+                f"An image data URL is not valid base64: {exc}", param="messages"
+            ) from exc
+    elif url.startswith(("http://", "https://")):
+        try:
+            with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as r:
+                r.raise_for_status()
+                data = b""
+                for chunk in r.iter_bytes():
+                    data += chunk
+                    if len(data) > MAX_IMAGE_BYTES:
+                        break
+        except httpx.HTTPError as exc:
+            raise APIError(f"Could not fetch the image at {url}: {exc}", param="messages") from exc
+    else:
+        raise APIError("An image_url must be a data URL or an http(s) URL.", param="messages")
+    if len(data) > MAX_IMAGE_BYTES:
+        raise APIError(f"An image is larger than {MAX_IMAGE_BYTES >> 20} MiB.", param="messages")
+    return data
+
+
+def open_image(data: bytes) -> Image:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise APIError(f"An image could not be read: {exc}", param="messages") from exc
+    return image.convert("RGB")
+
+
+class ImageProcessor:
+    """The checkpoint's processor (AutoProcessor), a copy per prompt lane thread."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoProcessor
+
+        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        self._local = threading.local()
+
+    def __call__(self, text: str, urls: list[str]) -> ChatPrompt:
+        """The prompt's ids, each image's placeholder expanded, and its images."""
+        blobs = [image_bytes(url) for url in urls]
+        digest = hashlib.sha256()
+        for blob in blobs:
+            digest.update(hashlib.sha256(blob).digest())
+        images = [open_image(blob) for blob in blobs]
+        processor = getattr(self._local, "processor", None)
+        if processor is None:  # its tokenizer may not be shared between threads
+            processor = self._local.processor = copy.deepcopy(self.processor)
+        try:
+            out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+        except ValueError as exc:  # e.g. placeholders and images that do not pair up
+            raise APIError(f"The images could not be processed: {exc}", param="messages") from exc
+        pixels = ImageInputs(out["pixel_values"], out.get("image_sizes"), digest.hexdigest())
+        return ChatPrompt(out["input_ids"][0].tolist(), pixels)

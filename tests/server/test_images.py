@@ -1,0 +1,186 @@
+"""Chat requests with images (server/images.py) to a tiny LLaVA served with its processor:
+the answer equals transformers' generate on the processor's ids and pixel values, for
+a data URL and for an http URL of the same image, in the OpenAI SDK's shape; what is
+not an image it can read is a 400."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import http.server
+import io
+import threading
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from server.app import create_app
+from server.config import ServerConfig
+from tests.engine.test_multimodal_text import build
+from tests.server.conftest import LiveServer, engine_config
+
+TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}"
+    "{{ p.text }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+MAX_NEW = 8
+
+
+def png(seed: int, size: tuple[int, int] = (40, 52)) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(blob: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(blob).decode()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, tokenizer):
+    """(checkpoint dir with its processor, transformers' model, its processor)."""
+    import transformers
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})  # the last id
+    path = tmp_path_factory.mktemp("llava-server")
+    model = build("llava", path, tokenizer)
+    model.generation_config.eos_token_id = None
+    crop = {"height": 32, "width": 32}
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=crop)
+    processor = transformers.LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=8, chat_template=TEMPLATE,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )  # fmt: skip
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="module")
+def server(llava) -> Iterator[LiveServer]:
+    config = ServerConfig(shutdown_timeout=5.0)
+    live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An http server of one PNG (/cat.png); its base URL."""
+    blob = png(1)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the base class's name)
+            found = self.path == "/cat.png"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(blob if found else b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def chat(server: LiveServer, content: list | str, **extra) -> httpx.Response:
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body | extra, timeout=60)
+
+
+def expected(llava, text: str, blob: bytes) -> list[int]:
+    from PIL import Image
+
+    _, model, processor = llava
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}],
+        add_generation_prompt=True,
+    )
+    image = Image.open(io.BytesIO(blob)).convert("RGB")
+    inputs = processor(text=prompt, images=[image], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
+
+
+def test_an_image_by_data_url_is_read_as_transformers_reads_it(server, llava):
+    text = "what is in the picture? "
+    for seed in (1, 2):
+        blob = png(seed)
+        response = chat(server, [{"type": "text", "text": text}, image_part(data_url(blob))])
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["token_ids"] == expected(llava, text, blob)
+        # The processor's placeholders are in the prompt it counts.
+        assert response.json()["usage"]["prompt_tokens"] > 16
+
+
+def test_an_image_by_http_url_equals_the_same_by_data_url(server, image_host):
+    text = [{"type": "text", "text": "describe "}]
+    by_url = chat(server, [*text, image_part(f"{image_host}/cat.png")])
+    by_data = chat(server, [*text, image_part(data_url(png(1)))])
+    assert by_url.status_code == 200, by_url.text
+    assert by_url.json()["choices"][0]["token_ids"] == by_data.json()["choices"][0]["token_ids"]
+    missing = chat(server, [*text, image_part(f"{image_host}/dog.png")])
+    assert missing.status_code == 400 and "Could not fetch" in missing.text
+
+
+def test_a_text_only_chat_still_works(server):
+    response = chat(server, "hello there")
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["token_ids"]) == MAX_NEW
+
+
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        (image_part("data:image/png;base64,@@@"), "not valid base64"),
+        (image_part("data:image/png," + "x" * 8), "must be base64"),
+        (image_part(data_url(b"not an image at all")), "could not be read"),
+        (image_part("file:///etc/passwd"), "data URL or an http(s) URL"),
+        ({"type": "input_audio", "input_audio": None}, "text and image_url content parts only"),
+        ({"type": "image_url"}, "needs its image_url"),
+    ],
+)
+def test_what_is_not_a_readable_image_is_a_400(server, part, message):
+    response = chat(server, [{"type": "text", "text": "look "}, part])
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "messages"
+
+
+def test_beam_search_takes_no_images(server):
+    response = chat(server, [image_part(data_url(png(1)))], use_beam_search=True, n=2)
+    assert response.status_code == 400 and "does not take images" in response.text
+
+
+def test_images_cross_to_the_engine_process(server, llava):
+    config = ServerConfig(shutdown_timeout=5.0, engine_process=True)
+    proc = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
+    try:
+        content = [{"type": "text", "text": "and this? "}, image_part(data_url(png(3)))]
+        across = chat(proc, content)
+        assert across.status_code == 200, across.text
+        assert (
+            across.json()["choices"][0]["token_ids"]
+            == chat(server, content).json()["choices"][0]["token_ids"]
+        )
+    finally:
+        proc.stop()
