@@ -1,5 +1,5 @@
 """Pydantic models of OpenAI's Responses API (POST /v1/responses), the subset Pagoda
-serves: text and message input, function tools and their results, reasoning, JSON
+serves: text (and image) message input, function tools and their results, reasoning, JSON
 output formats. Requests are as strict as the chat ones (server/protocol.py)."""
 
 from __future__ import annotations
@@ -21,6 +21,15 @@ class InputContentPart(RequestModel):
     logprobs: list[Any] | None = None
 
 
+class InputImagePart(RequestModel):
+    """An image, for a model that reads images: a data URL or an http(s) URL."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None  # the Files API's: not served
+    detail: Literal["auto", "low", "high"] | None = None  # a hint: changes nothing
+
+
 class ReasoningPart(RequestModel):
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -35,7 +44,7 @@ class InputItem(RequestModel):
     status: str | None = None
     # message
     role: Literal["user", "system", "developer", "assistant"] | None = None
-    content: str | list[InputContentPart] | list[ReasoningPart] | None = None
+    content: str | list[InputContentPart | InputImagePart] | list[ReasoningPart] | None = None
     # function_call, function_call_output
     call_id: str | None = None
     name: str | None = None

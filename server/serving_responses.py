@@ -28,9 +28,12 @@ from server.responses_protocol import (
     FunctionCallItem,
     IncompleteDetails,
     InputContentPart,
+    InputImagePart,
+    InputItem,
     MessageItem,
     OutputText,
     ReasoningItem,
+    ReasoningPart,
     ReasoningText,
     ResponseObject,
     ResponsesRequest,
@@ -133,12 +136,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif item.type == "message":
             if item.role is None or item.content is None:
                 raise APIError("A message item needs a role and content.", param=where)
-            text = item.content
-            if not isinstance(text, str):
-                if not all(isinstance(part, InputContentPart) for part in text):
-                    raise APIError("A message's parts must be text.", param=where)
-                text = "".join(part.text for part in text)
-            message: dict[str, Any] = {"role": item.role, "content": text}
+            message: dict[str, Any] = {"role": item.role, "content": _content(item, where)}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -165,6 +163,28 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     if not messages:
         raise APIError("input must hold a message.", param="input")
     return messages
+
+
+def _content(item: InputItem, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content as a chat message's: its text, or chat content parts
+    where it holds images."""
+    content = item.content
+    if isinstance(content, str):
+        return content
+    if any(isinstance(part, ReasoningPart) for part in content):
+        raise APIError("A message's parts must be text or images.", param=where)
+    if not any(isinstance(part, InputImagePart) for part in content):
+        return "".join(part.text for part in content)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, InputContentPart):
+            parts.append({"type": "text", "text": part.text})
+        elif part.image_url is None:
+            raise APIError("An input_image needs its image_url (file_id is not served).",
+                           param=where)  # fmt: skip
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def _response(s: Serving, req: ResponsesRequest, response_id: str) -> ResponseObject:

@@ -184,3 +184,22 @@ def test_images_cross_to_the_engine_process(server, llava):
         )
     finally:
         proc.stop()
+
+
+def test_the_responses_api_takes_input_images(server):
+    blob, text = png(4), "what now? "
+    chat_answer = chat(server, [{"type": "text", "text": text}, image_part(data_url(blob))])
+    parts = [
+        {"type": "input_text", "text": text},
+        {"type": "input_image", "image_url": data_url(blob), "detail": "auto"},
+    ]
+    body = {"input": [{"role": "user", "content": parts}], "max_output_tokens": MAX_NEW}
+    body |= {"temperature": 0.0}
+    response = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    (message,) = response.json()["output"]
+    want = chat_answer.json()["choices"][0]["message"]["content"]
+    assert message["content"][0]["text"] == want
+    body["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
+    refused = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert refused.status_code == 400 and "file_id is not served" in refused.text
