@@ -203,7 +203,9 @@ class Engine:
         self.check_request(prompt_token_ids, params)
         features = None
         if images is not None:
-            features = encode_prompt_images(self.vision, prompt_token_ids, images)
+            features = encode_prompt_images(
+                self.vision, prompt_token_ids, images, self.config.max_num_batched_tokens
+            )
         lora_index = self.lora_index(params.lora_name)
         arrival_time = arrival_time or time.time()
         choices: list[Request] = []

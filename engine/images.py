@@ -10,6 +10,12 @@ of its placeholders are then overwritten with their features (`ImageRows`), as
 transformers' models scatter them into `inputs_embeds`. A request's blocks hash from a
 root salted with its images' digest: the same text with another image is another
 prompt to the prefix cache.
+
+Gemma 3's image tokens attend to their whole image both ways (a run of consecutive
+placeholders), the rest causally. A placeholder's attention horizon is then its run's
+last position (the prefill kernel's `horizons`), and no chunk ends inside a run: it
+stops before a run it cannot hold whole. So every computed image token saw its whole
+image, and a prefix-cache hit may end anywhere (the rest of its run comes next, whole).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
 
 # Families whose images are read (engine/models/vision.py): those whose language model
 # sees an image as plain causal tokens, one position each.
-VISION_FAMILIES = ("llava", "mistral3")
+VISION_FAMILIES = ("gemma3", "llava", "mistral3")
+WHOLE_IMAGE_FAMILIES = ("gemma3",)  # an image's tokens see each other both ways
 
 
 def reads_images(model_dir: str) -> bool:
@@ -62,6 +69,34 @@ class PromptImages:
 
     features: torch.Tensor  # [num_placeholders, hidden_size] on the device, model dtype
     positions: np.ndarray  # [num_placeholders] int64: their prompt positions, ascending
+    # Both ways within an image: each placeholder's run's last position, and the runs.
+    ends: np.ndarray | None = None  # [num_placeholders] int64
+    run_starts: np.ndarray | None = None  # [num_runs] int64, ascending
+    run_ends: np.ndarray | None = None  # [num_runs] int64, inclusive
+
+    @classmethod
+    def of(cls, features: torch.Tensor, positions: np.ndarray, whole: bool) -> PromptImages:
+        if not whole or len(positions) == 0:
+            return cls(features, positions)
+        breaks = np.flatnonzero(np.diff(positions) != 1)  # the last index of each run but one
+        run_starts = positions[np.concatenate(([0], breaks + 1))]
+        run_ends = positions[np.concatenate((breaks, [len(positions) - 1]))]
+        ends = run_ends[np.searchsorted(run_starts, positions, side="right") - 1]
+        return cls(features, positions, ends, run_starts, run_ends)
+
+    @property
+    def longest_run(self) -> int:
+        return 0 if self.run_starts is None else int((self.run_ends - self.run_starts).max()) + 1
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk of positions [start, end) may end so as not to split a run: end,
+        or the start of the run it would end in (start: it waits for room for the run)."""
+        if self.run_starts is None:
+            return end
+        i = int(np.searchsorted(self.run_starts, end, side="left")) - 1  # last run before end
+        if i < 0 or end > self.run_ends[i]:  # ends outside every run (or at one's end)
+            return end
+        return max(int(self.run_starts[i]), start)
 
 
 @dataclass
@@ -70,10 +105,18 @@ class ImageRows:
 
     rows: torch.Tensor  # [n] int64, on the device
     features: torch.Tensor  # [n, hidden_size]
+    ends: torch.Tensor | None = None  # [n] int32: each row's horizon (WHOLE_IMAGE_FAMILIES)
 
     def apply(self, embeds: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings [num_tokens, hidden] with the image rows in place."""
         return embeds.index_put((self.rows,), self.features.to(embeds.dtype))
+
+    def horizons(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[num_tokens] int32: the last position each of the step's tokens attends to
+        (its own, or its image's last), for the prefill kernel; None: causal as usual."""
+        if self.ends is None:
+            return None
+        return positions.int().index_put((self.rows,), self.ends)
 
 
 def placeholder_positions(prompt_token_ids: list[int], image_token_id: int) -> np.ndarray:
@@ -88,7 +131,7 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
     if not has.any():
         return None
     query_starts = np.cumsum(out.num_new_tokens) - out.num_new_tokens
-    rows, features = [], []
+    rows, features, ends = [], [], []
     for b in np.flatnonzero(has).tolist():
         images = batch.requests[int(out.slots[b])].images
         start = int(out.starts[b])
@@ -97,16 +140,37 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
             continue
         rows.append(images.positions[lo:hi] - start + query_starts[b])
         features.append(images.features[lo:hi])
+        if images.ends is not None:
+            ends.append(images.ends[lo:hi])
     if not rows:
         return None
     import torch
 
     device = features[0].device
-    return ImageRows(torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(features))
+    horizons = None
+    if ends:  # a model's images are all of one kind: every row has one, or none does
+        horizons = torch.from_numpy(np.concatenate(ends).astype(np.int32)).to(device)
+    return ImageRows(
+        torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(features), horizons
+    )
+
+
+def keep_images_whole(
+    batch: InputBatch, slots: np.ndarray, computed: np.ndarray, num_new: np.ndarray
+) -> None:
+    """Cut in place the chunks (num_new) of the rows whose images must not be split
+    (a row may be left with none this step: it waits for room for its image)."""
+    for i in np.flatnonzero(batch.whole_images[slots]).tolist():
+        images = batch.requests[int(slots[i])].images
+        start = int(computed[i])
+        num_new[i] = images.chunk_end(start, start + int(num_new[i])) - start
 
 
 def encode_prompt_images(
-    encoder: VisionEncoder | None, prompt_token_ids: list[int], images: ImageInputs
+    encoder: VisionEncoder | None,
+    prompt_token_ids: list[int],
+    images: ImageInputs,
+    max_step_tokens: int,
 ) -> PromptImages:
     """The request's image features, checked against its placeholders (ValueError)."""
     if encoder is None:
@@ -118,4 +182,10 @@ def encode_prompt_images(
             f"the prompt holds {len(positions)} image placeholder tokens, but its "
             f"{len(images.pixel_values)} images give {len(features)} features"
         )
-    return PromptImages(features, positions)
+    prompt_images = PromptImages.of(features, positions, encoder.whole_images)
+    if prompt_images.longest_run > max_step_tokens:
+        raise ValueError(
+            f"an image of {prompt_images.longest_run} tokens does not fit one step "
+            f"(--max-num-batched-tokens {max_step_tokens})"
+        )
+    return prompt_images

@@ -110,6 +110,9 @@ class InputBatch:
         # in its prefill steps (engine/images.py).
         self.has_images = np.zeros(n, dtype=bool)
         self.num_images = 0
+        # Its images must not be split between steps (engine/images.py).
+        self.whole_images = np.zeros(n, dtype=bool)
+        self.num_whole_images = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         # Plain streams (ids only) whose first id was read (news carries their first
@@ -194,6 +197,8 @@ class InputBatch:
         self.num_pooling += pools
         self.has_images[slot] = images = req.images is not None
         self.num_images += images
+        self.whole_images[slot] = whole = images and req.images.run_starts is not None
+        self.num_whole_images += whole
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
         self.plain[slot] = plain = params.plain and n > num_prompt
@@ -249,6 +254,8 @@ class InputBatch:
         self.pooled(slot)
         self.num_images -= self.has_images.item(slot)
         self.has_images[slot] = False
+        self.num_whole_images -= self.whole_images.item(slot)
+        self.whole_images[slot] = False
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
         self.num_speculating -= self.speculates.item(slot)

@@ -235,6 +235,7 @@ class ModelRunner(StepInputs):
             inp.max_query_len,
             inp.is_decode,
             inp.per_token,
+            None if images is None else images.horizons(inp.positions),
         )
         if images is not None:
             return self.model(input_ids, inp.positions, meta, images)

@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
+from engine.images import keep_images_whole
 from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, NO_LIMIT, TOKENS, InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
@@ -156,6 +157,8 @@ class Scheduler:
                 new_counts = self.batch.counts[:, new_slots]
                 new_num = new_counts[TOKENS] - new_counts[COMPUTED]
                 new_num[-1] = min(new_num[-1], budget - num_scheduled - new_num[:-1].sum())
+                if self.batch.num_whole_images:  # as _admit cut it
+                    keep_images_whole(self.batch, new_slots, new_counts[COMPUTED], new_num)
                 slots = np.concatenate([slots, new_slots])
                 counts = np.concatenate([counts, new_counts], axis=1)
                 num_new = np.concatenate([num_new, new_num])
@@ -219,6 +222,8 @@ class Scheduler:
             before = np.cumsum(num_new) - num_new
             np.minimum(num_new, np.maximum(budget - before, 0), out=num_new)
             whole = False
+        if not whole and batch.num_whole_images:  # no chunk ends inside an image
+            keep_images_whole(batch, slots, computed, num_new)
         ends = num_tokens if whole else computed + num_new
         # The requests whose new tokens reach past their blocks (a decode opens one in
         # every block_size steps).
@@ -292,6 +297,13 @@ class Scheduler:
             cached = self.blocks.find_cached_prefix(req) if fresh else []
             num_computed = len(cached) * self.blocks.block_size
             todo = min(req.num_tokens - num_computed, budget)
+            images, cut = req.images, False
+            if images is not None and images.run_starts is not None:  # runs stay whole
+                room = todo
+                todo = images.chunk_end(num_computed, num_computed + room) - num_computed
+                if todo == 0:
+                    break  # it waits for a step with room for its image
+                cut = todo < room  # the last admitted: schedule() cuts it again
             if whole and todo < req.num_tokens - num_computed:
                 break  # not chunked: it waits for a step with room for all of it
             if not self.blocks.allocate(req, todo, cached):
@@ -305,6 +317,8 @@ class Scheduler:
             self._update_blocks(req)
             admitted.append(req)
             budget -= todo
+            if cut:
+                break
         self.waiting.extendleft(reversed(compiling))
 
     def _preempt(self, req: Request) -> None:

@@ -25,7 +25,7 @@ from engine.staging import StagedFields
 
 # StepHeader.path
 STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH = range(5)
-HEADER_WORDS = 12
+HEADER_WORDS = 13
 
 
 @dataclass
@@ -42,6 +42,7 @@ class StepHeader:
     num_score_rows: int = 0  # prompt-scoring rows follow as a broadcast
     per_token: int = 0  # an eager verify step's tokens attend as sequences of their own
     num_image_rows: int = 0  # image rows and their features follow as broadcasts
+    image_horizons: int = 0  # and their horizons (engine/images.py)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class StepChannel:
             table.rows_sent = None
         header.num_score_rows = 0 if score_rows is None else len(score_rows)
         header.num_image_rows = 0 if images is None else len(images.rows)
+        header.image_horizons = int(images is not None and images.ends is not None)
         words = astuple(header)
         self.header_np[: len(words)] = words
         self._send_all(header, ReceivedStep(header, score_rows, images))
@@ -110,6 +112,8 @@ class StepChannel:
             size, dtype = self.hidden
             features = torch.empty(header.num_image_rows, size, dtype=dtype, device=self.device)
             step.images = ImageRows(self._empty(header.num_image_rows), features)
+            if header.image_horizons:
+                step.images.ends = torch.empty_like(step.images.rows, dtype=torch.int32)
         self._send_all(header, step)
         return step
 
@@ -131,3 +135,5 @@ class StepChannel:
             if step.images is not None:
                 dist.broadcast(step.images.rows, src=0, group=group)
                 dist.broadcast(step.images.features, src=0, group=group)
+                if step.images.ends is not None:
+                    dist.broadcast(step.images.ends, src=0, group=group)

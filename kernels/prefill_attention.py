@@ -1,5 +1,7 @@
 """Causal attention for chunks of new tokens over the paged KV cache (varlen batch);
 bidirectional (causal=False) for an encoder's prompts, each whole in one step.
+Causal with `horizons`, a query may also see keys after it, up to its horizon: Gemma 3's
+image tokens see their whole image (engine/images.py), which is in the same step.
 
 An FP8 cache is read as in the decode kernel (kernels/paged_attention.py).
 
@@ -56,6 +58,8 @@ def paged_prefill_attention_ref(
     # False: every query sees every key of its sequence (an encoder's), or with a
     # sliding_window, those at most sliding_window positions away either side (ModernBERT's).
     causal: bool = True,
+    # [num_tokens] int32, causal only: the last position each query sees (>= its own).
+    horizons: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -81,6 +85,8 @@ def paged_prefill_attention_ref(
         distance = k_pos[None, :] - q_pos[:, None]  # [query_len, seq_len]
         if causal:
             hidden = distance > 0
+            if horizons is not None:
+                hidden = k_pos[None, :] > horizons[start:end, None]
             if sliding_window > 0:
                 hidden |= distance <= -sliding_window
         else:
@@ -103,6 +109,7 @@ def _attend(
     head_offs,  # [1, HEAD_DIM_P2] offsets of the KV head's dims within a token
     dim_mask,
     q_pos,  # [BLOCK_M] absolute positions of the tile's queries
+    q_see,  # [BLOCK_M] the last position each query sees (q_pos, or its horizon)
     kv_lo,  # first visible key (the window's)
     kv_end,  # one past the last key the tile may see
     start,
@@ -149,7 +156,7 @@ def _attend(
         if SOFT_CAP:
             scores = soft_cap(scores, softcap)
         if MASKED:
-            visible = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
+            visible = token_mask[None, :] & (tokens[None, :] <= q_see[:, None])
             visible &= tokens[None, :] > q_pos[:, None] - window
             scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -175,6 +182,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     sinks_ptr,
+    horizons_ptr,
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
@@ -212,6 +220,7 @@ def _prefill_kernel(
     SINKS: tl.constexpr,  # a sink logit per head in the softmax's denominator
     DOT_PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,  # False: both ways (with a window: `window` = 2 x half-width + 1)
+    HORIZONS: tl.constexpr,  # causal: a query sees keys up to its horizon
 ):
     # One program per (query tile of the batch, kv head, key split), the last tiles first
     # (under causality they see the most keys). A tile's rows are BLOCK_Q queries times
@@ -261,6 +270,10 @@ def _prefill_kernel(
             first_pos = seq_len - 1
     # Causality bounds the keys by the tile's last query position, the window by its first.
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    q_see = q_pos
+    if HORIZONS:  # or by the furthest any of its queries sees
+        q_see = tl.maximum(tl.load(horizons_ptr + q_start + rows, mask=row_mask, other=0), q_pos)
+        kv_end = tl.minimum(seq_len, tl.maximum(kv_end, tl.max(q_see, 0) + 1))
     kv_lo = tl.maximum(first_pos - window + 1, 0)
     keys_from = (kv_lo // BLOCK_N) * BLOCK_N
     # This split's keys: an equal share of whole BLOCK_N tiles (the sink counts once).
@@ -281,13 +294,13 @@ def _prefill_kernel(
         masked_from = tl.maximum(((first_pos + 1) // BLOCK_N) * BLOCK_N, seg_start)
         acc, l_i, m_i = _attend(
             q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
-            q_pos, kv_lo, kv_end, seg_start, tl.minimum(masked_from, seg_end), stride_cb,
+            q_pos, q_see, kv_lo, kv_end, seg_start, tl.minimum(masked_from, seg_end), stride_cb,
             stride_co, qk_scale, window, softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N,
             False, KV_FP8, SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
     acc, l_i, m_i = _attend(
         q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
-        q_pos, kv_lo, kv_end, masked_from, seg_end, stride_cb, stride_co, qk_scale, window,
+        q_pos, q_see, kv_lo, kv_end, masked_from, seg_end, stride_cb, stride_co, qk_scale, window,
         softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, SOFT_CAP,
         DOT_PRECISION,
     )  # fmt: skip
@@ -365,6 +378,7 @@ def paged_prefill_attention(
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads], contiguous
     causal: bool = True,  # False: both ways within each sequence (sliding_window: either side)
+    horizons: torch.Tensor | None = None,  # [num_tokens] int32: see the reference
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -412,6 +426,7 @@ def paged_prefill_attention(
         query_start_loc,
         seq_lens,
         query if sinks is None else sinks,  # a placeholder without sinks (SINKS=False)
+        seq_lens if horizons is None else horizons,  # the same (HORIZONS=False)
         out,
         split_out,
         split_lse,
@@ -449,6 +464,7 @@ def paged_prefill_attention(
         SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(query.dtype),
         CAUSAL=causal,
+        HORIZONS=horizons is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -37,6 +37,9 @@ class AttentionMetadata:
     # token (its sequence's row; its position + 1). A speculative verify step's tokens
     # are a sequence's last sampled one and its drafts (engine/speculative.py).
     per_token: bool = False
+    # [num_tokens] int32: the last position each token attends to, where some see past
+    # themselves (Gemma 3's image tokens, their whole image: engine/images.py).
+    horizons: torch.Tensor | None = None
 
 
 @dataclass
@@ -132,6 +135,7 @@ class PagedAttention(nn.Module):
                 softcap=self.softcap,
                 sinks=sinks,
                 causal=self.causal,
+                **({} if meta.horizons is None else {"horizons": meta.horizons}),
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

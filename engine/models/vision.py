@@ -7,10 +7,11 @@ naming, as engine/models/multimodal.py reads the language model's), and the feat
 come from the wrapper model's own `get_image_features`, called on a module that holds
 the tower and projector only (not the language model, whose weights are ours).
 
-Families whose language model sees an image as plain causal tokens with one position
-each: LLaVA (CLIP or SigLIP towers; Pixtral 12B's checkpoint too) and Mistral Small
-3.1+ (Pixtral tower, patch merger). Gemma 3 attends within an image both ways, and the
-Qwen VL models give image tokens 3-D rotary positions: their images are refused.
+Families whose language model gives image tokens one position each: LLaVA (CLIP or
+SigLIP towers; Pixtral 12B's checkpoint too), Mistral Small 3.1+ (Pixtral tower, patch
+merger) and Gemma 3 (SigLIP, pooled; its image tokens attend to their whole image:
+engine/images.py). The Qwen VL models give image tokens 3-D rotary positions: their
+images are refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from engine.images import ImageInputs, reads_images
+from engine.images import WHOLE_IMAGE_FAMILIES, ImageInputs, reads_images
 from engine.models.loader import RANDOM_WEIGHTS_MARKER, iter_weights
 
 logger = logging.getLogger("pagoda.engine")
@@ -48,6 +49,7 @@ class VisionEncoder(nn.Module):
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.config = config
         self.image_token_id = _image_token_id(config)
+        self.whole_images = config.model_type in WHOLE_IMAGE_FAMILIES
         wrapper = MODEL_MAPPING[type(config)]  # e.g. LlavaModel: get_image_features' home
         self._features = wrapper.get_image_features
         projector = _projector_class(wrapper)

@@ -25,6 +25,8 @@ def image_inputs(kind: str, seed: int) -> tuple[ImageInputs, int]:
     gen = torch.Generator().manual_seed(seed)
     if kind == "mistral3":  # 32 x 48 in patches of 8, merged 2 x 2: 2 x 3 features
         return ImageInputs(torch.randn(1, 3, 32, 48, generator=gen), torch.tensor([[32, 48]])), 6
+    if kind == "gemma3":  # 4 x 4 patches pooled to 2 x 2
+        return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 4
     return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 16  # 4 x 4 patches, CLS dropped
 
 
@@ -46,7 +48,7 @@ def vlm_of(tmp_path_factory, tokenizer):
     return make
 
 
-@pytest.fixture(params=["llava", "mistral3"])
+@pytest.fixture(params=["gemma3", "llava", "mistral3"])
 def vlm(request, vlm_of):
     return vlm_of(request.param)
 
@@ -54,6 +56,8 @@ def vlm(request, vlm_of):
 def reference(model, ids: list[int], images: ImageInputs) -> list[int]:
     x = torch.tensor([ids])
     extra = {} if images.image_sizes is None else {"image_sizes": images.image_sizes}
+    if model.config.model_type == "gemma3":  # its image tokens attend both ways
+        extra["token_type_ids"] = (x == model.config.image_token_id).long()
     with torch.no_grad():
         out = model.generate(
             x, attention_mask=torch.ones_like(x), pixel_values=images.pixel_values,
@@ -117,11 +121,12 @@ def test_a_text_model_takes_no_images(tiny_llama_dir):
 
 
 def test_tensor_parallel_ranks_receive_the_image_rows(vlm_of):
-    """Rank 0 alone encodes; the other rank gets the step's image rows and features."""
-    kind, path, ids, model = vlm_of("mistral3")
-    images, _ = image_inputs(kind, 1)
+    """Rank 0 alone encodes; the other rank gets the step's image rows, features and
+    horizons (Gemma 3's, whose image tokens see their whole image)."""
+    kind, path, ids, model = vlm_of("gemma3")
+    images, count = image_inputs(kind, 1)
     config = EngineConfig(
-        model=str(path), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=8
+        model=str(path), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=count + 1
     )
     engine = Engine(config)
     try:
@@ -129,3 +134,26 @@ def test_tensor_parallel_ranks_receive_the_image_rows(vlm_of):
     finally:
         engine.shutdown()
     assert got == reference(model, ids, images)
+
+
+def test_gemma3_images_are_never_split_between_steps(vlm_of):
+    """Gemma 3's image tokens see their whole image: over budgets that would cut each
+    image somewhere, chunks stop before it instead, and the output stays transformers';
+    a request again finds its prefix cached (a hit may end inside an image)."""
+    kind, path, ids, model = vlm_of("gemma3")
+    first, count = image_inputs(kind, 1)
+    second, _ = image_inputs(kind, 2)
+    both = ImageInputs(torch.cat([first.pixel_values, second.pixel_values]))
+    prompt = ids + ids  # two images, text between
+    want = reference(model, prompt, both)
+    for budget in range(count, count + 4):
+        engine = Engine(
+            EngineConfig(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=4)
+        )
+        assert run(engine, {"a": (prompt, both), "text": (ids, None)})["a"] == want, budget
+        hits = engine.get_stats().prefix_cache_hits
+        assert run(engine, {"b": (prompt, both)})["b"] == want, budget
+        assert engine.get_stats().prefix_cache_hits > hits
+    small = Engine(EngineConfig(model=str(path), device="cpu", max_num_batched_tokens=count - 1))
+    with pytest.raises(ValueError, match="does not fit one step"):
+        small.add_request("x", prompt, SamplingParams(), images=both)

@@ -91,6 +91,10 @@ def build(kind: str, path, tokenizer) -> object:
     config = getattr(transformers, config_class)(**fields, initializer_range=0.2)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # Gemma 3 starts its projection at zero: images would not count
+        for name, param in model.named_parameters():
+            if "multi_modal_projector" in name and not param.any():
+                param.normal_(std=0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model

@@ -1,5 +1,6 @@
 """Images on CUDA at fp32 (the vision tower on the GPU, eager prefill steps with image
-rows, decode graphs after them): LLaVA's and Mistral 3's greedy output equals
+rows, Gemma 3's horizons in the Triton prefill kernel, decode graphs after them):
+LLaVA's, Mistral 3's and Gemma 3's greedy output equals
 transformers' on CPU, whole and in chunks that split an image, beside text-only
 requests in the same batch."""
 
@@ -33,8 +34,9 @@ def test_images_on_cuda_match_transformers(vlm, budget):  # noqa: F811 (the fixt
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_images_over_two_gpus_match_transformers(vlm_of):  # noqa: F811 (the fixture)
-    """NCCL: rank 0 encodes and broadcasts the step's image rows and features."""
-    kind, path, ids, model = vlm_of("mistral3")
+    """NCCL: rank 0 encodes and broadcasts the step's image rows, features and horizons
+    (Gemma 3's image tokens see their whole image; chunks never split one)."""
+    kind, path, ids, model = vlm_of("gemma3")
     images, _ = image_inputs(kind, 1)
     config = EngineConfig(
         model=str(path), device="cuda", dtype="float32", tensor_parallel_size=2,

@@ -284,3 +284,56 @@ def test_bidirectional_sliding_window_matches_reference(
         scale=head_dim**-0.5,
     )
     torch.testing.assert_close(expected[:n], want.transpose(0, 1), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(0, 1), (0, 3), (24, 1), (24, 3)])
+def test_horizons_let_image_tokens_see_their_image(
+    window: int, num_splits: int, rng: torch.Generator, device: torch.device, paged_kv
+) -> None:
+    """horizons (Gemma 3's images): a query in an image run sees up to the run's end, the
+    others causally; a window still bounds what lies behind. The reference agrees with a
+    dense mask built as transformers builds Gemma 3's: AND(window, OR(causal, same run))."""
+    head_dim, num_heads, num_kv_heads = 32, 8, 2
+    # (query_len, seq_len, runs): a prompt with two images (the second across a tile
+    # edge), a chunk after a cached prefix holding an image, a text-only chunk.
+    chunks = [(70, 70, [(5, 20), (30, 66)]), (20, 50, [(33, 40)]), (6, 6, [])]
+    query_lens = [q for q, _, _ in chunks]
+    seq_lens = [s for _, s, _ in chunks]
+    k_cache, v_cache, block_table = paged_kv(seq_lens, num_kv_heads, head_dim, 16)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    horizons, masks = [], []
+    for q_len, s_len, runs in chunks:
+        pos = torch.arange(s_len - q_len, s_len)
+        see = pos.clone()
+        keys = torch.arange(s_len)
+        same = torch.zeros(q_len, s_len, dtype=torch.bool)
+        for a, b in runs:  # positions a..b inclusive
+            inside = (pos >= a) & (pos <= b)
+            see[inside] = b
+            same |= inside[:, None] & (keys[None, :] >= a) & (keys[None, :] <= b)
+        horizons.append(see)
+        mask = (keys[None, :] <= pos[:, None]) | same
+        if window:
+            mask &= keys[None, :] > pos[:, None] - window
+        masks.append(mask)
+    horizons = torch.cat(horizons).to(device=device, dtype=torch.int32)
+    args = (query, k_cache, v_cache, block_table, loc, lens, head_dim**-0.5, max(query_lens))
+    launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
+    result = paged_prefill_attention(*args, window, horizons=horizons, **launch)
+    expected = paged_prefill_attention_ref(*args, window, horizons=horizons)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(expected, paged_prefill_attention_ref(*args, window), atol=1e-3)
+    for i, (_, s_len, _) in enumerate(chunks):  # the reference against a dense mask
+        blocks = block_table[i, : -(-s_len // 16)].long()
+        k = k_cache[blocks].flatten(0, 1)[:s_len].repeat_interleave(4, 1).transpose(0, 1)
+        v = v_cache[blocks].flatten(0, 1)[:s_len].repeat_interleave(4, 1).transpose(0, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query[starts[i] : starts[i + 1]].transpose(0, 1).float(), k.float(), v.float(),
+            attn_mask=masks[i].to(device), scale=head_dim**-0.5,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            expected[starts[i] : starts[i + 1]], want.transpose(0, 1), rtol=1e-4, atol=1e-5
+        )

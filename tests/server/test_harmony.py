@@ -95,9 +95,9 @@ class RecordingEngine(Engine):
 
     skips: list[bool] = []
 
-    def add_request(self, request_id, prompt_token_ids, params, arrival_time=None):
+    def add_request(self, request_id, prompt_token_ids, params, *args):
         self.skips.append(params.skip_special_tokens)
-        super().add_request(request_id, prompt_token_ids, params, arrival_time)
+        super().add_request(request_id, prompt_token_ids, params, *args)
 
 
 @pytest.fixture(scope="module")
