@@ -11,6 +11,13 @@ transformers' models scatter them into `inputs_embeds`. A request's blocks hash 
 root salted with its images' digest: the same text with another image is another
 prompt to the prefix cache.
 
+The Qwen VL models give each image token a 3-D rotary position (temporal, height,
+width: transformers' `get_rope_index`), text a 1-D one that goes on from the largest
+before it, so past an image a token's position is its index plus an offset (`MRope`).
+The staged positions carry each token's first component (the only one, for text);
+a step with image tokens runs eagerly, its rotary cos/sin built per token from all
+three (`ImageRows.positions3`).
+
 Gemma 3's image tokens attend to their whole image both ways (a run of consecutive
 placeholders), the rest causally. A placeholder's attention horizon is then its run's
 last position (the prefill kernel's `horizons`), and no chunk ends inside a run: it
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,29 +45,49 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
 
 # Families whose images are read (engine/models/vision.py): those whose language model
 # sees an image as plain causal tokens, one position each.
-VISION_FAMILIES = ("gemma3", "llava", "mistral3")
+VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl")
 WHOLE_IMAGE_FAMILIES = ("gemma3",)  # an image's tokens see each other both ways
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # image tokens take 3-D rotary positions
 
 
-def reads_images(model_dir: str) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return config.get("model_type") in VISION_FAMILIES
+def vision_family(model_dir: str) -> str | None:
+    """The checkpoint's model_type, if it is of a family whose images are read."""
+    kind = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    return kind if kind in VISION_FAMILIES else None
 
 
 @dataclass
 class ImageInputs:
     """A prompt's images as its model's processor made them."""
 
-    pixel_values: torch.Tensor  # [num_images, channels, height, width] (padded to the largest)
-    image_sizes: torch.Tensor | None = None  # [num_images, 2]: each one's (height, width)
+    # [num_images, channels, height, width] (padded to the largest), or the Qwen VL
+    # models' patches [num_patches, channels * temporal * patch * patch]
+    pixel_values: torch.Tensor
+    # The processor's other image outputs, by name, for get_image_features: image_sizes
+    # ([num_images, 2], Pixtral's), image_grid_thw ([num_images, 3], Qwen VL's).
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
     digest: str = ""  # of the images' pixels: salts the prefix cache (filled if empty)
 
     def __post_init__(self) -> None:
         if not self.digest:
             h = hashlib.sha256(np.ascontiguousarray(self.pixel_values.float().numpy()).tobytes())
-            if self.image_sizes is not None:
-                h.update(self.image_sizes.numpy().tobytes())
+            for name in sorted(self.extra):
+                h.update(self.extra[name].numpy().tobytes())
             self.digest = h.hexdigest()
+
+
+@dataclass
+class MRope:
+    """The Qwen VL models' rotary positions of a prompt with images."""
+
+    positions: np.ndarray  # [3, prompt_len] int64: temporal, height, width
+    delta: int  # a token past the prompt is at its index + delta (in all three)
+
+    def first(self, index: np.ndarray) -> np.ndarray:
+        """The first component of the positions of the tokens at index."""
+        n = self.positions.shape[1]
+        inside = self.positions[0][np.minimum(index, n - 1)]
+        return np.where(index < n, inside, index + self.delta)
 
 
 @dataclass
@@ -73,6 +100,7 @@ class PromptImages:
     ends: np.ndarray | None = None  # [num_placeholders] int64
     run_starts: np.ndarray | None = None  # [num_runs] int64, ascending
     run_ends: np.ndarray | None = None  # [num_runs] int64, inclusive
+    mrope: MRope | None = None  # the Qwen VL models'
 
     @classmethod
     def of(cls, features: torch.Tensor, positions: np.ndarray, whole: bool) -> PromptImages:
@@ -106,6 +134,7 @@ class ImageRows:
     rows: torch.Tensor  # [n] int64, on the device
     features: torch.Tensor  # [n, hidden_size]
     ends: torch.Tensor | None = None  # [n] int32: each row's horizon (WHOLE_IMAGE_FAMILIES)
+    positions3: torch.Tensor | None = None  # [3, n] int64: each row's rotary (MROPE_FAMILIES)
 
     def apply(self, embeds: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings [num_tokens, hidden] with the image rows in place."""
@@ -131,7 +160,7 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
     if not has.any():
         return None
     query_starts = np.cumsum(out.num_new_tokens) - out.num_new_tokens
-    rows, features, ends = [], [], []
+    rows, features, ends, positions3 = [], [], [], []
     for b in np.flatnonzero(has).tolist():
         images = batch.requests[int(out.slots[b])].images
         start = int(out.starts[b])
@@ -142,6 +171,8 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
         features.append(images.features[lo:hi])
         if images.ends is not None:
             ends.append(images.ends[lo:hi])
+        if images.mrope is not None:
+            positions3.append(images.mrope.positions[:, images.positions[lo:hi]])
     if not rows:
         return None
     import torch
@@ -150,9 +181,23 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
     horizons = None
     if ends:  # a model's images are all of one kind: every row has one, or none does
         horizons = torch.from_numpy(np.concatenate(ends).astype(np.int32)).to(device)
+    rope = None
+    if positions3:
+        # C order: a broadcast to the other ranks sends the tensor's memory as it lies.
+        rope = torch.from_numpy(np.ascontiguousarray(np.concatenate(positions3, axis=1)))
+        rope = rope.to(device)
     return ImageRows(
-        torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(features), horizons
+        torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(features), horizons, rope
     )
+
+
+def apply_mrope(batch: InputBatch, token_slots: np.ndarray, positions: np.ndarray) -> None:
+    """The staged positions of the Qwen VL requests' tokens: their rotary positions'
+    first component (positions holds token indices on entry)."""
+    rows = np.flatnonzero(batch.has_mrope[token_slots])
+    for slot in np.unique(token_slots[rows]).tolist():
+        mine = rows[token_slots[rows] == slot]
+        positions[mine] = batch.requests[slot].images.mrope.first(positions[mine])
 
 
 def keep_images_whole(
@@ -183,6 +228,8 @@ def encode_prompt_images(
             f"{len(images.pixel_values)} images give {len(features)} features"
         )
     prompt_images = PromptImages.of(features, positions, encoder.whole_images)
+    if encoder.mrope:
+        prompt_images.mrope = encoder.rope_index(prompt_token_ids, images)
     if prompt_images.longest_run > max_step_tokens:
         raise ValueError(
             f"an image of {prompt_images.longest_run} tokens does not fit one step "

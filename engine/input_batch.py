@@ -113,6 +113,9 @@ class InputBatch:
         # Its images must not be split between steps (engine/images.py).
         self.whole_images = np.zeros(n, dtype=bool)
         self.num_whole_images = 0
+        # Its rotary positions are 3-D past its images' (the Qwen VL models').
+        self.has_mrope = np.zeros(n, dtype=bool)
+        self.num_mrope = 0
         self.streams = np.zeros(n, dtype=bool)  # a read token may be news: look at it
         self.num_streaming = 0
         # Plain streams (ids only) whose first id was read (news carries their first
@@ -199,6 +202,8 @@ class InputBatch:
         self.num_images += images
         self.whole_images[slot] = whole = images and req.images.run_starts is not None
         self.num_whole_images += whole
+        self.has_mrope[slot] = mrope = images and req.images.mrope is not None
+        self.num_mrope += mrope
         self.streams[slot] = req.streamed
         self.num_streaming += req.streamed
         self.plain[slot] = plain = params.plain and n > num_prompt
@@ -256,6 +261,8 @@ class InputBatch:
         self.has_images[slot] = False
         self.num_whole_images -= self.whole_images.item(slot)
         self.whole_images[slot] = False
+        self.num_mrope -= self.has_mrope.item(slot)
+        self.has_mrope[slot] = False
         self.num_needs_sync -= self.needs_sync.item(slot)
         self.num_grammar -= self.has_grammar.item(slot)
         self.num_speculating -= self.speculates.item(slot)

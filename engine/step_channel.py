@@ -25,7 +25,7 @@ from engine.staging import StagedFields
 
 # StepHeader.path
 STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH = range(5)
-HEADER_WORDS = 13
+HEADER_WORDS = 14
 
 
 @dataclass
@@ -43,6 +43,7 @@ class StepHeader:
     per_token: int = 0  # an eager verify step's tokens attend as sequences of their own
     num_image_rows: int = 0  # image rows and their features follow as broadcasts
     image_horizons: int = 0  # and their horizons (engine/images.py)
+    image_positions: int = 0  # and their 3-D rotary positions
 
 
 @dataclass
@@ -87,6 +88,7 @@ class StepChannel:
         header.num_score_rows = 0 if score_rows is None else len(score_rows)
         header.num_image_rows = 0 if images is None else len(images.rows)
         header.image_horizons = int(images is not None and images.ends is not None)
+        header.image_positions = int(images is not None and images.positions3 is not None)
         words = astuple(header)
         self.header_np[: len(words)] = words
         self._send_all(header, ReceivedStep(header, score_rows, images))
@@ -114,6 +116,8 @@ class StepChannel:
             step.images = ImageRows(self._empty(header.num_image_rows), features)
             if header.image_horizons:
                 step.images.ends = torch.empty_like(step.images.rows, dtype=torch.int32)
+            if header.image_positions:
+                step.images.positions3 = self._empty(3 * header.num_image_rows).view(3, -1)
         self._send_all(header, step)
         return step
 
@@ -137,3 +141,5 @@ class StepChannel:
                 dist.broadcast(step.images.features, src=0, group=group)
                 if step.images.ends is not None:
                     dist.broadcast(step.images.ends, src=0, group=group)
+                if step.images.positions3 is not None:
+                    dist.broadcast(step.images.positions3, src=0, group=group)

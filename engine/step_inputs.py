@@ -11,6 +11,7 @@ import torch
 
 from engine.block_table import BlockTable
 from engine.config import EngineConfig
+from engine.images import apply_mrope
 from engine.input_batch import InputBatch
 from engine.scheduler import SchedulerOutput
 from engine.staging import Fence, SampledTransport, StagedFields, WaitClock
@@ -189,6 +190,8 @@ class StepInputs:
             gather[on_device] = self.sampled_at[token_slots[on_device]]
         elif not steady:  # a decode's usual case: sampled last step
             gather[:] = self.sampled_at[token_slots]
+        if self.batch is not None and self.batch.num_mrope:  # indices so far: now rotary
+            apply_mrope(self.batch, token_slots, positions)
         # The ids this step samples land in the sampled-ids buffer in sampling order
         # (a steady decode's: where they did last step).
         if not steady:

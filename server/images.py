@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from engine.images import ImageInputs
+from engine.images import MROPE_FAMILIES, ImageInputs
 from server.errors import APIError
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -82,13 +83,44 @@ def open_image(data: bytes) -> Image:
     return image.convert("RGB")
 
 
+class QwenVLProcessor:
+    """transformers' Qwen2-VL processor for images alone: the checkpoint's image
+    processor, then each image placeholder repeated once per feature (its patch grid
+    over merge_size squared). Theirs also loads a video processor, which needs
+    torchvision."""
+
+    def __init__(self, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> None:
+        from transformers import AutoImageProcessor
+
+        self.images = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = tokenizer
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+
+    def __call__(self, text: str, images: list, **kwargs) -> dict:
+        import torch
+
+        out = dict(self.images(images=images, return_tensors="pt"))
+        counts = (out["image_grid_thw"].prod(-1) // self.images.merge_size**2).tolist()
+        pieces = text.split(self.image_token)
+        if len(pieces) != len(counts) + 1:
+            raise ValueError(f"{len(pieces) - 1} image placeholders for {len(counts)} images")
+        text = pieces[0] + "".join(
+            self.image_token * n + piece for n, piece in zip(counts, pieces[1:])
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"input_ids": torch.tensor([ids]), **out}
+
+
 class ImageProcessor:
     """The checkpoint's processor (AutoProcessor), a copy per prompt lane thread."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, model_type: str, tokenizer: PreTrainedTokenizerBase) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        if model_type in MROPE_FAMILIES:
+            self.processor = QwenVLProcessor(model_dir, tokenizer)
+        else:
+            self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         self._local = threading.local()
 
     def __call__(self, text: str, urls: list[str]) -> ChatPrompt:
@@ -105,5 +137,6 @@ class ImageProcessor:
             out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
         except ValueError as exc:  # e.g. placeholders and images that do not pair up
             raise APIError(f"The images could not be processed: {exc}", param="messages") from exc
-        pixels = ImageInputs(out["pixel_values"], out.get("image_sizes"), digest.hexdigest())
+        extra = {name: out[name] for name in ("image_sizes", "image_grid_thw") if name in out}
+        pixels = ImageInputs(out["pixel_values"], extra, digest.hexdigest())
         return ChatPrompt(out["input_ids"][0].tolist(), pixels)

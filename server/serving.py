@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.generation_config import load_generation_config
-from engine.images import reads_images
+from engine.images import vision_family
 from engine.request import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
@@ -106,7 +106,8 @@ class Serving:
         self.can_generate = info.can_generate
         self.labels = info.labels  # a sequence classifier's, by class index
         self.token_types = info.token_types
-        images = ImageProcessor(info.model_dir) if reads_images(info.model_dir) else None
+        family = vision_family(info.model_dir)
+        images = ImageProcessor(info.model_dir, family, info.tokenizer) if family else None
         self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types, images)
 
     def admit(self, model: str | None, task: str = "generate") -> None:

@@ -40,6 +40,9 @@ class AttentionMetadata:
     # [num_tokens] int32: the last position each token attends to, where some see past
     # themselves (Gemma 3's image tokens, their whole image: engine/images.py).
     horizons: torch.Tensor | None = None
+    # [num_tokens, head_dim] fp32: each token's rotary cos/sin, where some tokens' are
+    # not their position's (the Qwen VL models' image tokens: RotaryEmbedding.mrope_table).
+    rope_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,6 +99,9 @@ class PagedAttention(nn.Module):
         rope: Rope | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
     ) -> torch.Tensor:
+        if rope is not None and meta.rope_table is not None:  # row i's cos/sin: table row i
+            rows = torch.arange(len(meta.rope_table), device=q.device)
+            rope = Rope(rows, meta.rope_table, rope.norm)
         if rope is not None and not meta.is_decode:  # the decode kernel rotates them itself
             q, k = rotary_for(q.device)(rope.positions, q, k, rope.cos_sin, rope.norm)
             rope = None
@@ -338,6 +344,8 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
+        # The Qwen VL models': how many frequencies follow each of the 3-D position's parts.
+        self.mrope_section = (scaling or {}).get("mrope_section")
         self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device) -> None:
@@ -365,6 +373,23 @@ class RotaryEmbedding(nn.Module):
             cos = torch.cat([cos, cos.new_ones(len(cos), rest)], dim=-1)
             cos_sin = torch.cat([cos, sin, sin.new_zeros(len(sin), rest)], dim=-1)
         self.cos_sin = cos_sin
+
+    def mrope_table(
+        self, positions: torch.Tensor, rows: torch.Tensor, positions3: torch.Tensor
+    ) -> torch.Tensor:
+        """[num_tokens, head_dim]: each token's cos/sin, the rows' from their 3-D positions
+        [3, len(rows)] (a frequency of each mrope_section part from its part's position),
+        the rest's from positions, as transformers' multimodal rotary takes them."""
+        pos3 = positions.expand(3, -1).clone()
+        pos3[:, rows] = positions3.to(pos3.dtype)
+        section = torch.repeat_interleave(
+            torch.arange(3, device=pos3.device),
+            torch.tensor(self.mrope_section, device=pos3.device),
+        )
+        rest = section.new_zeros((self.head_dim - self.rotary_dim) // 2)  # cos 1, sin 0
+        part = torch.cat([section, rest, section, rest])  # the cos half, then the sin half
+        table = self.cos_sin[pos3]  # [3, num_tokens, head_dim]
+        return table.gather(0, part.expand(1, pos3.shape[1], -1)).squeeze(0)
 
     def rope(
         self,

@@ -4,6 +4,7 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -278,6 +279,9 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed(input_ids), None
         if images is not None:
             x = images.apply(x)
+            if images.positions3 is not None:  # the Qwen VL models' 3-D image positions
+                table = self.rotary.mrope_table(positions, images.rows, images.positions3)
+                meta = dataclasses.replace(meta, rope_table=table)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm(x, residual)[0]

@@ -1,41 +1,51 @@
 """A multimodal checkpoint's vision tower and projector: images to features.
 
 transformers' modules, not ours: the tower runs once per image, outside the paged
-cache and the CUDA graphs, so the reference implementation is the one to run. They
-are built from the checkpoint's config and filled with its tensors (under either
-naming, as engine/models/multimodal.py reads the language model's), and the features
-come from the wrapper model's own `get_image_features`, called on a module that holds
-the tower and projector only (not the language model, whose weights are ours).
+cache and the CUDA graphs, so the reference implementation is the one to run. The
+wrapper model (LlavaModel, Qwen2_5_VLModel, ...) is made without its language model,
+whose weights are ours: only its tower and projector are built from the checkpoint's
+config and filled with its tensors (under either naming, as engine/models/multimodal.py
+reads the language model's), and its own methods give the features
+(`get_image_features`) and, for the Qwen VL models, the prompt's 3-D rotary positions
+(`get_rope_index`).
 
-Families whose language model gives image tokens one position each: LLaVA (CLIP or
-SigLIP towers; Pixtral 12B's checkpoint too), Mistral Small 3.1+ (Pixtral tower, patch
-merger) and Gemma 3 (SigLIP, pooled; its image tokens attend to their whole image:
-engine/images.py). The Qwen VL models give image tokens 3-D rotary positions: their
-images are refused.
+Families: LLaVA (CLIP or SigLIP towers; Pixtral 12B's checkpoint too), Mistral Small
+3.1+ (Pixtral tower, patch merger), Gemma 3 (SigLIP, pooled; its image tokens attend to
+their whole image: engine/images.py), Qwen2-VL and Qwen2.5-VL (their image tokens take
+3-D rotary positions: engine/images.py). Qwen3-VL's images (features added to several
+layers' states) are refused.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from engine.images import WHOLE_IMAGE_FAMILIES, ImageInputs, reads_images
+from engine.images import (
+    MROPE_FAMILIES,
+    WHOLE_IMAGE_FAMILIES,
+    ImageInputs,
+    MRope,
+    vision_family,
+)
 from engine.models.loader import RANDOM_WEIGHTS_MARKER, iter_weights
 
 logger = logging.getLogger("pagoda.engine")
 
-_PARTS = ("vision_tower.", "multi_modal_projector.")
+_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 
 
 def vision_encoder(
     model_dir: str, device: torch.device, dtype: torch.dtype
 ) -> VisionEncoder | None:
-    return VisionEncoder(model_dir, device, dtype) if reads_images(model_dir) else None
+    return VisionEncoder(model_dir, device, dtype) if vision_family(model_dir) else None
 
 
 def _image_token_id(config: PretrainedConfig) -> int:
@@ -43,49 +53,66 @@ def _image_token_id(config: PretrainedConfig) -> int:
     return token if token is not None else config.image_token_index
 
 
-class VisionEncoder(nn.Module):
+def _towers(wrapper: type, config: PretrainedConfig) -> dict[str, nn.Module]:
+    """The wrapper's vision modules, by the attribute names its methods use."""
+    module = importlib.import_module(wrapper.__module__)
+    if config.model_type in MROPE_FAMILIES:  # Qwen2VisionTransformerPretrainedModel, ...
+        (tower,) = [
+            getattr(module, name)
+            for name in dir(module)
+            if name.endswith("VisionTransformerPretrainedModel")
+        ]
+        return {"visual": tower._from_config(config.vision_config)}
+    projector = getattr(module, wrapper.__name__.removesuffix("Model") + "MultiModalProjector")
+    return {
+        "vision_tower": AutoModel.from_config(config.vision_config),
+        "multi_modal_projector": projector(config),
+    }
+
+
+class VisionEncoder:
     def __init__(self, model_dir: str, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.config = config
         self.image_token_id = _image_token_id(config)
         self.whole_images = config.model_type in WHOLE_IMAGE_FAMILIES
-        wrapper = MODEL_MAPPING[type(config)]  # e.g. LlavaModel: get_image_features' home
-        self._features = wrapper.get_image_features
-        projector = _projector_class(wrapper)
+        self.mrope = config.model_type in MROPE_FAMILIES
+        kind = MODEL_MAPPING[type(config)]  # e.g. LlavaModel: get_image_features' home
+        # The wrapper without its __init__ (which would build the language model too).
+        wrapper = kind.__new__(kind)
+        nn.Module.__init__(wrapper)
+        wrapper.config = config
         with torch.device(device):
-            self.vision_tower = AutoModel.from_config(config.vision_config, dtype=dtype)
-            self.multi_modal_projector = projector(config).to(dtype)
+            for name, tower in _towers(kind, config).items():
+                setattr(wrapper, name, tower.to(dtype))
         if not (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():  # a benchmark's: as built
             state = {}
             for name, weight in iter_weights(model_dir):
                 bare = name.removeprefix("model.")
                 if bare.startswith(_PARTS):
                     state[bare] = weight[:]
-            self.load_state_dict(state, strict=True)  # a missing or unknown tensor: an error
-        self.eval()
+            wrapper.load_state_dict(state, strict=True)  # a missing or unknown tensor: an error
+        self.wrapper = wrapper.eval()
         self.device, self.dtype = device, dtype
         logger.info(
             "vision encoder: %s (%.0fM parameters)",
-            type(self.vision_tower).__name__,
-            sum(p.numel() for p in self.parameters()) / 1e6,
+            ", ".join(type(m).__name__ for m in wrapper.children()),
+            sum(p.numel() for p in wrapper.parameters()) / 1e6,
         )
 
     @torch.inference_mode()
     def encode(self, images: ImageInputs) -> torch.Tensor:
         """[num_placeholders, hidden_size]: every image's features, in order."""
-        kwargs = {}
-        if images.image_sizes is not None:
-            kwargs["image_sizes"] = images.image_sizes.to(self.device)
+        extra = {name: value.to(self.device) for name, value in images.extra.items()}
         pixels = images.pixel_values.to(self.device, self.dtype)
-        out = self._features(self, pixel_values=pixels, **kwargs).pooler_output
+        out = self.wrapper.get_image_features(pixel_values=pixels, **extra).pooler_output
         return torch.cat([f.reshape(-1, f.shape[-1]) for f in out])
 
-
-def _projector_class(wrapper: type) -> type:
-    """The wrapper's projector class (LlavaMultiModalProjector, ...), from its module."""
-    import importlib
-
-    module = importlib.import_module(wrapper.__module__)
-    name = wrapper.__name__.removesuffix("Model") + "MultiModalProjector"
-    return getattr(module, name)
+    def rope_index(self, prompt_token_ids: list[int], images: ImageInputs) -> MRope:
+        """The Qwen VL models' rotary positions of the prompt's tokens."""
+        ids = torch.tensor([prompt_token_ids])
+        kinds = (ids == self.image_token_id).int()
+        positions, delta = self.wrapper.get_rope_index(
+            ids, mm_token_type_ids=kinds, image_grid_thw=images.extra["image_grid_thw"]
+        )
+        return MRope(positions[:, 0].numpy().astype(np.int64), int(delta))

@@ -24,9 +24,13 @@ def image_inputs(kind: str, seed: int) -> tuple[ImageInputs, int]:
     """Random pixel values for one image, and the placeholders it takes."""
     gen = torch.Generator().manual_seed(seed)
     if kind == "mistral3":  # 32 x 48 in patches of 8, merged 2 x 2: 2 x 3 features
-        return ImageInputs(torch.randn(1, 3, 32, 48, generator=gen), torch.tensor([[32, 48]])), 6
+        sizes = {"image_sizes": torch.tensor([[32, 48]])}
+        return ImageInputs(torch.randn(1, 3, 32, 48, generator=gen), sizes), 6
     if kind == "gemma3":  # 4 x 4 patches pooled to 2 x 2
         return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 4
+    if kind in ("qwen2_vl", "qwen2_5_vl"):  # a 4 x 6 grid of patches, merged 2 x 2: 2 x 3
+        grid = {"image_grid_thw": torch.tensor([[1, 4, 6]])}
+        return ImageInputs(torch.randn(24, 3 * 2 * 4 * 4, generator=gen), grid), 6
     return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 16  # 4 x 4 patches, CLS dropped
 
 
@@ -48,16 +52,18 @@ def vlm_of(tmp_path_factory, tokenizer):
     return make
 
 
-@pytest.fixture(params=["gemma3", "llava", "mistral3"])
+@pytest.fixture(params=["gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
 def vlm(request, vlm_of):
     return vlm_of(request.param)
 
 
 def reference(model, ids: list[int], images: ImageInputs) -> list[int]:
     x = torch.tensor([ids])
-    extra = {} if images.image_sizes is None else {"image_sizes": images.image_sizes}
+    extra = dict(images.extra)
     if model.config.model_type == "gemma3":  # its image tokens attend both ways
         extra["token_type_ids"] = (x == model.config.image_token_id).long()
+    if "image_grid_thw" in extra:  # the Qwen VL models' 3-D positions read the image tokens
+        extra["mm_token_type_ids"] = (x == model.config.image_token_id).int()
     with torch.no_grad():
         out = model.generate(
             x, attention_mask=torch.ones_like(x), pixel_values=images.pixel_values,
@@ -99,7 +105,7 @@ def test_the_prefix_cache_tells_images_apart(vlm):
     # The same text with another image finds nothing cached; the same image finds its blocks.
     assert run(engine, {"b": (ids, second)})["b"] == reference(model, ids, second)
     assert engine.get_stats().prefix_cache_hits == hits
-    again = ImageInputs(first.pixel_values.clone(), first.image_sizes)
+    again = ImageInputs(first.pixel_values.clone(), first.extra)
     assert run(engine, {"c": (ids, again)})["c"] == reference(model, ids, first)
     assert engine.get_stats().prefix_cache_hits > hits
 
@@ -120,10 +126,12 @@ def test_a_text_model_takes_no_images(tiny_llama_dir):
         engine.add_request("x", [1, 2, 3], SamplingParams(), images=images)
 
 
-def test_tensor_parallel_ranks_receive_the_image_rows(vlm_of):
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+def test_tensor_parallel_ranks_receive_the_image_rows(vlm_of, kind):
     """Rank 0 alone encodes; the other rank gets the step's image rows, features and
-    horizons (Gemma 3's, whose image tokens see their whole image)."""
-    kind, path, ids, model = vlm_of("gemma3")
+    horizons (Gemma 3's, whose image tokens see their whole image) or 3-D positions
+    (Qwen2.5-VL's)."""
+    kind, path, ids, model = vlm_of(kind)
     images, count = image_inputs(kind, 1)
     config = EngineConfig(
         model=str(path), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=count + 1

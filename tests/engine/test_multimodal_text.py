@@ -62,7 +62,8 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         extra = dict(spatial_merge_size=2, tie_word_embeddings=False)
         return dict(text_config=text, vision_config=vision, image_token_index=vocab - 1, **extra)
     # Qwen VL: multimodal rotary sections (interleaved in Qwen3-VL's), q/k norm in Qwen3's.
-    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+    # A small theta: every section's frequencies turn enough for its positions to count.
+    rope = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]}
     vision = dict(SMALL_VISION, depth=1, num_heads=2, out_hidden_size=64, patch_size=4)
     vision |= dict(spatial_merge_size=2, temporal_patch_size=2)
     if kind in ("qwen3_vl", "qwen3_vl_moe"):
@@ -78,7 +79,9 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         vision |= dict(window_size=16, fullatt_block_indexes=[0])
     tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
     tokens |= dict(vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4)
-    text = dict(common, rope_scaling=rope)
+    # The text model's own initializer_range: the outer config's does not reach it, and
+    # with its default (0.02) attention is too flat for the 3-D positions to count.
+    text = dict(common, rope_scaling=rope, initializer_range=0.2)
     return dict(text_config=text, vision_config=vision, **tokens)
 
 

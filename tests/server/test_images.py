@@ -203,3 +203,63 @@ def test_the_responses_api_takes_input_images(server):
     body["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
     refused = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
     assert refused.status_code == 400 and "file_id is not served" in refused.text
+
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory, tokenizer):
+    """A tiny Qwen2.5-VL served with its image processor: (server, transformers' model,
+    the image processor, the tokenizer)."""
+    import transformers
+
+    tokenizer = copy.deepcopy(tokenizer)  # the wrapper's last four ids, in its order
+    marks = ["<|vision_end|>", "<|vision_start|>", "<|video_pad|>", "<|image_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": marks})
+    tokenizer.chat_template = QWEN_TEMPLATE
+    path = tmp_path_factory.mktemp("qwen-vl-server")
+    model = build("qwen2_5_vl", path, tokenizer)
+    model.generation_config.eos_token_id = None
+    tokenizer.save_pretrained(path)
+    images = transformers.Qwen2VLImageProcessor(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=32 * 32
+    )
+    images.save_pretrained(path)
+    config = ServerConfig(shutdown_timeout=5.0)
+    live = LiveServer(create_app(engine_config(str(path)), config), config).start()
+    yield live, model, images, tokenizer
+    live.stop()
+
+
+def test_qwen_vl_images_take_their_3d_positions(qwen):
+    """The answer equals transformers' generate on the image processor's patches, each
+    placeholder repeated once per merged patch, and the tokens' 3-D positions."""
+    from PIL import Image
+
+    server, model, images, tokenizer = qwen
+    for seed, size in ((1, (40, 52)), (2, (24, 30))):
+        blob = png(seed, size)
+        response = chat(server, [{"type": "text", "text": "see "}, image_part(data_url(blob))])
+        assert response.status_code == 200, response.text
+        inputs = images(images=[Image.open(io.BytesIO(blob)).convert("RGB")], return_tensors="pt")
+        count = int(inputs["image_grid_thw"].prod()) // 4
+        image = model.config.image_token_id
+        # The template's newline after a block tag is trimmed, as transformers renders it.
+        text = [
+            tokenizer.encode(t, add_special_tokens=False) for t in ("user: see ", "assistant:")
+        ]
+        ids = torch.tensor([[*text[0], image - 2, *[image] * count, image - 3, *text[1]]])
+        with torch.no_grad():
+            out = model.generate(
+                ids, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
+                mm_token_type_ids=(ids == image).int(), attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        assert response.json()["prompt_token_ids"] == ids[0].tolist()
+        assert response.json()["choices"][0]["token_ids"] == out[0, ids.shape[1] :].tolist()
