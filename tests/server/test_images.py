@@ -251,9 +251,7 @@ def test_qwen_vl_images_take_their_3d_positions(qwen):
         count = int(inputs["image_grid_thw"].prod()) // 4
         image = model.config.image_token_id
         # The template's newline after a block tag is trimmed, as transformers renders it.
-        text = [
-            tokenizer.encode(t, add_special_tokens=False) for t in ("user: see ", "assistant:")
-        ]
+        text = [tokenizer.encode(t, add_special_tokens=False) for t in ("user: see ", "assistant:")]
         ids = torch.tensor([[*text[0], image - 2, *[image] * count, image - 3, *text[1]]])
         with torch.no_grad():
             out = model.generate(
