@@ -115,7 +115,10 @@ def load_config(model_dir: str) -> PretrainedConfig:
     except Exception as e:  # transformers raises several kinds here
         raise ModelLoadError(f"{path / 'config.json'}: cannot be read: {e}") from e
     if config.model_type in TEXT_OF_MULTIMODAL:
-        has_head = any(name.endswith("lm_head.weight") for name, _ in iter_weights(str(path)))
+        if (path / RANDOM_WEIGHTS_MARKER).is_file():  # a benchmark's: a head unless tied
+            has_head = not getattr(config, "tie_word_embeddings", False)
+        else:
+            has_head = any(n.endswith("lm_head.weight") for n, _ in iter_weights(str(path)))
         try:
             config = language_config(config, has_head)
         except ValueError as e:
