@@ -16,4 +16,5 @@ def test_a_tiny_run_serves_every_request_on_both_sides(tmp_path):
     assert result["workload"]["image_tokens"] == 4  # 56 px: 4 x 4 patches, merged 2 x 2
     assert result["pagoda"]["output_tokens"] == result["transformers"]["output_tokens"] == 15
     assert result["pagoda"]["ttft_max_s"] <= result["pagoda"]["wall_s"]
+    assert result["pagoda"]["prefix_cache_hit_tokens"] == 0  # the warm-up's images differ
     assert result["commit"]
