@@ -16,7 +16,8 @@ width: transformers' `get_rope_index`), text a 1-D one that goes on from the lar
 before it, so past an image a token's position is its index plus an offset (`MRope`).
 The staged positions carry each token's first component (the only one, for text);
 a step with image tokens runs eagerly, its rotary cos/sin built per token from all
-three (`ImageRows.positions3`).
+three (`ImageRows.positions3`). Qwen3-VL's tower also gives features for several of
+the first layers ("deepstack"), added to those layers' outputs at the image tokens.
 
 Gemma 3's image tokens attend to their whole image both ways (a run of consecutive
 placeholders), the rest causally. A placeholder's attention horizon is then its run's
@@ -45,9 +46,9 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
 
 # Families whose images are read (engine/models/vision.py): those whose language model
 # sees an image as plain causal tokens, one position each.
-VISION_FAMILIES = ("gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl")
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # 3-D positions
+VISION_FAMILIES = ("gemma3", "llava", "mistral3", *MROPE_FAMILIES)
 WHOLE_IMAGE_FAMILIES = ("gemma3",)  # an image's tokens see each other both ways
-MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")  # image tokens take 3-D rotary positions
 
 
 def vision_family(model_dir: str) -> str | None:
@@ -101,6 +102,8 @@ class PromptImages:
     run_starts: np.ndarray | None = None  # [num_runs] int64, ascending
     run_ends: np.ndarray | None = None  # [num_runs] int64, inclusive
     mrope: MRope | None = None  # the Qwen VL models'
+    # Qwen3-VL's: per layer from the first, [num_placeholders, hidden_size] to add to its output
+    deepstack: list[torch.Tensor] | None = None
 
     @classmethod
     def of(cls, features: torch.Tensor, positions: np.ndarray, whole: bool) -> PromptImages:
@@ -135,6 +138,7 @@ class ImageRows:
     features: torch.Tensor  # [n, hidden_size]
     ends: torch.Tensor | None = None  # [n] int32: each row's horizon (WHOLE_IMAGE_FAMILIES)
     positions3: torch.Tensor | None = None  # [3, n] int64: each row's rotary (MROPE_FAMILIES)
+    deepstack: list[torch.Tensor] | None = None  # [n, hidden_size] per layer (Qwen3-VL's)
 
     def apply(self, embeds: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings [num_tokens, hidden] with the image rows in place."""
@@ -160,7 +164,7 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
     if not has.any():
         return None
     query_starts = np.cumsum(out.num_new_tokens) - out.num_new_tokens
-    rows, features, ends, positions3 = [], [], [], []
+    rows, features, ends, positions3, deepstack = [], [], [], [], []
     for b in np.flatnonzero(has).tolist():
         images = batch.requests[int(out.slots[b])].images
         start = int(out.starts[b])
@@ -173,6 +177,8 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
             ends.append(images.ends[lo:hi])
         if images.mrope is not None:
             positions3.append(images.mrope.positions[:, images.positions[lo:hi]])
+        if images.deepstack is not None:
+            deepstack.append([level[lo:hi] for level in images.deepstack])
     if not rows:
         return None
     import torch
@@ -186,8 +192,13 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
         # C order: a broadcast to the other ranks sends the tensor's memory as it lies.
         rope = torch.from_numpy(np.ascontiguousarray(np.concatenate(positions3, axis=1)))
         rope = rope.to(device)
+    levels = [torch.cat(level) for level in zip(*deepstack)] if deepstack else None
     return ImageRows(
-        torch.from_numpy(np.concatenate(rows)).to(device), torch.cat(features), horizons, rope
+        torch.from_numpy(np.concatenate(rows)).to(device),
+        torch.cat(features),
+        horizons,
+        rope,
+        levels,
     )
 
 
@@ -221,7 +232,7 @@ def encode_prompt_images(
     if encoder is None:
         raise ValueError("this model takes no images")
     positions = placeholder_positions(prompt_token_ids, encoder.image_token_id)
-    features = encoder.encode(images)
+    features, deepstack = encoder.encode(images)
     if len(features) != len(positions):
         raise ValueError(
             f"the prompt holds {len(positions)} image placeholder tokens, but its "
@@ -230,6 +241,7 @@ def encode_prompt_images(
     prompt_images = PromptImages.of(features, positions, encoder.whole_images)
     if encoder.mrope:
         prompt_images.mrope = encoder.rope_index(prompt_token_ids, images)
+    prompt_images.deepstack = deepstack
     if prompt_images.longest_run > max_step_tokens:
         raise ValueError(
             f"an image of {prompt_images.longest_run} tokens does not fit one step "

@@ -25,7 +25,7 @@ from engine.staging import StagedFields
 
 # StepHeader.path
 STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH = range(5)
-HEADER_WORDS = 14
+HEADER_WORDS = 15
 
 
 @dataclass
@@ -44,6 +44,7 @@ class StepHeader:
     num_image_rows: int = 0  # image rows and their features follow as broadcasts
     image_horizons: int = 0  # and their horizons (engine/images.py)
     image_positions: int = 0  # and their 3-D rotary positions
+    image_deepstack: int = 0  # and this many layers' deepstack features
 
 
 @dataclass
@@ -89,6 +90,8 @@ class StepChannel:
         header.num_image_rows = 0 if images is None else len(images.rows)
         header.image_horizons = int(images is not None and images.ends is not None)
         header.image_positions = int(images is not None and images.positions3 is not None)
+        deepstack = None if images is None else images.deepstack
+        header.image_deepstack = 0 if deepstack is None else len(deepstack)
         words = astuple(header)
         self.header_np[: len(words)] = words
         self._send_all(header, ReceivedStep(header, score_rows, images))
@@ -118,6 +121,10 @@ class StepChannel:
                 step.images.ends = torch.empty_like(step.images.rows, dtype=torch.int32)
             if header.image_positions:
                 step.images.positions3 = self._empty(3 * header.num_image_rows).view(3, -1)
+            if header.image_deepstack:
+                step.images.deepstack = [
+                    torch.empty_like(features) for _ in range(header.image_deepstack)
+                ]
         self._send_all(header, step)
         return step
 
@@ -143,3 +150,5 @@ class StepChannel:
                     dist.broadcast(step.images.ends, src=0, group=group)
                 if step.images.positions3 is not None:
                     dist.broadcast(step.images.positions3, src=0, group=group)
+                for level in step.images.deepstack or ():
+                    dist.broadcast(level, src=0, group=group)

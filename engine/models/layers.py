@@ -346,6 +346,7 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         # The Qwen VL models': how many frequencies follow each of the 3-D position's parts.
         self.mrope_section = (scaling or {}).get("mrope_section")
+        self.mrope_interleaved = (scaling or {}).get("mrope_interleaved", False)  # Qwen3-VL's
         self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device) -> None:
@@ -382,10 +383,13 @@ class RotaryEmbedding(nn.Module):
         the rest's from positions, as transformers' multimodal rotary takes them."""
         pos3 = positions.expand(3, -1).clone()
         pos3[:, rows] = positions3.to(pos3.dtype)
-        section = torch.repeat_interleave(
-            torch.arange(3, device=pos3.device),
-            torch.tensor(self.mrope_section, device=pos3.device),
-        )
+        section = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+        if self.mrope_interleaved:  # frequency j: height's if j % 3 == 1, width's if 2, up to
+            j = torch.arange(len(section))  # 3 x their section sizes; the rest temporal
+            section = torch.zeros_like(j)
+            section[(j % 3 == 1) & (j < 3 * self.mrope_section[1])] = 1
+            section[(j % 3 == 2) & (j < 3 * self.mrope_section[2])] = 2
+        section = section.to(pos3.device)
         rest = section.new_zeros((self.head_dim - self.rotary_dim) // 2)  # cos 1, sin 0
         part = torch.cat([section, rest, section, rest])  # the cos half, then the sin half
         table = self.cos_sin[pos3]  # [3, num_tokens, head_dim]

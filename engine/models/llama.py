@@ -282,8 +282,11 @@ class LlamaForCausalLM(nn.Module):
             if images.positions3 is not None:  # the Qwen VL models' 3-D image positions
                 table = self.rotary.mrope_table(positions, images.rows, images.positions3)
                 meta = dataclasses.replace(meta, rope_table=table)
-        for layer in self.layers:
+        deepstack = None if images is None else images.deepstack
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta)
+            if deepstack is not None and i < len(deepstack):  # Qwen3-VL's, at the image rows
+                x = x.index_put((images.rows,), deepstack[i].to(x.dtype), accumulate=True)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

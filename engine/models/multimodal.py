@@ -3,9 +3,8 @@ and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. (The Qwen models'
 multimodal rotary sections see one position per text token, which is plain rotary;
 image tokens' 3-D positions are engine/images.py's.)
 The language model's tensors sit under `language_model.` (`model.language_model.` in
-newer saves); the vision tower's and the projector's are read, for the families whose
-images Pagoda reads (all but Qwen3-VL's), by engine/models/vision.py. The others serve
-text only: an image in a request to them is a 400."""
+newer saves); the vision tower's and the projector's are read by
+engine/models/vision.py."""
 
 from __future__ import annotations
 

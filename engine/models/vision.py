@@ -11,9 +11,9 @@ reads the language model's), and its own methods give the features
 
 Families: LLaVA (CLIP or SigLIP towers; Pixtral 12B's checkpoint too), Mistral Small
 3.1+ (Pixtral tower, patch merger), Gemma 3 (SigLIP, pooled; its image tokens attend to
-their whole image: engine/images.py), Qwen2-VL and Qwen2.5-VL (their image tokens take
-3-D rotary positions: engine/images.py). Qwen3-VL's images (features added to several
-layers' states) are refused.
+their whole image: engine/images.py), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE
+(their image tokens take 3-D rotary positions, and Qwen3-VL's tower also gives features
+added to the first layers' outputs: engine/images.py).
 """
 
 from __future__ import annotations
@@ -53,16 +53,19 @@ def _image_token_id(config: PretrainedConfig) -> int:
     return token if token is not None else config.image_token_index
 
 
+def _rows(per_image) -> torch.Tensor:
+    """Per-image features as one [rows, hidden_size] tensor."""
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in per_image])
+
+
 def _towers(wrapper: type, config: PretrainedConfig) -> dict[str, nn.Module]:
     """The wrapper's vision modules, by the attribute names its methods use."""
     module = importlib.import_module(wrapper.__module__)
     if config.model_type in MROPE_FAMILIES:  # Qwen2VisionTransformerPretrainedModel, ...
-        (tower,) = [
-            getattr(module, name)
-            for name in dir(module)
-            if name.endswith("VisionTransformerPretrainedModel")
-        ]
-        return {"visual": tower._from_config(config.vision_config)}
+        named = [n for n in dir(module) if n.endswith("VisionTransformerPretrainedModel")]
+        if not named:  # Qwen3-VL's is an AutoModel
+            return {"visual": AutoModel.from_config(config.vision_config)}
+        return {"visual": getattr(module, named[0])._from_config(config.vision_config)}
     projector = getattr(module, wrapper.__name__.removesuffix("Model") + "MultiModalProjector")
     return {
         "vision_tower": AutoModel.from_config(config.vision_config),
@@ -101,12 +104,16 @@ class VisionEncoder:
         )
 
     @torch.inference_mode()
-    def encode(self, images: ImageInputs) -> torch.Tensor:
-        """[num_placeholders, hidden_size]: every image's features, in order."""
+    def encode(self, images: ImageInputs) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Every image's features in order, [num_placeholders, hidden_size]; and Qwen3-VL's
+        deepstack features, one such tensor per layer they are added to (else None)."""
         extra = {name: value.to(self.device) for name, value in images.extra.items()}
         pixels = images.pixel_values.to(self.device, self.dtype)
-        out = self.wrapper.get_image_features(pixel_values=pixels, **extra).pooler_output
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in out])
+        out = self.wrapper.get_image_features(pixel_values=pixels, **extra)
+        deepstack = getattr(out, "deepstack_features", None)
+        if deepstack is not None:
+            deepstack = [_rows(level) for level in deepstack]
+        return _rows(out.pooler_output), deepstack
 
     def rope_index(self, prompt_token_ids: list[int], images: ImageInputs) -> MRope:
         """The Qwen VL models' rotary positions of the prompt's tokens."""

@@ -28,7 +28,7 @@ def image_inputs(kind: str, seed: int) -> tuple[ImageInputs, int]:
         return ImageInputs(torch.randn(1, 3, 32, 48, generator=gen), sizes), 6
     if kind == "gemma3":  # 4 x 4 patches pooled to 2 x 2
         return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 4
-    if kind in ("qwen2_vl", "qwen2_5_vl"):  # a 4 x 6 grid of patches, merged 2 x 2: 2 x 3
+    if kind.startswith("qwen"):  # a 4 x 6 grid of patches, merged 2 x 2: 2 x 3
         grid = {"image_grid_thw": torch.tensor([[1, 4, 6]])}
         return ImageInputs(torch.randn(24, 3 * 2 * 4 * 4, generator=gen), grid), 6
     return ImageInputs(torch.randn(1, 3, 32, 32, generator=gen)), 16  # 4 x 4 patches, CLS dropped
@@ -52,7 +52,9 @@ def vlm_of(tmp_path_factory, tokenizer):
     return make
 
 
-@pytest.fixture(params=["gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(
+    params=["gemma3", "llava", "mistral3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+)
 def vlm(request, vlm_of):
     return vlm_of(request.param)
 
@@ -126,11 +128,11 @@ def test_a_text_model_takes_no_images(tiny_llama_dir):
         engine.add_request("x", [1, 2, 3], SamplingParams(), images=images)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_vl"])
 def test_tensor_parallel_ranks_receive_the_image_rows(vlm_of, kind):
     """Rank 0 alone encodes; the other rank gets the step's image rows, features and
-    horizons (Gemma 3's, whose image tokens see their whole image) or 3-D positions
-    (Qwen2.5-VL's)."""
+    horizons (Gemma 3's, whose image tokens see their whole image) or 3-D positions and
+    deepstack features (Qwen3-VL's)."""
     kind, path, ids, model = vlm_of(kind)
     images, count = image_inputs(kind, 1)
     config = EngineConfig(

@@ -70,6 +70,7 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         rope["mrope_interleaved"] = True
         common["head_dim"] = 16
         vision |= dict(deepstack_visual_indexes=[0], num_position_embeddings=16)
+        vision["initializer_range"] = 0.2  # deepstack features large enough to count
         if kind == "qwen3_vl_moe":  # 4 experts stacked in one tensor, top 2
             common |= dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     elif kind == "qwen2_vl":
