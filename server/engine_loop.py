@@ -211,6 +211,10 @@ class EngineLoop:
 
     def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
         added = []
+        vision = self.engine.vision
+        images = [item.images for item in inbox if isinstance(item, Add) and item.images]
+        if vision is not None and len(images) > 1:  # a burst's images through the tower at once
+            vision.prefetch(images)
         for item in inbox:
             if isinstance(item, Abort):
                 self._abort_in_engine(item.request_id)
@@ -233,6 +237,8 @@ class EngineLoop:
             except Exception:
                 logger.exception("add_request failed for %s", item.request_id)
                 batch[item.request_id] = APIError("The engine failed to add the request.", 500)
+        if vision is not None and len(images) > 1:
+            vision.prefetch([])  # what a refused request left
         return added
 
     def _step(self, batch: Batch, deltas: TokenDeltas) -> None:

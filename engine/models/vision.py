@@ -53,6 +53,11 @@ def _image_token_id(config: PretrainedConfig) -> int:
     return token if token is not None else config.image_token_index
 
 
+def _num_images(images: ImageInputs) -> int:
+    grid = images.extra.get("image_grid_thw")  # the Qwen VL models' patches are rows of one
+    return len(grid) if grid is not None else len(images.pixel_values)
+
+
 def _rows(per_image) -> torch.Tensor:
     """Per-image features as one [rows, hidden_size] tensor."""
     return torch.cat([f.reshape(-1, f.shape[-1]) for f in per_image])
@@ -97,23 +102,64 @@ class VisionEncoder:
             wrapper.load_state_dict(state, strict=True)  # a missing or unknown tensor: an error
         self.wrapper = wrapper.eval()
         self.device, self.dtype = device, dtype
+        # encode()'s results computed ahead, several requests' images in one call (prefetch)
+        self._ready: dict[int, tuple[torch.Tensor, list[torch.Tensor] | None]] = {}
         logger.info(
             "vision encoder: %s (%.0fM parameters)",
             ", ".join(type(m).__name__ for m in wrapper.children()),
             sum(p.numel() for p in wrapper.parameters()) / 1e6,
         )
 
-    @torch.inference_mode()
     def encode(self, images: ImageInputs) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Every image's features in order, [num_placeholders, hidden_size]; and Qwen3-VL's
         deepstack features, one such tensor per layer they are added to (else None)."""
-        extra = {name: value.to(self.device) for name, value in images.extra.items()}
-        pixels = images.pixel_values.to(self.device, self.dtype)
-        out = self.wrapper.get_image_features(pixel_values=pixels, **extra)
+        ready = self._ready.pop(id(images), None)
+        if ready is not None:
+            return ready
+        features, deepstack = self._tower([images])
+        return _rows(features), None if deepstack is None else [_rows(d) for d in deepstack]
+
+    def prefetch(self, batch: list[ImageInputs]) -> None:
+        """Encode several requests' images in one call of the tower per shape (a burst of
+        adds costs one call, not one each); encode() then hands each request its own."""
+        self._ready.clear()
+        try:
+            self._prefetch(batch)
+        except Exception:  # each request's own encode() will meet (and report) it
+            logger.exception("encoding a burst's images together failed")
+            self._ready.clear()
+
+    def _prefetch(self, batch: list[ImageInputs]) -> None:
+        groups: dict[tuple, list[ImageInputs]] = {}
+        for images in batch:
+            key = (tuple(images.pixel_values.shape[1:]), tuple(sorted(images.extra)))
+            groups.setdefault(key, []).append(images)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            features, deepstack = self._tower(group)
+            start = 0
+            for images in group:  # each request's images, in order
+                n = _num_images(images)
+                mine = slice(start, start + n)
+                levels = None if deepstack is None else [_rows(d[mine]) for d in deepstack]
+                self._ready[id(images)] = (_rows(features[mine]), levels)
+                start += n
+
+    @torch.inference_mode()
+    def _tower(self, batch: list[ImageInputs]) -> tuple[list, list[list] | None]:
+        """The batch's images, through the tower and projector: features per image, and
+        deepstack features per layer per image (Qwen3-VL's; else None)."""
+        pixels = torch.cat([images.pixel_values for images in batch])
+        extra = {
+            name: torch.cat([images.extra[name] for images in batch]).to(self.device)
+            for name in batch[0].extra
+        }
+        out = self.wrapper.get_image_features(
+            pixel_values=pixels.to(self.device, self.dtype), **extra
+        )
         deepstack = getattr(out, "deepstack_features", None)
-        if deepstack is not None:
-            deepstack = [_rows(level) for level in deepstack]
-        return _rows(out.pooler_output), deepstack
+        return list(out.pooler_output), None if deepstack is None else [list(d) for d in deepstack]
 
     def rope_index(self, prompt_token_ids: list[int], images: ImageInputs) -> MRope:
         """The Qwen VL models' rotary positions of the prompt's tokens."""

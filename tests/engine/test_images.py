@@ -167,3 +167,28 @@ def test_gemma3_images_are_never_split_between_steps(vlm_of):
     small = Engine(EngineConfig(model=str(path), device="cpu", max_num_batched_tokens=count - 1))
     with pytest.raises(ValueError, match="does not fit one step"):
         small.add_request("x", prompt, SamplingParams(), images=both)
+
+
+def test_a_burst_of_requests_encodes_its_images_in_one_call(vlm, monkeypatch):
+    """vision.prefetch (the engine loop's, for the adds of one drain): one call of the
+    tower for requests whose images have one shape, each request then handed its own
+    features, the same as encoding it alone gives."""
+    kind, path, ids, model = vlm
+    engine = Engine(EngineConfig(model=str(path), device="cpu"))
+    first, _ = image_inputs(kind, 1)
+    second, _ = image_inputs(kind, 2)
+    alone = [engine.vision.encode(images) for images in (first, second)]
+    calls = []
+    tower = engine.vision._tower
+    monkeypatch.setattr(engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch))
+    engine.vision.prefetch([first, second])
+    assert len(calls) == 1 and len(calls[0]) == 2
+    for images, (features, deepstack) in zip((first, second), alone, strict=True):
+        got, got_deepstack = engine.vision.encode(images)
+        torch.testing.assert_close(got, features)
+        for level, want in zip(got_deepstack or [], deepstack or [], strict=True):
+            torch.testing.assert_close(level, want)
+    assert len(calls) == 1  # handed out, not encoded again
+    engine.vision.prefetch([first, second])
+    got = run(engine, {"a": (ids, first), "b": (ids, second)})
+    assert got["a"] == reference(model, ids, first) and got["b"] == reference(model, ids, second)

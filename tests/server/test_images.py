@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
 from tests.engine.test_multimodal_text import build
@@ -261,3 +262,36 @@ def test_qwen_vl_images_take_their_3d_positions(qwen):
             )  # fmt: skip
         assert response.json()["prompt_token_ids"] == ids[0].tolist()
         assert response.json()["choices"][0]["token_ids"] == out[0, ids.shape[1] :].tolist()
+
+
+def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
+    """Two adds with images in one drain: one call of the tower, and each request runs
+    with its own image's features (its answer is transformers')."""
+    from engine.sampling_params import SamplingParams
+    from server.engine_loop import Add, EngineLoop
+    from server.images import ImageProcessor
+
+    path, model, _ = llava
+    loop = EngineLoop(engine_config(str(path)), Engine, lambda report: None)
+    engine = loop.build()
+    processor = ImageProcessor(str(path), "llava", engine.tokenizer)
+    prompts = [processor("look <image> here", [data_url(png(seed))]) for seed in (5, 6)]
+    calls = []
+    tower = engine.vision._tower
+    monkeypatch.setattr(engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    adds = [Add(f"r{i}", p.token_ids, params, 0.0, p.images) for i, p in enumerate(prompts)]
+    assert loop._drain(adds, {}) == ["r0", "r1"]
+    assert [len(batch) for batch in calls] == [2]
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    for rid, prompt in zip(("r0", "r1"), prompts, strict=True):
+        ids = torch.tensor([prompt.token_ids])
+        with torch.no_grad():
+            out = model.generate(
+                ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        assert got[rid] == out[0, ids.shape[1] :].tolist()
