@@ -92,6 +92,22 @@ def _speculative_config(text: str) -> dict[str, int]:
     return spec
 
 
+def _image_limit(text: str) -> int:
+    """vLLM's --limit-mm-per-prompt JSON: its "image" count (the one modality served)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: not JSON ({e})") from e
+    if not isinstance(spec, dict) or any(spec[k] != 0 for k in set(spec) - {"image"}):
+        raise argparse.ArgumentTypeError(
+            f'{text!r}: expected {{"image": N}} (other modalities are not served: 0 only)'
+        )
+    count = spec.get("image")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the image count must be an integer >= 0")
+    return count
+
+
 def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description="Serve a model over an OpenAI-compatible API."
@@ -308,6 +324,13 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="split a reasoning model's <think> ... </think> from its chat answers into "
         "reasoning_content: deepseek_r1 (R1 and its distills), qwen3 or glm45; openai_gptoss "
         "(GPT-OSS's harmony channels) is the default on a GPT-OSS model",
+    )
+    s(
+        "--limit-mm-per-prompt",
+        dest="max_images_per_prompt",
+        type=_image_limit,
+        metavar="JSON",
+        help="most images in one request, vLLM's form: '{\"image\": 4}' (default: any)",
     )
     s("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     s(

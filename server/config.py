@@ -36,6 +36,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # server/tool_parsers.py
     reasoning_parser: str | None = None  # server/reasoning.py
     generation_config: str = "auto"  # engine/generation_config.py
+    max_images_per_prompt: int | None = None  # --limit-mm-per-prompt's "image"; None: any
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:

@@ -114,9 +114,16 @@ class QwenVLProcessor:
 class ImageProcessor:
     """The checkpoint's processor (AutoProcessor), a copy per prompt lane thread."""
 
-    def __init__(self, model_dir: str, model_type: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        model_type: str,
+        tokenizer: PreTrainedTokenizerBase,
+        max_images: int | None = None,  # per request (--limit-mm-per-prompt); None: any
+    ) -> None:
         from transformers import AutoProcessor
 
+        self.max_images = max_images
         if model_type in MROPE_FAMILIES:
             self.processor = QwenVLProcessor(model_dir, tokenizer)
         else:
@@ -125,6 +132,12 @@ class ImageProcessor:
 
     def __call__(self, text: str, urls: list[str]) -> ChatPrompt:
         """The prompt's ids, each image's placeholder expanded, and its images."""
+        if self.max_images is not None and len(urls) > self.max_images:
+            raise APIError(
+                f"The request has {len(urls)} images; at most {self.max_images} are allowed "
+                "(--limit-mm-per-prompt).",
+                param="messages",
+            )
         blobs = [image_bytes(url) for url in urls]
         digest = hashlib.sha256()
         for blob in blobs:

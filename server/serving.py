@@ -107,7 +107,10 @@ class Serving:
         self.labels = info.labels  # a sequence classifier's, by class index
         self.token_types = info.token_types
         family = vision_family(info.model_dir)
-        images = ImageProcessor(info.model_dir, family, info.tokenizer) if family else None
+        images = None
+        if family:
+            limit = config.max_images_per_prompt
+            images = ImageProcessor(info.model_dir, family, info.tokenizer, limit)
         self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types, images)
 
     def admit(self, model: str | None, task: str = "generate") -> None:

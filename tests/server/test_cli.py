@@ -241,3 +241,13 @@ def test_speculative_configs_pagoda_cannot_run_are_usage_errors(spec, message, c
         cli.parse_configs(["--speculative-config", spec])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_limit_mm_per_prompt_takes_vllms_json(capsys):
+    _, server = cli.parse_configs(["--limit-mm-per-prompt", '{"image": 2, "video": 0}'])
+    assert server.max_images_per_prompt == 2
+    assert cli.parse_configs([])[1].max_images_per_prompt is None
+    for bad in ('{"image": -1}', '{"video": 1}', "[2]", "{image: 2}", '{"image": true}'):
+        with pytest.raises(SystemExit):
+            cli.parse_configs(["--limit-mm-per-prompt", bad])
+    assert "--limit-mm-per-prompt" in capsys.readouterr().err

@@ -295,3 +295,15 @@ def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
                 max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
             )  # fmt: skip
         assert got[rid] == out[0, ids.shape[1] :].tolist()
+
+
+def test_limit_mm_per_prompt_bounds_a_requests_images(llava):
+    config = ServerConfig(shutdown_timeout=5.0, max_images_per_prompt=1)
+    live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
+    try:
+        one = [{"type": "text", "text": "look "}, image_part(data_url(png(1)))]
+        assert chat(live, one).status_code == 200
+        refused = chat(live, [*one, image_part("http://127.0.0.1:9/never-fetched.png")])
+        assert refused.status_code == 400 and "at most 1" in refused.text
+    finally:
+        live.stop()
