@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
     from engine.scheduler import SchedulerOutput
 
 
-# Families whose images are read (engine/models/vision.py): those whose language model
-# sees an image as plain causal tokens, one position each.
+# Families whose images are read (engine/models/vision.py), and those of them whose
+# image tokens take 3-D positions or see their whole image.
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # 3-D positions
 VISION_FAMILIES = ("gemma3", "llava", "mistral3", *MROPE_FAMILIES)
 WHOLE_IMAGE_FAMILIES = ("gemma3",)  # an image's tokens see each other both ways
@@ -68,6 +68,11 @@ class ImageInputs:
     # ([num_images, 2], Pixtral's), image_grid_thw ([num_images, 3], Qwen VL's).
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     digest: str = ""  # of the images' pixels: salts the prefix cache (filled if empty)
+
+    @property
+    def num_images(self) -> int:
+        grid = self.extra.get("image_grid_thw")  # the Qwen VL models' patches are rows of one
+        return len(grid) if grid is not None else len(self.pixel_values)
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -160,7 +165,7 @@ def plan_images(out: SchedulerOutput, batch: InputBatch) -> ImageRows | None:
     """The image rows of the step's tokens, or None when no scheduled token is one."""
     if not batch.num_images:
         return None
-    has = batch.has_images[out.slots]
+    has = out.starts < batch.images_end[out.slots]
     if not has.any():
         return None
     query_starts = np.cumsum(out.num_new_tokens) - out.num_new_tokens
@@ -236,7 +241,7 @@ def encode_prompt_images(
     if len(features) != len(positions):
         raise ValueError(
             f"the prompt holds {len(positions)} image placeholder tokens, but its "
-            f"{len(images.pixel_values)} images give {len(features)} features"
+            f"{images.num_images} images give {len(features)} features"
         )
     prompt_images = PromptImages.of(features, positions, encoder.whole_images)
     if encoder.mrope:

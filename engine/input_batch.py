@@ -107,8 +107,9 @@ class InputBatch:
         self.pools = np.zeros(n, dtype=bool)
         self.num_pooling = 0
         # Its prompt holds images, whose features replace their placeholders' embeddings
-        # in its prefill steps (engine/images.py).
-        self.has_images = np.zeros(n, dtype=bool)
+        # in its prefill steps (engine/images.py): one past its last placeholder's
+        # position (0: no images). A step that starts it there (a decode) has no image rows.
+        self.images_end = np.zeros(n, dtype=np.int64)
         self.num_images = 0
         # Its images must not be split between steps (engine/images.py).
         self.whole_images = np.zeros(n, dtype=bool)
@@ -198,7 +199,8 @@ class InputBatch:
         self.num_scoring += scores
         self.pools[slot] = pools = params.pooling and req.embedding is None
         self.num_pooling += pools
-        self.has_images[slot] = images = req.images is not None
+        images = req.images is not None
+        self.images_end[slot] = int(req.images.positions[-1]) + 1 if images else 0
         self.num_images += images
         self.whole_images[slot] = whole = images and req.images.run_starts is not None
         self.num_whole_images += whole
@@ -257,8 +259,8 @@ class InputBatch:
         self.num_matching -= bool(req.params.stop)
         self.prompt_scored(slot)
         self.pooled(slot)
-        self.num_images -= self.has_images.item(slot)
-        self.has_images[slot] = False
+        self.num_images -= bool(self.images_end.item(slot))
+        self.images_end[slot] = 0
         self.num_whole_images -= self.whole_images.item(slot)
         self.whole_images[slot] = False
         self.num_mrope -= self.has_mrope.item(slot)

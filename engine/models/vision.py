@@ -53,11 +53,6 @@ def _image_token_id(config: PretrainedConfig) -> int:
     return token if token is not None else config.image_token_index
 
 
-def _num_images(images: ImageInputs) -> int:
-    grid = images.extra.get("image_grid_thw")  # the Qwen VL models' patches are rows of one
-    return len(grid) if grid is not None else len(images.pixel_values)
-
-
 def _rows(per_image) -> torch.Tensor:
     """Per-image features as one [rows, hidden_size] tensor."""
     return torch.cat([f.reshape(-1, f.shape[-1]) for f in per_image])
@@ -140,7 +135,7 @@ class VisionEncoder:
             features, deepstack = self._tower(group)
             start = 0
             for images in group:  # each request's images, in order
-                n = _num_images(images)
+                n = images.num_images
                 mine = slice(start, start + n)
                 levels = None if deepstack is None else [_rows(d[mine]) for d in deepstack]
                 self._ready[id(images)] = (_rows(features[mine]), levels)
