@@ -58,11 +58,12 @@ def image_bytes(url: str) -> bytes:
         try:
             with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as r:
                 r.raise_for_status()
-                data = b""
+                body = bytearray()
                 for chunk in r.iter_bytes():
-                    data += chunk
-                    if len(data) > MAX_IMAGE_BYTES:
+                    body += chunk
+                    if len(body) > MAX_IMAGE_BYTES:
                         break
+                data = bytes(body)
         except httpx.HTTPError as exc:
             raise APIError(f"Could not fetch the image at {url}: {exc}", param="messages") from exc
     else:
