@@ -1,14 +1,27 @@
-"""Pagoda through the official openai SDK: completions and chat, streamed and not.
+"""Pagoda through the official openai SDK: completions and chat, streamed and not;
+with --image, a chat about an image (a model that reads images: LLaVA, Gemma 3, ...).
 
     python -m server &                         # demo model on 127.0.0.1:8000
     python clients/examples/openai_sdk.py
+    python clients/examples/openai_sdk.py --image photo.png   # or an http(s) URL
 
 Any OpenAI-compatible server works; only base_url changes.
 """
 
 import argparse
+import base64
+import mimetypes
 
 from openai import OpenAI
+
+
+def image_url(path_or_url: str) -> str:
+    """An http(s) URL as it is; a local file as a base64 data URL."""
+    if path_or_url.startswith(("http://", "https://", "data:")):
+        return path_or_url
+    kind = mimetypes.guess_type(path_or_url)[0] or "image/png"
+    with open(path_or_url, "rb") as f:
+        return f"data:{kind};base64,{base64.b64encode(f.read()).decode()}"
 
 
 def main() -> None:
@@ -17,6 +30,7 @@ def main() -> None:
     parser.add_argument("--api-key", default="EMPTY", help="the server's --api-key, if it has one")
     parser.add_argument("--model", help="default: the first model the server lists")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--image", help="a local image file or an http(s) URL to ask about")
     args = parser.parse_args()
 
     client = OpenAI(base_url=args.base_url, api_key=args.api_key)
@@ -60,6 +74,16 @@ def main() -> None:
                 end="",
             )
     print()
+
+    if args.image:
+        content = [
+            {"type": "text", "text": "What is in this image?"},
+            {"type": "image_url", "image_url": {"url": image_url(args.image)}},
+        ]
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=args.max_tokens
+        )
+        print("chat with an image:", chat.choices[0].message.content)
 
 
 if __name__ == "__main__":

@@ -307,3 +307,18 @@ def test_limit_mm_per_prompt_bounds_a_requests_images(llava):
         assert refused.status_code == 400 and "at most 1" in refused.text
     finally:
         live.stop()
+
+
+def test_the_sdk_example_asks_about_an_image(server, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(7))
+    example = Path(__file__).resolve().parents[2] / "clients" / "examples" / "openai_sdk.py"
+    argv = [sys.executable, str(example), "--base-url", server.base_url + "/v1"]
+    argv += ["--max-tokens", "3", "--image", str(picture)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "chat with an image:" in proc.stdout
