@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
     import torch
 
     from engine.input_batch import InputBatch
+    from engine.models.layers import RotaryEmbedding
     from engine.models.vision import VisionEncoder
     from engine.scheduler import SchedulerOutput
 
@@ -148,6 +149,28 @@ class ImageRows:
     def apply(self, embeds: torch.Tensor) -> torch.Tensor:
         """The step's token embeddings [num_tokens, hidden] with the image rows in place."""
         return embeds.index_put((self.rows,), self.features.to(embeds.dtype))
+
+    def rope_table(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, head_dim]: each of the step's tokens' rotary cos/sin, the image
+        rows' from their 3-D positions (a frequency of each mrope_section part from its
+        part's position), the rest's from positions, as transformers' multimodal rotary
+        takes them."""
+        import torch
+
+        pos3 = positions.expand(3, -1).clone()
+        pos3[:, self.rows] = self.positions3.to(pos3.dtype)
+        sizes = rotary.mrope_section
+        section = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+        if rotary.mrope_interleaved:  # frequency j: height's if j % 3 == 1, width's if 2,
+            j = torch.arange(len(section))  # up to 3 x their section sizes; the rest temporal
+            section = torch.zeros_like(j)
+            section[(j % 3 == 1) & (j < 3 * sizes[1])] = 1
+            section[(j % 3 == 2) & (j < 3 * sizes[2])] = 2
+        section = section.to(pos3.device)
+        rest = section.new_zeros((rotary.head_dim - rotary.rotary_dim) // 2)  # cos 1, sin 0
+        part = torch.cat([section, rest, section, rest])  # the cos half, then the sin half
+        table = rotary.cos_sin[pos3]  # [3, num_tokens, head_dim]
+        return table.gather(0, part.expand(1, pos3.shape[1], -1)).squeeze(0)
 
     def horizons(self, positions: torch.Tensor) -> torch.Tensor | None:
         """[num_tokens] int32: the last position each of the step's tokens attends to

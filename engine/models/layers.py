@@ -41,7 +41,7 @@ class AttentionMetadata:
     # themselves (Gemma 3's image tokens, their whole image: engine/images.py).
     horizons: torch.Tensor | None = None
     # [num_tokens, head_dim] fp32: each token's rotary cos/sin, where some tokens' are
-    # not their position's (the Qwen VL models' image tokens: RotaryEmbedding.mrope_table).
+    # not their position's (the Qwen VL models' image tokens: ImageRows.rope_table).
     rope_table: torch.Tensor | None = None
 
 
@@ -344,7 +344,8 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
-        # The Qwen VL models': how many frequencies follow each of the 3-D position's parts.
+        # The Qwen VL models': how many frequencies follow each of the 3-D position's parts
+        # (engine/images.py, ImageRows.rope_table).
         self.mrope_section = (scaling or {}).get("mrope_section")
         self.mrope_interleaved = (scaling or {}).get("mrope_interleaved", False)  # Qwen3-VL's
         self.cos_sin = torch.empty(0)
@@ -374,26 +375,6 @@ class RotaryEmbedding(nn.Module):
             cos = torch.cat([cos, cos.new_ones(len(cos), rest)], dim=-1)
             cos_sin = torch.cat([cos, sin, sin.new_zeros(len(sin), rest)], dim=-1)
         self.cos_sin = cos_sin
-
-    def mrope_table(
-        self, positions: torch.Tensor, rows: torch.Tensor, positions3: torch.Tensor
-    ) -> torch.Tensor:
-        """[num_tokens, head_dim]: each token's cos/sin, the rows' from their 3-D positions
-        [3, len(rows)] (a frequency of each mrope_section part from its part's position),
-        the rest's from positions, as transformers' multimodal rotary takes them."""
-        pos3 = positions.expand(3, -1).clone()
-        pos3[:, rows] = positions3.to(pos3.dtype)
-        section = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
-        if self.mrope_interleaved:  # frequency j: height's if j % 3 == 1, width's if 2, up to
-            j = torch.arange(len(section))  # 3 x their section sizes; the rest temporal
-            section = torch.zeros_like(j)
-            section[(j % 3 == 1) & (j < 3 * self.mrope_section[1])] = 1
-            section[(j % 3 == 2) & (j < 3 * self.mrope_section[2])] = 2
-        section = section.to(pos3.device)
-        rest = section.new_zeros((self.head_dim - self.rotary_dim) // 2)  # cos 1, sin 0
-        part = torch.cat([section, rest, section, rest])  # the cos half, then the sin half
-        table = self.cos_sin[pos3]  # [3, num_tokens, head_dim]
-        return table.gather(0, part.expand(1, pos3.shape[1], -1)).squeeze(0)
 
     def rope(
         self,

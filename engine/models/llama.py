@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         if images is not None:
             x = images.apply(x)
             if images.positions3 is not None:  # the Qwen VL models' 3-D image positions
-                table = self.rotary.mrope_table(positions, images.rows, images.positions3)
+                table = images.rope_table(self.rotary, positions)
                 meta = dataclasses.replace(meta, rope_table=table)
         deepstack = None if images is None else images.deepstack
         for i, layer in enumerate(self.layers):
