@@ -131,6 +131,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         if item.type == "reasoning":
             parts = item.content or item.summary or []
+            if any(isinstance(part, InputImagePart) for part in parts):
+                raise APIError("A reasoning item's parts must be text.", param=where)
             text = parts if isinstance(parts, str) else "".join(part.text for part in parts)
             reasoning = (reasoning or "") + text
         elif item.type == "message":

@@ -151,6 +151,10 @@ def test_reasoning_items_in_either_form_go_back(sdk, model_name):
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input"),
+        (
+            {"input": [{"type": "reasoning", "content": [{"type": "input_image"}]}]},
+            "input[0]",
+        ),
         ({"input": "hi", "background": True}, "background"),
     ],
 )
