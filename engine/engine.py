@@ -201,9 +201,9 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
-        features = None
+        prompt_images = None
         if images is not None:
-            features = encode_prompt_images(
+            prompt_images = encode_prompt_images(
                 self.vision, prompt_token_ids, images, self.config.max_num_batched_tokens
             )
         lora_index = self.lora_index(params.lora_name)
@@ -227,7 +227,7 @@ class Engine:
             if params.cache_salt is not None:
                 req.hash_root = salted_root(req.hash_root, params.cache_salt)
             if images is not None:  # the same text with other images: another prompt
-                req.images = features
+                req.images = prompt_images
                 req.hash_root = salted_root(req.hash_root, f"images:{images.digest}")
             eos = frozenset() if choice_params.ignore_eos else self.eos_set
             req.stop_ids = eos | frozenset(choice_params.stop_token_ids)

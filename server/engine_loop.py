@@ -238,7 +238,7 @@ class EngineLoop:
                 logger.exception("add_request failed for %s", item.request_id)
                 batch[item.request_id] = APIError("The engine failed to add the request.", 500)
         if vision is not None and len(images) > 1:
-            vision.prefetch([])  # what a refused request left
+            vision.forget()  # what a refused request left
         return added
 
     def _step(self, batch: Batch, deltas: TokenDeltas) -> None:

@@ -117,12 +117,16 @@ class VisionEncoder:
     def prefetch(self, batch: list[ImageInputs]) -> None:
         """Encode several requests' images in one call of the tower per shape (a burst of
         adds costs one call, not one each); encode() then hands each request its own."""
-        self._ready.clear()
+        self.forget()
         try:
             self._prefetch(batch)
         except Exception:  # each request's own encode() will meet (and report) it
             logger.exception("encoding a burst's images together failed")
-            self._ready.clear()
+            self.forget()
+
+    def forget(self) -> None:
+        """Drop what prefetch encoded and no encode() took (a refused request's)."""
+        self._ready.clear()
 
     def _prefetch(self, batch: list[ImageInputs]) -> None:
         groups: dict[tuple, list[ImageInputs]] = {}
