@@ -33,10 +33,12 @@ def test_images_on_cuda_match_transformers(vlm, budget):  # noqa: F811 (the fixt
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_images_over_two_gpus_match_transformers(vlm_of):  # noqa: F811 (the fixture)
-    """NCCL: rank 0 encodes and broadcasts the step's image rows, features and horizons
-    (Gemma 3's image tokens see their whole image; chunks never split one)."""
-    kind, path, ids, model = vlm_of("gemma3")
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_vl"])
+def test_images_over_two_gpus_match_transformers(vlm_of, family):  # noqa: F811 (the fixture)
+    """NCCL: rank 0 encodes and broadcasts the step's image rows, features, horizons
+    (Gemma 3's image tokens see their whole image; chunks never split one), 3-D
+    positions and deepstack features (Qwen3-VL)."""
+    kind, path, ids, model = vlm_of(family)
     images, _ = image_inputs(kind, 1)
     config = EngineConfig(
         model=str(path), device="cuda", dtype="float32", tensor_parallel_size=2,
