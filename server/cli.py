@@ -332,6 +332,18 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         metavar="JSON",
         help="most images in one request, vLLM's form: '{\"image\": 4}' (default: any)",
     )
+    s(
+        "--allowed-media-domains",
+        nargs="+",
+        metavar="HOST",
+        help="the only hosts image URLs (and their redirects) may be fetched from "
+        "(default: any; name them on a public server)",
+    )
+    s(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        help="read file:// image URLs under DIR (default: none; trusted clients only)",
+    )
     s("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     s(
         "--disable-uvicorn-access-log",

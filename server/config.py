@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
@@ -37,6 +38,8 @@ class ServerConfig:
     reasoning_parser: str | None = None  # server/reasoning.py
     generation_config: str = "auto"  # engine/generation_config.py
     max_images_per_prompt: int | None = None  # --limit-mm-per-prompt's "image"; None: any
+    allowed_media_domains: list[str] | None = None  # server/images.py's MediaAccess
+    allowed_local_media_path: str | None = None
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:
@@ -54,6 +57,9 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
+        path = self.allowed_local_media_path
+        if path is not None and not Path(path).is_dir():
+            raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
         if self.generation_config not in GENERATION_CONFIG_CHOICES:
             raise ValueError(
                 f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, "

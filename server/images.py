@@ -4,8 +4,9 @@ For a model whose images Pagoda reads (engine/models/vision.py), a message with
 image parts reaches the chat template as a list of parts, `{"type": "image"}` where
 each image was, as the models' own templates expect; the checkpoint's processor then
 expands each image's placeholder into one token per feature and makes its pixel
-values. Images come as data URLs (base64) or http(s) URLs, fetched on the prompt lane.
-Anything that is not an image it can open is a 400.
+values. Images come as data URLs (base64), http(s) URLs fetched on the prompt lane (to
+any host, or those of --allowed-media-domains), or file:// URLs under
+--allowed-local-media-path. Anything that is not an image it can open is a 400.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import copy
 import hashlib
 import io
 import threading
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
@@ -41,8 +44,55 @@ MAX_IMAGE_BYTES = 20 << 20  # OpenAI's limit per image
 FETCH_TIMEOUT_S = 10.0
 
 
-def image_bytes(url: str) -> bytes:
-    """An image_url's bytes: a data URL's, or an http(s) URL's body."""
+@dataclass(frozen=True)
+class MediaAccess:
+    """Where an image URL may point beyond data URLs (vLLM's flags of the same names)."""
+
+    # --allowed-media-domains: the hosts http(s) URLs and their redirects may name; None: any
+    allowed_media_domains: frozenset[str] | None = None
+    # --allowed-local-media-path: file:// URLs are read under this directory; None: never
+    allowed_local_media_path: Path | None = None
+
+    @classmethod
+    def of(cls, domains: list[str] | None, local_dir: str | None) -> MediaAccess:
+        return cls(
+            None if domains is None else frozenset(d.lower() for d in domains),
+            None if local_dir is None else Path(local_dir),
+        )
+
+    def check_host(self, request: httpx.Request) -> None:
+        """httpx's request hook: before the first request and each redirect's."""
+        domains = self.allowed_media_domains
+        if domains is not None and request.url.host.lower() not in domains:
+            raise APIError(
+                f"Images may not be fetched from {request.url.host!r} (--allowed-media-domains).",
+                param="messages",
+            )
+
+    def local_file(self, url: str) -> bytes:
+        if self.allowed_local_media_path is None:
+            raise APIError(
+                "An image_url must be a data URL or an http(s) URL (file:// URLs are read "
+                "only under --allowed-local-media-path).",
+                param="messages",
+            )
+        root = self.allowed_local_media_path.resolve()
+        parts = urllib.parse.urlsplit(url)
+        path = Path(urllib.parse.unquote(parts.path)).resolve()  # symlinks and .. resolved
+        if parts.netloc not in ("", "localhost") or not path.is_relative_to(root):
+            raise APIError(
+                f"Images are read only under {root} (--allowed-local-media-path).",
+                param="messages",
+            )
+        try:
+            with path.open("rb") as f:
+                return f.read(MAX_IMAGE_BYTES + 1)
+        except OSError as exc:
+            raise APIError(f"Could not read the image at {url}: {exc}", param="messages") from exc
+
+
+def image_bytes(url: str, access: MediaAccess = MediaAccess()) -> bytes:
+    """An image_url's bytes: a data URL's, an http(s) URL's body or a file:// URL's file."""
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
@@ -55,8 +105,14 @@ def image_bytes(url: str) -> bytes:
                 f"An image data URL is not valid base64: {exc}", param="messages"
             ) from exc
     elif url.startswith(("http://", "https://")):
+        hooks = {"request": [access.check_host]}
         try:
-            with httpx.stream("GET", url, timeout=FETCH_TIMEOUT_S, follow_redirects=True) as r:
+            with (
+                httpx.Client(
+                    timeout=FETCH_TIMEOUT_S, follow_redirects=True, event_hooks=hooks
+                ) as client,
+                client.stream("GET", url) as r,
+            ):
                 r.raise_for_status()
                 body = bytearray()
                 for chunk in r.iter_bytes():
@@ -64,8 +120,10 @@ def image_bytes(url: str) -> bytes:
                     if len(body) > MAX_IMAGE_BYTES:
                         break
                 data = bytes(body)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise APIError(f"Could not fetch the image at {url}: {exc}", param="messages") from exc
+    elif url.startswith("file:"):
+        data = access.local_file(url)
     else:
         raise APIError("An image_url must be a data URL or an http(s) URL.", param="messages")
     if len(data) > MAX_IMAGE_BYTES:
@@ -121,10 +179,12 @@ class ImageProcessor:
         model_type: str,
         tokenizer: PreTrainedTokenizerBase,
         max_images: int | None = None,  # per request (--limit-mm-per-prompt); None: any
+        access: MediaAccess = MediaAccess(),
     ) -> None:
         from transformers import AutoProcessor
 
         self.max_images = max_images
+        self.access = access
         if model_type in MROPE_FAMILIES:
             self.processor = QwenVLProcessor(model_dir, tokenizer)
         else:
@@ -139,7 +199,7 @@ class ImageProcessor:
                 "(--limit-mm-per-prompt).",
                 param="messages",
             )
-        blobs = [image_bytes(url) for url in urls]
+        blobs = [image_bytes(url, self.access) for url in urls]
         digest = hashlib.sha256()
         for blob in blobs:
             digest.update(hashlib.sha256(blob).digest())

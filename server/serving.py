@@ -21,7 +21,7 @@ from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
 from server.errors import APIError, error_body, from_value_error
-from server.images import ImageProcessor
+from server.images import ImageProcessor, MediaAccess
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
     ChatMessage,
@@ -109,8 +109,9 @@ class Serving:
         family = vision_family(info.model_dir)
         images = None
         if family:
+            access = MediaAccess.of(config.allowed_media_domains, config.allowed_local_media_path)
             limit = config.max_images_per_prompt
-            images = ImageProcessor(info.model_dir, family, info.tokenizer, limit)
+            images = ImageProcessor(info.model_dir, family, info.tokenizer, limit, access)
         self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types, images)
 
     def admit(self, model: str | None, task: str = "generate") -> None:

@@ -251,3 +251,13 @@ def test_limit_mm_per_prompt_takes_vllms_json(capsys):
         with pytest.raises(SystemExit):
             cli.parse_configs(["--limit-mm-per-prompt", bad])
     assert "--limit-mm-per-prompt" in capsys.readouterr().err
+
+
+def test_media_flags_name_hosts_and_an_existing_directory(tmp_path, capsys):
+    argv = ["--allowed-media-domains", "a.example", "B.example"]
+    _, server = cli.parse_configs([*argv, "--allowed-local-media-path", str(tmp_path)])
+    assert server.allowed_media_domains == ["a.example", "B.example"]
+    assert server.allowed_local_media_path == str(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.parse_configs(["--allowed-local-media-path", str(tmp_path / "nowhere")])
+    assert "is not a directory" in capsys.readouterr().err

@@ -74,11 +74,17 @@ def server(llava) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """An http server of one PNG (/cat.png); its base URL."""
+    """An http server of one PNG (/cat.png; /to/HOST redirects to it on HOST); its base URL."""
     blob = png(1)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (the base class's name)
+            if self.path.startswith("/to/"):  # a redirect to the host it names
+                port = self.server.server_address[1]
+                self.send_response(302)
+                self.send_header("Location", f"http://{self.path[4:]}:{port}/cat.png")
+                self.end_headers()
+                return
             found = self.path == "/cat.png"
             self.send_response(200 if found else 404)
             self.send_header("Content-Type", "image/png")
@@ -155,7 +161,8 @@ def test_a_text_only_chat_still_works(server):
         (image_part("data:image/png;base64,@@@"), "not valid base64"),
         (image_part("data:image/png," + "x" * 8), "must be base64"),
         (image_part(data_url(b"not an image at all")), "could not be read"),
-        (image_part("file:///etc/passwd"), "data URL or an http(s) URL"),
+        (image_part("file:///etc/passwd"), "read only under --allowed-local-media-path"),
+        (image_part("ftp://example.com/a.png"), "data URL or an http(s) URL"),
         ({"type": "input_audio", "input_audio": None}, "text and image_url content parts only"),
         ({"type": "image_url"}, "needs its image_url"),
     ],
@@ -297,14 +304,49 @@ def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
         assert got[rid] == out[0, ids.shape[1] :].tolist()
 
 
-def test_limit_mm_per_prompt_bounds_a_requests_images(llava):
-    config = ServerConfig(shutdown_timeout=5.0, max_images_per_prompt=1)
+def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, tmp_path):
+    """--limit-mm-per-prompt, --allowed-media-domains (redirects checked too) and
+    --allowed-local-media-path (no way out of it by .. or a symlink)."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(png(1))
+    (tmp_path / "secret.png").write_bytes(png(2))
+    (media / "link.png").symlink_to(tmp_path / "secret.png")
+    config = ServerConfig(
+        shutdown_timeout=5.0, max_images_per_prompt=1,
+        allowed_media_domains=["127.0.0.1"], allowed_local_media_path=str(media),
+    )  # fmt: skip
     live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
+    port = image_host.rsplit(":", 1)[1]
     try:
         one = [{"type": "text", "text": "look "}, image_part(data_url(png(1)))]
-        assert chat(live, one).status_code == 200
+        by_data = chat(live, one)
+        assert by_data.status_code == 200
         refused = chat(live, [*one, image_part("http://127.0.0.1:9/never-fetched.png")])
         assert refused.status_code == 400 and "at most 1" in refused.text
+
+        def answer(url: str) -> httpx.Response:
+            return chat(live, [one[0], image_part(url)])
+
+        same = by_data.json()["choices"][0]["token_ids"]
+        for url in (
+            f"{image_host}/cat.png",
+            f"file://{media}/cat.png",
+            f"file://{media}/./cat.png",
+        ):
+            response = answer(url)
+            assert response.status_code == 200, (url, response.text)
+            assert response.json()["choices"][0]["token_ids"] == same
+        for url, message in [
+            (f"http://localhost:{port}/cat.png", "may not be fetched from 'localhost'"),
+            (f"{image_host}/to/localhost", "may not be fetched from 'localhost'"),
+            (f"file://{media}/../secret.png", "read only under"),
+            (f"file://{media}/link.png", "read only under"),
+            (f"file://{media}/missing.png", "Could not read"),
+        ]:
+            response = answer(url)
+            assert response.status_code == 400, (url, response.text)
+            assert message in response.json()["error"]["message"], url
     finally:
         live.stop()
 
