@@ -176,12 +176,14 @@ class Prompts:
         messages: list[ChatMessage],
         options: ChatTemplateOptions,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> ChatPrompt:
-        """tools: the functions the template shows the model (server/tools.py)."""
+        """tools: the functions the template shows the model (server/tools.py);
+        chat_template: a Jinja template instead of the tokenizer's (LLM.chat's)."""
         urls: list[str] | None = [] if self.images is not None else None
         conversation = [template_message(m, urls) for m in messages]
         tokenizer = self._tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise APIError(
                 "This model has no chat template; use /v1/completions.", param="messages"
             )
@@ -203,6 +205,7 @@ class Prompts:
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
+                chat_template=chat_template,
                 tools=tools,
                 documents=options.documents,
                 add_generation_prompt=options.add_generation_prompt,

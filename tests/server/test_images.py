@@ -351,6 +351,38 @@ def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, 
         live.stop()
 
 
+def test_llm_chat_reads_images_by_file_url_pil_and_data_url(llava, tmp_path, monkeypatch):
+    """Offline, as vLLM's LLM.chat: each answer equals transformers'; the images of the
+    conversations added together go through the tower in one call."""
+    from PIL import Image
+
+    from engine import LLM, SamplingParams
+
+    blobs = [png(seed) for seed in (3, 4, 5)]
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(blobs[0])
+    parts = [
+        image_part(f"file://{picture}"),
+        {"type": "image_pil", "image_pil": Image.open(io.BytesIO(blobs[1]))},
+        image_part(data_url(blobs[2])),
+    ]
+    text = "what is in the picture? "
+    conversations = [
+        [{"role": "user", "content": [{"type": "text", "text": text}, part]}] for part in parts
+    ]
+    llm = LLM(str(llava[0]), device="cpu", num_kv_blocks=256)
+    calls = []
+    tower = llm.engine.vision._tower
+    monkeypatch.setattr(
+        llm.engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch)
+    )
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.chat(conversations, params, use_tqdm=False)
+    for out, blob in zip(outs, blobs, strict=True):
+        assert out.outputs[0].token_ids == expected(llava, text, blob)
+    assert [len(batch) for batch in calls] == [3]
+
+
 def test_the_sdk_example_asks_about_an_image(server, tmp_path):
     import subprocess
     import sys
