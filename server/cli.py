@@ -333,6 +333,12 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="most images in one request, vLLM's form: '{\"image\": 4}' (default: any)",
     )
     s(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="the chat template (a Jinja file, or the template itself) instead of the "
+        "tokenizer's, e.g. for a model that has none",
+    )
+    s(
         "--allowed-media-domains",
         nargs="+",
         metavar="HOST",

@@ -40,6 +40,8 @@ class ServerConfig:
     max_images_per_prompt: int | None = None  # --limit-mm-per-prompt's "image"; None: any
     allowed_media_domains: list[str] | None = None  # server/images.py's MediaAccess
     allowed_local_media_path: str | None = None
+    # --chat-template: a file's path or the template itself; the template's text after init
+    chat_template: str | None = None
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class ServerConfig:
             raise ValueError(
                 f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}"
             )
+        if self.chat_template is not None:
+            self.chat_template = _template_text(self.chat_template)
         path = self.allowed_local_media_path
         if path is not None and not Path(path).is_dir():
             raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
@@ -75,3 +79,12 @@ class ServerConfig:
             raise ValueError("header_timeout, body_timeout and timeout_keep_alive must be positive")
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+
+
+def _template_text(value: str) -> str:
+    """vLLM's reading of --chat-template: a file's contents, or the template itself."""
+    if Path(value).is_file():
+        return Path(value).read_text()
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    return value

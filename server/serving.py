@@ -106,6 +106,8 @@ class Serving:
         self.can_generate = info.can_generate
         self.labels = info.labels  # a sequence classifier's, by class index
         self.token_types = info.token_types
+        if config.chat_template is not None:  # before the prompt lanes copy the tokenizer
+            info.tokenizer.chat_template = config.chat_template
         family = vision_family(info.model_dir)
         images = None
         if family:

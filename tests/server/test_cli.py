@@ -261,3 +261,14 @@ def test_media_flags_name_hosts_and_an_existing_directory(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.parse_configs(["--allowed-local-media-path", str(tmp_path / "nowhere")])
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path, capsys):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert cli.parse_configs(["--chat-template", str(path)])[1].chat_template == path.read_text()
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert cli.parse_configs(["--chat-template", inline])[1].chat_template == inline
+    with pytest.raises(SystemExit):
+        cli.parse_configs(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err

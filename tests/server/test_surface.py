@@ -373,3 +373,19 @@ def test_priority_needs_priority_scheduling(client):
     assert "--scheduling-policy priority" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json=CHAT | {"priority": 0})
     assert r.status_code == 200, r.text
+
+
+def test_a_served_chat_template_replaces_the_tokenizers(start_server, tmp_path):
+    """--chat-template FILE: every chat prompt (and /tokenizer_info) takes it."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}=>"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    live = start_server(server={"chat_template": str(path)})
+    with httpx.Client(base_url=live.base_url, timeout=30) as http:
+        messages = [{"role": "user", "content": "Hi"}]
+        r = http.post("/tokenize", json={"messages": messages})
+        text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+        assert text == "<user>Hi=>"
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+        assert http.get("/tokenizer_info").json()["chat_template"] == template
