@@ -4,13 +4,14 @@ For a model whose images Pagoda reads (engine/models/vision.py), a message with
 image parts reaches the chat template as a list of parts, `{"type": "image"}` where
 each image was, as the models' own templates expect; the checkpoint's processor then
 expands each image's placeholder into one token per feature and makes its pixel
-values. Images come as data URLs (base64), http(s) URLs fetched on the prompt lane (to
+values. Images come as data URLs (base64), http(s) URLs fetched on the event loop (to
 any host, or those of --allowed-media-domains), or file:// URLs under
 --allowed-local-media-path. Anything that is not an image it can open is a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import copy
@@ -18,6 +19,7 @@ import hashlib
 import io
 import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +32,8 @@ from server.errors import APIError
 if TYPE_CHECKING:
     from PIL.Image import Image
     from transformers import PreTrainedTokenizerBase
+
+    from server.protocol import ChatMessage
 
 
 @dataclass
@@ -61,7 +65,7 @@ class MediaAccess:
         )
 
     def check_host(self, request: httpx.Request) -> None:
-        """httpx's request hook: before the first request and each redirect's."""
+        """Before the first request of a fetch and each redirect's."""
         domains = self.allowed_media_domains
         if domains is not None and request.url.host.lower() not in domains:
             raise APIError(
@@ -91,8 +95,58 @@ class MediaAccess:
             raise APIError(f"Could not read the image at {url}: {exc}", param="messages") from exc
 
 
-def image_bytes(url: str, access: MediaAccess = MediaAccess()) -> bytes:
-    """An image_url's bytes: a data URL's, an http(s) URL's body or a file:// URL's file."""
+def image_urls(messages: list[ChatMessage]) -> list[str]:
+    """The URLs of the messages' image_url parts, in order."""
+    return [
+        part.image_url.url
+        for message in messages
+        if isinstance(message.content, list)
+        for part in message.content
+        if part.type == "image_url" and part.image_url is not None
+    ]
+
+
+async def fetch_images(urls: list[str], access: MediaAccess) -> dict[str, bytes]:
+    """The bodies of the http(s) URLs among urls, fetched together on the event loop, so
+    a slow host holds no prompt lane; the other URLs are read by image_bytes."""
+    wanted = sorted({url for url in urls if url.startswith(("http://", "https://"))})
+    if not wanted:
+        return {}
+
+    async def check_host(request: httpx.Request) -> None:  # before each request and redirect
+        access.check_host(request)
+
+    async with httpx.AsyncClient(
+        timeout=FETCH_TIMEOUT_S, follow_redirects=True, event_hooks={"request": [check_host]}
+    ) as client:
+        bodies = await asyncio.gather(*(_fetch(client, url) for url in wanted))
+    return dict(zip(wanted, bodies))
+
+
+async def _fetch(client: httpx.AsyncClient, url: str) -> bytes:
+    try:
+        async with client.stream("GET", url) as r:
+            r.raise_for_status()
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_IMAGE_BYTES:  # image_bytes refuses it
+                    break
+            return bytes(body)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise APIError(f"Could not fetch the image at {url}: {exc}", param="messages") from exc
+
+
+def fetch_images_now(urls: list[str], access: MediaAccess) -> dict[str, bytes]:
+    """fetch_images from synchronous code (LLM.chat), on an event loop of its own thread:
+    a caller inside a running loop (a notebook) is served too."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, fetch_images(urls, access)).result()
+
+
+def image_bytes(url: str, access: MediaAccess, fetched: dict[str, bytes]) -> bytes:
+    """An image_url's bytes: a data URL's, a file:// URL's file, or an http(s) URL's body
+    from fetched (fetch_images')."""
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
@@ -105,23 +159,7 @@ def image_bytes(url: str, access: MediaAccess = MediaAccess()) -> bytes:
                 f"An image data URL is not valid base64: {exc}", param="messages"
             ) from exc
     elif url.startswith(("http://", "https://")):
-        hooks = {"request": [access.check_host]}
-        try:
-            with (
-                httpx.Client(
-                    timeout=FETCH_TIMEOUT_S, follow_redirects=True, event_hooks=hooks
-                ) as client,
-                client.stream("GET", url) as r,
-            ):
-                r.raise_for_status()
-                body = bytearray()
-                for chunk in r.iter_bytes():
-                    body += chunk
-                    if len(body) > MAX_IMAGE_BYTES:
-                        break
-                data = bytes(body)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise APIError(f"Could not fetch the image at {url}: {exc}", param="messages") from exc
+        data = fetched[url]
     elif url.startswith("file:"):
         data = access.local_file(url)
     else:
@@ -191,15 +229,23 @@ class ImageProcessor:
             self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         self._local = threading.local()
 
-    def __call__(self, text: str, urls: list[str]) -> ChatPrompt:
-        """The prompt's ids, each image's placeholder expanded, and its images."""
+    def check_count(self, urls: list[str]) -> None:
         if self.max_images is not None and len(urls) > self.max_images:
             raise APIError(
                 f"The request has {len(urls)} images; at most {self.max_images} are allowed "
                 "(--limit-mm-per-prompt).",
                 param="messages",
             )
-        blobs = [image_bytes(url, self.access) for url in urls]
+
+    def __call__(
+        self, text: str, urls: list[str], fetched: dict[str, bytes] | None = None
+    ) -> ChatPrompt:
+        """The prompt's ids, each image's placeholder expanded, and its images; fetched:
+        the http(s) URLs' bodies where fetch_images has them already (else fetched now)."""
+        self.check_count(urls)
+        if fetched is None:
+            fetched = fetch_images_now(urls, self.access)
+        blobs = [image_bytes(url, self.access, fetched) for url in urls]
         digest = hashlib.sha256()
         for blob in blobs:
             digest.update(hashlib.sha256(blob).digest())

@@ -25,7 +25,7 @@ from fastapi import Request
 
 from engine.checks import TOKEN_TYPE_SHIFT
 from server.errors import APIError
-from server.images import ChatPrompt, ImageProcessor
+from server.images import ChatPrompt, ImageProcessor, fetch_images, image_urls
 from server.protocol import ChatMessage, ChatTemplateOptions, ContentPart, ToolCall
 
 if TYPE_CHECKING:
@@ -117,6 +117,25 @@ class Prompts:
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # no warning
             raise
 
+    async def fetch_images(
+        self, raw: Request | None, messages: list[ChatMessage]
+    ) -> dict[str, bytes]:
+        """On the event loop, before the lane: the bodies of the messages' http(s) image
+        URLs (for render_chat's `fetched`), all at once; nothing for a model without
+        images (render_chat refuses their parts)."""
+        if self.images is None:
+            return {}
+        urls = image_urls(messages)
+        self.images.check_count(urls)  # before any is fetched
+        work = asyncio.ensure_future(fetch_images(urls, self.images.access))
+        if raw is None:
+            return await work
+        try:
+            return await unless_disconnected(raw, work)
+        except ClientDisconnected:
+            work.cancel()
+            raise
+
     # ------------------------------------------------------------ on a lane
 
     def check_length(self, text: str, param: str) -> None:
@@ -177,9 +196,11 @@ class Prompts:
         options: ChatTemplateOptions,
         tools: list[dict] | None = None,
         chat_template: str | None = None,
+        fetched: dict[str, bytes] | None = None,
     ) -> ChatPrompt:
         """tools: the functions the template shows the model (server/tools.py);
-        chat_template: a Jinja template instead of the tokenizer's (LLM.chat's)."""
+        chat_template: a Jinja template instead of the tokenizer's (LLM.chat's); fetched:
+        fetch_images' bodies of the messages' image URLs (else they are fetched here)."""
         urls: list[str] | None = [] if self.images is not None else None
         conversation = [template_message(m, urls) for m in messages]
         tokenizer = self._tokenizer
@@ -225,7 +246,7 @@ class Prompts:
                 f"The chat template rejected the messages{why}", param="messages"
             ) from exc
         if urls and self.images is not None:
-            return self.images(text, urls)
+            return self.images(text, urls, fetched)
         # The template already wrote any BOS it wants.
         return ChatPrompt(self.encode(text, add_special_tokens=False))
 

@@ -293,7 +293,10 @@ class Serving:
     ) -> list[int]:
         """The chat template's prompt ids for messages (no tools), on a prompt lane."""
         prompts, size = self.prompts, sum(len(str(m.content or "")) for m in messages)
-        prompt = await prompts.run(raw, size, prompts.render_chat, messages, options)
+        fetched = await prompts.fetch_images(raw, messages)
+        prompt = await prompts.run(
+            raw, size, lambda: prompts.render_chat(messages, options, fetched=fetched)
+        )
         return prompt.token_ids
 
     async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:

@@ -61,7 +61,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     prompts = s.prompts
 
     def prepare() -> ChatPrompt:
-        prompt = prompts.render_chat(req.messages, req, tools.template_tools)
+        prompt = prompts.render_chat(req.messages, req, tools.template_tools, fetched=fetched)
         if prompt.images is not None and (req.use_beam_search or truncate is not None):
             what = "use_beam_search" if req.use_beam_search else "truncate_prompt_tokens"
             raise APIError(f"{what} does not take images.", param=what)
@@ -72,6 +72,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
             params.max_tokens = min(max(s.default_max_tokens, params.min_tokens), room)
         return prompt
 
+    fetched = await prompts.fetch_images(raw, req.messages)  # no lane waits on a host
     size = sum(len(str(m.content or "")) for m in req.messages)
     prompt = await prompts.run(raw, size, prepare)  # ClientDisconnected: the app's 499
     prompt_ids = prompt.token_ids

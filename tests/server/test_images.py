@@ -11,6 +11,7 @@ import http.server
 import io
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -29,6 +30,7 @@ TEMPLATE = (
     "{{ p.text }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}assistant:"
 )
 MAX_NEW = 8
+SLOW = {"arrived": threading.Event(), "release": threading.Event()}
 
 
 def png(seed: int, size: tuple[int, int] = (40, 52)) -> bytes:
@@ -74,7 +76,8 @@ def server(llava) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """An http server of one PNG (/cat.png; /to/HOST redirects to it on HOST); its base URL."""
+    """An http server of one PNG (/cat.png; /slow.png once SLOW["release"] is set; /to/HOST
+    redirects to it on HOST); its base URL."""
     blob = png(1)
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -85,7 +88,10 @@ def image_host() -> Iterator[str]:
                 self.send_header("Location", f"http://{self.path[4:]}:{port}/cat.png")
                 self.end_headers()
                 return
-            found = self.path == "/cat.png"
+            if self.path == "/slow.png":  # answered once the test releases it
+                SLOW["arrived"].set()
+                SLOW["release"].wait(60)
+            found = self.path in ("/cat.png", "/slow.png")
             self.send_response(200 if found else 404)
             self.send_header("Content-Type", "image/png")
             self.end_headers()
@@ -147,6 +153,27 @@ def test_an_image_by_http_url_equals_the_same_by_data_url(server, image_host):
     assert by_url.json()["choices"][0]["token_ids"] == by_data.json()["choices"][0]["token_ids"]
     missing = chat(server, [*text, image_part(f"{image_host}/dog.png")])
     assert missing.status_code == 400 and "Could not fetch" in missing.text
+
+
+def test_a_slow_image_host_holds_up_no_other_request(server, image_host):
+    """Image URLs are fetched on the event loop: while one request waits on its image's
+    host, another's prompt is rendered and answered."""
+    text = [{"type": "text", "text": "describe "}]
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(chat, server, [*text, image_part(f"{image_host}/slow.png")])
+        assert SLOW["arrived"].wait(30)
+        try:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            quick = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=10)
+            assert quick.status_code == 200, quick.text
+            assert not slow.done()
+        finally:
+            SLOW["release"].set()
+        by_data = chat(server, [*text, image_part(data_url(png(1)))])
+        assert (
+            slow.result().json()["choices"][0]["token_ids"]
+            == by_data.json()["choices"][0]["token_ids"]
+        )
 
 
 def test_a_text_only_chat_still_works(server):
@@ -351,20 +378,23 @@ def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, 
         live.stop()
 
 
-def test_llm_chat_reads_images_by_file_url_pil_and_data_url(llava, tmp_path, monkeypatch):
+def test_llm_chat_reads_images_by_file_url_pil_data_and_http_url(
+    llava, tmp_path, monkeypatch, image_host
+):
     """Offline, as vLLM's LLM.chat: each answer equals transformers'; the images of the
     conversations added together go through the tower in one call."""
     from PIL import Image
 
     from engine import LLM, SamplingParams
 
-    blobs = [png(seed) for seed in (3, 4, 5)]
+    blobs = [png(seed) for seed in (3, 4, 5, 1)]
     picture = tmp_path / "picture.png"
     picture.write_bytes(blobs[0])
     parts = [
         image_part(f"file://{picture}"),
         {"type": "image_pil", "image_pil": Image.open(io.BytesIO(blobs[1]))},
         image_part(data_url(blobs[2])),
+        image_part(f"{image_host}/cat.png"),  # png(1)
     ]
     text = "what is in the picture? "
     conversations = [
@@ -380,7 +410,7 @@ def test_llm_chat_reads_images_by_file_url_pil_and_data_url(llava, tmp_path, mon
     outs = llm.chat(conversations, params, use_tqdm=False)
     for out, blob in zip(outs, blobs, strict=True):
         assert out.outputs[0].token_ids == expected(llava, text, blob)
-    assert [len(batch) for batch in calls] == [3]
+    assert [len(batch) for batch in calls] == [4]
 
 
 def test_the_sdk_example_asks_about_an_image(server, tmp_path):
