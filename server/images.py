@@ -106,10 +106,15 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     ]
 
 
+def web_urls(urls: list[str]) -> list[str]:
+    """The http(s) URLs among urls, each once."""
+    return sorted({url for url in urls if url.startswith(("http://", "https://"))})
+
+
 async def fetch_images(urls: list[str], access: MediaAccess) -> dict[str, bytes]:
     """The bodies of the http(s) URLs among urls, fetched together on the event loop, so
     a slow host holds no prompt lane; the other URLs are read by image_bytes."""
-    wanted = sorted({url for url in urls if url.startswith(("http://", "https://"))})
+    wanted = web_urls(urls)
     if not wanted:
         return {}
 
@@ -140,6 +145,8 @@ async def _fetch(client: httpx.AsyncClient, url: str) -> bytes:
 def fetch_images_now(urls: list[str], access: MediaAccess) -> dict[str, bytes]:
     """fetch_images from synchronous code (LLM.chat), on an event loop of its own thread:
     a caller inside a running loop (a notebook) is served too."""
+    if not web_urls(urls):
+        return {}
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, fetch_images(urls, access)).result()
 

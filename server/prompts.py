@@ -25,7 +25,7 @@ from fastapi import Request
 
 from engine.checks import TOKEN_TYPE_SHIFT
 from server.errors import APIError
-from server.images import ChatPrompt, ImageProcessor, fetch_images, image_urls
+from server.images import ChatPrompt, ImageProcessor, fetch_images, image_urls, web_urls
 from server.protocol import ChatMessage, ChatTemplateOptions, ContentPart, ToolCall
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ class Prompts:
             return {}
         urls = image_urls(messages)
         self.images.check_count(urls)  # before any is fetched
+        if not web_urls(urls):
+            return {}
         work = asyncio.ensure_future(fetch_images(urls, self.images.access))
         if raw is None:
             return await work
