@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +48,19 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-Prompt = str | list[int]
+# Text, token ids, or vLLM's dict prompts (LLM.generate says which).
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class PromptInputs:
+    """A prompt as the engine takes it."""
+
+    token_ids: list[int]
+    text: str | None = None  # the prompt's text, where it came as text
+    images: ImageInputs | None = None
+
+
 Conversation = list[dict[str, Any]]  # OpenAI chat messages
 # Requests whose images go through the vision tower together as LLM.chat adds them.
 PREFETCH_REQUESTS = 64
@@ -106,11 +117,43 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[GenerationOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """prompts: text, token ids, or vLLM's dicts: `{"prompt": text}` or
+        `{"prompt_token_ids": ids}`, and with text, `"multi_modal_data": {"image": PIL
+        image or list}` for a model that reads images, the text holding the model's image
+        placeholder where each goes (as its processor expects)."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_ids, texts, [None] * len(prompts), params, use_tqdm)
+        return self._run([self._inputs(p) for p in prompts], params, use_tqdm)
+
+    def _inputs(self, prompt: Prompt) -> PromptInputs:
+        if isinstance(prompt, str):
+            return PromptInputs(self.tokenizer.encode(prompt), prompt)
+        if not isinstance(prompt, dict):
+            return PromptInputs(list(prompt))
+        if set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"} or (
+            "prompt" in prompt
+        ) == ("prompt_token_ids" in prompt):
+            raise ValueError(
+                "A dict prompt holds prompt or prompt_token_ids, and may hold multi_modal_data."
+            )
+        data = prompt.get("multi_modal_data") or {}
+        if not data:
+            return self._inputs(prompt.get("prompt", prompt.get("prompt_token_ids")))
+        if set(data) != {"image"} or "prompt" not in prompt:
+            raise ValueError("multi_modal_data takes images only, beside a text prompt.")
+        processor = self._chat_prompts().images
+        if processor is None:
+            raise ValueError("This model reads no images.")
+        from server.errors import APIError
+        from server.images import png_bytes
+
+        pictures = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        blobs = [png_bytes(picture) for picture in pictures]
+        try:  # the text's own special tokens, as a text prompt's
+            out = processor.process(prompt["prompt"], blobs, add_special_tokens=True)
+        except APIError as exc:
+            raise ValueError(exc.message) from exc
+        return PromptInputs(out.token_ids, prompt["prompt"], out.images)
 
     def chat(
         self,
@@ -151,9 +194,8 @@ class LLM:
             ]
         except APIError as exc:
             raise ValueError(exc.message) from exc
-        images = [prompt.images for prompt in rendered]
-        return self._run([p.token_ids for p in rendered], [None] * len(rendered), images,
-                         sampling_params, use_tqdm)  # fmt: skip
+        inputs = [PromptInputs(p.token_ids, None, p.images) for p in rendered]
+        return self._run(inputs, sampling_params, use_tqdm)
 
     def _chat_prompts(self) -> Prompts:
         """The server's chat rendering, made once: its image processor with file:// URLs
@@ -173,17 +215,15 @@ class LLM:
 
     def _run(
         self,
-        token_ids: list[list[int]],
-        texts: list[str | None],
-        images: list[ImageInputs | None],
+        inputs: list[PromptInputs],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[GenerationOutput]:
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
-            params = [params] * len(token_ids)
-        if len(params) != len(token_ids):
-            raise ValueError(f"{len(token_ids)} prompts but {len(params)} sampling params")
+            params = [params] * len(inputs)
+        if len(params) != len(inputs):
+            raise ValueError(f"{len(inputs)} prompts but {len(params)} sampling params")
         # Only finished outputs are returned: the engine need not build per-step deltas.
         # One copy per distinct params object (one given for all prompts: one copy).
         distinct = {id(p): p for p in params}
@@ -191,26 +231,26 @@ class LLM:
         params = [final[id(p)] for p in params]
 
         # Validate everything first, so a bad prompt fails before any work is done.
-        for ids, p in zip(token_ids, params):
-            self.engine.check_request(ids, p)
+        for prompt, p in zip(inputs, params):
+            self.engine.check_request(prompt.token_ids, p)
             if p.grammar is not None:
                 build_grammar(p.grammar)  # raises for an invalid one
 
         results: dict[str, GenerationOutput] = {}
         vision = self.engine.vision
-        for i, (ids, text, p, pixels) in enumerate(zip(token_ids, texts, params, images)):
+        for i, (prompt, p) in enumerate(zip(inputs, params)):
             if vision is not None and i % PREFETCH_REQUESTS == 0:
                 # The next requests' images through the tower in one call per shape.
-                vision.prefetch([x for x in images[i : i + PREFETCH_REQUESTS] if x is not None])
-            rid = str(i)
-            results[rid] = GenerationOutput(
-                rid, text, ids, [CompletionOutput(j) for j in range(p.n)]
-            )
-            self.engine.add_request(rid, ids, p, images=pixels)
+                ahead = inputs[i : i + PREFETCH_REQUESTS]
+                vision.prefetch([x.images for x in ahead if x.images is not None])
+            rid, ids = str(i), prompt.token_ids
+            outputs = [CompletionOutput(j) for j in range(p.n)]
+            results[rid] = GenerationOutput(rid, prompt.text, ids, outputs)
+            self.engine.add_request(rid, ids, p, images=prompt.images)
         if vision is not None:
             vision.forget()
 
-        with tqdm(total=len(token_ids), desc="generate", disable=not use_tqdm) as bar:
+        with tqdm(total=len(inputs), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     result = results[out.request_id]
@@ -228,7 +268,7 @@ class LLM:
                         choice.embedding = out.embedding
                         if all(c.finish_reason for c in result.outputs):
                             bar.update(1)
-        return [results[str(i)] for i in range(len(token_ids))]
+        return [results[str(i)] for i in range(len(inputs))]
 
 
 def _pil_as_url(message: dict[str, Any]) -> dict[str, Any]:
@@ -239,9 +279,9 @@ def _pil_as_url(message: dict[str, Any]) -> dict[str, Any]:
     parts = []
     for part in content:
         if part.get("type") == "image_pil":
-            buf = io.BytesIO()
-            part["image_pil"].save(buf, format="PNG")
-            url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            from server.images import png_bytes
+
+            url = "data:image/png;base64," + base64.b64encode(png_bytes(part["image_pil"])).decode()
             part = {"type": "image_url", "image_url": {"url": url}}
         parts.append(part)
     return {**message, "content": parts}

@@ -176,6 +176,13 @@ def image_bytes(url: str, access: MediaAccess, fetched: dict[str, bytes]) -> byt
     return data
 
 
+def png_bytes(image: Image) -> bytes:
+    """A PIL image as a PNG file's bytes (LLM's PIL images take the URLs' path)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def open_image(data: bytes) -> Image:
     from PIL import Image, UnidentifiedImageError
 
@@ -211,7 +218,8 @@ class QwenVLProcessor:
         text = pieces[0] + "".join(
             self.image_token * n + piece for n, piece in zip(counts, pieces[1:])
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        special = kwargs.get("add_special_tokens", False)
+        ids = self.tokenizer.encode(text, add_special_tokens=special)
         return {"input_ids": torch.tensor([ids]), **out}
 
 
@@ -252,7 +260,13 @@ class ImageProcessor:
         self.check_count(urls)
         if fetched is None:
             fetched = fetch_images_now(urls, self.access)
-        blobs = [image_bytes(url, self.access, fetched) for url in urls]
+        return self.process(text, [image_bytes(url, self.access, fetched) for url in urls])
+
+    def process(
+        self, text: str, blobs: list[bytes], add_special_tokens: bool = False
+    ) -> ChatPrompt:
+        """text, with a placeholder where each image goes, and the images' file bytes: the
+        ids with each placeholder expanded, and the pixel values."""
         digest = hashlib.sha256()
         for blob in blobs:
             digest.update(hashlib.sha256(blob).digest())
@@ -261,7 +275,9 @@ class ImageProcessor:
         if processor is None:  # its tokenizer may not be shared between threads
             processor = self._local.processor = copy.deepcopy(self.processor)
         try:
-            out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+            out = processor(
+                text=text, images=images, return_tensors="pt", add_special_tokens=add_special_tokens
+            )
         except ValueError as exc:  # e.g. placeholders and images that do not pair up
             raise APIError(f"The images could not be processed: {exc}", param="messages") from exc
         extra = {name: out[name] for name in ("image_sizes", "image_grid_thw") if name in out}

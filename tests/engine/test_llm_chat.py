@@ -85,3 +85,23 @@ def test_what_the_server_refuses_is_a_value_error(llm, messages, kwargs, message
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, GREEDY, use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllms_dict_prompts(llm):
+    ids = llm.tokenizer.encode("hello there")
+    want = llm.generate("hello there", GREEDY, use_tqdm=False)[0]
+    by_text, by_ids = llm.generate(
+        [{"prompt": "hello there"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False
+    )
+    assert by_text.prompt == "hello there" and by_ids.prompt is None
+    for out in (by_text, by_ids):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for bad, message in [
+        ({"prompt": "a", "prompt_token_ids": ids}, "holds prompt or prompt_token_ids"),
+        ({"text": "a"}, "holds prompt or prompt_token_ids"),
+        ({"prompt": "a", "multi_modal_data": {"image": object()}}, "reads no images"),
+        ({"prompt": "a", "multi_modal_data": {"audio": object()}}, "images only"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, GREEDY, use_tqdm=False)

@@ -412,6 +412,21 @@ def test_llm_chat_reads_images_by_file_url_pil_data_and_http_url(
         assert out.outputs[0].token_ids == expected(llava, text, blob)
     assert [len(batch) for batch in calls] == [4]
 
+    # vLLM's generate({"prompt": ..., "multi_modal_data": ...}): the template's text, its
+    # placeholder where the image goes.
+    prompt = llava[2].apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}],
+        add_generation_prompt=True,
+    )
+    image = {"image": Image.open(io.BytesIO(blobs[1]))}
+    (out,) = llm.generate({"prompt": prompt, "multi_modal_data": image}, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert out.prompt == prompt and out.prompt_token_ids == outs[1].prompt_token_ids
+    with pytest.raises(ValueError, match="could not be processed"):
+        llm.generate({"prompt": "no placeholder", "multi_modal_data": image}, use_tqdm=False)
+    with pytest.raises(ValueError, match="beside a text prompt"):
+        llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": image}, use_tqdm=False)
+
 
 def test_the_sdk_example_asks_about_an_image(server, tmp_path):
     import subprocess
