@@ -339,6 +339,10 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "tokenizer's, e.g. for a model that has none",
     )
     s(
+        "--trust-request-chat-template",
+        help="let requests bring their own chat_template (by default a 400): trusted clients only",
+    )
+    s(
         "--allowed-media-domains",
         nargs="+",
         metavar="HOST",

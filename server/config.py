@@ -42,6 +42,7 @@ class ServerConfig:
     allowed_local_media_path: str | None = None
     # --chat-template: a file's path or the template itself; the template's text after init
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:

@@ -66,8 +66,10 @@ class Prompts:
         max_model_len: int,
         token_types: int = 1,
         images: ImageProcessor | None = None,  # a model that reads images: its processor
+        trust_request_chat_template: bool = False,  # requests may bring their own template
     ) -> None:
         self.tokenizer = tokenizer
+        self.trust_request_chat_template = trust_request_chat_template
         self.images = images
         self.max_model_len = max_model_len
         self.token_types = token_types  # > 1: an encoder whose pairs carry token types
@@ -201,8 +203,17 @@ class Prompts:
         fetched: dict[str, bytes] | None = None,
     ) -> ChatPrompt:
         """tools: the functions the template shows the model (server/tools.py);
-        chat_template: a Jinja template instead of the tokenizer's (LLM.chat's); fetched:
-        fetch_images' bodies of the messages' image URLs (else they are fetched here)."""
+        chat_template: a Jinja template instead of the tokenizer's (LLM.chat's; a trusted
+        request's own takes its place); fetched: fetch_images' bodies of the messages'
+        image URLs (else they are fetched here)."""
+        if options.chat_template is not None:
+            if not self.trust_request_chat_template:
+                raise APIError(
+                    "This server takes no chat_template in requests (it runs without "
+                    "--trust-request-chat-template).",
+                    param="chat_template",
+                )
+            chat_template = options.chat_template
         urls: list[str] | None = [] if self.images is not None else None
         conversation = [template_message(m, urls) for m in messages]
         tokenizer = self._tokenizer

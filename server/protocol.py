@@ -224,6 +224,9 @@ class ChatTemplateOptions(_Request):
     documents: list[dict[str, str]] | None = None
     # OpenAI's field, the template variable `reasoning_effort` (GPT-OSS's template reads it)
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # vLLM's: a Jinja template for this request instead of the server's (a 400 unless the
+    # server runs with --trust-request-chat-template)
+    chat_template: str | None = None
 
 
 class FunctionDefinition(_Request):

@@ -114,7 +114,10 @@ class Serving:
             access = MediaAccess.of(config.allowed_media_domains, config.allowed_local_media_path)
             limit = config.max_images_per_prompt
             images = ImageProcessor(info.model_dir, family, info.tokenizer, limit, access)
-        self.prompts = Prompts(info.tokenizer, self.max_model_len, self.token_types, images)
+        self.prompts = Prompts(
+            info.tokenizer, self.max_model_len, self.token_types, images,
+            config.trust_request_chat_template,
+        )  # fmt: skip
 
     def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it

@@ -375,17 +375,35 @@ def test_priority_needs_priority_scheduling(client):
     assert r.status_code == 200, r.text
 
 
-def test_a_served_chat_template_replaces_the_tokenizers(start_server, tmp_path):
-    """--chat-template FILE: every chat prompt (and /tokenizer_info) takes it."""
+def test_a_served_chat_template_replaces_the_tokenizers(start_server, client, tmp_path):
+    """--chat-template FILE: every chat prompt (and /tokenizer_info) takes it; with
+    --trust-request-chat-template a request's own template takes its place (without it,
+    a 400)."""
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}=>"
     path = tmp_path / "template.jinja"
     path.write_text(template)
-    live = start_server(server={"chat_template": str(path)})
+    own = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    live = start_server(server={"chat_template": str(path), "trust_request_chat_template": True})
+    messages = [{"role": "user", "content": "Hi"}]
     with httpx.Client(base_url=live.base_url, timeout=30) as http:
-        messages = [{"role": "user", "content": "Hi"}]
-        r = http.post("/tokenize", json={"messages": messages})
-        text = http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
-        assert text == "<user>Hi=>"
-        chat = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
-        assert chat.json()["usage"]["prompt_tokens"] == r.json()["count"]
+
+        def prompt_of(**extra) -> str:
+            r = http.post("/tokenize", json={"messages": messages, **extra})
+            return http.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+        assert prompt_of() == "<user>Hi=>"
+        assert prompt_of(chat_template=own) == "[Hi]"
+        body = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+        chat = http.post("/v1/chat/completions", json=body).json()
+        assert (
+            http.post("/detokenize", json={"tokens": chat["prompt_token_ids"]}).json()["prompt"]
+            == "<user>Hi=>"
+        )
+        chat = http.post("/v1/chat/completions", json=body | {"chat_template": own}).json()
+        assert chat["usage"]["prompt_tokens"] == len(http.post(
+            "/tokenize", json={"prompt": "[Hi]", "add_special_tokens": False}
+        ).json()["tokens"])  # fmt: skip
         assert http.get("/tokenizer_info").json()["chat_template"] == template
+    refused = client.post("/v1/chat/completions", json=body | {"chat_template": own})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in refused.json()["error"]["message"]
