@@ -25,6 +25,10 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+class UnknownAdapter(ValueError):
+    """A LoRA adapter name that is not loaded (engine/models/lora_slots.py)."""
+
+
 def out_of_vocab(token_ids: list[int], vocab_size: int, token_types: int = 1) -> int | None:
     """The first id outside [0, vocab_size) (with token_types > 1, whose token or type
     is out of range), or None; min/max first, since a scan in Python costs tens of ns

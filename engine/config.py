@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where a device or dtype is asked for, not with the config
     import torch
 
+    from engine.models.lora_slots import LoRASettings
+
 PREFILL_GRAPH_MAX_TOKENS = 2048
 # How a step ran (ModelRunner.steps_by_path), as the server's stats line reports it.
 STEP_PATHS = ("graph", "prefill graph", "eager")
@@ -58,7 +60,13 @@ class EngineConfig:
     custom_all_reduce: bool = True  # small sums by engine/one_shot.py (one node, CUDA)
     # LoRA adapters served beside the model (engine/models/lora.py): name -> PEFT directory.
     lora_modules: dict[str, str] | None = None
-    max_lora_rank: int | None = None  # None: the largest adapter's rank
+    # Adapter slots on every projection, so adapters load while serving (vLLM's flag);
+    # max_loras: how many adapters are held at once (None: one, or the startup ones).
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = (
+        None  # None: the largest adapter's rank (16 at least with enable_lora)
+    )
     # Speculative decoding by n-gram lookup (engine/speculative.py): draft tokens per step
     # (0: off), and the n-gram lengths matched (vLLM's prompt_lookup_min/max; either
     # given alone sets both, as in vLLM; neither: 5).
@@ -126,8 +134,14 @@ class EngineConfig:
             raise ValueError(
                 f"pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}"
             )
-        if self.max_lora_rank is not None and self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be positive, got {self.max_lora_rank}")
+        for name in ("max_lora_rank", "max_loras"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_loras is not None and self.max_loras < len(self.lora_modules or ()):
+            raise ValueError(
+                f"max_loras {self.max_loras} holds fewer adapters than the "
+                f"{len(self.lora_modules)} lora_modules names"
+            )
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("several nodes need a --master-port every node can reach")
         if self.num_speculative_tokens:
@@ -166,6 +180,16 @@ class EngineConfig:
         """Pooling prompts run whole in one step, never from the prefix cache: an
         encoder's, and every prompt CLS or MEAN pooling reads all the states of."""
         return self.encoder or self.pooling_type not in (None, "LAST")
+
+    @property
+    def lora(self) -> LoRASettings | None:
+        """The adapter slots' settings (engine/models/lora_slots.py); None: no LoRA."""
+        if not (self.enable_lora or self.lora_modules):
+            return None
+        from engine.models.lora_slots import LoRASettings
+
+        adapters = dict(self.lora_modules or {})
+        return LoRASettings(adapters, self.max_lora_rank, self.max_loras, self.enable_lora)
 
     @property
     def ranks_per_node(self) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.checks import check_request
+from engine.checks import UnknownAdapter, check_request
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import SINGLE
@@ -32,6 +32,8 @@ from engine.model_runner import ModelRunner
 from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
+from engine.models.lora import LoRAError
+from engine.models.lora_slots import ServedAdapter
 from engine.models.vision import vision_encoder
 from engine.outputs import take_outputs, take_plain
 from engine.pooling import pooling_type, projector
@@ -59,6 +61,7 @@ class EngineStats:
     prefix_cache_hits: int  # cumulative tokens found
     spec_decode_num_draft_tokens: int = 0  # cumulative (engine/speculative.py)
     spec_decode_num_accepted_tokens: int = 0
+    lora_adapters: tuple[ServedAdapter, ...] = ()  # served now, in load order
 
 
 class Engine:
@@ -181,13 +184,26 @@ class Engine:
             raise ValueError("this model has no LM head: it serves embeddings only")
 
     def lora_index(self, name: str | None) -> int:
-        """The adapter's index among the loaded LoRA adapters (-1: None, the base model)."""
-        if name is None:
-            return -1
-        names = list(self.config.lora_modules or ())
-        if name not in names:
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {names or 'none'})")
-        return names.index(name)
+        """The adapter's slot (-1: None, the base model); UnknownAdapter if not loaded."""
+        slots = self.runner.lora_slots
+        if slots is None and name is not None:
+            raise UnknownAdapter(f"unknown LoRA adapter {name!r} (loaded: none)")
+        return -1 if slots is None else slots.index(name)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a PEFT adapter as `name` from the next step on (needs enable_lora), on
+        every rank; LoRAError says why not."""
+        if self.runner.lora_slots is None:
+            raise LoRAError("LoRA adapters load while serving only with --enable-lora")
+        busy = {req.lora_index for choices in self.requests.values() for req in choices}
+        slot = self.runner.lora_slots.load(name, path, busy)
+        if self.runner.channel is not None:
+            self.runner.channel.publish_lora(slot, name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """New requests may no longer name it; those running finish with it."""
+        self.lora_index(name)  # UnknownAdapter if it is not loaded
+        self.runner.lora_slots.unload(name)
 
     def add_request(
         self,
@@ -222,8 +238,9 @@ class Engine:
                 req.detokenizer = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, choice_params
                 )
-            if lora_index >= 0:  # its blocks chain from a root of its own
-                req.lora_index, req.hash_root = lora_index, adapter_root(lora_index)
+            if lora_index >= 0:  # its blocks chain from a root of this load's own
+                serial = self.runner.lora_slots.serials[lora_index]
+                req.lora_index, req.hash_root = lora_index, adapter_root(serial)
             if params.cache_salt is not None:
                 req.hash_root = salted_root(req.hash_root, params.cache_salt)
             if images is not None:  # the same text with other images: another prompt
@@ -285,6 +302,7 @@ class Engine:
             prefix_cache_hits=self.blocks.prefix_hits,
             spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            lora_adapters=self.runner.lora_slots.served if self.runner.lora_slots else (),
         )
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:

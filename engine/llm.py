@@ -77,6 +77,14 @@ class LLM:
         """Stop the tensor-parallel workers, if any (daemons: they also end with this process)."""
         self.engine.shutdown()
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at path as `name` (SamplingParams.lora_name) from now on;
+        needs enable_lora, and a free slot of max_loras."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
     def embed(
         self,
         prompts: Prompt | Sequence[Prompt],

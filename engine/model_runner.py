@@ -50,7 +50,8 @@ class ModelRunner(StepInputs):
         self.config = config
         self.tp = membership.tp if membership is not None else SINGLE
         self.model = model
-        self.lora_state = getattr(model, "lora_state", None)  # engine/models/lora.py
+        self.lora_slots = getattr(model, "lora_slots", None)  # engine/models/lora_slots.py
+        self.lora_state = None if self.lora_slots is None else self.lora_slots.state
         self.device = config.torch_device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = self.dtype

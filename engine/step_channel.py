@@ -23,8 +23,9 @@ from engine.distributed import GATE, TensorParallel
 from engine.images import ImageRows
 from engine.staging import StagedFields
 
-# StepHeader.path
-STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH = range(5)
+# StepHeader.path; LORA: no step, a LoRA adapter to read into slot `bucket` (its name
+# and directory follow as objects over the control group).
+STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH, LORA = range(6)
 HEADER_WORDS = 15
 
 
@@ -54,6 +55,7 @@ class ReceivedStep:
     header: StepHeader
     score_rows: torch.Tensor | None = None
     images: ImageRows | None = None
+    adapter: tuple[str, str] | None = None  # LORA: the adapter's name and directory
 
 
 class StepChannel:
@@ -96,6 +98,14 @@ class StepChannel:
         self.header_np[: len(words)] = words
         self._send_all(header, ReceivedStep(header, score_rows, images))
 
+    def publish_lora(self, slot: int, name: str, path: str) -> None:
+        """Rank 0, between steps: the workers read the adapter into the slot too."""
+        self.header_np[:] = 0
+        self.header_np[0], self.header_np[1] = LORA, slot
+        with GATE.call():
+            dist.broadcast(self.header, src=0, group=self.control)
+            dist.broadcast_object_list([name, path], src=0, group=self.control)
+
     def stop(self) -> None:
         """Rank 0: the workers leave their loop."""
         self.header_np[:] = 0
@@ -110,6 +120,11 @@ class StepChannel:
         header = StepHeader(*self.header_np[: len(StepHeader.__dataclass_fields__)].tolist())
         step = ReceivedStep(header)
         if header.path == STOP:
+            return step
+        if header.path == LORA:
+            adapter = [None, None]
+            dist.broadcast_object_list(adapter, src=0, group=self.control)
+            step.adapter = (adapter[0], adapter[1])
             return step
         if header.num_score_rows:
             step.score_rows = self._empty(header.num_score_rows)

@@ -64,7 +64,7 @@ class StepInputs:
         # Speculative verify steps have a logits row per token, and their tokens attend
         # as sequences of their own.
         rows = max_tokens if config.num_speculative_tokens else seqs
-        self.lora = bool(config.lora_modules)
+        self.lora = config.lora is not None
         if self.lora:
             tokens_fields += ("lora_ids",)
         self.staged = StagedFields(

@@ -24,10 +24,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.models.lora import read_adapter
 from engine.prompt_logprobs import SCORE_ROWS
 from engine.step_channel import (
     DECODE_GRAPH,
     EAGER,
+    LORA,
     PREFILL_GRAPH,
     STOP,
     VERIFY_GRAPH,
@@ -62,6 +64,9 @@ def follow_steps(runner: ModelRunner) -> None:
         step = runner.channel.receive()
         if step.header.path == STOP:
             return
+        if step.header.path == LORA:  # rank 0 has read and checked it
+            runner.lora_slots.write(step.header.bucket, read_adapter(*step.adapter))
+            continue
         replay(runner, step)
 
 

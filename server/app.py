@@ -34,6 +34,7 @@ from server.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedd
 from server.engine_loop import EngineFactory, build_engine
 from server.engine_wire import EngineEndpoint
 from server.errors import APIError
+from server.lora_admin import add_lora_routes
 from server.metrics import Metrics, MetricsShare
 from server.middleware import ApiKeyAuth, BodySizeLimit, RequestId
 from server.prompts import ClientDisconnected
@@ -122,6 +123,8 @@ def create_app(
     app = FastAPI(title="Pagoda", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     _add_routes(app, metrics)
+    if server_config.allow_runtime_lora_updating:
+        add_lora_routes(app, _errors(400, 401, 404, 413, 500, 503))
     _add_dashboard(app, server_config)
     _add_error_handlers(app)
     _drop_422s(app)

@@ -23,6 +23,7 @@ import logging
 import sys
 import threading
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -30,7 +31,16 @@ from engine.detokenizer import IncrementalDetokenizer, byte_table
 from engine.request import RequestOutput, follow
 from engine.sampling_params import SamplingParams
 from server.config import ServerConfig
-from server.engine_loop import Abort, Add, EngineFactory, EngineLoop, Flag, StepReport
+from server.engine_loop import (
+    Abort,
+    Add,
+    EngineFactory,
+    EngineLoop,
+    Flag,
+    Item,
+    LoRAUpdate,
+    StepReport,
+)
 from server.engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
 from server.errors import APIError
@@ -76,7 +86,9 @@ class AsyncEngine:
         self._outbox_lock = threading.Lock()
         # Adds and aborts of this loop iteration, handed over in one put (one pipe
         # write with --engine-process) instead of one per request.
-        self._puts: list[Add | Abort] = []
+        self._puts: list[Item] = []
+        # LoRAUpdates sent, by id: each resolved by the report that answers it.
+        self._lora_updates: dict[str, asyncio.Future[None]] = {}
         self.stats: EngineStats | None = None  # the engine's latest
         self.info: EngineInfo | None = None  # once the engine is built
         metrics.watch_engine(self)
@@ -201,6 +213,19 @@ class AsyncEngine:
         self._put([Add(rid, p, params, now, images) for rid, p in zip(ids, prompts, strict=True)])
         return stream
 
+    async def update_lora(self, name: str, path: str | None) -> None:
+        """Load the adapter at path as `name`, or unload it (path None), between two
+        engine steps; the engine's refusal as an APIError."""
+        if not self.is_alive:
+            raise APIError("The engine is not running.", 503, code="service_unavailable")
+        request_id = f"lora-{uuid.uuid4().hex}"
+        answer = self._lora_updates[request_id] = self._loop.create_future()
+        self._put([LoRAUpdate(request_id, name, path)])
+        try:
+            await answer
+        finally:
+            del self._lora_updates[request_id]
+
     def _abort(self, stream: RequestStream) -> None:
         self._metrics.on_abort(len(stream.unfinished))
         self._forget(stream)
@@ -211,7 +236,7 @@ class AsyncEngine:
             self._streams.pop(rid, None)
         self._put([Abort(rid) for rid in stream.request_ids])
 
-    def _put(self, items: list[Add | Abort]) -> None:
+    def _put(self, items: list[Item]) -> None:
         if not self._puts:
             self._loop.call_soon(self._flush_puts)
         self._puts += items
@@ -235,7 +260,8 @@ class AsyncEngine:
             num_tokens = 0
             for rid, item in report.batch.items():
                 stream = streams.get(rid)
-                if stream is None:  # aborted by the client meanwhile
+                if stream is None:  # aborted by the client meanwhile, or a refused LoRAUpdate
+                    self._answer_lora(rid, item)
                     continue
                 if isinstance(item, APIError):
                     # One prompt failed: the client request fails, so its other prompts stop too.
@@ -257,6 +283,8 @@ class AsyncEngine:
                 decoded = stream.decode([out])
                 num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
+            for rid in report.done:
+                self._answer_lora(rid, None)
             self._metrics.on_step(num_tokens)
         for stream, outputs in per_stream.values():
             if stream.finished:  # failed above, in this same delivery
@@ -269,6 +297,15 @@ class AsyncEngine:
                 for rid in stream.request_ids:
                     self._streams.pop(rid, None)
 
+    def _answer_lora(self, request_id: str, error: object) -> None:
+        answer = self._lora_updates.get(request_id)
+        if answer is None or answer.done():  # another API process's, or its caller left
+            return
+        if isinstance(error, APIError):
+            answer.set_exception(error)
+        else:
+            answer.set_result(None)
+
     def fail_streams(self, error: APIError) -> None:
         """Every open stream ends with the error (the engine side is gone, or the
         server's shutdown grace is over)."""
@@ -276,6 +313,9 @@ class AsyncEngine:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.push(error)
         self._streams.clear()
+        for answer in self._lora_updates.values():
+            if not answer.done():
+                answer.set_exception(error)
 
     # ------------------------------------------------------------ engine side's threads
 

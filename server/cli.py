@@ -1,8 +1,8 @@
 """`pagoda serve [flags]` / `python -m server [flags]`, and `pagoda loadtest ...`.
 
-Every flag but --disable-log-stats, --enable-lora and --speculative-config sets the
-EngineConfig or ServerConfig field named by its `dest`, and defaults to that field's
-default.
+Every flag but --disable-log-stats and --speculative-config sets the EngineConfig or
+ServerConfig field named by its `dest`, and defaults to that field's default (vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also sets --allow-runtime-lora-updating).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import fields
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.heap import pause_collection
-from server.config import GENERATION_CONFIG_CHOICES, ServerConfig
+from server.config import GENERATION_CONFIG_CHOICES, RUNTIME_LORA_ENV, ServerConfig
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tool_parsers import PARSERS
 
@@ -183,9 +184,21 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
     e(
         "--max-lora-rank",
         type=int,
-        help="pad every adapter to this rank (default: the largest adapter's)",
+        help="pad every adapter to this rank (default: the largest adapter's; with "
+        "--enable-lora 16 at least)",
     )
-    e("--enable-lora", action="store_true", help="accepted for vLLM's command lines")
+    e(
+        "--enable-lora",
+        help="adapter slots on every projection, so adapters load while serving "
+        "(/v1/load_lora_adapter; --lora-modules alone serves its adapters without)",
+    )
+    e(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help="with --enable-lora, adapters held at once (default: 1, or as many as "
+        "--lora-modules names)",
+    )
     e("--no-async-scheduling", help="read each step's sampled ids before planning the next")
     e(
         "--num-speculative-tokens",
@@ -339,6 +352,11 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         "tokenizer's, e.g. for a model that has none",
     )
     s(
+        "--allow-runtime-lora-updating",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+        f"also set by vLLM's {RUNTIME_LORA_ENV}=true): clients name server directories",
+    )
+    s(
         "--trust-request-chat-template",
         help="let requests bring their own chat_template (by default a 400): trusted clients only",
     )
@@ -369,7 +387,8 @@ def parse_configs(
     args = vars(build_parser(prog).parse_args(argv))
     if args.pop("disable_log_stats"):
         args["log_stats_interval"] = 0.0
-    args.pop("enable_lora")  # adapters are served when --lora-modules names any
+    if os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"):
+        args["allow_runtime_lora_updating"] = True
     args.update(args.pop("speculative_config") or {})
     try:
         if args["lora_modules"] is not None:

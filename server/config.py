@@ -10,6 +10,8 @@ from server.tool_parsers import PARSERS
 
 # auto: the model's generation_config.json sets the sampling defaults; vllm: it does not.
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
+# vLLM's switch for its adapter-loading endpoints, honoured as --allow-runtime-lora-updating.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ServerConfig:
     # --chat-template: a file's path or the template itself; the template's text after init
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    allow_runtime_lora_updating: bool = False  # server/lora_admin.py's endpoints
     headless: bool = False  # engine/tp_worker.py's serve_headless
 
     def __post_init__(self) -> None:

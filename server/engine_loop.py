@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.checks import RequestRejected
+from engine.checks import RequestRejected, UnknownAdapter
 from engine.config import STEP_PATHS, EngineConfig
 from engine.distributed import WorkerFailed
 from engine.heap import freeze_startup_heap
@@ -54,10 +54,11 @@ class StepReport:
     # Requests the loop has taken from its inbox, ever: with the stats of the same
     # report, a listener counts those still on their way without counting one twice.
     taken_in: int
+    done: list[str] = field(default_factory=list)  # LoRAUpdates made (refused: in batch)
 
     @property
     def has_news(self) -> bool:
-        return bool(self.batch or self.deltas)
+        return bool(self.batch or self.deltas or self.done)
 
 
 Listener = Callable[[StepReport], None]
@@ -86,6 +87,18 @@ class Abort:
     request_id: str
 
 
+@dataclass
+class LoRAUpdate:
+    """Load a LoRA adapter (path) or unload one (path None), between two steps."""
+
+    request_id: str  # its answer's key: in StepReport.done, or an error in the batch
+    name: str
+    path: str | None = None
+
+
+Item = Add | Abort | LoRAUpdate
+
+
 class Credit(Protocol):
     """1 while the listener has taken the last report in (0: outputs wait). In the
     engine process, a shared-memory byte per API process, set there, not a message."""
@@ -112,7 +125,7 @@ class EngineLoop:
         self._factory = factory
         self._listener = listener
         self._cond = threading.Condition()
-        self._inbox: list[Add | Abort] = []
+        self._inbox: list[Item] = []
         self._stopping = False
         self._woken = False
         self._credit = Flag() if credit is None else credit
@@ -125,7 +138,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------ any thread
 
-    def put(self, items: list[Add | Abort], wake: bool = False) -> None:
+    def put(self, items: list[Item], wake: bool = False) -> None:
         """Queue items for the next step; wake: run an iteration (and report) even
         if there are none and nothing else to do."""
         with self._cond:
@@ -193,23 +206,27 @@ class EngineLoop:
                 stopping, self._woken = self._stopping, False
             batch: Batch = {}
             deltas = TokenDeltas()
-            added = self._drain(inbox, batch)
+            done: list[str] = []
+            added = self._drain(inbox, batch, done)
             if stopping:
-                self._report({}, deltas, added)
+                self._report({}, deltas, added, done)
                 self._fail_all(APIError("The server is shutting down.", 503))
                 return
             if engine.has_unfinished_requests():
                 self._step(batch, deltas)
                 if self._stat_log is not None:
                     self._stat_log.maybe_log(engine)
-            self._report(batch, deltas, added)
+            self._report(batch, deltas, added, done)
 
-    def _report(self, batch: Batch, deltas: TokenDeltas, added: list[str]) -> None:
+    def _report(
+        self, batch: Batch, deltas: TokenDeltas, added: list[str], done: list[str] | None = None
+    ) -> None:
         self._taken_in += len(added)
         stats = self.engine.get_stats()
-        self._listener(StepReport(batch, deltas, time.time(), stats, self._taken_in))
+        report = StepReport(batch, deltas, time.time(), stats, self._taken_in, done or [])
+        self._listener(report)
 
-    def _drain(self, inbox: list[Add | Abort], batch: Batch) -> list[str]:
+    def _drain(self, inbox: list[Item], batch: Batch, done: list[str]) -> list[str]:
         added = []
         vision = self.engine.vision
         images = [item.images for item in inbox if isinstance(item, Add) and item.images]
@@ -219,6 +236,9 @@ class EngineLoop:
             if isinstance(item, Abort):
                 self._abort_in_engine(item.request_id)
                 batch.pop(item.request_id, None)
+                continue
+            if isinstance(item, LoRAUpdate):
+                self._update_lora(item, batch, done)
                 continue
             added.append(item.request_id)
             try:
@@ -240,6 +260,24 @@ class EngineLoop:
         if vision is not None and len(images) > 1:
             vision.forget()  # what a refused request left
         return added
+
+    def _update_lora(self, item: LoRAUpdate, batch: Batch, done: list[str]) -> None:
+        try:
+            if item.path is None:
+                self.engine.unload_lora(item.name)
+            else:
+                self.engine.load_lora(item.name, item.path)
+        except WorkerFailed:
+            raise
+        except UnknownAdapter as exc:
+            batch[item.request_id] = APIError(str(exc), 404, code="model_not_found")
+        except ValueError as exc:  # LoRAError: why the adapter cannot be served
+            batch[item.request_id] = APIError(str(exc), 400)
+        except Exception:
+            logger.exception("loading LoRA adapter %r failed", item.name)
+            batch[item.request_id] = APIError("The engine failed to load the adapter.", 500)
+        else:
+            done.append(item.request_id)
 
     def _step(self, batch: Batch, deltas: TokenDeltas) -> None:
         engine = self.engine
@@ -293,6 +331,8 @@ class EngineLoop:
                 if isinstance(item, Add):
                     batch[item.request_id] = error
                     added.append(item.request_id)
+                elif isinstance(item, LoRAUpdate):
+                    batch[item.request_id] = error
             self._inbox.clear()
         if batch or added:
             self._report(batch, TokenDeltas(), added)

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from engine.heap import pause_collection
 from engine.request import TokenDeltas
-from server.engine_loop import Abort, Add, Credit, EngineFactory, EngineLoop, Listener, StepReport
+from server.engine_loop import (
+    Abort,
+    Credit,
+    EngineFactory,
+    EngineLoop,
+    Item,
+    Listener,
+    StepReport,
+)
 from server.engine_wire import EngineEndpoint, EngineInfo, Failed, Put, Ready, Stop, WireReport
 from server.errors import APIError
 
@@ -132,7 +140,7 @@ class EngineProcess:
             and self._reader.is_alive()
         )
 
-    def put(self, items: list[Add | Abort]) -> None:
+    def put(self, items: list[Item]) -> None:
         self._send(Put(items))
 
     def ack(self) -> None:
@@ -253,13 +261,13 @@ class Clients:
         self.send_all(ready)
         self._stats = ready.stats
 
-    def own(self, client: int, items: list[Add | Abort]) -> None:
+    def own(self, client: int, items: list[Item]) -> None:
         with self._lock:
             for item in items:
-                if isinstance(item, Add):
-                    self._owner[item.request_id] = client
-                else:  # forgotten only after its add has been counted in a report
+                if isinstance(item, Abort):  # forgotten only after its add has been counted
                     self._aborted.append(item.request_id)
+                else:  # an Add, or a LoRAUpdate, whose refusal comes back as an error
+                    self._owner[item.request_id] = client
 
     def leave(self, client: int) -> list[Abort]:
         """Client is going: the aborts that free its requests' work in the engine."""
@@ -286,7 +294,7 @@ class Clients:
                 if rid not in active:
                     owner.pop(rid, None)
             aborted, self._aborted = self._aborted, []
-            for rid in aborted:
+            for rid in aborted + report.done:
                 owner.pop(rid, None)
             leaving, self._leaving = self._leaving, set()
             for client in leaving:  # its requests were aborted in this step's drain
@@ -302,13 +310,13 @@ class Clients:
         deltas = WireReport.pack_deltas(report.deltas)
         shared = None
         for i in range(n):
-            news = outputs[i] or errors[i] or deltas
+            news = outputs[i] or errors[i] or deltas or report.done
             if news or changed or i in leaving:
                 if news:
                     self._credits[i].value = 0  # before the report: the ack it brings must win
                 if shared is None:
                     shared = WireReport.pack_shared(
-                        deltas, report.step_time, report.stats, report.taken_in
+                        deltas, report.step_time, report.stats, report.taken_in, report.done
                     )
                 self._send(i, WireReport.pack(outputs[i], errors[i], shared))
         for client in leaving:

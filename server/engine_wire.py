@@ -1,7 +1,7 @@
 """The messages between an API process and the engine process, and how they pickle.
 
 Each API process talks to the engine process over two pipes of pickled messages:
-  API → engine   Put([Add | Abort, ...]), Stop()
+  API → engine   Put([Add | Abort | LoRAUpdate, ...]), Stop()
   engine → API   Ready(EngineInfo, stats), Failed(message), WireReport(...)
 A WireReport is a StepReport (server/engine_loop.py) cut to one API process:
 its own outputs and errors, the step's TokenDeltas as bytes pickled once for
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.request import RequestMetrics, RequestOutput, TokenDeltas, TokenLogprob
-from server.engine_loop import Abort, Add, Batch, Credit, StepReport
+from server.engine_loop import Batch, Credit, Item, StepReport
 from server.errors import APIError
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class EngineEndpoint:
 
 @dataclass
 class Put:
-    items: list[Add | Abort]
+    items: list[Item]
 
 
 @dataclass
@@ -128,11 +128,14 @@ class WireReport:
     step_time: float
     stats: EngineStats
     taken_in: int
+    done: list[str]  # every API process's LoRAUpdates made (each knows its own ids)
 
     @staticmethod
-    def pack_shared(deltas: bytes, step_time: float, stats: EngineStats, taken_in: int) -> bytes:
+    def pack_shared(
+        deltas: bytes, step_time: float, stats: EngineStats, taken_in: int, done: list[str]
+    ) -> bytes:
         """What every API process's report of a step holds, pickled once for all of them."""
-        return pickle.dumps((deltas, step_time, stats, taken_in), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((deltas, step_time, stats, taken_in, done), pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
     def pack(outputs: list[RequestOutput], errors: dict[str, APIError], shared: bytes) -> bytes:
@@ -158,7 +161,7 @@ class WireReport:
             batch.setdefault(out.request_id, []).append(out)
         batch.update(self.errors)
         deltas = TokenDeltas(*pickle.loads(self.deltas)) if self.deltas else TokenDeltas()
-        return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in)
+        return StepReport(batch, deltas, self.step_time, self.stats, self.taken_in, self.done)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -39,6 +39,9 @@ from server.protocol import (
 )
 from server.reasoning import default_parser
 from server.request_stream import RequestStream, coalesce
+
+if TYPE_CHECKING:
+    from engine.models.lora_slots import ServedAdapter
 
 logger = logging.getLogger("pagoda.server")
 # Sampling fields whose null means SamplingParams' default.
@@ -97,8 +100,8 @@ class Serving:
             )
         self.async_engine = async_engine
         self.model_name = config.served_model_name or info.model_name
-        # LoRA adapters, each served as a model of its own name: name -> its directory.
-        self.lora_modules = dict(info.config.lora_modules or {})
+        self._served: tuple[ServedAdapter, ...] | None = None  # lora_modules' source
+        self._lora_modules: dict[str, str] = {}
         self.max_model_len = info.max_model_len
         self.by_priority = info.config.scheduling_policy == "priority"
         self.vocab_size = info.vocab_size
@@ -144,6 +147,16 @@ class Serving:
                 param="model",
             )
         self.async_engine.check_capacity()
+
+    @property
+    def lora_modules(self) -> dict[str, str]:
+        """The LoRA adapters served now, each as a model of its own name (name -> its
+        directory): the engine's, as its last report says."""
+        stats = self.async_engine.stats
+        served = stats.lora_adapters if stats is not None else ()
+        if served != self._served:
+            self._served, self._lora_modules = served, {a.name: a.path for a in served}
+        return self._lora_modules
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and model not in self.lora_modules:

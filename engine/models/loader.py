@@ -30,7 +30,8 @@ from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
 from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
-from engine.models.lora import LoRAError, attach_adapters
+from engine.models.lora import LoRAError
+from engine.models.lora_slots import LoRASettings, LoRASlots
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.multimodal import (
@@ -210,8 +211,7 @@ def load_model(
     config: PretrainedConfig | None = None,  # already read by the caller
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,  # "fp8": dense projections quantized after loading
-    lora_modules: dict[str, str] | None = None,  # LoRA adapters: name -> PEFT directory
-    max_lora_rank: int | None = None,  # None: the largest adapter's
+    lora: LoRASettings | None = None,  # adapter slots (engine/models/lora_slots.py)
 ) -> tuple[nn.Module, PretrainedConfig]:
     """This rank's shard of the model (all of it with SINGLE), weights read from disk. An
     FP8 checkpoint is read back to `dtype`; its projections go back to FP8 where the
@@ -237,7 +237,7 @@ def load_model(
         model.classifier = None
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
-        return _finish(model, device, quantization, lora_modules, max_lora_rank), config
+        return _finish(model, device, quantization, lora), config
     weights = iter_weights(model_dir)
     if is_multimodal(model_dir):
         weights = language_model_weights(weights)
@@ -277,7 +277,7 @@ def load_model(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
     set_kv_scales(model, kv_scales)
-    return _finish(model, device, quantization, lora_modules, max_lora_rank), config
+    return _finish(model, device, quantization, lora), config
 
 
 def _without_heads(
@@ -309,8 +309,7 @@ def load_for_engine(
         hf_config,
         tp,
         config.quantization,
-        config.lora_modules,
-        config.max_lora_rank,
+        config.lora,
     )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     seconds = time.perf_counter() - start
@@ -322,17 +321,16 @@ def _finish(
     model: nn.Module,
     device: torch.device,
     quantization: str | None,
-    lora_modules: dict[str, str] | None,
-    max_lora_rank: int | None,
+    lora: LoRASettings | None,
 ) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)
     # Before quantizing: the adapters read the projections' sections, which FP8 drops.
-    model.lora_state = None
-    if lora_modules:
+    model.lora_slots = None
+    if lora is not None:
         try:
-            model.lora_state = attach_adapters(model, lora_modules, max_lora_rank)
+            model.lora_slots = LoRASlots.attach(model, lora)
         except LoRAError as e:
             raise ModelLoadError(str(e)) from e
     if quantization == "fp8":

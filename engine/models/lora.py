@@ -24,7 +24,6 @@ before the projection's all_reduce like the rest of its product.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +43,6 @@ from kernels.linear import (
     splitk_pays,
     splitk_workspace,
 )
-
-logger = logging.getLogger("pagoda.engine")
 
 # adapter_config.json settings that change what an adapter computes, which this code
 # does not apply: refused by name rather than served wrong. (layers_to_transform needs
@@ -117,8 +114,8 @@ class LoRAState:
     section count k, built at its first use in a forward (the model runner calls
     `begin` first, also inside a captured graph)."""
 
-    def __init__(self, names: list[str], rank: int, dtype: torch.dtype, device: torch.device):
-        self.names = names  # by adapter index
+    def __init__(self, slots: int, rank: int, dtype: torch.dtype, device: torch.device):
+        self.slots = slots  # adapter indices 0 .. slots - 1 (engine/models/lora_slots.py)
         self.rank, self.dtype, self.device = rank, dtype, device
         self.ids: torch.Tensor | None = None  # [num_tokens] adapter index, -1: none
         self._columns: dict[int, torch.Tensor] = {}
@@ -141,7 +138,7 @@ class LoRAState:
     def columns(self, k: int) -> torch.Tensor:
         """[L * k * R] the adapter each stacked column belongs to (shared by layers)."""
         if k not in self._columns:
-            width = len(self.names) * k * self.rank
+            width = self.slots * k * self.rank
             cols = torch.arange(width, device=self.device)
             self._columns[k] = cols // (k * self.rank)
         return self._columns[k]
@@ -169,6 +166,17 @@ class LoRALayer(nn.Module):
         self.k, self.state = k, state
         self.register_buffer("a", a)  # [L * k * R, in]: every A, as a weight
         self.register_buffer("b", b)  # [L * k * R, out]
+
+    def fill(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Replace an adapter slot's rows, in place (a captured graph reads these
+        buffers): a [k * R, in] and b [k * R, out], or None for zeros."""
+        size = self.k * self.state.rank
+        rows = slice(slot * size, (slot + 1) * size)
+        for stack, block in ((self.a, a), (self.b, b)):
+            if block is None:
+                stack[rows].zero_()
+            else:
+                stack[rows].copy_(block)
 
     def delta(self, x: torch.Tensor) -> LoRADelta | None:
         """The step's deltas for x [num_tokens, in] (None: no adapter ids this forward)."""
@@ -235,11 +243,11 @@ def resolve(model: nn.Module, module: str) -> Target:
     return Target(path, section)
 
 
-def sections_of(linear: nn.Module, target: Target) -> int:
-    """k: how many separately adapted sections a projection's stack holds."""
-    if isinstance(linear, ColumnParallelLinear) and target.section is not None:
-        return len(linear.sections)
-    return 1
+def sections(linear: nn.Module) -> int:
+    """k: how many separately adapted sections a projection's stack holds (q, k, v of a
+    fused qkv_proj; gate and up of gate_up_proj). An adapter targeting the fused tensor
+    whole (Phi-3's qkv_proj) uses its first section's columns for all of it."""
+    return len(linear.sections) if isinstance(linear, ColumnParallelLinear) else 1
 
 
 def b_rows(linear: nn.Module, b: torch.Tensor, section: int | None) -> tuple[int, torch.Tensor]:
@@ -264,53 +272,3 @@ def a_cols(linear: nn.Module, a: torch.Tensor) -> torch.Tensor:
         return read(TensorSlice(a), [a.shape[0], linear.in_features])
     cols = ((linear.in_start, linear.in_start + linear.in_features),)
     return read(TensorSlice(a), [a.shape[0], linear.full_in_features], cols, dim=1)
-
-
-@torch.no_grad()
-def attach_adapters(
-    model: nn.Module,
-    adapters: dict[str, str],  # name -> PEFT directory, in adapter-index order
-    max_rank: int | None,
-) -> LoRAState:
-    """Read the adapters and give each projection any of them touch its LoRALayer."""
-    read_ = [read_adapter(name, path) for name, path in adapters.items()]
-    rank = max(w.rank for w in read_)
-    if max_rank is not None:
-        if rank > max_rank:
-            worst = max(read_, key=lambda w: w.rank)
-            raise LoRAError(
-                f"LoRA adapter {worst.name!r} has rank {worst.rank}, above --max-lora-rank "
-                f"{max_rank}"
-            )
-        rank = max_rank
-    param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    state = LoRAState(list(adapters), rank, dtype, device)
-    by_path: dict[str, list[tuple[int, Target, torch.Tensor, torch.Tensor]]] = {}
-    for index, weights in enumerate(read_):
-        for module, (a, b) in weights.modules.items():
-            target = resolve(model, module)
-            by_path.setdefault(target.path, []).append((index, target, a, b))
-    num = len(read_)
-    for path, entries in by_path.items():
-        linear = model.get_submodule(path)
-        k = max(sections_of(linear, t) for _, t, _, _ in entries)
-        in_local, out_local = linear.in_features, linear.out_features
-        a_all = torch.zeros(num * k * rank, in_local)
-        b_all = torch.zeros(num * k * rank, out_local)
-        for index, target, a, b in entries:
-            try:
-                cols = a_cols(linear, a)  # [r, in_local]
-                start, rows = b_rows(linear, b, target.section)  # [out rows, r]
-            except ValueError as e:
-                raise LoRAError(f"LoRA adapter {state.names[index]!r}, {path}: {e}") from e
-            j = target.section if k > 1 and target.section is not None else 0
-            first = (index * k + j) * rank
-            a_all[first : first + cols.shape[0]] = cols
-            b_all[first : first + rows.shape[1], start : start + rows.shape[0]] = rows.t()
-        linear.lora = LoRALayer(a_all.to(device, dtype), b_all.to(device, dtype), k, state)
-        state.columns(k)  # built now, not inside a graph's capture
-    logger.info(
-        "LoRA adapters %s: rank %d, on %d projections", ", ".join(adapters), rank, len(by_path)
-    )
-    return state

@@ -89,7 +89,7 @@ def test_random_adapters_load_and_spread_over_the_requests(tiny_llama_dir):
     request i generates with adapter i mod N."""
     adapters = write_random_adapters(tiny_llama_dir, 2, 4)
     llm = LLM(tiny_llama_dir, device="cpu", max_num_seqs=4, lora_modules=adapters)
-    assert llm.engine.model.lora_state.rank == 4
+    assert llm.engine.model.lora_slots.state.rank == 4
     added = []
     add = llm.engine.add_request
     llm.engine.add_request = lambda rid, ids, params: added.append(params) or add(rid, ids, params)

@@ -83,7 +83,7 @@ def test_a_larger_max_lora_rank_pads_without_changing_tokens(
 ):
     padded = LLM(tiny_llama_dir, lora_modules=tiny_lora_adapters, max_lora_rank=16, **CONFIG)
     prompts, names = PROMPTS[2:4], ["all", "qv"]
-    assert padded.engine.model.lora_state.rank == 16
+    assert padded.engine.model.lora_slots.state.rank == 16
     got = [o.outputs[0].token_ids for o in generate(padded, prompts, names)]
     assert got == [o.outputs[0].token_ids for o in generate(llm, prompts, names)]
 
@@ -124,9 +124,18 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(
 
 def test_two_ranks_match_peft(tiny_llama_dir, tiny_lora_adapters):
     """Column-parallel stacks hold their rows of B, row-parallel ones their columns of A
-    (the deltas summed by the projections' all_reduce)."""
-    tp2 = LLM(tiny_llama_dir, lora_modules=tiny_lora_adapters, tensor_parallel_size=2, **CONFIG)
+    (the deltas summed by the projections' all_reduce). An adapter loaded while serving
+    reaches the other rank's slot too."""
+    tp2 = LLM(
+        tiny_llama_dir,
+        lora_modules={"qv": tiny_lora_adapters["qv"]},
+        enable_lora=True,
+        max_loras=2,
+        tensor_parallel_size=2,
+        **CONFIG,
+    )
     try:
+        tp2.load_lora("all", tiny_lora_adapters["all"])
         prompts, names = PROMPTS[1:4], ["qv", None, "all"]
         got = [o.outputs[0].token_ids for o in generate(tp2, prompts, names)]
         assert got == expected(tiny_llama_dir, tiny_lora_adapters, prompts, names)

@@ -98,3 +98,29 @@ def test_the_split_k_epilogue_adds_what_torch_adds(tiny_llama_dir, tiny_lora_ada
     # The epilogue adds the deltas to fp32 sums, torch to the bf16 product.
     assert (epilogue - in_torch).abs().max() < 0.25
     assert (scores("all") - in_torch).abs().max() > 1.0
+
+
+def test_adapters_loaded_after_capture_match_peft(tiny_llama_dir, tiny_lora_adapters) -> None:
+    """The decode graphs are captured over empty slots: loads write into them in place,
+    and a slot's next adapter replaces all of the last one's rows."""
+    llm = LLM(
+        tiny_llama_dir,
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=16,
+        enable_lora=True,
+        max_loras=2,
+    )
+    llm.load_lora("all", tiny_lora_adapters["all"])
+    llm.load_lora("qv", tiny_lora_adapters["qv"])
+    llm.unload_lora("all")
+    llm.load_lora("again", tiny_lora_adapters["qv"])  # qv's rows over all's, in slot 0
+    adapters = {"qv": tiny_lora_adapters["qv"], "again": tiny_lora_adapters["qv"]}
+    prompts = PROMPTS[:8]
+    names = [[None, "qv", "again"][i % 3] for i in range(len(prompts))]
+    outs = llm.generate(prompts, [greedy(n) for n in names], use_tqdm=False)
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    for prompt, name, out in zip(prompts, names, outs):
+        want = peft_greedy(tiny_llama_dir, adapters.get(name), tokenizer.encode(prompt), NEW)
+        assert out.outputs[0].token_ids == want, (prompt, name)
+    assert llm.engine.runner.steps_by_path["graph"] > 0

@@ -155,9 +155,12 @@ def start_server(tiny_gpt2_dir) -> Iterator[Callable[..., LiveServer]]:
 
 @pytest.fixture(scope="session")
 def lora_server(tiny_llama_dir, tiny_lora_adapters) -> Iterator[LiveServer]:
-    """The tiny Llama with the two tiny LoRA adapters (tests/conftest.py)."""
-    config = engine_config(tiny_llama_dir, lora_modules=tiny_lora_adapters)
-    server_config = ServerConfig(shutdown_timeout=5.0)
+    """The tiny Llama with the two tiny LoRA adapters (tests/conftest.py), and a slot for
+    a third to load while serving."""
+    config = engine_config(
+        tiny_llama_dir, lora_modules=tiny_lora_adapters, enable_lora=True, max_loras=3
+    )
+    server_config = ServerConfig(shutdown_timeout=5.0, allow_runtime_lora_updating=True)
     live = LiveServer(create_app(config, server_config), server_config).start()
     yield live
     live.stop()

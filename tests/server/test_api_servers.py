@@ -74,8 +74,8 @@ def test_clients_route_outputs_count_adds_and_let_go():
     a1, b1, b2 = output("a", 0, [7]), output("b", 0, [8]), output("b", 1, [9])
     clients.report(loop, step({"a": [a1], "b": [b1, b2]}, "stats1", 3))
     # Outputs go to their own client; both hear that the engine took in 3 requests.
-    assert pipes[0][0].recv() == WireReport([a1], {}, b"", 1.0, "stats1", 3)
-    assert pipes[1][0].recv() == WireReport([b1, b2], {}, b"", 1.0, "stats1", 3)
+    assert pipes[0][0].recv() == WireReport([a1], {}, b"", 1.0, "stats1", 3, [])
+    assert pipes[1][0].recv() == WireReport([b1, b2], {}, b"", 1.0, "stats1", 3, [])
     assert credits[0].value == 0 and credits[1].value == 0 and clients.value == 0
     credits[0].value = 1
     assert clients.value == 0  # the engine builds outputs only once both took theirs in
@@ -86,7 +86,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
     loop.active.discard("b")  # finished: forgotten after this report
     b3 = output("b", 0, [10], finished=True)
     clients.report(loop, step({"b": [b3]}, "stats1", 3))
-    assert pipes[1][0].recv() == WireReport([b3], {}, b"", 1.0, "stats1", 3)
+    assert pipes[1][0].recv() == WireReport([b3], {}, b"", 1.0, "stats1", 3, [])
     assert not pipes[0][0].poll() and credits[0].value == 1
 
     # Client 1 leaves with "c" still running: "c" is aborted in the engine and
@@ -97,7 +97,7 @@ def test_clients_route_outputs_count_adds_and_let_go():
     assert report.outputs == [] and report.errors["c"].status == 503
     with pytest.raises(EOFError):
         pipes[1][0].recv()
-    assert pipes[0][0].recv() == WireReport([], {}, b"", 1.0, "stats2", 3)  # new stats: to all
+    assert pipes[0][0].recv() == WireReport([], {}, b"", 1.0, "stats2", 3, [])  # new stats: to all
     assert clients.num_open == 1 and not loop.stopped
     credits[1].value = 0
     assert clients.value == 1  # a client that left holds nothing back

@@ -3,13 +3,24 @@ listed by /v1/models with its base as parent, named by the responses it answers.
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+
 import httpx
 import openai
 import pytest
 
 from engine.models.loader import load_tokenizer
+from engine.sampling_params import SamplingParams
+from server.app import build_engine
+from server.async_engine import AsyncEngine
 from server.cli import parse_configs
-from tests.conftest import peft_greedy
+from server.config import ServerConfig
+from server.engine_process import spawn_engine
+from server.errors import APIError
+from server.metrics import Metrics, MetricsShare
+from tests.conftest import build_lora, peft_greedy
+from tests.server.conftest import engine_config
 
 
 @pytest.fixture
@@ -71,3 +82,105 @@ def test_the_flag_takes_name_equals_dir_and_vllms_json():
     for bad in (["a"], ["a=/x", "a=/y"], ['{"name": "a"}']):
         with pytest.raises(SystemExit):
             parse_configs(["--lora-modules", *bad])
+
+
+def test_an_adapter_loads_and_unloads_while_serving(
+    lora_server, oai, tmp_path, tiny_llama_dir, tiny_lora_adapters
+):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: answers in its words."""
+    extra = build_lora(tiny_llama_dir, tmp_path / "extra", 7, r=4, target_modules=["o_proj"])
+    url = lora_server.base_url
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/{path}", json=body, timeout=60)
+
+    def refused(body: dict, text: str) -> None:
+        r = post("load_lora_adapter", body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and (text in error["message"] or text == error["param"])
+
+    base = tiny_llama_dir.rstrip("/").rsplit("/", 1)[-1]
+    refused({"lora_name": base, "lora_path": extra}, "the base model's name")
+    refused({"lora_name": "x", "lora_path": str(tmp_path)}, "adapter_config.json")
+    refused({"lora_name": "x"}, "lora_path")
+
+    r = post("load_lora_adapter", {"lora_name": "extra", "lora_path": extra})
+    assert r.status_code == 200
+    assert r.text == "Success: LoRA adapter 'extra' added successfully."
+    cards = {m.id: m for m in oai.models.list().data}
+    assert list(cards)[-1] == "extra" and cards["extra"].root == extra
+    ids = load_tokenizer(tiny_llama_dir).encode("Once upon a time")
+    out = oai.completions.create(
+        model="extra",
+        prompt=ids,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert out.model == "extra"
+    assert out.choices[0].token_ids == peft_greedy(tiny_llama_dir, extra, ids, 6)
+    refused({"lora_name": "extra", "lora_path": extra}, "'extra' has already been loaded")
+    refused({"lora_name": "x", "lora_path": tiny_lora_adapters["all"]}, "all 3 LoRA")
+
+    r = post("unload_lora_adapter", {"lora_name": "extra"})
+    assert r.status_code == 200
+    assert r.text == "Success: LoRA adapter 'extra' removed successfully."
+    assert [m.id for m in oai.models.list().data] == [base, "all", "qv"]
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="extra", prompt="hi", max_tokens=2)
+    r = post("unload_lora_adapter", {"lora_name": "extra"})
+    assert r.status_code == 404 and "'extra' cannot be found" in r.json()["error"]["message"]
+
+
+def test_loading_endpoints_are_off_by_default(client, monkeypatch):
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "a"}).status_code == 404
+    _, server = parse_configs([])
+    assert not server.allow_runtime_lora_updating
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    engine, server = parse_configs(["--enable-lora", "--max-loras", "4"])
+    assert server.allow_runtime_lora_updating and engine.enable_lora and engine.max_loras == 4
+
+
+async def test_an_adapter_loaded_through_one_api_process_serves_in_the_other(
+    tiny_llama_dir, tiny_lora_adapters
+):
+    """With --api-server-count 2 the engine process answers the process that asked, and
+    every API process learns the adapters served from the engine's reports."""
+    config = engine_config(tiny_llama_dir, enable_lora=True, max_loras=1)
+    process, endpoints = spawn_engine(config, build_engine, num_clients=2)
+    buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
+    engines = [
+        AsyncEngine(config, ServerConfig(), Metrics(MetricsShare(buffer, i, 2)), build_engine, e)
+        for i, e in enumerate(endpoints)
+    ]
+    await asyncio.gather(*(e.start() for e in engines))
+
+    def update(api: int, name: str, path: str | None):  # an answer lost would hang
+        return asyncio.wait_for(engines[api].update_lora(name, path), timeout=60)
+
+    try:
+        path = tiny_lora_adapters["qv"]
+        await update(0, "qv", path)
+        ids = load_tokenizer(tiny_llama_dir).encode("Once upon a time")
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name="qv")
+        tokens = [
+            t
+            async for outputs in engines[1].submit("r", [ids], params)
+            for out in outputs
+            for t in out.new_token_ids
+        ]
+        assert tokens == peft_greedy(tiny_llama_dir, path, ids, 6)
+        served = engines[1].stats.lora_adapters  # reported to both since the load
+        assert [(a.name, a.path) for a in served] == [("qv", path)]
+        with pytest.raises(APIError) as refused:  # the one slot is taken
+            await update(1, "all", tiny_lora_adapters["all"])
+        assert refused.value.status == 400 and "all 1 LoRA adapter slots" in str(refused.value)
+        with pytest.raises(APIError) as unknown:
+            await update(1, "all", None)
+        assert unknown.value.status == 404
+        await update(1, "qv", None)
+        assert engines[1].stats.lora_adapters == ()
+    finally:
+        for engine in engines:
+            await engine.shutdown(timeout=30)
+    process.join(30)

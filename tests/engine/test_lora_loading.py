@@ -1,0 +1,103 @@
+"""LoRA adapters loaded and unloaded while serving (--enable-lora): a slot's new adapter
+gives peft's tokens beside the others, never the last occupant's cached prefixes; a
+slot frees only once its requests are done; what cannot load is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.models.lora import LoRAError
+from tests.conftest import PROMPTS, build_lora
+from tests.engine.test_lora import CONFIG, expected, generate, greedy
+
+
+@pytest.fixture(scope="module")
+def third(tmp_path_factory, tiny_llama_dir) -> str:
+    """A third adapter, on the MLP only: what a reused slot must hold instead of 'all'."""
+    path = tmp_path_factory.mktemp("lora-mlp") / "mlp"
+    return build_lora(tiny_llama_dir, path, 3, r=4, target_modules=["gate_proj", "down_proj"])
+
+
+def test_adapters_loaded_while_serving_match_peft_and_reuse_slots(
+    tiny_llama_dir, tiny_lora_adapters, third
+):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, **CONFIG)
+    adapters = tiny_lora_adapters | {"mlp": third}
+    prompt = PROMPTS[5]  # several full blocks for the prefix cache
+    base = generate(llm, [prompt], [None])[0].outputs[0].token_ids
+    assert llm.engine.model.lora_slots.state.rank == 16  # vLLM's default with enable_lora
+    llm.load_lora("all", adapters["all"])
+    llm.load_lora("qv", adapters["qv"])
+    prompts, names = [prompt, *PROMPTS[1:3], prompt], ["all", "qv", None, "qv"]
+    got = [o.outputs[0].token_ids for o in generate(llm, prompts, names)]
+    assert got == expected(tiny_llama_dir, adapters, prompts, names)
+    assert got[0] != base and got[3] != base
+    with pytest.raises(LoRAError, match="all 2 LoRA adapter slots"):
+        llm.load_lora("mlp", third)
+    with pytest.raises(LoRAError, match="'qv' has already been loaded"):
+        llm.load_lora("qv", adapters["qv"])
+
+    llm.unload_lora("all")
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'all'"):
+        generate(llm, [prompt], ["all"])
+    llm.load_lora("mlp", third)  # into the slot "all" held
+    assert llm.engine.model.lora_slots.names == ["mlp", "qv"]
+    mlp = generate(llm, [prompt], ["mlp"])[0]
+    assert mlp.num_cached_tokens == 0  # not the blocks "all" cached in this slot
+    assert mlp.outputs[0].token_ids == expected(tiny_llama_dir, adapters, [prompt], ["mlp"])[0]
+    assert generate(llm, [prompt], ["mlp"])[0].num_cached_tokens > 0
+    stats = llm.engine.get_stats().lora_adapters
+    assert [(a.name, a.path) for a in stats] == [("qv", adapters["qv"]), ("mlp", third)]
+
+
+def test_a_slot_frees_only_when_its_requests_are_done(tiny_llama_dir, tiny_lora_adapters, third):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=1, **CONFIG)
+    engine = llm.engine
+    llm.load_lora("all", tiny_lora_adapters["all"])
+    prompt_ids = llm.tokenizer.encode(PROMPTS[2])
+    engine.add_request("r", prompt_ids, greedy("all"))
+    outputs = engine.step()  # prefill: the request runs on "all"
+    llm.unload_lora("all")
+    with pytest.raises(LoRAError, match="hold adapters or their requests"):
+        llm.load_lora("mlp", third)
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    want = expected(tiny_llama_dir, tiny_lora_adapters, [PROMPTS[2]], ["all"])[0]
+    assert tokens == want  # it finished on the adapter it started with
+    llm.load_lora("mlp", third)
+    assert engine.lora_index("mlp") == 0
+
+
+def test_what_cannot_load_is_refused_and_leaves_the_slot_free(
+    tmp_path, tiny_llama_dir, tiny_lora_adapters
+):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_lora_rank=4, **CONFIG)
+    with pytest.raises(LoRAError, match="rank 8, above --max-lora-rank 4"):
+        llm.load_lora("all", tiny_lora_adapters["all"])
+    with pytest.raises(LoRAError, match="cannot read its adapter_config.json"):
+        llm.load_lora("x", str(tmp_path / "missing"))
+    head = build_lora(tiny_llama_dir, tmp_path / "head", 3, r=4, target_modules=["lm_head"])
+    with pytest.raises(LoRAError, match="lm_head"):
+        llm.load_lora("head", head)
+    llm.load_lora("qv", tiny_lora_adapters["qv"])  # the one slot is still free
+    got = generate(llm, PROMPTS[1:2], ["qv"])[0].outputs[0].token_ids
+    assert got == expected(tiny_llama_dir, tiny_lora_adapters, PROMPTS[1:2], ["qv"])[0]
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'all'"):
+        llm.unload_lora("all")
+
+    static = LLM(tiny_llama_dir, lora_modules={"qv": tiny_lora_adapters["qv"]}, **CONFIG)
+    with pytest.raises(LoRAError, match="only with --enable-lora"):
+        static.load_lora("all", tiny_lora_adapters["all"])
+    plain = LLM(tiny_llama_dir, **CONFIG)
+    with pytest.raises(LoRAError, match="only with --enable-lora"):
+        plain.load_lora("all", tiny_lora_adapters["all"])
+    with pytest.raises(ValueError, match="max_loras 1 holds fewer adapters than the 2"):
+        LLM(tiny_llama_dir, lora_modules=tiny_lora_adapters, max_loras=1, **CONFIG)
+
+
+def test_sampling_params_name_no_adapter_without_lora(tiny_llama_dir):
+    plain = LLM(tiny_llama_dir, **CONFIG)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'a' \\(loaded: none\\)"):
+        plain.generate(["hi"], SamplingParams(max_tokens=2, lora_name="a"), use_tqdm=False)
