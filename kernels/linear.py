@@ -31,6 +31,10 @@ SMALL_M = 16
 # Outputs this wide (LM heads) fill the GPU with column tiles alone: wider tiles, deeper
 # pipeline.
 WIDE_N = 32768
+# Up to this K (a small model's hidden size) a wide output's K tiles are half as long and
+# its column tiles twice as wide: K = 896 makes 3.5 tiles of 256, too few to pipeline
+# (Qwen2.5-0.5B's LM head, measured in the step on an H200).
+SHORT_K = 1024
 # Weights up to this size take the kernel up to SPLITK_MAX_M rows whatever their shape:
 # their GEMMs are launch and ramp more than bytes, and this kernel, launched with PDL,
 # reads its first weights while the kernel before it ends (GPT-2's projections, at most
@@ -251,25 +255,30 @@ class SplitKWorkspace:
         return self.configs[m > SMALL_M]
 
 
-_SHARED: dict[tuple[int, torch.device, bool], SplitKWorkspace] = {}
+_SHARED: dict[tuple[int, torch.device, bool, bool], SplitKWorkspace] = {}
 
 
-def splitk_workspace(n: int, device: torch.device, fp8: bool = False) -> SplitKWorkspace:
+def splitk_workspace(
+    n: int, device: torch.device, fp8: bool = False, k: int = 0
+) -> SplitKWorkspace:
     """One workspace per output width (and weight dtype), shared by every layer of that
     width: launches on one stream run one after another, and each leaves the counters at
     zero. Up to SMALL_M rows of 16-bit weights its K splits fill about four waves of the
-    GPU's SMs with column tiles (wide outputs need none). More rows (a down projection at
+    GPU's SMs with column tiles (wide outputs need none; their tiles follow k, the
+    weight's, by SHORT_K). More rows (a down projection at
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
     projections). FP8 weights, whose dots run on e4m3 at every batch, take that config
     at any row count, with K tiles of 256 one-byte values and one stage fewer when the
     column tiles alone fill more than a wave (measured on Llama-3-8B's four projections
     at m = 32 and 64, and at 1 and 16 on an H200)."""
-    key = (n, device, fp8)
+    short = n >= WIDE_N and 0 < k <= SHORT_K
+    key = (n, device, fp8, short)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         if n >= WIDE_N:
-            config = SplitKConfig(num_splits=1, block_n=64, block_k=256, num_stages=4)
+            block_n, block_k = (128, 128) if short else (64, 256)
+            config = SplitKConfig(1, block_n, block_k, num_stages=4)
             _SHARED[key] = SplitKWorkspace(n, device, config=config)
         else:
             block_n = 64 if n >= 2048 else 32
@@ -388,5 +397,6 @@ def splitk_max_rows(n: int, k: int, element_size: int) -> int:
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS."""
     if x.dim() == 2 and splitk_pays(x, weight):
-        return splitk_linear(x, weight, bias, splitk_workspace(weight.shape[0], x.device))
+        workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
+        return splitk_linear(x, weight, bias, workspace)
     return F.linear(x, weight, bias)

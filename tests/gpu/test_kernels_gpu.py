@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from kernels.kv_store import kv_store, kv_store_ref
-from kernels.linear import SplitKWorkspace, linear_ref, splitk_linear
+from kernels.linear import (
+    SHORT_K,
+    WIDE_N,
+    SplitKWorkspace,
+    dense,
+    linear_ref,
+    splitk_linear,
+    splitk_pays,
+    splitk_workspace,
+)
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
 from kernels.prefill_attention import (
     paged_prefill_attention,
@@ -261,3 +270,19 @@ def test_splitk_linear_replayed_in_cuda_graph(
         for out in outs:
             torch.testing.assert_close(out.float(), expected, **tolerance(dtype))
     assert not workspace.counters.any()
+
+
+@pytest.mark.parametrize("k", [896, 4096])  # Qwen2.5-0.5B's LM head, Llama-3-8B's
+@pytest.mark.parametrize("m", [1, 13])
+def test_a_wide_outputs_tiles_follow_its_k(m: int, k: int) -> None:
+    """LM heads at up to SMALL_M rows: one split, the tiles set by K (SHORT_K)."""
+    torch.manual_seed(k + m)
+    n = WIDE_N + 1001  # a ragged last column tile
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    weight = 0.02 * torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    assert splitk_pays(x, weight)
+    config = splitk_workspace(n, x.device, k=k).config_for(m)
+    assert (config.num_splits, config.block_k) == (1, 128 if k <= SHORT_K else 256)
+    got = dense(x, weight, None)
+    torch.testing.assert_close(got.float(), linear_ref(x.float(), weight.float(), None),
+                               **tolerance(torch.bfloat16))  # fmt: skip
