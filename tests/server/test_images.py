@@ -315,7 +315,7 @@ def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
     monkeypatch.setattr(engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     adds = [Add(f"r{i}", p.token_ids, params, 0.0, p.images) for i, p in enumerate(prompts)]
-    assert loop._drain(adds, {}) == ["r0", "r1"]
+    assert loop._drain(adds, {}, []) == ["r0", "r1"]
     assert [len(batch) for batch in calls] == [2]
     got: dict[str, list[int]] = {"r0": [], "r1": []}
     while engine.has_unfinished_requests():
