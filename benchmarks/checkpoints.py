@@ -144,6 +144,49 @@ def glm_4_5_air():
     )
 
 
+def deepseek_v2_lite():
+    """DeepSeek-V2-Lite's shape: 27 layers (the first dense), 2048 hidden, 16 MLA heads
+    (latent 512, K 128 + 64 rotary, V 128), 64 experts of 1408, top-6 by softmax, two
+    shared experts; YaRN x40; ~15.7B parameters (31 GB in bf16), ~2.4B active per token."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=163840,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "rope_theta": 10000.0,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -200,6 +243,7 @@ CONFIGS = {
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "gpt-oss-20b": gpt_oss_20b,
     "glm-4.5-air": glm_4_5_air,
+    "deepseek-v2-lite": deepseek_v2_lite,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "bert-base": bert_base,
@@ -208,7 +252,8 @@ CONFIGS = {
 ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embed
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
-ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "llama3-8b", "llama3-70b"}
+ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
+ON_DEVICE |= {"llama3-70b"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:

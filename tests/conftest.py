@@ -117,9 +117,10 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         import transformers
 
         config_class, model_class, fields = FAMILY_CONFIGS[kind]
-        config = getattr(transformers, config_class)(**TINY, **fields, **common)
+        config = getattr(transformers, config_class)(**(TINY | fields), **common)
         model = getattr(transformers, model_class)(config)
-        if kind in ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe"):
+        drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
+        if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
                 for name, param in [*model.named_parameters(), *model.named_buffers()]:
@@ -304,6 +305,65 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             routed_scaling_factor=2.5,
             attention_bias=True,
             use_qk_norm=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # DeepSeek-V2(-Lite): MLA without q_lora (q_proj), each head's K 16 + 8 rotary dims
+    # (interleaved pairs), V 12 (the cache pads it to 24); YaRN with DeepSeek's mscales
+    # (the softmax scale too); then an MoE layer routed by softmax within the best of 2
+    # expert groups, times 1.5, with a shared expert.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            num_key_value_heads=4,  # MLA's heads each have their own K and V
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "rope_theta": 10000.0,
+            },
+            tie_word_embeddings=False,
+        ),
+    ),
+    # DeepSeek-V3 / R1: MLA with q_lora (q_a_proj, its norm, q_b_proj), rotary pairs
+    # not interleaved (rope_interleave off), V as wide as the nope part; GLM-4.5's
+    # routing (a drawn correction bias).
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            rope_interleave=False,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
             tie_word_embeddings=False,
         ),
     ),

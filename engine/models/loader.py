@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.bert import ENCODER_TYPES, BertModel, ClassifierHead, encoder_max_len
 from engine.models.cohere import CohereForCausalLM
+from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
@@ -83,6 +84,8 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "exaone4": Exaone4ForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
     # Encoders (engine/models/bert.py's ENCODER_TYPES): embeddings and scores only.

@@ -1,0 +1,248 @@
+"""DeepSeek-V2, V2-Lite, V3 and R1 (and models of V3's shape: `deepseek_v2`,
+`deepseek_v3`): multi-head latent attention (MLA) and shared-expert MoE layers after the
+first `first_k_dense_replace` dense ones.
+
+MLA projects each token to a latent c (kv_lora_rank wide, RMS-normed) and one rotary key
+part k_pe shared by the heads; kv_b_proj expands c into each head's k_nope and v. Here
+the expansion is done as the token is computed and the paged cache holds each head's
+full K and V, so the attention kernels are the other models': the cache costs
+num_heads * head_dim * 2 values a token and layer (V padded to K's width) against MLA's
+kv_lora_rank + qk_rope_head_dim. The dims of q and K are laid out for the kernels'
+partial rotation: per head [pe first half | nope | pe second half | nope], the rotary
+pairs at j and j + head_dim / 2 (q_proj's rows reordered at load, K assembled so).
+
+Routing: V3's as GLM-4.5's (sigmoid, a learned correction, groups; glm4_moe.py); V2's a
+softmax over the experts, top-k over all of them (`greedy`) or within the best
+`topk_group` of `n_group` groups by their best expert (`group_limited_greedy`), times
+`routed_scaling_factor`. The multi-token-prediction layers past num_hidden_layers are
+not run."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.models.experts import FusedMoE
+from engine.models.glm4_moe import LAYER, Glm4MoE
+from engine.models.layers import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_settings,
+    rope_type,
+)
+from engine.models.llama import LlamaMLP
+from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
+from kernels.fp8 import Fp8Rows
+from kernels.fused_moe import fused_moe_for
+
+
+def mla_dim_order(nope: int, rope: int, interleaved: bool) -> list[int]:
+    """A head's q/K dims in the kernels' order: entry j is the checkpoint's dim (nope
+    first, then the rotary part, pairs adjacent when interleaved) now at j. The kernels
+    rotate j with j + head_dim / 2 for the first rope / 2 slots of each half."""
+    half_rope, half = rope // 2, (nope + rope) // 2
+    pe = range(nope, nope + rope)
+    first = list(pe[0::2] if interleaved else pe[:half_rope])
+    second = list(pe[1::2] if interleaved else pe[half_rope:])
+    rest = list(range(nope))
+    return first + rest[: half - half_rope] + second + rest[half - half_rope :]
+
+
+def yarn_mscale(scaling: dict | None) -> float:
+    """YaRN's factor on DeepSeek's softmax scale (mscale_all_dim, squared), as transformers'."""
+    if rope_type(scaling) == "default" or not (scaling or {}).get("mscale_all_dim"):
+        return 1.0
+    factor = scaling["factor"]
+    m = 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return m * m
+
+
+class MlaAttention(nn.Module):
+    """q (q_proj, or V3's q_a_proj -> norm -> q_b_proj) and kv_b_proj column-parallel by
+    head, kv_a_proj_with_mqa replicated, o_proj row-parallel."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__()
+        heads = split(config.num_attention_heads, tp, "num_attention_heads")
+        self.num_heads = num = heads.local_size
+        self.nope, self.rope, self.v_dim = (
+            config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        )  # fmt: skip
+        self.head_dim = dim = self.nope + self.rope
+        if self.v_dim > dim or dim % 2 or self.rope % 2:
+            raise ValueError(
+                f"unsupported MLA head dims: qk {self.nope}+{self.rope}, v {self.v_dim}"
+            )
+        self.kv_rank = config.kv_lora_rank
+        hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
+        total = config.num_attention_heads
+        self.q_lora = getattr(config, "q_lora_rank", None)
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps)
+            q_in = self.q_lora
+        else:
+            q_in = hidden
+        # q_proj (V2-Lite) or q_b_proj: each head's q, by a name LlamaForCausalLM's loading
+        # leaves alone (its q_proj is a section of qkv_proj).
+        self.q_heads = ColumnParallelLinear(q_in, [split(total * dim, tp, "q rows")], bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
+        kv_rows = split(total * (self.nope + self.v_dim), tp, "kv_b_proj rows")
+        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, [kv_rows], bias=False)
+        self.o_proj = RowParallelLinear(total * self.v_dim, hidden, bias, tp)
+        self.rotary = rotary
+        scale = dim**-0.5 * yarn_mscale(rope_settings(config)[1])
+        self.attn = PagedAttention(num, num, dim, scale)
+        self.interleaved = config.model_type == "deepseek_v2" or getattr(
+            config, "rope_interleave", False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n, num, dim = len(positions), self.num_heads, self.head_dim
+        half, half_rope = dim // 2, self.rope // 2
+        q_in = self.q_a_layernorm(self.q_a_proj(x))[0] if self.q_lora else x
+        q = self.q_heads(q_in)  # [n, heads * dim], each head in the kernels' order
+        latent = self.kv_a_proj_with_mqa(x)
+        c, pe = latent.split([self.kv_rank, self.rope], dim=-1)  # pe: its halves in order
+        kv = self.kv_b_proj(self.kv_a_layernorm(c.contiguous())[0]).view(n, num, -1)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.empty(n, num, dim, dtype=q.dtype, device=q.device)
+        cut = half - half_rope
+        k[:, :, :half_rope] = pe[:, None, :half_rope]
+        k[:, :, half_rope:half] = k_nope[:, :, :cut]
+        k[:, :, half : half + half_rope] = pe[:, None, half_rope:]
+        k[:, :, half + half_rope :] = k_nope[:, :, cut:]
+        if self.v_dim < dim:  # the kernels take V as wide as K
+            v = torch.nn.functional.pad(v, (0, dim - self.v_dim))
+        rope = self.rotary.rope(positions)
+        out = self.attn(q, k.view(n, -1), v.reshape(n, -1), meta, rope)
+        out = out.view(n, num, dim)[:, :, : self.v_dim].reshape(n, -1)
+        return self.o_proj(out)
+
+    @torch.no_grad()
+    def reorder_rotary_dims(self) -> None:
+        """q's rows per head, and kv_a_proj_with_mqa's rotary rows, in the order forward
+        reads them (pairs de-interleaved where the checkpoint interleaves them)."""
+        order = mla_dim_order(self.nope, self.rope, self.interleaved)
+        device = self.q_heads.weight.device
+        heads = self.q_heads.weight.view(self.num_heads, self.head_dim, -1)
+        heads.copy_(heads[:, torch.tensor(order, device=device)])
+        pe = [j - self.nope for j in order if j >= self.nope]  # the rotary dims, in order
+        rows = torch.tensor([self.kv_rank + j for j in pe], device=device)
+        for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
+            if param is not None:
+                param[self.kv_rank :] = param[rows]
+
+
+def limited_topk(
+    logits: torch.Tensor,  # [num_tokens, num_experts]
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,  # < num_groups: only the best groups' experts (by their best)
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids
+    scores = logits.float().softmax(dim=-1)
+    if topk_groups < num_groups:
+        tokens, experts = scores.shape
+        per_group = experts // num_groups
+        best = scores.view(tokens, num_groups, per_group).max(dim=-1).values
+        groups = best.topk(topk_groups, dim=-1, sorted=False)[1]
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)
+        scores = scores.masked_fill(~kept.repeat_interleave(per_group, dim=1), 0.0)
+    weights, ids = scores.topk(top_k, dim=-1, sorted=False)
+    return weights * scale, ids
+
+
+class DeepseekV2MoE(FusedMoE):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        inter = config.moe_intermediate_size
+        experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+        super().__init__(config.hidden_size, inter, experts, top_k, False, tp)
+        grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
+        self.num_groups = config.n_group if grouped else 1
+        self.topk_groups = config.topk_group if grouped else 1
+        self.scale = float(config.routed_scaling_factor)
+        shared = inter * config.n_shared_experts
+        self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = limited_topk(
+            logits, self.top_k, self.num_groups, self.topk_groups, self.scale
+        )
+        routed = fused_moe_for(x.device)(
+            x, self.w13, self.w2, weights, ids, None, None, self.scales
+        )
+        return self.tp.all_reduce(routed) + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, mlp: nn.Module, tp: TensorParallel):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MlaAttention(config, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
+        return self.mlp(h), residual
+
+
+class DeepseekForCausalLM(MoeForCausalLM):
+    LORA_FUSED = None  # MLA's projections are not the Llama ones adapters name
+
+    @staticmethod
+    def check_config(config) -> None:
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        method = getattr(config, "topk_method", None)
+        if config.model_type == "deepseek_v2" and method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"unsupported topk_method {method!r}")
+
+    def make_layers(self, config) -> list[nn.Module]:
+        dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, theta, scaling)
+        self.rotary.rotary_dim = config.qk_rope_head_dim  # the rest of each head: unrotated
+        return [
+            DeepseekDecoderLayer(config, self.rotary, self.make_mlp(config, i), self.tp)
+            for i in range(config.num_hidden_layers)
+        ]
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if layer < config.first_k_dense_replace or not config.n_routed_experts:
+            return LlamaMLP(config, self.tp)
+        if config.model_type == "deepseek_v2":
+            return DeepseekV2MoE(config, self.tp)
+        return Glm4MoE(config, self.tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        layers = self.config.num_hidden_layers
+
+        def kept() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                if (match := LAYER.match(name)) is not None and int(match[1]) >= layers:
+                    continue  # the multi-token-prediction layers
+                for theirs in (".self_attn.q_proj.", ".self_attn.q_b_proj."):
+                    name = name.replace(theirs, ".self_attn.q_heads.")
+                yield name, weight
+
+        return super().load_weights(kept())  # which reorders q's and k_pe's rotary dims
