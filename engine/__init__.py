@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
-    from engine.llm import LLM
+    from engine.llm import LLM, LoRARequest
     from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "SamplingParams"]
 _MODULES = {
     "LLM": "engine.llm",
+    "LoRARequest": "engine.llm",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
 }

@@ -61,6 +61,16 @@ class PromptInputs:
     images: ImageInputs | None = None
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`: generate with the PEFT
+    adapter at lora_path, loaded as lora_name on first use (the LLM needs enable_lora)."""
+
+    lora_name: str
+    lora_int_id: int = 0  # vLLM's number for it; adapters are told apart by name here
+    lora_path: str = ""
+
+
 Conversation = list[dict[str, Any]]  # OpenAI chat messages
 # Requests whose images go through the vision tower together as LLM.chat adds them.
 PREFETCH_REQUESTS = 64
@@ -71,6 +81,7 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
         self._prompts: Prompts | None = None  # chat()'s rendering, made on first use
+        self._requested: list[str] = []  # adapters a LoRARequest loaded, least recent first
         freeze_startup_heap()  # no full collection pauses a long generate() on the model's objects
 
     def shutdown(self) -> None:
@@ -124,14 +135,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """prompts: text, token ids, or vLLM's dicts: `{"prompt": text}` or
         `{"prompt_token_ids": ids}`, and with text, `"multi_modal_data": {"image": PIL
         image or list}` for a model that reads images, the text holding the model's image
-        placeholder where each goes (as its processor expects)."""
+        placeholder where each goes (as its processor expects). lora_request: one for
+        every prompt or one each (see LoRARequest)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([self._inputs(p) for p in prompts], params, use_tqdm)
+        return self._run([self._inputs(p) for p in prompts], params, use_tqdm, lora_request)
 
     def _inputs(self, prompt: Prompt) -> PromptInputs:
         if isinstance(prompt, str):
@@ -173,6 +186,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """vLLM's `LLM.chat`: each conversation (OpenAI chat messages; one conversation,
         or a list of them) through the model's chat template, or `chat_template`, then
@@ -203,7 +217,7 @@ class LLM:
         except APIError as exc:
             raise ValueError(exc.message) from exc
         inputs = [PromptInputs(p.token_ids, None, p.images) for p in rendered]
-        return self._run(inputs, sampling_params, use_tqdm)
+        return self._run(inputs, sampling_params, use_tqdm, lora_request)
 
     def _chat_prompts(self) -> Prompts:
         """The server's chat rendering, made once: its image processor with file:// URLs
@@ -226,12 +240,15 @@ class LLM:
         inputs: list[PromptInputs],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         params = params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(inputs)
         if len(params) != len(inputs):
             raise ValueError(f"{len(inputs)} prompts but {len(params)} sampling params")
+        if lora_request is not None:
+            params = self._with_adapters(params, lora_request)
         # Only finished outputs are returned: the engine need not build per-step deltas.
         # One copy per distinct params object (one given for all prompts: one copy).
         distinct = {id(p): p for p in params}
@@ -277,6 +294,41 @@ class LLM:
                         if all(c.finish_reason for c in result.outputs):
                             bar.update(1)
         return [results[str(i)] for i in range(len(inputs))]
+
+    def _with_adapters(
+        self,
+        params: list[SamplingParams],
+        lora_request: LoRARequest | Sequence[LoRARequest | None],
+    ) -> list[SamplingParams]:
+        """Each prompt's params naming its LoRARequest's adapter, loaded first where it is
+        not: into a free slot, else over the least recently requested adapter this call
+        does not use (between calls no request runs, so its slot is free)."""
+        requests = lora_request
+        if isinstance(requests, LoRARequest):
+            requests = [requests] * len(params)
+        if len(requests) != len(params):
+            raise ValueError(f"{len(params)} prompts but {len(requests)} LoRA requests")
+        wanted = {r.lora_name: r.lora_path for r in requests if r is not None}
+        slots = self.engine.runner.lora_slots
+        for name, path in wanted.items():
+            served = {a.name: a.path for a in (slots.served if slots else ())}
+            if name in served:
+                if path and path != served[name]:
+                    raise ValueError(f"LoRA adapter {name!r} is loaded from {served[name]}")
+            else:
+                idle = [n for n in self._requested if n not in wanted]
+                if slots is not None and len(served) >= slots.state.slots and idle:
+                    self.engine.unload_lora(idle[0])
+                    self._requested.remove(idle[0])
+                self.engine.load_lora(name, path)  # LoRAError: why it cannot
+                self._requested.append(name)
+            if name in self._requested:  # the most recently requested last
+                self._requested.remove(name)
+                self._requested.append(name)
+        return [
+            p if r is None else dataclasses.replace(p, lora_name=r.lora_name)
+            for p, r in zip(params, requests, strict=True)
+        ]
 
 
 def _pil_as_url(message: dict[str, Any]) -> dict[str, Any]:

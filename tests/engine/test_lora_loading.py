@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.models.lora import LoRAError
 from tests.conftest import PROMPTS, build_lora
-from tests.engine.test_lora import CONFIG, expected, generate, greedy
+from tests.engine.test_lora import CONFIG, MAX_NEW, expected, generate, greedy
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,33 @@ def test_sampling_params_name_no_adapter_without_lora(tiny_llama_dir):
     plain = LLM(tiny_llama_dir, **CONFIG)
     with pytest.raises(ValueError, match="unknown LoRA adapter 'a' \\(loaded: none\\)"):
         plain.generate(["hi"], SamplingParams(max_tokens=2, lora_name="a"), use_tqdm=False)
+
+
+def test_lora_requests_load_their_adapters_as_vllms_offline_api(
+    tiny_llama_dir, tiny_lora_adapters, third
+):
+    """vLLM's `generate(..., lora_request=LoRARequest(name, id, path))`: the adapter
+    loads on first use, and one that no longer fits displaces the least recently
+    requested; adapters loaded otherwise stay."""
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, **CONFIG)
+    llm.load_lora("qv", tiny_lora_adapters["qv"])
+    adapters = tiny_lora_adapters | {"mlp": third}
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    def tokens(prompts, requests) -> list[list[int]]:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+        return [o.outputs[0].token_ids for o in outs]
+
+    prompts = PROMPTS[1:3]
+    all_ = LoRARequest("all", 1, adapters["all"])
+    assert tokens(prompts, all_) == expected(tiny_llama_dir, adapters, prompts, ["all"] * 2)
+    mlp, qv = LoRARequest("mlp", 2, third), LoRARequest("qv", 3, adapters["qv"])
+    got = tokens(prompts, [mlp, qv])  # "all" makes room for "mlp"; "qv" is already there
+    assert got == expected(tiny_llama_dir, adapters, prompts, ["mlp", "qv"])
+    assert sorted(a.name for a in llm.engine.get_stats().lora_adapters) == ["mlp", "qv"]
+    with pytest.raises(LoRAError, match="all 2 LoRA adapter slots"):
+        tokens(prompts, [all_, mlp])  # "qv" was not loaded by a request: it stays
+    with pytest.raises(ValueError, match="'mlp' is loaded from"):
+        tokens(prompts[:1], LoRARequest("mlp", 2, adapters["qv"]))
+    with pytest.raises(ValueError, match="2 prompts but 1 LoRA requests"):
+        tokens(prompts, [mlp])
