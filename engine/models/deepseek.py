@@ -9,7 +9,8 @@ full K and V, so the attention kernels are the other models': the cache costs
 num_heads * head_dim * 2 values a token and layer (V padded to K's width) against MLA's
 kv_lora_rank + qk_rope_head_dim. The dims of q and K are laid out for the kernels'
 partial rotation: per head [pe first half | nope | pe second half | nope], the rotary
-pairs at j and j + head_dim / 2 (q_proj's rows reordered at load, K assembled so).
+pairs at j and j + head_dim / 2 (q's rows reordered at load, K assembled so by
+kernels/mla.py).
 
 Routing: V3's as GLM-4.5's (sigmoid, a learned correction, groups; glm4_moe.py); V2's a
 softmax over the experts, top-k over all of them (`greedy`) or within the best
@@ -41,6 +42,7 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
+from kernels.mla import mla_expand_for
 
 
 def mla_dim_order(nope: int, rope: int, interleaved: bool) -> list[int]:
@@ -109,23 +111,14 @@ class MlaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
         n, num, dim = len(positions), self.num_heads, self.head_dim
-        half, half_rope = dim // 2, self.rope // 2
         q_in = self.q_a_layernorm(self.q_a_proj(x))[0] if self.q_lora else x
         q = self.q_heads(q_in)  # [n, heads * dim], each head in the kernels' order
         latent = self.kv_a_proj_with_mqa(x)
         c, pe = latent.split([self.kv_rank, self.rope], dim=-1)  # pe: its halves in order
-        kv = self.kv_b_proj(self.kv_a_layernorm(c.contiguous())[0]).view(n, num, -1)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.empty(n, num, dim, dtype=q.dtype, device=q.device)
-        cut = half - half_rope
-        k[:, :, :half_rope] = pe[:, None, :half_rope]
-        k[:, :, half_rope:half] = k_nope[:, :, :cut]
-        k[:, :, half : half + half_rope] = pe[:, None, half_rope:]
-        k[:, :, half + half_rope :] = k_nope[:, :, cut:]
-        if self.v_dim < dim:  # the kernels take V as wide as K
-            v = torch.nn.functional.pad(v, (0, dim - self.v_dim))
+        kv = self.kv_b_proj(self.kv_a_layernorm(c)[0]).view(n, num, -1)  # k_nope, v a head
+        k, v = mla_expand_for(kv.device)(kv, pe, self.nope)  # V as wide as K, for the kernels
         rope = self.rotary.rope(positions)
-        out = self.attn(q, k.view(n, -1), v.reshape(n, -1), meta, rope)
+        out = self.attn(q, k.view(n, -1), v.view(n, -1), meta, rope)
         out = out.view(n, num, dim)[:, :, : self.v_dim].reshape(n, -1)
         return self.o_proj(out)
 

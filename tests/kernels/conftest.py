@@ -42,6 +42,7 @@ JIT_MODULES = (
     "kernels.moe_gemv",
     "kernels.fused_moe",
     "kernels.moe_routing",
+    "kernels.mla",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

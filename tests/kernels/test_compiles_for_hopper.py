@@ -3,7 +3,7 @@ interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
-itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, and the greedy-ids kernels (a global constant; with and without a bitmask,
+itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, MLA's expansion, and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
@@ -76,6 +76,13 @@ def compile_variants() -> None:
     print("greedy ids")
     compile_moe()
     print("moe")
+    from kernels.mla import _mla_expand_kernel
+
+    signature = {"kv_ptr": "*bf16", "pe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"}
+    signature |= {name: "i32" for name in ("stride_kv_token", "stride_kv_head", "stride_pe")}
+    constexprs = {"NOPE": 128, "ROPE": 64, "V_DIM": 128, "DIM_P2": 256, "PDL": True}
+    compile_for_hopper(_mla_expand_kernel, signature | {"heads": "i32"}, constexprs)
+    print("mla expand")
 
 
 def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
@@ -167,7 +174,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:11] == [
+    assert done.stdout.split("\n")[:12] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False",
@@ -179,4 +186,5 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "decode rope kv_fp8=True norm=True",
         "greedy ids",
         "moe",
+        "mla expand",
     ]
