@@ -37,7 +37,7 @@ from engine.models.layers import (
     rope_settings,
     rope_type,
 )
-from engine.models.llama import LlamaMLP
+from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
 from kernels.fp8 import Fp8Rows
@@ -179,26 +179,6 @@ class DeepseekV2MoE(FusedMoE):
         return self.tp.all_reduce(routed) + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, mlp: nn.Module, tp: TensorParallel):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MlaAttention(config, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
-        return self.mlp(h), residual
-
-
 class DeepseekForCausalLM(MoeForCausalLM):
     LORA_FUSED = None  # MLA's projections are not the Llama ones adapters name
 
@@ -216,7 +196,14 @@ class DeepseekForCausalLM(MoeForCausalLM):
         self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, theta, scaling)
         self.rotary.rotary_dim = config.qk_rope_head_dim  # the rest of each head: unrotated
         return [
-            DeepseekDecoderLayer(config, self.rotary, self.make_mlp(config, i), self.tp)
+            LlamaDecoderLayer(
+                config,
+                self.rotary,
+                0,
+                self.make_mlp(config, i),
+                self.tp,
+                self_attn=MlaAttention(config, self.rotary, self.tp),
+            )
             for i in range(config.num_hidden_layers)
         ]
 

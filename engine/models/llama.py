@@ -199,10 +199,11 @@ class LlamaDecoderLayer(nn.Module):
         mlp: nn.Module,
         tp: TensorParallel = SINGLE,
         attention: AttentionOptions = AttentionOptions(),
+        self_attn: nn.Module | None = None,  # another attention (DeepSeek's MLA)
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp, attention)
+        self.self_attn = self_attn or LlamaAttention(config, rotary, sliding_window, tp, attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
