@@ -32,7 +32,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, TensorSlice, read
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Section,
+    TensorSlice,
+    read,
+)
 from kernels.linear import (
     LoRADelta,
     RowGroups,
@@ -219,20 +225,51 @@ class Target:
     section: int | None
 
 
-def resolve(model: nn.Module, module: str) -> Target:
+@dataclass(frozen=True)
+class Projection:
+    """What placing an adapter's A and B needs of a projection: how the ranks split it.
+    Taken before any FP8 swap, which keeps none of it."""
+
+    in_features: int  # this rank's
+    out_features: int
+    sections: tuple[Section, ...] | None  # column-parallel: this rank's rows of each
+    in_start: int = 0  # row-parallel: this rank's first input column, of
+    full_in_features: int = 0
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> Projection:
+        if isinstance(linear, ColumnParallelLinear):
+            return cls(linear.in_features, linear.out_features, linear.sections)
+        return cls(
+            linear.in_features, linear.out_features, None, linear.in_start, linear.full_in_features
+        )
+
+    @property
+    def k(self) -> int:
+        """How many separately adapted sections its stack holds (q, k, v of a fused
+        qkv_proj; gate and up of gate_up_proj). An adapter targeting the fused tensor
+        whole (Phi-3's qkv_proj) uses its first section's columns for all of it."""
+        return 1 if self.sections is None else len(self.sections)
+
+
+def projections(model: nn.Module) -> dict[str, Projection]:
+    """Every projection an adapter may target: the model's own linears, by path."""
+    if getattr(model, "LORA_FUSED", None) is None:
+        raise LoRAError(f"LoRA adapters are not supported for {model.config.model_type} models")
+    kinds = (ColumnParallelLinear, RowParallelLinear)
+    return {
+        name: Projection.of(module)
+        for name, module in model.named_modules()
+        if isinstance(module, kinds)
+    }
+
+
+def resolve(model: nn.Module, module: str, adaptable: dict[str, Projection]) -> Target:
     """A PEFT module name (`model.layers.0.self_attn.q_proj`) as our projection."""
-    fused_names: dict[str, tuple[str, int]] | None = getattr(model, "LORA_FUSED", None)
-    if fused_names is None:
-        kind = model.config.model_type
-        raise LoRAError(f"LoRA adapters are not supported for {kind} models")
     parent, _, proj = module.removeprefix("model.").rpartition(".")
-    fused, section = fused_names.get(proj, (proj, None))
+    fused, section = model.LORA_FUSED.get(proj, (proj, None))
     path = f"{parent}.{fused}" if parent else fused
-    try:
-        linear = model.get_submodule(path)
-    except AttributeError:
-        linear = None
-    if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+    if path not in adaptable:
         raise LoRAError(
             f"LoRA on {module!r} is not supported (attention and dense MLP projections are)"
         )
@@ -243,32 +280,25 @@ def resolve(model: nn.Module, module: str) -> Target:
     return Target(path, section)
 
 
-def sections(linear: nn.Module) -> int:
-    """k: how many separately adapted sections a projection's stack holds (q, k, v of a
-    fused qkv_proj; gate and up of gate_up_proj). An adapter targeting the fused tensor
-    whole (Phi-3's qkv_proj) uses its first section's columns for all of it."""
-    return len(linear.sections) if isinstance(linear, ColumnParallelLinear) else 1
-
-
-def b_rows(linear: nn.Module, b: torch.Tensor, section: int | None) -> tuple[int, torch.Tensor]:
+def b_rows(proj: Projection, b: torch.Tensor, section: int | None) -> tuple[int, torch.Tensor]:
     """(first local output row, this rank's rows of B) for a target's section."""
     rank = b.shape[1]
-    if not isinstance(linear, ColumnParallelLinear):
-        return 0, read(TensorSlice(b), [linear.out_features, rank])
+    if proj.sections is None:
+        return 0, read(TensorSlice(b), [proj.out_features, rank])
     if section is None:  # the fused tensor whole: each section's rows of this rank
         offset, ranges = 0, []
-        for s in linear.sections:
+        for s in proj.sections:
             ranges += [(offset + lo, offset + hi) for lo, hi in s.ranges]
             offset += s.size
         return 0, read(TensorSlice(b), [offset, rank], tuple(ranges))
-    s = linear.sections[section]
-    start = sum(x.local_size for x in linear.sections[:section])
+    s = proj.sections[section]
+    start = sum(x.local_size for x in proj.sections[:section])
     return start, read(TensorSlice(b), [s.size, rank], s.ranges)
 
 
-def a_cols(linear: nn.Module, a: torch.Tensor) -> torch.Tensor:
+def a_cols(proj: Projection, a: torch.Tensor) -> torch.Tensor:
     """This rank's columns of A (a row-parallel projection's input is split)."""
-    if not isinstance(linear, RowParallelLinear):
-        return read(TensorSlice(a), [a.shape[0], linear.in_features])
-    cols = ((linear.in_start, linear.in_start + linear.in_features),)
-    return read(TensorSlice(a), [a.shape[0], linear.full_in_features], cols, dim=1)
+    if proj.sections is not None:
+        return read(TensorSlice(a), [a.shape[0], proj.in_features])
+    cols = ((proj.in_start, proj.in_start + proj.in_features),)
+    return read(TensorSlice(a), [a.shape[0], proj.full_in_features], cols, dim=1)

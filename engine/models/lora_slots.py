@@ -30,14 +30,14 @@ from engine.models.lora import (
     LoRAError,
     LoRALayer,
     LoRAState,
+    Projection,
     Target,
     a_cols,
     b_rows,
+    projections,
     read_adapter,
     resolve,
-    sections,
 )
-from engine.models.parallel import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -62,9 +62,14 @@ class ServedAdapter:
 
 class LoRASlots:
     def __init__(
-        self, model: nn.Module, state: LoRAState, layers: dict[str, LoRALayer], runtime: bool
+        self,
+        model: nn.Module,
+        state: LoRAState,
+        layers: dict[str, LoRALayer],  # by projection path
+        projections: dict[str, Projection],  # the same projections' splits
+        runtime: bool,
     ) -> None:
-        self.model, self.state, self.layers = model, state, layers
+        self.model, self.state, self.layers, self.projections = model, state, layers, projections
         self.runtime = runtime  # adapters may load while serving (--enable-lora)
         self.names: list[str | None] = [None] * state.slots
         self.serials = [0] * state.slots  # the load that filled each slot
@@ -79,25 +84,24 @@ class LoRASlots:
         weights = [read_adapter(name, path) for name, path in adapters.items()]
         largest = max((w.rank for w in weights), default=0)
         rank = max(largest, RUNTIME_RANK if runtime else 1) if max_rank is None else max_rank
-        if runtime:
-            paths = adaptable(model)
-        else:  # the projections the adapters touch
-            paths = list(dict.fromkeys(resolve(model, m).path for w in weights for m in w.modules))
+        adaptable = projections(model)
+        if not runtime:  # the projections the adapters touch
+            touched = {resolve(model, m, adaptable).path for w in weights for m in w.modules}
+            adaptable = {path: p for path, p in adaptable.items() if path in touched}
         param = next(model.parameters())
-        state = LoRAState(
-            max(len(weights), settings.max_loras or 1), rank, param.dtype, param.device
-        )
+        count = max(len(weights), settings.max_loras or 1) if runtime else len(weights)
+        state = LoRAState(count, rank, param.dtype, param.device)
         layers = {}
-        for path in paths:
-            linear = model.get_submodule(path)
-            k = sections(linear)
+        for path, proj in adaptable.items():
             a, b = (
-                torch.zeros(state.slots * k * rank, size, dtype=param.dtype, device=param.device)
-                for size in (linear.in_features, linear.out_features)
+                torch.zeros(
+                    state.slots * proj.k * rank, size, dtype=param.dtype, device=param.device
+                )
+                for size in (proj.in_features, proj.out_features)
             )
-            linear.lora = layers[path] = LoRALayer(a, b, k, state)
-            state.columns(k)  # built now, not inside a graph's capture
-        slots = cls(model, state, layers, runtime)
+            model.get_submodule(path).lora = layers[path] = LoRALayer(a, b, proj.k, state)
+            state.columns(proj.k)  # built now, not inside a graph's capture
+        slots = cls(model, state, layers, adaptable, runtime)
         for slot, ((name, path), w) in enumerate(zip(adapters.items(), weights, strict=True)):
             slots.write(slot, w)
             slots._take(slot, name, path)
@@ -154,22 +158,17 @@ class LoRASlots:
             )
         targets: dict[str, list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
         for module, (a, b) in weights.modules.items():
-            target = resolve(self.model, module)
-            if target.path not in self.layers:
-                raise LoRAError(
-                    f"LoRA adapter {name!r}: {module} has no adapter slots here (--enable-lora "
-                    "gives every projection some)"
-                )
+            target = resolve(self.model, module, self.projections)
             targets.setdefault(target.path, []).append((target, a, b))
         blocks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path, entries in targets.items():
-            linear, layer = self.model.get_submodule(path), self.layers[path]
-            a_block = torch.zeros(layer.k * rank, linear.in_features)
-            b_block = torch.zeros(layer.k * rank, linear.out_features)
+            proj, layer = self.projections[path], self.layers[path]
+            a_block = torch.zeros(layer.k * rank, proj.in_features)
+            b_block = torch.zeros(layer.k * rank, proj.out_features)
             for target, a, b in entries:
                 try:
-                    cols = a_cols(linear, a)  # [r, in_local]
-                    start, rows = b_rows(linear, b, target.section)  # [out rows, r]
+                    cols = a_cols(proj, a)  # [r, in_local]
+                    start, rows = b_rows(proj, b, target.section)  # [out rows, r]
                 except ValueError as e:
                     raise LoRAError(f"LoRA adapter {name!r}, {path}: {e}") from e
                 first = (target.section if layer.k > 1 and target.section is not None else 0) * rank
@@ -179,11 +178,3 @@ class LoRASlots:
         for path, layer in self.layers.items():
             a_block, b_block = blocks.get(path, (None, None))
             layer.fill(slot, a_block, b_block)
-
-
-def adaptable(model: nn.Module) -> list[str]:
-    """Every projection an adapter may target (resolve's): the model's own linears."""
-    if getattr(model, "LORA_FUSED", None) is None:
-        raise LoRAError(f"LoRA adapters are not supported for {model.config.model_type} models")
-    kinds = (ColumnParallelLinear, RowParallelLinear)
-    return [name for name, module in model.named_modules() if isinstance(module, kinds)]

@@ -124,3 +124,26 @@ def test_adapters_loaded_after_capture_match_peft(tiny_llama_dir, tiny_lora_adap
         want = peft_greedy(tiny_llama_dir, adapters.get(name), tokenizer.encode(prompt), NEW)
         assert out.outputs[0].token_ids == want, (prompt, name)
     assert llm.engine.runner.steps_by_path["graph"] > 0
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")),
+    reason="needs FP8 (compute capability 8.9+)",
+)
+def test_an_adapter_loaded_into_fp8_projections_is_the_startup_ones(
+    tiny_llama_dir, tiny_lora_adapters
+) -> None:
+    """The projections are FP8 by the time an adapter loads: its rows are placed by the
+    splits taken before the swap, as a startup adapter's."""
+    config = dict(device="cuda", dtype="bfloat16", quantization="fp8", enable_lora=True)
+    startup = LLM(tiny_llama_dir, lora_modules=tiny_lora_adapters, **config)
+    loaded = LLM(tiny_llama_dir, max_loras=2, **config)
+    loaded.load_lora("all", tiny_lora_adapters["all"])
+    loaded.load_lora("qv", tiny_lora_adapters["qv"])
+    names = [NAMES[i % len(NAMES)] for i in range(len(PROMPTS))]
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(PROMPTS, [greedy(n) for n in names], use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert tokens(loaded) == tokens(startup)
