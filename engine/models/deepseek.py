@@ -1,6 +1,6 @@
-"""DeepSeek-V2, V2-Lite, V3 and R1 (and models of V3's shape: `deepseek_v2`,
-`deepseek_v3`): multi-head latent attention (MLA) and shared-expert MoE layers after the
-first `first_k_dense_replace` dense ones.
+"""DeepSeek-V2, V2-Lite, V3 and R1 (`deepseek_v2`, `deepseek_v3`): multi-head latent
+attention (MLA), and shared-expert MoE layers after the first `first_k_dense_replace`
+dense ones.
 
 MLA projects each token to a latent c (kv_lora_rank wide, RMS-normed) and one rotary key
 part k_pe shared by the heads; kv_b_proj expands c into each head's k_nope and v. Here
