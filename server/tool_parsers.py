@@ -29,6 +29,10 @@ cut out of the call object, never re-serialized.
     pythonic     [f(a=1, b="x"), g()]  (Llama 3.2/4), the whole output: Python calls with
                  keyword arguments of literal values, each call whole once it closes, its
                  arguments as json.dumps makes them (as vLLM's)
+    deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+                 ```json {...} ```<｜tool▁call▁end｜>... (DeepSeek-V3, R1-0528)
+    deepseek_v31 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+                 (DeepSeek-V3.1); the markers of both are special tokens, decoded for them
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.json_scan import scan_call, skip_ws, value_end
+from server.json_scan import scan_call, skip_ws, value_end, value_scan
 
 
 @dataclass
@@ -283,6 +287,53 @@ class GraniteParser(ToolParser):
         return Extracted("", calls, tail)
 
 
+class DeepSeekParser(ToolParser):
+    """DeepSeek's calls after <｜tool▁calls▁begin｜>, each from <｜tool▁call▁begin｜>: V3's
+    a type, <｜tool▁sep｜>, the name on its line and the arguments in a ```json fence;
+    V3.1's (fenced False) the name, <｜tool▁sep｜> and the arguments. Content is the text
+    before the first."""
+
+    CALLS, CALL, SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+    FENCE = "```json"
+
+    def __init__(self, fenced: bool = True) -> None:
+        self.fenced = fenced
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        start = text.find(self.CALLS)
+        if start < 0:
+            return _before_any_call(text, self.CALLS, final)
+        calls: list[DraftCall] = []
+        pos, tail = text.find(self.CALL, start), None
+        while pos >= 0:
+            sep = text.find(self.SEP, pos)
+            if sep < 0:
+                break
+            if self.fenced:  # the name ends its line; a fence opens the arguments
+                line = text.find("\n", sep)
+                if line < 0:
+                    break
+                name, fence = text[sep + len(self.SEP) : line].strip(), text.find(self.FENCE, line)
+                i = -1 if fence < 0 else skip_ws(text, fence + len(self.FENCE))
+            else:
+                name, i = (
+                    text[pos + len(self.CALL) : sep].strip(),
+                    skip_ws(text, sep + len(self.SEP)),
+                )
+            if i < 0 or i >= len(text) or text[i] != "{":
+                calls.append(DraftCall(name, ""))  # named; its arguments not begun
+                break
+            end, in_string = value_scan(text, i)
+            calls.append(DraftCall(name, text[i : len(text) if end is None else end]))
+            if end is None:
+                tail = "string" if in_string else None
+                break
+            pos = text.find(self.CALL, end)
+        if final and not calls:
+            return Extracted(text)
+        return Extracted(text[:start], calls, tail)
+
+
 def _harmony() -> ToolParser:
     from server.harmony import HarmonyToolParser  # harmony.py builds on this module
 
@@ -304,9 +355,11 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "mistral": MistralParser,
     "granite": GraniteParser,
     "pythonic": _pythonic,
+    "deepseek_v3": DeepSeekParser,
+    "deepseek_v31": lambda: DeepSeekParser(fenced=False),
 }
 # The parsers whose markers are special tokens: their answers are decoded with them.
-KEEPS_SPECIAL_TOKENS = ("openai", "mistral")
+KEEPS_SPECIAL_TOKENS = ("openai", "mistral", "deepseek_v3", "deepseek_v31")
 
 
 def _call_sequence(

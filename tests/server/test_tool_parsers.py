@@ -11,6 +11,7 @@ from server.protocol import ChatCompletionRequest, FunctionDefinition
 from server.pythonic import PythonicParser
 from server.tool_parsers import (
     PARSERS,
+    DeepSeekParser,
     DraftCall,
     Glm45Parser,
     GraniteParser,
@@ -49,6 +50,18 @@ GLM = (
 MISTRAL = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": [1, 2]}[TOOL_CALLS]get_time[ARGS]{}'
 MISTRAL_ARRAY = (
     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "a1b2c3d4e"}]'
+)
+# DeepSeek-V3's: a type, the name on its line, the arguments fenced; V3.1's: name, object.
+DEEPSEEK_V3 = (
+    "Let me see.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris", "note": "a } and ``` inside"}\n```<｜tool▁call▁end｜>\n'
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜>"
+    "<｜tool▁calls▁end｜>"
+)
+DEEPSEEK_V31 = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris", "days": [1, 2]}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time'
+    "<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
 )
 # Qwen3-Coder's: each value on lines of its own, a code value with newlines inside.
 QWEN3_CODER = (
@@ -125,6 +138,24 @@ def test_mistral_both_layouts():
     ]
     found = MistralParser().extract(MISTRAL_ARRAY, final=True)
     assert (found.content, found.calls) == ("", [DraftCall("get_weather", '{"city": "Oslo"}')])
+
+
+def test_deepseek_both_formats():
+    found = DeepSeekParser().extract(DEEPSEEK_V3, final=True)
+    assert found.content == "Let me see."
+    assert found.calls == [
+        DraftCall("get_weather", '{"city": "Paris", "note": "a } and ``` inside"}'),
+        DraftCall("get_time", "{}"),
+    ]
+    found = PARSERS["deepseek_v31"]().extract(DEEPSEEK_V31, final=True)
+    assert (found.content, found.calls) == (
+        "",
+        [
+            DraftCall("get_weather", '{"city": "Paris", "days": [1, 2]}'),
+            DraftCall("get_time", "{}"),
+        ],
+    )
+    assert DeepSeekParser().extract("No call.", final=True).content == "No call."
 
 
 def test_qwen3_coder_values_keep_their_inner_lines():
@@ -211,6 +242,8 @@ ESCAPES = (
         (Qwen3CoderParser, QWEN3_CODER, "Running it.\n", None),
         (MistralParser, MISTRAL, "Sure.", None),
         (MistralParser, MISTRAL_ARRAY, "", None),
+        (DeepSeekParser, DEEPSEEK_V3, "Let me see.", None),
+        (lambda: DeepSeekParser(fenced=False), DEEPSEEK_V31, "", None),
         (Llama3JsonParser, LLAMA3, "", None),
         (RequiredParser, REQUIRED, "", None),
         (lambda: NamedParser("f"), '{"a": [1, {"b": "}"}]}', "", None),
@@ -259,6 +292,17 @@ def test_stream_without_parallel_calls_keeps_the_first():
         ("hermes", '<tool_call>{"name": "f", "arguments": {"code": "', "arguments"),
         ("llama3_json", '{"name": "f", "parameters": {"n": 1, "code": "', "arguments"),
         ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"code": "', "arguments"),
+        (
+            "deepseek_v3",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"c": "',
+            "arguments",
+        ),
+        (
+            "deepseek_v31",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"c": "',
+            "arguments",
+        ),
+        ("deepseek_v3", "Sure.", "content"),
         ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=code>\n", "held"),
         ("glm45", "<tool_call>f\n<arg_key>code</arg_key><arg_value>", "held"),
     ],
