@@ -308,10 +308,10 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
-    # DeepSeek-V2(-Lite): MLA without q_lora (q_proj), each head's K 16 + 8 rotary dims
+    # DeepSeek-V2-Lite: MLA without q_lora (q_proj), each head's K 16 + 8 rotary dims
     # (interleaved pairs), V 12 (the cache pads it to 24); YaRN with DeepSeek's mscales
-    # (the softmax scale too); then an MoE layer routed by softmax within the best of 2
-    # expert groups, times 1.5, with a shared expert.
+    # (the softmax scale too); then an MoE layer routed by softmax (greedy), times 1.5,
+    # with a shared expert. (V2's group-limited routing: test_deepseek.py.)
     "deepseek_v2": (
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
@@ -326,9 +326,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             n_routed_experts=8,
             num_experts_per_tok=2,
             n_shared_experts=1,
-            topk_method="group_limited_greedy",
-            n_group=2,
-            topk_group=1,
+            topk_method="greedy",
             first_k_dense_replace=1,
             routed_scaling_factor=1.5,
             rope_parameters={
