@@ -39,17 +39,10 @@ from engine.models.layers import (
 )
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
-from engine.models.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    Section,
-    WeightSlice,
-    split,
-)
+from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
 from kernels.mla import mla_expand_for
-from kernels.moe_routing import select_experts_for
 
 
 def mla_dim_order(nope: int, rope: int, interleaved: bool) -> list[int]:
@@ -73,15 +66,9 @@ def yarn_mscale(scaling: dict | None) -> float:
     return m * m
 
 
-def replicated(in_features: int, out_features: int, bias: bool) -> ColumnParallelLinear:
-    """A projection every rank holds whole (one section of all its rows): its product
-    goes through `dense`, the split-K kernel at decode sizes, as the sharded ones'."""
-    return ColumnParallelLinear(in_features, [Section(out_features, ((0, out_features),))], bias)
-
-
 class MlaAttention(nn.Module):
     """q (q_proj, or V3's q_a_proj -> norm -> q_b_proj) and kv_b_proj column-parallel by
-    head, q_a_proj and kv_a_proj_with_mqa replicated, o_proj row-parallel."""
+    head, kv_a_proj_with_mqa replicated, o_proj row-parallel."""
 
     def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
@@ -100,7 +87,7 @@ class MlaAttention(nn.Module):
         total = config.num_attention_heads
         self.q_lora = getattr(config, "q_lora_rank", None)
         if self.q_lora:
-            self.q_a_proj = replicated(hidden, self.q_lora, bias)
+            self.q_a_proj = nn.Linear(hidden, self.q_lora, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps)
             q_in = self.q_lora
         else:
@@ -108,7 +95,7 @@ class MlaAttention(nn.Module):
         # q_proj (V2-Lite) or q_b_proj: each head's q, by a name LlamaForCausalLM's loading
         # leaves alone (its q_proj is a section of qkv_proj).
         self.q_heads = ColumnParallelLinear(q_in, [split(total * dim, tp, "q rows")], bias=False)
-        self.kv_a_proj_with_mqa = replicated(hidden, self.kv_rank + self.rope, bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
         kv_rows = split(total * (self.nope + self.v_dim), tp, "kv_b_proj rows")
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, [kv_rows], bias=False)
@@ -183,13 +170,9 @@ class DeepseekV2MoE(FusedMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.topk_groups < self.num_groups:
-            weights, ids = limited_topk(
-                logits, self.top_k, self.num_groups, self.topk_groups, self.scale
-            )
-        else:  # greedy: the softmax's top-k, one launch on CUDA
-            weights, ids = select_experts_for(x.device)(logits, self.top_k, False)
-            weights = weights if self.scale == 1.0 else weights * self.scale
+        weights, ids = limited_topk(
+            logits, self.top_k, self.num_groups, self.topk_groups, self.scale
+        )
         routed = fused_moe_for(x.device)(
             x, self.w13, self.w2, weights, ids, None, None, self.scales
         )
