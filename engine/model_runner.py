@@ -55,14 +55,19 @@ class ModelRunner(StepInputs):
         self.device = config.torch_device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = self.dtype
+        self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         if config.kv_cache_dtype == "fp8":
+            if any(layer.KV_TENSORS == 1 for layer in self.attn_layers):
+                raise ValueError(
+                    "--kv-cache-dtype fp8 is not supported with multi-head latent attention "
+                    "(DeepSeek's latent cache); leave it at auto"
+                )
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
 
-        self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._num_kv_blocks()
         if membership is not None:  # every rank holds the same blocks: the fewest any fits
             self.num_blocks = all_ranks_min(self.num_blocks, membership)
@@ -112,7 +117,7 @@ class ModelRunner(StepInputs):
 
     def bytes_per_block(self) -> int:
         layer = self.attn_layers[0]
-        per_token = 2 * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
+        per_token = layer.KV_TENSORS * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
         return per_token * self.block_size * len(self.attn_layers)
 
     def _num_kv_blocks(self) -> int:
@@ -150,7 +155,9 @@ class ModelRunner(StepInputs):
         ops = AttentionOps.for_device(self.device)
         for layer in self.attn_layers:
             layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            layer.v_cache = layer.k_cache
+            if layer.KV_TENSORS == 2:
+                layer.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.ops = ops
             if self.kv_dtype == FP8_DTYPE:  # the cache kernels bound to the layer's k/v scales
                 scales = dict(k_scale=layer.k_scale, v_scale=layer.v_scale)

@@ -1,104 +1,397 @@
-"""Multi-head latent attention's expansion into the paged cache's layout
-(engine/models/deepseek.py): each head's K from its k_nope and the token's one rotary
-key, and its V padded to K's width, in one launch instead of half a dozen copies.
+"""Multi-head latent attention (MLA) over a latent paged cache (engine/models/deepseek.py).
 
-K's dims are laid out for the kernels' partial rotation, pairs at j and j + D / 2:
-[pe first half | nope's first D / 2 - rope / 2 | pe second half | the rest of nope]."""
+The cache holds one row a token: MLA's latent c (kv_lora_rank values, normed) then its
+rotary key k_pe (qk_rope_head_dim, rotated), [num_blocks, block_size, 1, latent + rope].
+With kv_b_proj's per-head halves absorbed into the query (q_lat = q_nope @ W_UK) and the
+output (out_lat @ W_UV), every query head attends to that one row:
+
+    score = (q_lat . c + q_pe . k_pe) * scale,    out_lat = sum softmax(score) * c
+
+so the attention is multi-query, K the whole row and V its first `latent` values, each
+row read once for all the heads. One kernel serves every step: a query tile is
+BLOCK_Q tokens of one sequence times a block of heads (decode: one token, each
+sequence's own tile), causal by position, its keys split among programs where the grid
+is small, as decode attention's are (kernels/decode_config.py merges them).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
+from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 from kernels.pdl import launch_options, use_pdl, wait_previous
 
+MAX_HEADS = 64  # query heads a program takes; more go to further programs
+MAX_SPLITS = 32
 
-def mla_expand_ref(
-    kv: torch.Tensor,  # [n, heads, nope + v_dim]: kv_b_proj's output, each head's k_nope, v
-    pe: torch.Tensor,  # [n, rope]: the token's rotary key, its pairs' halves in order
-    nope: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # K and V, each [n, heads, nope + rope]
-    n, heads, _ = kv.shape
-    rope = pe.shape[1]
-    dim, half, half_rope = nope + rope, (nope + rope) // 2, rope // 2
-    cut = half - half_rope
-    k = torch.empty(n, heads, dim, dtype=kv.dtype, device=kv.device)
-    k[:, :, :half_rope] = pe[:, None, :half_rope]
-    k[:, :, half_rope:half] = kv[:, :, :cut]
-    k[:, :, half : half + half_rope] = pe[:, None, half_rope:]
-    k[:, :, half + half_rope :] = kv[:, :, cut:nope]
-    v = torch.nn.functional.pad(kv[:, :, nope:], (0, dim - (kv.shape[2] - nope)))
-    return k, v
+
+def mla_store_ref(
+    c: torch.Tensor,  # [n, latent], rows may be strided
+    k_pe: torch.Tensor,  # [n, rope]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    slot_mapping: torch.Tensor,  # [n] int; < 0 = padding, not stored
+) -> None:
+    valid = slot_mapping >= 0
+    rows = torch.cat([c[valid], k_pe[valid]], dim=-1).to(cache.dtype)
+    cache.view(-1, cache.shape[-1])[slot_mapping[valid].long()] = rows
+
+
+def mla_attention_ref(
+    q_lat: torch.Tensor,  # [n, heads, latent]
+    q_pe: torch.Tensor,  # [n, heads, rope]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor | None,  # [num_seqs + 1]; None: row i is sequence i's last
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the new tokens
+    scale: float,
+    max_query_len: int = 1,  # unused here: the kernel's tile height
+) -> torch.Tensor:  # [n, heads, latent]; zeros for rows of no sequence
+    latent = q_lat.shape[-1]
+    out = q_lat.new_zeros(q_lat.shape)
+    lens = seq_lens.tolist()
+    starts = list(range(len(lens) + 1)) if query_start_loc is None else query_start_loc.tolist()
+    q = torch.cat([q_lat, q_pe], dim=-1).float()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        if end <= start or seq_len <= 0:
+            continue
+        rows = gather_kv(cache, block_table[i], seq_len)[:, 0].float()  # [seq_len, L + R]
+        scores = torch.einsum("qhd,kd->hqk", q[start:end], rows) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+        probs = scores.masked_fill(hidden[None], float("-inf")).softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,kd->qhd", probs, rows[:, :latent]).to(out.dtype)
+    return out
 
 
 @triton.jit
-def _mla_expand_kernel(
-    kv_ptr,
+def _mla_store_kernel(
+    c_ptr,
     pe_ptr,
-    k_ptr,
-    v_ptr,
-    stride_kv_token,
-    stride_kv_head,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_c,
     stride_pe,
-    heads,
-    NOPE: tl.constexpr,
+    LATENT: tl.constexpr,
+    LATENT_P2: tl.constexpr,
     ROPE: tl.constexpr,
-    V_DIM: tl.constexpr,
-    DIM_P2: tl.constexpr,
+    ROPE_P2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
-    token, head = tl.program_id(0), tl.program_id(1)
-    DIM: tl.constexpr = NOPE + ROPE
-    HALF: tl.constexpr = DIM // 2
-    HALF_ROPE: tl.constexpr = ROPE // 2
-    d = tl.arange(0, DIM_P2)
-    in_dim = d < DIM
-    j = tl.where(d < HALF, d, d - HALF)  # the slot within its half
-    is_pe = j < HALF_ROPE
-    pe_dim = tl.where(d < HALF, j, j + HALF_ROPE)
-    nope_dim = tl.where(d < HALF, j - HALF_ROPE, j + HALF - 2 * HALF_ROPE)
-    row = kv_ptr + token.to(tl.int64) * stride_kv_token + head * stride_kv_head
-    from_pe = tl.load(pe_ptr + token.to(tl.int64) * stride_pe + pe_dim, mask=in_dim & is_pe)
-    from_nope = tl.load(row + nope_dim, mask=in_dim & ~is_pe)
-    out = (token.to(tl.int64) * heads + head) * DIM + d
-    tl.store(k_ptr + out, tl.where(is_pe, from_pe, from_nope), mask=in_dim)
-    v = tl.load(row + NOPE + d, mask=d < V_DIM, other=0.0)
-    tl.store(v_ptr + out, v, mask=in_dim)
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        row = cache_ptr + slot * (LATENT + ROPE)  # the cache is contiguous, one row a slot
+        d = tl.arange(0, LATENT_P2)
+        c = tl.load(c_ptr + token * stride_c + d, mask=d < LATENT)
+        tl.store(row + d, c.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
+        r = tl.arange(0, ROPE_P2)
+        pe = tl.load(pe_ptr + token * stride_pe + r, mask=r < ROPE)
+        tl.store(row + LATENT + r, pe.to(cache_ptr.dtype.element_ty), mask=r < ROPE)
 
 
-def mla_expand(kv: torch.Tensor, pe: torch.Tensor, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `mla_expand_ref` (kv's and pe's last dims contiguous)."""
-    n, heads, width = kv.shape
-    rope = pe.shape[1]
-    assert kv.stride(2) == 1 and pe.stride(1) == 1 and width - nope <= nope + rope
-    k = torch.empty(n, heads, nope + rope, dtype=kv.dtype, device=kv.device)
-    v = torch.empty_like(k)
+def mla_store(
+    c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton version of `mla_store_ref` (c's and k_pe's last dims contiguous): one launch."""
+    n, latent = c.shape
+    rope = k_pe.shape[1]
+    assert c.stride(1) == 1 and k_pe.stride(1) == 1 and cache.is_contiguous()
+    assert cache.shape[-1] == latent + rope
     if n == 0:
-        return k, v
-    pdl = use_pdl(kv.device)
-    _mla_expand_kernel[(n, heads)](
-        kv,
-        pe,
-        k,
-        v,
-        kv.stride(0),
-        kv.stride(1),
-        pe.stride(0),
-        heads,
-        NOPE=nope,
+        return
+    pdl = use_pdl(c.device)
+    _mla_store_kernel[(n,)](
+        c,
+        k_pe,
+        cache,
+        slot_mapping,
+        c.stride(0),
+        k_pe.stride(0),
+        LATENT=latent,
+        LATENT_P2=triton.next_power_of_2(latent),
         ROPE=rope,
-        V_DIM=width - nope,
-        DIM_P2=triton.next_power_of_2(nope + rope),
+        ROPE_P2=triton.next_power_of_2(rope),
         PDL=pdl,
         **launch_options(pdl),
     )
-    return k, v
 
 
-def mla_expand_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+@triton.jit
+def _mla_attention_kernel(
+    q_lat_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_out_ptr,
+    split_lse_ptr,
+    qk_scale,  # softmax scale * LOG2E
+    num_heads,
+    num_seqs,
+    stride_qlt,
+    stride_qlh,
+    stride_qpt,
+    stride_qph,
+    stride_cb,
+    stride_co,
+    stride_bts,
+    stride_ot,
+    stride_oh,
+    stride_st,
+    stride_sh,
+    stride_sp,
+    stride_lt,
+    stride_lh,
+    LATENT: tl.constexpr,
+    LATENT_P2: tl.constexpr,  # >= 16 for tl.dot, as ROPE_P2
+    ROPE: tl.constexpr,
+    ROPE_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,  # heads a program takes
+    BLOCK_Q: tl.constexpr,  # queries a program takes
+    BLOCK_M: tl.constexpr,  # rows: BLOCK_Q x HEADS, a power of two >= 16
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ONE_PER_SEQ: tl.constexpr,  # row i is sequence i's one query (decode, verify rows)
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program per (query tile, head block, key split). As in the prefill kernel, the
+    # tile's sequence is the last s whose first tile, query_start_loc[s] // BLOCK_Q + s,
+    # is not past it; tiles past their sequence's queries exit.
+    wait_previous(PDL)
+    tile = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    if ONE_PER_SEQ:
+        seq = tile
+        q_start = tile
+        query_len = 1
+        q_tile = 0
+    else:
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = tl.load(query_start_loc_ptr + seq)
+        query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    # A padded row's seq_len is 0: it sees no key and comes out zero.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    r = tl.arange(0, BLOCK_M)
+    rows = q_tile * BLOCK_Q + r // HEADS  # each row's query within the sequence's
+    heads = head_block * HEADS + r % HEADS
+    row_mask = (r < BLOCK_Q * HEADS) & (rows < query_len) & (heads < num_heads)
+    q_pos = seq_len - query_len + rows
+    tokens = (q_start + rows).to(tl.int64)
+    d = tl.arange(0, LATENT_P2)
+    e = tl.arange(0, ROPE_P2)
+    q_lat = tl.load(
+        q_lat_ptr + tokens[:, None] * stride_qlt + heads[:, None] * stride_qlh + d[None, :],
+        mask=row_mask[:, None] & (d[None, :] < LATENT),
+        other=0.0,
+    )  # [BLOCK_M, LATENT_P2]
+    q_pe = tl.load(
+        q_pe_ptr + tokens[:, None] * stride_qpt + heads[:, None] * stride_qph + e[None, :],
+        mask=row_mask[:, None] & (e[None, :] < ROPE),
+        other=0.0,
+    )  # [BLOCK_M, ROPE_P2]
+
+    # Keys up to the tile's last query; this split's share of them, in whole tiles.
+    kv_end = tl.minimum(seq_len, seq_len - query_len + q_tile * BLOCK_Q + BLOCK_Q)
+    share = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seg_start = split * share
+    seg_end = tl.minimum(seg_start + share, kv_end)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, LATENT_P2], tl.float32)
+    block_row = block_table_ptr + seq * stride_bts
+    for kv_start in range(seg_start, seg_end, BLOCK_N):
+        keys = kv_start + tl.arange(0, BLOCK_N)
+        key_mask = keys < seg_end
+        blocks = tl.load(block_row + keys // BLOCK_SIZE, mask=key_mask, other=0)
+        key_rows = blocks.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_co
+        c = tl.load(
+            cache_ptr + key_rows[:, None] + d[None, :],
+            mask=key_mask[:, None] & (d[None, :] < LATENT),
+            other=0.0,
+        )  # [BLOCK_N, LATENT_P2]
+        pe = tl.load(
+            cache_ptr + key_rows[:, None] + LATENT + e[None, :],
+            mask=key_mask[:, None] & (e[None, :] < ROPE),
+            other=0.0,
+        )  # [BLOCK_N, ROPE_P2]
+        scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=DOT_PRECISION) * qk_scale
+        visible = key_mask[None, :] & (keys[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row may see no key of a tile (a later query's, or a masked row): subtracting 0
+        # keeps -inf - -inf (NaN) away; its p and alpha stay 0 until a key shows.
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0
+    result = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_mask = row_mask[:, None] & (d[None, :] < LATENT)
+    if NUM_SPLITS > 1:  # a split may see no key of a row: its lse is -inf, its weight 0
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(split_lse_ptr + tokens * stride_lt + heads * stride_lh + split, lse, mask=row_mask)
+        part = tokens[:, None] * stride_st + heads[:, None] * stride_sh + split * stride_sp
+        tl.store(split_out_ptr + part + d[None, :], result, mask=out_mask & seen[:, None])
+    else:
+        offs = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + offs, result.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Launch config of the MLA kernel: a function of shapes only (CUDA-graph safe)."""
+
+    block_q: int  # queries a program takes (1 for one row a sequence)
+    block_n: int
+    num_splits: int
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def mla_config(
+    num_tiles: int,  # query tiles the grid has
+    num_heads: int,
+    max_context: int,  # bound on any sequence's keys (the block table's width)
+    block_q: int,
+    device: torch.device,
+    row_bytes: int = 1024,  # a cached row's latent part, in bytes (padded to a power of two)
+) -> MlaConfig:
+    """The numbers are measured at DeepSeek-V2-Lite's shape on an H200 (16 heads): 64-key
+    tiles on 8 warps, for decode rows and query tiles alike (32-key tiles for rows of
+    over 1 KB, fp32's, to fit two stages in shared memory). Few programs (decode at
+    small batch, short chunks) split their keys until the grid holds about four per SM,
+    as decode attention does."""
+    block_n = 64 if row_bytes <= 1024 else 32
+    programs = num_tiles * triton.cdiv(num_heads, MAX_HEADS)
+    num_sms = num_sms_of(device)
+    splits = 1
+    if 2 * programs < num_sms:
+        most = max(triton.cdiv(max_context, block_n), 1)
+        splits = max(1, min(triton.cdiv(4 * num_sms, programs), most, MAX_SPLITS))
+    return MlaConfig(block_q, block_n, splits)
+
+
+def mla_attention(
+    q_lat: torch.Tensor,  # [n, heads, latent], last dim contiguous
+    q_pe: torch.Tensor,  # [n, heads, rope], last dim contiguous
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope] contiguous
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, last dim contiguous
+    query_start_loc: torch.Tensor | None,  # see the reference
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    max_query_len: int = 1,  # a host-side bound on query lengths: the tile height only
+    config: MlaConfig | None = None,
+) -> torch.Tensor:  # [n, heads, latent]: a [heads, n, latent] buffer, transposed
+    """Triton version of `mla_attention_ref`. The grid depends on n, the sequence count
+    and max_query_len's tile height only, so a CUDA graph replays it for any lengths.
+    The output is laid out head-major, as the product by W_UV that follows reads it."""
+    n, num_heads, latent = q_lat.shape
+    rope = q_pe.shape[2]
+    num_seqs, block_size = seq_lens.shape[0], cache.shape[1]
+    assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and block_table.stride(1) == 1
+    assert cache.is_contiguous() and cache.shape[-1] == latent + rope
+    out = torch.empty(num_heads, n, latent, dtype=q_lat.dtype, device=q_lat.device)
+    out = out.transpose(0, 1)
+    if n == 0 or num_seqs == 0:
+        return out
+    heads = min(num_heads, MAX_HEADS)
+    one_per_seq = query_start_loc is None
+    assert not one_per_seq or n == num_seqs
+    if config is None:
+        rows = max(16, triton.next_power_of_2(heads))
+        block_q = 1 if one_per_seq else max(1, min(max_query_len, 64 // rows))
+        block_q = triton.next_power_of_2(block_q)
+        tiles = num_seqs if one_per_seq else triton.cdiv(n, block_q)
+        context = block_table.shape[1] * block_size
+        row_bytes = triton.next_power_of_2(latent) * cache.element_size()
+        config = mla_config(tiles, num_heads, context, block_q, q_lat.device, row_bytes)
+    block_q = config.block_q
+    tiles = num_seqs if one_per_seq else n // block_q + num_seqs
+    split_out, split_lse = decode_workspace(n, num_heads, latent, config.num_splits, q_lat.device)
+    pdl = use_pdl(q_lat.device)
+    grid = (tiles, triton.cdiv(num_heads, heads), config.num_splits)
+    _mla_attention_kernel[grid](
+        q_lat,
+        q_pe,
+        cache,
+        block_table,
+        seq_lens if one_per_seq else query_start_loc,  # a placeholder (ONE_PER_SEQ)
+        seq_lens,
+        out,
+        split_out,
+        split_lse,
+        scale * LOG2E,
+        num_heads,
+        num_seqs,
+        q_lat.stride(0),
+        q_lat.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        split_out.stride(0),
+        split_out.stride(1),
+        split_out.stride(2),
+        split_lse.stride(0),
+        split_lse.stride(1),
+        LATENT=latent,
+        LATENT_P2=max(16, triton.next_power_of_2(latent)),
+        ROPE=rope,
+        ROPE_P2=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=block_size,
+        HEADS=heads,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(16, triton.next_power_of_2(block_q * heads)),
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=config.num_splits,
+        ONE_PER_SEQ=one_per_seq,
+        DOT_PRECISION=dot_precision(q_lat.dtype),
+        PDL=pdl,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **launch_options(pdl),
+    )
+    if config.num_splits > 1:
+        merge_splits(split_out, split_lse, out, config.num_splits, pdl)
+    return out
+
+
+def mla_store_for(device: torch.device) -> Callable[..., None]:
     """Triton on CUDA, the reference elsewhere."""
-    return mla_expand if device.type == "cuda" else mla_expand_ref
+    return mla_store if device.type == "cuda" else mla_store_ref
+
+
+def mla_attention_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """Triton on CUDA, the reference elsewhere."""
+    return mla_attention if device.type == "cuda" else mla_attention_ref

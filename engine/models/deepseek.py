@@ -3,14 +3,13 @@ attention (MLA), and shared-expert MoE layers after the first `first_k_dense_rep
 dense ones.
 
 MLA projects each token to a latent c (kv_lora_rank wide, RMS-normed) and one rotary key
-part k_pe shared by the heads; kv_b_proj expands c into each head's k_nope and v. Here
-the expansion is done as the token is computed and the paged cache holds each head's
-full K and V, so the attention kernels are the other models': the cache costs
-num_heads * head_dim * 2 values a token and layer (V padded to K's width) against MLA's
-kv_lora_rank + qk_rope_head_dim. The dims of q and K are laid out for the kernels'
-partial rotation: per head [pe first half | nope | pe second half | nope], the rotary
-pairs at j and j + head_dim / 2 (q's rows reordered at load, K assembled so by
-kernels/mla.py).
+k_pe shared by the heads; kv_b_proj would expand c into each head's k_nope and v. The
+paged cache holds only c and k_pe, one row a token (kv_lora_rank + qk_rope_head_dim
+values, against num_heads * (qk_nope + qk_rope + v) expanded), and kv_b_proj's halves are
+absorbed instead: q_nope @ W_UK puts each head's query in the latent's space, and the
+attention's output, a mix of latents, goes through W_UV (kernels/mla.py). q's rows are
+laid out at load as every head's nope part, then every head's rotary part, its pairs
+de-interleaved where the checkpoint interleaves them.
 
 Routing: V3's as GLM-4.5's (sigmoid, a learned correction, groups; glm4_moe.py); V2's a
 softmax over the experts, top-k over all of them (`greedy`) or within the best
@@ -42,19 +41,14 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
-from kernels.mla import mla_expand_for
+from kernels.mla import mla_attention_for, mla_store_for
+from kernels.rotary import rotary_for
 
 
-def mla_dim_order(nope: int, rope: int, interleaved: bool) -> list[int]:
-    """A head's q/K dims in the kernels' order: entry j is the checkpoint's dim (nope
-    first, then the rotary part, pairs adjacent when interleaved) now at j. The kernels
-    rotate j with j + head_dim / 2 for the first rope / 2 slots of each half."""
-    half_rope, half = rope // 2, (nope + rope) // 2
-    pe = range(nope, nope + rope)
-    first = list(pe[0::2] if interleaved else pe[:half_rope])
-    second = list(pe[1::2] if interleaved else pe[half_rope:])
-    rest = list(range(nope))
-    return first + rest[: half - half_rope] + second + rest[half - half_rope :]
+def rope_pair_order(rope: int, interleaved: bool) -> list[int]:
+    """The rotary dims in the kernels' rotate-half order (pairs at j and j + rope / 2):
+    entry j is the checkpoint's dim now at j."""
+    return [*range(0, rope, 2), *range(1, rope, 2)] if interleaved else list(range(rope))
 
 
 def yarn_mscale(scaling: dict | None) -> float:
@@ -66,22 +60,57 @@ def yarn_mscale(scaling: dict | None) -> float:
     return m * m
 
 
+class LatentUpProjection(ColumnParallelLinear):
+    """kv_b_proj: never run as a linear, its weight read per head as W_UK and W_UV. A
+    type of its own, so that `--quantization fp8` leaves it in the model dtype."""
+
+
+class LatentCache(PagedAttention):
+    """The layer's latent cache and its attention: one row a token, [c | k_pe], read as
+    every head's K and, its first `latent` values, V (kernels/mla.py)."""
+
+    KV_TENSORS = 1  # no V cache of its own
+
+    def __init__(self, num_heads: int, latent: int, rope: int, scale: float) -> None:
+        super().__init__(num_heads, 1, latent + rope, scale)
+        self.latent = latent
+
+    def forward(
+        self,
+        q_lat: torch.Tensor,  # [n, heads, latent]
+        q_pe: torch.Tensor,  # [n, heads, rope], rotated
+        c: torch.Tensor,  # [n, latent], normed
+        k_pe: torch.Tensor,  # [n, rope], rotated
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, heads, latent]
+        device = q_lat.device
+        mla_store_for(device)(c, k_pe, self.k_cache, meta.slot_mapping)
+        one_per_seq = meta.is_decode or meta.per_token
+        return mla_attention_for(device)(
+            q_lat,
+            q_pe,
+            self.k_cache,
+            meta.block_table,
+            None if one_per_seq else meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            meta.max_query_len,
+        )
+
+
 class MlaAttention(nn.Module):
     """q (q_proj, or V3's q_a_proj -> norm -> q_b_proj) and kv_b_proj column-parallel by
-    head, kv_a_proj_with_mqa replicated, o_proj row-parallel."""
+    head, kv_a_proj_with_mqa replicated (so is the latent cache), o_proj row-parallel."""
 
     def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
         heads = split(config.num_attention_heads, tp, "num_attention_heads")
-        self.num_heads = num = heads.local_size
+        self.num_heads = heads.local_size
         self.nope, self.rope, self.v_dim = (
             config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         )  # fmt: skip
-        self.head_dim = dim = self.nope + self.rope
-        if self.v_dim > dim or dim % 2 or self.rope % 2:
-            raise ValueError(
-                f"unsupported MLA head dims: qk {self.nope}+{self.rope}, v {self.v_dim}"
-            )
+        if self.rope % 2:
+            raise ValueError(f"unsupported qk_rope_head_dim {self.rope} (odd)")
         self.kv_rank = config.kv_lora_rank
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
         total = config.num_attention_heads
@@ -94,15 +123,16 @@ class MlaAttention(nn.Module):
             q_in = hidden
         # q_proj (V2-Lite) or q_b_proj: each head's q, by a name LlamaForCausalLM's loading
         # leaves alone (its q_proj is a section of qkv_proj).
+        dim = self.nope + self.rope
         self.q_heads = ColumnParallelLinear(q_in, [split(total * dim, tp, "q rows")], bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, config.rms_norm_eps)
         kv_rows = split(total * (self.nope + self.v_dim), tp, "kv_b_proj rows")
-        self.kv_b_proj = ColumnParallelLinear(self.kv_rank, [kv_rows], bias=False)
+        self.kv_b_proj = LatentUpProjection(self.kv_rank, [kv_rows], bias=False)
         self.o_proj = RowParallelLinear(total * self.v_dim, hidden, bias, tp)
         self.rotary = rotary
         scale = dim**-0.5 * yarn_mscale(rope_settings(config)[1])
-        self.attn = PagedAttention(num, num, dim, scale)
+        self.attn = LatentCache(self.num_heads, self.kv_rank, self.rope, scale)
         self.interleaved = config.model_type == "deepseek_v2" or getattr(
             config, "rope_interleave", False
         )
@@ -110,31 +140,36 @@ class MlaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
-        n, num, dim = len(positions), self.num_heads, self.head_dim
+        n, num = len(positions), self.num_heads
         q_in = self.q_a_layernorm(self.q_a_proj(x))[0] if self.q_lora else x
-        q = self.q_heads(q_in)  # [n, heads * dim], each head in the kernels' order
-        latent = self.kv_a_proj_with_mqa(x)
-        c, pe = latent.split([self.kv_rank, self.rope], dim=-1)  # pe: its halves in order
-        kv = self.kv_b_proj(self.kv_a_layernorm(c)[0]).view(n, num, -1)  # k_nope, v a head
-        k, v = mla_expand_for(kv.device)(kv, pe, self.nope)  # V as wide as K, for the kernels
-        rope = self.rotary.rope(positions)
-        out = self.attn(q, k.view(n, -1), v.view(n, -1), meta, rope)
-        out = out.view(n, num, dim)[:, :, : self.v_dim].reshape(n, -1)
-        return self.o_proj(out)
+        q = self.q_heads(q_in)  # [n, heads * nope | heads * rope]
+        q_nope = q[:, : num * self.nope].view(n, num, self.nope)
+        latent = self.kv_a_proj_with_mqa(x)  # [n, kv_rank + rope]
+        c = self.kv_a_layernorm(latent[:, : self.kv_rank])[0]
+        # In place on CUDA (the reference returns new tensors).
+        q_pe, k_pe = rotary_for(q.device)(
+            positions, q[:, num * self.nope :], latent[:, self.kv_rank :], self.rotary.cos_sin
+        )
+        w = self.kv_b_proj.weight.view(num, self.nope + self.v_dim, self.kv_rank)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope])  # [heads, n, kv_rank]
+        out = self.attn(q_lat.transpose(0, 1), q_pe.view(n, num, self.rope), c, k_pe, meta)
+        o = torch.bmm(out.transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [heads, n, v]
+        return self.o_proj(o.transpose(0, 1).reshape(n, num * self.v_dim))
 
     @torch.no_grad()
     def reorder_rotary_dims(self) -> None:
-        """q's rows per head, and kv_a_proj_with_mqa's rotary rows, in the order forward
-        reads them (pairs de-interleaved where the checkpoint interleaves them)."""
-        order = mla_dim_order(self.nope, self.rope, self.interleaved)
+        """q's rows as forward reads them (every head's nope rows, then every head's
+        rotary rows) and kv_a_proj_with_mqa's rotary rows, pairs de-interleaved where the
+        checkpoint interleaves them."""
+        num, nope, rope = self.num_heads, self.nope, self.rope
         device = self.q_heads.weight.device
-        heads = self.q_heads.weight.view(self.num_heads, self.head_dim, -1)
-        heads.copy_(heads[:, torch.tensor(order, device=device)])
-        pe = [j - self.nope for j in order if j >= self.nope]  # the rotary dims, in order
-        rows = torch.tensor([self.kv_rank + j for j in pe], device=device)
+        order = torch.tensor(rope_pair_order(rope, self.interleaved), device=device)
+        heads = self.q_heads.weight.view(num, nope + rope, -1)
+        rows = torch.cat([heads[:, :nope].flatten(0, 1), heads[:, nope:][:, order].flatten(0, 1)])
+        self.q_heads.weight.copy_(rows.view_as(self.q_heads.weight))
         for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
             if param is not None:
-                param[self.kv_rank :] = param[rows]
+                param[self.kv_rank :] = param[self.kv_rank + order]
 
 
 def limited_topk(
@@ -191,10 +226,9 @@ class DeepseekForCausalLM(MoeForCausalLM):
             raise ValueError(f"unsupported topk_method {method!r}")
 
     def make_layers(self, config) -> list[nn.Module]:
-        dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, theta, scaling)
-        self.rotary.rotary_dim = config.qk_rope_head_dim  # the rest of each head: unrotated
+        rope = config.qk_rope_head_dim
+        self.rotary = RotaryEmbedding(rope, config.max_position_embeddings, theta, scaling)
         return [
             LlamaDecoderLayer(
                 config,

@@ -66,6 +66,8 @@ class PagedAttention(nn.Module):
     """Rotates q and k (given a Rope), stores the new K/V into this layer's cache, then
     attends over the cache."""
 
+    KV_TENSORS = 2  # a K and a V cache (1: one cache, read as both: DeepSeek's latent)
+
     def __init__(
         self,
         num_heads: int,

@@ -1,11 +1,14 @@
 """DeepSeek's pieces the tiny checkpoints leave out: V2's group-limited routing against
-transformers' router, and the head layout MLA's rotation reads."""
+transformers' router, the rotary layout MLA's rotation reads, and the latent cache's size."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from engine.models.deepseek import limited_topk, mla_dim_order
+from engine import LLM, SamplingParams
+from engine.models.deepseek import limited_topk, rope_pair_order
+from tests.conftest import PROMPTS
 
 
 def test_group_limited_routing_is_transformers():
@@ -41,7 +44,37 @@ def test_group_limited_routing_is_transformers():
     assert all(set(g.tolist()) <= set(b.tolist()) for g, b in zip(groups, best))
 
 
-def test_the_rotary_pairs_sit_at_the_start_of_each_half():
-    # 4 nope dims, 4 rotary ones (dims 4-7), head 8: the kernels pair j with j + 4.
-    assert mla_dim_order(4, 4, interleaved=False) == [4, 5, 0, 1, 6, 7, 2, 3]
-    assert mla_dim_order(4, 4, interleaved=True) == [4, 6, 0, 1, 5, 7, 2, 3]
+def test_interleaved_rotary_pairs_become_halves():
+    # Pairs (0, 1), (2, 3), ... of an interleaving checkpoint: the kernels pair j, j + 4.
+    assert rope_pair_order(8, interleaved=True) == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert rope_pair_order(8, interleaved=False) == list(range(8))
+
+
+def test_the_cache_holds_one_latent_row_a_token(tiny_family_dir):
+    llm = LLM(tiny_family_dir("deepseek_v2"), device="cpu", block_size=4)
+    runner, config = llm.engine.runner, llm.engine.model.config
+    row = (config.kv_lora_rank + config.qk_rope_head_dim) * 4  # fp32
+    assert runner.bytes_per_block() == row * 4 * config.num_hidden_layers
+    layer = runner.attn_layers[0]
+    assert layer.v_cache is layer.k_cache and layer.k_cache.shape[2:] == (1, row // 4)
+
+
+def test_speculative_verify_rows_equal_plain_decoding(tiny_family_dir):
+    # Verify steps attend one row a token over per-token block tables. Drafts: the plain
+    # run's next two tokens, then a wrong one, so each step accepts some and rejects one.
+    model_dir = tiny_family_dir("deepseek_v3")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[3], PROMPTS[6]]
+    plain = LLM(model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    full = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
+    spec = LLM(model_dir, device="cpu", num_speculative_tokens=3)
+
+    def oracle(slot: int, tokens: np.ndarray, k: int) -> np.ndarray:
+        ids = next(f for f in full if f[: len(tokens)] == tokens.tolist())
+        right = ids[len(tokens) : len(tokens) + 2]
+        return np.array(right + [(right[-1] + 1) % 64] if right else [], dtype=np.int64)
+
+    spec.engine.speculator.draft = oracle
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.speculator.num_accepted_tokens > 20

@@ -54,3 +54,41 @@ def test_fused_moe_in_a_cuda_graph_follows_new_routing():
     graph.replay()
     expected = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("query_len", [1, 37])  # decode rows; query tiles after a prefix
+def test_mla_attention_in_bf16_at_deepseek_shape(query_len):
+    """The launch configs the engine picks at DeepSeek-V2-Lite's shape (16 heads, a 512 +
+    64 row) in bf16, against the fp32 reference."""
+    from kernels.mla import mla_attention, mla_attention_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, latent, rope, block_size, seqs, ctx = 16, 512, 64, 16, 3, 300
+    blocks = seqs * -(-ctx // block_size)
+    cache = torch.randn(blocks, block_size, 1, latent + rope, device="cuda", generator=gen)
+    table = torch.randperm(blocks, device="cuda", generator=gen).int().view(seqs, -1)
+    lens = torch.tensor([ctx, 5 + query_len, 1], dtype=torch.int32, device="cuda")
+    n = seqs * query_len
+    starts = (
+        None
+        if query_len == 1
+        else torch.tensor(
+            [0, query_len, 2 * query_len, 2 * query_len + 1], dtype=torch.int32, device="cuda"
+        )
+    )  # the last sequence one row: a decode beside two chunks
+    if starts is not None:
+        lens[2] = 40
+    q_lat = torch.randn(n, heads, latent, device="cuda", generator=gen)
+    q_pe = torch.randn(n, heads, rope, device="cuda", generator=gen)
+    args = (table, starts, lens, 0.05)
+    want = mla_attention_ref(q_lat, q_pe, cache, *args)
+    got = mla_attention(q_lat.bfloat16(), q_pe.bfloat16(), cache.bfloat16(), *args, query_len)
+    rows = n if starts is None else 2 * query_len + 1
+    torch.testing.assert_close(got[:rows].float(), want[:rows], atol=2e-2, rtol=2e-2)
+
+
+def test_deepseek_refuses_an_fp8_kv_cache(tiny_family_dir):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match="latent cache"):
+        LLM(tiny_family_dir("deepseek_v2"), kv_cache_dtype="fp8")

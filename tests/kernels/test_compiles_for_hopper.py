@@ -3,7 +3,8 @@ interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
-itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, MLA's expansion, and the greedy-ids kernels (a global constant; with and without a bitmask,
+itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, MLA's latent store and attention (one row a sequence, split or
+not, and query tiles), and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
@@ -76,13 +77,21 @@ def compile_variants() -> None:
     print("greedy ids")
     compile_moe()
     print("moe")
-    from kernels.mla import _mla_expand_kernel
+    from kernels.mla import _mla_attention_kernel, _mla_store_kernel
 
-    signature = {"kv_ptr": "*bf16", "pe_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16"}
-    signature |= {name: "i32" for name in ("stride_kv_token", "stride_kv_head", "stride_pe")}
-    constexprs = {"NOPE": 128, "ROPE": 64, "V_DIM": 128, "DIM_P2": 256, "PDL": True}
-    compile_for_hopper(_mla_expand_kernel, signature | {"heads": "i32"}, constexprs)
-    print("mla expand")
+    constexprs = {"LATENT": 512, "LATENT_P2": 512, "ROPE": 64, "ROPE_P2": 64, "PDL": True}
+    compile_for_hopper(_mla_store_kernel, by_name(_mla_store_kernel, constexprs, {}), constexprs)
+    for one_per_seq, splits in ((True, 1), (True, 8), (False, 1)):
+        block_q = 1 if one_per_seq else 4
+        constexprs |= {"BLOCK_SIZE": 16, "HEADS": 16, "BLOCK_Q": block_q, "BLOCK_M": 16 * block_q}
+        constexprs |= {"BLOCK_N": 32, "NUM_SPLITS": splits, "ONE_PER_SEQ": one_per_seq}
+        constexprs |= {"DOT_PRECISION": "tf32"}
+        pointers = {name: "*i32" for name in ("block_table_ptr", "query_start_loc_ptr")}
+        pointers |= {"seq_lens_ptr": "*i32", "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32"}
+        signature = by_name(_mla_attention_kernel, constexprs, pointers, {"qk_scale"})
+        ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs)["ptx"]
+        assert "wgmma.mma" in ptx or "mma.sync" in ptx
+        print(f"mla one_per_seq={one_per_seq} splits={splits}")
 
 
 def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
@@ -174,7 +183,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:12] == [
+    assert done.stdout.split("\n")[:14] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False",
@@ -186,5 +195,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "decode rope kv_fp8=True norm=True",
         "greedy ids",
         "moe",
-        "mla expand",
+        "mla one_per_seq=True splits=1",
+        "mla one_per_seq=True splits=8",
+        "mla one_per_seq=False splits=1",
     ]
