@@ -67,6 +67,7 @@ class ModelRunner(StepInputs):
         self.block_size = config.block_size
         self.max_num_seqs = seqs = config.max_num_seqs
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
+        self.prompts_apart = any(layer.PROMPTS_APART for layer in self.attn_layers)
 
         self.num_blocks = self._num_kv_blocks()
         if membership is not None:  # every rank holds the same blocks: the fewest any fits
@@ -200,8 +201,16 @@ class ModelRunner(StepInputs):
                 return self.graphs.replay_prefill(num_tokens, num_seqs, num_sampling)
             if per_token:
                 num_seqs = num_tokens
+            # Only an eager step runs whole prompts apart: a graph is captured for one path.
+            prompts_only = self.prompts_apart and self.prompts_only
             inp = self.send(
-                num_tokens, num_seqs, max_query_len, out.is_decode_only, num_sampling, per_token
+                num_tokens,
+                num_seqs,
+                max_query_len,
+                out.is_decode_only,
+                num_sampling,
+                per_token,
+                prompts_only,
             )
             if self.channel is not None:
                 rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
@@ -213,6 +222,7 @@ class ModelRunner(StepInputs):
                     is_decode=int(out.is_decode_only),
                     num_sampling=num_sampling,
                     per_token=int(per_token),
+                    prompts_only=int(prompts_only),
                 )
                 self.channel.publish(header, rows, images)
             self.steps_by_path["eager"] += 1
@@ -244,6 +254,7 @@ class ModelRunner(StepInputs):
             inp.is_decode,
             inp.per_token,
             None if images is None else images.horizons(inp.positions),
+            prompts_only=inp.prompts_only,
         )
         if images is not None:
             return self.model(input_ids, inp.positions, meta, images)

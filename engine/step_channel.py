@@ -13,7 +13,7 @@ Nothing is pickled per step.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from engine.staging import StagedFields
 # StepHeader.path; LORA: no step, a LoRA adapter to read into slot `bucket` (its name
 # and directory follow as objects over the control group).
 STOP, DECODE_GRAPH, PREFILL_GRAPH, EAGER, VERIFY_GRAPH, LORA = range(6)
-HEADER_WORDS = 15
 
 
 @dataclass
@@ -42,10 +41,14 @@ class StepHeader:
     table_hi: int = 0
     num_score_rows: int = 0  # prompt-scoring rows follow as a broadcast
     per_token: int = 0  # an eager verify step's tokens attend as sequences of their own
+    prompts_only: int = 0  # an eager step's sequences are all whole prompts
     num_image_rows: int = 0  # image rows and their features follow as broadcasts
     image_horizons: int = 0  # and their horizons (engine/images.py)
     image_positions: int = 0  # and their 3-D rotary positions
     image_deepstack: int = 0  # and this many layers' deepstack features
+
+
+HEADER_WORDS = len(fields(StepHeader))
 
 
 @dataclass
@@ -117,7 +120,7 @@ class StepChannel:
         """A worker: the next step's header, its staged buffer and table rows in place;
         and its scoring rows and image rows, if any."""
         dist.broadcast(self.header, src=0, group=self.control)
-        header = StepHeader(*self.header_np[: len(StepHeader.__dataclass_fields__)].tolist())
+        header = StepHeader(*self.header_np.tolist())
         step = ReceivedStep(header)
         if header.path == STOP:
             return step

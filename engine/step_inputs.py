@@ -31,6 +31,7 @@ class ModelInput:
     max_query_len: int
     is_decode: bool
     per_token: bool  # every token a decode row of its own (AttentionMetadata.per_token)
+    prompts_only: bool  # no sequence has context before its new tokens
     lora_ids: torch.Tensor | None  # [num_tokens] each token's LoRA adapter, -1: none
 
 
@@ -111,6 +112,7 @@ class StepInputs:
         # the CUDA graphs lower it to their largest verify bucket), and whether this one does.
         self.max_per_token_rows = max_tokens
         self.per_token = False
+        self.prompts_only = False  # this step's (AttentionMetadata.prompts_only)
 
     def fill(self, out: SchedulerOutput) -> int:
         """Write the step's metadata into the pinned buffers; returns max_query_len.
@@ -143,7 +145,9 @@ class StepInputs:
                     gather[:] = self.sampled_words[:n]
                 self.steady_layout[parity] = layout if steady else None
             max_query_len = 1
+            self.prompts_only = False
         else:
+            self.prompts_only = not bool(starts.any())
             self.steady_layout[parity] = None
             steady = False
             buf["slot_indices"][:n] = slots
@@ -221,6 +225,7 @@ class StepInputs:
         is_decode: bool,
         num_sampling: int | None = None,  # None: every sequence samples
         per_token: bool = False,  # num_seqs is then num_tokens
+        prompts_only: bool = False,
     ) -> ModelInput:
         gpu = self.staged.gpu
         return ModelInput(
@@ -236,6 +241,7 @@ class StepInputs:
             max_query_len=max_query_len,
             is_decode=is_decode,
             per_token=per_token,
+            prompts_only=prompts_only,
             lora_ids=gpu["lora_ids"][:num_tokens] if self.lora else None,
         )
 

@@ -98,6 +98,7 @@ def replay(runner: ModelRunner, step: ReceivedStep) -> None:
             bool(header.is_decode),
             header.num_sampling,
             bool(header.per_token),
+            bool(header.prompts_only),
         )
         if score_rows is None:
             runner.forward(inp, step.images)

@@ -42,6 +42,7 @@ from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, Weig
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
 from kernels.mla import mla_attention_for, mla_store_for
+from kernels.prefill_attention import paged_prefill_attention_for
 from kernels.rotary import rotary_for
 
 
@@ -70,21 +71,22 @@ class LatentCache(PagedAttention):
     every head's K and, its first `latent` values, V (kernels/mla.py)."""
 
     KV_TENSORS = 1  # no V cache of its own
+    PROMPTS_APART = True  # MlaAttention expands whole prompts' K and V instead
 
     def __init__(self, num_heads: int, latent: int, rope: int, scale: float) -> None:
         super().__init__(num_heads, 1, latent + rope, scale)
         self.latent = latent
 
+    def store(self, c: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
+        mla_store_for(c.device)(c, k_pe, self.k_cache, meta.slot_mapping)
+
     def forward(
         self,
         q_lat: torch.Tensor,  # [n, heads, latent]
         q_pe: torch.Tensor,  # [n, heads, rope], rotated
-        c: torch.Tensor,  # [n, latent], normed
-        k_pe: torch.Tensor,  # [n, rope], rotated
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [n, heads, latent]
         device = q_lat.device
-        mla_store_for(device)(c, k_pe, self.k_cache, meta.slot_mapping)
         one_per_seq = meta.is_decode or meta.per_token
         return mla_attention_for(device)(
             q_lat,
@@ -150,11 +152,49 @@ class MlaAttention(nn.Module):
         q_pe, k_pe = rotary_for(q.device)(
             positions, q[:, num * self.nope :], latent[:, self.kv_rank :], self.rotary.cos_sin
         )
+        self.attn.store(c, k_pe, meta)
+        q_pe = q_pe.view(n, num, self.rope)
+        if meta.prompts_only:
+            return self.o_proj(self.attend_prompts(q_nope, q_pe, c, k_pe, meta))
         w = self.kv_b_proj.weight.view(num, self.nope + self.v_dim, self.kv_rank)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope])  # [heads, n, kv_rank]
-        out = self.attn(q_lat.transpose(0, 1), q_pe.view(n, num, self.rope), c, k_pe, meta)
+        out = self.attn(q_lat.transpose(0, 1), q_pe, meta)
         o = torch.bmm(out.transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [heads, n, v]
         return self.o_proj(o.transpose(0, 1).reshape(n, num * self.v_dim))
+
+    def attend_prompts(
+        self,
+        q_nope: torch.Tensor,  # [n, heads, nope]
+        q_pe: torch.Tensor,  # [n, heads, rope]
+        c: torch.Tensor,  # [n, kv_rank]
+        k_pe: torch.Tensor,  # [n, rope]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [n, heads * v_dim]
+        """A step of whole prompts, whose keys are all its own tokens: each head's K and V
+        expanded from them (kv_b_proj) for the prefill kernel, where the absorbed form
+        would cost (kv_rank + rope + kv_rank) / (nope + rope + v_dim) times the FLOPs
+        (3.4x at DeepSeek's dims). Token i is one-token block i of a cache of the step's
+        own K and V, which the prefill kernel reads as it reads the paged one."""
+        n, num = q_nope.shape[:2]
+        nope, rope, dim = self.nope, self.rope, self.nope + self.rope
+        kv = self.kv_b_proj(c).view(n, num, nope + self.v_dim)
+        k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(n, num, rope)], dim=-1)
+        v = nn.functional.pad(kv[..., nope:], (0, dim - self.v_dim))  # as wide as K
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        qsl = meta.query_start_loc
+        width = torch.arange(max(meta.max_query_len, 1), dtype=qsl.dtype, device=qsl.device)
+        table = qsl[:-1, None] + width[None, :]  # sequence s's tokens: its blocks
+        out = paged_prefill_attention_for(q.device)(
+            q,
+            k.view(n, 1, num, dim),
+            v.view(n, 1, num, dim),
+            table,
+            qsl,
+            meta.seq_lens,
+            self.attn.scale,
+            meta.max_query_len,
+        )
+        return out[..., : self.v_dim].reshape(n, num * self.v_dim)
 
     @torch.no_grad()
     def reorder_rotary_dims(self) -> None:

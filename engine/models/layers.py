@@ -43,6 +43,10 @@ class AttentionMetadata:
     # [num_tokens, head_dim] fp32: each token's rotary cos/sin, where some tokens' are
     # not their position's (the Qwen VL models' image tokens: ImageRows.rope_table).
     rope_table: torch.Tensor | None = None
+    # Every sequence's context is its new tokens (whole prompts, no cached prefix), for
+    # attention that runs such steps apart (PagedAttention.PROMPTS_APART): set on eager
+    # steps only, those beyond the prefill graphs' tokens among them.
+    prompts_only: bool = False
 
 
 @dataclass
@@ -67,6 +71,7 @@ class PagedAttention(nn.Module):
     attends over the cache."""
 
     KV_TENSORS = 2  # a K and a V cache (1: one cache, read as both: DeepSeek's latent)
+    PROMPTS_APART = False  # told by the metadata when an eager step is whole prompts only
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.deepseek import limited_topk, rope_pair_order
+from engine.models.deepseek import MlaAttention, limited_topk, rope_pair_order
 from tests.conftest import PROMPTS
 
 
@@ -78,3 +78,22 @@ def test_speculative_verify_rows_equal_plain_decoding(tiny_family_dir):
     got = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert spec.engine.speculator.num_accepted_tokens > 20
+
+
+def test_whole_prompts_expand_and_the_rest_attend_to_latents(tiny_family_dir, monkeypatch):
+    calls: list[int] = []
+    expand = MlaAttention.attend_prompts
+
+    def counted(self, q_nope, *args):
+        calls.append(len(q_nope))
+        return expand(self, q_nope, *args)
+
+    monkeypatch.setattr(MlaAttention, "attend_prompts", counted)
+    llm = LLM(tiny_family_dir("deepseek_v3"), device="cpu", block_size=4)
+    layers = llm.engine.model.config.num_hidden_layers
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompt = PROMPTS[3] + " " + PROMPTS[6]
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert calls == [len(first.prompt_token_ids)] * layers  # its prompt step only
+    again = llm.generate([prompt + " more"], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and len(calls) == layers  # after a cached prefix: not
