@@ -62,6 +62,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # cumulative (engine/speculative.py)
     spec_decode_num_accepted_tokens: int = 0
     lora_adapters: tuple[ServedAdapter, ...] = ()  # served now, in load order
+    # LoRA serving only: the adapters running and waiting requests ask for (loaded ones,
+    # by name, sorted) and how many slots there are (vLLM's lora_requests_info).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 class Engine:
@@ -292,7 +297,20 @@ class Engine:
         return self.scheduler.num_unfinished > 0 or self.inflight is not None
 
     def get_stats(self) -> EngineStats:
-        spec = self.speculator
+        spec, slots = self.speculator, self.runner.lora_slots
+        lora = {}
+        if slots is not None:
+            names = slots.names
+
+            def asked(reqs) -> tuple[str, ...]:
+                picked = {names[r.lora_index] for r in reqs if r.lora_index >= 0}
+                return tuple(sorted(picked - {None}))  # None: unloaded, its requests finishing
+
+            lora = dict(
+                lora_running=asked(self.batch.running),
+                lora_waiting=asked(self.scheduler.waiting),
+                max_loras=len(names),
+            )
         return EngineStats(
             num_running=len(self.batch),
             num_waiting=len(self.scheduler.waiting),
@@ -302,7 +320,8 @@ class Engine:
             prefix_cache_hits=self.blocks.prefix_hits,
             spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            lora_adapters=self.runner.lora_slots.served if self.runner.lora_slots else (),
+            lora_adapters=slots.served if slots else (),
+            **lora,
         )
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:

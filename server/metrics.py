@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,16 @@ class _EngineStatsCollector(Collector):
         )
         for name, documentation in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(f"pagoda:{name}", documentation, stat(name))
+        if stats is not None and stats.max_loras:
+            lora = GaugeMetricFamily(
+                "pagoda:lora_requests_info",
+                "The adapters running and waiting requests use, as labels; the value is the "
+                "time of the scrape (vLLM's lora_requests_info).",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            running, waiting = ",".join(stats.lora_running), ",".join(stats.lora_waiting)
+            lora.add_metric([running, waiting, str(stats.max_loras)], time.time())
+            yield lora
 
 
 class Metrics:

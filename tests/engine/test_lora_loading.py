@@ -131,3 +131,19 @@ def test_lora_requests_load_their_adapters_as_vllms_offline_api(
         tokens(prompts[:1], LoRARequest("mlp", 2, adapters["qv"]))
     with pytest.raises(ValueError, match="2 prompts but 1 LoRA requests"):
         tokens(prompts, [mlp])
+
+
+def test_stats_name_the_adapters_running_and_waiting(tiny_llama_dir, tiny_lora_adapters):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, **(CONFIG | {"max_num_seqs": 1}))
+    llm.load_lora("all", tiny_lora_adapters["all"])
+    llm.load_lora("qv", tiny_lora_adapters["qv"])
+    engine, ids = llm.engine, llm.tokenizer.encode(PROMPTS[2])
+    for name, adapter in (("a", "qv"), ("b", "all"), ("c", None), ("d", "qv")):
+        engine.add_request(name, ids, greedy(adapter))
+    engine.step()  # one sequence at a time: "a" runs, the rest wait
+    stats = engine.get_stats()
+    assert (stats.lora_running, stats.lora_waiting, stats.max_loras) == (("qv",), ("all", "qv"), 2)
+    llm.unload_lora("qv")  # "a" and "d", admitted on it, finish on it: no longer named
+    stats = engine.get_stats()
+    assert (stats.lora_running, stats.lora_waiting) == ((), ("all",))
+    assert LLM(tiny_llama_dir, **CONFIG).engine.get_stats().max_loras == 0

@@ -184,3 +184,10 @@ async def test_an_adapter_loaded_through_one_api_process_serves_in_the_other(
         for engine in engines:
             await engine.shutdown(timeout=30)
     process.join(30)
+
+
+def test_metrics_name_the_adapters_as_vllms_lora_requests_info(lora_server):
+    text = httpx.get(f"{lora_server.base_url}/metrics").text
+    (line,) = [x for x in text.splitlines() if x.startswith("pagoda:lora_requests_info{")]
+    assert 'max_lora="3"' in line and 'running_lora_adapters=""' in line
+    assert float(line.rsplit(" ", 1)[1]) > 1.7e9  # the scrape's time, as vLLM's
