@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +32,6 @@ from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.models.lora import LoRAError
-from engine.models.lora_slots import ServedAdapter
 from engine.models.vision import vision_encoder
 from engine.outputs import take_outputs, take_plain
 from engine.pooling import pooling_type, projector
@@ -42,6 +40,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import NgramSpeculator
+from engine.stats import EngineStats, lora_stats
 from engine.step_reader import LaunchedStep, StepReader
 from engine.tp_group import Membership, WorkerFailed, Workers, leave, start_driver
 
@@ -49,24 +48,6 @@ if TYPE_CHECKING:  # xgrammar is imported with the first structured request
     from engine.structured.grammars import Grammars
 
 logger = logging.getLogger("pagoda.engine")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of blocks in use
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative tokens looked up
-    prefix_cache_hits: int  # cumulative tokens found
-    spec_decode_num_draft_tokens: int = 0  # cumulative (engine/speculative.py)
-    spec_decode_num_accepted_tokens: int = 0
-    lora_adapters: tuple[ServedAdapter, ...] = ()  # served now, in load order
-    # LoRA serving only: the adapters running and waiting requests ask for (loaded ones,
-    # by name, sorted) and how many slots there are (vLLM's lora_requests_info).
-    lora_running: tuple[str, ...] = ()
-    lora_waiting: tuple[str, ...] = ()
-    max_loras: int = 0
 
 
 class Engine:
@@ -298,19 +279,6 @@ class Engine:
 
     def get_stats(self) -> EngineStats:
         spec, slots = self.speculator, self.runner.lora_slots
-        lora = {}
-        if slots is not None:
-            names = slots.names
-
-            def asked(reqs) -> tuple[str, ...]:
-                picked = {names[r.lora_index] for r in reqs if r.lora_index >= 0}
-                return tuple(sorted(picked - {None}))  # None: unloaded, its requests finishing
-
-            lora = dict(
-                lora_running=asked(self.batch.running),
-                lora_waiting=asked(self.scheduler.waiting),
-                max_loras=len(names),
-            )
         return EngineStats(
             num_running=len(self.batch),
             num_waiting=len(self.scheduler.waiting),
@@ -320,8 +288,11 @@ class Engine:
             prefix_cache_hits=self.blocks.prefix_hits,
             spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-            lora_adapters=slots.served if slots else (),
-            **lora,
+            **(
+                {}
+                if slots is None
+                else lora_stats(slots, self.batch.running, self.scheduler.waiting)
+            ),
         )
 
     def step(self, emit: bool = True, deltas: TokenDeltas | None = None) -> list[RequestOutput]:

@@ -48,8 +48,9 @@ from server.metrics import Metrics
 from server.request_stream import RequestStream
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, EngineStats
+    from engine.engine import Engine
     from engine.images import ImageInputs
+    from engine.stats import EngineStats
 
 logger = logging.getLogger("pagoda.server")
 

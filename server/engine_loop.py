@@ -31,8 +31,9 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError, from_value_error
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, EngineStats
+    from engine.engine import Engine
     from engine.images import ImageInputs
+    from engine.stats import EngineStats
 
 logger = logging.getLogger("pagoda.server")
 

@@ -42,8 +42,8 @@ from server.engine_wire import EngineEndpoint, EngineInfo, Failed, Put, Ready, S
 from server.errors import APIError
 
 if TYPE_CHECKING:
-    from engine.engine import EngineStats
     from engine.request import RequestOutput
+    from engine.stats import EngineStats
 
 logger = logging.getLogger("pagoda.server")
 # A thread that waits for the GIL gets it after this long at most (sys.setswitchinterval,

@@ -37,7 +37,8 @@ from server.errors import APIError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from engine.engine import Engine, EngineStats
+    from engine.engine import Engine
+    from engine.stats import EngineStats
 
 
 def _positional(cls: type) -> Callable[[object], tuple]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from engine.engine import EngineStats
+from engine.stats import EngineStats
 from server import engine_loop
 from server.app import create_app
 from server.config import ServerConfig
