@@ -176,13 +176,14 @@ class Engine:
             raise UnknownAdapter(f"unknown LoRA adapter {name!r} (loaded: none)")
         return -1 if slots is None else slots.index(name)
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Serve a PEFT adapter as `name` from the next step on (needs enable_lora), on
-        every rank; LoRAError says why not."""
+        every rank; replace: new weights for a loaded `name` (LoRASlots.load). LoRAError
+        says why not."""
         if self.runner.lora_slots is None:
             raise LoRAError("LoRA adapters load while serving only with --enable-lora")
         busy = {req.lora_index for choices in self.requests.values() for req in choices}
-        slot = self.runner.lora_slots.load(name, path, busy)
+        slot = self.runner.lora_slots.load(name, path, busy, replace)
         if self.runner.channel is not None:
             self.runner.channel.publish_lora(slot, name, path)
 

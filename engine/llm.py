@@ -88,10 +88,11 @@ class LLM:
         """Stop the tensor-parallel workers, if any (daemons: they also end with this process)."""
         self.engine.shutdown()
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, load_inplace: bool = False) -> None:
         """Serve the PEFT adapter at path as `name` (SamplingParams.lora_name) from now on;
-        needs enable_lora, and a free slot of max_loras."""
-        self.engine.load_lora(name, path)
+        needs enable_lora, and a free slot of max_loras. load_inplace: a loaded `name`
+        gets these weights instead (vLLM's)."""
+        self.engine.load_lora(name, path, load_inplace)
 
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)

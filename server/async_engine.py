@@ -214,14 +214,14 @@ class AsyncEngine:
         self._put([Add(rid, p, params, now, images) for rid, p in zip(ids, prompts, strict=True)])
         return stream
 
-    async def update_lora(self, name: str, path: str | None) -> None:
-        """Load the adapter at path as `name`, or unload it (path None), between two
-        engine steps; the engine's refusal as an APIError."""
+    async def update_lora(self, name: str, path: str | None, replace: bool = False) -> None:
+        """Load the adapter at path as `name` (replace: over a loaded one), or unload it
+        (path None), between two engine steps; the engine's refusal as an APIError."""
         if not self.is_alive:
             raise APIError("The engine is not running.", 503, code="service_unavailable")
         request_id = f"lora-{uuid.uuid4().hex}"
         answer = self._lora_updates[request_id] = self._loop.create_future()
-        self._put([LoRAUpdate(request_id, name, path)])
+        self._put([LoRAUpdate(request_id, name, path, replace)])
         try:
             await answer
         finally:

@@ -95,6 +95,7 @@ class LoRAUpdate:
     request_id: str  # its answer's key: in StepReport.done, or an error in the batch
     name: str
     path: str | None = None
+    replace: bool = False  # new weights for a loaded name (vLLM's load_inplace)
 
 
 Item = Add | Abort | LoRAUpdate
@@ -267,7 +268,7 @@ class EngineLoop:
             if item.path is None:
                 self.engine.unload_lora(item.name)
             else:
-                self.engine.load_lora(item.name, item.path)
+                self.engine.load_lora(item.name, item.path, item.replace)
         except WorkerFailed:
             raise
         except UnknownAdapter as exc:

@@ -24,6 +24,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_path: str  # a PEFT directory on the server
+    load_inplace: bool = False  # vLLM's: new weights for a loaded name
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -38,9 +39,9 @@ async def load_lora_adapter(serving: Serving, body: LoadLoRAAdapterRequest) -> s
         raise APIError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
     if name == serving.model_name:
         raise APIError(f"'{name}' is the base model's name.", param="lora_name")
-    if name in serving.lora_modules:
+    if name in serving.lora_modules and not body.load_inplace:
         raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-    await serving.async_engine.update_lora(name, body.lora_path)
+    await serving.async_engine.update_lora(name, body.lora_path, body.load_inplace)
     return f"Success: LoRA adapter '{name}' added successfully."
 
 

@@ -120,22 +120,29 @@ class LoRASlots:
             raise UnknownAdapter(f"unknown LoRA adapter {name!r} (loaded: {loaded or 'none'})")
         return self.names.index(name)
 
-    def load(self, name: str, path: str, busy: Collection[int]) -> int:
-        """Read an adapter into a free slot (busy: slots live requests still use); its slot."""
+    def load(self, name: str, path: str, busy: Collection[int], replace: bool = False) -> int:
+        """Read an adapter into a free slot (busy: slots live requests still use); its slot.
+        replace (vLLM's load_inplace): a loaded `name` gets the new weights; its own slot
+        is free for them unless requests still run on the old ones, which then finish
+        there, unnamed."""
         if not self.runtime:
             raise LoRAError("LoRA adapters load while serving only with --enable-lora")
-        if name in self.names:
+        old = self.names.index(name) if name in self.names else None
+        if old is not None and not replace:
             raise LoRAError(f"The lora adapter {name!r} has already been loaded.")
-        free = [i for i, n in enumerate(self.names) if n is None and i not in busy]
+        free = [i for i, n in enumerate(self.names) if (n is None or i == old) and i not in busy]
         if not free:
             raise LoRAError(
                 f"all {self.state.slots} LoRA adapter slots (--max-loras) hold adapters or "
                 "their requests: unload one first"
             )
-        self.write(free[0], read_adapter(name, path))
-        self._take(free[0], name, path)
+        slot = old if old in free else free[0]
+        self.write(slot, read_adapter(name, path))  # a refusal leaves the old one served
+        if old is not None:
+            self.unload(name)
+        self._take(slot, name, path)
         logger.info("loaded LoRA adapter %r from %s", name, path)
-        return free[0]
+        return slot
 
     def unload(self, name: str) -> None:
         self.names[self.index(name)] = None

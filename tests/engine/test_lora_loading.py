@@ -147,3 +147,49 @@ def test_stats_name_the_adapters_running_and_waiting(tiny_llama_dir, tiny_lora_a
     stats = engine.get_stats()
     assert (stats.lora_running, stats.lora_waiting) == ((), ("all",))
     assert LLM(tiny_llama_dir, **CONFIG).engine.get_stats().max_loras == 0
+
+
+def test_load_inplace_gives_a_name_new_weights(tiny_llama_dir, tiny_lora_adapters):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=1, **CONFIG)
+    engine, adapters = llm.engine, tiny_lora_adapters
+    prompt = PROMPTS[5]  # several full blocks for the prefix cache
+
+    def want(adapter: str) -> list[int]:
+        return expected(tiny_llama_dir, adapters, [prompt], [adapter])[0]
+
+    llm.load_lora("x", adapters["all"])
+    assert generate(llm, [prompt], ["x"])[0].outputs[0].token_ids == want("all")
+    with pytest.raises(LoRAError, match="already been loaded"):
+        llm.load_lora("x", adapters["qv"])
+    llm.load_lora("x", adapters["qv"], load_inplace=True)  # its own slot, free
+    out = generate(llm, [prompt], ["x"])[0]
+    assert out.outputs[0].token_ids == want("qv") and out.num_cached_tokens == 0
+    # A request still on the old weights holds the one slot: refused, "x" unchanged.
+    engine.add_request("r", llm.tokenizer.encode(prompt), greedy("x"))
+    engine.step()
+    with pytest.raises(LoRAError, match="hold adapters or their requests"):
+        llm.load_lora("x", adapters["all"], load_inplace=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [(a.name, a.path) for a in engine.get_stats().lora_adapters] == [("x", adapters["qv"])]
+
+
+def test_load_inplace_beside_running_requests_takes_another_slot(
+    tiny_llama_dir, tiny_lora_adapters
+):
+    llm = LLM(tiny_llama_dir, enable_lora=True, max_loras=2, **CONFIG)
+    engine, adapters = llm.engine, tiny_lora_adapters
+    llm.load_lora("x", adapters["all"])
+    engine.add_request("old", llm.tokenizer.encode(PROMPTS[2]), greedy("x"))
+    outputs = engine.step()
+    llm.load_lora("x", adapters["qv"], load_inplace=True)
+    assert engine.model.lora_slots.names == [None, "x"]
+    engine.add_request("new", llm.tokenizer.encode(PROMPTS[1]), greedy("x"))
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+
+    def tokens(request_id: str) -> list[int]:
+        return [t for o in outputs if o.request_id == request_id for t in o.new_token_ids]
+
+    assert tokens("old") == expected(tiny_llama_dir, adapters, PROMPTS[2:3], ["all"])[0]
+    assert tokens("new") == expected(tiny_llama_dir, adapters, PROMPTS[1:2], ["qv"])[0]

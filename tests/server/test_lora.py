@@ -121,6 +121,15 @@ def test_an_adapter_loads_and_unloads_while_serving(
     assert out.choices[0].token_ids == peft_greedy(tiny_llama_dir, extra, ids, 6)
     refused({"lora_name": "extra", "lora_path": extra}, "'extra' has already been loaded")
     refused({"lora_name": "x", "lora_path": tiny_lora_adapters["all"]}, "all 3 LoRA")
+    # vLLM's load_inplace: the name gets the new weights.
+    qv = tiny_lora_adapters["qv"]
+    r = post("load_lora_adapter", {"lora_name": "extra", "lora_path": qv, "load_inplace": True})
+    assert r.status_code == 200 and {m.id: m.root for m in oai.models.list().data}["extra"] == qv
+    out = oai.completions.create(
+        model="extra", prompt=ids, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert out.choices[0].token_ids == peft_greedy(tiny_llama_dir, qv, ids, 6)
 
     r = post("unload_lora_adapter", {"lora_name": "extra"})
     assert r.status_code == 200
