@@ -23,7 +23,8 @@ class FusedMoE(nn.Module):
     row-parallel), the router replicated; one all_reduce sums the ranks' outputs.
 
     `quantize_fp8` turns w13 and w2 into e4m3 buffers with per-(expert, row) scales
-    (w13_scale, w2_scale), as `--quantization fp8` does the dense projections."""
+    (w13_scale, w2_scale), as `--quantization fp8` does the dense projections; after
+    `quantize_at_load` they are e4m3 from the start, quantized as they load."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
         self.b13 = self.b2 = None
         self.scales: ExpertScales | None = None
+        self.load_dtype: torch.dtype | None = None  # quantize_at_load's
         if bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, 2 * local))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
@@ -60,10 +62,27 @@ class FusedMoE(nn.Module):
         out = moe(x, self.w13, self.w2, weights, ids, biases, self.clamped, self.scales)
         return self.tp.all_reduce(out)
 
+    def quantize_at_load(self, dtype: torch.dtype) -> None:
+        """w13 and w2 in e4m3 from the start (on the meta device, before the model is
+        materialized) with their scales: load_shard quantizes each expert's rows as they
+        arrive, from `dtype`, as quantize_fp8 would after loading them, so the experts
+        never take dtype's memory on the device (an FP8 DeepSeek-V3's 656B expert
+        weights would not fit eight 141 GB GPUs in bf16)."""
+        self.load_dtype = dtype
+        for name in ("w13", "w2"):
+            shape = getattr(self, name).shape
+            q = torch.empty(shape, dtype=FP8_DTYPE, device="meta")
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            scale = torch.empty(shape[:2], dtype=torch.float32, device="meta")
+            self.register_buffer(f"{name}_scale", scale)
+
     @torch.no_grad()
     def quantize_fp8(self) -> None:
         """w13 and w2 to e4m3, one scale per expert and output row; expert by expert, so
         the fp32 temporaries stay one expert's size. Buffers, as Fp8Linear's."""
+        if self.w13.dtype == FP8_DTYPE:  # quantized as they loaded (quantize_at_load)
+            self.scales = ExpertScales(self.w13_scale, self.w2_scale)
+            return
         for name in ("w13", "w2"):
             w = getattr(self, name).data
             q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
@@ -89,10 +108,23 @@ class FusedMoE(nn.Module):
             fill(self.b13.data[expert, half * local : (half + 1) * local], b13)
         elif half is None:
             w2 = read(weight, [hidden, self.inter.size], self.inter.ranges, dim=1)
-            fill(self.w2.data[expert], w2)
+            self._store("w2", (expert,), w2)
         else:
             w13 = read(weight, [self.inter.size, hidden], self.inter.ranges)
-            fill(self.w13.data[expert, half * local : (half + 1) * local], w13)
+            self._store("w13", (expert, slice(half * local, (half + 1) * local)), w13)
+
+    @torch.no_grad()
+    def _store(self, name: str, index: tuple, rows: torch.Tensor) -> None:
+        """rows into w13 or w2 at index; in e4m3 with their scales after quantize_at_load."""
+        dst = getattr(self, name).data
+        if dst.dtype != FP8_DTYPE:
+            fill(dst[index], rows)
+            return
+        loaded = torch.empty(rows.shape, dtype=self.load_dtype, device=dst.device)
+        fill(loaded, rows)
+        q, scale = quantize_per_channel(loaded)
+        dst[index].copy_(q)
+        getattr(self, f"{name}_scale")[index].copy_(scale)
 
 
 def load_stacked(moe: FusedMoE, ours: str, weight: WeightSlice, transposed: bool) -> None:

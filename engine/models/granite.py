@@ -13,6 +13,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import WeightSlice
+from kernels.fp8 import FP8_DTYPE
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -37,7 +38,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             layer.self_attn.o_proj.weight.mul_(self.residual_multiplier)
             mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
-            (mlp.w2 if isinstance(mlp, FusedMoE) else mlp.down_proj.weight).mul_(
-                self.residual_multiplier
-            )
+            down = mlp.w2 if isinstance(mlp, FusedMoE) else mlp.down_proj.weight
+            if down.dtype == FP8_DTYPE:  # quantized as they loaded: scale its rows' scales
+                down = mlp.w2_scale
+            down.mul_(self.residual_multiplier)
         return loaded

@@ -21,6 +21,7 @@ from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
+from engine.models.experts import FusedMoE
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
@@ -235,10 +236,16 @@ def load_model(
     # the meta device first, so a bf16 model never takes fp32's memory on the device.
     # Not to_empty(): empty_like of a meta tensor goes through torch._refs, whose first
     # use imports sympy (a quarter of a second); _apply is what to_empty calls.
-    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = model.to(dtype)
+    random_weights = (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file()
+    if quantization == "fp8" and not random_weights:  # the experts quantized as they load
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.quantize_at_load(dtype)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if not hasattr(model, "classifier"):  # a decoder's score head, where the checkpoint has one
         model.classifier = None
-    if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
+    if random_weights:
         _fill_random(model)
         return _finish(model, device, quantization, lora), config
     weights = iter_weights(model_dir)

@@ -393,3 +393,33 @@ def test_per_channel_checkpoint_requantizes_to_its_own_bytes(tiny_llama_dir, tmp
     torch.testing.assert_close(
         model.layers[1].mlp.down_proj.weight_scale, scale, rtol=2**-8, atol=0
     )
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3", "granitemoe"])
+def test_experts_quantized_as_they_load_equal_quantized_after(kind, tiny_family_dir, monkeypatch):
+    """--quantization fp8 from a checkpoint: each expert's rows go to e4m3 as they are
+    read (the experts never held in the model dtype), to the bytes and scales that
+    quantizing the loaded model gives (Granite's multiplier then lands on the scales)."""
+    import engine.models.loader as loader
+
+    monkeypatch.setattr(loader, "check_fp8_device", lambda device: None)  # FP8 is CUDA's
+    model_dir = tiny_family_dir(kind)
+    streamed, _ = load_model(model_dir, CPU, torch.bfloat16, quantization="fp8")
+    after, _ = load_model(model_dir, CPU, torch.bfloat16)
+    quantize_model(after)
+    pairs = [(a, b) for a, b in zip(streamed.modules(), after.modules()) if hasattr(a, "w13")]
+    assert pairs
+    for got, want in pairs:
+        assert isinstance(got.w13, torch.nn.Parameter) and got.w13.dtype == FP8_DTYPE
+        assert got.scales is not None and got.scales.s13 is got.w13_scale
+        for name in ("w13", "w2"):
+            q, scale = getattr(got, name), getattr(got, f"{name}_scale")
+            want_q, want_scale = getattr(want, name), getattr(want, f"{name}_scale")
+            if kind == "granitemoe" and name == "w2":  # the multiplier: after, or on scales
+                deq = q.float() * scale[..., None]
+                torch.testing.assert_close(
+                    deq, want_q.float() * want_scale[..., None], rtol=0.07, atol=1e-6
+                )
+                continue
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(scale, want_scale)
