@@ -111,8 +111,10 @@ class MlaAttention(nn.Module):
         self.nope, self.rope, self.v_dim = (
             config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         )  # fmt: skip
-        if self.rope % 2:
-            raise ValueError(f"unsupported qk_rope_head_dim {self.rope} (odd)")
+        if self.rope % 2 or self.v_dim > self.nope + self.rope:  # V padded to K's width
+            raise ValueError(
+                f"unsupported MLA head dims: qk {self.nope}+{self.rope}, v {self.v_dim}"
+            )
         self.kv_rank = config.kv_lora_rank
         hidden, bias = config.hidden_size, getattr(config, "attention_bias", False)
         total = config.num_attention_heads
