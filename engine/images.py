@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the API processes import this module, and need torch for im
     import torch
 
     from engine.input_batch import InputBatch
-    from engine.models.layers import RotaryEmbedding
+    from engine.models.rope import RotaryEmbedding
     from engine.models.vision import VisionEncoder
     from engine.scheduler import SchedulerOutput
 

@@ -14,15 +14,10 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.layers import (
-    AddNorm,
-    AttentionMetadata,
-    RotaryEmbedding,
-    interleaved_dim_order,
-    rope_settings,
-)
+from engine.models.layers import AddNorm, AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, check_config
 from engine.models.parallel import WeightSlice
+from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
 
 LayerNormNoBias = partial(AddNorm, rms=False, bias=False)
 

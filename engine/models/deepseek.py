@@ -28,17 +28,11 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.glm4_moe import LAYER, Glm4MoE
-from engine.models.layers import (
-    AttentionMetadata,
-    PagedAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    rope_settings,
-    rope_type,
-)
+from engine.models.layers import AttentionMetadata, PagedAttention, RMSNorm
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
+from engine.models.rope import RotaryEmbedding, rope_settings, rope_type
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
 from kernels.mla import mla_attention_for, mla_store_for

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models.layers import interleaved_dim_order
 from engine.models.llama import LlamaForCausalLM, check_config
+from engine.models.rope import interleaved_dim_order
 
 
 def check_ernie_config(config) -> None:

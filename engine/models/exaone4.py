@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models.layers import RotaryEmbedding, layer_sliding_windows, rope_settings
+from engine.models.layers import layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaForCausalLM
 from engine.models.olmo2 import Olmo2DecoderLayer
+from engine.models.rope import RotaryEmbedding, rope_settings
 
 
 class Exaone4DecoderLayer(Olmo2DecoderLayer):

@@ -14,15 +14,10 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import (
-    AttentionMetadata,
-    RMSNorm,
-    RotaryEmbedding,
-    layer_sliding_windows,
-    rope_settings,
-)
+from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
 from engine.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import TensorSlice, WeightSlice, read
+from engine.models.rope import RotaryEmbedding, rope_settings
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
 # weights HF applies as (1 + weight): folded in at load.

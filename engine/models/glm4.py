@@ -12,14 +12,10 @@ from collections.abc import Iterable, Iterator
 from torch import nn
 
 from engine.models.gemma3 import Gemma3DecoderLayer
-from engine.models.layers import (
-    RotaryEmbedding,
-    interleaved_dim_order,
-    layer_sliding_windows,
-    rope_settings,
-)
+from engine.models.layers import layer_sliding_windows
 from engine.models.llama import AttentionOptions, LlamaForCausalLM
 from engine.models.parallel import WeightSlice
+from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
 
 # GLM-4's norm names -> Gemma 3's for the same places.
 NORMS = {

@@ -19,12 +19,7 @@ from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.gpt2 import ACTIVATIONS
-from engine.models.layers import (
-    AttentionMetadata,
-    LayerNorm,
-    RotaryEmbedding,
-    rope_settings,
-)
+from engine.models.layers import AttentionMetadata, LayerNorm
 from engine.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -34,6 +29,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
+from engine.models.rope import RotaryEmbedding, rope_settings
 from kernels.fp8 import Fp8Rows
 
 # HF module names (under gpt_neox.) -> ours.

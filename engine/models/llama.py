@@ -16,13 +16,10 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.images import ImageRows
 from engine.models.layers import (
     AttentionMetadata,
-    HeadNorm,
     LMHead,
     PagedAttention,
     RMSNorm,
-    RotaryEmbedding,
     layer_sliding_windows,
-    rope_settings,
 )
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -34,6 +31,7 @@ from engine.models.parallel import (
     read,
     split,
 )
+from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings
 from engine.models.weight_copy import fill
 from kernels.activation import act_and_mul_for
 from kernels.fp8 import Fp8Rows

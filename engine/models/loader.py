@@ -30,7 +30,6 @@ from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
-from engine.models.layers import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.llama import LlamaForCausalLM
 from engine.models.lora import LoRAError
 from engine.models.lora_slots import LoRASettings, LoRASlots
@@ -50,6 +49,7 @@ from engine.models.quantization import (
     quantize_model,
     set_kv_scales,
 )
+from engine.models.rope import RotaryEmbedding, rope_positions, rope_settings
 from engine.models.weight_copy import staged_copies
 from kernels.fp8 import check_fp8_device, fp8_supported
 

@@ -18,13 +18,7 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.bert import ClassifierHead, Encoder
 from engine.models.gpt2 import ACTIVATIONS
-from engine.models.layers import (
-    AddNorm,
-    AttentionMetadata,
-    PagedAttention,
-    RotaryEmbedding,
-    rope_settings,
-)
+from engine.models.layers import AddNorm, AttentionMetadata, PagedAttention
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,6 +28,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
+from engine.models.rope import RotaryEmbedding, rope_settings
 
 # HF module names -> ours, after the "model." prefix a classifier's checkpoint has.
 RENAMES = (

@@ -11,14 +11,9 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import (
-    AttentionMetadata,
-    RMSNorm,
-    RotaryEmbedding,
-    layer_sliding_windows,
-    rope_settings,
-)
+from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.rope import RotaryEmbedding, rope_settings
 
 
 class Olmo2Attention(LlamaAttention):

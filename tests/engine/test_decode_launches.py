@@ -16,6 +16,7 @@ import engine.models.layers as layers
 import engine.models.llama as llama
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.models.rope import RotaryEmbedding
 from kernels.activation import act_and_mul_ref
 from kernels.kv_store import kv_store_ref
 from kernels.norms import add_norm_ref
@@ -106,7 +107,7 @@ def test_decode_layer_launches(kind, monkeypatch):
     )
     model = MODELS[kind]().to(torch.bfloat16).eval()
     for module in model.modules():
-        if isinstance(module, layers.RotaryEmbedding):
+        if isinstance(module, RotaryEmbedding):
             module.build_cache(torch.device("cpu"))
         if isinstance(module, PagedAttention):
             shape = (4, 16, module.num_kv_heads, module.head_dim)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.layers import PagedAttention, RotaryEmbedding, longrope_cos_sin, rope_settings
+from engine.models.layers import PagedAttention
 from engine.models.loader import ModelLoadError, load_config, load_model, max_model_len
+from engine.models.rope import RotaryEmbedding, longrope_cos_sin, rope_settings
 
 
 def edited_copy(src: str, dst, **changes) -> str:

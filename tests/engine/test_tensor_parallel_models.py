@@ -18,12 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.distributed import TensorParallel
-from engine.models.layers import (
-    AttentionMetadata,
-    AttentionOps,
-    LMHead,
-    PagedAttention,
-)
+from engine.models.layers import AttentionMetadata, AttentionOps, LMHead, PagedAttention
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import (
     RANDOM_WEIGHTS_MARKER,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding
 from kernels.activation import act_and_mul, act_and_mul_ref
 from kernels.rotary import QKNorm, rotary, rotary_ref
 from tests.gpu.conftest import GPU

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.layers import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding
 from kernels.rotary import QKNorm, rotary, rotary_for, rotary_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
