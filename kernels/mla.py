@@ -26,6 +26,7 @@ import triton.language as tl
 from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
 from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 from kernels.pdl import launch_options, use_pdl, wait_previous
+from kernels.prefill_attention import tile_sequence
 
 MAX_HEADS = 64  # query heads a program takes; more go to further programs
 MAX_SPLITS = 32
@@ -179,15 +180,7 @@ def _mla_attention_kernel(
         query_len = 1
         q_tile = 0
     else:
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-                lo = mid + 1
-            else:
-                hi = mid
-        seq = lo - 1
+        seq = tile_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         q_tile = tile - (q_start // BLOCK_Q + seq)

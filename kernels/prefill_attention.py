@@ -174,6 +174,21 @@ def _attend(
 
 
 @triton.jit
+def tile_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence a query tile belongs to, where sequence s's tiles start at
+    query_start_loc[s] // BLOCK_Q + s: the last s whose first tile is not past it."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _prefill_kernel(
     query_ptr,
     k_cache_ptr,
@@ -234,15 +249,7 @@ def _prefill_kernel(
     if ONE_TILE:  # a padded sequence's programs exit after one round trip
         seq = tile
     else:
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
-                lo = mid + 1
-            else:
-                hi = mid
-        seq = lo - 1
+        seq = tile_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_tile = 0 if ONE_TILE else tile - (q_start // BLOCK_Q + seq)
