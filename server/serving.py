@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from engine.checks import RequestRejected, check_request
 from engine.generation_config import load_generation_config
@@ -20,7 +19,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.spec import GrammarSpec
 from server.async_engine import AsyncEngine
 from server.config import ServerConfig
-from server.errors import APIError, error_body, from_value_error
+from server.errors import APIError, from_value_error
 from server.images import ImageProcessor, MediaAccess
 from server.prompts import Prompts, unless_disconnected
 from server.protocol import (
@@ -391,37 +390,3 @@ def _is_json(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-async def _sse_events(stream: RequestStream, payloads: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`data: {json}` events, an error event if generation fails midway, `[DONE]` last."""
-    try:
-        async for payload in payloads:
-            yield f"data: {payload}\n\n"
-    except APIError as exc:
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    except Exception:
-        logger.exception("stream failed")  # the text stays in the log, not in the stream
-        yield f"data: {json.dumps(error_body('Internal server error.', 500))}\n\n"
-    finally:
-        stream.abort()  # a no-op when finished; frees the engine's blocks when cancelled
-    yield "data: [DONE]\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """The payloads as SSE events; aborts the request however the response ends, even if
-    streaming never began."""
-
-    def __init__(self, stream: RequestStream, payloads: AsyncIterator[str]) -> None:
-        super().__init__(
-            _sse_events(stream, payloads),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        self.request_stream = stream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.request_stream.abort()

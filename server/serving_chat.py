@@ -27,7 +27,8 @@ from server.protocol import (
 )
 from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
 from server.request_stream import RequestStream
-from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
+from server.serving import Serving, Usage, prompt_logprobs_out
+from server.sse import SSEResponse
 from server.structured import grammar_of
 from server.tool_parsers import KEEPS_SPECIAL_TOKENS as TOOL_MARKERS
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message

@@ -23,7 +23,8 @@ from server.protocol import (
     CompletionResponse,
 )
 from server.request_stream import RequestStream
-from server.serving import Serving, SSEResponse, Usage, prompt_logprobs_out
+from server.serving import Serving, Usage, prompt_logprobs_out
+from server.sse import SSEResponse
 from server.structured import grammar_of
 
 

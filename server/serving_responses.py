@@ -41,8 +41,9 @@ from server.responses_protocol import (
     TextFormat,
     TextOptions,
 )
-from server.serving import Serving, SSEResponse
+from server.serving import Serving
 from server.serving_chat import create_chat_completion
+from server.sse import SSEResponse
 
 # The chat request's fields, named as the Responses request names them (for errors).
 _PARAMS = {
