@@ -292,7 +292,7 @@ class Engine:
             **(
                 {}
                 if slots is None
-                else lora_stats(slots, self.batch.running, self.scheduler.waiting)
+                else lora_stats(slots, self.batch.lora[self.batch.slots], self.scheduler.waiting)
             ),
         )
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.models.lora_slots import LoRASlots, ServedAdapter
 from engine.request import Request
 
@@ -30,19 +32,19 @@ class EngineStats:
 
 
 def lora_stats(
-    slots: LoRASlots, running: Iterable[Request], waiting: Iterable[Request]
+    slots: LoRASlots, running: np.ndarray, waiting: Iterable[Request]
 ) -> dict[str, object]:
-    """EngineStats' LoRA fields: the served adapters, and those running and waiting
-    requests use, by name (an unloaded adapter's requests finish on it, unnamed)."""
+    """EngineStats' LoRA fields: the served adapters, and those running requests (their
+    InputBatch column of adapter indices) and waiting ones use, by name (an unloaded
+    adapter's requests finish on it, unnamed)."""
     names = slots.names
 
-    def asked(reqs: Iterable[Request]) -> tuple[str, ...]:
-        picked = {names[r.lora_index] for r in reqs if r.lora_index >= 0}
-        return tuple(sorted(picked - {None}))
+    def named(indices: Iterable[int]) -> tuple[str, ...]:
+        return tuple(sorted({names[i] for i in indices if i >= 0} - {None}))
 
     return dict(
         lora_adapters=slots.served,
-        lora_running=asked(running),
-        lora_waiting=asked(waiting),
+        lora_running=named(np.unique(running).tolist()),
+        lora_waiting=named({r.lora_index for r in waiting}),
         max_loras=len(names),
     )
