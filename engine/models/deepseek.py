@@ -31,7 +31,13 @@ from engine.models.glm4_moe import LAYER, Glm4MoE
 from engine.models.layers import AttentionMetadata, PagedAttention, RMSNorm
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
-from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    WeightSlice,
+    permute_rows_,
+    split,
+)
 from engine.models.rope import RotaryEmbedding, rope_settings, rope_type
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
@@ -200,12 +206,12 @@ class MlaAttention(nn.Module):
         num, nope, rope = self.num_heads, self.nope, self.rope
         device = self.q_heads.weight.device
         order = torch.tensor(rope_pair_order(rope, self.interleaved), device=device)
-        heads = self.q_heads.weight.view(num, nope + rope, -1)
-        rows = torch.cat([heads[:, :nope].flatten(0, 1), heads[:, nope:][:, order].flatten(0, 1)])
-        self.q_heads.weight.copy_(rows.view_as(self.q_heads.weight))
-        for param in (self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias):
-            if param is not None:
-                param[self.kv_rank :] = param[self.kv_rank + order]
+        heads = torch.arange(num, device=device)[:, None] * (nope + rope)
+        nope_rows = heads + torch.arange(nope, device=device)
+        rope_rows = heads + nope + order
+        q_rows = torch.cat([nope_rows.flatten(), rope_rows.flatten()])
+        permute_rows_(self.q_heads, slice(None), q_rows)
+        permute_rows_(self.kv_a_proj_with_mqa, slice(self.kv_rank, None), order)
 
 
 def limited_topk(

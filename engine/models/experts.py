@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import TensorSlice, WeightSlice, check_shape, read, split
-from engine.models.weight_copy import fill
+from engine.models.weight_copy import fill, fill_quantized
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, ExpertScales, fused_moe_for
 from kernels.moe_routing import select_experts_for
@@ -120,11 +120,7 @@ class FusedMoE(nn.Module):
         if dst.dtype != FP8_DTYPE:
             fill(dst[index], rows)
             return
-        loaded = torch.empty(rows.shape, dtype=self.load_dtype, device=dst.device)
-        fill(loaded, rows)
-        q, scale = quantize_per_channel(loaded)
-        dst[index].copy_(q)
-        getattr(self, f"{name}_scale")[index].copy_(scale)
+        fill_quantized(dst[index], getattr(self, f"{name}_scale")[index], rows, self.load_dtype)
 
 
 def load_stacked(moe: FusedMoE, ours: str, weight: WeightSlice, transposed: bool) -> None:

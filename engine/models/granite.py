@@ -12,7 +12,7 @@ import torch
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM
-from engine.models.parallel import WeightSlice
+from engine.models.parallel import WeightSlice, scale_rows_
 from kernels.fp8 import FP8_DTYPE
 
 
@@ -36,10 +36,12 @@ class GraniteForCausalLM(LlamaForCausalLM):
         # multiplier goes into o_proj's and down_proj's weights (every rank's shard), so
         # the fused add + norm kernels take the outputs as they are.
         for layer in self.layers:
-            layer.self_attn.o_proj.weight.mul_(self.residual_multiplier)
+            scale_rows_(layer.self_attn.o_proj, self.residual_multiplier)
             mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
-            down = mlp.w2 if isinstance(mlp, FusedMoE) else mlp.down_proj.weight
-            if down.dtype == FP8_DTYPE:  # quantized as they loaded: scale its rows' scales
-                down = mlp.w2_scale
-            down.mul_(self.residual_multiplier)
+            if not isinstance(mlp, FusedMoE):
+                scale_rows_(mlp.down_proj, self.residual_multiplier)
+            elif mlp.w2.dtype == FP8_DTYPE:  # quantized as they loaded: their rows' scales
+                mlp.w2_scale.mul_(self.residual_multiplier)
+            else:
+                mlp.w2.mul_(self.residual_multiplier)
         return loaded

@@ -28,6 +28,7 @@ from engine.models.parallel import (
     WeightSlice,
     head_shard,
     load_weight,
+    permute_rows_,
     read,
     split,
 )
@@ -133,12 +134,9 @@ class LlamaAttention(nn.Module):
         if self.rotary is None or self.rotary.dim_order is None:
             return
         order = torch.tensor(self.rotary.dim_order, device=self.qkv_proj.weight.device)
-        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
-            if param is None:
-                continue
-            q_k = param[: self.q_size + self.kv_size]  # this rank's q heads, then its k heads
-            heads = q_k.view(-1, len(order), *param.shape[1:])
-            heads.copy_(heads[:, order])
+        q_k = self.q_size + self.kv_size  # this rank's q heads, then its k heads
+        heads = torch.arange(0, q_k, len(order), device=order.device)
+        permute_rows_(self.qkv_proj, slice(0, q_k), (heads[:, None] + order).flatten())
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.weight.copy_(norm.weight[order])

@@ -21,7 +21,6 @@ from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
-from engine.models.experts import FusedMoE
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
@@ -46,12 +45,13 @@ from engine.models.parallel import WeightSlice
 from engine.models.quantization import (
     checkpoint_fp8,
     dequantize_checkpoint,
+    quantize_linears_at_load,
     quantize_model,
     set_kv_scales,
 )
 from engine.models.rope import RotaryEmbedding, rope_positions, rope_settings
-from engine.models.weight_copy import staged_copies
-from kernels.fp8 import check_fp8_device, fp8_supported
+from engine.models.weight_copy import fill_quantized, staged_copies
+from kernels.fp8 import FP8_DTYPE, check_fp8_device, fp8_supported
 
 logger = logging.getLogger("pagoda.engine")
 
@@ -214,7 +214,7 @@ def load_model(
     dtype: torch.dtype,
     config: PretrainedConfig | None = None,  # already read by the caller
     tp: TensorParallel = SINGLE,
-    quantization: str | None = None,  # "fp8": dense projections quantized after loading
+    quantization: str | None = None,  # "fp8": the projections quantized as they load
     lora: LoRASettings | None = None,  # adapter slots (engine/models/lora_slots.py)
 ) -> tuple[nn.Module, PretrainedConfig]:
     """This rank's shard of the model (all of it with SINGLE), weights read from disk. An
@@ -237,15 +237,12 @@ def load_model(
     # Not to_empty(): empty_like of a meta tensor goes through torch._refs, whose first
     # use imports sympy (a quarter of a second); _apply is what to_empty calls.
     model = model.to(dtype)
-    random_weights = (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file()
-    if quantization == "fp8" and not random_weights:  # the experts quantized as they load
-        for module in model.modules():
-            if isinstance(module, FusedMoE):
-                module.quantize_at_load(dtype)
+    if quantization == "fp8":  # the projections' rows quantized as they load
+        quantize_linears_at_load(model, dtype)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if not hasattr(model, "classifier"):  # a decoder's score head, where the checkpoint has one
         model.classifier = None
-    if random_weights:
+    if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
         return _finish(model, device, quantization, lora), config
     weights = iter_weights(model_dir)
@@ -359,22 +356,41 @@ RANDOM_CHUNK = 1 << 26
 def _fill_random(model: nn.Module) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for name, param in model.named_parameters():
-        fill_random_(name, param, gen)
+        if param.dtype != FP8_DTYPE:
+            fill_random_(name, param, gen)
+            continue
+        # Quantized at load: the model-dtype weights' draw, quantized a chunk at a time.
+        module, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module)
+        fill_random_(name, param, gen, getattr(module, f"{leaf}_scale"), module.load_dtype)
 
 
-def fill_random_(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
+def fill_random_(
+    name: str,
+    tensor: torch.Tensor,
+    gen: torch.Generator,
+    scale: torch.Tensor | None = None,  # an e4m3 tensor's row scales (tensor.shape[:-1])
+    dtype: torch.dtype | None = None,  # with scale: the model dtype it is quantized from
+) -> None:
     """Norm weights 1, matrices, biases and sinks N(0, 0.02): finite activations and
     near-uniform routing (biases of 1 would add one vector to every token's residual
     stream, layer after layer, until every token picked the same experts). Drawn in
     fp32 and cast, a chunk of rows at a time: CUDA's normal_ draws differently per dtype,
-    and a bf16 and an fp32 model should hold the same weights."""
+    and a bf16 and an fp32 model should hold the same weights. An e4m3 tensor takes the
+    draw in `dtype` quantized per row: the bytes quantizing the `dtype` model gives."""
     if tensor.dim() == 1 and not name.endswith(("bias", "sinks")):
         tensor.fill_(1.0)
         return
     rows = max(1, RANDOM_CHUNK // max(1, tensor[0].numel())) if tensor.dim() > 1 else None
-    for part in tensor.split(rows) if rows else [tensor]:
+    parts = tensor.split(rows) if rows else [tensor]
+    scales = [None] * len(parts) if scale is None else scale.split(rows)
+    for part, part_scale in zip(parts, scales, strict=True):
         draw = torch.empty(part.shape, dtype=torch.float32, device=part.device)
-        part.copy_(draw.normal_(0.0, 0.02, generator=gen))
+        draw.normal_(0.0, 0.02, generator=gen)
+        if part_scale is None:
+            part.copy_(draw)
+        else:
+            fill_quantized(part, part_scale, draw.to(dtype), dtype)
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.weight_copy import fill
+from engine.models.weight_copy import fill, fill_quantized
+from kernels.fp8 import FP8_DTYPE
 from kernels.linear import dense
 
 if TYPE_CHECKING:
@@ -110,10 +111,37 @@ def load_weight(
         if hasattr(module, "load_shard"):
             module.load_shard(leaf, weight, section)
         else:
-            param = getattr(module, leaf)
-            fill(param.data, read(weight, param.shape))
+            fill_rows(module, leaf, slice(None), read(weight, getattr(module, leaf).shape))
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from e
+
+
+def fill_rows(module: nn.Module, leaf: str, rows: slice, src: torch.Tensor) -> None:
+    """module.<leaf>[rows] = src. A weight kept in e4m3 from the start (the loader's
+    `quantize_linears_at_load`) takes src quantized per row, each row's scale going to
+    `weight_scale` beside it."""
+    param = getattr(module, leaf).data
+    if param.dtype == FP8_DTYPE:
+        fill_quantized(param[rows], module.weight_scale[rows], src, module.load_dtype)
+    else:
+        fill(param[rows], src)
+
+
+def scale_rows_(linear: nn.Module, factor: float) -> None:
+    """linear's output rows times factor (its weight's, or its scales' once in e4m3)."""
+    fp8 = linear.weight.dtype == FP8_DTYPE
+    (linear.weight_scale if fp8 else linear.weight).mul_(factor)
+
+
+def permute_rows_(linear: nn.Module, rows: slice, order: torch.Tensor) -> None:
+    """linear's output rows[rows] put in `order` (indices into that range), weight, bias
+    and (once in e4m3) scales alike."""
+    for tensor in (linear.weight, linear.bias, getattr(linear, "weight_scale", None)):
+        if tensor is None:
+            continue
+        part = tensor.data[rows]
+        part = part.view(torch.uint8) if part.dtype == FP8_DTYPE else part  # no fp8 gather
+        part.copy_(part[order])
 
 
 @dataclass(frozen=True)
@@ -196,18 +224,18 @@ class ColumnParallelLinear(nn.Linear):
     def load_shard(self, leaf: str, weight: WeightSlice, section: int | None) -> None:
         """section None: one checkpoint tensor holding every section (Phi-3's qkv_proj,
         GPT-2's c_attn); else the checkpoint's tensor of that section alone."""
-        param = getattr(self, leaf).data
         tail = [self.in_features] if leaf == "weight" else []
         if section is None:
             offset, ranges = 0, []
             for s in self.sections:
                 ranges += [(offset + a, offset + b) for a, b in s.ranges]
                 offset += s.size
-            fill(param, read(weight, [offset, *tail], tuple(ranges)))
+            fill_rows(self, leaf, slice(None), read(weight, [offset, *tail], tuple(ranges)))
             return
         s = self.sections[section]
         start = sum(x.local_size for x in self.sections[:section])
-        fill(param[start : start + s.local_size], read(weight, [s.size, *tail], s.ranges))
+        rows = slice(start, start + s.local_size)
+        fill_rows(self, leaf, rows, read(weight, [s.size, *tail], s.ranges))
 
 
 class RowParallelLinear(nn.Linear):
@@ -230,13 +258,13 @@ class RowParallelLinear(nn.Linear):
         return self.tp.all_reduce(dense(x, self.weight, self.bias))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
-        param = getattr(self, leaf).data
         if leaf == "bias":
             bias = read(weight, [self.out_features])
-            param.copy_(bias if self.tp.is_driver else torch.zeros_like(bias))
+            self.bias.data.copy_(bias if self.tp.is_driver else torch.zeros_like(bias))
             return
         cols = ((self.in_start, self.in_start + self.in_features),)
-        fill(param, read(weight, [self.out_features, self.full_in_features], cols, dim=1))
+        shard = read(weight, [self.out_features, self.full_in_features], cols, dim=1)
+        fill_rows(self, leaf, slice(None), shard)
 
 
 def vocab_rows(vocab_size: int, multiple: int, tp: TensorParallel) -> tuple[int, int]:

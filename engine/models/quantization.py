@@ -61,7 +61,10 @@ class Fp8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        weight, scale = quantize_per_channel(linear.weight.data)
+        if linear.weight.dtype == FP8_DTYPE:  # quantized as it loaded
+            weight, scale = linear.weight.data, linear.weight_scale
+        else:
+            weight, scale = quantize_per_channel(linear.weight.data)
         bias = None if linear.bias is None else linear.bias.data
         reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
         fp8 = cls(weight.contiguous(), scale, bias, reduce)
@@ -96,25 +99,51 @@ class Fp8Linear(nn.Module):
         return out if lora is None else self.lora.add(lora, out)
 
 
+def fp8_targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, module) of what `--quantization fp8` quantizes: MoE experts (a
+    FusedMoE, yielded as its own parent with name "") and the dense projections (qkv/o/
+    gate_up/down; GPT-2's four). Skipped: MoE routers, and shapes `_scaled_mm` cannot take."""
+    for parent in list(model.modules()):
+        if isinstance(parent, FusedMoE):
+            yield parent, "", parent
+            continue  # its Linears route (or gate a shared expert): tiny, and sensitive
+        for name, child in list(parent.named_children()):
+            if type(child) in DENSE_LINEARS and scaled_mm_fits(
+                child.in_features, child.out_features
+            ):
+                yield parent, name, child
+
+
+def quantize_linears_at_load(model: nn.Module, dtype: torch.dtype) -> None:
+    """On the meta model, before it is materialized: each of `fp8_targets`' weights in
+    e4m3 from the start, with a fp32 scale a row beside it (`weight_scale`; the experts'
+    `w13_scale`, `w2_scale`). Loading quantizes the rows as they arrive, from `dtype`
+    (`parallel.fill_rows`), so no projection takes the model dtype's memory on the
+    device: a 70B model in FP8 loads on one GPU that its bf16 weights would overflow."""
+    for _, _, module in fp8_targets(model):
+        if isinstance(module, FusedMoE):
+            module.quantize_at_load(dtype)
+            continue
+        q = torch.empty(module.weight.shape, dtype=FP8_DTYPE, device="meta")
+        module.weight = nn.Parameter(q, requires_grad=False)
+        scale = torch.empty(module.out_features, dtype=torch.float32, device="meta")
+        module.register_buffer("weight_scale", scale)
+        module.load_dtype = dtype
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> int:
-    """Replace the dense projections (qkv/o/gate_up/down; GPT-2's four) by Fp8Linear and
-    make MoE experts FP8 (two projections a layer); returns how many projections.
-    Skipped: MoE routers, and shapes `_scaled_mm` cannot take.
+    """Replace the dense projections by Fp8Linear and make MoE experts FP8 (two
+    projections a layer; `fp8_targets`); returns how many projections.
     Then each producer a module's FP8_FEEDS names (a norm, an MLP's activation) whose
     consumer went FP8 quantizes its output itself (`fp8_out`): one launch fewer each."""
     count = 0
-    for parent in list(model.modules()):
-        if isinstance(parent, FusedMoE):
-            parent.quantize_fp8()
+    for parent, name, module in fp8_targets(model):
+        if isinstance(module, FusedMoE):
+            module.quantize_fp8()
             count += 2
-            continue  # its Linears route (or gate a shared expert): tiny, and sensitive
-        for name, child in list(parent.named_children()):
-            if type(child) not in DENSE_LINEARS:
-                continue
-            if not scaled_mm_fits(child.in_features, child.out_features):
-                continue
-            setattr(parent, name, Fp8Linear.from_linear(child))
+        else:
+            setattr(parent, name, Fp8Linear.from_linear(module))
             count += 1
     for module in model.modules():
         for producer, consumer in getattr(module, "FP8_FEEDS", {}).items():

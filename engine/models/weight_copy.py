@@ -9,7 +9,8 @@ turn: a buffer is written again only once its last transfer is done.
 
 Every weight copy of the model code goes through `fill`; inside `staged_copies` (the
 loader's, while one model loads on a CUDA device) it takes this path, elsewhere it is
-`dst.copy_(src)`.
+`dst.copy_(src)`. `fill_quantized` is its form for weights kept in e4m3 from the start
+(`--quantization fp8`): rows quantized as they arrive, never held in the model dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import contextvars
 from collections.abc import Iterator
 
 import torch
+
+from kernels.fp8 import quantize_per_channel
 
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
@@ -85,3 +88,18 @@ def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
     else:
         stager.copy(dst, src)
+
+
+def fill_quantized(
+    dst: torch.Tensor,  # [..., K] e4m3
+    scale: torch.Tensor,  # dst.shape[:-1] fp32: each row's scale
+    src: torch.Tensor,  # dst's rows, on the host or the device
+    dtype: torch.dtype,  # the model dtype they are quantized from
+) -> None:
+    """dst, scale = src quantized per row (a row's scale is its amax / 448), from `dtype`:
+    the bytes and scales that loading src in `dtype`, then quantizing it, would give."""
+    rows = torch.empty(src.shape, dtype=dtype, device=dst.device)
+    fill(rows, src)
+    q, s = quantize_per_channel(rows.reshape(-1, rows.shape[-1]))
+    dst.copy_(q.view(dst.shape))
+    scale.copy_(s.view(scale.shape))

@@ -395,31 +395,80 @@ def test_per_channel_checkpoint_requantizes_to_its_own_bytes(tiny_llama_dir, tmp
     )
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss", "deepseek_v3", "granitemoe"])
-def test_experts_quantized_as_they_load_equal_quantized_after(kind, tiny_family_dir, monkeypatch):
-    """--quantization fp8 from a checkpoint: each expert's rows go to e4m3 as they are
-    read (the experts never held in the model dtype), to the bytes and scales that
-    quantizing the loaded model gives (Granite's multiplier then lands on the scales)."""
+def _quantized_both_ways(model_dir: str, monkeypatch) -> tuple[dict, dict]:
+    """The state of `model_dir` loaded with --quantization fp8 (each projection's rows
+    quantized as they are read), and loaded in bf16 then quantized."""
     import engine.models.loader as loader
 
     monkeypatch.setattr(loader, "check_fp8_device", lambda device: None)  # FP8 is CUDA's
-    model_dir = tiny_family_dir(kind)
     streamed, _ = load_model(model_dir, CPU, torch.bfloat16, quantization="fp8")
     after, _ = load_model(model_dir, CPU, torch.bfloat16)
     quantize_model(after)
-    pairs = [(a, b) for a, b in zip(streamed.modules(), after.modules()) if hasattr(a, "w13")]
-    assert pairs
-    for got, want in pairs:
-        assert isinstance(got.w13, torch.nn.Parameter) and got.w13.dtype == FP8_DTYPE
-        assert got.scales is not None and got.scales.s13 is got.w13_scale
-        for name in ("w13", "w2"):
-            q, scale = getattr(got, name), getattr(got, f"{name}_scale")
-            want_q, want_scale = getattr(want, name), getattr(want, f"{name}_scale")
-            if kind == "granitemoe" and name == "w2":  # the multiplier: after, or on scales
-                deq = q.float() * scale[..., None]
-                torch.testing.assert_close(
-                    deq, want_q.float() * want_scale[..., None], rtol=0.07, atol=1e-6
-                )
-                continue
-            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-            assert torch.equal(scale, want_scale)
+    return streamed.state_dict(), after.state_dict()
+
+
+def _assert_same_bytes(got: dict, want: dict, scaled: tuple[str, ...] = ()) -> None:
+    """Every tensor equal, e4m3 ones byte for byte; those named by `scaled` (a multiplier
+    applied after loading: to the weights before quantizing, or to the scales after) to
+    within e4m3's rounding, dequantized."""
+    assert got.keys() == want.keys()
+    quantized = [k for k, t in got.items() if t.dtype == FP8_DTYPE]
+    assert quantized and all(want[k].dtype == FP8_DTYPE for k in quantized)
+    for key, tensor in got.items():
+        if key.endswith(scaled) or key.removesuffix("_scale").endswith(scaled):
+            if tensor.dtype == FP8_DTYPE:
+                deq = tensor.float() * got[f"{key}_scale"][..., None]
+                want_deq = want[key].float() * want[f"{key}_scale"][..., None]
+                torch.testing.assert_close(deq, want_deq, rtol=0.07, atol=1e-6)
+            continue
+        if tensor.dtype == FP8_DTYPE:
+            assert torch.equal(tensor.view(torch.uint8), want[key].view(torch.uint8)), key
+        else:
+            assert torch.equal(tensor, want[key]), key
+
+
+# glm4 and phi3: partial rotary, q/k rows reordered after loading; deepseek_v2: q's and
+# k_pe's rows reordered (rotary pairs de-interleaved); gpt2: Conv1D weights read transposed; granite: the residual
+# multiplier on o_proj and down_proj (on w2 for granitemoe's experts).
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "llama",
+        "gpt2",
+        "glm4",
+        "phi3",
+        "granite",
+        "deepseek_v2",
+        "deepseek_v3",
+        "qwen3_moe",
+        "gpt_oss",
+        "granitemoe",
+    ],
+)
+def test_quantized_as_they_load_equal_quantized_after(kind, tiny_family_dir, request, monkeypatch):
+    """--quantization fp8 from a checkpoint: each projection's and expert's rows go to
+    e4m3 as they are read (never held in the model dtype), to the bytes and scales that
+    quantizing the loaded model gives."""
+    if kind in ("llama", "gpt2"):
+        model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
+    else:
+        model_dir = tiny_family_dir(kind)
+    got, want = _quantized_both_ways(model_dir, monkeypatch)
+    scaled = ("o_proj.weight", "down_proj.weight", "w2") if kind.startswith("granite") else ()
+    _assert_same_bytes(got, want, scaled)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_random_weights_quantized_as_drawn_equal_quantized_after(
+    kind, tiny_family_dir, tiny_llama_dir, tmp_path, monkeypatch
+):
+    """A benchmark's random-weight checkpoint under --quantization fp8: each drawn chunk
+    quantized as it is drawn, the bytes of the bf16 model's weights quantized."""
+    from engine.models.loader import RANDOM_WEIGHTS_MARKER
+
+    source = Path(tiny_llama_dir if kind == "llama" else tiny_family_dir(kind))
+    model_dir = tmp_path / kind
+    shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (model_dir / RANDOM_WEIGHTS_MARKER).write_text("")
+    got, want = _quantized_both_ways(str(model_dir), monkeypatch)
+    _assert_same_bytes(got, want)
