@@ -66,6 +66,11 @@ def test_summary_ratios():
     assert set(out["logits_vs_bf16"]) == {"fp8", "bf16+fp8kv", "fp8+bf16kv", "fp8 reference"}
     assert out["fp8_engine_vs_reference"] == {"cosine_mean": 0.9999}
     assert torch.isclose(torch.tensor(out["batch1_ms_per_token"]["fp8"]), torch.tensor(3.5))
+    # FP8 alone (a 70B, whose bf16 weights no single GPU holds): its own figures only.
+    alone = summary({"fp8": {k: v for k, v in configs["fp8"].items() if k != "logits_vs_bf16"}})
+    assert alone["throughput_tok_s"] == {"fp8": 1700.0}
+    assert alone["batch1_ms_per_token"] == {"fp8": 3.5, "fp8_weights_only_floor": 2.7}
+    assert alone["logits_vs_bf16"] == {}
 
 
 def test_reference_forward_is_the_schemes_torch_reference():
