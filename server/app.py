@@ -183,11 +183,11 @@ def _add_routes(app: FastAPI, metrics: Metrics) -> None:
 
     @app.get("/v1/models", responses=_COMMON)
     async def models(request: Request) -> ModelList:
-        return _serving(request).models()
+        return await _serving(request).models()
 
     @app.get("/v1/models/{model_id:path}", responses=_COMMON)
     async def model(model_id: str, request: Request) -> ModelCard:
-        return _serving(request).model(model_id)
+        return await _serving(request).model(model_id)
 
     @app.post("/tokenize", responses=_COMMON)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

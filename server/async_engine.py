@@ -40,6 +40,7 @@ from server.engine_loop import (
     Item,
     LoRAUpdate,
     StepReport,
+    Sync,
 )
 from server.engine_process import GIL_SWITCH_INTERVAL_S, EngineProcess, spawn_engine
 from server.engine_wire import EngineEndpoint, EngineInfo
@@ -88,8 +89,8 @@ class AsyncEngine:
         # Adds and aborts of this loop iteration, handed over in one put (one pipe
         # write with --engine-process) instead of one per request.
         self._puts: list[Item] = []
-        # LoRAUpdates sent, by id: each resolved by the report that answers it.
-        self._lora_updates: dict[str, asyncio.Future[None]] = {}
+        # LoRAUpdates and Syncs sent, by id: each resolved by the report that answers it.
+        self._answers: dict[str, asyncio.Future[None]] = {}
         self.stats: EngineStats | None = None  # the engine's latest
         self.info: EngineInfo | None = None  # once the engine is built
         metrics.watch_engine(self)
@@ -220,12 +221,23 @@ class AsyncEngine:
         if not self.is_alive:
             raise APIError("The engine is not running.", 503, code="service_unavailable")
         request_id = f"lora-{uuid.uuid4().hex}"
-        answer = self._lora_updates[request_id] = self._loop.create_future()
-        self._put([LoRAUpdate(request_id, name, path, replace)])
+        await self._answered(request_id, LoRAUpdate(request_id, name, path, replace))
+
+    async def sync(self) -> None:
+        """Return once this process has taken in every report the engine made before now
+        (self.stats is at least as new as any other API process's was then)."""
+        if not self.is_alive:
+            raise APIError("The engine is not running.", 503, code="service_unavailable")
+        request_id = f"sync-{uuid.uuid4().hex}"
+        await self._answered(request_id, Sync(request_id))
+
+    async def _answered(self, request_id: str, item: LoRAUpdate | Sync) -> None:
+        answer = self._answers[request_id] = self._loop.create_future()
+        self._put([item])
         try:
             await answer
         finally:
-            del self._lora_updates[request_id]
+            del self._answers[request_id]
 
     def _abort(self, stream: RequestStream) -> None:
         self._metrics.on_abort(len(stream.unfinished))
@@ -262,7 +274,7 @@ class AsyncEngine:
             for rid, item in report.batch.items():
                 stream = streams.get(rid)
                 if stream is None:  # aborted by the client meanwhile, or a refused LoRAUpdate
-                    self._answer_lora(rid, item)
+                    self._answer(rid, item)
                     continue
                 if isinstance(item, APIError):
                     # One prompt failed: the client request fails, so its other prompts stop too.
@@ -285,7 +297,7 @@ class AsyncEngine:
                 num_tokens += on_outputs(decoded, step_time, stream.last_token_time)
                 per_stream.setdefault(id(stream), (stream, []))[1].extend(decoded)
             for rid in report.done:
-                self._answer_lora(rid, None)
+                self._answer(rid, None)
             self._metrics.on_step(num_tokens)
         for stream, outputs in per_stream.values():
             if stream.finished:  # failed above, in this same delivery
@@ -298,8 +310,8 @@ class AsyncEngine:
                 for rid in stream.request_ids:
                     self._streams.pop(rid, None)
 
-    def _answer_lora(self, request_id: str, error: object) -> None:
-        answer = self._lora_updates.get(request_id)
+    def _answer(self, request_id: str, error: object) -> None:
+        answer = self._answers.get(request_id)
         if answer is None or answer.done():  # another API process's, or its caller left
             return
         if isinstance(error, APIError):
@@ -314,7 +326,7 @@ class AsyncEngine:
         for stream in {id(s): s for s in self._streams.values()}.values():
             stream.push(error)
         self._streams.clear()
-        for answer in self._lora_updates.values():
+        for answer in self._answers.values():
             if not answer.done():
                 answer.set_exception(error)
 

@@ -44,7 +44,7 @@ class ClassificationResponse(ListResponse):
 
 
 async def create_classification(s: Serving, req: ClassificationRequest, raw: Request) -> Response:
-    s.admit(req.model, task="classify")
+    await s.admit(req.model, task="classify")
     request_id = f"classify-{uuid.uuid4().hex}"
     logits = await embed(s, raw, request_id, prompt_list(req.input, "input"), req, "input")
     data = [

@@ -73,7 +73,7 @@ class EmbeddingResponse(ListResponse):
 
 
 async def create_embedding(s: Serving, req: EmbeddingRequest, raw: Request) -> Response:
-    s.admit(req.model, task="embed")
+    await s.admit(req.model, task="embed")
     if req.dimensions is not None and not 1 <= req.dimensions <= (s.hidden_size or req.dimensions):
         raise APIError(
             f"dimensions must be in [1, {s.hidden_size}], got {req.dimensions}.",

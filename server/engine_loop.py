@@ -55,7 +55,7 @@ class StepReport:
     # Requests the loop has taken from its inbox, ever: with the stats of the same
     # report, a listener counts those still on their way without counting one twice.
     taken_in: int
-    done: list[str] = field(default_factory=list)  # LoRAUpdates made (refused: in batch)
+    done: list[str] = field(default_factory=list)  # LoRAUpdates made (refused: in batch), Syncs
 
     @property
     def has_news(self) -> bool:
@@ -98,7 +98,16 @@ class LoRAUpdate:
     replace: bool = False  # new weights for a loaded name (vLLM's load_inplace)
 
 
-Item = Add | Abort | LoRAUpdate
+@dataclass
+class Sync:
+    """Answered (in StepReport.done) by the engine's next report: once the answer is in,
+    the sender has taken in every report made before, and their stats (an adapter
+    another API process has just loaded, say)."""
+
+    request_id: str
+
+
+Item = Add | Abort | LoRAUpdate | Sync
 
 
 class Credit(Protocol):
@@ -242,6 +251,9 @@ class EngineLoop:
             if isinstance(item, LoRAUpdate):
                 self._update_lora(item, batch, done)
                 continue
+            if isinstance(item, Sync):
+                done.append(item.request_id)
+                continue
             added.append(item.request_id)
             try:
                 self.engine.add_request(
@@ -333,7 +345,7 @@ class EngineLoop:
                 if isinstance(item, Add):
                     batch[item.request_id] = error
                     added.append(item.request_id)
-                elif isinstance(item, LoRAUpdate):
+                elif isinstance(item, (LoRAUpdate, Sync)):
                     batch[item.request_id] = error
             self._inbox.clear()
         if batch or added:

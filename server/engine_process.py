@@ -266,7 +266,7 @@ class Clients:
             for item in items:
                 if isinstance(item, Abort):  # forgotten only after its add has been counted
                     self._aborted.append(item.request_id)
-                else:  # an Add, or a LoRAUpdate, whose refusal comes back as an error
+                else:  # an Add, a LoRAUpdate or a Sync, which can come back as an error
                     self._owner[item.request_id] = client
 
     def leave(self, client: int) -> list[Abort]:

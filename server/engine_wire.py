@@ -1,7 +1,7 @@
 """The messages between an API process and the engine process, and how they pickle.
 
 Each API process talks to the engine process over two pipes of pickled messages:
-  API → engine   Put([Add | Abort | LoRAUpdate, ...]), Stop()
+  API → engine   Put([Add | Abort | LoRAUpdate | Sync, ...]), Stop()
   engine → API   Ready(EngineInfo, stats), Failed(message), WireReport(...)
 A WireReport is a StepReport (server/engine_loop.py) cut to one API process:
 its own outputs and errors, the step's TokenDeltas as bytes pickled once for
@@ -129,7 +129,7 @@ class WireReport:
     step_time: float
     stats: EngineStats
     taken_in: int
-    done: list[str]  # every API process's LoRAUpdates made (each knows its own ids)
+    done: list[str]  # every API process's LoRAUpdates made and Syncs (each knows its own ids)
 
     @staticmethod
     def pack_shared(

@@ -5,7 +5,7 @@ client names a directory on the server, so they are off by default.
 The engine reads the adapter into a free slot between two steps (--enable-lora;
 engine/models/lora_slots.py); from the next step on, requests whose `model` names it
 generate with it, in any API process (each learns the engine's adapters from its
-reports). Unloading refuses new requests at once; those running finish with it.
+reports, and syncs with the engine before refusing a name it does not know). Unloading refuses new requests at once; those running finish with it.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ async def pair_scores(
 
 
 async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
-    s.admit(req.model, task="score")
+    await s.admit(req.model, task="score")
     first, second = _texts(req.text_1, "text_1"), _texts(req.text_2, "text_2")
     if len(first) != 1 and len(first) != len(second):
         raise APIError(
@@ -135,7 +135,7 @@ async def create_score(s: Serving, req: ScoreRequest, raw: Request) -> Response:
 
 
 async def create_rerank(s: Serving, req: RerankRequest, raw: Request) -> Response:
-    s.admit(req.model, task="score")
+    await s.admit(req.model, task="score")
     query, documents = _texts(req.query, "query")[0], _texts(req.documents, "documents")
     if req.top_n is not None and req.top_n < 0:
         raise APIError(f"top_n must be non-negative, got {req.top_n}.", param="top_n")

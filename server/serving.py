@@ -101,6 +101,8 @@ class Serving:
         self.model_name = config.served_model_name or info.model_name
         self._served: tuple[ServedAdapter, ...] | None = None  # lora_modules' source
         self._lora_modules: dict[str, str] = {}
+        # Adapters can come while serving (/v1/load_lora_adapter, maybe another process's).
+        self.adapters_change = config.allow_runtime_lora_updating
         self.max_model_len = info.max_model_len
         self.by_priority = info.config.scheduling_policy == "priority"
         self.vocab_size = info.vocab_size
@@ -121,12 +123,12 @@ class Serving:
             config.trust_request_chat_template,
         )  # fmt: skip
 
-    def admit(self, model: str | None, task: str = "generate") -> None:
+    async def admit(self, model: str | None, task: str = "generate") -> None:
         """What a request for the engine is checked for before any work: the model it
         names, that the model does the task ("generate", "embed", "score": an embedding
         model's or a one-label classifier's, or "classify"), and room in the waiting queue
         (a 503 with Retry-After)."""
-        self.check_model(model)
+        await self.check_model(model)
         classifies = bool(self.labels)
         cross_encodes = task == "score" and len(self.labels) == 1
         if task != "classify" and classifies and not cross_encodes:
@@ -157,11 +159,18 @@ class Serving:
             self._served, self._lora_modules = served, {a.name: a.path for a in served}
         return self._lora_modules
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.lora_modules:
-            raise APIError(
-                f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
-            )
+    async def check_model(self, model: str | None) -> None:
+        if model is None or model == self.model_name or model in self.lora_modules:
+            return
+        if self.adapters_change:
+            # Another API process may have loaded it since this one's last report: the
+            # answer to a sync comes after every report made before it.
+            await self.async_engine.sync()
+            if model in self.lora_modules:
+                return
+        raise APIError(
+            f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
+        )
 
     def lora_name(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model)."""
@@ -291,7 +300,9 @@ class Serving:
 
     # ------------------------------------------------------------ small endpoints
 
-    def models(self) -> ModelList:
+    async def models(self) -> ModelList:
+        if self.adapters_change:  # what every API process has loaded, up to now
+            await self.async_engine.sync()
         base = ModelCard(id=self.model_name, max_model_len=self.max_model_len)
         adapters = [
             ModelCard(id=name, root=path, parent=self.model_name, max_model_len=self.max_model_len)
@@ -299,9 +310,9 @@ class Serving:
         ]
         return ModelList(data=[base, *adapters])
 
-    def model(self, model_id: str) -> ModelCard:
-        self.check_model(model_id)
-        return next(card for card in self.models().data if card.id == model_id)
+    async def model(self, model_id: str) -> ModelCard:
+        await self.check_model(model_id)
+        return next(card for card in (await self.models()).data if card.id == model_id)
 
     async def render_messages(
         self, raw: Request, messages: list[ChatMessage], options: ChatTemplateOptions
@@ -315,7 +326,7 @@ class Serving:
         return prompt.token_ids
 
     async def tokenize(self, req: TokenizeRequest, raw: Request) -> TokenizeResponse:
-        self.check_model(req.model)
+        await self.check_model(req.model)
         prompts = self.prompts
         if (req.prompt is None) == (req.messages is None):
             raise APIError("Give either prompt or messages.", param="prompt")
@@ -332,7 +343,7 @@ class Serving:
         )
 
     async def detokenize(self, req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
-        self.check_model(req.model)
+        await self.check_model(req.model)
         bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(f"Token id {bad} is out of vocabulary.", param="tokens")

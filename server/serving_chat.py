@@ -35,7 +35,7 @@ from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Request) -> Response:
-    s.admit(req.model)
+    await s.admit(req.model)
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
     tools = plan_tools(req, s.tool_call_parser)

@@ -37,7 +37,7 @@ class Prompt:
 
 
 async def create_completion(s: Serving, req: CompletionRequest, raw: Request) -> Response:
-    s.admit(req.model)
+    await s.admit(req.model)
     if req.suffix:
         raise APIError("suffix is not supported.", param="suffix")
     if req.best_of is not None and req.best_of != req.n:

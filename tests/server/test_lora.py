@@ -19,6 +19,7 @@ from server.config import ServerConfig
 from server.engine_process import spawn_engine
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
+from server.serving import Serving
 from tests.conftest import build_lora, peft_greedy
 from tests.server.conftest import engine_config
 
@@ -154,7 +155,8 @@ async def test_an_adapter_loaded_through_one_api_process_serves_in_the_other(
     tiny_llama_dir, tiny_lora_adapters
 ):
     """With --api-server-count 2 the engine process answers the process that asked, and
-    every API process learns the adapters served from the engine's reports."""
+    every API process learns the adapters served from the engine's reports, or, for a
+    name it does not know yet, from a sync with the engine."""
     config = engine_config(tiny_llama_dir, enable_lora=True, max_loras=1)
     process, endpoints = spawn_engine(config, build_engine, num_clients=2)
     buffer = multiprocessing.get_context("spawn").RawArray("d", 2 * Metrics.num_slots())
@@ -169,7 +171,19 @@ async def test_an_adapter_loaded_through_one_api_process_serves_in_the_other(
 
     try:
         path = tiny_lora_adapters["qv"]
+        stale = engines[1].stats
         await update(0, "qv", path)
+        # The second process as if its reader had not yet taken the load's report in
+        # (taken in for sure first, so that it cannot land after): a request naming the
+        # adapter there syncs with the engine before a 404.
+        await asyncio.wait_for(engines[1].sync(), timeout=60)
+        engines[1].stats = stale
+        serving = Serving(engines[1], ServerConfig(allow_runtime_lora_updating=True))
+        await asyncio.wait_for(serving.check_model("qv"), timeout=60)
+        assert serving.lora_modules == {"qv": path}
+        with pytest.raises(APIError) as missing:
+            await asyncio.wait_for(serving.check_model("other"), timeout=60)
+        assert missing.value.status == 404
         ids = load_tokenizer(tiny_llama_dir).encode("Once upon a time")
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name="qv")
         tokens = [
