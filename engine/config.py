@@ -40,7 +40,7 @@ class EngineConfig:
     # first), then arrival, for admission and (the last of that order) preemption.
     scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
-    # The fields below are documented by their flags' help (server/cli.py).
+    # The fields below are documented by their flags' help (server/flags.py, server/cli.py).
     prefill_graphs: bool = True  # steps with prefill replay graphs by token bucket
     cuda_graph_sizes: list[int] | None = None  # None: see cuda_graph_batch_sizes
     # Schedule and launch step N+1 before reading step N's sampled ids (vLLM's --async-scheduling).

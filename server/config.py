@@ -31,7 +31,7 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # an idle kept-alive connection (uvicorn's)
     max_connections: int = 4096  # open connections past which new ones get 503
     log_level: str = "info"
-    # The fields below are documented by their flags' help (server/cli.py).
+    # The fields below are documented by their flags' help (server/cli.py, server/flags.py).
     access_log: bool = True  # uvicorn's line per request, a cost on a busy event loop
     engine_process: bool = False  # server/engine_process.py
     api_server_count: int = 1  # server/api_servers.py; > 1 implies engine_process
