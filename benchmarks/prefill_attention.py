@@ -35,7 +35,8 @@ from triton.testing import do_bench, do_bench_cudagraph
 from benchmarks.floors import copy_bandwidth
 from benchmarks.provenance import git_commit
 from kernels.paged_attention import paged_attention_decode
-from kernels.prefill_attention import paged_prefill_attention, prefill_config
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_config import prefill_config
 
 BLOCK_SIZE = 16
 # name -> (prompt tokens, num_heads, num_kv_heads, head_dim)

@@ -26,7 +26,7 @@ import triton.language as tl
 from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
 from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 from kernels.pdl import launch_options, use_pdl, wait_previous
-from kernels.prefill_attention import tile_sequence
+from kernels.prefill_config import tile_sequence
 
 MAX_HEADS = 64  # query heads a program takes; more go to further programs
 MAX_SPLITS = 32

@@ -20,8 +20,8 @@ from kernels.paged_attention import paged_attention_decode, paged_attention_deco
 from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
-    prefill_config,
 )
+from kernels.prefill_config import prefill_config
 from tests.gpu.conftest import GPU
 
 pytestmark = GPU

@@ -20,8 +20,8 @@ from kernels.paged_attention import paged_attention_decode, paged_attention_deco
 from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
-    prefill_config,
 )
+from kernels.prefill_config import prefill_config
 from tests.conftest import PROMPTS, hf_greedy
 
 # Scales: none (vLLM's default without checkpoint scales), and ones that matter, one of

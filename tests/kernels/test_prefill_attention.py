@@ -11,8 +11,8 @@ from kernels.prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_for,
     paged_prefill_attention_ref,
-    prefill_config,
 )
+from kernels.prefill_config import prefill_config
 from tests.kernels.test_paged_attention import score_mod
 
 # (num_heads, num_kv_heads, head_dim, block_size): GPT-2, GQA groups of 4 and 7, a
@@ -74,7 +74,7 @@ def test_prefill_matches_reference(
 def test_prefill_splits_keys_only_for_few_tiles_over_long_contexts(monkeypatch) -> None:
     """The split count is a function of shapes: enough programs for the GPU when a step
     has few query tiles, none when its tiles fill it already or the keys are short."""
-    monkeypatch.setattr("kernels.prefill_attention.num_sms_of", lambda device: 132)
+    monkeypatch.setattr("kernels.prefill_config.num_sms_of", lambda device: 132)
     cuda = torch.device("cuda")
     # A verify step of one sequence (1 + 4 tokens, Llama-3-8B's heads), a 4k context.
     one = prefill_config(5, 128, 4, 5, 8, 4096, cuda)
