@@ -37,6 +37,7 @@ JIT_MODULES = (
     "kernels.score_mods",
     "kernels.paged_attention",
     "kernels.linear",
+    "kernels.prefill_config",
     "kernels.prefill_attention",
     "kernels.activation",
     "kernels.moe_gemv",
