@@ -57,11 +57,6 @@ class ModelRunner(StepInputs):
         self.kv_dtype = self.dtype
         self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         if config.kv_cache_dtype == "fp8":
-            if any(layer.KV_TENSORS == 1 for layer in self.attn_layers):
-                raise ValueError(
-                    "--kv-cache-dtype fp8 is not supported with multi-head latent attention "
-                    "(DeepSeek's latent cache); leave it at auto"
-                )
             check_fp8_device(self.device)
             self.kv_dtype = FP8_DTYPE
         self.block_size = config.block_size

@@ -8,7 +8,9 @@ output (out_lat @ W_UV), every query head attends to that one row:
     score = (q_lat . c + q_pe . k_pe) * scale,    out_lat = sum softmax(score) * c
 
 so the attention is multi-query, K the whole row and V its first `latent` values, each
-row read once for all the heads. One kernel serves every step: a query tile is
+row read once for all the heads. An FP8 cache (e4m3) holds the row / kv_scale, one
+scale for the layer, as vLLM's; it is read as the query's dtype, exactly, the scale
+folded into the softmax scale and the output. One kernel serves every step: a query tile is
 BLOCK_Q tokens of one sequence times a block of heads (decode: one token, each
 sequence's own tile), causal by position, its keys split among programs where the grid
 is small, as decode attention's are (kernels/decode_config.py merges them).
@@ -24,6 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
+from kernels.fp8 import FP8_DTYPE, round_to_fp8
+from kernels.kv_store import from_cache, to_cache
 from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.prefill_config import tile_sequence
@@ -37,9 +41,10 @@ def mla_store_ref(
     k_pe: torch.Tensor,  # [n, rope]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
     slot_mapping: torch.Tensor,  # [n] int; < 0 = padding, not stored
+    kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
 ) -> None:
     valid = slot_mapping >= 0
-    rows = torch.cat([c[valid], k_pe[valid]], dim=-1).to(cache.dtype)
+    rows = to_cache(torch.cat([c[valid], k_pe[valid]], dim=-1), cache, kv_scale)
     cache.view(-1, cache.shape[-1])[slot_mapping[valid].long()] = rows
 
 
@@ -52,6 +57,7 @@ def mla_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the new tokens
     scale: float,
     max_query_len: int = 1,  # unused here: the kernel's tile height
+    kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
 ) -> torch.Tensor:  # [n, heads, latent]; zeros for rows of no sequence
     latent = q_lat.shape[-1]
     out = q_lat.new_zeros(q_lat.shape)
@@ -62,7 +68,9 @@ def mla_attention_ref(
         start, end = starts[i], starts[i + 1]
         if end <= start or seq_len <= 0:
             continue
-        rows = gather_kv(cache, block_table[i], seq_len)[:, 0].float()  # [seq_len, L + R]
+        rows = from_cache(
+            gather_kv(cache, block_table[i], seq_len)[:, 0], kv_scale
+        )  # [seq_len, L+R]
         scores = torch.einsum("qhd,kd->hqk", q[start:end], rows) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
@@ -77,12 +85,14 @@ def _mla_store_kernel(
     pe_ptr,
     cache_ptr,
     slot_mapping_ptr,
+    scale_inv,  # FP8 cache: 1 / kv_scale
     stride_c,
     stride_pe,
     LATENT: tl.constexpr,
     LATENT_P2: tl.constexpr,
     ROPE: tl.constexpr,
     ROPE_P2: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
@@ -92,14 +102,21 @@ def _mla_store_kernel(
         row = cache_ptr + slot * (LATENT + ROPE)  # the cache is contiguous, one row a slot
         d = tl.arange(0, LATENT_P2)
         c = tl.load(c_ptr + token * stride_c + d, mask=d < LATENT)
-        tl.store(row + d, c.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
         r = tl.arange(0, ROPE_P2)
         pe = tl.load(pe_ptr + token * stride_pe + r, mask=r < ROPE)
+        if KV_FP8:
+            c = round_to_fp8(c.to(tl.float32) * scale_inv)
+            pe = round_to_fp8(pe.to(tl.float32) * scale_inv)
+        tl.store(row + d, c.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
         tl.store(row + LATENT + r, pe.to(cache_ptr.dtype.element_ty), mask=r < ROPE)
 
 
 def mla_store(
-    c: torch.Tensor, k_pe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+    c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: float = 1.0,
 ) -> None:
     """Triton version of `mla_store_ref` (c's and k_pe's last dims contiguous): one launch."""
     n, latent = c.shape
@@ -114,12 +131,14 @@ def mla_store(
         k_pe,
         cache,
         slot_mapping,
+        1.0 / kv_scale,
         c.stride(0),
         k_pe.stride(0),
         LATENT=latent,
         LATENT_P2=triton.next_power_of_2(latent),
         ROPE=rope,
         ROPE_P2=triton.next_power_of_2(rope),
+        KV_FP8=cache.dtype == FP8_DTYPE,
         PDL=pdl,
         **launch_options(pdl),
     )
@@ -136,7 +155,8 @@ def _mla_attention_kernel(
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
-    qk_scale,  # softmax scale * LOG2E
+    qk_scale,  # softmax scale * LOG2E (* kv_scale for an FP8 cache)
+    out_scale,  # kv_scale for an FP8 cache, else 1
     num_heads,
     num_seqs,
     stride_qlt,
@@ -164,6 +184,7 @@ def _mla_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ONE_PER_SEQ: tl.constexpr,  # row i is sequence i's one query (decode, verify rows)
+    KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -231,6 +252,9 @@ def _mla_attention_kernel(
             mask=key_mask[:, None] & (e[None, :] < ROPE),
             other=0.0,
         )  # [BLOCK_N, ROPE_P2]
+        if KV_FP8:  # e4m3 -> the query's dtype is exact; the scale is applied outside
+            c = c.to(q_lat.dtype)
+            pe = pe.to(q_lat.dtype)
         scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         scores = tl.dot(q_pe, tl.trans(pe), scores, input_precision=DOT_PRECISION) * qk_scale
         visible = key_mask[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -247,6 +271,8 @@ def _mla_attention_kernel(
 
     seen = l_i > 0
     result = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if KV_FP8:
+        result = result * out_scale
     out_mask = row_mask[:, None] & (d[None, :] < LATENT)
     if NUM_SPLITS > 1:  # a split may see no key of a row: its lse is -inf, its weight 0
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -301,6 +327,7 @@ def mla_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     max_query_len: int = 1,  # a host-side bound on query lengths: the tile height only
+    kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
     config: MlaConfig | None = None,
 ) -> torch.Tensor:  # [n, heads, latent]: a [heads, n, latent] buffer, transposed
     """Triton version of `mla_attention_ref`. The grid depends on n, the sequence count
@@ -329,6 +356,9 @@ def mla_attention(
     block_q = config.block_q
     tiles = num_seqs if one_per_seq else n // block_q + num_seqs
     split_out, split_lse = decode_workspace(n, num_heads, latent, config.num_splits, q_lat.device)
+    kv_fp8 = cache.dtype == FP8_DTYPE
+    if not kv_fp8:
+        kv_scale = 1.0
     pdl = use_pdl(q_lat.device)
     grid = (tiles, triton.cdiv(num_heads, heads), config.num_splits)
     _mla_attention_kernel[grid](
@@ -341,7 +371,8 @@ def mla_attention(
         out,
         split_out,
         split_lse,
-        scale * LOG2E,
+        scale * LOG2E * kv_scale,
+        kv_scale,
         num_heads,
         num_seqs,
         q_lat.stride(0),
@@ -369,6 +400,7 @@ def mla_attention(
         BLOCK_N=config.block_n,
         NUM_SPLITS=config.num_splits,
         ONE_PER_SEQ=one_per_seq,
+        KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(q_lat.dtype),
         PDL=pdl,
         num_warps=config.num_warps,

@@ -78,7 +78,8 @@ class LatentCache(PagedAttention):
         self.latent = latent
 
     def store(self, c: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata) -> None:
-        mla_store_for(c.device)(c, k_pe, self.k_cache, meta.slot_mapping)
+        # An FP8 cache holds the rows / k_scale (the checkpoint's, else 1.0), as vLLM's.
+        mla_store_for(c.device)(c, k_pe, self.k_cache, meta.slot_mapping, self.k_scale)
 
     def forward(
         self,
@@ -97,6 +98,7 @@ class LatentCache(PagedAttention):
             meta.seq_lens,
             self.scale,
             meta.max_query_len,
+            self.k_scale,
         )
 
 

@@ -175,3 +175,12 @@ def test_fp8_moe_engine_mostly_agrees_with_bf16(tiny_family_dir, kind: str) -> N
     moe = fp8.engine.model.layers[0].mlp
     assert moe.w13.dtype == moe.w2.dtype == FP8_DTYPE
     assert agreement >= MIN_MOE_AGREEMENT, agreement
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v2", "deepseek_v3"])
+def test_fp8_latent_cache_mostly_agrees_with_bf16(tiny_family_dir, kind: str) -> None:
+    """DeepSeek's latent cache in e4m3 (one row a token; the MLA kernel folds its scale
+    into the softmax and the output), beside FP8 projections and experts."""
+    fp8, agreement = _fp8_against_bf16(tiny_family_dir(kind), graphs=True)
+    assert fp8.engine.runner.attn_layers[0].KV_TENSORS == 1
+    assert agreement >= MIN_MOE_AGREEMENT, agreement

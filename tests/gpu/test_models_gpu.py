@@ -56,10 +56,12 @@ def test_fused_moe_in_a_cuda_graph_follows_new_routing():
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("query_len", [1, 37])  # decode rows; query tiles after a prefix
-def test_mla_attention_in_bf16_at_deepseek_shape(query_len):
+def test_mla_attention_in_bf16_at_deepseek_shape(query_len, fp8):
     """The launch configs the engine picks at DeepSeek-V2-Lite's shape (16 heads, a 512 +
-    64 row) in bf16, against the fp32 reference."""
+    64 row) in bf16, against the fp32 reference; with fp8, over an e4m3 cache (its
+    scale folded into the softmax and the output)."""
     from kernels.mla import mla_attention, mla_attention_ref
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -81,14 +83,12 @@ def test_mla_attention_in_bf16_at_deepseek_shape(query_len):
     q_lat = torch.randn(n, heads, latent, device="cuda", generator=gen)
     q_pe = torch.randn(n, heads, rope, device="cuda", generator=gen)
     args = (table, starts, lens, 0.05)
-    want = mla_attention_ref(q_lat, q_pe, cache, *args)
-    got = mla_attention(q_lat.bfloat16(), q_pe.bfloat16(), cache.bfloat16(), *args, query_len)
+    if fp8:  # the cache holds rows / 0.25, rounded to e4m3
+        cache = (cache * 4).to(torch.float8_e4m3fn)
+        want = mla_attention_ref(q_lat, q_pe, cache, *args, query_len, 0.25)
+        got = mla_attention(q_lat.bfloat16(), q_pe.bfloat16(), cache, *args, query_len, 0.25)
+    else:
+        want = mla_attention_ref(q_lat, q_pe, cache, *args)
+        got = mla_attention(q_lat.bfloat16(), q_pe.bfloat16(), cache.bfloat16(), *args, query_len)
     rows = n if starts is None else 2 * query_len + 1
     torch.testing.assert_close(got[:rows].float(), want[:rows], atol=2e-2, rtol=2e-2)
-
-
-def test_deepseek_refuses_an_fp8_kv_cache(tiny_family_dir):
-    from engine import LLM
-
-    with pytest.raises(ValueError, match="latent cache"):
-        LLM(tiny_family_dir("deepseek_v2"), kv_cache_dtype="fp8")

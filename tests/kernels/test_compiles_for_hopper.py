@@ -80,18 +80,24 @@ def compile_variants() -> None:
     from kernels.mla import _mla_attention_kernel, _mla_store_kernel
 
     constexprs = {"LATENT": 512, "LATENT_P2": 512, "ROPE": 64, "ROPE_P2": 64, "PDL": True}
-    compile_for_hopper(_mla_store_kernel, by_name(_mla_store_kernel, constexprs, {}), constexprs)
-    for one_per_seq, splits in ((True, 1), (True, 8), (False, 1)):
+    for kv_fp8 in (False, True):  # an e4m3 cache: the rows rounded as they are stored
+        store = constexprs | {"KV_FP8": kv_fp8}
+        cache = {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16"}
+        signature = by_name(_mla_store_kernel, store, cache, {"scale_inv"})
+        compile_for_hopper(_mla_store_kernel, signature, store)
+    variants = ((True, 1, False), (True, 8, False), (False, 1, False), (True, 1, True))
+    for one_per_seq, splits, kv_fp8 in variants:
         block_q = 1 if one_per_seq else 4
         constexprs |= {"BLOCK_SIZE": 16, "HEADS": 16, "BLOCK_Q": block_q, "BLOCK_M": 16 * block_q}
         constexprs |= {"BLOCK_N": 32, "NUM_SPLITS": splits, "ONE_PER_SEQ": one_per_seq}
-        constexprs |= {"DOT_PRECISION": "tf32"}
+        constexprs |= {"KV_FP8": kv_fp8, "DOT_PRECISION": "tf32"}
         pointers = {name: "*i32" for name in ("block_table_ptr", "query_start_loc_ptr")}
         pointers |= {"seq_lens_ptr": "*i32", "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32"}
-        signature = by_name(_mla_attention_kernel, constexprs, pointers, {"qk_scale"})
+        pointers |= {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16"}
+        signature = by_name(_mla_attention_kernel, constexprs, pointers, {"qk_scale", "out_scale"})
         ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs)["ptx"]
         assert "wgmma.mma" in ptx or "mma.sync" in ptx
-        print(f"mla one_per_seq={one_per_seq} splits={splits}")
+        print(f"mla one_per_seq={one_per_seq} splits={splits} kv_fp8={kv_fp8}")
 
 
 def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
@@ -183,7 +189,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:14] == [
+    assert done.stdout.split("\n")[:15] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False",
@@ -195,7 +201,8 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "decode rope kv_fp8=True norm=True",
         "greedy ids",
         "moe",
-        "mla one_per_seq=True splits=1",
-        "mla one_per_seq=True splits=8",
-        "mla one_per_seq=False splits=1",
+        "mla one_per_seq=True splits=1 kv_fp8=False",
+        "mla one_per_seq=True splits=8 kv_fp8=False",
+        "mla one_per_seq=False splits=1 kv_fp8=False",
+        "mla one_per_seq=True splits=1 kv_fp8=True",
     ]

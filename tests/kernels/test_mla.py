@@ -87,3 +87,48 @@ def test_store_writes_latent_then_rope_and_skips_padding(rng, device):
 
 def test_mla_attention_for_picks_reference_off_cuda():
     assert mla_attention_for(torch.device("cpu")) is mla_attention_ref
+
+
+@pytest.mark.parametrize("splits", [None, 2])
+def test_an_fp8_cache_stores_and_reads_as_its_reference(splits, rng, device):
+    """--kv-cache-dtype fp8: the row / kv_scale in e4m3 (the store's bytes are the
+    reference's), read back times kv_scale by decode rows and by varlen chunks."""
+    latent, rope, heads, block_size, kv_scale = 32, 8, 4, 8, 0.37
+    seq_lens, query_lens = [20, 9], [5, 9]
+    blocks = torch.tensor([[0, 4, 2], [3, 1, 0]], dtype=torch.int32)  # seq 1: two blocks
+    slots = torch.cat([blocks[s, torch.arange(n) // block_size] * block_size
+                       + torch.arange(n) % block_size for s, n in enumerate(seq_lens)])  # fmt: skip
+    rows = torch.randn(len(slots), latent + rope, generator=rng)
+    want_cache = torch.zeros(5, block_size, 1, latent + rope, dtype=torch.float8_e4m3fn)
+    mla_store_ref(rows[:, :latent], rows[:, latent:], want_cache, slots, kv_scale)
+    cache = torch.zeros_like(want_cache).to(device)
+    rows_d = rows.to(device)
+    mla_store(rows_d[:, :latent], rows_d[:, latent:], cache, slots.to(device), kv_scale)
+    assert torch.equal(cache.cpu().view(torch.uint8), want_cache.view(torch.uint8))
+    stored = want_cache.view(-1, latent + rope)[slots].float() * kv_scale
+    assert (stored - rows).abs().max() < 0.1 * rows.abs().max()  # e4m3's rounding, scaled
+
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, 5, 14], dtype=torch.int32)
+    q_lat, q_pe, q_lat_d, q_pe_d = queries(rng, 14, heads, latent, rope, device)
+    scale = 0.3
+    config = None if splits is None else MlaConfig(2, 16, splits, num_warps=4)
+    want = mla_attention_ref(q_lat, q_pe, want_cache, blocks, starts, lens, scale, 9, kv_scale)
+    got = mla_attention(
+        q_lat_d, q_pe_d, cache, blocks.to(device), starts.to(device), lens.to(device), scale,
+        max(query_lens), kv_scale, config=config,
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    unscaled = mla_attention_ref(q_lat, q_pe, want_cache, blocks, starts, lens, scale, 9)
+    assert not torch.allclose(unscaled, want, atol=1e-2)  # the scale is applied
+    # Decode rows: each sequence's last query.
+    last = starts[1:] - 1
+    want = mla_attention_ref(
+        q_lat[last], q_pe[last], want_cache, blocks, None, lens, scale, 1, kv_scale
+    )
+    config = None if splits is None else MlaConfig(1, 16, splits)
+    got = mla_attention(
+        q_lat_d[last.to(device)], q_pe_d[last.to(device)], cache, blocks.to(device), None,
+        lens.to(device), scale, 1, kv_scale, config=config,
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
