@@ -187,8 +187,8 @@ class AsyncEngine:
         params: SamplingParams,
         images: ImageInputs | None = None,
     ) -> RequestStream:
-        """Queue one engine request per prompt (images: a single prompt's); 503 if the
-        waiting queue is full."""
+        """Queue one engine request per prompt (images: in every prompt: a chat's, or
+        its beams' in a beam search); 503 if the waiting queue is full."""
         if not self.is_alive:
             raise APIError("The engine is not running.", 503, code="service_unavailable")
         ids = [

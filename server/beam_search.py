@@ -4,7 +4,8 @@ over the engine, a step at a time, each live beam a one-token request asking for
 beam's last tokens.
 
 A beam's score is its cumulative logprob / length ** length_penalty, the length counting
-the prompt and not a final EOS (vLLM's get_beam_search_score). A candidate ending in EOS
+the prompt and not a final EOS (vLLM's get_beam_search_score). A chat's images go with
+every beam's request (the prefix cache, salted by them, keeps the prompt's work). A candidate ending in EOS
 is complete (unless ignore_eos); the best beam_width of the rest live on. After
 max_tokens steps the best beam_width of the complete and the live beams are the choices,
 best first, with finish reason "stop" (EOS) or "length". The beam width is `n`. The
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.images import ImageInputs
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.errors import APIError
@@ -90,6 +92,7 @@ def beam_stream(
     prompts: list[list[int]],
     params: SamplingParams,
     length_penalty: float,
+    images: ImageInputs | None = None,  # a chat's (one prompt)
 ) -> RequestStream:
     """A stream that yields each prompt's n best beams (as choices 0..n-1) once searched."""
     width = params.n
@@ -107,7 +110,7 @@ def beam_stream(
         try:
             found = await asyncio.gather(
                 *(
-                    search(s, raw, rid, prompt, params, length_penalty)
+                    search(s, raw, rid, prompt, params, length_penalty, images)
                     for rid, prompt in zip(ids, prompts, strict=True)
                 )
             )
@@ -131,6 +134,7 @@ async def search(
     prompt: list[int],
     params: SamplingParams,
     length_penalty: float,
+    images: ImageInputs | None = None,
 ) -> list[RequestOutput]:
     """One prompt's beam search: its n best beams as finished outputs, best first."""
     arrival = time.time()
@@ -152,7 +156,7 @@ async def search(
     room = s.max_model_len - len(prompt)
     for n in range(min(params.max_tokens or room, room)):
         stream = s.async_engine.submit(
-            f"{request_id}-beam{n}", [prompt + beam.tokens for beam in live], step
+            f"{request_id}-beam{n}", [prompt + beam.tokens for beam in live], step, images
         )
         outs = {out.request_id: out for out in await s.collect(raw, stream)}
         candidates = []

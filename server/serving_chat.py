@@ -63,8 +63,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
 
     def prepare() -> ChatPrompt:
         prompt = prompts.render_chat(req.messages, req, tools.template_tools, fetched=fetched)
-        if prompt.images is not None and (req.use_beam_search or truncate is not None):
-            what = "use_beam_search" if req.use_beam_search else "truncate_prompt_tokens"
+        if prompt.images is not None and truncate is not None:
+            what = "truncate_prompt_tokens"
             raise APIError(f"{what} does not take images.", param=what)
         ids = prompt.token_ids = s.check_prompt(prompt.token_ids, params, "messages", truncate)
         if max_tokens is None and s.default_max_tokens is not None:
@@ -83,7 +83,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, raw: Re
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if req.use_beam_search:
         stream = beam_search.beam_stream(
-            s, raw, request_id, [prompt_ids], params, req.length_penalty
+            s, raw, request_id, [prompt_ids], params, req.length_penalty, prompt.images
         )
     else:
         stream = s.async_engine.submit(request_id, [prompt_ids], params, prompt.images)

@@ -24,6 +24,20 @@ def hf_beam_search(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return beam_search_over(
+        lambda ids: model(torch.tensor([ids])).logits[0, -1],
+        prompt,
+        width,
+        max_tokens,
+        eos,
+        penalty,
+    )
+
+
+def beam_search_over(
+    next_logits, prompt: list[int], width: int, max_tokens: int, eos: int, penalty: float = 1.0
+) -> list[tuple[list[int], str, list[float]]]:
+    """vLLM's beam search over next_logits(ids) (a model's last-position logits)."""
 
     def score(beam) -> float:
         tokens, logprobs, stopped = beam
@@ -34,7 +48,7 @@ def hf_beam_search(
         candidates = []
         for tokens, logprobs, _ in live:
             with torch.no_grad():
-                logits = model(torch.tensor([prompt + tokens])).logits[0, -1]
+                logits = next_logits(prompt + tokens)
             top = logits.log_softmax(-1).topk(2 * width)
             for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
                 beam = (tokens + [token], logprobs + [logprob], token == eos)

@@ -23,6 +23,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from tests.engine.test_multimodal_text import build
 from tests.server.conftest import LiveServer, engine_config
+from tests.server.test_beam_search import beam_search_over
 
 TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
@@ -201,9 +202,30 @@ def test_what_is_not_a_readable_image_is_a_400(server, part, message):
     assert response.json()["error"]["param"] == "messages"
 
 
-def test_beam_search_takes_no_images(server):
-    response = chat(server, [image_part(data_url(png(1)))], use_beam_search=True, n=2)
-    assert response.status_code == 400 and "does not take images" in response.text
+def test_beam_search_with_an_image_returns_transformers_best_beams(server, llava):
+    """Each beam's request carries the chat's image: the n best beams of vLLM's search
+    over transformers' logits given the image (vision tower and all)."""
+    from PIL import Image
+
+    _, model, processor = llava
+    blob = png(1)
+    response = chat(server, [image_part(data_url(blob))], use_beam_search=True, n=2)
+    assert response.status_code == 200, response.text
+    prompt = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True
+    )
+    image = Image.open(io.BytesIO(blob)).convert("RGB")
+    inputs = processor(text=prompt, images=[image], return_tensors="pt", add_special_tokens=False)
+    pixels = inputs["pixel_values"]
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        return model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0, -1]
+
+    ids = inputs["input_ids"][0].tolist()
+    want = beam_search_over(next_logits, ids, 2, MAX_NEW, eos=-1)  # ignore_eos
+    choices = response.json()["choices"]
+    assert [c["token_ids"] for c in choices] == [tokens for tokens, _, _ in want]
+    assert choices[0]["token_ids"] != choices[1]["token_ids"]
 
 
 def test_images_cross_to_the_engine_process(server, llava):
