@@ -303,16 +303,19 @@ class Serving:
     async def models(self) -> ModelList:
         if self.adapters_change:  # what every API process has loaded, up to now
             await self.async_engine.sync()
+        return ModelList(data=self._cards())
+
+    async def model(self, model_id: str) -> ModelCard:
+        await self.check_model(model_id)
+        return next(card for card in self._cards() if card.id == model_id)
+
+    def _cards(self) -> list[ModelCard]:
         base = ModelCard(id=self.model_name, max_model_len=self.max_model_len)
         adapters = [
             ModelCard(id=name, root=path, parent=self.model_name, max_model_len=self.max_model_len)
             for name, path in self.lora_modules.items()
         ]
-        return ModelList(data=[base, *adapters])
-
-    async def model(self, model_id: str) -> ModelCard:
-        await self.check_model(model_id)
-        return next(card for card in (await self.models()).data if card.id == model_id)
+        return [base, *adapters]
 
     async def render_messages(
         self, raw: Request, messages: list[ChatMessage], options: ChatTemplateOptions
