@@ -10,8 +10,8 @@ output (out_lat @ W_UV), every query head attends to that one row:
 so the attention is multi-query, K the whole row and V its first `latent` values, each
 row read once for all the heads. An FP8 cache (e4m3) holds the row / kv_scale, one
 scale for the layer, as vLLM's; it is read as the query's dtype, exactly, the scale
-folded into the softmax scale and the output. One kernel serves every step: a query tile is
-BLOCK_Q tokens of one sequence times a block of heads (decode: one token, each
+folded into the softmax scale and the output. One kernel serves every step: a query
+tile is BLOCK_Q tokens of one sequence times a block of heads (decode: one token, each
 sequence's own tile), causal by position, its keys split among programs where the grid
 is small, as decode attention's are (kernels/decode_config.py merges them).
 """
@@ -68,9 +68,8 @@ def mla_attention_ref(
         start, end = starts[i], starts[i + 1]
         if end <= start or seq_len <= 0:
             continue
-        rows = from_cache(
-            gather_kv(cache, block_table[i], seq_len)[:, 0], kv_scale
-        )  # [seq_len, L+R]
+        rows = gather_kv(cache, block_table[i], seq_len)[:, 0]  # [seq_len, L + R]
+        rows = from_cache(rows, kv_scale)
         scores = torch.einsum("qhd,kd->hqk", q[start:end], rows) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
         hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
