@@ -142,7 +142,11 @@ def test_open_loop_follows_the_seeded_schedule(fake, tmp_path):
     )  # fmt: skip
     assert rc == 0
     sends = [r.send_time for r in records_of(result)]
-    assert [b - a for a, b in pairwise(sends)] == approx([0.02] * 5, abs=0.01)
+    # Request i goes at 20 ms x i, never early; late only by the host's hiccups (a busy
+    # box delays one send, and the next goes on schedule: intervals alone would flake).
+    offsets = [t - sends[0] for t in sends]
+    for i, offset in enumerate(offsets):
+        assert 0.02 * i - 0.002 <= offset <= 0.02 * i + 0.05, offsets
     # Poisson gaps are reproducible from the seed.
     gaps = arrival_gaps(10.0, 1.0, seed=3)
     first = [next(gaps) for _ in range(200)]
