@@ -126,7 +126,7 @@ class FakeEngine:
         self.info = SimpleNamespace(eos_token_ids=frozenset({9}))
         self.prompts: list[list[list[int]]] = []
 
-    def submit(self, request_id, prompts, params):
+    def submit(self, request_id, prompts, params, images=None):
         self.prompts.append(prompts)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         top = self.TABLE[: params.logprobs]
