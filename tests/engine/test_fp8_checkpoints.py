@@ -428,8 +428,9 @@ def _assert_same_bytes(got: dict, want: dict, scaled: tuple[str, ...] = ()) -> N
 
 
 # glm4 and phi3: partial rotary, q/k rows reordered after loading; deepseek_v2: q's and
-# k_pe's rows reordered (rotary pairs de-interleaved); gpt2: Conv1D weights read transposed; granite: the residual
-# multiplier on o_proj and down_proj (on w2 for granitemoe's experts).
+# k_pe's rows reordered (rotary pairs de-interleaved); gpt2: Conv1D weights read
+# transposed; granite: the residual multiplier on o_proj and down_proj (on w2 for
+# granitemoe's experts).
 @pytest.mark.parametrize(
     "kind",
     [
