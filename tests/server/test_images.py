@@ -353,6 +353,47 @@ def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
         assert got[rid] == out[0, ids.shape[1] :].tolist()
 
 
+def test_an_image_sent_again_is_not_encoded_again(llava, monkeypatch):
+    """The encoder cache: the same pixels in a later request (a chat's next turn, a
+    beam's request) reuse their features, and the answer is still transformers'; past
+    the cache's bytes the least recently used image is encoded again."""
+    from engine.sampling_params import SamplingParams
+    from server.images import ImageProcessor
+
+    path, model, _ = llava
+    engine = Engine(engine_config(str(path)))
+    processor = ImageProcessor(str(path), "llava", engine.tokenizer)
+    calls = []
+    tower = engine.vision._tower
+    monkeypatch.setattr(
+        engine.vision, "_tower", lambda batch: calls.append(len(batch)) or tower(batch)
+    )
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+    def answer(rid: str, text: str, seed: int) -> list[int]:
+        prompt = processor(text, [data_url(png(seed))])  # new ImageInputs every time
+        engine.add_request(rid, prompt.token_ids, params, images=prompt.images)
+        got = []
+        while engine.has_unfinished_requests():
+            got += [t for out in engine.step() for t in out.new_token_ids]
+        ids = torch.tensor([prompt.token_ids])
+        with torch.no_grad():
+            want = model.generate(
+                ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        assert got == want[0, ids.shape[1] :].tolist()
+        return got
+
+    answer("a", "look <image> here", 5)
+    answer("b", "and now <image> again", 5)  # the same image, other text
+    assert calls == [1]
+    engine.vision.cache.capacity = engine.vision.cache.bytes  # room for one image's rows
+    answer("c", "look <image> here", 6)  # another image: the first one's rows go
+    answer("d", "look <image> here", 5)
+    assert calls == [1, 1, 1]
+
+
 def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, tmp_path):
     """--limit-mm-per-prompt, --allowed-media-domains (redirects checked too) and
     --allowed-local-media-path (no way out of it by .. or a symlink)."""
