@@ -15,6 +15,7 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.images import ImageInputs
+from engine.models.vision import EncoderCache
 from tests.engine.test_multimodal_text import build
 
 MAX_NEW = 12
@@ -178,6 +179,7 @@ def test_a_burst_of_requests_encodes_its_images_in_one_call(vlm, monkeypatch):
     first, _ = image_inputs(kind, 1)
     second, _ = image_inputs(kind, 2)
     alone = [engine.vision.encode(images) for images in (first, second)]
+    engine.vision.cache = EncoderCache()  # forgotten: the burst below encodes them again
     calls = []
     tower = engine.vision._tower
     monkeypatch.setattr(engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch))
