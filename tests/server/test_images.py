@@ -344,13 +344,18 @@ def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
     for rid, prompt in zip(("r0", "r1"), prompts, strict=True):
-        ids = torch.tensor([prompt.token_ids])
-        with torch.no_grad():
-            out = model.generate(
-                ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        assert got[rid] == out[0, ids.shape[1] :].tolist()
+        assert got[rid] == greedy_of(model, prompt)
+
+
+def greedy_of(model, prompt) -> list[int]:
+    """transformers' greedy answer to a prompt the server's ImageProcessor made."""
+    ids = torch.tensor([prompt.token_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_an_image_sent_again_is_not_encoded_again(llava, monkeypatch):
@@ -376,13 +381,7 @@ def test_an_image_sent_again_is_not_encoded_again(llava, monkeypatch):
         got = []
         while engine.has_unfinished_requests():
             got += [t for out in engine.step() for t in out.new_token_ids]
-        ids = torch.tensor([prompt.token_ids])
-        with torch.no_grad():
-            want = model.generate(
-                ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        assert got == want[0, ids.shape[1] :].tolist()
+        assert got == greedy_of(model, prompt)
         return got
 
     answer("a", "look <image> here", 5)
