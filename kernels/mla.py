@@ -13,7 +13,8 @@ scale for the layer, as vLLM's; it is read as the query's dtype, exactly, the sc
 folded into the softmax scale and the output. One kernel serves every step: a query
 tile is BLOCK_Q tokens of one sequence times a block of heads (decode: one token, each
 sequence's own tile), causal by position, its keys split among programs where the grid
-is small, as decode attention's are (kernels/decode_config.py merges them).
+is small, as decode attention's are (kernels/decode_config.py merges them). A decode
+step's kernel also finishes and stores the step's new rows (kernels/mla_store.py).
 """
 
 from __future__ import annotations
@@ -26,26 +27,16 @@ import triton
 import triton.language as tl
 
 from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
-from kernels.fp8 import FP8_DTYPE, round_to_fp8
-from kernels.kv_store import from_cache, to_cache
+from kernels.fp8 import FP8_DTYPE
+from kernels.kv_store import from_cache
+from kernels.mla_store import LatentRows, finish_row, finish_rows_ref, mla_store_ref, store_row
 from kernels.paged_attention import LOG2E, dot_precision, gather_kv
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.prefill_config import tile_sequence
+from kernels.rotary import rope_cos_sin, rope_load
 
 MAX_HEADS = 64  # query heads a program takes; more go to further programs
 MAX_SPLITS = 32
-
-
-def mla_store_ref(
-    c: torch.Tensor,  # [n, latent], rows may be strided
-    k_pe: torch.Tensor,  # [n, rope]
-    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
-    slot_mapping: torch.Tensor,  # [n] int; < 0 = padding, not stored
-    kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
-) -> None:
-    valid = slot_mapping >= 0
-    rows = to_cache(torch.cat([c[valid], k_pe[valid]], dim=-1), cache, kv_scale)
-    cache.view(-1, cache.shape[-1])[slot_mapping[valid].long()] = rows
 
 
 def mla_attention_ref(
@@ -58,7 +49,12 @@ def mla_attention_ref(
     scale: float,
     max_query_len: int = 1,  # unused here: the kernel's tile height
     kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
+    new: LatentRows | None = None,  # decode rows: q_pe unrotated, the new rows raw
 ) -> torch.Tensor:  # [n, heads, latent]; zeros for rows of no sequence
+    """With `new`, q_pe is rotated and the new rows normed, rotated and stored first."""
+    if new is not None:
+        q_pe, c, k_pe = finish_rows_ref(q_pe, new)
+        mla_store_ref(c, k_pe, cache, new.slot_mapping, kv_scale)
     latent = q_lat.shape[-1]
     out = q_lat.new_zeros(q_lat.shape)
     lens = seq_lens.tolist()
@@ -79,71 +75,6 @@ def mla_attention_ref(
 
 
 @triton.jit
-def _mla_store_kernel(
-    c_ptr,
-    pe_ptr,
-    cache_ptr,
-    slot_mapping_ptr,
-    scale_inv,  # FP8 cache: 1 / kv_scale
-    stride_c,
-    stride_pe,
-    LATENT: tl.constexpr,
-    LATENT_P2: tl.constexpr,
-    ROPE: tl.constexpr,
-    ROPE_P2: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_previous(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        row = cache_ptr + slot * (LATENT + ROPE)  # the cache is contiguous, one row a slot
-        d = tl.arange(0, LATENT_P2)
-        c = tl.load(c_ptr + token * stride_c + d, mask=d < LATENT)
-        r = tl.arange(0, ROPE_P2)
-        pe = tl.load(pe_ptr + token * stride_pe + r, mask=r < ROPE)
-        if KV_FP8:
-            c = round_to_fp8(c.to(tl.float32) * scale_inv)
-            pe = round_to_fp8(pe.to(tl.float32) * scale_inv)
-        tl.store(row + d, c.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
-        tl.store(row + LATENT + r, pe.to(cache_ptr.dtype.element_ty), mask=r < ROPE)
-
-
-def mla_store(
-    c: torch.Tensor,
-    k_pe: torch.Tensor,
-    cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_scale: float = 1.0,
-) -> None:
-    """Triton version of `mla_store_ref` (c's and k_pe's last dims contiguous): one launch."""
-    n, latent = c.shape
-    rope = k_pe.shape[1]
-    assert c.stride(1) == 1 and k_pe.stride(1) == 1 and cache.is_contiguous()
-    assert cache.shape[-1] == latent + rope
-    if n == 0:
-        return
-    pdl = use_pdl(c.device)
-    _mla_store_kernel[(n,)](
-        c,
-        k_pe,
-        cache,
-        slot_mapping,
-        1.0 / kv_scale,
-        c.stride(0),
-        k_pe.stride(0),
-        LATENT=latent,
-        LATENT_P2=triton.next_power_of_2(latent),
-        ROPE=rope,
-        ROPE_P2=triton.next_power_of_2(rope),
-        KV_FP8=cache.dtype == FP8_DTYPE,
-        PDL=pdl,
-        **launch_options(pdl),
-    )
-
-
-@triton.jit
 def _mla_attention_kernel(
     q_lat_ptr,
     q_pe_ptr,
@@ -154,8 +85,15 @@ def _mla_attention_kernel(
     out_ptr,
     split_out_ptr,
     split_lse_ptr,
+    latent_ptr,  # STORE_NEW: LatentRows' fields
+    norm_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    slot_mapping_ptr,
     qk_scale,  # softmax scale * LOG2E (* kv_scale for an FP8 cache)
     out_scale,  # kv_scale for an FP8 cache, else 1
+    scale_inv,  # 1 / kv_scale: the new rows' into an FP8 cache
+    norm_eps,
     num_heads,
     num_seqs,
     stride_qlt,
@@ -172,6 +110,8 @@ def _mla_attention_kernel(
     stride_sp,
     stride_lt,
     stride_lh,
+    stride_lat,
+    stride_cos_sin,
     LATENT: tl.constexpr,
     LATENT_P2: tl.constexpr,  # >= 16 for tl.dot, as ROPE_P2
     ROPE: tl.constexpr,
@@ -183,6 +123,7 @@ def _mla_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     ONE_PER_SEQ: tl.constexpr,  # row i is sequence i's one query (decode, verify rows)
+    STORE_NEW: tl.constexpr,  # decode: rotate q_pe, finish and store the new rows first
     KV_FP8: tl.constexpr,  # the cache is e4m3
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -221,17 +162,35 @@ def _mla_attention_kernel(
         mask=row_mask[:, None] & (d[None, :] < LATENT),
         other=0.0,
     )  # [BLOCK_M, LATENT_P2]
-    q_pe = tl.load(
-        q_pe_ptr + tokens[:, None] * stride_qpt + heads[:, None] * stride_qph + e[None, :],
-        mask=row_mask[:, None] & (e[None, :] < ROPE),
-        other=0.0,
-    )  # [BLOCK_M, ROPE_P2]
+    q_pe_rows = q_pe_ptr + tokens[:, None] * stride_qpt + heads[:, None] * stride_qph
+    q_pe_mask = row_mask[:, None] & (e[None, :] < ROPE)
+    if STORE_NEW:  # as the rotary kernel would have left q_pe (every row is seq's own)
+        dtype = q_pe_ptr.dtype.element_ty
+        cos, sin = rope_cos_sin(positions_ptr + seq, cos_sin_ptr, stride_cos_sin, e, ROPE, dtype)
+        q_pe = rope_load(q_pe_rows, e, q_pe_mask, norm_ptr, cos, sin, norm_eps, False, ROPE)
+    else:
+        q_pe = tl.load(q_pe_rows + e[None, :], mask=q_pe_mask, other=0.0)  # [BLOCK_M, ROPE_P2]
 
     # Keys up to the tile's last query; this split's share of them, in whole tiles.
     kv_end = tl.minimum(seq_len, seq_len - query_len + q_tile * BLOCK_Q + BLOCK_Q)
     share = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
     seg_start = split * share
     seg_end = tl.minimum(seg_start + share, kv_end)
+    if STORE_NEW:
+        # The new row is the sequence's last key: the split whose keys hold it stores it
+        # (each head block's split the same bytes), then reads it in its tiles; the CTA
+        # barrier makes the stores visible to the threads that load them. A padded row
+        # (slot < 0, seq_len 0) stores nothing.
+        owner = tl.maximum(seq_len - 1, 0) // tl.maximum(share, 1)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if (slot >= 0) & (split == owner):
+            c_new, pe_new = finish_row(
+                latent_ptr + seq * stride_lat, norm_ptr, norm_eps, cos, sin, d, e, LATENT, ROPE,
+                ROPE_P2,
+            )  # fmt: skip
+            row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
+            store_row(row, c_new, pe_new, d, e, scale_inv, LATENT, ROPE, KV_FP8)
+        tl.debug_barrier()
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_P2], tl.float32)
@@ -327,11 +286,14 @@ def mla_attention(
     scale: float,
     max_query_len: int = 1,  # a host-side bound on query lengths: the tile height only
     kv_scale: float = 1.0,  # FP8 cache only: it holds the row / kv_scale
+    new: LatentRows | None = None,  # decode rows (query_start_loc None): see the reference
     config: MlaConfig | None = None,
 ) -> torch.Tensor:  # [n, heads, latent]: a [heads, n, latent] buffer, transposed
     """Triton version of `mla_attention_ref`. The grid depends on n, the sequence count
     and max_query_len's tile height only, so a CUDA graph replays it for any lengths.
-    The output is laid out head-major, as the product by W_UV that follows reads it."""
+    The output is laid out head-major, as the product by W_UV that follows reads it.
+    Given `new`, the kernel rotates q_pe as it reads it (q_pe is not written) and stores
+    the new rows itself: no norm, rotary or store launch."""
     n, num_heads, latent = q_lat.shape
     rope = q_pe.shape[2]
     num_seqs, block_size = seq_lens.shape[0], cache.shape[1]
@@ -344,6 +306,13 @@ def mla_attention(
     heads = min(num_heads, MAX_HEADS)
     one_per_seq = query_start_loc is None
     assert not one_per_seq or n == num_seqs
+    if new is not None:
+        assert one_per_seq and new.latent.stride(1) == 1 and new.latent.shape[1] == latent + rope
+        assert new.rope.cos_sin.is_contiguous() and new.rope.cos_sin.shape[1] == rope
+        new_args = (new.latent, new.norm_weight, new.rope.positions, new.rope.cos_sin)
+        new_args += (new.slot_mapping,)
+    else:  # placeholders the kernel never reads (STORE_NEW=False compiles them out)
+        new_args = (q_lat,) * 5
     if config is None:
         rows = max(16, triton.next_power_of_2(heads))
         block_q = 1 if one_per_seq else max(1, min(max_query_len, 64 // rows))
@@ -370,8 +339,11 @@ def mla_attention(
         out,
         split_out,
         split_lse,
+        *new_args,
         scale * LOG2E * kv_scale,
         kv_scale,
+        1.0 / kv_scale,
+        0.0 if new is None else new.eps,
         num_heads,
         num_seqs,
         q_lat.stride(0),
@@ -388,6 +360,8 @@ def mla_attention(
         split_out.stride(2),
         split_lse.stride(0),
         split_lse.stride(1),
+        new_args[0].stride(0),
+        new_args[3].stride(0),
         LATENT=latent,
         LATENT_P2=max(16, triton.next_power_of_2(latent)),
         ROPE=rope,
@@ -399,21 +373,20 @@ def mla_attention(
         BLOCK_N=config.block_n,
         NUM_SPLITS=config.num_splits,
         ONE_PER_SEQ=one_per_seq,
+        STORE_NEW=new is not None,
         KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(q_lat.dtype),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        # In fp32 a multiply-add contraction would round the rotation once where the
+        # rotary kernel rounds three times (other dtypes round each product explicitly).
+        enable_fp_fusion=new is None or q_lat.dtype != torch.float32,
         **launch_options(pdl),
     )
     if config.num_splits > 1:
         merge_splits(split_out, split_lse, out, config.num_splits, pdl)
     return out
-
-
-def mla_store_for(device: torch.device) -> Callable[..., None]:
-    """Triton on CUDA, the reference elsewhere."""
-    return mla_store if device.type == "cuda" else mla_store_ref
 
 
 def mla_attention_for(device: torch.device) -> Callable[..., torch.Tensor]:

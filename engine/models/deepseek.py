@@ -41,9 +41,10 @@ from engine.models.parallel import (
 from engine.models.rope import RotaryEmbedding, rope_settings, rope_type
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
-from kernels.mla import mla_attention_for, mla_store_for
+from kernels.mla import mla_attention_for
+from kernels.mla_store import LatentRows, mla_store_for
 from kernels.prefill_attention import paged_prefill_attention_for
-from kernels.rotary import rotary_for
+from kernels.rotary import Rope, rotary_for
 
 
 def rope_pair_order(rope: int, interleaved: bool) -> list[int]:
@@ -84,8 +85,9 @@ class LatentCache(PagedAttention):
     def forward(
         self,
         q_lat: torch.Tensor,  # [n, heads, latent]
-        q_pe: torch.Tensor,  # [n, heads, rope], rotated
+        q_pe: torch.Tensor,  # [n, heads, rope], rotated unless `new`
         meta: AttentionMetadata,
+        new: LatentRows | None = None,  # a decode step's: the kernel finishes and stores them
     ) -> torch.Tensor:  # [n, heads, latent]
         device = q_lat.device
         one_per_seq = meta.is_decode or meta.per_token
@@ -99,6 +101,7 @@ class LatentCache(PagedAttention):
             self.scale,
             meta.max_query_len,
             self.k_scale,
+            new,
         )
 
 
@@ -151,6 +154,13 @@ class MlaAttention(nn.Module):
         q = self.q_heads(q_in)  # [n, heads * nope | heads * rope]
         q_nope = q[:, : num * self.nope].view(n, num, self.nope)
         latent = self.kv_a_proj_with_mqa(x)  # [n, kv_rank + rope]
+        w = self.kv_b_proj.weight.view(num, self.nope + self.v_dim, self.kv_rank)
+        if meta.is_decode:  # the attention kernel norms, rotates and stores: 3 launches fewer
+            q_pe = q[:, num * self.nope :].view(n, num, self.rope)
+            rope = Rope(positions, self.rotary.cos_sin)
+            norm = self.kv_a_layernorm
+            new = LatentRows(latent, norm.weight, norm.eps, rope, meta.slot_mapping)
+            return self.absorbed(q_nope, q_pe, w, meta, new)
         c = self.kv_a_layernorm(latent[:, : self.kv_rank])[0]
         # In place on CUDA (the reference returns new tensors).
         q_pe, k_pe = rotary_for(q.device)(
@@ -160,9 +170,20 @@ class MlaAttention(nn.Module):
         q_pe = q_pe.view(n, num, self.rope)
         if meta.prompts_only:
             return self.o_proj(self.attend_prompts(q_nope, q_pe, c, k_pe, meta))
-        w = self.kv_b_proj.weight.view(num, self.nope + self.v_dim, self.kv_rank)
+        return self.absorbed(q_nope, q_pe, w, meta)
+
+    def absorbed(
+        self,
+        q_nope: torch.Tensor,  # [n, heads, nope]
+        q_pe: torch.Tensor,  # [n, heads, rope]
+        w: torch.Tensor,  # kv_b_proj's weight [heads, nope + v_dim, kv_rank]
+        meta: AttentionMetadata,
+        new: LatentRows | None = None,
+    ) -> torch.Tensor:  # [n, hidden]
+        """Attention over the latent cache, W_UK folded into q and W_UV into the output."""
+        n, num = q_nope.shape[:2]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, : self.nope])  # [heads, n, kv_rank]
-        out = self.attn(q_lat.transpose(0, 1), q_pe, meta)
+        out = self.attn(q_lat.transpose(0, 1), q_pe, meta, new)
         o = torch.bmm(out.transpose(0, 1), w[:, self.nope :].transpose(1, 2))  # [heads, n, v]
         return self.o_proj(o.transpose(0, 1).reshape(n, num * self.v_dim))
 

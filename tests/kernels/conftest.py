@@ -43,6 +43,7 @@ JIT_MODULES = (
     "kernels.moe_gemv",
     "kernels.fused_moe",
     "kernels.moe_routing",
+    "kernels.mla_store",
     "kernels.mla",
 )
 

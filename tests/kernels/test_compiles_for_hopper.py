@@ -4,7 +4,7 @@ variable changing dtype across a constexpr branch, or a global that is not a con
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
 itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, MLA's latent store and attention (one row a sequence, split or
-not, and query tiles), and the greedy-ids kernels (a global constant; with and without a bitmask,
+not, storing the new rows itself, and query tiles), and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
@@ -77,7 +77,8 @@ def compile_variants() -> None:
     print("greedy ids")
     compile_moe()
     print("moe")
-    from kernels.mla import _mla_attention_kernel, _mla_store_kernel
+    from kernels.mla import _mla_attention_kernel
+    from kernels.mla_store import _mla_store_kernel
 
     constexprs = {"LATENT": 512, "LATENT_P2": 512, "ROPE": 64, "ROPE_P2": 64, "PDL": True}
     for kv_fp8 in (False, True):  # an e4m3 cache: the rows rounded as they are stored
@@ -85,19 +86,24 @@ def compile_variants() -> None:
         cache = {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16"}
         signature = by_name(_mla_store_kernel, store, cache, {"scale_inv"})
         compile_for_hopper(_mla_store_kernel, signature, store)
-    variants = ((True, 1, False), (True, 8, False), (False, 1, False), (True, 1, True))
-    for one_per_seq, splits, kv_fp8 in variants:
+    variants = (
+        (True, 1, False, False), (True, 8, False, False), (False, 1, False, False),
+        (True, 1, True, False), (True, 8, False, True), (True, 1, True, True),
+    )  # fmt: skip
+    floats = {"qk_scale", "out_scale", "scale_inv", "norm_eps"}
+    for one_per_seq, splits, kv_fp8, store_new in variants:
         block_q = 1 if one_per_seq else 4
         constexprs |= {"BLOCK_SIZE": 16, "HEADS": 16, "BLOCK_Q": block_q, "BLOCK_M": 16 * block_q}
         constexprs |= {"BLOCK_N": 32, "NUM_SPLITS": splits, "ONE_PER_SEQ": one_per_seq}
-        constexprs |= {"KV_FP8": kv_fp8, "DOT_PRECISION": "tf32"}
+        constexprs |= {"KV_FP8": kv_fp8, "DOT_PRECISION": "tf32", "STORE_NEW": store_new}
         pointers = {name: "*i32" for name in ("block_table_ptr", "query_start_loc_ptr")}
         pointers |= {"seq_lens_ptr": "*i32", "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32"}
-        pointers |= {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16"}
-        signature = by_name(_mla_attention_kernel, constexprs, pointers, {"qk_scale", "out_scale"})
+        pointers |= {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16", "cos_sin_ptr": "*fp32"}
+        pointers |= {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64"}
+        signature = by_name(_mla_attention_kernel, constexprs, pointers, floats)
         ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs)["ptx"]
         assert "wgmma.mma" in ptx or "mma.sync" in ptx
-        print(f"mla one_per_seq={one_per_seq} splits={splits} kv_fp8={kv_fp8}")
+        print(f"mla one_per_seq={one_per_seq} splits={splits} kv_fp8={kv_fp8} new={store_new}")
 
 
 def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
@@ -189,7 +195,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:15] == [
+    assert done.stdout.split("\n")[:17] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False",
@@ -201,8 +207,10 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "decode rope kv_fp8=True norm=True",
         "greedy ids",
         "moe",
-        "mla one_per_seq=True splits=1 kv_fp8=False",
-        "mla one_per_seq=True splits=8 kv_fp8=False",
-        "mla one_per_seq=False splits=1 kv_fp8=False",
-        "mla one_per_seq=True splits=1 kv_fp8=True",
+        "mla one_per_seq=True splits=1 kv_fp8=False new=False",
+        "mla one_per_seq=True splits=8 kv_fp8=False new=False",
+        "mla one_per_seq=False splits=1 kv_fp8=False new=False",
+        "mla one_per_seq=True splits=1 kv_fp8=True new=False",
+        "mla one_per_seq=True splits=8 kv_fp8=False new=True",
+        "mla one_per_seq=True splits=1 kv_fp8=True new=True",
     ]

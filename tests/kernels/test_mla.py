@@ -1,20 +1,16 @@
 """The MLA kernels (Triton) against their references: the latent cache's store, and the
 attention of every query head over its one row a token, one row a sequence (decode,
-verify rows) and over varlen chunks after cached prefixes, split and unsplit."""
+verify rows) and over varlen chunks after cached prefixes, split and unsplit; decode
+rows finishing and storing their own new rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.mla import (
-    MlaConfig,
-    mla_attention,
-    mla_attention_for,
-    mla_attention_ref,
-    mla_store,
-    mla_store_ref,
-)
+from kernels.mla import MlaConfig, mla_attention, mla_attention_for, mla_attention_ref
+from kernels.mla_store import LatentRows, finish_rows_ref, mla_store, mla_store_ref
+from kernels.rotary import Rope
 
 # (latent, rope, heads): the tests' tiny checkpoints' shape (dims below tl.dot's 16,
 # padded), and DeepSeek-V2-Lite's (16 heads; V3's at TP 8).
@@ -132,3 +128,62 @@ def test_an_fp8_cache_stores_and_reads_as_its_reference(splits, rng, device):
         lens.to(device), scale, 1, kv_scale, config=config,
     ).cpu()  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_rows_store_their_new_rows_as_the_separate_launches_do(
+    fp8, splits, rng, device, paged_kv
+):
+    """Given the raw rows (LatentRows), the decode launch norms c, rotates k_pe and q_pe
+    and stores the row before attending: the cache's bytes and the output are those of
+    the norm, rotary, store and attention run one after another."""
+    latent, rope, heads, kv_scale = 32, 8, 4, 0.37 if fp8 else 1.0
+    context_lens = [1, 17, 40, 0]  # the new token is each context's last; the last padded
+    cache, _, block_table = paged_kv(context_lens, 1, latent + rope, 16)
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
+    slots = torch.tensor([int(block_table[i, (n - 1) // 16]) * 16 + (n - 1) % 16
+                          for i, n in enumerate(context_lens[:3])] + [-1])  # fmt: skip
+    seq_lens = torch.tensor(context_lens, dtype=torch.int32)
+    raw = torch.randn(4, latent + rope + 5, generator=rng)[:, : latent + rope]  # strided rows
+    half = torch.randn(64, rope // 2, generator=rng)
+    new = LatentRows(
+        raw, 1.0 + 0.1 * torch.randn(latent, generator=rng), 1e-6,
+        Rope(torch.tensor([0, 16, 39, 0]), torch.cat([half.cos(), half.sin()], dim=-1)),
+        slots,
+    )  # fmt: skip
+    q_lat, q_pe, q_lat_d, q_pe_d = queries(rng, 4, heads, latent, rope, device)
+    scale = (latent + rope) ** -0.5
+    want_cache = cache.cpu()
+    q_rot, c, k_pe = finish_rows_ref(q_pe, new)
+    mla_store_ref(c, k_pe, want_cache, slots, kv_scale)
+    want = mla_attention_ref(
+        q_lat, q_rot, want_cache, block_table.cpu(), None, seq_lens, scale, 1, kv_scale
+    )
+    new_d = LatentRows(
+        raw.to(device), new.norm_weight.to(device), new.eps,
+        Rope(new.rope.positions.to(device), new.rope.cos_sin.to(device)), slots.to(device),
+    )  # fmt: skip
+    config = None if splits is None else MlaConfig(1, 16, splits)
+    q_pe_before = q_pe_d.clone()
+    got = mla_attention(
+        q_lat_d, q_pe_d, cache, block_table, None, seq_lens.to(device), scale, 1, kv_scale,
+        new_d, config=config,
+    ).cpu()  # fmt: skip
+    # The norm's sum may run in another order than torch's: within a rounding step (e4m3's
+    # is 1/8 of a value; the scale, 0.37, is far outside it).
+    step = 0.13 if fp8 else 1e-5
+    rows = cache.cpu().view(-1, latent + rope)[slots[:3]].float()
+    torch.testing.assert_close(rows, want_cache.view(-1, latent + rope)[slots[:3]].float(),
+                               rtol=step, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(q_pe_d, q_pe_before)  # q_pe is read, not written
+    # The reference with `new` is the same sequence of ops.
+    ref_cache = cache.cpu()
+    ref_cache.view(-1, latent + rope)[slots[:3]] = 0
+    again = mla_attention_ref(
+        q_lat, q_pe, ref_cache, block_table.cpu(), None, seq_lens, scale, 1, kv_scale, new
+    )
+    assert torch.equal(again, want)
+    assert torch.equal(ref_cache.view(torch.uint8), want_cache.view(torch.uint8))
