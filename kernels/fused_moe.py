@@ -4,11 +4,11 @@ model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with one scale
 expert and output row, widened to the activations' dtype in registers (weight-only, as
 decode reads little else) and scaled once after the dot.
 
-The Triton path groups the (token, expert) pairs by expert: the pairs are sorted by
-expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row
-tile belongs to one expert. Two launches of one grouped-GEMM kernel then do the work:
-gate/up with SiLU-and-mul fused into the epilogue, and down with the routing weight
-fused. Every shape is a function of the token count, top-k and expert count only, and
+The Triton path groups the (token, expert) pairs by expert (kernels/moe_align.py): the
+pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so
+every BLOCK_M-row tile belongs to one expert. Two launches of one grouped-GEMM kernel then
+do the work: gate/up with SiLU-and-mul fused into the epilogue, and down with the routing
+weight fused. Every shape is a function of the token count, top-k and expert count only, and
 nothing is read back to the host, so a CUDA graph can capture the whole layer.
 """
 
@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.activation import moe_gated
 from kernels.fp8 import dequantize_fp8
+from kernels.moe_align import align_by_expert
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
 from kernels.paged_attention import dot_precision
 
@@ -98,39 +99,6 @@ def fused_moe_ref(
         weight = topk_weights.flatten()[pairs, None].to(x.dtype)
         out.index_add_(0, tokens, y * weight)
     return out
-
-
-def align_by_expert(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k] int
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the (token, k) pairs by expert, each expert's run padded to a multiple of block_m.
-
-    Returns sorted_ids [max_padded] (flat pair index t * top_k + k; num_pairs = padding),
-    expert_ids [max_padded // block_m] (the expert of each block_m-row tile) and
-    num_padded [1] (rows in use). max_padded bounds the worst case, so every shape is
-    static for a token count and nothing is read back to the host.
-    """
-    flat = topk_ids.flatten().long()
-    num_pairs = flat.numel()
-    device = flat.device
-    max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync for its size
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)  # pair indices, grouped by expert
-    sorted_experts = flat[order]
-    run_start = counts.cumsum(0) - counts  # first pair of each expert in `order`
-    rank = torch.arange(num_pairs, device=device) - run_start[sorted_experts]
-    dest = (padded_end - padded)[sorted_experts] + rank
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.int())
-    tile_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True)
-    expert_ids = expert_ids.clamp(max=num_experts - 1).int()  # tiles past the end: unused
-    return sorted_ids, expert_ids, padded_end[-1:].int()
 
 
 @triton.jit

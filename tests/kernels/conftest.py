@@ -41,6 +41,7 @@ JIT_MODULES = (
     "kernels.prefill_attention",
     "kernels.activation",
     "kernels.moe_gemv",
+    "kernels.moe_align",
     "kernels.fused_moe",
     "kernels.moe_routing",
     "kernels.mla_store",

@@ -123,8 +123,9 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 def compile_moe() -> None:
     """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
     gate/up on FP8 experts, the per-pair GEMV's gate/up (bf16) and its down summing a
-    token's four pairs (FP8), and the routing kernel."""
+    token's four pairs (FP8), the routing kernel, and the pairs' grouping by expert."""
     from kernels.fused_moe import _grouped_gemm_kernel
+    from kernels.moe_align import _align_kernel
     from kernels.moe_gemv import _pair_gemv_kernel
     from kernels.moe_routing import _topk_softmax_kernel
 
@@ -150,6 +151,9 @@ def compile_moe() -> None:
         _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}
     )
     assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
+    constexprs = {"EXPERTS_P2": 64, "CHUNK": 128, "PDL": True}
+    signature = by_name(_align_kernel, constexprs, pointers)
+    assert "cubin" in compile_for_hopper(_align_kernel, signature, constexprs)
 
 
 def compile_fp8_producers() -> None:

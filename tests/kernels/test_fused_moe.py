@@ -13,12 +13,12 @@ from kernels.fused_moe import (
     ExpertBiases,
     ExpertScales,
     MoeConfig,
-    align_by_expert,
     fused_moe,
     fused_moe_for,
     fused_moe_ref,
     select_experts,
 )
+from kernels.moe_align import align_by_expert, align_by_expert_ref
 from kernels.moe_gemv import MAX_PAIRS
 
 
@@ -35,7 +35,7 @@ def uneven_topk_ids(num_tokens: int, top_k: int, num_experts: int, rng) -> torch
 def test_align_groups_every_pair_once_by_expert(block_m: int, rng: torch.Generator) -> None:
     num_experts, top_k = 6, 2
     topk_ids = uneven_topk_ids(37, top_k, num_experts, rng)
-    sorted_ids, expert_ids, num_padded = align_by_expert(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_padded = align_by_expert_ref(topk_ids, num_experts, block_m)
     num_pairs = topk_ids.numel()
     counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -50,6 +50,22 @@ def test_align_groups_every_pair_once_by_expert(block_m: int, rng: torch.Generat
         rows = rows[rows < num_pairs].long()
         assert (flat[rows] == expert).all(), "a tile mixes experts"
     assert 0 not in expert_ids[: num_padded.item() // block_m].tolist()  # no tile for expert 0
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m"),
+    [(37, 2, 6, 16), (64, 6, 64, 64), (300, 4, 40, 16), (5, 8, 256, 16), (256, 8, 128, 16)],
+)
+def test_align_kernel_equals_the_reference(num_tokens, top_k, num_experts, block_m, rng, device):
+    """The one-program kernel gives the torch version's three tensors exactly: pairs in
+    stable order, padding rows, tile experts (tiles past the runs: the last expert), the
+    row count. Shapes: pairs over several chunks, experts not a power of two, experts
+    with no pair, and more experts than pairs."""
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    want = align_by_expert_ref(topk_ids, num_experts, block_m)
+    got = align_by_expert(topk_ids.to(device), num_experts, block_m)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
 
 
 @pytest.mark.parametrize(
