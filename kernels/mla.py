@@ -263,17 +263,22 @@ def mla_config(
 ) -> MlaConfig:
     """The numbers are measured at DeepSeek-V2-Lite's shape on an H200 (16 heads): 64-key
     tiles on 8 warps, for decode rows and query tiles alike (32-key tiles for rows of
-    over 1 KB, fp32's, to fit two stages in shared memory). Few programs (decode at
-    small batch, short chunks) split their keys until the grid holds about four per SM,
-    as decode attention does."""
+    over 1 KB, fp32's, to fit two stages in shared memory). Few programs split their
+    keys: query tiles (short chunks) until the grid holds about four per SM, as decode
+    attention does; decode rows until it holds about two, on 32-key tiles and 4 warps,
+    whose programs all fit at once (a 64-key program's two stages take most of an SM's
+    shared memory, so four a SM ran in waves)."""
     block_n = 64 if row_bytes <= 1024 else 32
     programs = num_tiles * triton.cdiv(num_heads, MAX_HEADS)
     num_sms = num_sms_of(device)
-    splits = 1
-    if 2 * programs < num_sms:
-        most = max(triton.cdiv(max_context, block_n), 1)
-        splits = max(1, min(triton.cdiv(4 * num_sms, programs), most, MAX_SPLITS))
-    return MlaConfig(block_q, block_n, splits)
+    if 2 * programs >= num_sms:
+        return MlaConfig(block_q, block_n, 1)
+    per_sm, warps = 4, 8
+    if block_q == 1:
+        block_n, per_sm, warps = 32, 2, 4
+    most = max(triton.cdiv(max_context, block_n), 1)
+    splits = max(1, min(triton.cdiv(per_sm * num_sms, programs), most, MAX_SPLITS))
+    return MlaConfig(block_q, block_n, splits, num_warps=warps)
 
 
 def mla_attention(
