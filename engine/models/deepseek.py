@@ -140,6 +140,8 @@ class MlaAttention(nn.Module):
         self.kv_b_proj = LatentUpProjection(self.kv_rank, [kv_rows], bias=False)
         self.o_proj = RowParallelLinear(total * self.v_dim, hidden, bias, tp)
         self.rotary = rotary
+        # V3's q norm feeds q_b_proj alone (quantize_model: see fp8_out).
+        self.FP8_FEEDS = {"q_a_layernorm": "q_heads"} if self.q_lora else {}
         scale = dim**-0.5 * yarn_mscale(rope_settings(config)[1])
         self.attn = LatentCache(self.num_heads, self.kv_rank, self.rope, scale)
         self.interleaved = config.model_type == "deepseek_v2" or getattr(
@@ -294,7 +296,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         theta, scaling = rope_settings(config)
         rope = config.qk_rope_head_dim
         self.rotary = RotaryEmbedding(rope, config.max_position_embeddings, theta, scaling)
-        return [
+        layers = [
             LlamaDecoderLayer(
                 config,
                 self.rotary,
@@ -305,6 +307,12 @@ class DeepseekForCausalLM(MoeForCausalLM):
             )
             for i in range(config.num_hidden_layers)
         ]
+        # The attention's norm feeds two projections: q's first and kv_a_proj_with_mqa.
+        q_in = "self_attn.q_a_proj" if getattr(config, "q_lora_rank", None) else "self_attn.q_heads"
+        feeds = {"input_layernorm": (q_in, "self_attn.kv_a_proj_with_mqa")}
+        for layer in layers:
+            layer.FP8_FEEDS = feeds | {"post_attention_layernorm": "mlp.gate_up_proj"}
+        return layers
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         if layer < config.first_k_dense_replace or not config.n_routed_experts:

@@ -136,7 +136,8 @@ def quantize_model(model: nn.Module) -> int:
     """Replace the dense projections by Fp8Linear and make MoE experts FP8 (two
     projections a layer; `fp8_targets`); returns how many projections.
     Then each producer a module's FP8_FEEDS names (a norm, an MLP's activation) whose
-    consumer went FP8 quantizes its output itself (`fp8_out`): one launch fewer each."""
+    consumers (one, or a tuple reading the same rows) all went FP8 quantizes its output
+    itself (`fp8_out`): one quantizer launch fewer for each consumer."""
     count = 0
     for parent, name, module in fp8_targets(model):
         if isinstance(module, FusedMoE):
@@ -146,13 +147,14 @@ def quantize_model(model: nn.Module) -> int:
             setattr(parent, name, Fp8Linear.from_linear(module))
             count += 1
     for module in model.modules():
-        for producer, consumer in getattr(module, "FP8_FEEDS", {}).items():
+        for producer, consumers in getattr(module, "FP8_FEEDS", {}).items():
+            names = (consumers,) if isinstance(consumers, str) else consumers
             try:
-                linear = module.get_submodule(consumer)
+                linears = [module.get_submodule(name) for name in names]
             except AttributeError:  # a layer without that consumer (an MoE block's MLP)
                 continue
             # A LoRA delta reads the consumer's input in the model dtype.
-            fp8 = isinstance(linear, Fp8Linear) and linear.lora is None
+            fp8 = all(isinstance(x, Fp8Linear) and x.lora is None for x in linears)
             module.get_submodule(producer).fp8_out = fp8
     return count
 

@@ -323,6 +323,17 @@ FP8_PRODUCERS = {
     "gpt_neox": (["layers.0.input_layernorm", "layers.0.post_attention_layernorm"], ["norm"]),
     # Phi's one norm feeds attention and MLP: each projection quantizes its own input.
     "phi": ([], ["layers.0.input_layernorm", "norm"]),
+    # MLA's norm feeds q_proj and kv_a_proj_with_mqa, both FP8; its latent's norm feeds
+    # the cache. Layer 0 is dense, layer 1 MoE.
+    "deepseek_v2": (
+        ["layers.0.input_layernorm", "layers.1.input_layernorm", "layers.0.mlp"],
+        ["layers.1.post_attention_layernorm", "layers.0.self_attn.kv_a_layernorm"],
+    ),
+    # Here kv_a_proj_with_mqa's 40 rows and q_b_proj's 24 columns are no FP8 shapes.
+    "deepseek_v3": (
+        ["layers.0.post_attention_layernorm", "layers.0.mlp"],
+        ["layers.0.input_layernorm", "layers.0.self_attn.q_a_layernorm"],
+    ),
 }
 
 
@@ -346,6 +357,26 @@ def test_norms_and_activations_quantize_for_their_fp8_projections(
         if hasattr(module, "fp8_out"):
             module.fp8_out = False
     assert torch.equal(got, _prefill_logits(model, ids))
+
+
+def test_a_producer_of_several_consumers_quantizes_only_if_all_went_fp8():
+    """FP8_FEEDS naming a tuple (MLA's norm feeds q and kv_a): the producer quantizes its
+    rows only when every consumer reads e4m3 rows."""
+
+    class Block(torch.nn.Module):
+        FP8_FEEDS = {"norm": ("first", "second")}
+
+        def __init__(self, second_rows: int) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(32)
+            self.norm.fp8_out = False
+            self.first = torch.nn.Linear(32, 32)
+            self.second = torch.nn.Linear(32, second_rows)  # 24 rows: no _scaled_mm shape
+
+    both, one = Block(48), Block(24)
+    assert quantize_model(both) == 2 and both.norm.fp8_out
+    assert quantize_model(one) == 1 and isinstance(one.first, Fp8Linear)
+    assert not one.norm.fp8_out
 
 
 def test_fp8_linear_module_matches_reference_and_linear():
