@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
@@ -18,6 +19,10 @@ def start_decoding(
     unless `params` says otherwise, and step until every one is running with an
     output token. Returns the steps that took.
 
+    Each prompt is its own random tokens (seeded: the same each run), so an MoE
+    model routes the sequences as a real batch would; one prompt repeated sends
+    every sequence to the same experts.
+
     Prefill is chunked over several steps, so the first requests admitted decode
     while later ones wait: `max_tokens` must outlast the admission. A request that
     ends first raises, rather than leaving the loop to step an engine that can
@@ -27,8 +32,9 @@ def start_decoding(
     params = params or SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True, final_only=True
     )
+    rng = np.random.default_rng(0)
     for i in range(batch):
-        engine.add_request(f"p{i}", [1] * context, params)
+        engine.add_request(f"p{i}", rng.integers(1, engine.vocab_size, context).tolist(), params)
     scheduler = engine.scheduler
     num_steps = 0
     while (

@@ -43,6 +43,7 @@ from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import fused_moe_for
 from kernels.mla import mla_attention_for
 from kernels.mla_store import LatentRows, mla_store_for
+from kernels.moe_routing import limited_topk_for
 from kernels.prefill_attention import paged_prefill_attention_for
 from kernels.rotary import Rope, rotary_for
 
@@ -239,25 +240,6 @@ class MlaAttention(nn.Module):
         permute_rows_(self.kv_a_proj_with_mqa, slice(self.kv_rank, None), order)
 
 
-def limited_topk(
-    logits: torch.Tensor,  # [num_tokens, num_experts]
-    top_k: int,
-    num_groups: int,
-    topk_groups: int,  # < num_groups: only the best groups' experts (by their best)
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids
-    scores = logits.float().softmax(dim=-1)
-    if topk_groups < num_groups:
-        tokens, experts = scores.shape
-        per_group = experts // num_groups
-        best = scores.view(tokens, num_groups, per_group).max(dim=-1).values
-        groups = best.topk(topk_groups, dim=-1, sorted=False)[1]
-        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, groups, True)
-        scores = scores.masked_fill(~kept.repeat_interleave(per_group, dim=1), 0.0)
-    weights, ids = scores.topk(top_k, dim=-1, sorted=False)
-    return weights * scale, ids
-
-
 class DeepseekV2MoE(FusedMoE):
     def __init__(self, config, tp: TensorParallel) -> None:
         inter = config.moe_intermediate_size
@@ -272,9 +254,8 @@ class DeepseekV2MoE(FusedMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        weights, ids = limited_topk(
-            logits, self.top_k, self.num_groups, self.topk_groups, self.scale
-        )
+        route = limited_topk_for(x.device)
+        weights, ids = route(logits, self.top_k, self.num_groups, self.topk_groups, self.scale)
         routed = fused_moe_for(x.device)(
             x, self.w13, self.w2, weights, ids, None, None, self.scales
         )

@@ -53,3 +53,14 @@ def test_profile_refuses_a_window_the_requests_cannot_outlast(llm):
         profile_decode_step(llm, BATCH, CONTEXT, steps=200, warmup=WARMUP)
     for i in range(BATCH):
         llm.engine.abort_request(f"p{i}")
+
+
+def test_start_decoding_gives_each_request_its_own_prompt(llm):
+    # One prompt repeated would send every sequence of an MoE model to the same experts.
+    start_decoding(llm.engine, BATCH, CONTEXT, max_tokens=120)
+    prompts = {tuple(r.prompt_token_ids) for r in llm.engine.scheduler.running}
+    assert len(prompts) == BATCH
+    assert all(len(p) == CONTEXT and min(p) > 0 and max(p) < llm.engine.vocab_size for p in prompts)
+    for i in range(BATCH):
+        llm.engine.abort_request(f"p{i}")
+    assert not llm.engine.has_unfinished_requests()

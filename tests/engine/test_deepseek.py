@@ -7,7 +7,8 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.deepseek import MlaAttention, limited_topk, rope_pair_order
+from engine.models.deepseek import MlaAttention, rope_pair_order
+from kernels.moe_routing import limited_topk
 from tests.conftest import PROMPTS
 
 

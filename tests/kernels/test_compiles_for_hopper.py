@@ -3,7 +3,7 @@ interpreter runs Python, so it accepts code the compiler rejects (a loop-carried
 variable changing dtype across a constexpr branch, or a global that is not a constexpr).
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
-itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches, MLA's latent store and attention (one row a sequence, split or
+itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches and DeepSeek-V2's group-limited routing, MLA's latent store and attention (one row a sequence, split or
 not, storing the new rows itself, and query tiles), and the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table),
 each compiled through to a cubin, in a child process: this one's kernels were
@@ -146,11 +146,13 @@ def compile_moe() -> None:
         types = pointers if gated else fp8
         signature = by_name(_pair_gemv_kernel, constexprs, types, {"alpha", "limit"})
         assert "cubin" in compile_for_hopper(_pair_gemv_kernel, signature, constexprs)
-    constexprs = {"TOP_K": 4, "TOP_K_P2": 4, "RENORMALIZE": True, "BLOCK_E": 32}
-    signature = by_name(
-        _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}
-    )
-    assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
+    for groups in (1, 8):  # Qwen3-MoE's and gpt-oss's; DeepSeek-V2's group-limited
+        constexprs = {"TOP_K": 6, "TOP_K_P2": 8, "RENORMALIZE": groups == 1, "BLOCK_E": 256}
+        constexprs |= {"NUM_GROUPS": groups, "TOPK_GROUPS": 3}
+        signature = by_name(
+            _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}, {"scale"}
+        )
+        assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
     constexprs = {"EXPERTS_P2": 64, "CHUNK": 128, "PDL": True}
     signature = by_name(_align_kernel, constexprs, pointers)
     assert "cubin" in compile_for_hopper(_align_kernel, signature, constexprs)

@@ -1,4 +1,4 @@
-"""The one-launch MoE routing against select_experts (its torch contract)."""
+"""The one-launch MoE routing against select_experts and limited_topk (its torch contracts)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.fused_moe import select_experts
-from kernels.moe_routing import select_experts_for, topk_softmax
+from kernels.moe_routing import limited_topk, limited_topk_for, select_experts_for, topk_softmax
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,30 @@ def test_rows_of_nan_or_inf_still_pick_real_experts(device):
     _, ids = topk_softmax(logits, 4, renormalize=True)
     assert ids.min() >= 0 and ids.max() < 6
     assert all(len(set(row)) == 4 for row in ids.tolist())
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's picks sorted by expert id: limited_topk's topk leaves them unordered."""
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "num_groups", "topk_groups", "scale"),
+    # DeepSeek-V2-Lite (greedy), V2 (160 experts, 8 groups of which 3), smaller groupings.
+    [(64, 6, 1, 1, 1.0), (160, 6, 8, 3, 16.0), (16, 3, 4, 2, 1.5), (12, 4, 3, 1, 2.0)],
+)
+def test_matches_limited_topk(num_experts, top_k, num_groups, topk_groups, scale, rng, device):
+    logits = (torch.randn(41, num_experts, generator=rng) * 2).to(device)
+    weights, ids = topk_softmax(logits, top_k, False, scale, num_groups, topk_groups)
+    want_weights, want_ids = by_expert(*limited_topk(logits, top_k, num_groups, topk_groups, scale))
+    weights, ids = by_expert(weights, ids)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-6)
+    if topk_groups < num_groups:  # the limit binds: some rows' global top-k leave its groups
+        free = by_expert(*limited_topk(logits, top_k, 1, 1, scale))[1]
+        assert not torch.equal(ids, free)
+
+
+def test_limited_routing_for_picks_reference_off_cuda():
+    assert limited_topk_for(torch.device("cpu")) is limited_topk
