@@ -24,6 +24,10 @@ from kernels.pdl import launch_options, use_pdl, wait_previous
 KERNEL_MAX_VALUES = 1 << 17
 # A chunk's one-hot [pairs, experts] tile holds about this many values.
 CHUNK_VALUES = 8192
+# Rows of padding one step of the fill stores: the padded rows run to thousands (every
+# expert's run rounded up to a tile), and a chunk's few dozen a step left the fill as long
+# as the grouping itself.
+FILL_ROWS = 2048
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -75,7 +79,8 @@ def _align_kernel(
     max_padded,
     block_m,
     EXPERTS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,  # pairs (and rows, and tiles) a step of each loop takes
+    CHUNK: tl.constexpr,  # pairs (and tiles) a step of the one-hot loops takes
+    FILL: tl.constexpr,  # rows a step of the padding's stores takes
     PDL: tl.constexpr,
 ):
     # One program: the pairs' expert ids are a few KB, and every step needs all of them.
@@ -97,9 +102,10 @@ def _align_kernel(
         ended = (padded_end[None, :] <= (tiles * block_m)[:, None]) & (experts < num_experts)
         expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts - 1)
         tl.store(expert_ids_ptr + tiles, expert, mask=tiles < num_tiles)
-    for start in range(0, max_padded, CHUNK):  # every row padding first (value num_pairs)
-        padding = tl.zeros([CHUNK], tl.int32) + num_pairs
-        tl.store(sorted_ids_ptr + start + offs, padding, mask=start + offs < max_padded)
+    fill = tl.arange(0, FILL)
+    for start in range(0, max_padded, FILL):  # every row padding first (value num_pairs)
+        padding = tl.zeros([FILL], tl.int32) + num_pairs
+        tl.store(sorted_ids_ptr + start + fill, padding, mask=start + fill < max_padded)
     # The pairs' stores below may overwrite those rows: a CTA barrier orders them.
     tl.debug_barrier()
     next_row = padded_end - padded  # each expert's next free row
@@ -140,6 +146,7 @@ def align_by_expert(
         block_m,
         EXPERTS_P2=experts_p2,
         CHUNK=max(16, CHUNK_VALUES // experts_p2),
+        FILL=FILL_ROWS,
         PDL=pdl,
         **launch_options(pdl),
     )

@@ -73,6 +73,7 @@ def test_align_kernel_equals_the_reference(num_tokens, top_k, num_experts, block
     ("num_tokens", "top_k", "config"),
     [
         (1, 2, None),
+        (30, 2, None),  # moe_config's tiles of 16 rows (10 pairs an expert), 32, 64
         (37, 2, None),
         (70, 3, None),
         (37, 2, MoeConfig(block_m=16, block_n=32, block_k=16)),  # K loop over several tiles
