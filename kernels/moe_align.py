@@ -4,10 +4,11 @@ block_m-row tile belongs to one expert.
 
 In torch it is a stable argsort and about twenty small ops: a radix sort and some twenty
 launches a layer, which at decode batch sizes cost more than the layer's GEMMs. One
-program does it in one launch: it counts the pairs per expert, lays out the padded runs,
-and writes each pair at its expert's next row, in pair order (the argsort's stable order:
-the same output as the torch version). Its work grows with pairs x experts, so larger
-steps (prefill) keep the torch version, where the sort is a small part of the layer.
+program does it in one launch: it sorts the pairs by (expert, pair) in registers, finds
+each expert's run in the sorted order, and writes each pair at its run's padded place
+(the argsort's stable order: the same output as the torch version). Its work grows with
+the pairs alone, not with pairs x experts; steps of more pairs than one program sorts
+fast (prefill) keep the torch version, where the grouping is a small part of the layer.
 """
 
 from __future__ import annotations
@@ -18,16 +19,9 @@ import triton.language as tl
 
 from kernels.pdl import launch_options, use_pdl, wait_previous
 
-# The one-program kernel groups up to this many pairs x experts (padded to a power of
-# two): 2,048 pairs of 64 experts, 1,024 of 128. Timed alone on an H200, it took 9-60 us
-# there against the torch version's 44-92; at twice that it was slower.
-KERNEL_MAX_VALUES = 1 << 17
-# A chunk's one-hot [pairs, experts] tile holds about this many values.
-CHUNK_VALUES = 8192
-# Rows of padding one step of the fill stores: the padded rows run to thousands (every
-# expert's run rounded up to a tile), and a chunk's few dozen a step left the fill as long
-# as the grouping itself.
-FILL_ROWS = 2048
+# The one-program kernel sorts up to this many pairs (a step of 512 tokens at top-8);
+# more, and the torch version groups them.
+KERNEL_MAX_PAIRS = 4096
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -69,6 +63,11 @@ def align_by_expert_ref(
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,  # [num_pairs]: each pair's expert
     sorted_ids_ptr,
@@ -78,56 +77,53 @@ def _align_kernel(
     num_experts,
     max_padded,
     block_m,
-    EXPERTS_P2: tl.constexpr,
-    CHUNK: tl.constexpr,  # pairs (and tiles) a step of the one-hot loops takes
+    PAIRS_P2: tl.constexpr,  # num_pairs rounded up to a power of two (the sort's length)
     FILL: tl.constexpr,  # rows a step of the padding's stores takes
     PDL: tl.constexpr,
 ):
     # One program: the pairs' expert ids are a few KB, and every step needs all of them.
     wait_previous(PDL)
-    experts = tl.arange(0, EXPERTS_P2)
-    offs = tl.arange(0, CHUNK)
-    counts = tl.zeros([EXPERTS_P2], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = tl.cumsum(padded, axis=0)
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # A tile's expert: how many experts' runs end at or before its first row (the
-    # torch version's searchsorted), the tiles past the last run given the last expert.
-    num_tiles = max_padded // block_m
-    for start in range(0, num_tiles, CHUNK):
-        tiles = start + offs
-        ended = (padded_end[None, :] <= (tiles * block_m)[:, None]) & (experts < num_experts)
-        expert = tl.minimum(tl.sum(ended.to(tl.int32), axis=1), num_experts - 1)
-        tl.store(expert_ids_ptr + tiles, expert, mask=tiles < num_tiles)
+    offs = tl.arange(0, PAIRS_P2)
+    real = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=real, other=num_experts).to(tl.int32)  # the rest last
+    # Sorted by expert, then pair: the stable order. i's expert and pair, i in sorted order.
+    keys = tl.sort(ids * PAIRS_P2 + offs)
+    expert = keys // PAIRS_P2
+    pair = keys % PAIRS_P2
+    # Each sorted pair's neighbours' experts, through sorted_ids (overwritten below).
+    tl.store(sorted_ids_ptr + offs, expert, mask=real)
+    tl.debug_barrier()
+    before = tl.load(sorted_ids_ptr + offs - 1, mask=real & (offs > 0), other=-1)
+    after = tl.load(sorted_ids_ptr + offs + 1, mask=offs + 1 < num_pairs, other=num_experts)
+    tl.debug_barrier()
+    # A pair's rank in its expert's run; each run's last pair carries the run's padding,
+    # and a pair's row is its sorted place plus the padding of the runs before it.
+    run_start = tl.associative_scan(tl.where(expert != before, offs, 0), 0, _max)
+    rank = offs - run_start
+    pad = tl.where(real & (expert != after), (block_m - (rank + 1) % block_m) % block_m, 0)
+    row = offs + tl.cumsum(pad, 0) - pad
+    tl.store(num_padded_ptr, num_pairs + tl.sum(pad, 0))
     fill = tl.arange(0, FILL)
     for start in range(0, max_padded, FILL):  # every row padding first (value num_pairs)
         padding = tl.zeros([FILL], tl.int32) + num_pairs
         tl.store(sorted_ids_ptr + start + fill, padding, mask=start + fill < max_padded)
-    # The pairs' stores below may overwrite those rows: a CTA barrier orders them.
+    for start in range(0, max_padded // block_m, FILL):  # tiles past the runs: the last expert
+        last = tl.zeros([FILL], tl.int32) + num_experts - 1
+        tl.store(expert_ids_ptr + start + fill, last, mask=start + fill < max_padded // block_m)
+    # The stores below overwrite some of those: a CTA barrier orders them.
     tl.debug_barrier()
-    next_row = padded_end - padded  # each expert's next free row
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + offs
-        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
-        # A pair's row: its expert's next row, plus the chunk's earlier pairs of its expert.
-        rows = next_row[None, :] + tl.cumsum(hit, axis=0) - 1
-        dest = tl.sum(tl.where(hit > 0, rows, 0), axis=1)
-        tl.store(sorted_ids_ptr + dest, pairs, mask=pairs < num_pairs)
-        next_row += tl.sum(hit, axis=0)
+    tl.store(sorted_ids_ptr + row, pair, mask=real)
+    # Each tile's first row holds a pair of rank 0 mod block_m: it names the tile's expert.
+    tl.store(expert_ids_ptr + row // block_m, expert, mask=real & (rank % block_m == 0))
 
 
 def align_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of `align_by_expert_ref` (the same three tensors, equal) in one
-    launch, up to KERNEL_MAX_VALUES pairs x experts; the reference beyond."""
+    launch, up to KERNEL_MAX_PAIRS pairs; the reference beyond."""
     num_pairs = topk_ids.numel()
-    experts_p2 = triton.next_power_of_2(num_experts)
-    if num_pairs * experts_p2 > KERNEL_MAX_VALUES or num_pairs == 0:
+    if num_pairs > KERNEL_MAX_PAIRS or num_pairs == 0:
         return align_by_expert_ref(topk_ids, num_experts, block_m)
     device = topk_ids.device
     max_padded = max_padded_rows(num_pairs, num_experts, block_m)
@@ -135,6 +131,7 @@ def align_by_expert(
     expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     pdl = use_pdl(device)
+    pairs_p2 = max(16, triton.next_power_of_2(num_pairs))
     _align_kernel[(1,)](
         topk_ids.contiguous().view(-1),
         sorted_ids,
@@ -144,10 +141,10 @@ def align_by_expert(
         num_experts,
         max_padded,
         block_m,
-        EXPERTS_P2=experts_p2,
-        CHUNK=max(16, CHUNK_VALUES // experts_p2),
-        FILL=FILL_ROWS,
+        PAIRS_P2=pairs_p2,
+        FILL=1024,
         PDL=pdl,
+        num_warps=4 if pairs_p2 <= 1024 else 8,
         **launch_options(pdl),
     )
     return sorted_ids, expert_ids, num_padded

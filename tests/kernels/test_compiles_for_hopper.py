@@ -153,7 +153,7 @@ def compile_moe() -> None:
             _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}, {"scale"}
         )
         assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
-    constexprs = {"EXPERTS_P2": 64, "CHUNK": 128, "FILL": 2048, "PDL": True}
+    constexprs = {"PAIRS_P2": 512, "FILL": 1024, "PDL": True}
     signature = by_name(_align_kernel, constexprs, pointers)
     assert "cubin" in compile_for_hopper(_align_kernel, signature, constexprs)
 

@@ -59,8 +59,8 @@ def test_align_groups_every_pair_once_by_expert(block_m: int, rng: torch.Generat
 def test_align_kernel_equals_the_reference(num_tokens, top_k, num_experts, block_m, rng, device):
     """The one-program kernel gives the torch version's three tensors exactly: pairs in
     stable order, padding rows, tile experts (tiles past the runs: the last expert), the
-    row count. Shapes: pairs over several chunks, experts not a power of two, experts
-    with no pair, and more experts than pairs."""
+    row count. Shapes: pairs not a power of two, padded rows over several fill steps,
+    experts not a power of two, experts with no pair, and more experts than pairs."""
     topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
     want = align_by_expert_ref(topk_ids, num_experts, block_m)
     with patch("kernels.moe_align.align_by_expert_ref", side_effect=AssertionError):
