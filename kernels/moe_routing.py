@@ -135,12 +135,13 @@ def select_experts_for(device: torch.device) -> Callable[..., tuple[torch.Tensor
     return topk_softmax if device.type == "cuda" else select_experts
 
 
+def limited_topk_triton(
+    logits: torch.Tensor, top_k: int, num_groups: int, topk_groups: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`limited_topk` in one launch, its arguments in its order."""
+    return topk_softmax(logits, top_k, False, scale, num_groups, topk_groups)
+
+
 def limited_topk_for(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """DeepSeek-V2's routing on `device`: the one launch on CUDA, torch elsewhere."""
-    if device.type != "cuda":
-        return limited_topk
-
-    def one_launch(logits, top_k, num_groups, topk_groups, scale):
-        return topk_softmax(logits, top_k, False, scale, num_groups, topk_groups)
-
-    return one_launch
+    return limited_topk_triton if device.type == "cuda" else limited_topk

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kernels.fused_moe import select_experts
-from kernels.moe_routing import limited_topk, limited_topk_for, select_experts_for, topk_softmax
+from kernels.moe_routing import (
+    limited_topk,
+    limited_topk_for,
+    limited_topk_triton,
+    select_experts_for,
+    topk_softmax,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,7 +64,7 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 )
 def test_matches_limited_topk(num_experts, top_k, num_groups, topk_groups, scale, rng, device):
     logits = (torch.randn(41, num_experts, generator=rng) * 2).to(device)
-    weights, ids = topk_softmax(logits, top_k, False, scale, num_groups, topk_groups)
+    weights, ids = limited_topk_triton(logits, top_k, num_groups, topk_groups, scale)
     want_weights, want_ids = by_expert(*limited_topk(logits, top_k, num_groups, topk_groups, scale))
     weights, ids = by_expert(weights, ids)
     assert torch.equal(ids, want_ids)
@@ -70,3 +76,4 @@ def test_matches_limited_topk(num_experts, top_k, num_groups, topk_groups, scale
 
 def test_limited_routing_for_picks_reference_off_cuda():
     assert limited_topk_for(torch.device("cpu")) is limited_topk
+    assert limited_topk_for(torch.device("cuda")) is limited_topk_triton
