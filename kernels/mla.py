@@ -131,10 +131,11 @@ def _mla_attention_kernel(
     # One program per (query tile, head block, key split). As in the prefill kernel, the
     # tile's sequence is the last s whose first tile, query_start_loc[s] // BLOCK_Q + s,
     # is not past it; tiles past their sequence's queries exit.
-    wait_previous(PDL)
     tile = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata and the cos/sin table first: the kernel ahead writes none of them
+    # (kernels/pdl.py), so under PDL they are read while it still runs.
     if ONE_PER_SEQ:
         seq = tile
         q_start = tile
@@ -145,18 +146,24 @@ def _mla_attention_kernel(
         q_start = tl.load(query_start_loc_ptr + seq)
         query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         q_tile = tile - (q_start // BLOCK_Q + seq)
-    if q_tile * BLOCK_Q >= query_len:
-        return
     # A padded row's seq_len is 0: it sees no key and comes out zero.
     seq_len = tl.load(seq_lens_ptr + seq)
+    d = tl.arange(0, LATENT_P2)
+    e = tl.arange(0, ROPE_P2)
+    if STORE_NEW:
+        cos, sin = rope_cos_sin(
+            positions_ptr + seq, cos_sin_ptr, stride_cos_sin, e, ROPE, q_pe_ptr.dtype.element_ty
+        )
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+    wait_previous(PDL)
+    if q_tile * BLOCK_Q >= query_len:
+        return
     r = tl.arange(0, BLOCK_M)
     rows = q_tile * BLOCK_Q + r // HEADS  # each row's query within the sequence's
     heads = head_block * HEADS + r % HEADS
     row_mask = (r < BLOCK_Q * HEADS) & (rows < query_len) & (heads < num_heads)
     q_pos = seq_len - query_len + rows
     tokens = (q_start + rows).to(tl.int64)
-    d = tl.arange(0, LATENT_P2)
-    e = tl.arange(0, ROPE_P2)
     q_lat = tl.load(
         q_lat_ptr + tokens[:, None] * stride_qlt + heads[:, None] * stride_qlh + d[None, :],
         mask=row_mask[:, None] & (d[None, :] < LATENT),
@@ -165,8 +172,6 @@ def _mla_attention_kernel(
     q_pe_rows = q_pe_ptr + tokens[:, None] * stride_qpt + heads[:, None] * stride_qph
     q_pe_mask = row_mask[:, None] & (e[None, :] < ROPE)
     if STORE_NEW:  # as the rotary kernel would have left q_pe (every row is seq's own)
-        dtype = q_pe_ptr.dtype.element_ty
-        cos, sin = rope_cos_sin(positions_ptr + seq, cos_sin_ptr, stride_cos_sin, e, ROPE, dtype)
         q_pe = rope_load(q_pe_rows, e, q_pe_mask, norm_ptr, cos, sin, norm_eps, False, ROPE)
     else:
         q_pe = tl.load(q_pe_rows + e[None, :], mask=q_pe_mask, other=0.0)  # [BLOCK_M, ROPE_P2]
@@ -182,7 +187,6 @@ def _mla_attention_kernel(
         # barrier makes the stores visible to the threads that load them. A padded row
         # (slot < 0, seq_len 0) stores nothing.
         owner = tl.maximum(seq_len - 1, 0) // tl.maximum(share, 1)
-        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if (slot >= 0) & (split == owner):
             c_new, pe_new = finish_row(
                 latent_ptr + seq * stride_lat, norm_ptr, norm_eps, cos, sin, d, e, LATENT, ROPE,

@@ -115,9 +115,9 @@ def _mla_store_kernel(
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # metadata: before the wait
+    wait_previous(PDL)
     if slot >= 0:
         d = tl.arange(0, LATENT_P2)
         e = tl.arange(0, ROPE_P2)

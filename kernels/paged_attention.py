@@ -153,7 +153,6 @@ def _decode_kernel(
 ):
     # One program per (sequence, kv head, split): the whole query-head group of the kv head
     # shares each K/V tile it loads. The group is padded to GROUP_PAD >= 16 rows for tl.dot.
-    wait_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,6 +163,21 @@ def _decode_kernel(
     dim_mask = dims < HEAD_DIM
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q_heads = query_ptr + seq * stride_qs + heads[:, None] * stride_qh
+
+    # The step's metadata (contexts, slots, positions: copied in before the step's first
+    # kernel, never written by one) and the cos/sin table are read before waiting for the
+    # kernel ahead, which writes q and the new K/V: under PDL, while it still runs.
+    # This split's share of the window's tiles (BLOCK_N tokens each); only here do
+    # context_lens values matter, so the launch grid stays graph-replayable.
+    context_len = tl.load(context_lens_ptr + seq)
+    kv_start = tl.maximum(context_len - window, 0)
+    first_tile = kv_start // BLOCK_N
+    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+    tile_start = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    if STORE_NEW:
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)  # int64: slot * row size can pass 2**31
     if ROPE:
         # As the rotary kernel would have left q and the new K in place: each program
         # rotates the q heads it reads; the owner of the new token rotates K as it stores.
@@ -171,6 +185,10 @@ def _decode_kernel(
             positions_ptr + seq, cos_sin_ptr, stride_cos_sin, dims, HEAD_DIM,
             query_ptr.dtype.element_ty,
         )  # fmt: skip
+    # Running max (log2 units) and softmax denominator; split 0 counts the sinks.
+    m_i, l_i = sink_start(sinks_ptr, heads, head_mask, split == 0, SINKS, GROUP_PAD)
+    wait_previous(PDL)
+    if ROPE:
         q = rope_load(q_heads, dims, q_mask, q_norm_ptr, cos, sin, norm_eps, ROPE_NORM, HEAD_DIM)
     else:
         q = tl.load(q_heads + dims[None, :], mask=q_mask)
@@ -181,26 +199,18 @@ def _decode_kernel(
         # are; the probabilities are <= 1.
         q = q.to(tl.float16)
 
-    # This split's share of the window's tiles (BLOCK_N tokens each); only here do
-    # context_lens values matter, so the launch grid stays graph-replayable.
-    context_len = tl.load(context_lens_ptr + seq)
-    kv_start = tl.maximum(context_len - window, 0)
-    first_tile = kv_start // BLOCK_N
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
-    tile_start = first_tile + split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
-
     if STORE_NEW:
         # The new token is the context's last, so only the split whose tiles hold position
         # context_len - 1 reads it: that split stores it, once per (sequence, kv head).
         # The clamps give context_len 0 an owner too (split 0), so a slot is never skipped.
         owner = tl.maximum(num_tiles - 1 - first_tile, 0) // tl.maximum(tiles_per_split, 1)
-        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)  # int64: slot * row size can pass 2**31
         if (slot >= 0) & (split == owner):
             new_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
             new_offs += kv_head * stride_ch + dims
             new_k_row = new_k_ptr + seq * stride_nks + kv_head * stride_nkh
+            new_v = tl.load(
+                new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
+            )
             if ROPE:
                 k_head = new_k_row + tl.zeros([1, 1], tl.int32)  # one head: [1, D] out
                 new_k = rope_load(
@@ -210,9 +220,6 @@ def _decode_kernel(
                 new_k = tl.reshape(new_k, (HEAD_DIM_P2,))
             else:
                 new_k = tl.load(new_k_row + dims, mask=dim_mask)
-            new_v = tl.load(
-                new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
-            )
             if KV_FP8:
                 new_k = round_to_fp8(new_k.to(tl.float32) * k_scale_inv)
                 new_v = round_to_fp8(new_v.to(tl.float32) * v_scale_inv)
@@ -222,8 +229,6 @@ def _decode_kernel(
         # (bar.sync, which orders global memory within the CTA) makes the stores visible.
         tl.debug_barrier()
 
-    # Running max (log2 units) and softmax denominator; split 0 counts the sinks.
-    m_i, l_i = sink_start(sinks_ptr, heads, head_mask, split == 0, SINKS, GROUP_PAD)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_P2], tl.float32)
     head_offs = kv_head * stride_ch + dims[None, :]
     for tile in range(tile_start, tile_end):

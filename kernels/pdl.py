@@ -3,11 +3,14 @@
 A decode step at small batch is a chain of short kernels, and at each boundary the GPU
 drains one kernel before the next is launched and ramps up. Launched with PDL, a
 kernel's programs may start while the previous kernel's last ones still run. Each kernel
-here first reads only what no kernel writes during a step (weights), then waits
-(`gdc_wait`: the previous kernel has completed and its writes are visible), then lets
-the next kernel start (`gdc_launch_dependents`). Every program waits, on every path, so
-completion is transitive along the chain; a kernel launched without PDL (cuBLAS) waits
-for the one before it as usual.
+here waits (`gdc_wait`: the previous kernel has completed and its writes are visible),
+then lets the next kernel start (`gdc_launch_dependents`). Every program waits, on every
+path, so completion is transitive along the chain: when a kernel starts, every kernel
+before the previous one has completed. A kernel launched without PDL (cuBLAS) waits for
+the one before it as usual. So before waiting, a kernel may read what the previous
+kernel does not write: the kernels here read weights there, and the step's metadata
+(positions, slots, context lengths, block tables: written before the forward's first
+kernel, by copies and non-PDL kernels).
 
 On by default where the GPU has it; `PAGODA_PDL=0` launches every kernel plainly (to
 rule PDL out when chasing a wrong result, or to measure what it buys).

@@ -94,7 +94,6 @@ def _rotary_kernel(
     PDL: tl.constexpr,
 ):
     # One program per (token, BLOCK_HEADS heads): the q heads' programs first, then k's.
-    wait_previous(PDL)  # positions too come from a copy in the step
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     q_groups = tl.cdiv(num_heads, BLOCK_HEADS)
@@ -115,6 +114,9 @@ def _rotary_kernel(
     sin = round_to(
         tl.load(cos_sin_ptr + position * stride_cos_sin + half + dims, mask=dim_mask), dtype
     )
+    # The positions (the step's metadata) and the table are no kernel's writes in a step:
+    # read before waiting for the kernel ahead (kernels/pdl.py).
+    wait_previous(PDL)
 
     heads = first_head + tl.arange(0, BLOCK_HEADS)
     mask = (heads < last_head)[:, None] & dim_mask[None, :]
