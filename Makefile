@@ -32,8 +32,10 @@ chromium:
 	    echo "chromium is missing (apt-get install chromium): the dashboard browser test will skip"; \
 	  fi; }
 
+# Two workers (CI has two cores), a test file to each at a time: a file's module-scoped
+# servers and engines are built once.
 test: install chromium
-	$(PY) -m pytest -q -ra $(ARGS)
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile $(ARGS)
 
 test-gpu: install
 	$(PY) -m pytest -q -ra -m gpu $(ARGS)
