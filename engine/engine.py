@@ -38,7 +38,7 @@ from engine.pooling import pooling_type, projector
 from engine.request import Request, RequestOutput, TokenDeltas
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.speculative import NgramSpeculator
 from engine.stats import EngineStats, lora_stats
 from engine.step_reader import LaunchedStep, StepReader
@@ -340,7 +340,9 @@ class Engine:
             with self._range("forward"):
                 logits = self.runner.execute(out)  # the sampling rows only
             if out.num_drafts is not None:  # speculation: no step is in flight
-                self._read_verified(out, logits)
+                with self._range("sample"):
+                    verified = self.speculator.verify(logits, out, self.runner.argmax)
+                self.num_sampled += self.speculator.read(out, verified, logits, self.reader)
                 return self.take_outputs(deltas) if emit else []
             if self.runner.prompt_scores is not None:  # before any first output is built
                 self.reader.keep_prompt_logprobs(self.runner.prompt_scores)
@@ -393,33 +395,6 @@ class Engine:
         if prev is not None:
             self.reader.read(prev)
         return self.take_outputs(deltas) if emit else []
-
-    def _read_verified(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Check a step's drafts (engine/speculative.py) and read its 1 to d + 1 tokens per
-        sampling row, as that many one-token steps: the reads find stops, length limits
-        and news as they do for any step, and a request they finish reads no more."""
-        batch = self.batch
-        sampling = out.sampling_slots
-        with self._range("sample"):
-            verified = self.speculator.verify(logits, out, self.runner.argmax)
-        accepted, token_ids = verified.num_accepted, verified.token_ids
-        batch.refuse(sampling, out.num_drafts[out.samples] - accepted)
-        generations = batch.generation[sampling]
-        for j in range(token_ids.shape[1]):
-            slots, ids, rows = sampling, token_ids[:, j], verified.first_rows + j
-            if j:  # rows with a j-th token, whose request no read has finished
-                keep = (accepted >= j) & (batch.generation[sampling] == generations)
-                if not keep.any():
-                    break
-                slots, ids, rows = slots[keep], ids[keep], rows[keep]
-            logprobs = None  # a token's logprobs come from its own position's logits row
-            if batch.num_needs_sync and batch.needs_sync[slots].any():
-                at = torch.from_numpy(rows).to(logits.device)
-                chosen = torch.from_numpy(ids).to(logits.device)
-                logprobs = self.sampler.read(logits[at], chosen, slots).logprobs
-            mark = batch.launched(slots)
-            self.num_sampled += len(slots)
-            self.reader.read(LaunchedStep(slots, mark, ids, logprobs))
 
     def take_outputs(self, deltas: TokenDeltas | None = None) -> list[RequestOutput]:
         """One RequestOutput per choice with news since it was last reported; with

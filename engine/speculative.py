@@ -17,7 +17,7 @@ before planning the next (EngineConfig turns asynchronous scheduling off).
 Every draft's row is processed as a step at its position would be (logit_bias and
 allowed_token_ids; penalties, min_tokens and bad words counting the drafts before it:
 Sampler.verify), and each token's logprobs come from its own row
-(Engine._read_verified). Requests with a seed (which promises the tokens of a run
+(NgramSpeculator.read). Requests with a seed (which promises the tokens of a run
 without drafts) or a grammar do not draft (SamplingParams.speculates): they sample
 one token a step beside those that do. A step with grammar rows, prompt scoring or
 embeddings drafts nothing (nor one that admits such a request: engine/scheduler.py).
@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.input_batch import InputBatch
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.step_reader import LaunchedStep, StepReader
 
 
 def ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -139,3 +140,32 @@ class NgramSpeculator:
         self.num_draft_tokens += int(drafts.sum())
         self.num_accepted_tokens += int(num_accepted.sum())
         return Verified(num_accepted, token_ids, first)
+
+    def read(
+        self, out: SchedulerOutput, verified: Verified, logits: torch.Tensor, reader: StepReader
+    ) -> int:
+        """Read a verified step's 1 to d + 1 tokens per sampling row as that many one-token
+        steps: the reads find stops, length limits and news as they do for any step, and a
+        request they finish reads no more. Returns the rows read."""
+        batch = self.batch
+        sampling = out.sampling_slots
+        accepted, token_ids = verified.num_accepted, verified.token_ids
+        batch.refuse(sampling, out.num_drafts[out.samples] - accepted)
+        generations = batch.generation[sampling]
+        num_read = 0
+        for j in range(token_ids.shape[1]):
+            slots, ids, rows = sampling, token_ids[:, j], verified.first_rows + j
+            if j:  # rows with a j-th token, whose request no read has finished
+                keep = (accepted >= j) & (batch.generation[sampling] == generations)
+                if not keep.any():
+                    break
+                slots, ids, rows = slots[keep], ids[keep], rows[keep]
+            logprobs = None  # a token's logprobs come from its own position's logits row
+            if batch.num_needs_sync and batch.needs_sync[slots].any():
+                at = torch.from_numpy(rows).to(logits.device)
+                chosen = torch.from_numpy(ids).to(logits.device)
+                logprobs = self.sampler.read(logits[at], chosen, slots).logprobs
+            mark = batch.launched(slots)
+            num_read += len(slots)
+            reader.read(LaunchedStep(slots, mark, ids, logprobs))
+        return num_read
