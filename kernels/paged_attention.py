@@ -164,9 +164,9 @@ def _decode_kernel(
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q_heads = query_ptr + seq * stride_qs + heads[:, None] * stride_qh
 
-    # The step's metadata (contexts, slots, positions: copied in before the step's first
-    # kernel, never written by one) and the cos/sin table are read before waiting for the
-    # kernel ahead, which writes q and the new K/V: under PDL, while it still runs.
+    # The step's metadata (contexts, slots, positions: written before the forward's first
+    # kernel) and the cos/sin table are read before waiting for the kernel ahead, which
+    # writes q and the new K/V: under PDL, while it still runs (kernels/pdl.py).
     # This split's share of the window's tiles (BLOCK_N tokens each); only here do
     # context_lens values matter, so the launch grid stays graph-replayable.
     context_len = tl.load(context_lens_ptr + seq)

@@ -114,8 +114,8 @@ def _rotary_kernel(
     sin = round_to(
         tl.load(cos_sin_ptr + position * stride_cos_sin + half + dims, mask=dim_mask), dtype
     )
-    # The positions (the step's metadata) and the table are no kernel's writes in a step:
-    # read before waiting for the kernel ahead (kernels/pdl.py).
+    # The positions (the step's metadata) and the table: the kernel ahead writes neither,
+    # so they are read before waiting for it (kernels/pdl.py).
     wait_previous(PDL)
 
     heads = first_head + tl.arange(0, BLOCK_HEADS)
