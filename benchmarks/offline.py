@@ -9,7 +9,7 @@
         --output-len 1 --max-num-batched-tokens 2048 --compare-hf   # one long prompt's TTFT
 
 The seeds' workload: N requests x M new tokens, prompt "Hello", EOS ignored,
-prefix cache off. The nano-vllm workload: 256 requests, input and output
+prefix cache off (an MoE model's batch needs --input-len: random prompts). The nano-vllm workload: 256 requests, input and output
 lengths uniform in [100, 1024], random prompt tokens, seed 0.
 
 Every run reports its decode steps against their bandwidth floors (`decode_vs_floor`):
@@ -54,6 +54,14 @@ def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
         return prompts, [args.output_len] * args.num_requests
     ids = tokenizer.encode("Hello")
     return [ids] * args.num_requests, [args.output_len] * args.num_requests
+
+
+def routes_experts(model_dir: str) -> bool:
+    """Whether the checkpoint's model (or its text model) is a mixture of experts."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    configs = [config, config.get("text_config") or {}]
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return any(c.get(k) for c in configs for k in keys)
 
 
 def run_pagoda(
@@ -216,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(model_dir).is_dir():
         model_dir = build_checkpoint(
             args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
+        )
+    one_prompt = args.workload == "seeds" and not args.input_len and args.num_requests > 1
+    if one_prompt and routes_experts(model_dir):  # not a batch an MoE model ever sees
+        p.error(
+            "an MoE model's requests need prompts of their own (--input-len N): one "
+            "prompt repeated sends every sequence to the same experts"
         )
     loras = write_random_adapters(model_dir, args.lora, args.lora_rank) if args.lora else None
     max_len = args.max_model_len or max(

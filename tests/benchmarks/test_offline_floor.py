@@ -1,7 +1,10 @@
-"""benchmarks.offline's decode steps against their floors, the llama3-8b shape, and the
-transformers static-cache timing's arguments and streamer (the CPU-runnable parts)."""
+"""benchmarks.offline's decode steps against their floors, the llama3-8b shape, the
+transformers static-cache timing's arguments and streamer (the CPU-runnable parts), and
+its refusal to batch one repeated prompt on an MoE model."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 from benchmarks.checkpoints import write_random_adapters
 from benchmarks.floors import DecodeStep, decode_vs_floor, kv_bytes_per_token, weight_bytes
 from benchmarks.hf_compile import TokenTimes, per_token_ms, static_generate_kwargs
-from benchmarks.offline import run_pagoda
+from benchmarks.offline import main, routes_experts, run_pagoda
 from engine import LLM
 
 
@@ -95,3 +98,26 @@ def test_random_adapters_load_and_spread_over_the_requests(tiny_llama_dir):
     llm.engine.add_request = lambda rid, ids, params: added.append(params) or add(rid, ids, params)
     run_pagoda(llm, [[1] * 4] * 3, [3] * 3, [], loras=list(adapters))
     assert [p.lora_name for p in added] == ["lora0", "lora1", "lora0"]
+
+
+@pytest.mark.parametrize(
+    ("config", "moe"),
+    [
+        ({"num_local_experts": 8}, True),  # Mixtral, gpt-oss
+        ({"n_routed_experts": 64}, True),  # DeepSeek, GLM-4.5
+        ({"text_config": {"num_experts": 128}}, True),  # a multimodal model's MoE text model
+        ({"num_experts": 0, "hidden_size": 64}, False),
+        ({"hidden_size": 64}, False),
+    ],
+)
+def test_routes_experts_reads_the_config(tmp_path, config, moe):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert routes_experts(str(tmp_path)) is moe
+
+
+def test_an_moe_batch_of_one_repeated_prompt_is_refused(tmp_path, capsys):
+    """Every sequence would route to the same experts: the run stops before loading."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 8}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(tmp_path), "--num-requests", "4"])
+    assert exc.value.code == 2 and "--input-len" in capsys.readouterr().err
