@@ -9,8 +9,9 @@
         --output-len 1 --max-num-batched-tokens 2048 --compare-hf   # one long prompt's TTFT
 
 The seeds' workload: N requests x M new tokens, prompt "Hello", EOS ignored,
-prefix cache off (an MoE model's batch needs --input-len: random prompts). The nano-vllm workload: 256 requests, input and output
-lengths uniform in [100, 1024], random prompt tokens, seed 0.
+prefix cache off (an MoE model's batch needs --input-len: random prompts). The
+nano-vllm workload: 256 requests, input and output lengths uniform in [100, 1024],
+random prompt tokens, seed 0.
 
 Every run reports its decode steps against their bandwidth floors (`decode_vs_floor`):
 each decode-only step's time over the bytes it must read (the weights it uses, its
