@@ -1,7 +1,6 @@
 """The load test against the real Pagoda server (embedded demo model, CPU)."""
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -10,15 +9,10 @@ from pathlib import Path
 import httpx
 
 from clients import loadtest
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_health(proc: subprocess.Popen, base_url: str, log: Path) -> None:

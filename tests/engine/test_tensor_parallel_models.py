@@ -7,7 +7,6 @@ checkpoint, and the tests compare its results with TP=1 computed here."""
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ from engine.models.parallel import (
     kv_heads_of_rank,
 )
 from tests.conftest import FAMILY_CONFIGS, OpLog
+from tests.ports import free_port
 
 PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
 # OLMo 2 refuses tensor parallelism: its q/k norms span the heads ranks would split.
@@ -327,12 +327,6 @@ def prefill_and_decode(model) -> dict[str, torch.Tensor]:
         graph.replay()
         out["decode_graph"] = logits.float().cpu()
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tp_worker(

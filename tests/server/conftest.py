@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from server.app import create_app
 from server.config import ServerConfig
 from server.http_server import DrainingServer
+from tests.ports import free_port
 
 MAX_MODEL_LEN = 256
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,12 +67,6 @@ class LiveServer:
         if default is not None:
             return default
         raise KeyError(sample)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
