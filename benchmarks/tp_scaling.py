@@ -39,7 +39,7 @@ from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decod
 from benchmarks.offline import run_pagoda
 from benchmarks.provenance import provenance, write_result
 from engine import LLM
-from engine.tp_group import WORKER_ENV
+from engine.tp_group import WORKER_ENV, Rendezvous, host_rendezvous
 
 BATCH1_PROMPT, BATCH1_OUTPUT = 128, 256
 THROUGHPUT_REQUESTS, THROUGHPUT_LEN = 64, 512
@@ -73,14 +73,14 @@ def _graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 50) -> f
     return sorted(times)[len(times) // 2]
 
 
-def _all_reduce_worker(rank: int, size: int, address: str, hidden: int, out) -> None:
+def _all_reduce_worker(rank: int, size: int, rendezvous: Rendezvous, hidden: int, out) -> None:
     import torch.distributed as dist
 
     from engine.one_shot import OneShotAllReduce
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=size)
+    dist.init_process_group("nccl", store=rendezvous.connect(), rank=rank, world_size=size)
     one_shot = OneShotAllReduce.create(dist.group.WORLD, size, device)
     x = torch.ones(1, hidden, dtype=torch.bfloat16, device=device)
     times = {
@@ -98,14 +98,11 @@ def all_reduce_us(size: int, hidden: int) -> dict[str, float]:
     by NCCL and by the one-shot kernel (engine/one_shot.py)."""
     import torch.multiprocessing as mp
 
-    from engine.config import EngineConfig
-    from engine.tp_group import init_method
-
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    address = init_method(EngineConfig())
+    _store, rendezvous = host_rendezvous("127.0.0.1", 0)  # held here; every rank connects
     mp.start_processes(
-        _all_reduce_worker, args=(size, address, hidden, out), nprocs=size, start_method="spawn"
+        _all_reduce_worker, args=(size, rendezvous, hidden, out), nprocs=size, start_method="spawn"
     )
     return out.get()
 

@@ -3,7 +3,7 @@
 Rank r runs on node r // ranks_per_node, on that node's device r % ranks_per_node.
 Rank 0 (the engine's process on node 0) spawns the other ranks of its node; every
 other node's `python -m server --headless` spawns all of its own. They join one
-torch.distributed group through TCP rendezvous at master_addr:master_port: NCCL
+torch.distributed group through node 0's TCP store at master_addr:master_port: NCCL
 on CUDA, gloo on CPU. A second, gloo group carries each step's header
 (engine/step_channel.py): workers wait on it while the engine idles, so its
 timeout is practically none, while the tensors' group times out a hung peer.
@@ -56,18 +56,31 @@ class Membership:
     config: EngineConfig
 
 
-def init_method(config: EngineConfig) -> str:
-    """Rank 0's TCP rendezvous address; port 0 picks a free one (a single node)."""
-    port = config.master_port
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((config.master_addr, 0))
-            port = s.getsockname()[1]
-    return f"tcp://{config.master_addr}:{port}"
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the group's TCP store listens. Node 0 holds the store open from the moment
+    its port is chosen (port 0: the OS picks one) until the group is gone, so no other
+    process can take the port in between. Spawned ranks get this by pickle."""
+
+    host: str
+    port: int
+
+    def connect(self) -> dist.Store:
+        """A client of the store; it retries until node 0's store is up (or times out)."""
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
 
 
-def join(config: EngineConfig, rank: int, address: str) -> Membership:
-    """Join the group as `rank`; every rank leaves with rank 0's engine config."""
+def host_rendezvous(host: str, port: int) -> tuple[dist.TCPStore, Rendezvous]:
+    """Open the group's store on node 0, bound before anyone is told its port."""
+    store = dist.TCPStore(
+        host, port, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+    )
+    return store, Rendezvous(host, store.port)
+
+
+def join(config: EngineConfig, rank: int, store: dist.Store) -> Membership:
+    """Join the group as `rank` through the rendezvous store; every rank leaves with
+    rank 0's engine config."""
     device = config.torch_device
     if device.type == "cuda":  # the node's device rank % ranks_per_node
         device = torch.device("cuda", (device.index or 0) + rank % config.ranks_per_node)
@@ -75,7 +88,7 @@ def join(config: EngineConfig, rank: int, address: str) -> Membership:
     GATE.open()  # a new group: calls go through again
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=address,
+        store=store,
         rank=rank,
         world_size=config.tensor_parallel_size,
         timeout=COLLECTIVE_TIMEOUT,
@@ -164,7 +177,7 @@ class Workers:
         self,
         config: EngineConfig,
         ranks: list[int],
-        address: str,
+        rendezvous: Rendezvous,
         exit_ok: bool = False,  # a headless node's ranks leave when rank 0 stops them
     ) -> None:
         from engine.tp_worker import worker_main  # the spawned side's entry point
@@ -175,7 +188,7 @@ class Workers:
         self.processes = {
             rank: ctx.Process(
                 target=worker_main,
-                args=(config, rank, address),
+                args=(config, rank, rendezvous),
                 name=f"pagoda-tp-rank{rank}",
                 daemon=True,
             )
@@ -256,13 +269,13 @@ def start_driver(config: EngineConfig) -> tuple[Workers, Membership]:
     are stopped and WorkerFailed is raised."""
     if config.node_rank != 0:
         raise ValueError("only node 0 runs the engine; other nodes run --headless")
-    address = init_method(config)
-    workers = Workers(config, list(range(1, config.ranks_per_node)), address)
+    store, rendezvous = host_rendezvous(config.master_addr, config.master_port)
+    workers = Workers(config, list(range(1, config.ranks_per_node)), rendezvous)
     joined: list[Membership | BaseException] = []  # the thread's result, or what it raised
 
     def join_group() -> None:
         try:
-            joined.append(join(config, 0, address))
+            joined.append(join(config, 0, store))
         except BaseException as exc:
             joined.append(exc)
 

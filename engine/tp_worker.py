@@ -35,18 +35,18 @@ from engine.step_channel import (
     VERIFY_GRAPH,
     ReceivedStep,
 )
-from engine.tp_group import Workers, init_method, join
+from engine.tp_group import Rendezvous, Workers, join
 
 logger = logging.getLogger("pagoda.engine")
 
 
-def worker_main(config: EngineConfig, rank: int, address: str) -> None:
+def worker_main(config: EngineConfig, rank: int, rendezvous: Rendezvous) -> None:
     """A spawned rank's whole life; any failure exits non-zero (rank 0 watches)."""
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s: %(message)s"
     )
     try:
-        membership = join(config, rank, address)
+        membership = join(config, rank, rendezvous.connect())
         follow_steps(build_runner(membership.config, membership))
     except BaseException:
         logger.exception("tensor-parallel rank %d failed", rank)
@@ -126,7 +126,8 @@ def serve_headless(config: EngineConfig) -> int:
         config.master_addr,
         config.master_port,
     )
-    workers = Workers(config, ranks, init_method(config), exit_ok=True)
+    rendezvous = Rendezvous(config.master_addr, config.master_port)
+    workers = Workers(config, ranks, rendezvous, exit_ok=True)
     # SIGTERM or SIGINT: this node's ranks go too (rank 0 then fails its next step).
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

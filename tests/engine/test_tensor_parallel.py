@@ -11,10 +11,13 @@ rank's side directly.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
+from engine.tp_group import host_rendezvous
 from tests.conftest import PROMPTS, hf_greedy
 
 MAX_NEW = 12
@@ -106,6 +109,16 @@ def test_the_scaling_benchmark_finds_rank_zeros_collectives(tp2):
     share = collective_share(tp2, list(range(10, 30)), tokens=4)
     assert 0 < share["collective_us_per_token"] < share["step_us"]
     assert not tp2.engine.has_unfinished_requests()
+
+
+def test_the_rendezvous_port_stays_bound_from_the_moment_it_is_chosen():
+    """Port 0 picks a free port that node 0's store holds: no other process can take it
+    before the ranks connect, and a rank's client reaches that store."""
+    store, rendezvous = host_rendezvous("127.0.0.1", 0)
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", rendezvous.port))
+    rendezvous.connect().set("rank 1", b"here")
+    assert store.get("rank 1") == b"here"
 
 
 def test_the_collective_gate_keeps_an_abort_out_of_a_call_and_later_calls_out():

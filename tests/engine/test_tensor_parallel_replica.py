@@ -15,17 +15,18 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.tp_group import Rendezvous
 from tests.conftest import PROMPTS
 from tests.engine.test_tensor_parallel import CONFIG, greedy
 from tests.server.conftest import free_port
 
 
-def _recording_rank(config, address: str, path: str) -> None:
+def _recording_rank(config: EngineConfig, rendezvous: Rendezvous, path: str) -> None:
     """Rank 1 as a second "node": the worker's own loop, then its state saved to path."""
     from engine.tp_group import join, leave
     from engine.tp_worker import build_runner, follow_steps
 
-    membership = join(config, 1, address)
+    membership = join(config, 1, rendezvous.connect())
     runner = build_runner(membership.config, membership)
     follow_steps(runner)
     torch.save(replica_state(runner), path)
@@ -53,7 +54,7 @@ def test_the_other_rank_replays_rank_0s_steps(tiny_llama_dir, tmp_path):
     )
     path = tmp_path / "rank1.pt"
     rank1 = multiprocessing.get_context("spawn").Process(
-        target=_recording_rank, args=(config, f"tcp://127.0.0.1:{port}", str(path))
+        target=_recording_rank, args=(config, Rendezvous("127.0.0.1", port), str(path))
     )
     rank1.start()
     try:
