@@ -40,15 +40,17 @@ from server.middleware import ApiKeyAuth, BodySizeLimit, RequestId
 from server.prompts import ClientDisconnected
 from server.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.replies import (
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from server.responses_protocol import ResponseObject, ResponsesRequest

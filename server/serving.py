@@ -26,17 +26,19 @@ from server.protocol import (
     ChatMessage,
     ChatTemplateOptions,
     DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
+from server.reasoning import default_parser
+from server.replies import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
     PromptLogprob,
     PromptTokensDetails,
-    SamplingRequest,
-    TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
-from server.reasoning import default_parser
 from server.request_stream import RequestStream, coalesce
 
 if TYPE_CHECKING:

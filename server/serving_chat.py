@@ -15,17 +15,17 @@ from server import beam_search
 from server.errors import APIError
 from server.images import ChatPrompt
 from server.prompts import template_message
-from server.protocol import (
+from server.protocol import ChatCompletionRequest
+from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
+from server.replies import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatStreamChoice,
     ChatTokenLogprob,
     TopLogprob,
 )
-from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
 from server.request_stream import RequestStream
 from server.serving import Serving, Usage, prompt_logprobs_out
 from server.sse import SSEResponse

@@ -16,12 +16,8 @@ from engine.request import RequestOutput, TokenLogprob
 from server import beam_search
 from server.errors import APIError
 from server.prompts import prompt_list
-from server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-)
+from server.protocol import CompletionRequest
+from server.replies import CompletionChoice, CompletionLogprobs, CompletionResponse
 from server.request_stream import RequestStream
 from server.serving import Serving, Usage, prompt_logprobs_out
 from server.sse import SSEResponse

@@ -22,7 +22,8 @@ from typing import Any
 
 from engine.structured.spec import GrammarSpec
 from server.errors import APIError
-from server.protocol import AssistantMessage, ChatCompletionRequest, FunctionCall, ToolCall
+from server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from server.replies import AssistantMessage
 from server.structured import field_spec
 from server.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
 

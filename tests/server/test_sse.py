@@ -87,7 +87,7 @@ def test_echo_streams_the_prompt_first(client):
     ("finish_reason", "stop_reason"), [(None, None), ("stop", "é\n"), ("stop", 50256)]
 )
 def test_text_chunk_template_writes_what_pydantic_writes(text, finish_reason, stop_reason):
-    from server.protocol import CompletionChoice, CompletionResponse
+    from server.replies import CompletionChoice, CompletionResponse
     from server.serving_completions import TextChunks
 
     choice = CompletionChoice(
