@@ -57,6 +57,7 @@ def paged_attention_decode_ref(
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
+    chunk: int = 0,  # > 0: attend to the keys of this token's chunk of `chunk` only (Llama 4)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
     """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
     if rope is not None:
@@ -78,6 +79,9 @@ def paged_attention_decode_ref(
         v = from_cache(gather_kv(v_cache, block_table[i], context_len), v_scale)
         if sliding_window > 0:
             k, v = k[-sliding_window:], v[-sliding_window:]
+        if chunk > 0:  # the keys of the chunk holding position context_len - 1
+            keep = (context_len - 1) % chunk + 1
+            k, v = k[-keep:], v[-keep:]
         group = num_heads // k.shape[1]  # query heads per kv head (GQA)
         k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
@@ -117,6 +121,7 @@ def _decode_kernel(
     softcap,  # SOFT_CAP: the soft-cap in the scores' log2 units (softcap * LOG2E)
     num_splits,
     window,  # keys older than the last `window` tokens are not attended to
+    chunk,  # keys before the start of the new token's chunk are not attended to
     stride_qs,
     stride_qh,
     stride_nks,
@@ -170,7 +175,8 @@ def _decode_kernel(
     # This split's share of the window's tiles (BLOCK_N tokens each); only here do
     # context_lens values matter, so the launch grid stays graph-replayable.
     context_len = tl.load(context_lens_ptr + seq)
-    kv_start = tl.maximum(context_len - window, 0)
+    kv_start = tl.maximum(context_len - window, (context_len - 1) // chunk * chunk)
+    kv_start = tl.maximum(kv_start, 0)
     first_tile = kv_start // BLOCK_N
     num_tiles = tl.cdiv(context_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
@@ -295,6 +301,7 @@ def paged_attention_decode(
     rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
     softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads], contiguous
+    chunk: int = 0,  # > 0: attend to the keys of the new token's chunk only
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `paged_attention_decode_ref` (split-KV flash decoding).
 
@@ -367,6 +374,7 @@ def paged_attention_decode(
         softcap * LOG2E,  # in the scores' log2 units (k_scale is in them already)
         config.num_splits,
         sliding_window if sliding_window > 0 else NO_WINDOW,
+        chunk if chunk > 0 else NO_WINDOW,
         query.stride(0),
         query.stride(1),
         new_k.stride(0),

@@ -58,6 +58,7 @@ def paged_prefill_attention_ref(
     causal: bool = True,
     # [num_tokens] int32, causal only: the last position each query sees (>= its own).
     horizons: torch.Tensor | None = None,
+    chunk: int = 0,  # > 0, causal only: a query sees the keys of its chunk only (Llama 4)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     out = torch.zeros_like(query)
@@ -71,6 +72,8 @@ def paged_prefill_attention_ref(
         lo = max(seq_len - query_len - sliding_window + 1, 0) if sliding_window > 0 else 0
         if not causal:  # a window of sliding_window keys either side
             lo = max(seq_len - query_len - sliding_window, 0)
+        if chunk > 0:  # and from the first query's chunk on
+            lo = max(lo, (seq_len - query_len) // chunk * chunk)
         k = from_cache(gather_kv(k_cache, block_table[i], seq_len)[lo:], k_scale)
         v = from_cache(gather_kv(v_cache, block_table[i], seq_len)[lo:], v_scale)
         group = num_heads // k.shape[1]
@@ -87,6 +90,8 @@ def paged_prefill_attention_ref(
                 hidden = k_pos[None, :] > horizons[start:end, None]
             if sliding_window > 0:
                 hidden |= distance <= -sliding_window
+            if chunk > 0:
+                hidden |= k_pos[None, :] < (q_pos - q_pos % chunk)[:, None]
         else:
             hidden = distance.abs() > (sliding_window if sliding_window > 0 else seq_len)
         scores.masked_fill_(hidden[None], float("-inf"))
@@ -116,12 +121,14 @@ def _attend(
     stride_co,
     qk_scale,
     window,
+    chunk,
     softcap,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False: every query sees every key of [start, stop)
+    CHUNKED: tl.constexpr,  # a query sees the keys of its chunk only
     KV_FP8: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -156,6 +163,8 @@ def _attend(
         if MASKED:
             visible = token_mask[None, :] & (tokens[None, :] <= q_see[:, None])
             visible &= tokens[None, :] > q_pos[:, None] - window
+            if CHUNKED:
+                visible &= tokens[None, :] >= (q_pos - q_pos % chunk)[:, None]
             scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = m_new
@@ -187,6 +196,7 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * LOG2E (* k_scale for an FP8 cache)
     out_scale,  # v_scale for an FP8 cache, else 1
     window,  # a query sees keys at most `window - 1` positions behind it
+    chunk,  # CHUNKED: a query sees keys from the start of its chunk of `chunk` on
     softcap,  # SOFT_CAP: the soft-cap in the scores' log2 units (softcap * LOG2E)
     num_splits,
     stride_qt,
@@ -210,7 +220,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows: BLOCK_Q queries x the GROUP heads of one kv head
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WINDOWED: tl.constexpr,  # a sliding window: every tile is masked
+    WINDOWED: tl.constexpr,  # a sliding window or chunks: every tile is masked
     ONE_TILE: tl.constexpr,  # no query is longer than BLOCK_Q: tile i is sequence i's
     IS_SPLIT: tl.constexpr,  # partials per split into split_out/split_lse
     KV_FP8: tl.constexpr,  # the cache is e4m3
@@ -219,6 +229,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     CAUSAL: tl.constexpr,  # False: both ways (with a window: `window` = 2 x half-width + 1)
     HORIZONS: tl.constexpr,  # causal: a query sees keys up to its horizon
+    CHUNKED: tl.constexpr,  # causal: chunked attention
 ):
     # One program per (query tile of the batch, kv head, key split), the last tiles first
     # (under causality they see the most keys). A tile's rows are BLOCK_Q queries times
@@ -265,6 +276,8 @@ def _prefill_kernel(
         q_see = tl.maximum(tl.load(horizons_ptr + q_start + rows, mask=row_mask, other=0), q_pos)
         kv_end = tl.minimum(seq_len, tl.maximum(kv_end, tl.max(q_see, 0) + 1))
     kv_lo = tl.maximum(first_pos - window + 1, 0)
+    if CHUNKED:  # and the chunk of its first query
+        kv_lo = tl.maximum(kv_lo, first_pos - first_pos % chunk)
     keys_from = (kv_lo // BLOCK_N) * BLOCK_N
     # This split's keys: an equal share of whole BLOCK_N tiles (the sink counts once).
     seg_start = keys_from
@@ -285,14 +298,14 @@ def _prefill_kernel(
         acc, l_i, m_i = _attend(
             q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
             q_pos, q_see, kv_lo, kv_end, seg_start, tl.minimum(masked_from, seg_end), stride_cb,
-            stride_co, qk_scale, window, softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N,
-            False, KV_FP8, SOFT_CAP, DOT_PRECISION,
+            stride_co, qk_scale, window, chunk, softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE,
+            BLOCK_N, False, CHUNKED, KV_FP8, SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
     acc, l_i, m_i = _attend(
         q, acc, l_i, m_i, k_cache_ptr, v_cache_ptr, block_row_ptr, head_offs, dim_mask,
         q_pos, q_see, kv_lo, kv_end, masked_from, seg_end, stride_cb, stride_co, qk_scale, window,
-        softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, KV_FP8, SOFT_CAP,
-        DOT_PRECISION,
+        chunk, softcap, HEAD_DIM, HEAD_DIM_P2, BLOCK_SIZE, BLOCK_N, True, CHUNKED, KV_FP8,
+        SOFT_CAP, DOT_PRECISION,
     )  # fmt: skip
 
     tokens = q_start + rows
@@ -330,6 +343,7 @@ def paged_prefill_attention(
     sinks: torch.Tensor | None = None,  # [num_heads], contiguous
     causal: bool = True,  # False: both ways within each sequence (sliding_window: either side)
     horizons: torch.Tensor | None = None,  # [num_tokens] int32: see the reference
+    chunk: int = 0,  # > 0, causal only: a query sees the keys of its chunk only
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `paged_prefill_attention_ref` (flash attention over the paged cache).
 
@@ -353,6 +367,7 @@ def paged_prefill_attention(
     group = num_heads // num_kv_heads
     if config is None:
         context = window if sliding_window > 0 else block_table.shape[1] * block_size
+        context = min(context, chunk) if chunk > 0 else context  # keys a query sees at most
         config = prefill_config(
             max_query_len, head_dim, group, num_tokens, num_kv_heads, context, query.device
         )
@@ -384,6 +399,7 @@ def paged_prefill_attention(
         scale * LOG2E * k_scale,
         v_scale,
         window if sliding_window > 0 else NO_WINDOW,
+        chunk if chunk > 0 else NO_WINDOW,
         softcap * LOG2E,
         num_splits,
         query.stride(0),
@@ -407,7 +423,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
-        WINDOWED=sliding_window > 0,
+        WINDOWED=sliding_window > 0 or chunk > 0,
         ONE_TILE=one_tile,
         IS_SPLIT=num_splits > 1,
         KV_FP8=kv_fp8,
@@ -416,6 +432,7 @@ def paged_prefill_attention(
         DOT_PRECISION=dot_precision(query.dtype),
         CAUSAL=causal,
         HORIZONS=horizons is not None,
+        CHUNKED=chunk > 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

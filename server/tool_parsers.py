@@ -355,6 +355,7 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "mistral": MistralParser,
     "granite": GraniteParser,
     "pythonic": _pythonic,
+    "llama4_pythonic": _pythonic,  # vLLM's name for Llama 4's
     "deepseek_v3": DeepSeekParser,
     "deepseek_v31": lambda: DeepSeekParser(fenced=False),
 }

@@ -186,6 +186,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_only_layers=[1],
         ),
     ),
+    # Llama 4: interleaved rotary then weightless q/k norms and chunks of 8 tokens on
+    # layer 0; layer 1 without position encoding, its queries scaled by position
+    # (floor_scale 8); layer 0 MoE (top-1, the score on the input, a shared expert),
+    # layer 1 dense.
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            head_dim=16,
+            num_local_experts=4,
+            intermediate_size=24,  # the experts': gate_up [4, 64, 48] is not square
+            intermediate_size_mlp=96,
+            moe_layers=[0],
+            no_rope_layer_interval=2,
+            attention_chunk_size=8,
+            floor_scale=8,
+            attn_scale=0.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",

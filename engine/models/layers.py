@@ -90,6 +90,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.chunk = 0  # > 0: a query sees the keys of its chunk of `chunk` only (Llama 4)
         self.softcap = softcap
         # Set by the model runner once the cache is allocated.
         self.k_cache = self.v_cache = torch.empty(0)
@@ -133,6 +134,7 @@ class PagedAttention(nn.Module):
                 softcap=self.softcap,
                 sinks=sinks,
                 **new,
+                **({"chunk": self.chunk} if self.chunk else {}),
             )
         else:
             out = self.ops.prefill(
@@ -149,6 +151,7 @@ class PagedAttention(nn.Module):
                 sinks=sinks,
                 causal=self.causal,
                 **({} if meta.horizons is None else {"horizons": meta.horizons}),
+                **({"chunk": self.chunk} if self.chunk else {}),
             )
         return out.view(-1, self.num_heads * self.head_dim)
 

@@ -30,6 +30,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.lora import LoRAError
 from engine.models.lora_slots import LoRASettings, LoRASlots
 from engine.models.modernbert import ModernBertModel
@@ -72,6 +73,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
     "mixtral": MoeForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -29,7 +30,6 @@ EXPERT_WEIGHTS = {
     "w3": ("w13", 1),
     "w2": ("w2", None),
 }
-RENAMES = {".block_sparse_moe.": ".mlp."}  # Mixtral's MoE module is our `mlp`
 EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = re.compile(r"(.+)\.experts\.(gate_up_proj|down_proj)")
 
@@ -64,6 +64,8 @@ class SharedExpertMoE(FusedMoE):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
+    RENAMES: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}  # Mixtral's MoE: `mlp`
+
     def make_mlp(self, config, layer: int) -> nn.Module:
         if config.model_type == "mixtral":
             sparse, renormalize = True, True
@@ -94,7 +96,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         def others() -> Iterator[tuple[str, WeightSlice]]:
             """Reads the expert tensors into their stacks; yields everything else."""
             for name, weight in weights:
-                for old, new in RENAMES.items():
+                for old, new in self.RENAMES.items():
                     name = name.replace(old, new)
                 stacked = STACKED.fullmatch(name.removeprefix("model."))
                 if stacked is not None:

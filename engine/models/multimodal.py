@@ -21,6 +21,7 @@ TEXT_OF_MULTIMODAL = {
     kind: "text_config"
     for kind in (
         "gemma3",
+        "llama4",
         "llava",
         "mistral3",
         "qwen2_vl",
@@ -29,7 +30,7 @@ TEXT_OF_MULTIMODAL = {
         "qwen3_vl_moe",
     )  # fmt: skip
 }
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "vision_model.")
 
 
 def is_multimodal(model_dir: str) -> bool:

@@ -375,3 +375,36 @@ def test_decode_rotates_query_and_new_k_as_the_rotary_kernel_would(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused.float(), expected.float(), rtol=tol, atol=tol)
     close(ref_k, k_cache)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "block_size", "num_splits"), [(8, 16, 1), (8, 16, 3), (40, 32, 3)]
+)
+def test_decode_chunked_attention_matches_reference(
+    chunk: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
+) -> None:
+    """Llama 4's chunks: the new token sees the keys of its own chunk only (older ones are
+    NaN here, so reading one shows), its chunk new or several tiles long."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    context_lens = [5, chunk, chunk + 1, 3 * chunk + 7, 200]
+    k_cache, v_cache, block_table = paged_kv(
+        context_lens, num_kv_heads, head_dim, block_size, max_blocks_per_seq=24
+    )
+    for cache in (k_cache, v_cache):
+        for seq, n in enumerate(context_lens):
+            for pos in range((n - 1) // chunk * chunk):
+                cache[block_table[seq, pos // block_size].long(), pos % block_size] = float("nan")
+    query = torch.randn(len(context_lens), num_heads, head_dim, generator=rng).to(device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, lens, 0.2)
+    expected = paged_attention_decode_ref(*args, chunk=chunk)
+    config = DecodeConfig(num_splits=num_splits, block_n=32)
+    result = paged_attention_decode(*args, config=config, chunk=chunk)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert paged_attention_decode_ref(*args).isnan().any()  # the poison is there to be read

@@ -215,6 +215,40 @@ def test_prefill_sliding_window_matches_reference(
     assert unwindowed.isnan().any()  # the poison is there to be read
 
 
+@pytest.mark.parametrize(("chunk", "block_size", "num_splits"), [(8, 16, 1), (40, 32, 3)])
+def test_prefill_chunked_attention_matches_reference(
+    chunk: int,
+    block_size: int,
+    num_splits: int,
+    rng: torch.Generator,
+    device: torch.device,
+    paged_kv,
+) -> None:
+    """Llama 4's chunks: each query sees the keys from the start of its own chunk, so a
+    tile's rows start at different keys; keys before the first query's chunk are NaN."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    chunks = [(90, 90), (20, 150), (5, 5), (1, 77)]
+    query_lens, seq_lens = zip(*chunks, strict=True)
+    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
+    for seq, (q_len, s_len) in enumerate(chunks):
+        for pos in range((s_len - q_len) // chunk * chunk):
+            block = block_table[seq, pos // block_size].long()
+            k_cache[block, pos % block_size] = float("nan")
+            v_cache[block, pos % block_size] = float("nan")
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.2, max(query_lens))
+
+    launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
+    result = paged_prefill_attention(*args, chunk=chunk, **launch)
+    expected = paged_prefill_attention_ref(*args, chunk=chunk)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+    assert paged_prefill_attention_ref(*args).isnan().any()  # the poison is there to be read
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size", "num_splits"),
     [(*CASES[0], 1), (*CASES[1], 3), (*CASES[2], 1)],

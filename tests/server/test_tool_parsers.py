@@ -191,7 +191,8 @@ def test_granite_and_pythonic_whole_texts():
         DraftCall("get_weather", '{"city": "Oslo", "days": [1, 2]}'),
         DraftCall("get_time", "{}"),
     ]
-    found = PythonicParser().extract(f"<|python_start|>{PYTHONIC}<|python_end|>", True)
+    llama4 = PARSERS["llama4_pythonic"]()  # vLLM's name for Llama 4's
+    found = llama4.extract(f"<|python_start|>{PYTHONIC}<|python_end|>", True)
     assert (found.content, found.calls) == ("", PYTHONIC_CALLS)
     # Not a list of calls of literals: the text is the answer.
     for text in ("[1, 2]", "[f(1)]", "[f(a=x)]", "[f(**k)]", "[f(a={1})]", "See [1]."):
