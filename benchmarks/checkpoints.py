@@ -214,6 +214,40 @@ def llama3_70b():
     return llama3(8192, 28672, 80, 64)
 
 
+def llama4_scout():
+    """Llama-4-Scout-17B-16E's language model: 48 layers, 5120 hidden, GQA 40/8 (head_dim
+    128), every layer MoE (16 experts of 8192, top-1, a shared expert), every fourth
+    layer NoPE, the others in chunks of 8,192 tokens; llama3 rope scaling x16; ~107.8B
+    parameters (216 GB in bf16: FP8 or two GPUs), ~17B active per token."""
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        vocab_size=202048,
+        hidden_size=5120,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=8192,
+        max_position_embeddings=10485760,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
 def bert_base():
     """bge-base-en-v1.5's shape (BERT-base): 12 layers, 768 hidden, 12 heads, 512 positions."""
     from transformers import BertConfig
@@ -246,6 +280,7 @@ CONFIGS = {
     "deepseek-v2-lite": deepseek_v2_lite,
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
+    "llama4-scout": llama4_scout,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -253,7 +288,7 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
-ON_DEVICE |= {"llama3-70b"}
+ON_DEVICE |= {"llama3-70b", "llama4-scout"}
 
 
 def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) -> str:

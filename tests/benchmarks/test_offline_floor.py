@@ -72,6 +72,19 @@ def test_llama3_8b_shape_has_8b_parameters():
     assert "llama3-8b" in ON_DEVICE  # 16 GB: drawn on the device, not written to disk
 
 
+def test_llama4_scout_shape_has_its_parameters():
+    """Scout's language model: 107.8B parameters, 17.2B active (its 16 experts, top-1)."""
+    from benchmarks.checkpoints import CONFIGS, ON_DEVICE
+    from engine.models.loader import build_on_meta
+
+    model = build_on_meta(CONFIGS["llama4-scout"]())
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith((".w13", ".w2")))
+    assert total == 107_769_870_336
+    assert round((total - experts * 15 / 16) / 1e9, 1) == 17.2
+    assert "llama4-scout" in ON_DEVICE
+
+
 def test_static_cache_generate_streams_every_token(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
