@@ -75,12 +75,13 @@ def stats_line(when: datetime, steps: int, waiting: int, idle: int) -> str:
     handler.emit = records.append
     logger = logging.getLogger("pagoda.server")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)  # not `.level =`: that leaves isEnabledFor's cached answer
     try:
         log.maybe_log(engine)
     finally:
         logger.removeHandler(handler)
-        logger.level = level
+        logger.setLevel(level)
     stamp = when.strftime("%Y-%m-%d %H:%M:%S,") + f"{when.microsecond // 1000:03d}"
     return f"{stamp} INFO pagoda.server (engine process): {records[0].getMessage()}"
 
