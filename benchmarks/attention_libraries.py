@@ -36,8 +36,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.floors import copy_bandwidth
 from benchmarks.prefill_attention import SHAPES as PREFILL_SHAPES
 from benchmarks.provenance import git_commit, package_version, write_result
+from kernels.attention_ref import paged_attention_decode_ref
 from kernels.fp8 import FP8_DTYPE
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rotary import Rope
 

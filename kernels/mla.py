@@ -26,11 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_ref import gather_kv
 from kernels.decode_config import decode_workspace, merge_splits, num_sms_of
 from kernels.fp8 import FP8_DTYPE
 from kernels.kv_store import from_cache
 from kernels.mla_store import LatentRows, finish_row, finish_rows_ref, mla_store_ref, store_row
-from kernels.paged_attention import LOG2E, dot_precision, gather_kv
+from kernels.paged_attention import LOG2E, dot_precision
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.prefill_config import tile_sequence
 from kernels.rotary import rope_cos_sin, rope_load

@@ -18,76 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_ref import paged_attention_decode_ref
 from kernels.decode_config import DecodeConfig, decode_config, decode_workspace, merge_splits
 from kernels.fp8 import FP8_DTYPE, round_to_fp8
-from kernels.kv_store import from_cache, kv_store_ref
 from kernels.pdl import launch_options, use_pdl, wait_previous
-from kernels.rotary import Rope, rope_cos_sin, rope_load, rotary_ref
-from kernels.score_mods import sink_start, soft_cap, soft_cap_ref, softmax_with_sinks
+from kernels.rotary import Rope, rope_cos_sin, rope_load
+from kernels.score_mods import sink_start, soft_cap
 
 LOG2E = 1.4426950408889634  # kernels use exp2: exp(x) == exp2(x * LOG2E)
 NO_WINDOW = 1 << 30  # the kernels' window when sliding_window is off: longer than any context
-
-
-def gather_kv(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table_row: torch.Tensor,  # [max_blocks_per_seq]
-    context_len: int,
-) -> torch.Tensor:  # [context_len, num_kv_heads, head_dim]
-    block_size = cache.shape[1]
-    num_blocks = -(-context_len // block_size)
-    blocks = block_table_row[:num_blocks].long()
-    return cache[blocks].flatten(0, 1)[:context_len]
-
-
-def paged_attention_decode_ref(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    context_lens: torch.Tensor,  # [num_seqs] int32, tokens to attend to (incl. this one)
-    scale: float,
-    *,
-    new_k: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim], this step's K
-    new_v: torch.Tensor | None = None,  # [num_seqs, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor | None = None,  # [num_seqs] int; < 0 = padding, not stored
-    sliding_window: int = 0,  # > 0: attend to the last `sliding_window` tokens only
-    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
-    v_scale: float = 1.0,
-    rope: Rope | None = None,  # with slot_mapping: rotate query and new_k first
-    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
-    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
-    chunk: int = 0,  # > 0: attend to the keys of this token's chunk of `chunk` only (Llama 4)
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]; zeros where context_len == 0
-    """With slot_mapping, sequence i's new K/V go into the cache first, then it attends."""
-    if rope is not None:
-        assert slot_mapping is not None
-        num_seqs = query.shape[0]
-        q, k = rotary_ref(
-            rope.positions, query.reshape(num_seqs, -1), new_k.reshape(num_seqs, -1),
-            rope.cos_sin, rope.norm,
-        )  # fmt: skip
-        query, new_k = q.view(query.shape), k.view(new_k.shape)
-    if slot_mapping is not None:
-        kv_store_ref(new_k, new_v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    num_heads = query.shape[1]
-    out = torch.zeros_like(query)
-    for i, context_len in enumerate(context_lens.tolist()):
-        if context_len <= 0:
-            continue
-        k = from_cache(gather_kv(k_cache, block_table[i], context_len), k_scale)
-        v = from_cache(gather_kv(v_cache, block_table[i], context_len), v_scale)
-        if sliding_window > 0:
-            k, v = k[-sliding_window:], v[-sliding_window:]
-        if chunk > 0:  # the keys of the chunk holding position context_len - 1
-            keep = (context_len - 1) % chunk + 1
-            k, v = k[-keep:], v[-keep:]
-        group = num_heads // k.shape[1]  # query heads per kv head (GQA)
-        k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)
-        scores = soft_cap_ref(torch.einsum("hd,thd->ht", query[i].float(), k) * scale, softcap)
-        out[i] = torch.einsum("ht,thd->hd", softmax_with_sinks(scores, sinks), v).to(query.dtype)
-    return out
 
 
 def dot_precision(dtype: torch.dtype) -> str:

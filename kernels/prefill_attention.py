@@ -31,73 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_ref import paged_prefill_attention_ref
 from kernels.decode_config import decode_workspace, merge_splits
 from kernels.fp8 import FP8_DTYPE
-from kernels.kv_store import from_cache
-from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision, gather_kv
+from kernels.paged_attention import LOG2E, NO_WINDOW, dot_precision
 from kernels.prefill_config import PrefillConfig, prefill_config, tile_sequence
-from kernels.score_mods import sink_start, soft_cap, soft_cap_ref, softmax_with_sinks
-
-
-def paged_prefill_attention_ref(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
-    seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. the new tokens
-    scale: float,
-    max_query_len: int,  # host-side bound on query lengths (sizes a kernel grid)
-    sliding_window: int = 0,  # > 0: a query sees the last `sliding_window` positions only
-    k_scale: float = 1.0,  # FP8 cache only: it holds K / k_scale
-    v_scale: float = 1.0,
-    softcap: float = 0.0,  # > 0: scores -> softcap * tanh(scores / softcap)
-    sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit (GPT-OSS)
-    # False: every query sees every key of its sequence (an encoder's), or with a
-    # sliding_window, those at most sliding_window positions away either side (ModernBERT's).
-    causal: bool = True,
-    # [num_tokens] int32, causal only: the last position each query sees (>= its own).
-    horizons: torch.Tensor | None = None,
-    chunk: int = 0,  # > 0, causal only: a query sees the keys of its chunk only (Llama 4)
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads = query.shape[1]
-    out = torch.zeros_like(query)
-    starts = query_start_loc.tolist()
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        start, end = starts[i], starts[i + 1]
-        query_len = end - start
-        if query_len == 0:
-            continue
-        # Keys from the first query's window on (all of them without a window).
-        lo = max(seq_len - query_len - sliding_window + 1, 0) if sliding_window > 0 else 0
-        if not causal:  # a window of sliding_window keys either side
-            lo = max(seq_len - query_len - sliding_window, 0)
-        if chunk > 0:  # and from the first query's chunk on
-            lo = max(lo, (seq_len - query_len) // chunk * chunk)
-        k = from_cache(gather_kv(k_cache, block_table[i], seq_len)[lo:], k_scale)
-        v = from_cache(gather_kv(v_cache, block_table[i], seq_len)[lo:], v_scale)
-        group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.repeat_interleave(group, dim=1)
-        q = query[start:end].float()  # [query_len, num_heads, head_dim]
-        scores = soft_cap_ref(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        k_pos = torch.arange(lo, seq_len, device=query.device)
-        distance = k_pos[None, :] - q_pos[:, None]  # [query_len, seq_len]
-        if causal:
-            hidden = distance > 0
-            if horizons is not None:
-                hidden = k_pos[None, :] > horizons[start:end, None]
-            if sliding_window > 0:
-                hidden |= distance <= -sliding_window
-            if chunk > 0:
-                hidden |= k_pos[None, :] < (q_pos - q_pos % chunk)[:, None]
-        else:
-            hidden = distance.abs() > (sliding_window if sliding_window > 0 else seq_len)
-        scores.masked_fill_(hidden[None], float("-inf"))
-        probs = softmax_with_sinks(scores, sinks)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
-    return out
+from kernels.score_mods import sink_start, soft_cap
 
 
 @triton.jit

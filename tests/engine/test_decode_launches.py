@@ -18,10 +18,9 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
 from engine.models.rope import RotaryEmbedding
 from kernels.activation import act_and_mul_ref
+from kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref
 from kernels.kv_store import kv_store_ref
 from kernels.norms import add_norm_ref
-from kernels.paged_attention import paged_attention_decode_ref
-from kernels.prefill_attention import paged_prefill_attention_ref
 from kernels.rotary import rotary_ref
 
 NO_LAUNCH = {"view", "_unsafe_view", "slice", "split", "split_with_sizes", "chunk", "t"}

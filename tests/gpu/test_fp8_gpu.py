@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.models.quantization import Fp8Linear
+from kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref
 from kernels.fp8 import (
     FP8_DTYPE,
     fp8_linear,
@@ -19,8 +20,8 @@ from kernels.fp8 import (
     quantize_fp8_ref,
     quantize_per_channel,
 )
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.paged_attention import paged_attention_decode
+from kernels.prefill_attention import paged_prefill_attention
 from tests.conftest import PROMPTS
 from tests.gpu.conftest import GPU
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref
 from kernels.kv_store import kv_store, kv_store_ref
 from kernels.linear import (
     SHORT_K,
@@ -16,11 +17,8 @@ from kernels.linear import (
     splitk_pays,
     splitk_workspace,
 )
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.prefill_attention import (
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-)
+from kernels.paged_attention import paged_attention_decode
+from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_config import prefill_config
 from tests.gpu.conftest import GPU
 

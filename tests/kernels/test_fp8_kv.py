@@ -13,14 +13,12 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionOps, PagedAttention
 from engine.models.loader import load_tokenizer
+from kernels.attention_ref import paged_attention_decode_ref, paged_prefill_attention_ref
 from kernels.decode_config import DecodeConfig
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
 from kernels.kv_store import kv_store, kv_store_ref
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
-from kernels.prefill_attention import (
-    paged_prefill_attention,
-    paged_prefill_attention_ref,
-)
+from kernels.paged_attention import paged_attention_decode
+from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_config import prefill_config
 from tests.conftest import PROMPTS, hf_greedy
 

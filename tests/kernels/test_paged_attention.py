@@ -7,12 +7,9 @@ import functools
 import pytest
 import torch
 
+from kernels.attention_ref import paged_attention_decode_ref
 from kernels.decode_config import DecodeConfig, decode_workspace
-from kernels.paged_attention import (
-    paged_attention_decode,
-    paged_attention_decode_for,
-    paged_attention_decode_ref,
-)
+from kernels.paged_attention import paged_attention_decode, paged_attention_decode_for
 from kernels.rotary import QKNorm, Rope, rotary
 from kernels.score_mods import softmax_with_sinks
 from tests.kernels.test_rotary import cos_sin_cache

@@ -7,11 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.prefill_attention import (
-    paged_prefill_attention,
-    paged_prefill_attention_for,
-    paged_prefill_attention_ref,
-)
+from kernels.attention_ref import paged_prefill_attention_ref
+from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_for
 from kernels.prefill_config import prefill_config
 from tests.kernels.test_paged_attention import score_mod
 
