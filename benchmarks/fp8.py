@@ -46,12 +46,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import floors
-from benchmarks.checkpoints import CONFIGS as SHAPES
 from benchmarks.checkpoints import build_checkpoint
 from benchmarks.decode_step import start_decoding
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_vs_floor
 from benchmarks.offline import run_pagoda
 from benchmarks.provenance import git_commit, write_result
+from benchmarks.shapes import CONFIGS as SHAPES
 from engine import LLM, SamplingParams
 from engine.models import experts
 from engine.models.layers import AttentionMetadata

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from benchmarks.checkpoints import CONFIGS, synthetic_tokenizer
+from benchmarks.checkpoints import synthetic_tokenizer
 from benchmarks.provenance import package_version, provenance, write_result
+from benchmarks.shapes import CONFIGS
 from benchmarks.structured import SCHEMAS
 from engine.structured.grammars import Grammars, GrammarState
 from engine.structured.spec import GrammarSpec

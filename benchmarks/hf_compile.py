@@ -5,7 +5,7 @@ under torch.compile(mode="reduce-overhead") (CUDA graphs), timed per token.
 
 The anchor for Pagoda's batch-1 decode (benchmarks.offline --compare-hf-compile runs it
 in the same process, after Pagoda). Random weights at the model's shape, as the
-checkpoint says: a checkpoint saved without weights (benchmarks.checkpoints.ON_DEVICE)
+checkpoint says: a checkpoint saved without weights (benchmarks.shapes.ON_DEVICE)
 is built from its config on the GPU with transformers' own random initialisation.
 Compiling is warm-up: two full generations run before the timed one, so that the timed
 one replays graphs only.
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="llama3-8b", help="a benchmarks.checkpoints name or a dir")
+    p.add_argument("--model", default="llama3-8b", help="a benchmarks.shapes name or a dir")
     p.add_argument("--input-len", type=int, default=128, help="random prompt tokens")
     p.add_argument("--output-len", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model",
         default="gpt2",
-        help="a shape of benchmarks/checkpoints.py (gpt2, qwen2-0.5b, qwen3-30b-a3b, "
+        help="a shape of benchmarks/shapes.py (gpt2, qwen2-0.5b, qwen3-30b-a3b, "
         "gpt-oss-20b, glm-4.5-air, llama3-8b, ...: random weights) or a model dir",
     )
     p.add_argument("--workload", default="seeds", choices=["seeds", "nano-vllm"])

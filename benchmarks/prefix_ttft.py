@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/checkpoints.py")
+    p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/shapes.py")
     p.add_argument("--cases", nargs="+", default=["1008:16", "4032:64", "7680:256"])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")

@@ -1,6 +1,6 @@
 """Where a decode step's device time goes, kernel by kernel (torch.profiler).
 
-    python -m benchmarks.profile_decode gpt2 64     # model (a benchmarks.checkpoints shape), batch
+    python -m benchmarks.profile_decode gpt2 64     # model (a benchmarks.shapes name), batch
     python -m benchmarks.profile_decode llama3-8b 64 --context 768 --out FILE
     python -m benchmarks.profile_decode llama3-8b 1 --quantization fp8
     python -m benchmarks.profile_decode llama3-8b 1 --lora 1     # every request on an adapter
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("model", nargs="?", default="gpt2", help="a benchmarks.checkpoints shape")
+    p.add_argument("model", nargs="?", default="gpt2", help="a benchmarks.shapes name")
     p.add_argument("batch", nargs="?", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/checkpoints.py")
+    p.add_argument("--model", default="llama3-8b", help="a shape of benchmarks/shapes.py")
     p.add_argument("--num-requests", type=int, default=1)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)

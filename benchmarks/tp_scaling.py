@@ -34,10 +34,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import CONFIGS, build_checkpoint
+from benchmarks.checkpoints import build_checkpoint
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.offline import run_pagoda
 from benchmarks.provenance import provenance, write_result
+from benchmarks.shapes import CONFIGS
 from engine import LLM
 from engine.tp_group import WORKER_ENV, Rendezvous, host_rendezvous
 

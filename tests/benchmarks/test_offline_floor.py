@@ -63,7 +63,7 @@ def test_decode_vs_floor_weighs_each_step_by_its_own_bytes(llm):
 
 
 def test_llama3_8b_shape_has_8b_parameters():
-    from benchmarks.checkpoints import CONFIGS, ON_DEVICE
+    from benchmarks.shapes import CONFIGS, ON_DEVICE
     from engine.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
@@ -74,7 +74,7 @@ def test_llama3_8b_shape_has_8b_parameters():
 
 def test_llama4_scout_shape_has_its_parameters():
     """Scout's language model: 107.8B parameters, 17.2B active (its 16 experts, top-1)."""
-    from benchmarks.checkpoints import CONFIGS, ON_DEVICE
+    from benchmarks.shapes import CONFIGS, ON_DEVICE
     from engine.models.loader import build_on_meta
 
     model = build_on_meta(CONFIGS["llama4-scout"]())
