@@ -40,7 +40,6 @@ from engine.models.parallel import (
 )
 from engine.models.rope import RotaryEmbedding, rope_settings, rope_type
 from kernels.fp8 import Fp8Rows
-from kernels.fused_moe import fused_moe_for
 from kernels.mla import mla_attention_for
 from kernels.mla_store import LatentRows, mla_store_for
 from kernels.moe_routing import limited_topk_for
@@ -256,10 +255,7 @@ class DeepseekV2MoE(FusedMoE):
         logits = self.gate(x)
         route = limited_topk_for(x.device)
         weights, ids = route(logits, self.top_k, self.num_groups, self.topk_groups, self.scale)
-        routed = fused_moe_for(x.device)(
-            x, self.w13, self.w2, weights, ids, None, None, self.scales
-        )
-        return self.tp.all_reduce(routed) + self.shared_experts(x)
+        return self.routed(x, weights, ids) + self.shared_experts(x)
 
 
 class DeepseekForCausalLM(MoeForCausalLM):

@@ -57,6 +57,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         route = select_experts_for(x.device)
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        return self.routed(x, weights, ids)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for routing already chosen (weights, ids: [num_tokens,
+        top_k]), summed over the ranks: the families that route their own way call this."""
         biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
         moe = fused_moe_for(x.device)
         out = moe(x, self.w13, self.w2, weights, ids, biases, self.clamped, self.scales)

@@ -19,7 +19,6 @@ from engine.models.experts import FusedMoE
 from engine.models.llama import AttentionOptions, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import WeightSlice
-from kernels.fused_moe import fused_moe_for
 
 LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
@@ -70,9 +69,7 @@ class Glm4MoE(FusedMoE):
             self.renormalize,
             self.scale,
         )
-        moe = fused_moe_for(x.device)
-        routed = moe(x, self.w13, self.w2, weights, ids, None, None, self.scales)
-        return self.tp.all_reduce(routed) + self.shared_experts(x)
+        return self.routed(x, weights, ids) + self.shared_experts(x)
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):

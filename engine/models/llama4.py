@@ -27,7 +27,6 @@ from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, che
 from engine.models.moe import MoeForCausalLM
 from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
 from kernels.fp8 import Fp8Rows
-from kernels.fused_moe import fused_moe_for
 
 
 def check_llama4_config(config) -> None:
@@ -48,9 +47,7 @@ class Llama4MoE(FusedMoE):
         logit, ids = self.gate(x).topk(1, dim=-1)
         routed_in = x * torch.sigmoid(logit.float()).to(x.dtype)
         ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
-        moe = fused_moe_for(x.device)
-        routed = moe(routed_in, self.w13, self.w2, ones, ids, None, None, self.scales)
-        return self.tp.all_reduce(routed) + self.shared_expert(x)
+        return self.routed(routed_in, ones, ids) + self.shared_expert(x)
 
 
 class Llama4Attention(LlamaAttention):

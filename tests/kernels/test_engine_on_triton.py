@@ -52,7 +52,18 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize(
     "kind",
-    ["mixtral", "gemma3", "gemma2", "phi3", "gpt_oss", "olmo2", "gpt_neox", "cohere", "glm4_moe"],
+    [
+        "mixtral",
+        "gemma3",
+        "gemma2",
+        "phi3",
+        "gpt_oss",
+        "olmo2",
+        "gpt_neox",
+        "cohere",
+        "glm4_moe",
+        "llama4",
+    ],  # fmt: skip
 )
 def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
     """Sliding windows (16, 8 and 14 tokens, crossed by the longer prompts) in the Triton
@@ -63,8 +74,10 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     GPT-OSS's sinks in both attention kernels and its biased, clamped experts,
     OLMo 2's whole-width q/k norms (the norm kernel on the qkv output's column slices),
     GPT-NeoX's LayerNorm of a residual stream two sublayers read, 4 of 16 dims a
-    head rotated, Cohere's bias-free LayerNorm and interleaved rotation, and GLM-4.5's
-    scaled, group-routed experts beside q/k norms on half-rotated heads."""
+    head rotated, Cohere's bias-free LayerNorm and interleaved rotation, GLM-4.5's
+    scaled, group-routed experts beside q/k norms on half-rotated heads, and Llama 4's
+    chunks of 8 tokens in both attention kernels (the decode kernel rotating and norming
+    q and k itself) and its experts fed their inputs scaled by the router."""
     from kernels.fused_moe import fused_moe
     from kernels.moe_routing import topk_softmax
 
