@@ -120,6 +120,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config = getattr(transformers, config_class)(**(TINY | fields), **common)
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
+        drawn += ("starcoder2",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -265,6 +266,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
         dict(use_parallel_residual=True, hidden_act="gelu"),
+    ),
+    # StarCoder2: GPT-NeoX's sequential layout, separate q/k/v with GQA and biases, a
+    # sliding window of 12 on every layer, tanh GELU, a tied head.
+    "starcoder2": (
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(sliding_window=12, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
     ),
     # GPT-NeoX's sequential residual, half of each head rotated (base 500), tanh GELU.
     "gpt_neox_sequential": (

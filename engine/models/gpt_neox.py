@@ -7,6 +7,8 @@ their outputs join it together:
   a plain GELU MLP; `use_parallel_residual` (Pythia's) or the sequential layout.
 - Phi (`phi`: phi-1, phi-1.5, phi-2): one LayerNorm both sublayers read, separate q/k/v
   tensors, a partial rotary embedding, and an LM head with a bias.
+- StarCoder2 (`starcoder2`): the sequential layout with separate q/k/v tensors (GQA),
+  biases where `use_bias`, the whole head rotated, a sliding window on every layer.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ PHI_RENAMES = {
     "mlp.fc1": "mlp.up",
     "mlp.fc2": "mlp.down",
 }
+STARCODER2_RENAMES = {"mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
 QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 
@@ -59,8 +62,9 @@ class NeoXMLP(nn.Module):
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
         inner = split(config.intermediate_size, tp, "intermediate_size")
-        self.up = ColumnParallelLinear(config.hidden_size, [inner], bias=True)
-        self.down = RowParallelLinear(config.intermediate_size, config.hidden_size, True, tp)
+        bias = getattr(config, "use_bias", True)  # StarCoder2's setting; the others' always
+        self.up = ColumnParallelLinear(config.hidden_size, [inner], bias=bias)
+        self.down = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
@@ -84,12 +88,13 @@ class NeoXLayer(nn.Module):
         parallel: bool,
         attention: AttentionOptions,
         shared_norm: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
-        eps = config.layer_norm_eps
+        eps = layer_norm_eps(config)
         self.parallel = parallel
         self.input_layernorm = LayerNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, rotary, 0, tp, attention)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp, attention)
         self.post_attention_layernorm = None if shared_norm else LayerNorm(config.hidden_size, eps)
         self.mlp = NeoXMLP(config, tp)
         if shared_norm:  # one norm, two readers: each FP8 projection quantizes its own input
@@ -112,6 +117,10 @@ class NeoXLayer(nn.Module):
             return attn + self.mlp(h), residual
         h, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(h), residual
+
+
+def layer_norm_eps(config) -> float:
+    return getattr(config, "layer_norm_eps", None) or config.norm_epsilon  # StarCoder2's name
 
 
 def check_neox_config(config) -> None:
@@ -142,7 +151,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         )
 
     def make_norm(self, config) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_eps)
+        return LayerNorm(config.hidden_size, layer_norm_eps(config))
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         """Read this rank's part of each checkpoint tensor; returns our parameter names
@@ -207,3 +216,14 @@ class PhiForCausalLM(GPTNeoXForCausalLM):
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
         attention = self.attention(config)
         return NeoXLayer(config, self.rotary, tp, True, attention, shared_norm=True)
+
+
+class Starcoder2ForCausalLM(GPTNeoXForCausalLM):
+    RENAMES = STARCODER2_RENAMES
+
+    def attention(self, config) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=config.use_bias, o_bias=config.use_bias)
+
+    def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
+        window = config.sliding_window or 0
+        return NeoXLayer(config, self.rotary, tp, False, self.attention(config), False, window)

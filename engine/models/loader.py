@@ -25,7 +25,7 @@ from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
-from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
@@ -81,6 +81,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "glm4": Glm4ForCausalLM,
     "ernie4_5": Ernie4_5ForCausalLM,
