@@ -267,6 +267,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "GPTNeoXForCausalLM",
         dict(use_parallel_residual=True, hidden_act="gelu"),
     ),
+    # OLMoE: Llama's layers with OLMo 2's whole-width q/k norms, 6 experts top-3, not
+    # renormalized.
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(num_experts=6, num_experts_per_tok=3, intermediate_size=32),
+    ),
     # StarCoder2: GPT-NeoX's sequential layout, separate q/k/v with GQA and biases, a
     # sliding window of 12 on every layer, tanh GELU, a tied head.
     "starcoder2": (

@@ -41,7 +41,7 @@ from engine.models.multimodal import (
     language_config,
     language_model_weights,
 )
-from engine.models.olmo2 import Olmo2ForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 from engine.models.parallel import WeightSlice
 from engine.models.quantization import (
     checkpoint_fp8,
@@ -92,6 +92,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "deepseek_v3": DeepseekForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
+    "olmoe": OlmoeForCausalLM,
     # Encoders (engine/models/bert.py's ENCODER_TYPES): embeddings and scores only.
     "bert": BertModel,
     "roberta": BertModel,

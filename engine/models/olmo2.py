@@ -3,7 +3,9 @@ and MLP, with the norms moved. Each sublayer's output is RMS-normed before it jo
 residual stream (no norm before a sublayer), and q and k are RMS-normed over their whole
 width, every head at once, before the rotation. Those norms span the heads a
 tensor-parallel rank would split, so OLMo runs unsharded. OLMo 3 adds sliding-window
-layers (`layer_types`), each kind with its own rope settings."""
+layers (`layer_types`), each kind with its own rope settings. OLMoE (`olmoe`) keeps
+Llama's norms before each sublayer, with OLMo 2's q/k norms, and MoE layers routed by a
+softmax over its experts' top-k (renormalized where `norm_topk_prob`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
-from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.models.moe import MoeForCausalLM
 from engine.models.rope import RotaryEmbedding, rope_settings
 
 
@@ -56,13 +60,17 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
 
 
+def check_unsharded(tp: TensorParallel) -> None:
+    if tp.size > 1:
+        raise ValueError(
+            "OLMo normalizes q and k across every head, which tensor-parallel ranks split: "
+            "run it with --tensor-parallel-size 1"
+        )
+
+
 class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        if tp.size > 1:
-            raise ValueError(
-                "OLMo 2 normalizes q and k across every head, which tensor-parallel ranks "
-                "split: run it with --tensor-parallel-size 1"
-            )
+        check_unsharded(tp)
         super().__init__(config, tp)
 
     def make_layers(self, config) -> list[nn.Module]:
@@ -78,3 +86,30 @@ class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
             Olmo2DecoderLayer(config, local if window else self.rotary, window, self.tp)
             for window in layer_sliding_windows(config)
         ]
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        check_unsharded(tp)
+        if getattr(config, "clip_qkv", None) is not None:
+            raise ValueError(f"unsupported clip_qkv {config.clip_qkv} (q, k and v clamped)")
+        super().__init__(config, tp)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        return [
+            LlamaDecoderLayer(
+                config, None, 0, self.make_mlp(config, i), self.tp,
+                self_attn=Olmo2Attention(config, self.rotary, 0, self.tp),
+            )
+            for i in range(config.num_hidden_layers)
+        ]  # fmt: skip
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        top_k, renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        experts = config.num_experts
+        return FusedMoE(
+            config.hidden_size, config.intermediate_size, experts, top_k, renormalize, self.tp
+        )
