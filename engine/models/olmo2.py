@@ -1,13 +1,15 @@
 """AllenAI's OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): Llama's attention
 and MLP, with the norms moved. Each sublayer's output is RMS-normed before it joins the
 residual stream (no norm before a sublayer), and q and k are RMS-normed over their whole
-width, every head at once, before the rotation. Those norms span the heads a
-tensor-parallel rank would split, so OLMo runs unsharded. OLMo 3 adds sliding-window
+width, every head at once, before the rotation. Tensor-parallel ranks hold parts of that
+width: each sums its part's squares and one all-reduce adds them up. OLMo 3 adds sliding-window
 layers (`layer_types`), each kind with its own rope settings. OLMoE (`olmoe`) keeps
 Llama's norms before each sublayer, with OLMo 2's q/k norms, and MoE layers routed by a
 softmax over its experts' top-k (renormalized where `norm_topk_prob`)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -17,7 +19,32 @@ from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import Section, WeightSlice, head_shard, read
 from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.weight_copy import fill
+from kernels.norms import add_norm_for
+
+
+class WidthNorm(nn.Module):
+    """RMSNorm weights over a projection's whole width (OLMo's q and k norms): this rank's
+    rows of them, where its heads are."""
+
+    def __init__(self, rows: Section, eps: float) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = nn.Parameter(torch.ones(rows.local_size))
+        self.eps = eps
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        fill(self.weight.data, read(weight, [self.rows.size], self.rows.ranges))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the whole width on this rank
+        return add_norm_for(x.device)(x, None, self.weight, None, self.eps, True, False)[0]
+
+    def scale(self, x: torch.Tensor, sum_of_squares: torch.Tensor) -> torch.Tensor:
+        """x normed by the whole width's sum of squares (fp32, [num_tokens, 1])."""
+        rms = torch.rsqrt(sum_of_squares / self.rows.size + self.eps)
+        return (x.float() * rms).to(x.dtype) * self.weight
 
 
 class Olmo2Attention(LlamaAttention):
@@ -25,15 +52,31 @@ class Olmo2Attention(LlamaAttention):
         self, config, rotary: RotaryEmbedding, sliding_window: int, tp: TensorParallel
     ) -> None:
         super().__init__(config, rotary, sliding_window, tp)
-        eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.q_size, eps)  # over all of q: every head's dims
-        self.k_norm = RMSNorm(self.kv_size, eps)
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = self.q_size * tp.size // num_heads
+        q, k, _ = head_shard(num_heads, num_kv_heads, head_dim, tp).sections
+        self.q_norm = WidthNorm(q, config.rms_norm_eps)
+        self.k_norm = WidthNorm(k, config.rms_norm_eps)
+        self.tp = tp
+        # Ranks may hold copies of a kv head (fewer kv heads than ranks, or a group split
+        # between two): each of the checkpoint's kv heads is held this many times.
+        group, local_heads = num_heads // num_kv_heads, num_heads // tp.size
+        self.kv_copies = group // math.gcd(group, local_heads)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp.size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        k_squares = k.float().pow(2).sum(-1, keepdim=True) / self.kv_copies
+        squares = torch.cat([q.float().pow(2).sum(-1, keepdim=True), k_squares], dim=-1)
+        squares = self.tp.all_reduce(squares)  # [num_tokens, 2]: the whole widths'
+        return self.q_norm.scale(q, squares[:, :1]), self.k_norm.scale(k, squares[:, 1:])
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        q, k = self.norm_qk(q, k)
         return self.o_proj(self.attn(q, k, v, meta, self.rotary.rope(positions)))
 
 
@@ -60,19 +103,7 @@ class Olmo2DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))[0], None
 
 
-def check_unsharded(tp: TensorParallel) -> None:
-    if tp.size > 1:
-        raise ValueError(
-            "OLMo normalizes q and k across every head, which tensor-parallel ranks split: "
-            "run it with --tensor-parallel-size 1"
-        )
-
-
 class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
-    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        check_unsharded(tp)
-        super().__init__(config, tp)
-
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or head_dim
@@ -90,7 +121,6 @@ class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
 
 class OlmoeForCausalLM(MoeForCausalLM):
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        check_unsharded(tp)
         if getattr(config, "clip_qkv", None) is not None:
             raise ValueError(f"unsupported clip_qkv {config.clip_qkv} (q, k and v clamped)")
         super().__init__(config, tp)

@@ -37,8 +37,7 @@ from tests.conftest import FAMILY_CONFIGS, OpLog
 from tests.ports import free_port
 
 PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
-# OLMo 2 refuses tensor parallelism: its q/k norms span the heads ranks would split.
-SHARDED_FAMILIES = [kind for kind in FAMILY_CONFIGS if not kind.startswith("olmo")]
+SHARDED_FAMILIES = list(FAMILY_CONFIGS)
 DECODE_IDS = [7, 11, 508]
 BLOCK_SIZE = 4
 
@@ -241,13 +240,16 @@ def test_random_weight_checkpoints_build_the_shard_shapes(tmp_path, tiny_family_
 # -- TP=2 forward equals TP=1 ---------------------------------------------------
 
 
-def _build_llama_variant(path: Path, num_heads: int, num_kv_heads: int, vocab: int) -> str:
-    """Llama whose kv heads do not split evenly, over a vocabulary that is no multiple of
-    the ranks' 64-row shares (the padding rows and the embedding's range masks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _build_llama_variant(
+    path: Path, num_heads: int, num_kv_heads: int, vocab: int, family: str = "Llama"
+) -> str:
+    """Llama (or OLMo 2: `family` "Olmo2") whose kv heads do not split evenly, over a
+    vocabulary that is no multiple of the ranks' 64-row shares (the padding rows and the
+    embedding's range masks)."""
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = getattr(transformers, f"{family}Config")(
         hidden_size=16 * num_heads,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -258,7 +260,7 @@ def _build_llama_variant(path: Path, num_heads: int, num_kv_heads: int, vocab: i
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    getattr(transformers, f"{family}ForCausalLM")(config).eval().save_pretrained(path)
     return str(path)
 
 
@@ -268,6 +270,9 @@ def checkpoint_dirs(gpt2: str, llama: str, qwen2: str, tiny_family_dir, tmp_path
     dirs |= {kind: tiny_family_dir(kind) for kind in SHARDED_FAMILIES}
     dirs["llama_kv1"] = _build_llama_variant(tmp_path_factory.mktemp("kv1"), 4, 1, 509)
     dirs["llama_kv3"] = _build_llama_variant(tmp_path_factory.mktemp("kv3"), 6, 3, 509)
+    # OLMo 2's whole-width k norm over kv heads both ranks hold copies of ([0, 0, 1], [1, 2, 2]).
+    olmo_kv3 = tmp_path_factory.mktemp("olmo_kv3")
+    dirs["olmo2_kv3"] = _build_llama_variant(olmo_kv3, 6, 3, 509, family="Olmo2")
     return dirs
 
 
@@ -363,8 +368,15 @@ def tp2(checkpoints, tmp_path_factory) -> list[dict]:
     return run_tensor_parallel(checkpoints, tmp_path_factory.mktemp("tp2"), "gloo", torch.float32)
 
 
-KINDS = ["gpt2", "llama", "llama_kv1", "llama_kv3", "qwen2", *SHARDED_FAMILIES]
-KV_HEADS_PER_RANK = {"llama": 1, "llama_kv1": 1, "llama_kv3": 3, "gpt2": 2, "qwen3": 1}
+KINDS = ["gpt2", "llama", "llama_kv1", "llama_kv3", "olmo2_kv3", "qwen2", *SHARDED_FAMILIES]
+KV_HEADS_PER_RANK = {
+    "llama": 1,
+    "llama_kv1": 1,
+    "llama_kv3": 3,
+    "olmo2_kv3": 3,
+    "gpt2": 2,
+    "qwen3": 1,
+}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -380,8 +392,3 @@ def test_tp2_logits_equal_tp1(kind, checkpoints, tp2):
     if kind in KV_HEADS_PER_RANK:  # each rank's cache holds its own kv heads
         for rank in range(2):
             assert (tp2[rank][kind]["kv_heads"] == KV_HEADS_PER_RANK[kind]).all()
-
-
-def test_olmo2_refuses_tensor_parallelism(tiny_family_dir):
-    with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
-        load_model(tiny_family_dir("olmo2"), torch.device("cpu"), torch.float32, tp=rank_of(0, 2))
