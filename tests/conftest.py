@@ -120,13 +120,15 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config = getattr(transformers, config_class)(**(TINY | fields), **common)
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
-        drawn += ("starcoder2",)
+        drawn += ("starcoder2", "minimax_m2")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
                 for name, param in [*model.named_parameters(), *model.named_buffers()]:
                     if name.endswith(("bias", "sinks")):
                         param.normal_(0.0, 0.5)
+                    elif kind == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                        param.normal_(1.0, 0.5)  # each dim its own weight, to follow a reorder
     else:
         raise ValueError(kind)
     return _save(path, model.eval(), tokenizer)
@@ -266,6 +268,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
         dict(use_parallel_residual=True, hidden_act="gelu"),
+    ),
+    # MiniMax-M2: whole-width q/k norms before rotating 8 of each head's 16 dims; every
+    # layer 4 experts top-2 by sigmoid scores plus a correction bias (drawn), renormalized.
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(head_dim=16, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2),
     ),
     # OLMoE: Llama's layers with OLMo 2's whole-width q/k norms, 6 experts top-3, not
     # renormalized.

@@ -52,7 +52,7 @@ QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
-PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4")
+PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2")
 
 
 def check_config(config) -> None:
@@ -138,8 +138,9 @@ class LlamaAttention(nn.Module):
         heads = torch.arange(0, q_k, len(order), device=order.device)
         permute_rows_(self.qkv_proj, slice(0, q_k), (heads[:, None] + order).flatten())
         for norm in (self.q_norm, self.k_norm):
-            if norm is not None:
-                norm.weight.copy_(norm.weight[order])
+            if norm is not None:  # a head's weights, or every head's (a whole-width norm)
+                heads_of = norm.weight.view(-1, len(order))
+                heads_of.copy_(heads_of[:, order])
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata

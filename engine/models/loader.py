@@ -33,6 +33,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.lora import LoRAError
 from engine.models.lora_slots import LoRASettings, LoRASlots
+from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.multimodal import (
@@ -74,6 +75,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2_moe": MoeForCausalLM,
     "mixtral": MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,
