@@ -93,8 +93,9 @@ def build_parser(prog: str = "pagoda serve") -> argparse.ArgumentParser:
         help="how tool calls are found in the output: hermes (Qwen2.5/Qwen3, Hermes: "
         "<tool_call> JSON), llama3_json (Llama 3.1+), openai (GPT-OSS's harmony), mistral "
         "([TOOL_CALLS]), glm45 "
-        "(GLM-4.5/4.6's <arg_key>/<arg_value> pairs) or qwen3_coder (Qwen3-Coder's "
-        "<parameter=...> pairs)",
+        "(GLM-4.5/4.6's <arg_key>/<arg_value> pairs), qwen3_coder (Qwen3-Coder's "
+        "<parameter=...> pairs), minimax_m2 (MiniMax-M2's <invoke> blocks), or the others "
+        "docs/server.md lists",
     )
     s(
         "--generation-config",

@@ -7,7 +7,8 @@ until </think>, then `content` ones). The two parsers differ on an answer with n
 </think>: R1's templates open <think> in the prompt, so everything before </think> is
 reasoning, and an answer that never closes it is all reasoning; Qwen3 reasons only when
 the answer opens <think> itself (no thinking, `enable_thinking: false`, is plain content);
-`glm45` (GLM-4.5/4.6) is Qwen3's.
+`glm45` (GLM-4.5/4.6) is Qwen3's; `minimax_m2` (MiniMax-M2, whose template opens <think>
+in the prompt too) is R1's.
 GPT-OSS writes OpenAI's harmony messages instead: `openai_gptoss` (server/harmony.py).
 """
 
@@ -22,7 +23,7 @@ from server import harmony
 from server.tool_parsers import partial_suffix
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "minimax_m2", "openai_gptoss")
 # Reasoning only where the answer opens <think> itself (GLM-4.5 writes as Qwen3 does).
 OPENS_ITS_OWN = ("qwen3", "glm45")
 # The parsers whose markers are special tokens: their answers are decoded with them.

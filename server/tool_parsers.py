@@ -267,6 +267,32 @@ class Qwen3CoderParser(PairsParser):
         return value.removeprefix("\n").removesuffix("\n")
 
 
+class MiniMaxM2Parser(PairsParser):
+    """MiniMax-M2's: <minimax:tool_call>, then each call an <invoke name="NAME"> holding
+    <parameter name="K">V</parameter> pairs, to </invoke>; content is the text before
+    the block."""
+
+    BLOCK = "<minimax:tool_call>"
+    OPEN, CLOSE = "<invoke name=", "</invoke>"
+    NAME = re.compile(r'\s*"([^"\n]*)"\s*>')
+    PAIR = re.compile(r'<parameter name="([^"\n]*)">(.*?)</parameter>', re.S)
+
+    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
+        match = self.NAME.match(body)
+        if match is None:
+            return ("", len(body)) if closed else None
+        return match[1].strip(), match.end()
+
+    def extract(self, text: str, final: bool) -> Extracted:
+        block = text.find(self.BLOCK)
+        if block < 0:
+            return _before_any_call(text, self.BLOCK, final)
+        inner = super().extract(text[block:], final)
+        if not inner.calls:  # the block open, no call in it yet (at the end: the answer)
+            return Extracted(text) if final else Extracted(text[:block])
+        return Extracted(text[:block], inner.calls, inner.tail)
+
+
 class GraniteParser(ToolParser):
     TAGS = ("<|tool_call|>", "<tool_call>")  # Granite 3.0's, 3.1+'s
 
@@ -352,6 +378,7 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
     "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
     "glm45": Glm45Parser,
     "qwen3_coder": Qwen3CoderParser,
+    "minimax_m2": MiniMaxM2Parser,
     "mistral": MistralParser,
     "granite": GraniteParser,
     "pythonic": _pythonic,

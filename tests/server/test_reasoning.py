@@ -26,9 +26,10 @@ QWEN3_CASES = [
 ]
 
 
+@pytest.mark.parametrize("parser", ["deepseek_r1", "minimax_m2"])
 @pytest.mark.parametrize(("text", "want"), R1_CASES)
-def test_deepseek_r1_whole_text(text, want):
-    assert split("deepseek_r1", text) == want
+def test_deepseek_r1_whole_text(parser, text, want):
+    assert split(parser, text) == want  # MiniMax-M2's template opens <think> too
 
 
 @pytest.mark.parametrize(("text", "want"), QWEN3_CASES)

@@ -17,6 +17,7 @@ from server.tool_parsers import (
     GraniteParser,
     HermesParser,
     Llama3JsonParser,
+    MiniMaxM2Parser,
     MistralParser,
     NamedParser,
     Qwen3CoderParser,
@@ -68,6 +69,12 @@ QWEN3_CODER = (
     "Running it.\n<tool_call>\n<function=run>\n<parameter=code>\nx = 1\n\nprint(x)\n"
     "</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>\n"
     "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+)
+# MiniMax-M2's: one block, an invoke per call, a value with a newline and a "<" inside.
+MINIMAX_M2 = (
+    'Looking.\n<minimax:tool_call>\n<invoke name="run">\n<parameter name="code">if a < b:\n'
+    '    f()</parameter>\n<parameter name="timeout">30</parameter>\n</invoke>\n'
+    '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>'
 )
 
 # Granite 3.x's: a JSON array of call objects after its tag.
@@ -167,11 +174,26 @@ def test_qwen3_coder_values_keep_their_inner_lines():
     ]
 
 
+def test_minimax_m2_calls_in_one_block():
+    found = MiniMaxM2Parser().extract(MINIMAX_M2, final=True)
+    assert found.content == "Looking.\n"
+    assert found.calls == [
+        DraftCall("run", '{"code": "if a < b:\\n    f()", "timeout": 30}'),
+        DraftCall("get_time", "{}"),
+    ]
+    unclosed = "Hm.<minimax:tool_call>\n"  # a block with no call: the text is the answer
+    assert MiniMaxM2Parser().extract(unclosed, final=True).content == unclosed
+
+
 @pytest.mark.parametrize(
     ("parser", "text"),
     [
         ("glm45", "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"),
         ("qwen3_coder", "<tool_call><function=f><parameter=x>1</parameter></tool_call>"),
+        (
+            "minimax_m2",
+            '<minimax:tool_call><invoke name="f"><parameter name="x">1</parameter></invoke>',
+        ),
     ],
 )
 def test_plan_tools_hands_the_pair_parsers_the_requests_functions(parser, text):
@@ -241,6 +263,7 @@ ESCAPES = (
         (HermesParser, HERMES, "Let me check.\n", HERMES_CALLS),
         (Glm45Parser, GLM, "Checking.\n", None),
         (Qwen3CoderParser, QWEN3_CODER, "Running it.\n", None),
+        (MiniMaxM2Parser, MINIMAX_M2, "Looking.\n", None),
         (MistralParser, MISTRAL, "Sure.", None),
         (MistralParser, MISTRAL_ARRAY, "", None),
         (DeepSeekParser, DEEPSEEK_V3, "Let me see.", None),
@@ -306,6 +329,12 @@ def test_stream_without_parallel_calls_keeps_the_first():
         ("deepseek_v3", "Sure.", "content"),
         ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=code>\n", "held"),
         ("glm45", "<tool_call>f\n<arg_key>code</arg_key><arg_value>", "held"),
+        ("minimax_m2", "Sure.", "content"),
+        (
+            "minimax_m2",
+            '<minimax:tool_call>\n<invoke name="f">\n<parameter name="code">',
+            "held",
+        ),
     ],
 )
 def test_pieces_without_a_tag_are_not_parsed_again(parser, opening, field):
