@@ -120,7 +120,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config = getattr(transformers, config_class)(**(TINY | fields), **common)
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
-        drawn += ("starcoder2", "minimax_m2")
+        drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -276,6 +276,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "MiniMaxM2ForCausalLM",
         dict(head_dim=16, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2),
     ),
+    # ERNIE 4.5 MoE: layer 0 dense, then 6 experts top-2 by softmax plus a correction
+    # bias (drawn), a shared expert; the interleaved rotation.
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
     # OLMoE: Llama's layers with OLMo 2's whole-width q/k norms, 6 experts top-3, not
     # renormalized.
     "olmoe": (

@@ -19,7 +19,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.bert import ENCODER_TYPES, BertModel, ClassifierHead, encoder_max_len
 from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
-from engine.models.ernie4_5 import Ernie4_5ForCausalLM
+from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
@@ -87,6 +87,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "cohere": CohereForCausalLM,
     "glm4": Glm4ForCausalLM,
     "ernie4_5": Ernie4_5ForCausalLM,
+    "ernie4_5_moe": Ernie4_5MoeForCausalLM,
     "exaone4": Exaone4ForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
