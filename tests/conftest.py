@@ -120,7 +120,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         config = getattr(transformers, config_class)(**(TINY | fields), **common)
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
-        drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe")
+        drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -423,6 +423,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             tie_word_embeddings=False,
         ),
     ),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (its rotary pairs interleaved) and routing in one
+    # group, dense and sparse layers by mlp_layer_types.
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            routed_scaling_factor=1.8,
+            mlp_layer_types=["dense", "sparse"],
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

@@ -292,7 +292,9 @@ class DeepseekForCausalLM(MoeForCausalLM):
         return layers
 
     def make_mlp(self, config, layer: int) -> nn.Module:
-        if layer < config.first_k_dense_replace or not config.n_routed_experts:
+        kinds = getattr(config, "mlp_layer_types", None)  # GLM-4.7-Flash's, else by count
+        dense = kinds[layer] == "dense" if kinds else layer < config.first_k_dense_replace
+        if dense or not config.n_routed_experts:
             return LlamaMLP(config, self.tp)
         if config.model_type == "deepseek_v2":
             return DeepseekV2MoE(config, self.tp)

@@ -93,6 +93,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
     "olmoe": OlmoeForCausalLM,
