@@ -121,6 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
+        drawn += ("solar_open",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -441,6 +442,21 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             n_shared_experts=1,
             routed_scaling_factor=1.8,
             mlp_layer_types=["dense", "sparse"],
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
+    # Solar Open: GLM-4.5's layers without biases, every one MoE (8 experts top-2 in one
+    # group, a correction bias drawn, a shared expert).
+    "solar_open": (
+        "SolarOpenConfig",
+        "SolarOpenForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
             tie_word_embeddings=False,
         ),
     ),  # fmt: skip

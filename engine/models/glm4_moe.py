@@ -76,7 +76,7 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     ATTENTION = AttentionOptions(o_bias=False)  # whatever attention_bias says
 
     def make_mlp(self, config, layer: int) -> nn.Module:
-        if layer < config.first_k_dense_replace:
+        if layer < (getattr(config, "first_k_dense_replace", None) or 0):  # Solar Open: none
             return LlamaMLP(config, self.tp)
         return Glm4MoE(config, self.tp)
 

@@ -91,6 +91,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "exaone4": Exaone4ForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "solar_open": Glm4MoeForCausalLM,  # Solar Open: GLM-4.5's layers, every one MoE
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
     "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
