@@ -121,7 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
-        drawn += ("solar_open",)
+        drawn += ("solar_open", "exaone_moe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -340,6 +340,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "Exaone4ForCausalLM",
         dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     ),
+    # EXAONE MoE: EXAONE 4's attention (sliding window 8 with rotary, then a global NoPE
+    # layer) in pre-norm layers; a dense layer, then 8 experts top-2 in 2 groups by
+    # sigmoid scores plus a drawn correction bias, a shared expert.
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            num_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
     # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
     # first half of each head rotated, gate and up one tensor.
     "glm4": (

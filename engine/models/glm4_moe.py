@@ -49,14 +49,15 @@ def grouped_topk(
 
 class Glm4MoE(FusedMoE):
     def __init__(self, config, tp: TensorParallel) -> None:
-        experts = config.n_routed_experts
+        experts = getattr(config, "n_routed_experts", None) or config.num_experts  # EXAONE's
         inter = config.moe_intermediate_size
         top_k, renormalize = config.num_experts_per_tok, config.norm_topk_prob
         super().__init__(config.hidden_size, inter, experts, top_k, renormalize, tp)
         self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
         self.num_groups, self.topk_groups = config.n_group, config.topk_group
         self.scale = float(config.routed_scaling_factor)
-        shared = inter * config.n_shared_experts
+        count = getattr(config, "n_shared_experts", None)
+        shared = inter * (config.num_shared_experts if count is None else count)  # EXAONE's
         self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]

@@ -20,7 +20,7 @@ from engine.models.bert import ENCODER_TYPES, BertModel, ClassifierHead, encoder
 from engine.models.cohere import CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
-from engine.models.exaone4 import Exaone4ForCausalLM
+from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM
@@ -89,6 +89,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "ernie4_5": Ernie4_5ForCausalLM,
     "ernie4_5_moe": Ernie4_5MoeForCausalLM,
     "exaone4": Exaone4ForCausalLM,
+    "exaone_moe": ExaoneMoeForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "solar_open": Glm4MoeForCausalLM,  # Solar Open: GLM-4.5's layers, every one MoE
