@@ -226,6 +226,7 @@ def load_model(
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,  # "fp8": the projections quantized as they load
     lora: LoRASettings | None = None,  # adapter slots (engine/models/lora_slots.py)
+    max_model_len: int | None = None,  # the rotary tables' rows (None: the model's limit)
 ) -> tuple[nn.Module, PretrainedConfig]:
     """This rank's shard of the model (all of it with SINGLE), weights read from disk. An
     FP8 checkpoint is read back to `dtype`; its projections go back to FP8 where the
@@ -254,7 +255,7 @@ def load_model(
         model.classifier = None
     if (Path(model_dir) / RANDOM_WEIGHTS_MARKER).is_file():
         _fill_random(model)
-        return _finish(model, device, quantization, lora), config
+        return _finish(model, device, quantization, lora, max_model_len), config
     weights = iter_weights(model_dir)
     if is_multimodal(model_dir):
         weights = language_model_weights(weights)
@@ -294,7 +295,7 @@ def load_model(
             f"{model_dir}: {len(missing)} weights missing from the checkpoint: {shown}"
         )
     set_kv_scales(model, kv_scales)
-    return _finish(model, device, quantization, lora), config
+    return _finish(model, device, quantization, lora, max_model_len), config
 
 
 def _without_heads(
@@ -327,6 +328,7 @@ def load_for_engine(
         tp,
         config.quantization,
         config.lora,
+        config.max_model_len,
     )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     seconds = time.perf_counter() - start
@@ -339,10 +341,11 @@ def _finish(
     device: torch.device,
     quantization: str | None,
     lora: LoRASettings | None,
+    max_model_len: int | None,
 ) -> nn.Module:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            module.build_cache(device)
+            module.build_cache(device, max_model_len)
     # Before quantizing: the adapters read the projections' sections, which FP8 drops.
     model.lora_slots = None
     if lora is not None:

@@ -178,11 +178,13 @@ class RotaryEmbedding(nn.Module):
         self.mrope_interleaved = (scaling or {}).get("mrope_interleaved", False)  # Qwen3-VL's
         self.cos_sin = torch.empty(0)
 
-    def build_cache(self, device: torch.device) -> None:
+    def build_cache(self, device: torch.device, rows: int | None = None) -> None:
+        """The cos/sin table, `rows` positions of it where given (the engine's longest
+        context: Llama 4's 10M-position table would take 5 GB)."""
         dim = self.rotary_dim
         if rope_type(self.scaling) == "longrope":
             cos_sin = longrope_cos_sin(dim, self.max_positions, self.theta, self.scaling)
-            cos_sin = cos_sin.to(device)
+            cos_sin = cos_sin[:rows].to(device)
         else:
             attention_factor = 1.0
             if rope_type(self.scaling) == "yarn":
@@ -192,6 +194,7 @@ class RotaryEmbedding(nn.Module):
             else:
                 inv_freq = rope_inv_freq(dim, self.theta, self.scaling)
             count = rope_positions(self.max_positions, self.scaling)
+            count = count if rows is None else min(count, rows)
             positions = torch.arange(count, device=device, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq.to(device))  # [positions, dim / 2]
             cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # fp32

@@ -202,3 +202,19 @@ def test_random_weights_marker_loads_without_safetensors(tmp_path, tiny_family_d
     moe = model.layers[0].mlp
     assert moe.w13.abs().max() > 0 and torch.isfinite(moe.w13).all()
     assert (model.norm.weight == 1).all()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "phi3"])  # YaRN; LongRoPE
+def test_the_rotary_table_stops_at_the_engines_longest_context(tiny_family_dir, kind):
+    """No position past max_model_len is rotated, so the cos/sin table stops there (Llama
+    4's 10M positions would take 5 GB), its rows those of the whole table."""
+    from engine import LLM
+
+    model_dir = tiny_family_dir(kind)
+    cpu = torch.device("cpu")
+    whole, _ = load_model(model_dir, cpu, torch.float32)
+    short, _ = load_model(model_dir, cpu, torch.float32, max_model_len=40)
+    assert whole.rotary.cos_sin.shape[0] > 40
+    assert torch.equal(short.rotary.cos_sin, whole.rotary.cos_sin[:40])
+    llm = LLM(model_dir, device="cpu", max_model_len=40)
+    assert llm.engine.model.rotary.cos_sin.shape[0] == 40
