@@ -1,0 +1,75 @@
+"""Which class serves each Hugging Face `model_type` (config.json's)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.bert import BertModel
+from engine.models.cohere import CohereForCausalLM
+from engine.models.deepseek import DeepseekForCausalLM
+from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
+from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.gpt2 import GPT2ForCausalLM
+from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
+from engine.models.granite import GraniteForCausalLM
+from engine.models.granite_moe import GraniteMoeForCausalLM
+from engine.models.llama import LlamaForCausalLM
+from engine.models.llama4 import Llama4ForCausalLM
+from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
+from engine.models.modernbert import ModernBertModel
+from engine.models.moe import MoeForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
+
+# Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "gpt2": GPT2ForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "qwen2_vl_text": LlamaForCausalLM,  # the VL models' language models (TEXT_OF_MULTIMODAL)
+    "qwen2_5_vl_text": LlamaForCausalLM,
+    "qwen3_vl_text": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "ministral": LlamaForCausalLM,  # Ministral 8B: Mistral with layer_types' windows
+    "phi3": LlamaForCausalLM,
+    "smollm3": LlamaForCausalLM,
+    "qwen3_moe": MoeForCausalLM,
+    "qwen3_vl_moe_text": MoeForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
+    "mixtral": MoeForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
+    "gemma2": Gemma3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "granite": GraniteForCausalLM,
+    "granitemoe": GraniteMoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+    "gpt_neox": GPTNeoXForCausalLM,
+    "phi": PhiForCausalLM,
+    "starcoder2": Starcoder2ForCausalLM,
+    "cohere": CohereForCausalLM,
+    "glm4": Glm4ForCausalLM,
+    "ernie4_5": Ernie4_5ForCausalLM,
+    "ernie4_5_moe": Ernie4_5MoeForCausalLM,
+    "exaone4": Exaone4ForCausalLM,
+    "exaone_moe": ExaoneMoeForCausalLM,
+    "seed_oss": LlamaForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
+    "solar_open": Glm4MoeForCausalLM,  # Solar Open: GLM-4.5's layers, every one MoE
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
+    "olmo2": Olmo2ForCausalLM,
+    "olmo3": Olmo2ForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    # Encoders (engine/models/bert.py's ENCODER_TYPES): embeddings and scores only.
+    "bert": BertModel,
+    "roberta": BertModel,
+    "xlm-roberta": BertModel,
+    "distilbert": BertModel,
+    "modernbert": ModernBertModel,
+}
