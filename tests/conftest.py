@@ -290,7 +290,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             moe_layer_start_index=1,
             tie_word_embeddings=False,
         ),
-    ),  # fmt: skip
+    ),
     # OLMoE: Llama's layers with OLMo 2's whole-width q/k norms, 6 experts top-3, not
     # renormalized.
     "olmoe": (
@@ -359,7 +359,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             num_shared_experts=1,
             tie_word_embeddings=False,
         ),
-    ),  # fmt: skip
+    ),
     # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
     # first half of each head rotated, gate and up one tensor.
     "glm4": (
@@ -464,7 +464,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_layer_types=["dense", "sparse"],
             tie_word_embeddings=False,
         ),
-    ),  # fmt: skip
+    ),
     # Solar Open: GLM-4.5's layers without biases, every one MoE (8 experts top-2 in one
     # group, a correction bias drawn, a shared expert).
     "solar_open": (
@@ -479,7 +479,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             routed_scaling_factor=1.5,
             tie_word_embeddings=False,
         ),
-    ),  # fmt: skip
+    ),
     # OLMo 2: norms after each sublayer, q/k normed over all their heads at once.
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(tie_word_embeddings=False)),
     # OLMo 3: OLMo 2 with a sliding layer (window 8, base 10k) and a full one (YaRN).

@@ -173,27 +173,45 @@ def test_prefill_score_mods_match_reference(
     assert not torch.allclose(plain, expected, rtol=1e-2, atol=1e-2)
 
 
+def first_seen(mask: dict, q_len: int, s_len: int) -> int:
+    """The first key any of a chunk's queries sees under a sliding window or chunks."""
+    first_query = s_len - q_len
+    if "sliding_window" in mask:
+        return max(first_query - mask["sliding_window"] + 1, 0)
+    return first_query // mask["chunk"] * mask["chunk"]
+
+
 @pytest.mark.parametrize(
-    ("window", "block_size", "num_splits"),
-    [(8, 16, 1), (24, 16, 1), (70, 32, 1), (8, 16, 3), (70, 32, 3)],  # split: within, past a tile
+    ("mask", "block_size", "num_splits"),
+    [  # windows within and past a tile, split or not; Llama 4's chunks
+        ({"sliding_window": 8}, 16, 1),
+        ({"sliding_window": 24}, 16, 1),
+        ({"sliding_window": 70}, 32, 1),
+        ({"sliding_window": 8}, 16, 3),
+        ({"sliding_window": 70}, 32, 3),
+        ({"chunk": 8}, 16, 1),
+        ({"chunk": 40}, 32, 3),
+    ],
 )
-def test_prefill_sliding_window_matches_reference(
-    window: int,
+def test_prefill_sliding_window_and_chunks_match_reference(
+    mask: dict,
     block_size: int,
     num_splits: int,
     rng: torch.Generator,
     device: torch.device,
     paged_kv,
 ) -> None:
+    """A query sees the last `sliding_window` positions, or (Llama 4's chunks) the keys
+    from the start of its own chunk, so a tile's rows start at different keys."""
     num_heads, num_kv_heads, head_dim = 8, 2, 32
     # A prompt several windows long (query tiles whose first rows see no key of the
     # first tiles loaded), a chunk after a long prefix, a short prompt, one new token.
     chunks = [(90, 90), (20, 150), (5, 5), (1, 77)]
     query_lens, seq_lens = zip(*chunks, strict=True)
     k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
-    # Keys before every query's window: NaN, so reading one shows.
+    # Keys no query sees: NaN, so reading one shows.
     for seq, (q_len, s_len) in enumerate(chunks):
-        for pos in range(max(s_len - q_len - window + 1, 0)):
+        for pos in range(first_seen(mask, q_len, s_len)):
             block = block_table[seq, pos // block_size].long()
             k_cache[block, pos % block_size] = float("nan")
             v_cache[block, pos % block_size] = float("nan")
@@ -204,43 +222,8 @@ def test_prefill_sliding_window_matches_reference(
     args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.2, max(query_lens))
 
     launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
-    result = paged_prefill_attention(*args, sliding_window=window, **launch)
-    expected = paged_prefill_attention_ref(*args, sliding_window=window)
-    assert not expected.isnan().any()
-    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
-    unwindowed = paged_prefill_attention_ref(*args)
-    assert unwindowed.isnan().any()  # the poison is there to be read
-
-
-@pytest.mark.parametrize(("chunk", "block_size", "num_splits"), [(8, 16, 1), (40, 32, 3)])
-def test_prefill_chunked_attention_matches_reference(
-    chunk: int,
-    block_size: int,
-    num_splits: int,
-    rng: torch.Generator,
-    device: torch.device,
-    paged_kv,
-) -> None:
-    """Llama 4's chunks: each query sees the keys from the start of its own chunk, so a
-    tile's rows start at different keys; keys before the first query's chunk are NaN."""
-    num_heads, num_kv_heads, head_dim = 8, 2, 32
-    chunks = [(90, 90), (20, 150), (5, 5), (1, 77)]
-    query_lens, seq_lens = zip(*chunks, strict=True)
-    k_cache, v_cache, block_table = paged_kv(list(seq_lens), num_kv_heads, head_dim, block_size)
-    for seq, (q_len, s_len) in enumerate(chunks):
-        for pos in range((s_len - q_len) // chunk * chunk):
-            block = block_table[seq, pos // block_size].long()
-            k_cache[block, pos % block_size] = float("nan")
-            v_cache[block, pos % block_size] = float("nan")
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=rng).to(device)
-    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
-    query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    args = (query, k_cache, v_cache, block_table, query_start_loc, lens, 0.2, max(query_lens))
-
-    launch = split(num_splits, max(query_lens), head_dim, num_heads // num_kv_heads)
-    result = paged_prefill_attention(*args, chunk=chunk, **launch)
-    expected = paged_prefill_attention_ref(*args, chunk=chunk)
+    result = paged_prefill_attention(*args, **mask, **launch)
+    expected = paged_prefill_attention_ref(*args, **mask)
     assert not expected.isnan().any()
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     assert paged_prefill_attention_ref(*args).isnan().any()  # the poison is there to be read
