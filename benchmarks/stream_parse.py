@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.provenance import git_commit, write_result
+from server.parser_names import PARSERS
 from server.reasoning import ReasoningStream
-from server.tool_parsers import PARSERS
 from server.tools import ToolStream
 
 WORDS = ["the", "model", "thinks", "about", "tokens", "and", "streams", ",", "."]

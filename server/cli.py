@@ -17,8 +17,8 @@ from engine.config import EngineConfig
 from engine.heap import pause_collection
 from server.config import GENERATION_CONFIG_CHOICES, RUNTIME_LORA_ENV, ServerConfig
 from server.flags import add_engine_flags, adder, image_limit
+from server.parser_names import PARSERS
 from server.reasoning import PARSERS as REASONING_PARSERS
-from server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
     from server.engine_loop import EngineFactory

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.parser_names import PARSERS
 from server.reasoning import PARSERS as REASONING_PARSERS
-from server.tool_parsers import PARSERS
 
 # auto: the model's generation_config.json sets the sampling defaults; vllm: it does not.
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")

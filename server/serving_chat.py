@@ -14,6 +14,7 @@ from engine.sampling_params import MAX_LOGPROBS
 from server import beam_search
 from server.errors import APIError
 from server.images import ChatPrompt
+from server.parser_names import KEEPS_SPECIAL_TOKENS as TOOL_MARKERS
 from server.prompts import template_message
 from server.protocol import ChatCompletionRequest
 from server.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split
@@ -30,7 +31,6 @@ from server.request_stream import RequestStream
 from server.serving import Serving, Usage, prompt_logprobs_out
 from server.sse import SSEResponse
 from server.structured import grammar_of
-from server.tool_parsers import KEEPS_SPECIAL_TOKENS as TOOL_MARKERS
 from server.tools import ToolPlan, ToolStream, plan_tools, tool_message
 
 

@@ -20,10 +20,13 @@ cut out of the call object, never re-serialized.
                  Small 3.2, Devstral, Magistral) or [TOOL_CALLS][{"name", "arguments"}, ...]
                  (earlier ones); the markers are special tokens, decoded for this parser
     glm45        <tool_call>NAME <arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>
-                 (GLM-4.5/4.6)
+                 (GLM-4.5/4.6/4.7)
     qwen3_coder  <tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>
-                 (Qwen3-Coder). These two write no JSON: their pairs become an object,
-                 each pair once its value closes, typed by the function's schema
+                 (Qwen3-Coder)
+    minimax_m2   <minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter>
+                 </invoke>...</minimax:tool_call> (MiniMax-M2). These three write no
+                 JSON: their pairs become an object, each pair once its value closes,
+                 typed by the function's schema (server/pair_parsers.py)
     granite      [{"name": ..., "arguments": {...}}, ...]  (Granite 3.x), the whole output,
                  after an optional <|tool_call|> or <tool_call>
     pythonic     [f(a=1, b="x"), g()]  (Llama 3.2/4), the whole output: Python calls with
@@ -33,15 +36,13 @@ cut out of the call object, never re-serialized.
                  ```json {...} ```<｜tool▁call▁end｜>... (DeepSeek-V3, R1-0528)
     deepseek_v31 <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
                  (DeepSeek-V3.1); the markers of both are special tokens, decoded for them
+
+server/parser_names.py maps --tool-call-parser's names (vLLM's) to these.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from server.json_scan import scan_call, skip_ws, value_end, value_scan
 
@@ -79,7 +80,7 @@ class HermesParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.OPEN)
         if start < 0:
-            return _before_any_call(text, self.OPEN, final)
+            return before_any_call(text, self.OPEN, final)
         calls: list[DraftCall] = []
         pos, tail = start, None
         while pos >= 0:
@@ -147,7 +148,7 @@ class MistralParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.TAG)
         if start < 0:
-            return _before_any_call(text, self.TAG, final)
+            return before_any_call(text, self.TAG, final)
         i = skip_ws(text, start + len(self.TAG))
         tail = None
         if text.startswith("[", i):
@@ -173,124 +174,6 @@ class MistralParser(ToolParser):
                 break
             pos = text.find(self.TAG, end)
         return calls
-
-
-class PairsParser(ToolParser):
-    """Calls written as a name and key/value pairs inside <tool_call> ... </tool_call>,
-    made a JSON object pair by pair as each value closes (its brace once the call has).
-    A value is a string where the function's schema says the parameter is one, else JSON
-    where it reads as JSON (vLLM's rule); content is the text before the first call."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    PAIR: re.Pattern[str]
-    READS_SCHEMAS = True  # plan_tools passes the request's functions
-
-    def __init__(self, functions: dict[str, Any] | None = None) -> None:
-        self.functions = functions or {}  # name -> FunctionDefinition
-
-    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
-        """The call's name and where its pairs start; None while it may be arriving."""
-        raise NotImplementedError
-
-    def clean(self, value: str) -> str:
-        return value.strip()
-
-    def extract(self, text: str, final: bool) -> Extracted:
-        start = text.find(self.OPEN)
-        if start < 0:
-            return _before_any_call(text, self.OPEN, final)
-        calls: list[DraftCall] = []
-        pos, tail = start, None
-        while pos >= 0:
-            body_start = pos + len(self.OPEN)
-            end = text.find(self.CLOSE, body_start)
-            body = text[body_start : len(text) if end < 0 else end]
-            named = self.name_end(body, end >= 0)
-            if named is None:
-                break
-            name, rest = named
-            if name:
-                calls.append(DraftCall(name, self._arguments(name, body[rest:], end >= 0)))
-            if end < 0:
-                # Named, and open: its arguments change only as a tag closes a value.
-                tail = "held" if name else None
-                break
-            pos = text.find(self.OPEN, end + len(self.CLOSE))
-        if final and not calls:
-            return Extracted(text)
-        return Extracted(text[:start], calls, tail)
-
-    def _arguments(self, name: str, body: str, closed: bool) -> str:
-        pairs = []
-        for key, value in self.PAIR.findall(body):
-            typed = self._value(name, key.strip(), self.clean(value))
-            pairs.append(f"{json.dumps(key.strip())}: {json.dumps(typed)}")
-        return "{" + ", ".join(pairs) + ("}" if closed else "")
-
-    def _value(self, name: str, key: str, value: str) -> Any:
-        function = self.functions.get(name)
-        schema = ((function.parameters if function else None) or {}).get("properties", {})
-        if (schema.get(key) or {}).get("type") == "string":
-            return value
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-
-
-class Glm45Parser(PairsParser):
-    """GLM-4.5's: the name, then <arg_key>K</arg_key><arg_value>V</arg_value> pairs."""
-
-    KEY = "<arg_key>"
-    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-
-    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
-        ends = [i for i in (body.find("\n"), body.find(self.KEY)) if i >= 0]
-        end = min(ends) if ends else (len(body) if closed else -1)
-        return None if end < 0 else (body[:end].strip(), end)
-
-
-class Qwen3CoderParser(PairsParser):
-    """Qwen3-Coder's: <function=NAME>, then <parameter=K>V</parameter> pairs, each value
-    on lines of its own (one newline before and after it is not the value's)."""
-
-    FUNCTION = re.compile(r"<function=([^>\n]*)>")
-    PAIR = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
-
-    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
-        match = self.FUNCTION.search(body)
-        if match is None:
-            return ("", len(body)) if closed else None
-        return match[1].strip(), match.end()
-
-    def clean(self, value: str) -> str:
-        return value.removeprefix("\n").removesuffix("\n")
-
-
-class MiniMaxM2Parser(PairsParser):
-    """MiniMax-M2's: <minimax:tool_call>, then each call an <invoke name="NAME"> holding
-    <parameter name="K">V</parameter> pairs, to </invoke>; content is the text before
-    the block."""
-
-    BLOCK = "<minimax:tool_call>"
-    OPEN, CLOSE = "<invoke name=", "</invoke>"
-    NAME = re.compile(r'\s*"([^"\n]*)"\s*>')
-    PAIR = re.compile(r'<parameter name="([^"\n]*)">(.*?)</parameter>', re.S)
-
-    def name_end(self, body: str, closed: bool) -> tuple[str, int] | None:
-        match = self.NAME.match(body)
-        if match is None:
-            return ("", len(body)) if closed else None
-        return match[1].strip(), match.end()
-
-    def extract(self, text: str, final: bool) -> Extracted:
-        block = text.find(self.BLOCK)
-        if block < 0:
-            return _before_any_call(text, self.BLOCK, final)
-        inner = super().extract(text[block:], final)
-        if not inner.calls:  # the block open, no call in it yet (at the end: the answer)
-            return Extracted(text) if final else Extracted(text[:block])
-        return Extracted(text[:block], inner.calls, inner.tail)
 
 
 class GraniteParser(ToolParser):
@@ -328,7 +211,7 @@ class DeepSeekParser(ToolParser):
     def extract(self, text: str, final: bool) -> Extracted:
         start = text.find(self.CALLS)
         if start < 0:
-            return _before_any_call(text, self.CALLS, final)
+            return before_any_call(text, self.CALLS, final)
         calls: list[DraftCall] = []
         pos, tail = text.find(self.CALL, start), None
         while pos >= 0:
@@ -360,36 +243,6 @@ class DeepSeekParser(ToolParser):
         return Extracted(text[:start], calls, tail)
 
 
-def _harmony() -> ToolParser:
-    from server.harmony import HarmonyToolParser  # harmony.py builds on this module
-
-    return HarmonyToolParser()
-
-
-def _pythonic() -> ToolParser:
-    from server.pythonic import PythonicParser  # pythonic.py builds on this module
-
-    return PythonicParser()
-
-
-PARSERS: dict[str, Callable[[], ToolParser]] = {
-    "hermes": HermesParser,
-    "llama3_json": Llama3JsonParser,
-    "openai": _harmony,  # GPT-OSS's harmony messages (server/harmony.py)
-    "glm45": Glm45Parser,
-    "qwen3_coder": Qwen3CoderParser,
-    "minimax_m2": MiniMaxM2Parser,
-    "mistral": MistralParser,
-    "granite": GraniteParser,
-    "pythonic": _pythonic,
-    "llama4_pythonic": _pythonic,  # vLLM's name for Llama 4's
-    "deepseek_v3": DeepSeekParser,
-    "deepseek_v31": lambda: DeepSeekParser(fenced=False),
-}
-# The parsers whose markers are special tokens: their answers are decoded with them.
-KEEPS_SPECIAL_TOKENS = ("openai", "mistral", "deepseek_v3", "deepseek_v31")
-
-
 def _call_sequence(
     text: str, i: int, separator: str, argument_keys: tuple[str, ...]
 ) -> tuple[list[DraftCall], str | None]:
@@ -410,7 +263,7 @@ def _call_sequence(
     return calls, tail
 
 
-def _before_any_call(text: str, tag: str, final: bool) -> Extracted:
+def before_any_call(text: str, tag: str, final: bool) -> Extracted:
     """A text no call tag has opened yet: content, but for an end that may be the tag
     arriving."""
     held = 0 if final else partial_suffix(text, tag)

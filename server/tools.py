@@ -22,10 +22,11 @@ from typing import Any
 
 from engine.structured.spec import GrammarSpec
 from server.errors import APIError
+from server.parser_names import PARSERS
 from server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 from server.replies import AssistantMessage
 from server.structured import field_spec
-from server.tool_parsers import PARSERS, NamedParser, RequiredParser, ToolParser
+from server.tool_parsers import NamedParser, RequiredParser, ToolParser
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 

@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from engine.engine import Engine
+from server.parser_names import PARSERS
 from server.reasoning import default_parser, split
-from server.tool_parsers import PARSERS, DraftCall
+from server.tool_parsers import DraftCall
 from server.tools import ToolStream
 from tests.server.test_reasoning import streamed
 

@@ -7,20 +7,18 @@ import json
 
 import pytest
 
+from server.pair_parsers import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
+from server.parser_names import PARSERS
 from server.protocol import ChatCompletionRequest, FunctionDefinition
 from server.pythonic import PythonicParser
 from server.tool_parsers import (
-    PARSERS,
     DeepSeekParser,
     DraftCall,
-    Glm45Parser,
     GraniteParser,
     HermesParser,
     Llama3JsonParser,
-    MiniMaxM2Parser,
     MistralParser,
     NamedParser,
-    Qwen3CoderParser,
     RequiredParser,
 )
 from server.tools import ToolStream, plan_tools
@@ -172,6 +170,12 @@ def test_qwen3_coder_values_keep_their_inner_lines():
         DraftCall("run", '{"code": "x = 1\\n\\nprint(x)", "timeout": 30}'),
         DraftCall("get_time", "{}"),
     ]
+
+
+def test_glm47_calls_without_a_newline_after_the_name():
+    glm47 = PARSERS["glm47"]()  # vLLM's name for GLM-4.7's
+    text = "<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>"
+    assert glm47.extract(text, final=True).calls == [DraftCall("f", '{"x": 1}')]
 
 
 def test_minimax_m2_calls_in_one_block():
