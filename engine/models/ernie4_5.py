@@ -8,6 +8,7 @@ at `moe_norm_min`), with shared experts beside them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -18,6 +19,7 @@ from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM, LlamaMLP, check_config
 from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import WeightSlice
 from engine.models.rope import interleaved_dim_order
 
 
@@ -47,7 +49,7 @@ class Ernie4_5MoE(FusedMoE):
         self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The router in fp32, as transformers keeps it.
+        # The router in fp32, as transformers keeps it (its weight fp32 from the load on).
         scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias.float()
         ids = choice.topk(self.top_k, dim=-1)[1]
@@ -59,6 +61,12 @@ class Ernie4_5MoE(FusedMoE):
 
 class Ernie4_5MoeForCausalLM(MoeForCausalLM, Ernie4_5ForCausalLM):
     RENAMES: ClassVar[dict[str, str]] = {".mlp.moe_statics.": ".mlp.gate."}
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        for module in self.modules():  # the routers read in fp32, not cast every step
+            if isinstance(module, Ernie4_5MoE):
+                module.gate.float()
+        return super().load_weights(weights)
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         start, end = config.moe_layer_start_index, config.moe_layer_end_index

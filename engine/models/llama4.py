@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.images import ImageRows
 from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, check_config
@@ -58,20 +59,20 @@ class Llama4Attention(LlamaAttention):
         super().__init__(config, rotary, 0, tp)
         chunk = getattr(config, "attention_chunk_size", None)
         self.attn.chunk = chunk if rotary is not None and chunk else 0
-        self.floor_scale = self.attn_scale = None
+        self.tempered = rotary is None and config.attn_temperature_tuning
         if rotary is None:
             self.q_norm = self.k_norm = None
-            if config.attn_temperature_tuning:
-                self.floor_scale, self.attn_scale = config.floor_scale, config.attn_scale
+        # The step's query scale [num_tokens, 1], the same in every NoPE layer: set by
+        # Llama4ForCausalLM.forward, once a step.
+        self.q_scale: torch.Tensor | None = None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.floor_scale is None:
+        if not self.tempered:
             return super().forward(positions, x, meta)
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale))
-        q = (q * (scale * self.attn_scale + 1.0)[:, None]).to(q.dtype)
+        q = (q * self.q_scale).to(q.dtype)
         return self.o_proj(self.attn(q, k, v, meta, None, None))
 
     @torch.no_grad()
@@ -100,6 +101,21 @@ class Llama4ForCausalLM(MoeForCausalLM):
             mlp = self.make_mlp(config, i)
             layers.append(LlamaDecoderLayer(config, None, 0, mlp, self.tp, self_attn=attention))
         return layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageRows | None = None,
+    ) -> torch.Tensor:
+        config = self.config
+        if config.attn_temperature_tuning:  # the NoPE layers' query scale, once a step
+            floor = torch.floor((positions.float() + 1.0) / config.floor_scale)
+            q_scale = (torch.log1p(floor) * config.attn_scale + 1.0)[:, None]
+            for layer in self.layers:
+                layer.self_attn.q_scale = q_scale
+        return super().forward(input_ids, positions, meta, images)
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         if layer in config.moe_layers:

@@ -218,3 +218,11 @@ def test_the_rotary_table_stops_at_the_engines_longest_context(tiny_family_dir, 
     assert torch.equal(short.rotary.cos_sin, whole.rotary.cos_sin[:40])
     llm = LLM(model_dir, device="cpu", max_model_len=40)
     assert llm.engine.model.rotary.cos_sin.shape[0] == 40
+
+
+def test_ernie_moe_routers_stay_fp32_in_a_bf16_model(tiny_family_dir):
+    """As transformers keeps them: the router's weight is read in fp32, not cast each step."""
+    model, _ = load_model(tiny_family_dir("ernie4_5_moe"), torch.device("cpu"), torch.bfloat16)
+    moe = model.layers[1].mlp
+    assert moe.gate.weight.dtype == torch.float32
+    assert moe.w13.dtype == torch.bfloat16
