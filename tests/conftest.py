@@ -145,6 +145,21 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+# DeepSeek-V3's and GLM-4.7-Flash's latent attention and experts: q through a rank-24
+# q_lora, a 32-wide latent, 8 of each head's 24 q/k dims rotated; 8 experts top-2, one shared.
+TINY_MLA = dict(
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    tie_word_embeddings=False,
+)
 FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # q/k norm; use_sliding_window from layer max_window_layers on (layer 1 only); YaRN
     # rope scaling (x4 over 64 original positions), as Qwen3 serves long contexts.
@@ -425,23 +440,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "deepseek_v3": (
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(
-            num_key_value_heads=4,
-            q_lora_rank=24,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
+        TINY_MLA
+        | dict(
             rope_interleave=False,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
             n_group=2,
             topk_group=1,
             first_k_dense_replace=1,
             routed_scaling_factor=2.5,
-            tie_word_embeddings=False,
         ),
     ),
     # GLM-4.7-Flash: DeepSeek-V3's MLA (its rotary pairs interleaved) and routing in one
@@ -449,21 +454,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "glm4_moe_lite": (
         "Glm4MoeLiteConfig",
         "Glm4MoeLiteForCausalLM",
-        dict(
-            num_key_value_heads=4,
-            q_lora_rank=24,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            routed_scaling_factor=1.8,
-            mlp_layer_types=["dense", "sparse"],
-            tie_word_embeddings=False,
-        ),
+        TINY_MLA | dict(routed_scaling_factor=1.8, mlp_layer_types=["dense", "sparse"]),
     ),
     # Solar Open: GLM-4.5's layers without biases, every one MoE (8 experts top-2 in one
     # group, a correction bias drawn, a shared expert).

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import engine.one_shot
 from engine import tp_group
 from engine.config import EngineConfig
-from tests.engine.test_tensor_parallel_models import free_port
+from tests.ports import free_port
 
 # name: (set-ups each rank made before, whether each rank's GPU reaches the other's)
 CASES = {

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.tp_group import Rendezvous
 from tests.conftest import PROMPTS
 from tests.engine.test_tensor_parallel import CONFIG, greedy
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 
 def _recording_rank(config: EngineConfig, rendezvous: Rendezvous, path: str) -> None:

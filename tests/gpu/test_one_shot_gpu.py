@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from engine.distributed import TensorParallel
 from engine.one_shot import OneShotAllReduce, unblock_until_drained
-from tests.engine.test_tensor_parallel_models import free_port
 from tests.gpu.conftest import GPU
+from tests.ports import free_port
 
 pytestmark = [
     *GPU,

@@ -21,7 +21,8 @@ from engine.models.loader import load_tokenizer
 from server.app import create_app
 from server.config import ServerConfig
 from tests.conftest import PROMPTS, hf_greedy
-from tests.server.conftest import ROOT, LiveServer, ServerProcess, engine_config, free_port
+from tests.ports import free_port
+from tests.server.conftest import ROOT, LiveServer, ServerProcess, engine_config
 
 MAX_NEW = 12
 SMALL = dict(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
