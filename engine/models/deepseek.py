@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
-from engine.models.glm4_moe import LAYER, Glm4MoE
+from engine.models.glm4_moe import Glm4MoE
 from engine.models.layers import AttentionMetadata, PagedAttention, RMSNorm
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
@@ -301,12 +301,8 @@ class DeepseekForCausalLM(MoeForCausalLM):
         return Glm4MoE(config, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        layers = self.config.num_hidden_layers
-
         def kept() -> Iterator[tuple[str, WeightSlice]]:
             for name, weight in weights:
-                if (match := LAYER.match(name)) is not None and int(match[1]) >= layers:
-                    continue  # the multi-token-prediction layers
                 for theirs in (".self_attn.q_proj.", ".self_attn.q_b_proj."):
                     name = name.replace(theirs, ".self_attn.q_heads.")
                 yield name, weight

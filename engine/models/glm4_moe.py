@@ -8,9 +8,6 @@ routed ones. The multi-token-prediction layers past `num_hidden_layers` are not 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -18,9 +15,6 @@ from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.llama import AttentionOptions, LlamaMLP
 from engine.models.moe import MoeForCausalLM
-from engine.models.parallel import WeightSlice
-
-LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 def grouped_topk(
@@ -80,11 +74,3 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         if layer < (getattr(config, "first_k_dense_replace", None) or 0):  # Solar Open: none
             return LlamaMLP(config, self.tp)
         return Glm4MoE(config, self.tp)
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        layers = self.config.num_hidden_layers
-        return super().load_weights(
-            (name, weight)
-            for name, weight in weights
-            if (match := LAYER.match(name)) is None or int(match[1]) < layers  # MTP's
-        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,7 @@ def load_model(
     weights = iter_weights(model_dir)
     if is_multimodal(model_dir):
         weights = language_model_weights(weights)
+    weights = _without_draft_layers(weights, config.num_hidden_layers)
     kv_scales: dict[int, dict[str, float]] = {}
     if scheme is not None:
         weights = dequantize_checkpoint(weights, scheme, kv_scales)
@@ -228,6 +230,24 @@ def load_model(
         )
     set_kv_scales(model, kv_scales)
     return _finish(model, device, quantization, lora, max_model_len), config
+
+
+# `layers.N.` at a name's start, after `model.` (or none).
+LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def _without_draft_layers(
+    weights: Iterator[tuple[str, WeightSlice]], num_layers: int
+) -> Iterator[tuple[str, WeightSlice]]:
+    """The checkpoint's tensors but its multi-token-prediction modules, which serve drafts
+    that Pagoda does not make: layers past `num_layers` (DeepSeek-V3's, GLM-4.5's) and any
+    `mtp*` module (ERNIE 4.5's `mtp_block`, EXAONE MoE's `mtp`), as transformers ignores them."""
+    for name, weight in weights:
+        if (match := LAYER.match(name)) is not None and int(match[1]) >= num_layers:
+            continue
+        if any(part.startswith("mtp") for part in name.split(".")):
+            continue
+        yield name, weight
 
 
 def _without_heads(

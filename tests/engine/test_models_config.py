@@ -46,18 +46,38 @@ def test_a_missing_expert_is_named(tmp_path, tiny_family_dir):
         load_model(str(model_dir), torch.device("cpu"), torch.float32)
 
 
-def test_glm_multi_token_prediction_layers_are_left_out(tmp_path, tiny_family_dir):
-    """GLM-4.5 ships its MTP layer as one more `layers.N` (N = num_hidden_layers); the
-    weights load without it, and a weight of a layer the model has is still checked."""
-    model_dir = shutil.copytree(tiny_family_dir("glm4_moe"), tmp_path / "m")
+# Each family's multi-token-prediction tensors as its checkpoints name them: one more
+# `layers.N` (N = num_hidden_layers) for GLM-4.5 and DeepSeek-V3, `mtp*` modules for
+# ERNIE 4.5 and EXAONE MoE.
+DRAFT_WEIGHTS = {
+    "glm4_moe": ["model.layers.2.eh_proj.weight", "model.layers.2.mlp.experts.0.up_proj.weight"],
+    "deepseek_v3": ["model.layers.2.enorm.weight", "model.layers.2.self_attn.q_a_proj.weight"],
+    "ernie4_5_moe": [
+        "model.mtp_block.0.self_attn.q_proj.weight",
+        "model.mtp_emb_norm.0.weight",
+        "model.mtp_linear_proj.0.weight",
+    ],
+    "exaone_moe": ["mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight"],
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFT_WEIGHTS))
+def test_multi_token_prediction_weights_are_left_out(tmp_path, tiny_family_dir, kind):
+    """The weights load without the draft modules, to the same parameters; a tensor the
+    model does not know is still refused."""
+    model_dir = shutil.copytree(tiny_family_dir(kind), tmp_path / "m")
     weights = load_file(model_dir / "model.safetensors")
-    weights["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128)
-    weights["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
-    save_file(weights, model_dir / "model.safetensors")
+    extra = {name: torch.zeros(8, 8) for name in DRAFT_WEIGHTS[kind]}
+    save_file(weights | extra, model_dir / "model.safetensors")
     model, _ = load_model(str(model_dir), torch.device("cpu"), torch.float32)
+    want, _ = load_model(tiny_family_dir(kind), torch.device("cpu"), torch.float32)
     assert len(model.layers) == 2
-    weights["model.layers.1.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file(weights, model_dir / "model.safetensors")
+    for (name, param), (_, wanted) in zip(model.named_parameters(), want.named_parameters()):
+        torch.testing.assert_close(param, wanted, rtol=0, atol=0, msg=name)
+    save_file(
+        weights | {"model.layers.1.eh_proj.weight": torch.zeros(8, 8)},
+        model_dir / "model.safetensors",
+    )
     with pytest.raises(ModelLoadError, match="eh_proj"):
         load_model(str(model_dir), torch.device("cpu"), torch.float32)
 
