@@ -340,6 +340,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer
+    # (8 tokens) and a full-attention one without position encoding.
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        dict(
+            logit_scale=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+        ),
+    ),
     # ERNIE 4.5: the rotation on interleaved pairs of the whole head; tied head.
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(head_dim=16, pad_token_id=0)),
     # Seed-OSS: q/k/v biases, o_proj without one (attention_out_bias).

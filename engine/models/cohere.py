@@ -3,7 +3,10 @@ LayerNorm (no bias) that attention and the MLP both read, their outputs joining 
 residual stream together; the rotation on interleaved pairs of dims (GPT-J's), which
 the rotate-half kernels run once q and k's rows are reordered at load (the pair (2i,
 2i + 1) to (i, i + head_dim / 2), q and k alike, so their dot products hold); and the
-logits times logit_scale, folded into the LM head."""
+logits times logit_scale, folded into the LM head.
+
+Command R7B and Command A (`cohere2`) are the same layers, the sliding-window ones
+(`layer_types`) rotated and the full-attention ones without position encoding."""
 
 from __future__ import annotations
 
@@ -23,10 +26,16 @@ LayerNormNoBias = partial(AddNorm, rms=False, bias=False)
 
 
 class CohereLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding | None,  # None: no position encoding
+        tp: TensorParallel,
+        sliding_window: int = 0,
+    ) -> None:
         super().__init__()
         self.input_layernorm = LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, 0, tp)
+        self.self_attn = LlamaAttention(config, rotary, sliding_window, tp)
         self.mlp = LlamaMLP(config, tp)
         # One norm with two readers: each FP8 projection quantizes its own input.
         self.FP8_FEEDS: dict[str, str] = {}
@@ -59,7 +68,10 @@ class CohereForCausalLM(LlamaForCausalLM):
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         # The interleaved pairs to the halves' (LlamaAttention.reorder_rotary_dims).
         self.rotary.dim_order = interleaved_dim_order(head_dim, head_dim)
-        return [CohereLayer(config, self.rotary, self.tp) for _ in range(config.num_hidden_layers)]
+        return [self.make_layer(config, i) for i in range(config.num_hidden_layers)]
+
+    def make_layer(self, config, layer: int) -> nn.Module:
+        return CohereLayer(config, self.rotary, self.tp)
 
     def make_norm(self, config) -> nn.Module:
         return LayerNormNoBias(config.hidden_size, config.layer_norm_eps)
@@ -69,3 +81,10 @@ class CohereForCausalLM(LlamaForCausalLM):
         loaded = super().load_weights(weights)
         self.lm_head.weight.mul_(self.config.logit_scale)
         return loaded
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    def make_layer(self, config, layer: int) -> nn.Module:
+        if config.layer_types[layer] == "sliding_attention":
+            return CohereLayer(config, self.rotary, self.tp, config.sliding_window)
+        return CohereLayer(config, None, self.tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from engine.models.bert import BertModel
-from engine.models.cohere import CohereForCausalLM
+from engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
@@ -52,6 +52,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "phi": PhiForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
+    "cohere2": Cohere2ForCausalLM,
     "glm4": Glm4ForCausalLM,
     "ernie4_5": Ernie4_5ForCausalLM,
     "ernie4_5_moe": Ernie4_5MoeForCausalLM,
