@@ -121,7 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
-        drawn += ("solar_open", "exaone_moe")
+        drawn += ("solar_open", "exaone_moe", "dots1")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -408,6 +408,27 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             routed_scaling_factor=2.5,
             attention_bias=True,
             use_qk_norm=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # dots.llm1: Qwen3's attention (q/k norms, no biases) with GLM-4.5's experts, a
+    # dense layer first; layer 1 in a sliding window of 8 (max_window_layers).
+    "dots1": (
+        "Dots1Config",
+        "Dots1ForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            sliding_window=8,
+            max_window_layers=1,
             tie_word_embeddings=False,
         ),
     ),

@@ -74,3 +74,10 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
         if layer < (getattr(config, "first_k_dense_replace", None) or 0):  # Solar Open: none
             return LlamaMLP(config, self.tp)
         return Glm4MoE(config, self.tp)
+
+
+class Dots1ForCausalLM(Glm4MoeForCausalLM):
+    """dots.llm1 (`dots1`): Qwen3's attention (per-head q/k norms, o_proj biased as q/k/v
+    are, by attention_bias) with GLM-4.5's MoE layers."""
+
+    ATTENTION = AttentionOptions()

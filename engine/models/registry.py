@@ -11,7 +11,7 @@ from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
-from engine.models.glm4_moe import Glm4MoeForCausalLM
+from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
@@ -60,6 +60,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "exaone_moe": ExaoneMoeForCausalLM,
     "seed_oss": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "dots1": Dots1ForCausalLM,
     "solar_open": Glm4MoeForCausalLM,  # Solar Open: GLM-4.5's layers, every one MoE
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
