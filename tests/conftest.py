@@ -121,7 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
-        drawn += ("solar_open", "exaone_moe", "dots1")
+        drawn += ("solar_open", "exaone_moe", "dots1", "arcee")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -340,6 +340,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),
+    # Arcee AFM: Llama with an ungated relu^2 MLP, its biases on; YaRN.
+    "arcee": (
+        "ArceeConfig",
+        "ArceeForCausalLM",
+        dict(
+            mlp_bias=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer
     # (8 tokens) and a full-attention one without position encoding.
     "cohere2": (

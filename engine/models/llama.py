@@ -55,11 +55,11 @@ QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qw
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2")
 
 
-def check_config(config) -> None:
+def check_config(config, act: str = "silu", mlp_bias: bool = False) -> None:
     """Raise ValueError naming a config feature this code would silently ignore."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-    if getattr(config, "mlp_bias", False):
+    if getattr(config, "hidden_act", act) != act:
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only {act})")
+    if getattr(config, "mlp_bias", False) and not mlp_bias:
         raise ValueError("unsupported mlp_bias=True")
     partial = (rope_settings(config)[1] or {}).get("partial_rotary_factor", 1.0)
     if partial != 1.0 and config.model_type not in PARTIAL_ROTARY_MODELS:
@@ -221,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
     check_config = staticmethod(check_config)
     # PEFT module name -> our fused projection and section, for LoRA adapters
     # (engine/models/lora.py); None: a family whose loading reorders rows LoRA's B holds.
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = FUSED  # what load_weights fuses
     LORA_FUSED: ClassVar[dict[str, tuple[str, int]] | None] = FUSED
 
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
@@ -306,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # the embedding's rows filled it
             module, _, leaf = name.rpartition(".")
             proj = module.rpartition(".")[2]
-            fused, section = FUSED.get(proj, (proj, None))
+            fused, section = self.FUSED.get(proj, (proj, None))
             module = module.removesuffix(proj) + fused
             ours = f"{module}.{leaf}"
             if ours not in params:

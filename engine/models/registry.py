@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.arcee import ArceeForCausalLM
 from engine.models.bert import BertModel
 from engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
@@ -37,6 +38,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "ministral": LlamaForCausalLM,  # Ministral 8B: Mistral with layer_types' windows
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
+    "arcee": ArceeForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
