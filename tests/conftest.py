@@ -121,7 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
-        drawn += ("solar_open", "exaone_moe", "dots1", "arcee")
+        drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -130,6 +130,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)
                     elif kind == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
                         param.normal_(1.0, 0.5)  # each dim its own weight, to follow a reorder
+                    elif kind == "nemotron" and name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
     else:
         raise ValueError(kind)
     return _save(path, model.eval(), tokenizer)
@@ -353,6 +355,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
                 "rope_theta": 10000.0,
             },
         ),
+    ),
+    # Nemotron (Minitron): Arcee's MLP, LayerNorm1P (drawn weights), half of each head
+    # rotated, q/k/v/o biases.
+    "nemotron": (
+        "NemotronConfig",
+        "NemotronForCausalLM",
+        dict(attention_bias=True, mlp_bias=True, partial_rotary_factor=0.5),
     ),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer
     # (8 tokens) and a full-attention one without position encoding.

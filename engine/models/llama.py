@@ -5,8 +5,9 @@ Phi-3 (fused qkv/gate_up tensors, longrope). The MoE models (moe.py) reuse the a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
@@ -52,7 +53,7 @@ QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", 
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
-PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2")
+PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron")
 
 
 def check_config(config, act: str = "silu", mlp_bias: bool = False) -> None:
@@ -197,11 +198,13 @@ class LlamaDecoderLayer(nn.Module):
         tp: TensorParallel = SINGLE,
         attention: AttentionOptions = AttentionOptions(),
         self_attn: nn.Module | None = None,  # another attention (DeepSeek's MLA)
+        norm: Callable[[], nn.Module] | None = None,  # None: RMSNorm
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = norm or partial(RMSNorm, config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm()
         self.self_attn = self_attn or LlamaAttention(config, rotary, sliding_window, tp, attention)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
         self.mlp = mlp
 
     def forward(
@@ -258,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
                 self.make_mlp(config, i),
                 self.tp,
                 self.ATTENTION,
+                norm=partial(self.make_norm, config),
             )
             for i in range(config.num_hidden_layers)
         ]
