@@ -502,6 +502,30 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             routed_scaling_factor=2.5,
         ),
     ),
+    # Mistral 4: DeepSeek-V3's MLA with YaRN, and from position 16 on the queries scaled
+    # by 1 + 0.5 log(1 + floor(pos / 16)); routing by softmax scores in 2 groups.
+    "mistral4": (
+        "Mistral4Config",
+        "Mistral4ForCausalLM",
+        TINY_MLA
+        | dict(
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale_all_dim": 1.0,
+                "mscale": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        ),
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's MLA (its rotary pairs interleaved) and routing in one
     # group, dense and sparse layers by mlp_layer_types.
     "glm4_moe_lite": (
@@ -778,7 +802,14 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwar
 
     model = _hf_models.get(model_dir)
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        except ValueError:  # a class AutoModelForCausalLM does not map (Mistral 4's)
+            import transformers
+
+            config = transformers.AutoConfig.from_pretrained(model_dir)
+            model_class = getattr(transformers, config.architectures[0])
+            model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None  # ignore EOS without masking it
         _hf_models[model_dir] = model
     input_ids = torch.tensor([prompt_ids])

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.images import ImageRows
 from engine.models.experts import FusedMoE
-from engine.models.glm4_moe import Glm4MoE
+from engine.models.glm4_moe import Glm4MoE, Mistral4MoE
 from engine.models.layers import AttentionMetadata, PagedAttention, RMSNorm
 from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 from engine.models.moe import MoeForCausalLM
@@ -147,6 +148,9 @@ class MlaAttention(nn.Module):
         self.interleaved = config.model_type == "deepseek_v2" or getattr(
             config, "rope_interleave", False
         )
+        # Mistral 4's query scale by position [n, 1], the same in every layer: set by
+        # DeepseekForCausalLM.forward, once a step (None: no scale).
+        self.q_scale: torch.Tensor | None = None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
@@ -154,6 +158,8 @@ class MlaAttention(nn.Module):
         n, num = len(positions), self.num_heads
         q_in = self.q_a_layernorm(self.q_a_proj(x))[0] if self.q_lora else x
         q = self.q_heads(q_in)  # [n, heads * nope | heads * rope]
+        if self.q_scale is not None:
+            q = q * self.q_scale.to(q.dtype)
         q_nope = q[:, : num * self.nope].view(n, num, self.nope)
         latent = self.kv_a_proj_with_mqa(x)  # [n, kv_rank + rope]
         w = self.kv_b_proj.weight.view(num, self.nope + self.v_dim, self.kv_rank)
@@ -272,6 +278,10 @@ class DeepseekForCausalLM(MoeForCausalLM):
     def make_layers(self, config) -> list[nn.Module]:
         theta, scaling = rope_settings(config)
         rope = config.qk_rope_head_dim
+        if scaling is not None:  # Mistral 4's says what share of a head qk_rope_head_dim is
+            scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+        # Mistral 4's long-context query scale: 1 + beta * log(1 + floor(pos / original)).
+        self.q_scaling = (scaling or {}).get("llama_4_scaling_beta")
         self.rotary = RotaryEmbedding(rope, config.max_position_embeddings, theta, scaling)
         layers = [
             LlamaDecoderLayer(
@@ -298,7 +308,23 @@ class DeepseekForCausalLM(MoeForCausalLM):
             return LlamaMLP(config, self.tp)
         if config.model_type == "deepseek_v2":
             return DeepseekV2MoE(config, self.tp)
+        if config.model_type == "mistral4":
+            return Mistral4MoE(config, self.tp)
         return Glm4MoE(config, self.tp)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageRows | None = None,
+    ) -> torch.Tensor:
+        if beta := self.q_scaling:  # once a step, for every layer
+            original = self.rotary.scaling["original_max_position_embeddings"]
+            q_scale = (1.0 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None]
+            for layer in self.layers:
+                layer.self_attn.q_scale = q_scale
+        return super().forward(input_ids, positions, meta, images)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         def kept() -> Iterator[tuple[str, WeightSlice]]:

@@ -19,15 +19,16 @@ from engine.models.moe import MoeForCausalLM
 
 def grouped_topk(
     logits: torch.Tensor,  # [num_tokens, num_experts]
-    correction: torch.Tensor,  # [num_experts]: added to the scores for the choice only
+    correction: torch.Tensor | None,  # [num_experts]: added to the scores for the choice only
     top_k: int,
     num_groups: int,
     topk_groups: int,
     renormalize: bool,
     scale: float,
+    softmax: bool = False,  # the scores a softmax over the experts (Mistral 4), not sigmoids
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids
-    scores = logits.float().sigmoid()
-    choice = scores + correction.float()
+    scores = logits.float().softmax(-1) if softmax else logits.float().sigmoid()
+    choice = scores if correction is None else scores + correction.float()
     tokens, experts = scores.shape
     per_group = experts // num_groups
     group_scores = choice.view(tokens, num_groups, per_group).topk(2, dim=-1)[0].sum(-1)
@@ -42,12 +43,15 @@ def grouped_topk(
 
 
 class Glm4MoE(FusedMoE):
+    SOFTMAX = False  # Mistral 4's: softmax scores and no correction bias
+
     def __init__(self, config, tp: TensorParallel) -> None:
         experts = getattr(config, "n_routed_experts", None) or config.num_experts  # EXAONE's
         inter = config.moe_intermediate_size
         top_k, renormalize = config.num_experts_per_tok, config.norm_topk_prob
         super().__init__(config.hidden_size, inter, experts, top_k, renormalize, tp)
-        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
+        if not self.SOFTMAX:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
         self.num_groups, self.topk_groups = config.n_group, config.topk_group
         self.scale = float(config.routed_scaling_factor)
         count = getattr(config, "n_shared_experts", None)
@@ -57,14 +61,19 @@ class Glm4MoE(FusedMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         weights, ids = grouped_topk(
             self.gate(x),
-            self.gate.e_score_correction_bias,
+            getattr(self.gate, "e_score_correction_bias", None),
             self.top_k,
             self.num_groups,
             self.topk_groups,
             self.renormalize,
             self.scale,
+            self.SOFTMAX,
         )
         return self.routed(x, weights, ids) + self.shared_experts(x)
+
+
+class Mistral4MoE(Glm4MoE):
+    SOFTMAX = True
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):

@@ -34,12 +34,19 @@ EXPERT = re.compile(r"(.+)\.experts\.(\d+)\.(\w+)\.weight")
 STACKED = re.compile(r"(.+)\.experts\.(gate_up_proj|down_proj)")
 
 
-def transposed(moe: FusedMoE, ours: str, weight: WeightSlice) -> bool:
+# Families whose published checkpoints stack each expert's matrix transposed.
+TRANSPOSED_STACKS = ("qwen3_vl_moe_text",)
+
+
+def transposed(moe: FusedMoE, ours: str, weight: WeightSlice, model_type: str) -> bool:
     """Whether a stacked tensor holds each expert's matrix transposed ([experts, hidden,
     2 * inter] gate/up, as Qwen3-VL-MoE's published checkpoints; transformers 5 saves
-    [experts, 2 * inter, hidden]). A square matrix is taken as published."""
+    [experts, 2 * inter, hidden]). A square matrix (Mistral 4's at its 4,096 width) is
+    taken in its family's published layout."""
     hidden, inter = moe.w2.shape[1], moe.inter.size
     rows, cols = (2 * inter, hidden) if ours == "w13" else (hidden, inter)
+    if rows == cols:
+        return model_type in TRANSPOSED_STACKS
     return list(weight.get_shape()[1:]) == [cols, rows]
 
 
@@ -102,7 +109,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if stacked is not None:
                     moe = self.get_submodule(stacked[1])
                     ours = "w13" if stacked[2] == "gate_up_proj" else "w2"
-                    load_stacked(moe, ours, weight, transposed(moe, ours, weight))
+                    flip = transposed(moe, ours, weight, self.config.model_type)
+                    load_stacked(moe, ours, weight, flip)
                     halves = 2 if ours == "w13" else 1  # as many as per-expert tensors fill
                     filled[f"{stacked[1]}.{ours}"] += halves * num_experts(self.config)
                     continue

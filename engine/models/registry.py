@@ -69,6 +69,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
     "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
+    "mistral4": DeepseekForCausalLM,  # DeepSeek-V3's layers, softmax routing, a q scale
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
     "olmoe": OlmoeForCausalLM,
