@@ -121,7 +121,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         model = getattr(transformers, model_class)(config)
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
-        drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron")
+        drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -363,6 +363,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "NemotronForCausalLM",
         dict(attention_bias=True, mlp_bias=True, partial_rotary_factor=0.5),
     ),
+    # Jais 2: Arcee's MLP with LayerNorms (drawn biases), q/k/v/o and MLP biases.
+    "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(attention_bias=True, mlp_bias=True)),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer
     # (8 tokens) and a full-attention one without position encoding.
     "cohere2": (

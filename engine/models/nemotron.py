@@ -1,6 +1,8 @@
-"""NVIDIA's Nemotron and Minitron (`nemotron`): Llama's attention with half of each head
-rotated, Arcee's ungated relu^2 MLP, and LayerNorms that scale by 1 + weight
-(LayerNorm1P), their weights read plus one at load."""
+"""Arcee's layers (Llama's attention, the ungated relu^2 MLP) with LayerNorms:
+
+- NVIDIA's Nemotron and Minitron (`nemotron`): half of each head rotated, LayerNorms that
+  scale by 1 + weight (LayerNorm1P), their weights read plus one at load;
+- Jais 2 (`jais2`): plain LayerNorms."""
 
 from __future__ import annotations
 
@@ -25,3 +27,8 @@ class NemotronForCausalLM(ArceeForCausalLM):
             if isinstance(module, AddNorm):
                 module.weight.add_(1.0)
         return loaded
+
+
+class Jais2ForCausalLM(ArceeForCausalLM):
+    def make_norm(self, config) -> nn.Module:
+        return LayerNorm(config.hidden_size, config.layer_norm_eps)

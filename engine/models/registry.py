@@ -23,7 +23,7 @@ from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
-from engine.models.nemotron import NemotronForCausalLM
+from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
@@ -41,6 +41,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
     "nemotron": NemotronForCausalLM,
+    "jais2": Jais2ForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
