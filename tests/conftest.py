@@ -122,6 +122,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
+        drawn += ("helium",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -365,6 +366,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # Jais 2: Arcee's MLP with LayerNorms (drawn biases), q/k/v/o and MLP biases.
     "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
+    "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer
     # (8 tokens) and a full-attention one without position encoding.
     "cohere2": (

@@ -18,6 +18,7 @@ from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
+from engine.models.helium import HeliumForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -40,6 +41,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
+    "helium": HeliumForCausalLM,
     "nemotron": NemotronForCausalLM,
     "jais2": Jais2ForCausalLM,
     "qwen3_moe": MoeForCausalLM,
