@@ -366,6 +366,45 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # Jais 2: Arcee's MLP with LayerNorms (drawn biases), q/k/v/o and MLP biases.
     "jais2": ("Jais2Config", "Jais2ForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    # Cohere 2 MoE (Command A Plus): a dense layer of full attention, rotated (as the
+    # prefix's pattern of 1 asks), then a sliding-window MoE layer: 4 experts top-2 and a
+    # shared one, their sum; bias-free LayerNorms.
+    "cohere2_moe": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            head_dim=16,
+            logit_scale=0.5,
+            sliding_window=8,
+            num_experts=4,
+            num_shared_experts=1,
+            shared_expert_combination_strategy="sum",
+            intermediate_size=32,
+            prefix_dense_intermediate_size=96,
+            first_k_dense_replace=1,
+        ),
+    ),
+    # The other settings: sigmoid scores renormalized, the shared expert averaged in,
+    # RMSNorms; two dense layers (sliding, then full attention not rotated), then MoE.
+    "cohere2_moe_sigmoid": (
+        "Cohere2MoeConfig",
+        "Cohere2MoeForCausalLM",
+        dict(
+            head_dim=16,
+            logit_scale=0.5,
+            sliding_window=8,
+            num_experts=4,
+            num_shared_experts=1,
+            intermediate_size=32,
+            prefix_dense_intermediate_size=96,
+            num_hidden_layers=3,
+            first_k_dense_replace=2,
+            prefix_dense_sliding_window_pattern=2,
+            expert_selection_fn="sigmoid",
+            shared_expert_combination_strategy="average",
+            rms_norm_eps=1e-6,
+        ),
+    ),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer

@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.models.arcee import ArceeForCausalLM
 from engine.models.bert import BertModel
-from engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
@@ -60,6 +60,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,
+    "cohere2_moe": Cohere2MoeForCausalLM,
     "glm4": Glm4ForCausalLM,
     "ernie4_5": Ernie4_5ForCausalLM,
     "ernie4_5_moe": Ernie4_5MoeForCausalLM,
