@@ -122,7 +122,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
-        drawn += ("helium",)
+        drawn += ("helium", "apertus")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -131,6 +131,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)
                     elif kind == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
                         param.normal_(1.0, 0.5)  # each dim its own weight, to follow a reorder
+                    elif kind == "apertus" and name.endswith(("alpha_p", "alpha_n")):
+                        param.normal_(0.0, 1.0)  # each layer's xIELU its own
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
     else:
@@ -405,6 +407,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             rms_norm_eps=1e-6,
         ),
     ),
+    # Apertus: xIELU in an ungated MLP (its coefficients drawn), per-head q/k norms,
+    # Llama 3's rope scaling.
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(head_dim=16)),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer

@@ -124,7 +124,7 @@ def fill_rows(module: nn.Module, leaf: str, rows: slice, src: torch.Tensor) -> N
     if param.dtype == FP8_DTYPE:
         fill_quantized(param[rows], module.weight_scale[rows], src, module.load_dtype)
     else:
-        fill(param[rows], src)
+        fill(param[rows] if param.dim() else param, src)  # a scalar (Apertus's xIELU beta)
 
 
 def scale_rows_(linear: nn.Module, factor: float) -> None:

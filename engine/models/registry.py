@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models.arcee import ArceeForCausalLM
+from engine.models.arcee import ApertusForCausalLM, ArceeForCausalLM
 from engine.models.bert import BertModel
 from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
@@ -41,6 +41,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "phi3": LlamaForCausalLM,
     "smollm3": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
+    "apertus": ApertusForCausalLM,
     "helium": HeliumForCausalLM,
     "nemotron": NemotronForCausalLM,
     "jais2": Jais2ForCausalLM,
