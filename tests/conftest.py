@@ -150,6 +150,29 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+# GLM-4.5's and dots.llm1's experts: a dense layer, then 8 experts in 2 groups, the best
+# group's top-2, times 2.5, and a shared expert.
+GLM_EXPERTS = dict(
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    tie_word_embeddings=False,
+)
+# Both Cohere 2 MoE configs' sizes: 4 experts of 32 and one shared, dense layers of 96.
+COHERE2_MOE = dict(
+    head_dim=16,
+    logit_scale=0.5,
+    sliding_window=8,
+    num_experts=4,
+    num_shared_experts=1,
+    intermediate_size=32,
+    prefix_dense_intermediate_size=96,
+)
 # DeepSeek-V3's and GLM-4.7-Flash's latent attention and experts: q through a rank-24
 # q_lora, a 32-wide latent, 8 of each head's 24 q/k dims rotated; 8 experts top-2, one shared.
 TINY_MLA = dict(
@@ -374,31 +397,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "cohere2_moe": (
         "Cohere2MoeConfig",
         "Cohere2MoeForCausalLM",
-        dict(
-            head_dim=16,
-            logit_scale=0.5,
-            sliding_window=8,
-            num_experts=4,
-            num_shared_experts=1,
-            shared_expert_combination_strategy="sum",
-            intermediate_size=32,
-            prefix_dense_intermediate_size=96,
-            first_k_dense_replace=1,
-        ),
+        COHERE2_MOE | dict(shared_expert_combination_strategy="sum", first_k_dense_replace=1),
     ),
     # The other settings: sigmoid scores renormalized, the shared expert averaged in,
     # RMSNorms; two dense layers (sliding, then full attention not rotated), then MoE.
     "cohere2_moe_sigmoid": (
         "Cohere2MoeConfig",
         "Cohere2MoeForCausalLM",
-        dict(
-            head_dim=16,
-            logit_scale=0.5,
-            sliding_window=8,
-            num_experts=4,
-            num_shared_experts=1,
-            intermediate_size=32,
-            prefix_dense_intermediate_size=96,
+        COHERE2_MOE
+        | dict(
             num_hidden_layers=3,
             first_k_dense_replace=2,
             prefix_dense_sliding_window_pattern=2,
@@ -469,40 +476,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "glm4_moe": (
         "Glm4MoeConfig",
         "Glm4MoeForCausalLM",
-        dict(
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            attention_bias=True,
-            use_qk_norm=True,
-            tie_word_embeddings=False,
-        ),
+        GLM_EXPERTS | dict(attention_bias=True, use_qk_norm=True),
     ),
     # dots.llm1: Qwen3's attention (q/k norms, no biases) with GLM-4.5's experts, a
     # dense layer first; layer 1 in a sliding window of 8 (max_window_layers).
     "dots1": (
         "Dots1Config",
         "Dots1ForCausalLM",
-        dict(
-            head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            sliding_window=8,
-            max_window_layers=1,
-            tie_word_embeddings=False,
-        ),
+        GLM_EXPERTS | dict(head_dim=16, norm_topk_prob=True, sliding_window=8, max_window_layers=1),
     ),
     # DeepSeek-V2-Lite: MLA without q_lora (q_proj), each head's K 16 + 8 rotary dims
     # (interleaved pairs), V 12 (the cache pads it to 24); YaRN with DeepSeek's mscales
