@@ -122,7 +122,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
-        drawn += ("helium", "apertus")
+        drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -133,6 +133,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(1.0, 0.5)  # each dim its own weight, to follow a reorder
                     elif kind == "apertus" and name.endswith(("alpha_p", "alpha_n")):
                         param.normal_(0.0, 1.0)  # each layer's xIELU its own
+                    elif kind.startswith("hunyuan") and name.endswith("_layernorm.weight"):
+                        param.normal_(1.0, 0.5)  # after the rotation: each dim its own weight
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
     else:
@@ -162,6 +164,11 @@ GLM_EXPERTS = dict(
     first_k_dense_replace=1,
     routed_scaling_factor=2.5,
     tie_word_embeddings=False,
+)
+# Hunyuan's: NTK alpha as its published configs give it (factor 1, type dynamic).
+HUNYUAN = dict(
+    head_dim=16,
+    rope_parameters={"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0},
 )
 # Both Cohere 2 MoE configs' sizes: 4 experts of 32 and one shared, dense layers of 96.
 COHERE2_MOE = dict(
@@ -417,6 +424,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Apertus: xIELU in an ungated MLP (its coefficients drawn), per-head q/k norms,
     # Llama 3's rope scaling.
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(head_dim=16)),
+    # Hunyuan: q/k norms (drawn) after the rotation, NTK alpha on the rope base; the MoE
+    # model's every layer 4 experts top-2 and a shared MLP.
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", HUNYUAN),
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        "HunYuanMoEV1ForCausalLM",
+        HUNYUAN | dict(num_experts=4, moe_topk=2, intermediate_size=32),
+    ),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),
     # Cohere 2 (Command R7B, Command A): Cohere's layers, a rotated sliding-window layer

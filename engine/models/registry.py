@@ -19,6 +19,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.granite_moe import GraniteMoeForCausalLM
 from engine.models.helium import HeliumForCausalLM
+from engine.models.hunyuan import HunyuanForCausalLM, HunyuanMoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -43,6 +44,8 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "arcee": ArceeForCausalLM,
     "apertus": ApertusForCausalLM,
     "helium": HeliumForCausalLM,
+    "hunyuan_v1_dense": HunyuanForCausalLM,
+    "hunyuan_v1_moe": HunyuanMoeForCausalLM,
     "nemotron": NemotronForCausalLM,
     "jais2": Jais2ForCausalLM,
     "qwen3_moe": MoeForCausalLM,
