@@ -20,6 +20,7 @@ from engine.models.parallel import WeightSlice
 TEXT_OF_MULTIMODAL = {
     kind: "text_config"
     for kind in (
+        "exaone4_5",
         "gemma3",
         "llama4",
         "llava",

@@ -1,5 +1,5 @@
 """Multimodal checkpoints (Gemma3ForConditionalGeneration, as gemma-3-4b-it and up are
-published; Llama 4's Llama4ForConditionalGeneration; Mistral Small 3.1's
+published; Llama 4's Llama4ForConditionalGeneration; EXAONE 4.5's; Mistral Small 3.1's
 Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL and Qwen3-VL-MoE (its experts stacked either way), whose multimodal rotary sections see one position per text token) served as
 their language model: greedy output equal to transformers' on text prompts, under either
@@ -24,6 +24,7 @@ MAX_NEW = 16
 
 # kind -> the wrapper's config and model classes
 WRAPPERS = {
+    "exaone4_5": ("Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
@@ -51,6 +52,12 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         return dict(
             text_config=text.to_dict(), vision_config=vision, image_token_index=vocab - 1, **tokens
         )
+    if kind == "exaone4_5":  # EXAONE 4's text model (1-D positions), Qwen2.5-VL's tower
+        text = transformers.Exaone4Config(**(common | FAMILY_CONFIGS["exaone4"][2]))
+        vision = dict(SMALL_VISION, depth=1, num_heads=2, out_hidden_size=64, patch_size=4)
+        vision |= dict(spatial_merge_size=2, temporal_patch_size=2, window_size=16)
+        tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
+        return dict(text_config=text.to_dict(), vision_config=vision, **tokens)
     if kind in ("gemma3", "llava", "mistral3"):
         family = {"gemma3": "gemma3", "mistral3": "mistral"}.get(kind)
         text_class, _, fields = FAMILY_CONFIGS[family] if family else ("LlamaConfig", 0, {})
