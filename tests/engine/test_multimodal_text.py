@@ -29,6 +29,8 @@ WRAPPERS = {
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
+    # Mistral 4's language model (DeepSeek-V3's layers) in the same wrapper.
+    "mistral3_mistral4": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
@@ -58,10 +60,11 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         vision |= dict(spatial_merge_size=2, temporal_patch_size=2, window_size=16)
         tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
         return dict(text_config=text.to_dict(), vision_config=vision, **tokens)
-    if kind in ("gemma3", "llava", "mistral3"):
-        family = {"gemma3": "gemma3", "mistral3": "mistral"}.get(kind)
+    if kind in ("gemma3", "llava", "mistral3", "mistral3_mistral4"):
+        families = {"gemma3": "gemma3", "mistral3": "mistral", "mistral3_mistral4": "mistral4"}
+        family = families.get(kind)
         text_class, _, fields = FAMILY_CONFIGS[family] if family else ("LlamaConfig", 0, {})
-        text = getattr(transformers, text_class)(**common, **fields).to_dict()
+        text = getattr(transformers, text_class)(**(common | fields)).to_dict()
         vision = dict(SMALL_VISION, num_hidden_layers=1, num_attention_heads=2, image_size=32)
         vision["patch_size"] = 8
         if kind == "llava":  # CLIP's tower, its CLS row dropped
@@ -124,7 +127,7 @@ def build(kind: str, path, tokenizer) -> object:
 
 @pytest.fixture(scope="module", params=list(WRAPPERS))
 def multimodal(request, tmp_path_factory, tokenizer):
-    """(checkpoint dir, transformers' greedy ids for PROMPTS[:4])."""
+    """(checkpoint dir, transformers' greedy ids for PROMPTS[:4], kind)."""
     path = tmp_path_factory.mktemp(f"{request.param}-multimodal")
     model = build(request.param, path, tokenizer)
     if request.param == "llama4":  # its wrapper's forward fails on text (no image_outputs)
@@ -139,7 +142,7 @@ def multimodal(request, tmp_path_factory, tokenizer):
                 do_sample=False, pad_token_id=0,
             )  # fmt: skip
         want.append(out[0, ids.shape[1] :].tolist())
-    return path, want
+    return path, want, request.param
 
 
 def renamed_tensor(name: str) -> str:
@@ -157,11 +160,12 @@ def renamed_tensor(name: str) -> str:
     return name.replace("language_model.lm_head.", "lm_head.")
 
 
-def published_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def published_layout(kind: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Stacked experts as Qwen3-VL-MoE's published checkpoints hold them, each expert's
-    matrix transposed ([experts, hidden, 2 * inter]); transformers 5 saves the other way."""
+    matrix transposed ([experts, hidden, 2 * inter]); transformers 5 saves the other way,
+    as Mistral 4's are published."""
     stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-    return tensor.transpose(1, 2).contiguous() if stacked else tensor
+    return tensor.transpose(1, 2).contiguous() if stacked and kind == "qwen3_vl_moe" else tensor
 
 
 def greedy_ids(model_dir) -> list[list[int]]:
@@ -171,7 +175,7 @@ def greedy_ids(model_dir) -> list[list[int]]:
 
 
 def test_a_multimodal_checkpoint_serves_its_language_model(multimodal, tmp_path):
-    path, want = multimodal
+    path, want, kind = multimodal
     assert len({token for ids in want for token in ids}) > 4  # not one repeated token
     names = load_file(path / "model.safetensors")
     towers = ("vision_tower.", "visual.", "model.visual.", "vision_model.")
@@ -184,14 +188,14 @@ def test_a_multimodal_checkpoint_serves_its_language_model(multimodal, tmp_path)
     # `language_model.model.`, and Qwen3-VL's nested under `model.`): the same model.
     other = tmp_path / "other"
     shutil.copytree(path, other)
-    renamed = {renamed_tensor(n): published_layout(n, t) for n, t in names.items()}
+    renamed = {renamed_tensor(n): published_layout(kind, n, t) for n, t in names.items()}
     assert renamed.keys() != names.keys()
     save_file(renamed, other / "model.safetensors")
     assert greedy_ids(other) == want
 
 
 def test_a_quantized_multimodal_checkpoint_is_refused(multimodal, tmp_path):
-    path, _ = multimodal
+    path, _, _ = multimodal
     shutil.copytree(path, tmp_path / "fp8")
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
