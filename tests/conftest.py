@@ -122,7 +122,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn = ("gpt_oss", "gpt_neox", "gpt_neox_sequential", "phi", "glm4_moe", "deepseek_v3")
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
-        drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe")
+        drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -431,6 +431,12 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "HunYuanMoEV1Config",
         "HunYuanMoEV1ForCausalLM",
         HUNYUAN | dict(num_experts=4, moe_topk=2, intermediate_size=32),
+    ),
+    # StableLM 2: LayerNorms (drawn biases), a quarter of each head rotated, q/k/v biases.
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(use_qkv_bias=True, partial_rotary_factor=0.25),
     ),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),

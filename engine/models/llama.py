@@ -53,7 +53,7 @@ QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", 
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
-PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron")
+PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron", "stablelm")
 
 
 def check_config(config, act: str = "silu", mlp_bias: bool = False) -> None:

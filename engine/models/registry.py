@@ -27,6 +27,7 @@ from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
+from engine.models.stablelm import StableLmForCausalLM
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
 MODEL_TYPES: dict[str, type[nn.Module]] = {
@@ -44,6 +45,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "arcee": ArceeForCausalLM,
     "apertus": ApertusForCausalLM,
     "helium": HeliumForCausalLM,
+    "stablelm": StableLmForCausalLM,
     "hunyuan_v1_dense": HunyuanForCausalLM,
     "hunyuan_v1_moe": HunyuanMoeForCausalLM,
     "nemotron": NemotronForCausalLM,

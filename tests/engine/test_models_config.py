@@ -191,9 +191,19 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ("gemma2", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
         ("cohere", {"use_qk_norm": True}, "unsupported use_qk_norm"),
         ("phi", {"qk_layernorm": True}, "unsupported qk_layernorm"),
+        ("stablelm", {"qk_layernorm": True}, "unsupported qk_layernorm"),
+        ("stablelm", {"use_parallel_residual": True}, "unsupported use_parallel_residual"),
+        (
+            "hunyuan_v1_dense",
+            {"rope_parameters": {"type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "unsupported rope type 'dynamic' without alpha",
+        ),
+        ("hunyuan_v1_moe", {"moe_topk": [2, 2]}, "unsupported per-layer"),
+        ("cohere2_moe", {"expert_selection_fn": "relu"}, "unsupported expert_selection_fn"),
+        ("jais2", {"hidden_act": "silu"}, "unsupported hidden_act 'silu'"),
         ("gpt_neox", {"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        (  # of the Llama-shaped families, only Phi-3's and GLM-4.5's rotate part of a head
+        (  # of the Llama-shaped families, only some rotate part of a head
             "mistral",
             {
                 "rope_parameters": {
