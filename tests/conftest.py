@@ -123,6 +123,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
+        drawn += ("afmoe",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -135,6 +136,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 1.0)  # each layer's xIELU its own
                     elif kind.startswith("hunyuan") and name.endswith("_layernorm.weight"):
                         param.normal_(1.0, 0.5)  # after the rotation: each dim its own weight
+                    elif kind == "afmoe" and name.endswith("expert_bias"):
+                        param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
     else:
@@ -437,6 +440,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "StableLmConfig",
         "StableLmForCausalLM",
         dict(use_qkv_bias=True, partial_rotary_factor=0.25),
+    ),
+    # Arcee Trinity: a dense layer of sliding-window attention (rotated), then a global
+    # NoPE MoE layer: 4 experts top-2 by sigmoid scores plus a drawn bias, times 1.5, a
+    # shared expert; attention outputs gated; norms before and after each sublayer; muP.
+    "afmoe": (
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            route_scale=1.5,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            mup_enabled=True,
+        ),
     ),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.
     "helium": ("HeliumConfig", "HeliumForCausalLM", dict(head_dim=16, attention_bias=True)),

@@ -50,7 +50,7 @@ FUSED = {
 
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", "dots1")
-QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus")
+QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus", "afmoe")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron", "stablelm")
@@ -147,12 +147,22 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, q, k, v, meta))
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, this rank's heads * head_dim], before o_proj
         if self.rotary is not None:  # the q/k norms go with the rotation
             rope = self.rotary.rope(positions, self.q_norm, self.k_norm)
-            return self.o_proj(self.attn(q, k, v, meta, rope, self.sinks))
+            return self.attn(q, k, v, meta, rope, self.sinks)
         if self.q_norm is not None:  # no position encoding (NoPE), normed all the same
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, meta, None, self.sinks))
+        return self.attn(q, k, v, meta, None, self.sinks)
 
 
 class LlamaMLP(nn.Module):

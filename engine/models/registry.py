@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.arcee import ApertusForCausalLM, ArceeForCausalLM
 from engine.models.bert import BertModel
 from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
@@ -44,6 +45,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "arcee": ArceeForCausalLM,
     "apertus": ApertusForCausalLM,
+    "afmoe": AfmoeForCausalLM,
     "helium": HeliumForCausalLM,
     "stablelm": StableLmForCausalLM,
     "hunyuan_v1_dense": HunyuanForCausalLM,

@@ -1,0 +1,117 @@
+"""Arcee's Trinity (`afmoe`): per-head q/k norms, the sliding-window layers rotated and
+the full-attention ones without position encoding, the attention's output gated by
+sigmoid(gate_proj(x)) per dim; a norm after each sublayer as well as before it (as
+Gemma 3's); dense layers first (`num_dense_layers`), then experts chosen by sigmoid
+scores plus a per-expert bias (for the choice only), renormalized, times `route_scale`,
+beside shared experts; the embeddings times sqrt(hidden_size) where `mup_enabled`."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.models.experts import FusedMoE
+from engine.models.glm4_moe import grouped_topk
+from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
+from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from engine.models.moe import MoeForCausalLM
+from engine.models.parallel import ColumnParallelLinear
+from engine.models.rope import RotaryEmbedding, rope_settings
+from kernels.fp8 import Fp8Rows
+
+
+class AfmoeAttention(LlamaAttention):
+    def __init__(
+        self, config, rotary: RotaryEmbedding | None, sliding_window: int, tp: TensorParallel
+    ) -> None:
+        super().__init__(config, rotary, sliding_window, tp)
+        # gate_proj: this rank's q heads' rows, as qkv_proj's q section; renamed at load
+        # (the MLP's gate_proj is the first half of gate_up_proj).
+        self.output_gate = ColumnParallelLinear(
+            config.hidden_size, [self.qkv_proj.sections[0]], False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attend(positions, q, k, v, meta)
+        return self.o_proj(out * torch.sigmoid(self.output_gate(x)))
+
+
+class AfmoeLayer(LlamaDecoderLayer):
+    FP8_FEEDS: ClassVar[dict[str, str | tuple[str, ...]]] = {  # quantize_model
+        "input_layernorm": ("self_attn.qkv_proj", "self_attn.output_gate"),
+        "pre_mlp_layernorm": "mlp.gate_up_proj",
+    }
+
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding | None,
+        sliding_window: int,
+        mlp: nn.Module,
+        tp: TensorParallel,
+    ) -> None:
+        attention = AfmoeAttention(config, rotary, sliding_window, tp)
+        super().__init__(config, rotary, sliding_window, mlp, tp, self_attn=attention)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's normed output, not yet added to the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))[0]
+        h, residual = self.pre_mlp_layernorm(h, residual)
+        return self.post_mlp_layernorm(self.mlp(h))[0], residual
+
+
+class AfmoeMoE(FusedMoE):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        inter, experts = config.moe_intermediate_size, config.num_experts
+        super().__init__(config.hidden_size, inter, experts, config.num_experts_per_tok, True, tp)
+        self.gate.expert_bias = nn.Parameter(torch.empty(experts))  # beside the router
+        self.scale = float(config.route_scale)
+        shared = inter * config.num_shared_experts
+        self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, bias = self.gate(x), self.gate.expert_bias
+        weights, ids = grouped_topk(logits, bias, self.top_k, 1, 1, True, self.scale)
+        return self.routed(x, weights, ids) + self.shared_experts(x)
+
+
+class AfmoeForCausalLM(MoeForCausalLM):
+    RENAMES: ClassVar[dict[str, str]] = {
+        ".mlp.router.gate.": ".mlp.gate.",
+        ".self_attn.gate_proj.": ".self_attn.output_gate.",
+        ".mlp.expert_bias": ".mlp.gate.expert_bias",
+    }
+
+    def make_layers(self, config) -> list[nn.Module]:
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, theta, scaling
+        )
+        return [
+            AfmoeLayer(config, self.rotary if w else None, w, self.make_mlp(config, i), self.tp)
+            for i, w in enumerate(layer_sliding_windows(config))
+        ]
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if layer < config.num_dense_layers:
+            return LlamaMLP(config, self.tp)
+        return AfmoeMoE(config, self.tp)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.config.hidden_size**0.5 if self.config.mup_enabled else x
