@@ -123,7 +123,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
-        drawn += ("afmoe",)
+        drawn += ("afmoe", "granite_swa", "granitemoe_swa")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -154,6 +154,19 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=256,
+)
+# Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
+GRANITE_SCALARS = dict(
+    embedding_multiplier=4.0,
+    attention_multiplier=0.1,
+    residual_multiplier=0.5,
+    logits_scaling=2.0,
+)
+# Granite SWA's attention: a sliding layer rotated, a full one without position encoding.
+GRANITE_SWA = dict(
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    layer_rope_theta=[10000.0, 0],
 )
 # GLM-4.5's and dots.llm1's experts: a dense layer, then 8 experts in 2 groups, the best
 # group's top-2, times 2.5, and a shared expert.
@@ -643,27 +656,38 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     # Llama with Granite's four scalars, none of them 1 (the attention scale not 16**-0.5).
-    "granite": (
-        "GraniteConfig",
-        "GraniteForCausalLM",
-        dict(
-            embedding_multiplier=4.0,
-            attention_multiplier=0.1,
-            residual_multiplier=0.5,
-            logits_scaling=2.0,
-        ),
-    ),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", GRANITE_SCALARS),
     # Granite MoE: the four scalars over 4 stacked experts, top 2.
     "granitemoe": (
         "GraniteMoeConfig",
         "GraniteMoeForCausalLM",
-        dict(
+        GRANITE_SCALARS | dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    # Granite MoE Shared: the same with a shared MLP of 48 beside the experts.
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        GRANITE_SCALARS
+        | dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
+    ),
+    # Granite SWA: a sliding layer (8) rotated at base 1e4, then a full NoPE layer; sinks.
+    "granite_swa": (
+        "GraniteSWAConfig",
+        "GraniteSWAForCausalLM",
+        GRANITE_SCALARS | GRANITE_SWA,
+    ),
+    # Granite MoE SWA: that attention over the shared-MLP experts; the layers' two bases.
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        "GraniteMoeSWAForCausalLM",
+        GRANITE_SCALARS
+        | GRANITE_SWA
+        | dict(
             num_local_experts=4,
             num_experts_per_tok=2,
-            embedding_multiplier=4.0,
-            attention_multiplier=0.1,
-            residual_multiplier=0.5,
-            logits_scaling=2.0,
+            shared_intermediate_size=48,
+            layer_rope_theta=[10000.0, 500.0],
+            layer_types=["sliding_attention", "sliding_attention"],
         ),
     ),
     # Sinks, biases on attention and experts (randomized in _build: transformers starts

@@ -6,13 +6,17 @@ stream, and the logits are divided by logits_scaling. Everything else is llama.p
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
+from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.experts import FusedMoE
-from engine.models.llama import LlamaForCausalLM
+from engine.models.layers import layer_sliding_windows
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.parallel import WeightSlice, scale_rows_
+from engine.models.rope import RotaryEmbedding, rope_settings
 from kernels.fp8 import FP8_DTYPE
 
 
@@ -38,6 +42,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             scale_rows_(layer.self_attn.o_proj, self.residual_multiplier)
             mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
+            if isinstance(getattr(mlp, "shared_mlp", None), nn.Module):  # beside them
+                scale_rows_(mlp.shared_mlp.down_proj, self.residual_multiplier)
             if not isinstance(mlp, FusedMoE):
                 scale_rows_(mlp.down_proj, self.residual_multiplier)
             elif mlp.w2.dtype == FP8_DTYPE:  # quantized as they loaded: their rows' scales
@@ -45,3 +51,33 @@ class GraniteForCausalLM(LlamaForCausalLM):
             else:
                 mlp.w2.mul_(self.residual_multiplier)
         return loaded
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    """Granite SWA (`granite_swa`, granite-swash): Granite's layers, windows by
+    `layer_types`, a sink logit per head, and each layer's own rope base
+    (`layer_rope_theta`; 0 or none: no position encoding)."""
+
+    def make_layers(self, config) -> list[nn.Module]:
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        scaling = rope_settings(config)[1]
+        thetas = config.layer_rope_theta
+        rotaries = {
+            theta: RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+            for theta in sorted({theta for theta in thetas if theta})
+        }
+        windows = layer_sliding_windows(config)
+        return [
+            LlamaDecoderLayer(
+                config,
+                rotaries[theta] if theta else None,
+                windows[i],
+                self.make_mlp(config, i),
+                self.tp,
+                self.ATTENTION,
+                norm=partial(self.make_norm, config),
+            )
+            for i, theta in enumerate(thetas)
+        ]

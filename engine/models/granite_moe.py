@@ -7,15 +7,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
+import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE, load_stacked
-from engine.models.granite import GraniteForCausalLM
+from engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
+from engine.models.llama import LlamaMLP
 from engine.models.parallel import WeightSlice
 
+# As published (input_linear, output_linear), or as transformers 5 saves a family with no
+# conversion of its own (Granite MoE SWA's: experts.gate_up_proj, experts.down_proj).
 STACKED = re.compile(
-    r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\.(input_linear|output_linear)\.weight"
+    r"(?:model\.)?layers\.(\d+)\.block_sparse_moe\."
+    r"(input_linear\.weight|output_linear\.weight|experts\.gate_up_proj|experts\.down_proj)"
 )
 
 
@@ -32,10 +39,13 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
             for name, weight in weights:
                 match = STACKED.fullmatch(name)
                 if match is None:
-                    yield name.replace(".block_sparse_moe.router.layer.", ".mlp.gate."), weight
+                    name = name.replace(".block_sparse_moe.router.layer.", ".mlp.gate.")
+                    yield name.replace(".block_sparse_moe.router.", ".mlp.gate."), weight
                     continue
                 moe = self.get_submodule(f"layers.{match[1]}.mlp")
-                ours = "w13" if match[2] == "input_linear" else "w2"
+                ours = (
+                    "w13" if match[2] in ("input_linear.weight", "experts.gate_up_proj") else "w2"
+                )
                 try:
                     load_stacked(moe, ours, weight, transposed=False)
                 except ValueError as err:
@@ -44,3 +54,45 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
 
         rest = super().load_weights(others())  # runs others(), which fills `loaded`
         return rest | loaded
+
+
+class GraniteSharedMoE(FusedMoE):
+    """Granite MoE Shared's MLP: the routed experts plus a dense shared one."""
+
+    def __init__(self, config, tp: TensorParallel) -> None:
+        experts, top_k = config.num_local_experts, config.num_experts_per_tok
+        super().__init__(config.hidden_size, config.intermediate_size, experts, top_k, True, tp)
+        size = config.shared_intermediate_size
+        self.shared_mlp = LlamaMLP(config, tp, intermediate_size=size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_mlp(x)
+
+
+class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
+    """Granite MoE Shared (`granitemoeshared`): a dense MLP beside each layer's experts
+    where `shared_intermediate_size`, its gate and up rows in one tensor (input_linear)."""
+
+    RENAMES: ClassVar[dict[str, str]] = {
+        ".shared_mlp.input_linear.": ".mlp.shared_mlp.gate_up_proj.",
+        ".shared_mlp.output_linear.": ".mlp.shared_mlp.down_proj.",
+    }
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if not config.shared_intermediate_size:
+            return super().make_mlp(config, layer)
+        return GraniteSharedMoE(config, self.tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        def renamed() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                for old, new in self.RENAMES.items():
+                    name = name.replace(old, new)
+                yield name, weight
+
+        return super().load_weights(renamed())
+
+
+class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM, GraniteSWAForCausalLM):
+    """Granite MoE SWA (`granitemoe_swa`): Granite SWA's attention over Granite MoE
+    Shared's MLPs."""

@@ -52,6 +52,7 @@ FUSED = {
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", "dots1")
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus", "afmoe")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
+SINK_MODELS = ("gpt_oss", "granite_swa", "granitemoe_swa")  # a sink logit per head
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron", "stablelm")
 
@@ -119,7 +120,7 @@ class LlamaAttention(nn.Module):
             causal=options.causal,
         )  # fmt: skip
         self.sinks = None  # GPT-OSS: a sink logit per q head in the softmax's denominator
-        if config.model_type == "gpt_oss":
+        if config.model_type in SINK_MODELS:
             self.sink_heads = split(num_heads, tp, "num_attention_heads")
             self.sinks = nn.Parameter(torch.empty(heads.num_heads))
 

@@ -17,8 +17,12 @@ from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
-from engine.models.granite import GraniteForCausalLM
-from engine.models.granite_moe import GraniteMoeForCausalLM
+from engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
+from engine.models.granite_moe import (
+    GraniteMoeForCausalLM,
+    GraniteMoeSharedForCausalLM,
+    GraniteMoeSWAForCausalLM,
+)
 from engine.models.helium import HeliumForCausalLM
 from engine.models.hunyuan import HunyuanForCausalLM, HunyuanMoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
@@ -62,6 +66,9 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "granite": GraniteForCausalLM,
     "granitemoe": GraniteMoeForCausalLM,
+    "granitemoeshared": GraniteMoeSharedForCausalLM,
+    "granite_swa": GraniteSWAForCausalLM,
+    "granitemoe_swa": GraniteMoeSWAForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
