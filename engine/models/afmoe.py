@@ -91,6 +91,7 @@ class AfmoeMoE(FusedMoE):
 
 
 class AfmoeForCausalLM(MoeForCausalLM):
+    LORA_FUSED = None  # PEFT's gate_proj names the attention's output gate as well
     RENAMES: ClassVar[dict[str, str]] = {
         ".mlp.router.gate.": ".mlp.gate.",
         ".self_attn.gate_proj.": ".self_attn.output_gate.",
