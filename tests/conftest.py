@@ -123,7 +123,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
-        drawn += ("afmoe", "granite_swa", "granitemoe_swa")
+        drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -471,6 +471,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"],
             mup_enabled=True,
+        ),
+    ),
+    # Phi-3.5-MoE: sparsemixer over 4 experts, LayerNorms, q/k/v/o and LM head biases
+    # (drawn), LongRoPE with explicit scales (prompts stay within the original length).
+    "phimoe": (
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            num_local_experts=4,
+            attention_bias=True,
+            lm_head_bias=True,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+                "short_mscale": 1.2,
+                "long_mscale": 1.4,
+                "original_max_position_embeddings": 128,
+            },
         ),
     ),
     # Helium: Llama with the rotation on interleaved pairs; q/k/v biases (drawn), none on o.

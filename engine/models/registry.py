@@ -32,6 +32,7 @@ from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
+from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
@@ -59,6 +60,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen3_moe": MoeForCausalLM,
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
+    "phimoe": PhimoeForCausalLM,
     "mixtral": MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,

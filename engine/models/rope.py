@@ -121,7 +121,14 @@ def longrope_cos_sin(
         torch.outer(positions, 1.0 / (torch.tensor(scaling[k]) * theta**exponents))
         for k in ("short_factor", "long_factor")
     )
-    freqs = torch.where(positions[:, None] < original, short, long)
+    within = positions[:, None] < original
+    if "short_mscale" in scaling:
+        # Phi-3.5-MoE's: transformers keeps the short factors at every length and scales
+        # by short_mscale, or long_mscale once the batch passes the original length (here
+        # per position).
+        scale = torch.where(within, scaling["short_mscale"], scaling["long_mscale"])
+        return torch.cat([short.cos(), short.sin()], dim=-1) * scale
+    freqs = torch.where(within, short, long)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
 
 
