@@ -14,9 +14,10 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE
+from engine.models.gemma3 import Gemma3DecoderLayer
 from engine.models.glm4_moe import grouped_topk
-from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
-from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from engine.models.layers import AttentionMetadata, layer_sliding_windows
+from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear
 from engine.models.rope import RotaryEmbedding, rope_settings
@@ -42,37 +43,14 @@ class AfmoeAttention(LlamaAttention):
         return self.o_proj(out * torch.sigmoid(self.output_gate(x)))
 
 
-class AfmoeLayer(LlamaDecoderLayer):
+class AfmoeLayer(Gemma3DecoderLayer):
+    """Gemma 3's layer: a norm before and after each sublayer (pre_mlp_layernorm and
+    post_mlp_layernorm, renamed at load)."""
+
     FP8_FEEDS: ClassVar[dict[str, str | tuple[str, ...]]] = {  # quantize_model
         "input_layernorm": ("self_attn.qkv_proj", "self_attn.output_gate"),
-        "pre_mlp_layernorm": "mlp.gate_up_proj",
+        "pre_feedforward_layernorm": "mlp.gate_up_proj",
     }
-
-    def __init__(
-        self,
-        config,
-        rotary: RotaryEmbedding | None,
-        sliding_window: int,
-        mlp: nn.Module,
-        tp: TensorParallel,
-    ) -> None:
-        attention = AfmoeAttention(config, rotary, sliding_window, tp)
-        super().__init__(config, rotary, sliding_window, mlp, tp, self_attn=attention)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the last sublayer's normed output, not yet added to the residual stream."""
-        h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))[0]
-        h, residual = self.pre_mlp_layernorm(h, residual)
-        return self.post_mlp_layernorm(self.mlp(h))[0], residual
 
 
 class AfmoeMoE(FusedMoE):
@@ -96,6 +74,8 @@ class AfmoeForCausalLM(MoeForCausalLM):
         ".mlp.router.gate.": ".mlp.gate.",
         ".self_attn.gate_proj.": ".self_attn.output_gate.",
         ".mlp.expert_bias": ".mlp.gate.expert_bias",
+        ".pre_mlp_layernorm.": ".pre_feedforward_layernorm.",
+        ".post_mlp_layernorm.": ".post_feedforward_layernorm.",
     }
 
     def make_layers(self, config) -> list[nn.Module]:
@@ -104,7 +84,14 @@ class AfmoeForCausalLM(MoeForCausalLM):
             config.head_dim, config.max_position_embeddings, theta, scaling
         )
         return [
-            AfmoeLayer(config, self.rotary if w else None, w, self.make_mlp(config, i), self.tp)
+            AfmoeLayer(
+                config,
+                self.rotary if w else None,
+                w,
+                self.tp,
+                mlp=self.make_mlp(config, i),
+                self_attn=AfmoeAttention(config, self.rotary if w else None, w, self.tp),
+            )
             for i, w in enumerate(layer_sliding_windows(config))
         ]
 

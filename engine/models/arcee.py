@@ -17,7 +17,13 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.models.llama import FUSED, LlamaForCausalLM, check_config
-from engine.models.parallel import ColumnParallelLinear, RowParallelLinear, WeightSlice, split
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    WeightSlice,
+    renamed,
+    split,
+)
 from kernels.fp8 import Fp8Rows
 
 
@@ -83,10 +89,4 @@ class ApertusForCausalLM(ArceeForCausalLM):
         return UngatedMLP(config, self.tp, XIELU())
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        def renamed() -> Iterable[tuple[str, WeightSlice]]:
-            for name, weight in weights:
-                for old, new in self.RENAMES.items():
-                    name = name.replace(old, new)
-                yield name, weight
-
-        return super().load_weights(renamed())
+        return super().load_weights(renamed(weights, self.RENAMES))

@@ -47,9 +47,11 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         tp: TensorParallel = SINGLE,
         act: str = "gelu_tanh",  # GLM-4's layers, the same shape, have SiLU
         attention: AttentionOptions = AttentionOptions(),
+        mlp: nn.Module | None = None,  # Arcee Trinity's (experts); None: LlamaMLP with act
+        self_attn: nn.Module | None = None,  # Arcee Trinity's gated attention
     ) -> None:
-        mlp = LlamaMLP(config, tp, act=act)
-        super().__init__(config, rotary, sliding_window, mlp, tp, attention)
+        mlp = mlp or LlamaMLP(config, tp, act=act)
+        super().__init__(config, rotary, sliding_window, mlp, tp, attention, self_attn)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -16,7 +16,7 @@ from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE, load_stacked
 from engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
 from engine.models.llama import LlamaMLP
-from engine.models.parallel import WeightSlice
+from engine.models.parallel import WeightSlice, renamed
 
 # As published (input_linear, output_linear), or as transformers 5 saves a family with no
 # conversion of its own (Granite MoE SWA's: experts.gate_up_proj, experts.down_proj).
@@ -84,13 +84,7 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         return GraniteSharedMoE(config, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, WeightSlice]]:
-            for name, weight in weights:
-                for old, new in self.RENAMES.items():
-                    name = name.replace(old, new)
-                yield name, weight
-
-        return super().load_weights(renamed())
+        return super().load_weights(renamed(weights, self.RENAMES))
 
 
 class GraniteMoeSWAForCausalLM(GraniteMoeSharedForCausalLM, GraniteSWAForCausalLM):

@@ -7,7 +7,7 @@ a shared MLP."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -18,7 +18,7 @@ from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata, layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
-from engine.models.parallel import WeightSlice
+from engine.models.parallel import WeightSlice, renamed
 from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings, rope_type
 from kernels.fp8 import Fp8Rows
 from kernels.fused_moe import select_experts
@@ -74,13 +74,7 @@ class HunyuanForCausalLM(LlamaForCausalLM):
         ]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, WeightSlice]]:
-            for name, weight in weights:
-                for old, new in self.RENAMES.items():
-                    name = name.replace(old, new)
-                yield name, weight
-
-        return super().load_weights(renamed())
+        return super().load_weights(renamed(weights, self.RENAMES))
 
 
 class HunyuanMoE(FusedMoE):

@@ -19,7 +19,7 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.models.experts import FusedMoE, load_stacked
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
-from engine.models.parallel import WeightSlice, load_weight
+from engine.models.parallel import WeightSlice, load_weight, renamed
 
 # HF per-expert projection -> (our stacked parameter, half of w13 it fills; None: all of w2).
 EXPERT_WEIGHTS = {
@@ -102,9 +102,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
         def others() -> Iterator[tuple[str, WeightSlice]]:
             """Reads the expert tensors into their stacks; yields everything else."""
-            for name, weight in weights:
-                for old, new in self.RENAMES.items():
-                    name = name.replace(old, new)
+            for name, weight in renamed(weights, self.RENAMES):
                 stacked = STACKED.fullmatch(name.removeprefix("model."))
                 if stacked is not None:
                     moe = self.get_submodule(stacked[1])

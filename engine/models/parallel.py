@@ -16,7 +16,7 @@ memory): a rank reads only its own rows or columns from the file.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,6 +41,16 @@ class WeightSlice(Protocol):
     def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def renamed(
+    weights: Iterable[tuple[str, WeightSlice]], renames: dict[str, str]
+) -> Iterator[tuple[str, WeightSlice]]:
+    """The checkpoint's tensors, each name with every `renames` key replaced by its value."""
+    for name, weight in weights:
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        yield name, weight
 
 
 class TensorSlice:
