@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.models.experts import FusedMoE
 from engine.models.gemma3 import Gemma3DecoderLayer
-from engine.models.glm4_moe import grouped_topk
+from engine.models.glm4_moe import SigmoidMoE
 from engine.models.layers import AttentionMetadata, layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.models.moe import MoeForCausalLM
@@ -53,19 +52,19 @@ class AfmoeLayer(Gemma3DecoderLayer):
     }
 
 
-class AfmoeMoE(FusedMoE):
+class AfmoeMoE(SigmoidMoE):
     def __init__(self, config, tp: TensorParallel) -> None:
-        inter, experts = config.moe_intermediate_size, config.num_experts
-        super().__init__(config.hidden_size, inter, experts, config.num_experts_per_tok, True, tp)
-        self.gate.expert_bias = nn.Parameter(torch.empty(experts))  # beside the router
-        self.scale = float(config.route_scale)
+        inter, experts, top_k = (
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+        )
+        super().__init__(config.hidden_size, inter, experts, top_k, float(config.route_scale), tp)
         shared = inter * config.num_shared_experts
         self.shared_experts = LlamaMLP(config, tp, intermediate_size=shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, bias = self.gate(x), self.gate.expert_bias
-        weights, ids = grouped_topk(logits, bias, self.top_k, 1, 1, True, self.scale)
-        return self.routed(x, weights, ids) + self.shared_experts(x)
+        return super().forward(x) + self.shared_experts(x)
 
 
 class AfmoeForCausalLM(MoeForCausalLM):
@@ -73,7 +72,7 @@ class AfmoeForCausalLM(MoeForCausalLM):
     RENAMES: ClassVar[dict[str, str]] = {
         ".mlp.router.gate.": ".mlp.gate.",
         ".self_attn.gate_proj.": ".self_attn.output_gate.",
-        ".mlp.expert_bias": ".mlp.gate.expert_bias",
+        ".mlp.expert_bias": ".mlp.gate.e_score_correction_bias",
         ".pre_mlp_layernorm.": ".pre_feedforward_layernorm.",
         ".post_mlp_layernorm.": ".post_feedforward_layernorm.",
     }

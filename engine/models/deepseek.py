@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.images import ImageRows
 from engine.models.experts import FusedMoE
 from engine.models.glm4_moe import Glm4MoE, Mistral4MoE
 from engine.models.layers import AttentionMetadata, PagedAttention, RMSNorm
@@ -148,8 +147,8 @@ class MlaAttention(nn.Module):
         self.interleaved = config.model_type == "deepseek_v2" or getattr(
             config, "rope_interleave", False
         )
-        # Mistral 4's query scale by position [n, 1], the same in every layer: set by
-        # DeepseekForCausalLM.forward, once a step (None: no scale).
+        # Mistral 4's query scale by position [n, 1], the same in every layer: set once a
+        # step from DeepseekForCausalLM.query_scale (None: no scale).
         self.q_scale: torch.Tensor | None = None
 
     def forward(
@@ -312,19 +311,11 @@ class DeepseekForCausalLM(MoeForCausalLM):
             return Mistral4MoE(config, self.tp)
         return Glm4MoE(config, self.tp)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        images: ImageRows | None = None,
-    ) -> torch.Tensor:
-        if beta := self.q_scaling:  # once a step, for every layer
-            original = self.rotary.scaling["original_max_position_embeddings"]
-            q_scale = (1.0 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None]
-            for layer in self.layers:
-                layer.self_attn.q_scale = q_scale
-        return super().forward(input_ids, positions, meta, images)
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        if not (beta := self.q_scaling):
+            return None
+        original = self.rotary.scaling["original_max_position_embeddings"]
+        return (1.0 + beta * torch.log1p(torch.floor(positions.float() / original)))[:, None]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         def kept() -> Iterator[tuple[str, WeightSlice]]:

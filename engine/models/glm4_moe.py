@@ -42,6 +42,24 @@ def grouped_topk(
     return weights * scale, ids
 
 
+class SigmoidMoE(FusedMoE):
+    """Experts chosen in one group as DeepSeek-V3's: sigmoid scores plus a per-expert
+    correction bias (beside the router, for the choice only), renormalized, times
+    `scale` (MiniMax-M2's, and Arcee Trinity's beside shared experts)."""
+
+    def __init__(
+        self, hidden: int, inter: int, experts: int, top_k: int, scale: float, tp: TensorParallel
+    ) -> None:
+        super().__init__(hidden, inter, experts, top_k, True, tp)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        correction = self.gate.e_score_correction_bias
+        weights, ids = grouped_topk(self.gate(x), correction, self.top_k, 1, 1, True, self.scale)
+        return self.routed(x, weights, ids)
+
+
 class Glm4MoE(FusedMoE):
     SOFTMAX = False  # Mistral 4's: softmax scores and no correction bias
 

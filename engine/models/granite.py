@@ -42,7 +42,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         for layer in self.layers:
             scale_rows_(layer.self_attn.o_proj, self.residual_multiplier)
             mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
-            if isinstance(getattr(mlp, "shared_mlp", None), nn.Module):  # beside them
+            if getattr(mlp, "shared_mlp", None) is not None:  # beside them
                 scale_rows_(mlp.shared_mlp.down_proj, self.residual_multiplier)
             if not isinstance(mlp, FusedMoE):
                 scale_rows_(mlp.down_proj, self.residual_multiplier)

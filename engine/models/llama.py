@@ -297,11 +297,19 @@ class LlamaForCausalLM(nn.Module):
                 table = images.rope_table(self.rotary, positions)
                 meta = dataclasses.replace(meta, rope_table=table)
         deepstack = None if images is None else images.deepstack
+        if (q_scale := self.query_scale(positions)) is not None:  # once a step
+            for layer in self.layers:
+                layer.self_attn.q_scale = q_scale
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta)
             if deepstack is not None and i < len(deepstack):  # Qwen3-VL's, at the image rows
                 x = x.index_put((images.rows,), deepstack[i].to(x.dtype), accumulate=True)
         return self.norm(x, residual)[0]
+
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The queries' scale by position [num_tokens, 1], the same in every layer that
+        takes one (Llama 4's NoPE layers, Mistral 4's); None: no scale."""
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [num_seqs, vocab_size]

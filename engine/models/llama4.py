@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.images import ImageRows
 from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, check_config
@@ -62,8 +61,8 @@ class Llama4Attention(LlamaAttention):
         self.tempered = rotary is None and config.attn_temperature_tuning
         if rotary is None:
             self.q_norm = self.k_norm = None
-        # The step's query scale [num_tokens, 1], the same in every NoPE layer: set by
-        # Llama4ForCausalLM.forward, once a step.
+        # The step's query scale [num_tokens, 1], the same in every NoPE layer: set once a
+        # step from Llama4ForCausalLM.query_scale.
         self.q_scale: torch.Tensor | None = None
 
     def forward(
@@ -102,20 +101,12 @@ class Llama4ForCausalLM(MoeForCausalLM):
             layers.append(LlamaDecoderLayer(config, None, 0, mlp, self.tp, self_attn=attention))
         return layers
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        images: ImageRows | None = None,
-    ) -> torch.Tensor:
+    def query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         config = self.config
-        if config.attn_temperature_tuning:  # the NoPE layers' query scale, once a step
-            floor = torch.floor((positions.float() + 1.0) / config.floor_scale)
-            q_scale = (torch.log1p(floor) * config.attn_scale + 1.0)[:, None]
-            for layer in self.layers:
-                layer.self_attn.q_scale = q_scale
-        return super().forward(input_ids, positions, meta, images)
+        if not config.attn_temperature_tuning:
+            return None
+        floor = torch.floor((positions.float() + 1.0) / config.floor_scale)
+        return (torch.log1p(floor) * config.attn_scale + 1.0)[:, None]
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         if layer in config.moe_layers:

@@ -9,28 +9,13 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 
-from engine.distributed import TensorParallel
-from engine.models.experts import FusedMoE
-from engine.models.glm4_moe import grouped_topk
+from engine.models.glm4_moe import SigmoidMoE
 from engine.models.llama import LlamaDecoderLayer
 from engine.models.moe import MoeForCausalLM
 from engine.models.olmo2 import Olmo2Attention
 from engine.models.rope import RotaryEmbedding, rope_settings
-
-
-class MiniMaxM2MoE(FusedMoE):
-    def __init__(self, config, tp: TensorParallel) -> None:
-        experts, top_k = config.num_local_experts, config.num_experts_per_tok
-        super().__init__(config.hidden_size, config.intermediate_size, experts, top_k, True, tp)
-        self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))  # GLM-4.5's place
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits, correction = self.gate(x), self.gate.e_score_correction_bias
-        weights, ids = grouped_topk(logits, correction, self.top_k, 1, 1, True, 1.0)
-        return self.routed(x, weights, ids)
 
 
 class MiniMaxM2ForCausalLM(MoeForCausalLM):
@@ -46,8 +31,13 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
         )
         return [
             LlamaDecoderLayer(
-                config, None, 0, MiniMaxM2MoE(config, self.tp), self.tp,
+                config, None, 0, self.make_mlp(config, i), self.tp,
                 self_attn=Olmo2Attention(config, self.rotary, 0, self.tp),
             )
-            for _ in range(config.num_hidden_layers)
+            for i in range(config.num_hidden_layers)
         ]  # fmt: skip
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        experts, top_k = config.num_local_experts, config.num_experts_per_tok
+        inter = config.intermediate_size
+        return SigmoidMoE(config.hidden_size, inter, experts, top_k, 1.0, self.tp)
