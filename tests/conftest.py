@@ -915,6 +915,22 @@ def tiny_encoder_dir(tmp_path_factory):
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """transformers' greedy continuation in fp32 on CPU, EOS ignored (kwargs: to generate)."""
+    model = hf_model(model_dir)
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_model(model_dir: str):
+    """transformers' model of `model_dir` in fp32 on CPU, loaded once."""
     from transformers import AutoModelForCausalLM
 
     model = _hf_models.get(model_dir)
@@ -929,17 +945,7 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, **kwar
             model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None  # ignore EOS without masking it
         _hf_models[model_dir] = model
-    input_ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            **kwargs,
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    return model
 
 
 _hf_models: dict = {}

@@ -1,5 +1,5 @@
 """The newer families on CUDA at fp32 (Triton attention with windows, the Triton fused MoE,
-CUDA graphs): token for token equal to eager mode and to transformers."""
+CUDA graphs): token for token equal to transformers, graphs and eager, up to a near-tie."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from engine.models.loader import load_tokenizer
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
 from tests.conftest import FAMILY_CONFIGS, PROMPTS, hf_greedy
-from tests.gpu.conftest import GPU, generate
+from tests.gpu.conftest import GPU, assert_greedy_matches, generate
 
 pytestmark = GPU
 
@@ -20,15 +20,18 @@ MAX_NEW = 32
 def test_families_match_transformers_on_cuda(tiny_family_dir, kind):
     model_dir = tiny_family_dir(kind)
     tokenizer = load_tokenizer(model_dir)
-    want = [hf_greedy(model_dir, tokenizer.encode(p), MAX_NEW) for p in PROMPTS]
-    graphs = generate(model_dir, PROMPTS, MAX_NEW)
-    assert graphs == want
-    assert generate(model_dir, PROMPTS, MAX_NEW, enforce_eager=True) == want
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    want = [hf_greedy(model_dir, i, MAX_NEW) for i in ids]
+    assert_greedy_matches(model_dir, ids, generate(model_dir, PROMPTS, MAX_NEW), want)
+    eager = generate(model_dir, PROMPTS, MAX_NEW, enforce_eager=True)
+    assert_greedy_matches(model_dir, ids, eager, want)
     # Chunked prefill (prefill graphs) and prefix-cache hits over 4-token blocks.
     shared = PROMPTS[3] + " " + PROMPTS[6]
     prompts = [shared + suffix for suffix in ("", " one", " two")] * 2
-    want = [hf_greedy(model_dir, tokenizer.encode(p), MAX_NEW) for p in prompts]
-    assert generate(model_dir, prompts, MAX_NEW, block_size=4, max_num_batched_tokens=24) == want
+    ids = [tokenizer.encode(p) for p in prompts]
+    want = [hf_greedy(model_dir, i, MAX_NEW) for i in ids]
+    chunked = generate(model_dir, prompts, MAX_NEW, block_size=4, max_num_batched_tokens=24)
+    assert_greedy_matches(model_dir, ids, chunked, want)
 
 
 def test_fused_moe_in_a_cuda_graph_follows_new_routing():
