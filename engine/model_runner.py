@@ -112,9 +112,12 @@ class ModelRunner(StepInputs):
         return self.clock.seconds
 
     def bytes_per_block(self) -> int:
-        layer = self.attn_layers[0]
-        per_token = layer.KV_TENSORS * layer.num_kv_heads * layer.head_dim * self.kv_dtype.itemsize
-        return per_token * self.block_size * len(self.attn_layers)
+        """A block's bytes over every layer's cache (Gemma 4's global layers' heads are
+        larger and fewer than its sliding layers')."""
+        per_token = sum(
+            layer.KV_TENSORS * layer.num_kv_heads * layer.head_dim for layer in self.attn_layers
+        )
+        return per_token * self.kv_dtype.itemsize * self.block_size
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -146,10 +149,9 @@ class ModelRunner(StepInputs):
         return int(2 * (activations + logits)) + (512 << 20)
 
     def _allocate_kv_cache(self) -> None:
-        layer = self.attn_layers[0]
-        shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         ops = AttentionOps.for_device(self.device)
         for layer in self.attn_layers:
+            shape = (self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             layer.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.v_cache = layer.k_cache
             if layer.KV_TENSORS == 2:

@@ -123,7 +123,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
-        drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe")
+        drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -140,6 +140,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
+                    elif kind == "gemma4" and name.endswith(("norm.weight", "layer_scalar")):
+                        param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
     else:
         raise ValueError(kind)
     return _save(path, model.eval(), tokenizer)
@@ -306,6 +308,23 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             },
             final_logit_softcapping=5.0,
+        ),
+    ),
+    # Gemma 4: a local layer (window 8, heads of 16), then a global one with heads of 32
+    # whose V is its K's projection, a quarter of its pairs rotated; soft-cap.
+    "gemma4": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=2,
+            attention_k_eq_v=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,
         ),
     ),
     # Gemma 3's layout without q/k norms, one rope base, and the attention scores

@@ -78,7 +78,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.softcap = getattr(config, "final_logit_softcapping", None)
         self.embed_scale = config.hidden_size**0.5
         # EmbeddingGemma: attention both ways, embeddings only (an encoder to the engine).
-        self.is_encoder = bool(getattr(config, "use_bidirectional_attention", False))
+        self.is_encoder = getattr(config, "use_bidirectional_attention", False) is True
         if self.is_encoder:
             self.has_lm_head = False
 

@@ -1,7 +1,7 @@
-"""Multimodal checkpoints' language models: LLaVA, Gemma 3 from 4B up, Mistral Small 3.1
-and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE. (The Qwen models'
-multimodal rotary sections see one position per text token, which is plain rotary;
-image tokens' 3-D positions are engine/images.py's.)
+"""Multimodal checkpoints' language models: LLaVA, Gemma 3 from 4B up, Gemma 4 (text
+only), Mistral Small 3.1 and later, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE.
+(The Qwen models' multimodal rotary sections see one position per text token, which
+is plain rotary; image tokens' 3-D positions are engine/images.py's.)
 The language model's tensors sit under `language_model.` (`model.language_model.` in
 newer saves); the vision tower's and the projector's are read by
 engine/models/vision.py."""
@@ -22,6 +22,7 @@ TEXT_OF_MULTIMODAL = {
     for kind in (
         "exaone4_5",
         "gemma3",
+        "gemma4",
         "llama4",
         "llava",
         "mistral3",
@@ -32,6 +33,7 @@ TEXT_OF_MULTIMODAL = {
     )  # fmt: skip
 }
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "vision_model.")
+_VISION_PARTS += ("audio_tower.", "embed_vision.", "embed_audio.")  # Gemma 4's
 
 
 def is_multimodal(model_dir: str) -> bool:

@@ -12,6 +12,7 @@ from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
@@ -66,6 +67,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "minimax_m2": MiniMaxM2ForCausalLM,
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "gemma4_text": Gemma4ForCausalLM,
     "granite": GraniteForCausalLM,
     "granitemoe": GraniteMoeForCausalLM,
     "granitemoeshared": GraniteMoeSharedForCausalLM,

@@ -1,6 +1,7 @@
 """Rotary position embeddings: the rope settings a config names (theta, scaling: linear,
-Llama 3's, YaRN, LongRoPE), the cos/sin cache, the q/k row orders for partial and
-interleaved rotation, and the per-head q/k norms the rotary kernel applies with it."""
+Llama 3's, YaRN, LongRoPE, Gemma 4's proportional), the cos/sin cache, the q/k row orders
+for partial and interleaved rotation, and the per-head q/k norms the rotary kernel
+applies with it."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def rope_settings(config, layer_type: str | None = None) -> tuple[float, dict | 
     return float(theta), params
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "proportional")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -36,6 +37,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     kind = rope_type(scaling)
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "proportional":  # Gemma 4's global layers: the first pairs' frequencies only
+        angles = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq[angles:] = 0.0  # cos 1, sin 0: those pairs pass unrotated
+        return inv_freq / scaling.get("factor", 1.0)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -168,7 +173,8 @@ class RotaryEmbedding(nn.Module):
             supported = ", ".join(SUPPORTED_ROPE_TYPES)
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {supported})")
         factor = (scaling or {}).get("partial_rotary_factor", 1.0)
-        self.rotary_dim = int(head_dim * factor)
+        # Proportional rope's share is of the frequencies (rope_inv_freq), over the whole head.
+        self.rotary_dim = head_dim if kind == "proportional" else int(head_dim * factor)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"unsupported partial_rotary_factor {factor} for head_dim {head_dim}")
         # The q/k dims' order for the kernels (the model reorders its q/k rows), or None.

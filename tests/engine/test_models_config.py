@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import LLM
 from engine.models.layers import PagedAttention
 from engine.models.loader import ModelLoadError, load_config, load_model, max_model_len
 from engine.models.rope import RotaryEmbedding, longrope_cos_sin, rope_settings
@@ -91,6 +92,21 @@ def test_windows_and_rope_bases_per_layer(tiny_family_dir):
     qwen3, _ = load_model(tiny_family_dir("qwen3"), torch.device("cpu"), torch.float32)
     windows = [m.sliding_window for m in qwen3.modules() if isinstance(m, PagedAttention)]
     assert windows == [0, 10]  # use_sliding_window from max_window_layers (1) on
+
+
+def test_gemma4_global_layers_have_heads_and_a_cache_of_their_own(tiny_family_dir):
+    llm = LLM(tiny_family_dir("gemma4"), device="cpu", dtype="float32", num_kv_blocks=8)
+    runner = llm.engine.runner
+    local, full = runner.attn_layers
+    assert (local.head_dim, local.num_kv_heads, full.head_dim, full.num_kv_heads) == (16, 2, 32, 2)
+    assert local.k_cache.shape[2:] == (2, 16) and full.v_cache.shape[2:] == (2, 32)
+    assert full.k_cache is not full.v_cache  # V is K's projection, stored apart once normed
+    rotary = runner.model.rotary_global
+    assert (rotary.rotary_dim, rotary.theta) == (32, 1e6)  # the whole head, 4 of 16 pairs turn
+    assert (rotary.cos_sin[:, 4:16] == 1.0).all() and (rotary.cos_sin[:, 20:] == 0.0).all()
+    assert (rotary.cos_sin[1:, 16:20] != 0.0).all()  # the 4 that turn: their sines
+    per_token = (2 * 2 * 16 + 2 * 2 * 32) * 4  # K and V, each layer's own shape, fp32
+    assert runner.bytes_per_block() == per_token * runner.block_size
 
 
 def test_sliding_window_no_longer_caps_the_context(tiny_family_dir):
@@ -190,6 +206,10 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ),
         ("gemma2", {"use_bidirectional_attention": True}, "unsupported use_bidirectional"),
         ("cohere", {"use_qk_norm": True}, "unsupported use_qk_norm"),
+        ("gemma4", {"hidden_size_per_layer_input": 16}, "unsupported hidden_size_per_layer"),
+        ("gemma4", {"num_kv_shared_layers": 1}, "unsupported num_kv_shared_layers"),
+        ("gemma4", {"enable_moe_block": True}, "unsupported enable_moe_block"),
+        ("gemma4", {"use_bidirectional_attention": "all"}, "unsupported use_bidirectional"),
         ("phi", {"qk_layernorm": True}, "unsupported qk_layernorm"),
         ("stablelm", {"qk_layernorm": True}, "unsupported qk_layernorm"),
         ("stablelm", {"use_parallel_residual": True}, "unsupported use_parallel_residual"),

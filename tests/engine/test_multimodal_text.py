@@ -1,5 +1,5 @@
 """Multimodal checkpoints (Gemma3ForConditionalGeneration, as gemma-3-4b-it and up are
-published; Llama 4's Llama4ForConditionalGeneration; EXAONE 4.5's; Mistral Small 3.1's
+published; Gemma 4's; Llama 4's Llama4ForConditionalGeneration; EXAONE 4.5's; Mistral Small 3.1's
 Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL and Qwen3-VL-MoE (its experts stacked either way), whose multimodal rotary sections see one position per text token) served as
 their language model: greedy output equal to transformers' on text prompts, under either
@@ -26,6 +26,7 @@ MAX_NEW = 16
 WRAPPERS = {
     "exaone4_5": ("Exaone4_5_Config", "Exaone4_5_ForConditionalGeneration"),
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
     "llama4": ("Llama4Config", "Llama4ForConditionalGeneration"),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration"),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
@@ -60,6 +61,11 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         vision |= dict(spatial_merge_size=2, temporal_patch_size=2, window_size=16)
         tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
         return dict(text_config=text.to_dict(), vision_config=vision, **tokens)
+    if kind == "gemma4":  # its own tower, under model.vision_tower and model.embed_vision
+        text = transformers.Gemma4TextConfig(**(common | FAMILY_CONFIGS[kind][2]))
+        vision = dict(SMALL_VISION, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
+        vision |= dict(num_key_value_heads=2, patch_size=8)
+        return dict(text_config=text.to_dict(), vision_config=vision, image_token_id=vocab - 1)
     if kind in ("gemma3", "llava", "mistral3", "mistral3_mistral4"):
         families = {"gemma3": "gemma3", "mistral3": "mistral", "mistral3_mistral4": "mistral4"}
         family = families.get(kind)
@@ -178,7 +184,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model(multimodal, tmp_path)
     path, want, kind = multimodal
     assert len({token for ids in want for token in ids}) > 4  # not one repeated token
     names = load_file(path / "model.safetensors")
-    towers = ("vision_tower.", "visual.", "model.visual.", "vision_model.")
+    towers = ("vision_tower.", "model.vision_tower.", "visual.", "model.visual.", "vision_model.")
     assert any(n.startswith(towers) for n in names)
     # The language model's config, with the checkpoint's dtype (the outer config's).
     config = load_config(str(path))

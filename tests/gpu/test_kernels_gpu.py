@@ -25,8 +25,9 @@ from tests.gpu.conftest import GPU
 pytestmark = GPU
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-# (num_heads, num_kv_heads, head_dim): GPT-2, Qwen2.5-0.5B, Llama-3-8B, a head_dim of 80.
-SHAPES = [(12, 12, 64), (14, 2, 64), (32, 8, 128), (32, 32, 80)]
+# (num_heads, num_kv_heads, head_dim): GPT-2, Qwen2.5-0.5B, Llama-3-8B, a head_dim of 80,
+# Gemma 4 31B's sliding and global layers.
+SHAPES = [(12, 12, 64), (14, 2, 64), (32, 8, 128), (32, 32, 80), (32, 16, 256), (32, 4, 512)]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
