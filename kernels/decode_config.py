@@ -53,6 +53,9 @@ def decode_config(
     block_n = 128 if (head_dim <= 64 and group > 1) or fp8_streams else 64
     max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
     num_splits = 1 if unsplit else triton.cdiv(4 * num_sms, programs)
+    if head_dim >= 512:  # Gemma 4's global heads: tiles that fit shared memory in fp32
+        max_tiles = triton.cdiv(max_blocks_per_seq * block_size, 32)
+        return DecodeConfig(max(1, min(num_splits, max_tiles, 128)), 32, num_stages=2)
     return DecodeConfig(
         num_splits=max(1, min(num_splits, max_tiles, 128)),
         block_n=block_n,

@@ -308,8 +308,9 @@ def paged_prefill_attention(
         context = window if sliding_window > 0 else block_table.shape[1] * block_size
         context = min(context, chunk) if chunk > 0 else context  # keys a query sees at most
         config = prefill_config(
-            max_query_len, head_dim, group, num_tokens, num_kv_heads, context, query.device
-        )
+            max_query_len, head_dim, group, num_tokens, num_kv_heads, context, query.device,
+            query.element_size(),
+        )  # fmt: skip
     block_q = max(config.block_m // group, 1)
     block_m = max(config.block_m, triton.next_power_of_2(group))
     num_splits = config.num_splits

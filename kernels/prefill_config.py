@@ -35,6 +35,7 @@ def prefill_config(
     num_kv_heads: int = 1,
     max_context: int = 0,
     device: torch.device | None = None,
+    itemsize: int = 2,  # of the query and cache dtype
 ) -> PrefillConfig:
     """Default launch config; the numbers are measured (docs/kernels.md).
 
@@ -52,6 +53,9 @@ def prefill_config(
         if programs < num_sms:  # less than a wave
             most = max(triton.cdiv(max_context, block_n), 1)
             num_splits = max(1, min(triton.cdiv(4 * num_sms, programs), most, MAX_SPLITS))
+    if head_dim >= 512:  # Gemma 4's global heads: tiles that fit shared memory, unpipelined
+        block_m = min(block_m, 32 if itemsize <= 2 else 16)
+        return PrefillConfig(block_m, 32, num_warps=8, num_stages=1, num_splits=num_splits)
     return PrefillConfig(block_m, block_n, num_splits=num_splits)
 
 
