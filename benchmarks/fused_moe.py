@@ -31,8 +31,8 @@ from triton.testing import do_bench
 
 from benchmarks.kernels import copy_bandwidth_gbps, graph_median_us
 from benchmarks.provenance import git_commit, write_result
+from kernels.activation import ClampedSwiGLU
 from kernels.fused_moe import (
-    ClampedSwiGLU,
     ExpertBiases,
     MoeConfig,
     fused_moe,

@@ -10,6 +10,7 @@ can also quantize its rows per token (`Fp8Rows`), as the quantizer launch would.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +42,58 @@ def act_and_mul_ref(
     return Fp8Rows(*quantize_per_token_ref(out), out.dtype) if fp8_out else out
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit), in place of silu(gate) * up."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+@dataclass(frozen=True)
+class GeluTanhGLU:
+    """Gemma 4's expert activation: gelu_tanh(gate) * up, in place of silu(gate) * up."""
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
+
+
+ExpertAct = ClampedSwiGLU | GeluTanhGLU  # None: silu(gate) * up
+
+
+def expert_act_args(act: ExpertAct | None) -> tuple[float, float, int]:
+    """The MoE kernels' (alpha, limit, ACT) for an expert activation (see moe_gated)."""
+    if isinstance(act, ClampedSwiGLU):
+        return act.alpha, act.limit, 1
+    return 1.0, 0.0, 0 if act is None else 2
+
+
 @triton.jit
-def moe_gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
-    # The MoE kernels' gated activation on fp32 tiles: silu(gate) * up, or GPT-OSS's
-    # clamped SwiGLU (kernels/fused_moe.py's ClampedSwiGLU).
-    if CLAMPED:
+def gelu_tanh(x):
+    # torch's form, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): where
+    # tanh(u) nears -1 the sum cancels, and the result is as coarse as torch's.
+    inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    e = tl.exp(-2.0 * tl.abs(inner))
+    tanh = (1.0 - e) / (1.0 + e)
+    tanh = tl.where(inner < 0, -tanh, tanh)
+    return 0.5 * x * (1.0 + tanh)
+
+
+@triton.jit
+def moe_gated(gate, up, alpha, limit, ACT: tl.constexpr):
+    # The MoE kernels' gated activation on fp32 tiles, by ACT (expert_act_args): 0
+    # silu(gate) * up, 1 GPT-OSS's clamped SwiGLU, 2 gelu_tanh(gate) * up.
+    if ACT == 1:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    if ACT == 2:
+        return gelu_tanh(gate) * up
     return gate * tl.sigmoid(gate) * up
 
 
@@ -73,13 +118,7 @@ def _act_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if GELU_TANH:
-        # torch's form, 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3): where
-        # tanh(u) nears -1 the sum cancels, and the result is as coarse as torch's.
-        inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
-        e = tl.exp(-2.0 * tl.abs(inner))
-        tanh = (1.0 - e) / (1.0 + e)
-        tanh = tl.where(inner < 0, -tanh, tanh)
-        act = 0.5 * gate * (1.0 + tanh)
+        act = gelu_tanh(gate)
     else:
         act = gate / (1.0 + tl.exp(-gate))
     out = round_to(round_to(act, dtype) * up, dtype)

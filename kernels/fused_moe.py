@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP: top-k routing, then each token through its k experts' gated
-MLPs: SiLU (Qwen3-MoE, Mixtral) or GPT-OSS's clamped SwiGLU, with expert biases where the
-model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with one scale per
+MLPs: SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU, with expert
+biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with one scale per
 expert and output row, widened to the activations' dtype in registers (weight-only, as
 decode reads little else) and scaled once after the dot.
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import moe_gated
+from kernels.activation import ExpertAct, expert_act_args, moe_gated
 from kernels.fp8 import dequantize_fp8
 from kernels.moe_align import align_by_expert
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
@@ -59,19 +59,6 @@ class ExpertScales:
     s2: torch.Tensor
 
 
-@dataclass(frozen=True)
-class ClampedSwiGLU:
-    """GPT-OSS's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
-    with g = min(gate, limit), in place of silu(gate) * up."""
-
-    alpha: float
-    limit: float
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=self.limit)
-        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-
 def fused_moe_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
     w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
@@ -79,7 +66,7 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     biases: ExpertBiases | None = None,
-    clamped: ClampedSwiGLU | None = None,  # None: silu(gate) * up
+    act: ExpertAct | None = None,  # None: silu(gate) * up
     scales: ExpertScales | None = None,  # FP8 experts
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
@@ -94,7 +81,7 @@ def fused_moe_ref(
         tokens = token_of[pairs]
         b13, b2 = (None, None) if biases is None else (biases.b13[expert], biases.b2[expert])
         gate, up = F.linear(x[tokens], w13[expert], b13).chunk(2, dim=-1)
-        h = F.silu(gate) * up if clamped is None else clamped(gate, up)
+        h = F.silu(gate) * up if act is None else act(gate, up)
         y = F.linear(h, w2[expert], b2)
         weight = topk_weights.flatten()[pairs, None].to(x.dtype)
         out.index_add_(0, tokens, y * weight)
@@ -121,11 +108,11 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_se,
     stride_om,
-    alpha,  # CLAMPED: the activation's sigmoid gain
-    limit,  # CLAMPED: its clamp
+    alpha,  # ACT 1: the clamped SwiGLU's sigmoid gain
+    limit,  # ACT 1: its clamp
     A_ROW_DIV: tl.constexpr,  # a's row of a pair: pair // A_ROW_DIV (top_k for x, 1 for pairs)
-    GATED: tl.constexpr,  # w holds gate rows then up rows; store silu(gate) * up
-    CLAMPED: tl.constexpr,  # GATED with ClampedSwiGLU instead of silu(gate) * up
+    GATED: tl.constexpr,  # w holds gate rows then up rows; store act(gate) * up
+    ACT: tl.constexpr,  # GATED's activation (kernels/activation.py's moe_gated)
     BIAS: tl.constexpr,  # add the expert's bias row before the activation / the weight
     SCALED: tl.constexpr,  # FP8 w: widen it to a's dtype, scale the columns after the dot
     MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
@@ -178,7 +165,7 @@ def _grouped_gemm_kernel(
             up_bias = tl.load(bias_row + N + cols, mask=col_mask, other=0.0)
             acc_up += up_bias.to(tl.float32)[None, :]
     if GATED:
-        acc = moe_gated(acc, acc_up, alpha, limit, CLAMPED)
+        acc = moe_gated(acc, acc_up, alpha, limit, ACT)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)[:, None]
     out_offs = pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -222,9 +209,10 @@ def _grouped_gemm(
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     a_row_div: int,
     gated: bool,
-    clamped: ClampedSwiGLU | None,
+    act: ExpertAct | None,
     config: MoeConfig,
 ) -> None:
+    alpha, limit, act_code = expert_act_args(act)
     sorted_ids, expert_ids, num_padded = aligned
     n = out.shape[1]
     grid = (expert_ids.shape[0] * triton.cdiv(n, config.block_n),)
@@ -247,11 +235,11 @@ def _grouped_gemm(
         0 if bias is None else bias.stride(0),
         0 if scale is None else scale.stride(0),
         out.stride(0),
-        1.0 if clamped is None else clamped.alpha,
-        0.0 if clamped is None else clamped.limit,
+        alpha,
+        limit,
         A_ROW_DIV=a_row_div,
         GATED=gated,
-        CLAMPED=clamped is not None,
+        ACT=act_code,
         BIAS=bias is not None,
         SCALED=scale is not None,
         MUL_WEIGHT=not gated,
@@ -271,7 +259,7 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
     biases: ExpertBiases | None = None,  # contiguous
-    clamped: ClampedSwiGLU | None = None,
+    act: ExpertAct | None = None,
     scales: ExpertScales | None = None,  # FP8 experts; contiguous
     config: MoeConfig | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
@@ -287,7 +275,7 @@ def fused_moe(
     if config is None and num_pairs <= MAX_PAIRS:  # decode: a GEMV per pair, no sort
         ids = topk_ids.contiguous().view(-1)
         h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        pair_gemv(x, w13, b13, s13, h, ids, weights, top_k, True, clamped)
+        pair_gemv(x, w13, b13, s13, h, ids, weights, top_k, True, act)
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         pair_gemv(h, w2, b2, s2, out, ids, weights, 1, False, None, top_k=top_k)
         return out
@@ -295,7 +283,7 @@ def fused_moe(
         config = moe_config(num_pairs, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, b13, s13, h, weights, aligned, top_k, True, clamped, config)
+    _grouped_gemm(x, w13, b13, s13, h, weights, aligned, top_k, True, act, config)
     y = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm(h, w2, b2, s2, y, weights, aligned, 1, False, None, config)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

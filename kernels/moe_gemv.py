@@ -13,17 +13,12 @@ row per token, summing its pairs' products weighted by their routing weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import moe_gated
+from kernels.activation import ExpertAct, expert_act_args, moe_gated
 from kernels.paged_attention import dot_precision
-
-if TYPE_CHECKING:
-    from kernels.fused_moe import ClampedSwiGLU
 
 # Pairs up to which fused_moe takes this path (top-8 routing of one token; top-4 of two).
 MAX_PAIRS = 8
@@ -65,7 +60,7 @@ def _pair_gemv_kernel(
     A_ROW_DIV: tl.constexpr,
     TOP_K: tl.constexpr,  # pairs a program sums, weighted (down: a token's); else 1
     GATED: tl.constexpr,  # w holds gate rows then up rows (only with TOP_K 1)
-    CLAMPED: tl.constexpr,
+    ACT: tl.constexpr,  # GATED's activation (kernels/activation.py's moe_gated)
     BIAS: tl.constexpr,
     SCALED: tl.constexpr,  # FP8 w: widened to a's dtype, each pair's columns scaled
     WEIGHTED: tl.constexpr,  # scale each pair by its routing weight
@@ -152,7 +147,7 @@ def _pair_gemv_kernel(
             if GATED:
                 first_up += tl.load(bias_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
-        first = moe_gated(first, first_up, alpha, limit, CLAMPED)
+        first = moe_gated(first, first_up, alpha, limit, ACT)
     out = out_ptr + row.to(tl.int64) * stride_om + cols
     tl.store(out, first.to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -179,7 +174,7 @@ def pair_gemv(
     topk_weights: torch.Tensor,  # [num_pairs] fp32
     a_row_div: int,
     gated: bool,
-    clamped: ClampedSwiGLU | None,
+    act: ExpertAct | None,
     top_k: int = 1,  # > 1: each output row sums its top_k pairs, weighted (down)
     block_n: int = 32,
     block_k: int = 128,
@@ -196,6 +191,7 @@ def pair_gemv(
         # 4-7% a layer; the GEMV stays latency bound, not at its halved floor).
         splits = min(16, max(1, k // block_k), 2 * splits)
     width = 2 * n if gated else n
+    alpha, limit, act_code = expert_act_args(act)
     partials = torch.empty(splits, num_rows, width, dtype=torch.float32, device=a.device)
     _pair_gemv_kernel[(num_rows, n_tiles, splits)](
         a,
@@ -217,12 +213,12 @@ def pair_gemv(
         out.stride(0),
         partials.stride(0),
         partials.stride(1),
-        1.0 if clamped is None else clamped.alpha,
-        0.0 if clamped is None else clamped.limit,
+        alpha,
+        limit,
         A_ROW_DIV=a_row_div,
         TOP_K=top_k,
         GATED=gated,
-        CLAMPED=clamped is not None,
+        ACT=act_code,
         BIAS=bias is not None,
         SCALED=scale is not None,
         WEIGHTED=not gated,

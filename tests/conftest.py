@@ -123,7 +123,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("starcoder2", "minimax_m2", "ernie4_5_moe", "glm4_moe_lite")
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
-        drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4")
+        drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -140,7 +140,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
-                    elif kind == "gemma4" and name.endswith(("norm.weight", "layer_scalar")):
+                    elif kind.startswith("gemma4") and name.endswith(GEMMA4_DRAWN):
                         param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
     else:
         raise ValueError(kind)
@@ -170,6 +170,21 @@ GRANITE_SWA = dict(
     layer_types=["sliding_attention", "full_attention"],
     layer_rope_theta=[10000.0, 0],
 )
+# Gemma 4: a local layer (window 8, heads of 16), then a global one with heads of 32 whose V
+# is its K's projection, a quarter of its pairs rotated; soft-cap.
+GEMMA4 = dict(
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=False,
+)
+# Ones from transformers: drawn, so that each counts (the router's scales, the MoE's).
+GEMMA4_DRAWN = ("norm.weight", "layer_scalar", "scale")
 # GLM-4.5's and dots.llm1's experts: a dense layer, then 8 experts in 2 groups, the best
 # group's top-2, times 2.5, and a shared expert.
 GLM_EXPERTS = dict(
@@ -310,22 +325,17 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             final_logit_softcapping=5.0,
         ),
     ),
-    # Gemma 4: a local layer (window 8, heads of 16), then a global one with heads of 32
-    # whose V is its K's projection, a quarter of its pairs rotated; soft-cap.
     "gemma4": (
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",
-        dict(
-            head_dim=16,
-            global_head_dim=32,
-            num_global_key_value_heads=2,
-            attention_k_eq_v=True,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-            hidden_size_per_layer_input=0,
-            final_logit_softcapping=30.0,
-            tie_word_embeddings=False,
-        ),
+        GEMMA4,
+    ),
+    # Gemma 4 26B-A4B's layers: 4 GeGLU experts, top 2, beside each layer's dense MLP.
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        GEMMA4
+        | dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16),
     ),
     # Gemma 3's layout without q/k norms, one rope base, and the attention scores
     # soft-capped; the cap is small enough to bend this tiny model's scores (~0.1).

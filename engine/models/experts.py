@@ -9,15 +9,17 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import TensorSlice, WeightSlice, check_shape, read, split
 from engine.models.weight_copy import fill, fill_quantized
+from kernels.activation import ExpertAct
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
-from kernels.fused_moe import ClampedSwiGLU, ExpertBiases, ExpertScales, fused_moe_for
+from kernels.fused_moe import ExpertBiases, ExpertScales, fused_moe_for
 from kernels.moe_routing import select_experts_for
 
 
 class FusedMoE(nn.Module):
     """Top-k routed gated experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
     (gate rows, then up rows) and w2 [num_experts, hidden, inter]. SiLU by default; GPT-OSS
-    has biases on the router and both projections (b13, b2) and a ClampedSwiGLU.
+    has biases on the router and both projections (b13, b2) and a ClampedSwiGLU, Gemma 4
+    a GeluTanhGLU (`act`).
 
     Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
     row-parallel), the router replicated; one all_reduce sums the ranks' outputs.
@@ -35,13 +37,13 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         tp: TensorParallel = SINGLE,
         bias: bool = False,
-        clamped: ClampedSwiGLU | None = None,
+        act: ExpertAct | None = None,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp = tp
-        self.clamped = clamped
+        self.act = act
         self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
         local = self.inter.local_size
         self.gate = nn.Linear(hidden, num_experts, bias=bias)  # the router
@@ -64,7 +66,7 @@ class FusedMoE(nn.Module):
         top_k]), summed over the ranks: the families that route their own way call this."""
         biases = None if self.b13 is None else ExpertBiases(self.b13, self.b2)
         moe = fused_moe_for(x.device)
-        out = moe(x, self.w13, self.w2, weights, ids, biases, self.clamped, self.scales)
+        out = moe(x, self.w13, self.w2, weights, ids, biases, self.act, self.scales)
         return self.tp.all_reduce(out)
 
     def quantize_at_load(self, dtype: torch.dtype) -> None:

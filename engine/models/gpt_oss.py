@@ -21,7 +21,7 @@ from engine.models.experts import FusedMoE
 from engine.models.llama import LlamaForCausalLM
 from engine.models.parallel import TensorSlice, WeightSlice, check_shape
 from engine.models.quantization import dequantize_mxfp4
-from kernels.fused_moe import ClampedSwiGLU
+from kernels.activation import ClampedSwiGLU
 
 EXPERTS = re.compile(
     r"(layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?"
@@ -38,7 +38,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             True,  # softmax over the top-k logits: the top-k probabilities renormalized
             self.tp,
             bias=True,
-            clamped=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit),
+            act=ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit),
         )
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:

@@ -50,8 +50,8 @@ def transposed(moe: FusedMoE, ours: str, weight: WeightSlice, model_type: str) -
     return list(weight.get_shape()[1:]) == [cols, rows]
 
 
-def num_experts(config) -> int:
-    return getattr(config, "num_experts", None) or config.num_local_experts
+def num_experts(config) -> int:  # 0: none (a dense Gemma 4 loads through MoeForCausalLM)
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
 
 
 class SharedExpertMoE(FusedMoE):

@@ -208,7 +208,6 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ("cohere", {"use_qk_norm": True}, "unsupported use_qk_norm"),
         ("gemma4", {"hidden_size_per_layer_input": 16}, "unsupported hidden_size_per_layer"),
         ("gemma4", {"num_kv_shared_layers": 1}, "unsupported num_kv_shared_layers"),
-        ("gemma4", {"enable_moe_block": True}, "unsupported enable_moe_block"),
         ("gemma4", {"use_bidirectional_attention": "all"}, "unsupported use_bidirectional"),
         ("phi", {"qk_layernorm": True}, "unsupported qk_layernorm"),
         ("stablelm", {"qk_layernorm": True}, "unsupported qk_layernorm"),

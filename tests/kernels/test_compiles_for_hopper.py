@@ -133,14 +133,14 @@ def compile_moe() -> None:
     pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
     pointers |= {"counters_ptr": "*i32", "scale_ptr": "*fp32"}
     fp8 = pointers | {"w_ptr": "*fp8e4nv"}
-    constexprs = {"A_ROW_DIV": 4, "GATED": True, "CLAMPED": True, "BIAS": True, "SCALED": True}
+    constexprs = {"A_ROW_DIV": 4, "GATED": True, "ACT": 1, "BIAS": True, "SCALED": True}
     constexprs |= {"MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
     constexprs |= {"DOT_PRECISION": "tf32"}
     signature = by_name(_grouped_gemm_kernel, constexprs, fp8, {"alpha", "limit"})
     assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
     for gated in (True, False):
         constexprs = {"A_ROW_DIV": 4 if gated else 1, "TOP_K": 1 if gated else 4}
-        constexprs |= {"GATED": gated, "CLAMPED": gated, "BIAS": True, "WEIGHTED": not gated}
+        constexprs |= {"GATED": gated, "ACT": int(gated), "BIAS": True, "WEIGHTED": not gated}
         constexprs |= {"SCALED": not gated, "BLOCK_N": 32, "BLOCK_K": 128, "NUM_SPLITS": 2}
         constexprs |= {"DOT_PRECISION": "tf32"}
         types = pointers if gated else fp8

@@ -7,9 +7,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
+from kernels.activation import ClampedSwiGLU, GeluTanhGLU
 from kernels.fp8 import quantize_per_channel
 from kernels.fused_moe import (
-    ClampedSwiGLU,
     ExpertBiases,
     ExpertScales,
     MoeConfig,
@@ -118,6 +118,23 @@ def test_fused_moe_biases_and_clamped_swiglu_match_reference(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
     for other in (fused_moe_ref(*args, biases), fused_moe_ref(*args, None, clamped)):
         assert not torch.allclose(other, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])  # the pairs' GEMVs, the grouped GEMMs
+def test_gelu_tanh_experts_match_reference(num_tokens: int, rng: torch.Generator, device) -> None:
+    # Gemma 4's experts: gelu_tanh(gate) * up, gate values (std ~1.5) on both sides of 0.
+    num_experts, hidden, inter, top_k = 6, 48, 40, 2
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    expected = fused_moe_ref(*args, None, GeluTanhGLU())
+    torch.testing.assert_close(
+        fused_moe(*args, None, GeluTanhGLU()), expected, rtol=1e-4, atol=1e-5
+    )
+    assert not torch.allclose(fused_moe_ref(*args), expected, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "num_splits"), [(1, 4, 1), (1, 4, 3), (2, 4, 2)])
