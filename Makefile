@@ -37,8 +37,10 @@ chromium:
 test: install chromium
 	$(PY) -m pytest -q -ra -n 2 --dist loadfile $(ARGS)
 
+# Eight workers share the GPU; one CPU thread each, or the transformers references on
+# the CPU fight over the cores.
 test-gpu: install
-	$(PY) -m pytest -q -ra -m gpu $(ARGS)
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -ra -m gpu -n 8 $(ARGS)
 
 lint: install
 	$(PY) -m ruff check .
