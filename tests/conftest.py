@@ -124,6 +124,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
+        drawn += ("mimo_v2_flash",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -384,6 +385,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             moe_num_shared_experts=1,
             moe_layer_start_index=1,
             tie_word_embeddings=False,
+        ),
+    ),
+    # MiMo-V2-Flash: a full layer with a dense MLP, then a sliding one (window 8, twice the
+    # kv heads, sinks) over 8 experts in 2 groups, top-2; q/k heads of 24 (8 dims rotated),
+    # V heads of 16 scaled by 0.707.
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        dict(
+            head_dim=24,
+            v_head_dim=16,
+            num_key_value_heads=1,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention"],
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
         ),
     ),
     # OLMoE: Llama's layers with OLMo 2's whole-width q/k norms, 6 experts top-3, not

@@ -28,6 +28,7 @@ from engine.models.helium import HeliumForCausalLM
 from engine.models.hunyuan import HunyuanForCausalLM, HunyuanMoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
+from engine.models.mimo_v2 import MiMoV2FlashForCausalLM
 from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
@@ -65,6 +66,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "mixtral": MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
+    "mimo_v2_flash": MiMoV2FlashForCausalLM,
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma4_text": Gemma4ForCausalLM,
