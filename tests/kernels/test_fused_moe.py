@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from unittest.mock import patch
 
 import pytest
 import torch
 
-from kernels.activation import ClampedSwiGLU, GeluTanhGLU
+from kernels.activation import ClampedSwiGLU, GeluTanhGLU, expert_act_args
 from kernels.fp8 import quantize_per_channel
 from kernels.fused_moe import (
     ExpertBiases,
@@ -204,6 +205,17 @@ def test_fp8_experts_match_reference(
     torch.testing.assert_close(expected, fused_moe_ref(*dense, biases, clamped))
     shifted = ExpertScales(scales.s13.roll(1, dims=1), scales.s2)
     assert not torch.allclose(fused_moe_ref(*args, biases, clamped, shifted), expected)
+
+
+def test_an_activation_is_read_by_its_code_not_its_class() -> None:
+    # The models take kernels/activation.py's classes before this directory's conftest
+    # reloads it for the interpreter: an instance of the class as it was must still pass
+    # its own activation to the kernels.
+    before_reload = dataclasses.make_dataclass(
+        "ClampedSwiGLU", ["alpha", "limit"], namespace={"CODE": ClampedSwiGLU.CODE}
+    )
+    assert expert_act_args(before_reload(1.702, 7.0)) == (1.702, 7.0, 1)
+    assert expert_act_args(GeluTanhGLU())[2] == 2 and expert_act_args(None)[2] == 0
 
 
 def test_clamped_swiglu_clamps_gate_above_and_up_both_ways() -> None:
