@@ -66,7 +66,12 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         h, residual = self.input_layernorm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(positions, h, meta))[0]
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        return self.post_feedforward_layernorm(self.feed_forward(h, residual))[0], residual
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The MLP's output for its normed input h (Gemma 4 adds experts that read the
+        residual stream)."""
+        return self.mlp(h)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

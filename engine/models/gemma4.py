@@ -134,17 +134,18 @@ class Gemma4DecoderLayer(Gemma3DecoderLayer):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))[0]
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        out = self.mlp(h)
-        if self.moe is not None:  # the experts beside the MLP, each output normed
-            experts = self.moe(residual, self.pre_feedforward_layernorm_2(residual)[0])
-            out = self.post_feedforward_layernorm_1(out)[0]
-            out = out + self.post_feedforward_layernorm_2(experts)[0]
-        out = self.post_feedforward_layernorm(out)[0]
+        out, residual = super().forward(positions, x, residual, meta)
         # The layer's sum times its scalar: both parts, before the next layer adds them.
         return out * self.layer_scalar, residual * self.layer_scalar
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(h)
+        if self.moe is None:
+            return out
+        # The experts beside the MLP, reading the residual stream; each output normed.
+        experts = self.moe(residual, self.pre_feedforward_layernorm_2(residual)[0])
+        out = self.post_feedforward_layernorm_1(out)[0]
+        return out + self.post_feedforward_layernorm_2(experts)[0]
 
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM, MoeForCausalLM):

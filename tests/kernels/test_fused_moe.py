@@ -97,21 +97,35 @@ def test_fused_moe_matches_reference_on_uneven_loads(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
 
 
+def gated_experts(
+    num_tokens: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    top_k: int,
+    rng: torch.Generator,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """x, w13, w2, routing weights and ids (uneven over the experts), gate and up values
+    of std ~1.5: an activation's bends on both sides of 0 count."""
+    x = torch.randn(num_tokens, hidden, generator=rng)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    return [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+
+
 @pytest.mark.parametrize("num_tokens", [1, 37])
 def test_fused_moe_biases_and_clamped_swiglu_match_reference(
     num_tokens: int, rng: torch.Generator, device
 ) -> None:
     # GPT-OSS's experts: biases on both projections, and a clamp (1.0) that the gate and
     # up values (std ~1.5) cross on both sides.
-    num_experts, hidden, inter, top_k = 6, 48, 40, 2
-    x = torch.randn(num_tokens, hidden, generator=rng)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
+    num_experts, hidden, inter = 6, 48, 40
     b13 = torch.randn(num_experts, 2 * inter, generator=rng)
     b2 = torch.randn(num_experts, hidden, generator=rng)
-    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
-    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
-    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    args = gated_experts(num_tokens, num_experts, hidden, inter, 2, rng, device)
     biases = ExpertBiases(b13.to(device), b2.to(device))
     clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
     result = fused_moe(*args, biases, clamped, config=MoeConfig(block_m=16, block_n=32))
@@ -124,13 +138,7 @@ def test_fused_moe_biases_and_clamped_swiglu_match_reference(
 @pytest.mark.parametrize("num_tokens", [1, 37])  # the pairs' GEMVs, the grouped GEMMs
 def test_gelu_tanh_experts_match_reference(num_tokens: int, rng: torch.Generator, device) -> None:
     # Gemma 4's experts: gelu_tanh(gate) * up, gate values (std ~1.5) on both sides of 0.
-    num_experts, hidden, inter, top_k = 6, 48, 40, 2
-    x = torch.randn(num_tokens, hidden, generator=rng)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
-    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
-    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
-    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    args = gated_experts(num_tokens, 6, 48, 40, 2, rng, device)
     expected = fused_moe_ref(*args, None, GeluTanhGLU())
     torch.testing.assert_close(
         fused_moe(*args, None, GeluTanhGLU()), expected, rtol=1e-4, atol=1e-5
@@ -146,12 +154,7 @@ def test_decode_pairs_match_reference(
     # Up to MAX_PAIRS pairs: each its own GEMV over K splits; the two tokens of the last
     # case share an expert (1) and their other experts may coincide.
     num_experts, hidden, inter = 6, 300, 72  # K of several 128-wide tiles, N off 64
-    x = torch.randn(num_tokens, hidden, generator=rng)
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=rng) * 1.5 * hidden**-0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=rng) * inter**-0.5
-    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
-    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
-    args = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
+    args = gated_experts(num_tokens, num_experts, hidden, inter, top_k, rng, device)
     biases, clamped = None, None
     if gpt_oss:
         b13, b2 = torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)
