@@ -1,8 +1,8 @@
 """Mixture-of-experts MLP: top-k routing, then each token through its k experts' gated
 MLPs: SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU, with expert
-biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with one scale per
-expert and output row, widened to the activations' dtype in registers (weight-only, as
-decode reads little else) and scaled once after the dot.
+biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with
+one scale per expert and output row, widened to the activations' dtype in registers
+(weight-only, as decode reads little else) and scaled once after the dot.
 
 The Triton path groups the (token, expert) pairs by expert (kernels/moe_align.py): the
 pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so
@@ -69,7 +69,7 @@ def fused_moe_ref(
     act: ExpertAct | None = None,  # None: silu(gate) * up
     scales: ExpertScales | None = None,  # FP8 experts
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
+    """sum_k weight[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
     if scales is not None:
         w13 = dequantize_fp8(w13, scales.s13[..., None]).to(x.dtype)
         w2 = dequantize_fp8(w2, scales.s2[..., None]).to(x.dtype)
