@@ -19,7 +19,7 @@ from engine.models.layers import AttentionMetadata, layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 from kernels.fp8 import Fp8Rows
 
 
@@ -78,10 +78,7 @@ class AfmoeForCausalLM(MoeForCausalLM):
     }
 
     def make_layers(self, config) -> list[nn.Module]:
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, theta, scaling
-        )
+        self.rotary = rotary_of(config)
         return [
             AfmoeLayer(
                 config,

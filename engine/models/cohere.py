@@ -24,7 +24,7 @@ from engine.models.layers import AddNorm, AttentionMetadata, RMSNorm
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, check_config
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import WeightSlice
-from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
+from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rotary_of
 from kernels.fused_moe import select_experts
 
 LayerNormNoBias = partial(AddNorm, rms=False, bias=False)
@@ -70,12 +70,9 @@ class CohereForCausalLM(LlamaForCausalLM):
     LORA_FUSED = None  # q/k rows reordered at load for the rotation of pairs
 
     def make_layers(self, config) -> list[nn.Module]:
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary_of(config)
         # The interleaved pairs to the halves' (LlamaAttention.reorder_rotary_dims).
+        head_dim = self.rotary.head_dim
         self.rotary.dim_order = interleaved_dim_order(head_dim, head_dim)
         return [self.make_layer(config, i) for i in range(config.num_hidden_layers)]
 

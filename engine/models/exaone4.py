@@ -17,7 +17,7 @@ from engine.models.layers import layer_sliding_windows
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.olmo2 import Olmo2DecoderLayer
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 
 
 class Exaone4DecoderLayer(Olmo2DecoderLayer):
@@ -27,10 +27,7 @@ class Exaone4DecoderLayer(Olmo2DecoderLayer):
 def hybrid_rotary(model: LlamaForCausalLM, config) -> list[RotaryEmbedding | None]:
     """Each layer's rotary embedding: the sliding layers', none for the global ones when
     the model has a window (else every layer's)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    theta, scaling = rope_settings(config)
-    model.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+    model.rotary = rotary_of(config)
     hybrid = getattr(config, "sliding_window", None) is not None
     return [model.rotary if w or not hybrid else None for w in layer_sliding_windows(config)]
 

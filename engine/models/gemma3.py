@@ -17,7 +17,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
 from engine.models.llama import AttentionOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.parallel import TensorSlice, WeightSlice, read
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 
 # HF names are Llama's (q/k/v and gate/up fused the same way) plus these norms, whose
 # weights HF applies as (1 + weight): folded in at load.
@@ -89,10 +89,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary_local, self.rotary_global = (
-            RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, *rope_settings(config, kind)
-            )
-            for kind in ("sliding_attention", "full_attention")
+            rotary_of(config, kind) for kind in ("sliding_attention", "full_attention")
         )
         windows = layer_sliding_windows(config)
         both_ways = getattr(config, "use_bidirectional_attention", False)  # EmbeddingGemma

@@ -24,7 +24,7 @@ from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windo
 from engine.models.llama import LlamaAttention
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import ColumnParallelLinear, WeightSlice, fill_rows, head_shard, read
-from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings
+from engine.models.rope import HeadNorm, RotaryEmbedding, rotary_of
 from kernels.activation import GeluTanhGLU
 from kernels.moe_routing import select_experts_for
 
@@ -161,11 +161,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM, MoeForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary_local, self.rotary_global = (
-            RotaryEmbedding(
-                config.per_layer_config[kind].head_dim,
-                config.max_position_embeddings,
-                *rope_settings(config, kind),
-            )
+            rotary_of(config, kind, config.per_layer_config[kind].head_dim)
             for kind in ("sliding_attention", "full_attention")
         )
         windows = layer_sliding_windows(config)

@@ -15,7 +15,7 @@ from engine.models.gemma3 import Gemma3DecoderLayer
 from engine.models.layers import layer_sliding_windows
 from engine.models.llama import AttentionOptions, LlamaForCausalLM
 from engine.models.parallel import WeightSlice
-from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
+from engine.models.rope import interleaved_dim_order, rotary_of
 
 # GLM-4's norm names -> Gemma 3's for the same places.
 NORMS = {
@@ -30,11 +30,8 @@ class Glm4ForCausalLM(LlamaForCausalLM):
     LORA_FUSED = None  # q/k rows reordered at load for the rotation of pairs
 
     def make_layers(self, config) -> list[nn.Module]:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
-        self.rotary.dim_order = interleaved_dim_order(head_dim, self.rotary.rotary_dim)
+        self.rotary = rotary_of(config)
+        self.rotary.dim_order = interleaved_dim_order(self.rotary.head_dim, self.rotary.rotary_dim)
         return [
             Gemma3DecoderLayer(config, self.rotary, window, self.tp, "silu", self.ATTENTION)
             for window in layer_sliding_windows(config)

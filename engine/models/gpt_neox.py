@@ -31,7 +31,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 from kernels.fp8 import Fp8Rows
 
 # HF module names (under gpt_neox.) -> ours.
@@ -141,8 +141,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = config.hidden_size // config.num_attention_heads
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary_of(config, head_dim=head_dim)
         return [self.make_layer(config, self.tp) for _ in range(config.num_hidden_layers)]
 
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:

@@ -33,7 +33,7 @@ from engine.models.parallel import (
     read,
     split,
 )
-from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings
+from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings, rotary_of
 from engine.models.weight_copy import fill
 from kernels.activation import act_and_mul_for
 from kernels.fp8 import Fp8Rows
@@ -256,11 +256,7 @@ class LlamaForCausalLM(nn.Module):
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def make_layers(self, config) -> list[nn.Module]:
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary_of(config)
         windows = layer_sliding_windows(config)
         # SmolLM3 leaves the position encoding out of the layers no_rope_layers marks 0.
         ropes = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers

@@ -25,7 +25,7 @@ from engine.models.experts import FusedMoE
 from engine.models.layers import AttentionMetadata
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, check_config
 from engine.models.moe import MoeForCausalLM
-from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rope_settings
+from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rotary_of
 from kernels.fp8 import Fp8Rows
 
 
@@ -90,9 +90,8 @@ class Llama4ForCausalLM(MoeForCausalLM):
     RENAMES: ClassVar[dict[str, str]] = {".feed_forward.": ".mlp.", ".mlp.router.": ".mlp.gate."}
 
     def make_layers(self, config) -> list[nn.Module]:
-        head_dim = config.head_dim
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary_of(config)
+        head_dim = self.rotary.head_dim
         self.rotary.dim_order = interleaved_dim_order(head_dim, head_dim)
         layers = []
         for i, rope in enumerate(config.no_rope_layers):

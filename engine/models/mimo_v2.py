@@ -36,7 +36,7 @@ from engine.models.parallel import (
     head_shard,
     split,
 )
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 
 
 class MiMoV2Attention(LlamaAttention):
@@ -112,10 +112,7 @@ class MiMoV2FlashForCausalLM(MoeForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotaries = {
-            kind: RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, *rope_settings(config, kind)
-            )
-            for kind in ("full_attention", "sliding_attention")
+            kind: rotary_of(config, kind) for kind in ("full_attention", "sliding_attention")
         }
         windows = layer_sliding_windows(config)
         layers = []

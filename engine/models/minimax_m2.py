@@ -15,7 +15,7 @@ from engine.models.glm4_moe import SigmoidMoE
 from engine.models.llama import LlamaDecoderLayer
 from engine.models.moe import MoeForCausalLM
 from engine.models.olmo2 import Olmo2Attention
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import rotary_of
 
 
 class MiniMaxM2ForCausalLM(MoeForCausalLM):
@@ -25,10 +25,7 @@ class MiniMaxM2ForCausalLM(MoeForCausalLM):
     }
 
     def make_layers(self, config) -> list[nn.Module]:
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, theta, scaling
-        )
+        self.rotary = rotary_of(config)
         return [
             LlamaDecoderLayer(
                 config, None, 0, self.make_mlp(config, i), self.tp,

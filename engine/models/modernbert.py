@@ -28,7 +28,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 
 # HF module names -> ours, after the "model." prefix a classifier's checkpoint has.
 RENAMES = (
@@ -96,8 +96,7 @@ class ModernBertModel(Encoder):
         self.tok_embeddings = VocabParallelEmbedding(config.vocab_size, d, tp)
         self.emb_norm = AddNorm(d, eps, rms=False, bias=config.norm_bias)
         self.rotary_global, self.rotary_local = (
-            RotaryEmbedding(head_dim, config.max_position_embeddings, *rope_settings(config, kind))
-            for kind in ("full_attention", "sliding_attention")
+            rotary_of(config, kind, head_dim) for kind in ("full_attention", "sliding_attention")
         )
         rotaries = {"sliding_attention": self.rotary_local, "full_attention": self.rotary_global}
         self.layers = nn.ModuleList(

@@ -20,7 +20,7 @@ from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windo
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import Section, WeightSlice, head_shard, read
-from engine.models.rope import RotaryEmbedding, rope_settings
+from engine.models.rope import RotaryEmbedding, rotary_of
 from engine.models.weight_copy import fill
 from kernels.norms import add_norm_for
 
@@ -105,11 +105,8 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
     def make_layers(self, config) -> list[nn.Module]:
-        head_dim = config.hidden_size // config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or head_dim
         local, self.rotary = (
-            RotaryEmbedding(head_dim, config.max_position_embeddings, *rope_settings(config, kind))
-            for kind in ("sliding_attention", "full_attention")
+            rotary_of(config, kind) for kind in ("sliding_attention", "full_attention")
         )
         if (local.theta, local.scaling) == (self.rotary.theta, self.rotary.scaling):
             local = self.rotary  # one table (OLMo 2: the same settings everywhere)
@@ -127,8 +124,7 @@ class OlmoeForCausalLM(MoeForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         head_dim = config.hidden_size // config.num_attention_heads
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary_of(config, head_dim=head_dim)
         return [
             LlamaDecoderLayer(
                 config, None, 0, self.make_mlp(config, i), self.tp,

@@ -232,6 +232,19 @@ class RotaryEmbedding(nn.Module):
         return Rope(positions, self.cos_sin, norm)
 
 
+def rotary_of(
+    config, layer_type: str | None = None, head_dim: int | None = None
+) -> RotaryEmbedding:
+    """The rotary embedding a config describes: heads of `head_dim` (by default the
+    config's head_dim, else hidden_size / num_attention_heads) over its
+    max_position_embeddings, with the rope settings of `layer_type` where the config
+    keeps them per kind."""
+    head_dim = head_dim or getattr(config, "head_dim", None)
+    head_dim = head_dim or config.hidden_size // config.num_attention_heads
+    theta, scaling = rope_settings(config, layer_type)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
+
+
 class HeadNorm(nn.Module):
     """RMSNorm weights over each head's vector (Qwen3's and Gemma 3's q/k norms), applied
     by RotaryEmbedding.forward together with the rotation, or where a layer has none
