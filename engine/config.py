@@ -175,6 +175,19 @@ class EngineConfig:
         self.enable_prefix_caching = False
         self.enforce_eager = True
 
+    def recurrent_model(self) -> None:
+        """A model with recurrent layers (engine/models/layers.py's RecurrentLayer): a
+        sequence's state is built token by token, so no prefix is taken from the cache
+        and no step is rolled back (speculative decoding); steps with prompts run their
+        sequences one by one, eagerly (decode steps keep their graphs)."""
+        if self.num_speculative_tokens:
+            raise ValueError(
+                "speculative decoding is not supported for models with recurrent layers "
+                "(their state cannot take back rejected drafts)"
+            )
+        self.enable_prefix_caching = False
+        self.prefill_graphs = False
+
     @property
     def whole_pooling_prompts(self) -> bool:
         """Pooling prompts run whole in one step, never from the prefix cache: an

@@ -137,11 +137,12 @@ class CudaGraphs:
         return self.verify_logits[:num_tokens]
 
     def pad_decode(self, start: int, end: int) -> None:
-        """Padded entries: context 0 (nothing read), slot -1 (nothing written)."""
+        """Padded entries: context 0 (nothing read), slot -1 (nothing written), the spare
+        block-table row (and recurrent state row)."""
         self.pad_tokens(start, end)
         buf, arange = self.runner.buf, self.runner.arange
         buf["seq_lens"][start:end] = 0
-        buf["slot_indices"][start:end] = 0
+        buf["slot_indices"][start:end] = self.runner.max_num_seqs
         buf["query_start_loc"][start + 1 : end + 1] = arange[start + 1 : end + 1]
         buf["logits_indices"][start:end] = arange[start:end]
 
@@ -157,12 +158,12 @@ class CudaGraphs:
 
     def pad_seqs(self, start: int, num_tokens: int, num_sampling: int, end: int) -> None:
         """Sequences start..end (a prefill graph's), padding: no query (their query
-        starts all sit at the end), no context, block-table row 0; and logits rows past
-        the sampling ones read token 0 (their argmax is never read)."""
+        starts all sit at the end), no context, the spare block-table row; and logits
+        rows past the sampling ones read token 0 (their argmax is never read)."""
         buf = self.runner.buf
         buf["query_start_loc"][start + 1 : end + 1] = num_tokens
         buf["seq_lens"][start:end] = 0
-        buf["slot_indices"][start:end] = 0
+        buf["slot_indices"][start:end] = self.runner.max_num_seqs
         buf["logits_indices"][num_sampling:end] = 0
 
     @torch.inference_mode()

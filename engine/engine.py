@@ -32,6 +32,7 @@ from engine.models.bert import is_encoder, token_types
 from engine.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from engine.models.loader import load_config, load_for_engine, load_tokenizer, max_model_len
 from engine.models.lora import LoRAError
+from engine.models.registry import MODEL_TYPES
 from engine.models.vision import vision_encoder
 from engine.outputs import take_outputs, take_plain
 from engine.pooling import pooling_type, projector
@@ -66,6 +67,8 @@ class Engine:
             )
         if is_encoder(hf_config):
             config.encoder_only()
+        if getattr(MODEL_TYPES[hf_config.model_type], "RECURRENT", False):
+            config.recurrent_model()
         if config.pooling_type is None:
             config.pooling_type = pooling_type(model_dir, hf_config)
         if config.whole_pooling_prompts:  # the longest prompt fits one step

@@ -20,7 +20,14 @@ from engine.cuda_graphs import CudaGraphs
 from engine.distributed import SINGLE
 from engine.images import ImageRows, plan_images
 from engine.input_batch import InputBatch
-from engine.models.layers import AttentionMetadata, AttentionOps, PagedAttention
+from engine.models.layers import (
+    AttentionMetadata,
+    AttentionOps,
+    PagedAttention,
+    RecurrentLayer,
+    SequenceSpans,
+    allocate_states,
+)
 from engine.pooling import PooledRows, pool, pooling_rows
 from engine.prompt_logprobs import SCORE_ROWS, PromptScoring, plan_scoring, score_prompts
 from engine.scheduler import SchedulerOutput
@@ -64,6 +71,9 @@ class ModelRunner(StepInputs):
         self.max_blocks_per_seq = config.max_blocks_per_seq(config.max_model_len)
         self.prompts_apart = any(layer.PROMPTS_APART for layer in self.attn_layers)
 
+        # Recurrent layers' states by request slot, before the KV cache takes what is left.
+        self.state_layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+        self._allocate_states()
         self.num_blocks = self._num_kv_blocks()
         if membership is not None:  # every rank holds the same blocks: the fewest any fits
             self.num_blocks = all_ranks_min(self.num_blocks, membership)
@@ -147,6 +157,20 @@ class ModelRunner(StepInputs):
         # fp32 logits and sampler (or prompt-logprob) temporaries.
         logits = max(self.max_num_seqs, SCORE_ROWS) * hf.vocab_size * 4 * 4
         return int(2 * (activations + logits)) + (512 << 20)
+
+    def _allocate_states(self) -> None:
+        """Each recurrent layer's states: a row per request slot and the spare row a
+        graph's padded rows read and write (slot max_num_seqs)."""
+        if not self.state_layers:
+            return
+        slots = self.max_num_seqs + 1
+        total = allocate_states(self.state_layers, slots, self.dtype, self.device)
+        logger.info(
+            "recurrent states: %d layers, %.2f GiB for %d sequences",
+            len(self.state_layers),
+            total / 2**30,
+            self.max_num_seqs,
+        )
 
     def _allocate_kv_cache(self) -> None:
         ops = AttentionOps.for_device(self.device)
@@ -252,7 +276,10 @@ class ModelRunner(StepInputs):
             inp.per_token,
             None if images is None else images.horizons(inp.positions),
             prompts_only=inp.prompts_only,
+            state_slots=inp.slot_indices,
         )
+        if self.state_layers and not inp.is_decode:  # eager: prompts run one by one
+            meta.spans = SequenceSpans.of(meta)
         if images is not None:
             return self.model(input_ids, inp.positions, meta, images)
         return self.model(input_ids, inp.positions, meta)

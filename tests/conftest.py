@@ -124,7 +124,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
-        drawn += ("mimo_v2_flash",)
+        drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -141,6 +141,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
+                    elif kind.startswith("qwen3_5") and name.endswith(QWEN3_5_DRAWN):
+                        param.normal_(0.0, 0.5)  # (1 + weight) norms and the gated norm's
                     elif kind.startswith("gemma4") and name.endswith(GEMMA4_DRAWN):
                         param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
     else:
@@ -184,6 +186,8 @@ GEMMA4 = dict(
     final_logit_softcapping=30.0,
     tie_word_embeddings=False,
 )
+# Zeros and ones from transformers: drawn, so that each counts.
+QWEN3_5_DRAWN = ("norm.weight",)
 # Ones from transformers: drawn, so that each counts (the router's scales, the MoE's).
 GEMMA4_DRAWN = ("norm.weight", "layer_scalar", "scale")
 # GLM-4.5's and dots.llm1's experts: a dense layer, then 8 experts in 2 groups, the best
@@ -227,6 +231,18 @@ TINY_MLA = dict(
     n_routed_experts=8,
     num_experts_per_tok=2,
     n_shared_experts=1,
+    tie_word_embeddings=False,
+)
+# Qwen 3.5: linear attention, attention, linear attention.
+QWEN3_5 = dict(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
 )
 FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
@@ -800,6 +816,21 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             },
             sliding_window=14,
             pad_token_id=0,
+        ),
+    ),
+    # Gated DeltaNet layers around a gated attention layer (heads of 16, a quarter
+    # rotated); value heads twice the key heads, a 4-row convolution.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5),
+    # The same layers over experts: 8, top-2, and a gated shared expert.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        QWEN3_5
+        | dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
         ),
     ),
 }

@@ -47,6 +47,55 @@ class AttentionMetadata:
     # attention that runs such steps apart (PagedAttention.PROMPTS_APART): set on eager
     # steps only, those beyond the prefill graphs' tokens among them.
     prompts_only: bool = False
+    # [num_seqs] int64: each sequence's row of the recurrent layers' states (its
+    # block-table row; a graph's padded rows the spare one).
+    state_slots: torch.Tensor | None = None
+    # The host's copy of the sequences' shape, on eager steps of models with recurrent
+    # layers (which run a step's prompts one by one): SequenceSpans.of.
+    spans: SequenceSpans | None = None
+
+
+@dataclass(frozen=True)
+class SequenceSpans:
+    """Each sequence's new tokens (first row, count), the context before them and its
+    state slot, read to the host once a step."""
+
+    starts: list[int]
+    lengths: list[int]
+    contexts: list[int]
+    slots: list[int]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> SequenceSpans:
+        bounds = meta.query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        contexts = [n - q for n, q in zip(meta.seq_lens.tolist(), lengths)]
+        return cls(bounds[:-1], lengths, contexts, meta.state_slots.tolist())
+
+
+class RecurrentLayer(nn.Module):
+    """A layer that carries a state per sequence instead of a KV cache (Gated DeltaNet).
+    The runner allocates each of `state_shapes` by request slot, with a spare row for a
+    graph's padded rows, and sets them as attributes; a sequence whose context is empty
+    starts from zeros. Its states cannot be rebuilt from cached KV blocks, so a model
+    with such layers runs without the prefix cache (EngineConfig.recurrent_model)."""
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """name -> (one slot's shape, dtype; None: the model's)."""
+        raise NotImplementedError
+
+
+def allocate_states(
+    layers: list[RecurrentLayer], slots: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Each layer's states, zeroed, `slots` rows each (set as its attributes); their bytes."""
+    total = 0
+    for layer in layers:
+        for name, (shape, state_dtype) in layer.state_shapes().items():
+            state = torch.zeros((slots, *shape), dtype=state_dtype or dtype, device=device)
+            setattr(layer, name, state)
+            total += state.numel() * state.element_size()
+    return total
 
 
 @dataclass

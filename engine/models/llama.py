@@ -51,10 +51,12 @@ FUSED = {
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", "dots1")
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus", "afmoe")
+QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 SINK_MODELS = ("gpt_oss", "granite_swa", "granitemoe_swa")  # a sink logit per head
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
 PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron", "stablelm")
+PARTIAL_ROTARY_MODELS += ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def check_config(config, act: str = "silu", mlp_bias: bool = False) -> None:
@@ -335,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(ours if section is None else f"{ours}#{section}")
         # A fused parameter is loaded when all its sections are.
         for ours in {k.split("#")[0] for k in loaded if "#" in k}:
-            sections = 3 if ".qkv_proj." in ours else 2
+            sections = len(self.get_submodule(ours.rpartition(".")[0]).sections)
             if all(f"{ours}#{i}" in loaded for i in range(sections)):
                 loaded.add(ours)
         for layer in self.layers:

@@ -30,6 +30,8 @@ TEXT_OF_MULTIMODAL = {
         "qwen2_5_vl",
         "qwen3_vl",
         "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
     )  # fmt: skip
 }
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.", "vision_model.")

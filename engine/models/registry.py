@@ -35,6 +35,7 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
+from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.stablelm import StableLmForCausalLM
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
@@ -59,6 +60,8 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "hunyuan_v1_moe": HunyuanMoeForCausalLM,
     "nemotron": NemotronForCausalLM,
     "jais2": Jais2ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,  # and qwen3_5's language model (TEXT_OF_MULTIMODAL)
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,

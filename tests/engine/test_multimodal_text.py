@@ -1,7 +1,8 @@
 """Multimodal checkpoints (Gemma3ForConditionalGeneration, as gemma-3-4b-it and up are
 published; Gemma 4's; Llama 4's Llama4ForConditionalGeneration; EXAONE 4.5's; Mistral Small 3.1's
 Mistral3ForConditionalGeneration; Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL and Qwen3-VL-MoE (its experts stacked either way), whose multimodal rotary sections see one position per text token) served as
+Qwen3-VL and Qwen3-VL-MoE (its experts stacked either way), whose multimodal rotary sections see one position per text token;
+Qwen 3.5 and Qwen 3.5 MoE) served as
 their language model: greedy output equal to transformers' on text prompts, under either
 naming of their tensors; a quantized one refused by name; a chat template kept with the
 processor (chat_template.json) read."""
@@ -36,6 +37,8 @@ WRAPPERS = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration"),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
 }
 SMALL_VISION = dict(hidden_size=32, intermediate_size=48)
 
@@ -66,6 +69,14 @@ def wrapper_config(kind: str, vocab: int, eos: int) -> dict:
         vision = dict(SMALL_VISION, num_hidden_layers=1, num_attention_heads=2, head_dim=16)
         vision |= dict(num_key_value_heads=2, patch_size=8)
         return dict(text_config=text.to_dict(), vision_config=vision, image_token_id=vocab - 1)
+    if kind in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet layers; a Qwen3-VL-like tower
+        text_class, _, fields = FAMILY_CONFIGS[kind]
+        text = getattr(transformers, text_class)(**(common | fields), initializer_range=0.2)
+        vision = dict(SMALL_VISION, depth=1, num_heads=2, out_hidden_size=64, patch_size=4)
+        vision |= dict(num_position_embeddings=16)
+        tokens = dict(image_token_id=vocab - 1, video_token_id=vocab - 2)
+        tokens |= dict(vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 4)
+        return dict(text_config=text.to_dict(), vision_config=vision, **tokens)
     if kind in ("gemma3", "llava", "mistral3", "mistral3_mistral4"):
         families = {"gemma3": "gemma3", "mistral3": "mistral", "mistral3_mistral4": "mistral4"}
         family = families.get(kind)

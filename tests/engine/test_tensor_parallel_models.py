@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.distributed import TensorParallel
-from engine.models.layers import AttentionMetadata, AttentionOps, LMHead, PagedAttention
+from engine.models.layers import (
+    AttentionMetadata,
+    AttentionOps,
+    LMHead,
+    PagedAttention,
+    RecurrentLayer,
+    SequenceSpans,
+    allocate_states,
+)
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import (
     RANDOM_WEIGHTS_MARKER,
@@ -299,6 +307,8 @@ def prefill_and_decode(model) -> dict[str, torch.Tensor]:
         layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.ops = AttentionOps.for_device(device)
+    recurrent = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+    allocate_states(recurrent, len(lens), dtype, device)  # a sequence's state at its index
 
     def step(ids, positions, seqs, query_lens, seq_lens, is_decode):
         slots = [
@@ -313,7 +323,10 @@ def prefill_and_decode(model) -> dict[str, torch.Tensor]:
             query_start_loc=starts.to(device),
             max_query_len=max(query_lens),
             is_decode=is_decode,
+            state_slots=torch.arange(len(query_lens), device=device),
         )
+        if recurrent and not is_decode:
+            meta.spans = SequenceSpans.of(meta)
         ids, positions = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
         last = starts[1:].long().to(device) - 1
         return lambda: model.compute_logits(model(ids, positions, meta)[last])

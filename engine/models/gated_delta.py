@@ -1,0 +1,286 @@
+"""The gated delta rule (Gated DeltaNet): Qwen 3.5's linear attention, in torch.
+
+Each head keeps a state S [k_dim, v_dim] instead of a KV cache. Token t decays it by
+exp(g_t) <= 1, then writes the part of v_t the state does not already predict for k_t:
+
+    S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+A decode row takes that step once (`recurrent_step`). A prompt's tokens run chunk by chunk
+(`chunked_rule`): within a chunk the writes are solved for at once (the UT transform: a
+unit-triangular system over the chunk), so the scan is over chunks, not tokens.
+
+q, k and v come from a causal depthwise convolution over the last `kernel` tokens' input
+rows (`causal_conv`); a sequence's last kernel - 1 rows are its conv state. Both states
+live by request slot (`RecurrentLayer`), in fp32 for the rule's state as transformers keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.layers import AttentionMetadata, RecurrentLayer
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    Ranges,
+    RowParallelLinear,
+    Section,
+    WeightSlice,
+    read,
+    split,
+)
+from engine.models.weight_copy import fill
+
+CHUNK = 64  # tokens a chunk of the UT transform solves at once
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(
+    x: torch.Tensor,  # [num_tokens, channels]: one sequence's new rows
+    state: torch.Tensor,  # [channels, kernel - 1]: the rows before them (zeros at its start)
+    weight: torch.Tensor,  # [channels, kernel]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [num_tokens, channels], the new state)
+    full = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [channels, kernel - 1 + num_tokens]
+    out = F.conv1d(full[None], weight.to(full.dtype)[:, None], groups=weight.shape[0])[0]
+    return F.silu(out).t(), full[:, -(weight.shape[1] - 1) :]
+
+
+def conv_step(
+    x: torch.Tensor,  # [rows, channels]: each row a sequence's one new row
+    state: torch.Tensor,  # [rows, channels, kernel - 1]
+    weight: torch.Tensor,  # [channels, kernel]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [rows, channels], the new states)
+    full = torch.cat([state, x[:, :, None].to(state.dtype)], dim=2)  # [rows, channels, kernel]
+    acc = torch.promote_types(full.dtype, torch.float32)  # summed in fp32 at least
+    return F.silu((full.to(acc) * weight.to(acc)).sum(-1)), full[:, :, 1:]
+
+
+def recurrent_step(
+    q: torch.Tensor,  # [rows, heads, k_dim]: l2-normed and scaled
+    k: torch.Tensor,  # [rows, heads, k_dim]: l2-normed
+    v: torch.Tensor,  # [rows, heads, v_dim]
+    g: torch.Tensor,  # [rows, heads]: log decay, <= 0
+    beta: torch.Tensor,  # [rows, heads]
+    state: torch.Tensor,  # [rows, heads, k_dim, v_dim] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # (o [rows, heads, v_dim] fp32, the new state)
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(-2)  # S^T k: [rows, heads, v_dim]
+    state = state + k[..., None] * ((v - predicted) * beta[..., None])[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def chunked_rule(
+    q: torch.Tensor,  # [heads, num_tokens, k_dim]: l2-normed and scaled, fp32
+    k: torch.Tensor,  # [heads, num_tokens, k_dim]: l2-normed
+    v: torch.Tensor,  # [heads, num_tokens, v_dim]
+    g: torch.Tensor,  # [heads, num_tokens]: log decay, <= 0
+    beta: torch.Tensor,  # [heads, num_tokens]
+    state: torch.Tensor,  # [heads, k_dim, v_dim]: the state before the first token
+) -> tuple[torch.Tensor, torch.Tensor]:  # (o [heads, num_tokens, v_dim], the final state)
+    """The recurrence over one sequence's tokens, CHUNK at a time. Within a chunk, with
+    G_i the decay summed up to token i, the writes u solve (I + A) u = beta (v - ...)
+    where A[i, j] = beta_i exp(G_i - G_j) k_i . k_j below the diagonal."""
+    heads, n, _ = k.shape
+    pad = -n % CHUNK
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # padding: no decay, no write
+    chunks = (n + pad) // CHUNK
+    q, k, v = (t.view(heads, chunks, CHUNK, -1) for t in (q, k, v))
+    decay = g.view(heads, chunks, CHUNK).cumsum(-1)  # G_i: [heads, chunks, CHUNK]
+    beta = beta.view(heads, chunks, CHUNK, 1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i, else 0 (masked before exp: the difference may overflow).
+    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    system = (beta * k) @ k.transpose(-1, -2) * between  # its diagonal is ignored: unit
+    writes = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
+    # What the state before the chunk contributes to each write, through the same solve.
+    reads = torch.linalg.solve_triangular(
+        system, beta * k * decay.exp()[..., None], upper=False, unitriangular=True
+    )
+    scores = q @ k.transpose(-1, -2) * between  # within the chunk, causal
+    q_decayed = q * decay.exp()[..., None]
+    # Each key's decay from its token to the chunk's end, as the state carries it on.
+    k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
+    chunk_decay = decay[..., -1].exp()  # [heads, chunks]
+    out = torch.empty_like(v)
+    for c in range(chunks):
+        u = writes[:, c] - reads[:, c] @ state  # [heads, CHUNK, v_dim]
+        out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ u
+        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
+    return out.view(heads, -1, v.shape[-1])[:, :n], state
+
+
+class DepthwiseConv(nn.Module):
+    """The convolution's weights [channels, kernel]: this rank's rows of q, k and v, read
+    from the checkpoint's [channels, 1, kernel] by the same sections as the projection."""
+
+    def __init__(self, sections: list[Section], kernel: int) -> None:
+        super().__init__()
+        self.sections = sections
+        self.weight = nn.Parameter(torch.empty(sum(s.local_size for s in sections), kernel))
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        size, kernel = self.sections[0].size, self.weight.shape[1]
+        ranges = tuple(r for s in self.sections for r in s.ranges)
+        fill(self.weight.data, read(weight, [size, 1, kernel], ranges)[:, 0])
+
+
+def head_rows(heads: Section, dim: int, offset: int = 0) -> Ranges:
+    """The rows of a tensor laid out head by head (`dim` rows a head, from `offset`) that
+    hold this rank's `heads`."""
+    return tuple((offset + a * dim, offset + b * dim) for a, b in heads.ranges)
+
+
+class GatedDeltaNet(RecurrentLayer):
+    """Qwen 3.5's linear attention layer. One projection gives q, k, v (convolved), z (the
+    output gate), b (beta's logit) and a (the decay's); each rank holds its share of the
+    key and value heads (a value head reads key head h // (value heads / key heads), so
+    contiguous shares keep each group on one rank) and out_proj sums the ranks'."""
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        if hv % hk:
+            raise ValueError(f"linear_num_value_heads {hv} is not a multiple of {hk} key heads")
+        k_heads = split(hk, tp, "linear_num_key_heads")
+        self.v_heads = split(hv, tp, "linear_num_value_heads")
+        self.num_k_heads, self.num_v_heads = hk // tp.size, hv // tp.size
+        self.k_dim, self.v_dim = dk, dv
+        conv_dim = 2 * hk * dk + hv * dv  # q, k, v rows, as in_proj_qkv and conv1d hold them
+        qkv = [
+            Section(conv_dim, head_rows(k_heads, dk)),
+            Section(conv_dim, head_rows(k_heads, dk, hk * dk)),
+            Section(conv_dim, head_rows(self.v_heads, dv, 2 * hk * dk)),
+        ]
+        z = Section(hv * dv, head_rows(self.v_heads, dv))
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size, [*qkv, z, self.v_heads, self.v_heads], bias=False
+        )
+        self.sizes = [s.local_size for s in self.in_proj.sections]
+        self.conv1d = DepthwiseConv(qkv, config.linear_conv_kernel_dim)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm_weight = nn.Parameter(torch.empty(dv))  # the gated norm's, over each head
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(hv * dv, config.hidden_size, bias=False, tp=tp)
+        self.conv_state = self.rule_state = torch.empty(0)  # by slot: see RecurrentLayer
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        channels, kernel = self.conv1d.weight.shape
+        return {
+            "conv_state": ((channels, kernel - 1), None),
+            "rule_state": ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
+        }
+
+    def reorder_rotary_dims(self) -> None:
+        """No rotary: nothing to reorder (LlamaForCausalLM.load_weights asks each layer)."""
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        """dt_bias, A_log and the gated norm's weight (this rank's value heads' entries;
+        the norm's are the same for every head)."""
+        if leaf == "norm_weight":
+            fill(self.norm_weight.data, read(weight, [self.v_dim]))
+            return
+        heads = self.v_heads
+        fill(getattr(self, leaf).data, read(weight, [heads.size], heads.ranges))
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        mixed, z, b, a = self.in_proj(x).split(
+            [sum(self.sizes[:3]), self.sizes[3], self.sizes[4], self.sizes[5]], dim=-1
+        )
+        out = torch.empty(
+            len(x), self.num_v_heads, self.v_dim, device=x.device, dtype=torch.float32
+        )
+        if meta.is_decode:  # one row a sequence, each at its slot (a graph's padding: the spare)
+            self.step_rows(mixed, a, b, meta.state_slots, meta.seq_lens > 1, out)
+        else:
+            self.run_sequences(mixed, a, b, meta, out)
+        normed = gated_rms_norm(out.to(x.dtype), z.view_as(out), self.norm_weight, self.eps)
+        return self.out_proj(normed.view(len(x), -1))
+
+    def step_rows(
+        self,
+        mixed: torch.Tensor,  # [rows, conv channels]
+        a: torch.Tensor,
+        b: torch.Tensor,
+        slots: torch.Tensor,  # [rows] int64
+        has_state: torch.Tensor,  # [rows] bool: False for a one-token prompt (zero states)
+        out: torch.Tensor,  # [rows, value heads, v_dim]: filled
+    ) -> None:
+        """One token per row: each row's states read at its slot and written back."""
+        keep = has_state[:, None, None]
+        conv = self.conv_state[slots] * keep
+        conved, conv = conv_step(mixed, conv, self.conv1d.weight)
+        self.conv_state.index_copy_(0, slots, conv)
+        q, k, v, g, beta = self.rule_inputs(conved.to(mixed.dtype), a, b)
+        state = self.rule_state[slots] * keep[..., None]
+        out[:], state = recurrent_step(q, k, v, g, beta, state)
+        self.rule_state.index_copy_(0, slots, state)
+
+    def run_sequences(
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """A step with prompts (eager): the sequences that continue by one token together,
+        the rest one by one, chunked."""
+        spans = meta.spans
+        singles = [
+            i for i, (n, ctx) in enumerate(zip(spans.lengths, spans.contexts)) if n == 1 and ctx
+        ]
+        if singles:
+            rows = torch.tensor([spans.starts[i] for i in singles], device=mixed.device)
+            slots = torch.tensor([spans.slots[i] for i in singles], device=mixed.device)
+            has_state = torch.ones(len(singles), dtype=torch.bool, device=mixed.device)
+            part = torch.empty(len(singles), *out.shape[1:], device=out.device, dtype=out.dtype)
+            self.step_rows(mixed[rows], a[rows], b[rows], slots, has_state, part)
+            out[rows] = part
+        for i in sorted(set(range(len(spans.lengths))) - set(singles)):
+            start, n, slot = spans.starts[i], spans.lengths[i], spans.slots[i]
+            if n == 0:
+                continue
+            end, fresh = start + n, spans.contexts[i] == 0
+            conv = self.conv_state[slot]
+            conved, self.conv_state[slot] = causal_conv(
+                mixed[start:end], conv.zero_() if fresh else conv, self.conv1d.weight
+            )
+            q, k, v, g, beta = self.rule_inputs(conved.to(mixed.dtype), a[start:end], b[start:end])
+            state = self.rule_state[slot]
+            o, self.rule_state[slot] = chunked_rule(
+                *(t.transpose(0, 1) for t in (q, k, v, g, beta)), state.zero_() if fresh else state
+            )
+            out[start:end] = o.transpose(0, 1)
+
+    def rule_inputs(
+        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """q, k (l2-normed, q scaled; each key head repeated for its value heads), v in
+        fp32 [tokens, value heads, dim]; the log decay g and beta [tokens, value heads]."""
+        n, repeat = len(conved), self.num_v_heads // self.num_k_heads
+        keys = self.num_k_heads * self.k_dim
+        q, k, v = conved.split([keys, keys, self.num_v_heads * self.v_dim], dim=-1)
+        q, k = (l2_normalize(t.float().view(n, self.num_k_heads, self.k_dim)) for t in (q, k))
+        q = q.repeat_interleave(repeat, 1) * self.k_dim**-0.5
+        k = k.repeat_interleave(repeat, 1)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = b.sigmoid().float()
+        return q, k, v.float().view(n, self.num_v_heads, self.v_dim), g, beta
+
+
+def gated_rms_norm(
+    x: torch.Tensor,  # [tokens, heads, dim] in the model dtype
+    gate: torch.Tensor,  # the same shape
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+) -> torch.Tensor:
+    """weight * rms_norm(x) * silu(gate), as transformers' gated norm rounds it."""
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
