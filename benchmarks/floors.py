@@ -34,9 +34,10 @@ def copy_bandwidth() -> float:
 
 def decode_floor_ms(llm: LLM, batch: int, mean_context: float, bandwidth: float) -> float:
     """The fewest bytes a decode step must read, at `bandwidth`: each weight it uses
-    once, each sequence's KV once."""
+    once, each sequence's KV once, and its recurrent states read and written once."""
     kv_bytes = batch * mean_context * kv_bytes_per_token(llm)
-    return 1e3 * (weight_bytes(llm, batch) + kv_bytes) / bandwidth
+    fixed = weight_bytes(llm, batch) + batch * state_bytes_per_seq(llm)
+    return 1e3 * (fixed + kv_bytes) / bandwidth
 
 
 def weight_bytes(llm: LLM, batch: int) -> float:
@@ -59,6 +60,20 @@ def weight_bytes(llm: LLM, batch: int) -> float:
     return total
 
 
+def state_bytes_per_seq(llm: LLM) -> float:
+    """A decode step's traffic per sequence to its recurrent layers' states (Qwen 3.5's
+    Gated DeltaNet): each read and written once. 0 for a model without them."""
+    from engine.models.layers import RecurrentLayer
+
+    total = 0.0
+    for module in llm.engine.model.modules():
+        if isinstance(module, RecurrentLayer):
+            for name in module.state_shapes():
+                state = getattr(module, name)
+                total += 2 * state[0].numel() * state.element_size()
+    return total
+
+
 def kv_bytes_per_token(llm: LLM) -> float:
     runner = llm.engine.runner
     return runner.bytes_per_block() / runner.block_size
@@ -72,7 +87,10 @@ def decode_vs_floor(llm: LLM, steps: list[DecodeStep], bandwidth: float) -> dict
         return {"steps": 0}
     weights = {b: weight_bytes(llm, b) for b in {s.batch for s in steps}}
     per_token = kv_bytes_per_token(llm)
-    floors = [(weights[s.batch] + s.context * per_token) / bandwidth for s in steps]
+    state = state_bytes_per_seq(llm)
+    floors = [
+        (weights[s.batch] + s.batch * state + s.context * per_token) / bandwidth for s in steps
+    ]
     times = [s.seconds for s in steps]
     return {
         "steps": len(steps),

@@ -149,6 +149,32 @@ def deepseek_v2_lite():
     )
 
 
+def qwen3_5_27b():
+    """Qwen3.5-27B's language model: 64 layers, 5120 hidden, a gated attention layer (GQA
+    24/4, heads of 256, a quarter rotated) after each three Gated DeltaNet layers (16 key
+    heads and 48 value heads of 128, a 4-row convolution); 248320-token vocabulary."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -243,6 +269,7 @@ CONFIGS = {
     "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "llama4-scout": llama4_scout,
+    "qwen3.5-27b": qwen3_5_27b,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -250,4 +277,4 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
-ON_DEVICE |= {"llama3-70b", "llama4-scout"}
+ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b"}

@@ -27,6 +27,7 @@ from engine.models.layers import (
     RecurrentLayer,
     SequenceSpans,
     allocate_states,
+    state_bytes,
 )
 from engine.pooling import PooledRows, pool, pooling_rows
 from engine.prompt_logprobs import SCORE_ROWS, PromptScoring, plan_scoring, score_prompts
@@ -132,12 +133,7 @@ class ModelRunner(StepInputs):
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free)
-            budget -= self._activation_reserve()
-        else:
-            budget = CPU_KV_CACHE_BYTES
+        budget = self._cache_budget()
         useful = self.max_num_seqs * self.max_blocks_per_seq  # more could never be used
         num_blocks = min(int(budget // self.bytes_per_block()), useful)
         if num_blocks < self.max_blocks_per_seq:
@@ -146,6 +142,15 @@ class ModelRunner(StepInputs):
                 f"needs ({self.max_blocks_per_seq}); lower max_model_len or raise gpu_memory_utilization"
             )
         return num_blocks
+
+    def _cache_budget(self) -> float:
+        """Bytes the caches may take: on CUDA what gpu_memory_utilization leaves free
+        beside the activations' reserve."""
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free)
+        return budget - self._activation_reserve()
 
     def _activation_reserve(self) -> int:
         """Bytes kept free for activations, logits and graph pools (a generous estimate)."""
@@ -164,11 +169,19 @@ class ModelRunner(StepInputs):
         if not self.state_layers:
             return
         slots = self.max_num_seqs + 1
-        total = allocate_states(self.state_layers, slots, self.dtype, self.device)
+        need = state_bytes(self.state_layers, slots, self.dtype)
+        budget = self._cache_budget()
+        if need > budget:
+            raise ValueError(
+                f"the recurrent states of max_num_seqs={self.max_num_seqs} sequences need "
+                f"{need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB left for "
+                "caches; lower max_num_seqs (or raise gpu_memory_utilization)"
+            )
+        allocate_states(self.state_layers, slots, self.dtype, self.device)
         logger.info(
             "recurrent states: %d layers, %.2f GiB for %d sequences",
             len(self.state_layers),
-            total / 2**30,
+            need / 2**30,
             self.max_num_seqs,
         )
 

@@ -5,7 +5,7 @@ exp(g_t) <= 1, then writes the part of v_t the state does not already predict fo
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-A decode row takes that step once (`recurrent_step`). A prompt's tokens run chunk by chunk
+A decode row takes that step once (kernels/gated_delta.py). A prompt's tokens run chunk by chunk
 (`chunked_rule`): within a chunk the writes are solved for at once (the UT transform: a
 unit-triangular system over the chunk), so the scan is over chunks, not tokens.
 
@@ -32,12 +32,9 @@ from engine.models.parallel import (
     split,
 )
 from engine.models.weight_copy import fill
+from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def causal_conv(
@@ -58,20 +55,6 @@ def conv_step(
     full = torch.cat([state, x[:, :, None].to(state.dtype)], dim=2)  # [rows, channels, kernel]
     acc = torch.promote_types(full.dtype, torch.float32)  # summed in fp32 at least
     return F.silu((full.to(acc) * weight.to(acc)).sum(-1)), full[:, :, 1:]
-
-
-def recurrent_step(
-    q: torch.Tensor,  # [rows, heads, k_dim]: l2-normed and scaled
-    k: torch.Tensor,  # [rows, heads, k_dim]: l2-normed
-    v: torch.Tensor,  # [rows, heads, v_dim]
-    g: torch.Tensor,  # [rows, heads]: log decay, <= 0
-    beta: torch.Tensor,  # [rows, heads]
-    state: torch.Tensor,  # [rows, heads, k_dim, v_dim] fp32
-) -> tuple[torch.Tensor, torch.Tensor]:  # (o [rows, heads, v_dim] fp32, the new state)
-    state = state * g.exp()[..., None, None]
-    predicted = (state * k[..., None]).sum(-2)  # S^T k: [rows, heads, v_dim]
-    state = state + k[..., None] * ((v - predicted) * beta[..., None])[..., None, :]
-    return (state * q[..., None]).sum(-2), state
 
 
 def chunked_rule(
@@ -216,14 +199,12 @@ class GatedDeltaNet(RecurrentLayer):
         out: torch.Tensor,  # [rows, value heads, v_dim]: filled
     ) -> None:
         """One token per row: each row's states read at its slot and written back."""
-        keep = has_state[:, None, None]
-        conv = self.conv_state[slots] * keep
+        conv = self.conv_state[slots] * has_state[:, None, None]
         conved, conv = conv_step(mixed, conv, self.conv1d.weight)
         self.conv_state.index_copy_(0, slots, conv)
-        q, k, v, g, beta = self.rule_inputs(conved.to(mixed.dtype), a, b)
-        state = self.rule_state[slots] * keep[..., None]
-        out[:], state = recurrent_step(q, k, v, g, beta, state)
-        self.rule_state.index_copy_(0, slots, state)
+        step = gated_delta_step_for(mixed.device)
+        args = (self.A_log, self.dt_bias, self.rule_state, slots, has_state, self.num_k_heads)
+        out[:] = step(conved.to(mixed.dtype), a, b, *args)
 
     def run_sequences(
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
@@ -261,17 +242,10 @@ class GatedDeltaNet(RecurrentLayer):
     def rule_inputs(
         self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """q, k (l2-normed, q scaled; each key head repeated for its value heads), v in
-        fp32 [tokens, value heads, dim]; the log decay g and beta [tokens, value heads]."""
-        n, repeat = len(conved), self.num_v_heads // self.num_k_heads
-        keys = self.num_k_heads * self.k_dim
-        q, k, v = conved.split([keys, keys, self.num_v_heads * self.v_dim], dim=-1)
-        q, k = (l2_normalize(t.float().view(n, self.num_k_heads, self.k_dim)) for t in (q, k))
-        q = q.repeat_interleave(repeat, 1) * self.k_dim**-0.5
-        k = k.repeat_interleave(repeat, 1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        beta = b.sigmoid().float()
-        return q, k, v.float().view(n, self.num_v_heads, self.v_dim), g, beta
+        """q, k, v, g, beta for the rule [tokens, value heads, ...] (delta_rule_inputs)."""
+        return delta_rule_inputs(
+            conved, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim
+        )
 
 
 def gated_rms_norm(

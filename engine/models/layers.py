@@ -8,6 +8,7 @@ forward can be captured in a CUDA graph with static tensors.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,17 +86,23 @@ class RecurrentLayer(nn.Module):
         raise NotImplementedError
 
 
+def state_bytes(layers: list[RecurrentLayer], slots: int, dtype: torch.dtype) -> int:
+    """What `allocate_states` allocates."""
+    return sum(
+        slots * math.prod(shape) * (state_dtype or dtype).itemsize
+        for layer in layers
+        for shape, state_dtype in layer.state_shapes().values()
+    )
+
+
 def allocate_states(
     layers: list[RecurrentLayer], slots: int, dtype: torch.dtype, device: torch.device
-) -> int:
-    """Each layer's states, zeroed, `slots` rows each (set as its attributes); their bytes."""
-    total = 0
+) -> None:
+    """Each layer's states, zeroed, `slots` rows each, set as its attributes."""
     for layer in layers:
         for name, (shape, state_dtype) in layer.state_shapes().items():
             state = torch.zeros((slots, *shape), dtype=state_dtype or dtype, device=device)
             setattr(layer, name, state)
-            total += state.numel() * state.element_size()
-    return total
 
 
 @dataclass

@@ -12,10 +12,9 @@ from engine.models.gated_delta import (
     causal_conv,
     chunked_rule,
     conv_step,
-    l2_normalize,
-    recurrent_step,
 )
 from engine.models.loader import load_tokenizer
+from kernels.gated_delta import l2_normalize, recurrent_step
 from tests.conftest import PROMPTS, hf_greedy
 
 
@@ -98,3 +97,11 @@ def test_a_one_token_prompt_in_a_reused_slot_starts_from_zeros(tiny_family_dir):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     want = [hf_greedy(model_dir, p, n) for p, n in zip(prompts, lengths)]
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_states_that_do_not_fit_are_refused_by_name(tiny_family_dir, monkeypatch):
+    import engine.model_runner
+
+    monkeypatch.setattr(engine.model_runner, "CPU_KV_CACHE_BYTES", 4096)
+    with pytest.raises(ValueError, match="recurrent states of max_num_seqs=8 sequences need"):
+        LLM(tiny_family_dir("qwen3_5"), device="cpu", max_num_seqs=8)

@@ -46,6 +46,7 @@ JIT_MODULES = (
     "kernels.moe_routing",
     "kernels.mla_store",
     "kernels.mla",
+    "kernels.gated_delta",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
