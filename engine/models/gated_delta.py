@@ -38,13 +38,16 @@ CHUNK = 64  # tokens a chunk of the UT transform solves at once
 
 
 def causal_conv(
-    x: torch.Tensor,  # [num_tokens, channels]: one sequence's new rows
-    state: torch.Tensor,  # [channels, kernel - 1]: the rows before them (zeros at its start)
+    x: torch.Tensor,  # [seqs, num_tokens, channels]: each sequence's new rows, zeros after
+    state: torch.Tensor,  # [seqs, channels, kernel - 1]: the rows before them
     weight: torch.Tensor,  # [channels, kernel]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [num_tokens, channels], the new state)
-    full = torch.cat([state, x.t().to(state.dtype)], dim=1)  # [channels, kernel - 1 + num_tokens]
-    out = F.conv1d(full[None], weight.to(full.dtype)[:, None], groups=weight.shape[0])[0]
-    return F.silu(out).t(), full[:, -(weight.shape[1] - 1) :]
+    lengths: torch.Tensor,  # [seqs] int64: each sequence's new rows
+) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [seqs, num_tokens, channels], new states)
+    full = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=2)  # [seqs, ch, k - 1 + n]
+    out = F.conv1d(full, weight.to(full.dtype)[:, None], groups=weight.shape[0])
+    # A sequence's new state: the kernel - 1 rows up to its last new one.
+    last = lengths[:, None, None] + torch.arange(weight.shape[1] - 1, device=x.device)
+    return F.silu(out).transpose(1, 2), full.gather(2, last.expand(*state.shape))
 
 
 def conv_step(
@@ -58,24 +61,25 @@ def conv_step(
 
 
 def chunked_rule(
-    q: torch.Tensor,  # [heads, num_tokens, k_dim]: l2-normed and scaled, fp32
-    k: torch.Tensor,  # [heads, num_tokens, k_dim]: l2-normed
-    v: torch.Tensor,  # [heads, num_tokens, v_dim]
-    g: torch.Tensor,  # [heads, num_tokens]: log decay, <= 0
-    beta: torch.Tensor,  # [heads, num_tokens]
-    state: torch.Tensor,  # [heads, k_dim, v_dim]: the state before the first token
-) -> tuple[torch.Tensor, torch.Tensor]:  # (o [heads, num_tokens, v_dim], the final state)
-    """The recurrence over one sequence's tokens, CHUNK at a time. Within a chunk, with
-    G_i the decay summed up to token i, the writes u solve (I + A) u = beta (v - ...)
-    where A[i, j] = beta_i exp(G_i - G_j) k_i . k_j below the diagonal."""
-    heads, n, _ = k.shape
+    q: torch.Tensor,  # [..., num_tokens, k_dim]: l2-normed and scaled, fp32
+    k: torch.Tensor,  # [..., num_tokens, k_dim]: l2-normed
+    v: torch.Tensor,  # [..., num_tokens, v_dim]
+    g: torch.Tensor,  # [..., num_tokens]: log decay, <= 0
+    beta: torch.Tensor,  # [..., num_tokens]
+    state: torch.Tensor,  # [..., k_dim, v_dim]: the state before the first token
+) -> tuple[torch.Tensor, torch.Tensor]:  # (o [..., num_tokens, v_dim], the final state)
+    """The recurrence over tokens, CHUNK at a time, for each of the leading dims
+    (sequences, heads). Within a chunk, with G_i the decay summed up to token i, the
+    writes u solve (I + A) u = beta (v - ...) where A[i, j] = beta_i exp(G_i - G_j) k_i . k_j
+    below the diagonal. A token with g = beta = 0 (padding) changes nothing."""
+    *lead, n, _ = k.shape
     pad = -n % CHUNK
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))  # padding: no decay, no write
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
     chunks = (n + pad) // CHUNK
-    q, k, v = (t.view(heads, chunks, CHUNK, -1) for t in (q, k, v))
-    decay = g.view(heads, chunks, CHUNK).cumsum(-1)  # G_i: [heads, chunks, CHUNK]
-    beta = beta.view(heads, chunks, CHUNK, 1)
+    q, k, v = (t.view(*lead, chunks, CHUNK, -1) for t in (q, k, v))
+    decay = g.view(*lead, chunks, CHUNK).cumsum(-1)  # G_i
+    beta = beta.view(*lead, chunks, CHUNK, 1)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     # exp(G_i - G_j) for j <= i, else 0 (masked before exp: the difference may overflow).
     between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
@@ -89,13 +93,15 @@ def chunked_rule(
     q_decayed = q * decay.exp()[..., None]
     # Each key's decay from its token to the chunk's end, as the state carries it on.
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
-    chunk_decay = decay[..., -1].exp()  # [heads, chunks]
+    chunk_decay = decay[..., -1].exp()  # [..., chunks]
     out = torch.empty_like(v)
     for c in range(chunks):
-        u = writes[:, c] - reads[:, c] @ state  # [heads, CHUNK, v_dim]
-        out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ u
-        state = state * chunk_decay[:, c, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
-    return out.view(heads, -1, v.shape[-1])[:, :n], state
+        u = writes[..., c, :, :] - reads[..., c, :, :] @ state  # [..., CHUNK, v_dim]
+        out[..., c, :, :] = q_decayed[..., c, :, :] @ state + scores[..., c, :, :] @ u
+        state = (
+            state * chunk_decay[..., c, None, None] + k_to_end[..., c, :, :].transpose(-1, -2) @ u
+        )
+    return out.view(*lead, -1, v.shape[-1])[..., :n, :], state
 
 
 class DepthwiseConv(nn.Module):
@@ -210,34 +216,32 @@ class GatedDeltaNet(RecurrentLayer):
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:  # fmt: skip
-        """A step with prompts (eager): the sequences that continue by one token together,
-        the rest one by one, chunked."""
+        """A step with prompts (eager): the sequences that continue by one token as decode
+        rows, the rest together, padded to the longest (padding neither decays nor writes)."""
         spans = meta.spans
-        singles = [
-            i for i, (n, ctx) in enumerate(zip(spans.lengths, spans.contexts)) if n == 1 and ctx
-        ]
-        if singles:
-            rows = torch.tensor([spans.starts[i] for i in singles], device=mixed.device)
-            slots = torch.tensor([spans.slots[i] for i in singles], device=mixed.device)
-            has_state = torch.ones(len(singles), dtype=torch.bool, device=mixed.device)
-            part = torch.empty(len(singles), *out.shape[1:], device=out.device, dtype=out.dtype)
+        if len(spans.single_rows):
+            rows, slots = spans.single_rows, spans.single_slots
+            part = torch.empty(len(rows), *out.shape[1:], device=out.device, dtype=out.dtype)
+            has_state = torch.ones(len(rows), dtype=torch.bool, device=out.device)
             self.step_rows(mixed[rows], a[rows], b[rows], slots, has_state, part)
             out[rows] = part
-        for i in sorted(set(range(len(spans.lengths))) - set(singles)):
-            start, n, slot = spans.starts[i], spans.lengths[i], spans.slots[i]
-            if n == 0:
-                continue
-            end, fresh = start + n, spans.contexts[i] == 0
-            conv = self.conv_state[slot]
-            conved, self.conv_state[slot] = causal_conv(
-                mixed[start:end], conv.zero_() if fresh else conv, self.conv1d.weight
-            )
-            q, k, v, g, beta = self.rule_inputs(conved.to(mixed.dtype), a[start:end], b[start:end])
-            state = self.rule_state[slot]
-            o, self.rule_state[slot] = chunked_rule(
-                *(t.transpose(0, 1) for t in (q, k, v, g, beta)), state.zero_() if fresh else state
-            )
-            out[start:end] = o.transpose(0, 1)
+        if not len(spans.slots):
+            return
+        rows, valid, slots, keep = spans.rows, spans.valid, spans.slots, spans.has_state
+        seqs, length = rows.shape
+        conv = self.conv_state[slots] * keep[:, None, None]
+        conved, conv = causal_conv(mixed[rows], conv, self.conv1d.weight, spans.lengths)
+        self.conv_state.index_copy_(0, slots, conv)
+        inputs = self.rule_inputs(
+            conved.flatten(0, 1).to(mixed.dtype), a[rows.flatten()], b[rows.flatten()]
+        )
+        q, k, v, g, beta = (t.unflatten(0, (seqs, length)).transpose(1, 2) for t in inputs)
+        pad = ~valid[:, None, :]  # [seqs, 1, length]
+        g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
+        state = self.rule_state[slots] * keep[:, None, None, None]
+        o, state = chunked_rule(q, k, v, g, beta, state)  # o: [seqs, heads, length, v_dim]
+        self.rule_state.index_copy_(0, slots, state)
+        out[rows[valid]] = o.transpose(1, 2)[valid]
 
     def rule_inputs(
         self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor

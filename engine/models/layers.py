@@ -58,20 +58,38 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class SequenceSpans:
-    """Each sequence's new tokens (first row, count), the context before them and its
-    state slot, read to the host once a step."""
+    """A step's sequences as recurrent layers run them (eager steps with prompts), from
+    one read of the metadata to the host: those that continue by one token (decode rows),
+    and the others' token rows padded to the longest."""
 
-    starts: list[int]
-    lengths: list[int]
-    contexts: list[int]
-    slots: list[int]
+    single_rows: torch.Tensor  # [singles] int64: a continuing sequence's token row
+    single_slots: torch.Tensor  # [singles] int64
+    rows: torch.Tensor  # [seqs, longest] int64: each other sequence's token rows, then 0s
+    valid: torch.Tensor  # [seqs, longest] bool: rows[i, j] is a token of sequence i
+    lengths: torch.Tensor  # [seqs] int64: its new tokens
+    slots: torch.Tensor  # [seqs] int64
+    has_state: torch.Tensor  # [seqs] bool: it has context before (else it starts from zeros)
 
     @classmethod
     def of(cls, meta: AttentionMetadata) -> SequenceSpans:
-        bounds = meta.query_start_loc.tolist()
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        starts = meta.query_start_loc.tolist()
+        lengths = [b - a for a, b in zip(starts, starts[1:])]
         contexts = [n - q for n, q in zip(meta.seq_lens.tolist(), lengths)]
-        return cls(bounds[:-1], lengths, contexts, meta.state_slots.tolist())
+        slots = meta.state_slots.tolist()
+        single = [i for i, n in enumerate(lengths) if n == 1 and contexts[i]]
+        others = [i for i, n in enumerate(lengths) if n and not (n == 1 and contexts[i])]
+
+        def column(values: list, seqs: list[int]) -> torch.Tensor:
+            return torch.tensor([values[i] for i in seqs], dtype=torch.int64)
+
+        length = column(lengths, others)
+        steps = torch.arange(int(length.max()) if others else 0)
+        valid = steps < length[:, None]
+        rows = (column(starts, others)[:, None] + steps) * valid  # padding: row 0
+        has_state = column(contexts, others) > 0
+        tensors = (column(starts, single), column(slots, single), rows, valid, length)
+        tensors += (column(slots, others), has_state)
+        return cls(*(t.to(meta.query_start_loc.device) for t in tensors))
 
 
 class RecurrentLayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.models.gated_delta import (
@@ -54,25 +55,50 @@ def test_a_prompt_in_parts_carries_its_state():
     torch.testing.assert_close(end, final)
 
 
-def test_convolution_in_parts_and_by_step_equals_the_whole():
+def test_sequences_padded_together_equal_each_alone():
+    """A batch of two: the shorter padded with tokens of no decay and no write."""
+    long = rule_inputs(heads=2, tokens=90, k_dim=8, v_dim=8, seed=2)
+    short = rule_inputs(heads=2, tokens=30, k_dim=8, v_dim=8, seed=3)
+    padded = [F.pad(t, (0, 0, 0, 60)) for t in short[:3]] + [F.pad(t, (0, 60)) for t in short[3:5]]
+    batch = [torch.stack([a, b]) for a, b in zip(long[:5], padded)]
+    out, final = chunked_rule(*batch, torch.stack([long[5], short[5]]))
+    for i, inputs in enumerate((long, short)):
+        alone, alone_final = chunked_rule(*inputs)
+        torch.testing.assert_close(out[i, :, : alone.shape[1]], alone)
+        torch.testing.assert_close(final[i], alone_final)
+
+
+def test_convolution_in_parts_by_step_and_padded_equals_the_whole():
     gen = torch.Generator().manual_seed(2)
     channels, kernel, tokens = 6, 4, 11
-    x = torch.randn(tokens, channels, generator=gen, dtype=torch.float64)
+    x = torch.randn(1, tokens, channels, generator=gen, dtype=torch.float64)
     weight = torch.randn(channels, kernel, generator=gen, dtype=torch.float64)
-    empty = torch.zeros(channels, kernel - 1, dtype=torch.float64)
-    whole, state = causal_conv(x, empty, weight)
+    empty = torch.zeros(1, channels, kernel - 1, dtype=torch.float64)
+
+    def conv(rows, state):
+        return causal_conv(rows, state, weight, torch.tensor([rows.shape[1]]))
+
+    whole, state = conv(x, empty)
     # Zero rows before the first token: token 0 sees only itself.
-    torch.testing.assert_close(whole[0], torch.nn.functional.silu(x[0] * weight[:, -1]))
-    head, mid = causal_conv(x[:2], empty, weight)
-    tail, end = causal_conv(x[2:], mid, weight)
-    torch.testing.assert_close(torch.cat([head, tail]), whole)
+    torch.testing.assert_close(whole[0, 0], torch.nn.functional.silu(x[0, 0] * weight[:, -1]))
+    head, mid = conv(x[:, :2], empty)
+    tail, end = conv(x[:, 2:], mid)
+    torch.testing.assert_close(torch.cat([head, tail], dim=1), whole)
     torch.testing.assert_close(end, state)
-    s, steps = empty[None], []
+    s, steps = empty, []
     for t in range(tokens):
-        out, s = conv_step(x[t : t + 1], s, weight)
-        steps.append(out[0])
-    torch.testing.assert_close(torch.stack(steps), whole)
-    torch.testing.assert_close(s[0], state)
+        out, s = conv_step(x[:, t], s, weight)
+        steps.append(out)
+    torch.testing.assert_close(torch.stack(steps, dim=1), whole)
+    torch.testing.assert_close(s, state)
+    # Beside a longer sequence, padded with zero rows: its rows and state are its own.
+    both = torch.cat([F.pad(x[:, :5], (0, 0, 0, 6)), x])
+    padded, states = causal_conv(both, empty.expand(2, -1, -1), weight, torch.tensor([5, 11]))
+    alone, alone_state = conv(x[:, :5], empty)
+    torch.testing.assert_close(padded[:1, :5], alone)
+    torch.testing.assert_close(states[:1], alone_state)
+    torch.testing.assert_close(padded[1:], whole)
+    torch.testing.assert_close(states[1:], state)
 
 
 def test_a_recurrent_model_runs_without_prefix_cache_or_speculation(tiny_family_dir):
