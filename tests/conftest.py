@@ -241,7 +241,7 @@ QWEN3_5 = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
-    linear_value_head_dim=8,
+    linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
     tie_word_embeddings=False,
 )

@@ -32,6 +32,7 @@ from engine.models.parallel import (
     split,
 )
 from engine.models.weight_copy import fill
+from kernels.delta_chunk_scan import delta_chunk_scan_for
 from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
@@ -94,14 +95,11 @@ def chunked_rule(
     # Each key's decay from its token to the chunk's end, as the state carries it on.
     k_to_end = k * (decay[..., -1:] - decay).exp()[..., None]
     chunk_decay = decay[..., -1].exp()  # [..., chunks]
-    out = torch.empty_like(v)
-    for c in range(chunks):
-        u = writes[..., c, :, :] - reads[..., c, :, :] @ state  # [..., CHUNK, v_dim]
-        out[..., c, :, :] = q_decayed[..., c, :, :] @ state + scores[..., c, :, :] @ u
-        state = (
-            state * chunk_decay[..., c, None, None] + k_to_end[..., c, :, :].transpose(-1, -2) @ u
-        )
-    return out.view(*lead, -1, v.shape[-1])[..., :n, :], state
+    # Chunk after chunk, each from the state the last one left.
+    terms = (writes, reads, q_decayed, scores, k_to_end, chunk_decay, state)
+    flat = [t.reshape(-1, *t.shape[len(lead) :]) for t in terms]  # leading dims as one
+    out, state = delta_chunk_scan_for(q.device)(*flat)
+    return out.view(*lead, -1, v.shape[-1])[..., :n, :], state.view(*lead, *state.shape[1:])
 
 
 class DepthwiseConv(nn.Module):

@@ -47,6 +47,7 @@ JIT_MODULES = (
     "kernels.mla_store",
     "kernels.mla",
     "kernels.gated_delta",
+    "kernels.delta_chunk_scan",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
