@@ -9,7 +9,10 @@ import torch
 from kernels.delta_chunk_scan import delta_chunk_scan, delta_chunk_scan_ref
 
 
-@pytest.mark.parametrize("chunk, k_dim, v_dim", [(16, 16, 32), (32, 32, 64), (16, 32, 16)])
+@pytest.mark.parametrize(
+    "chunk, k_dim, v_dim",
+    [(16, 16, 32), (32, 32, 64), (16, 32, 16), (64, 128, 128)],  # the last: Qwen 3.5's
+)
 def test_scan_matches_the_loop(chunk, k_dim, v_dim, device, rng):
     n, chunks = 3, 4
 
