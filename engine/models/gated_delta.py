@@ -34,6 +34,7 @@ from engine.models.parallel import (
 from engine.models.weight_copy import fill
 from kernels.delta_chunk_scan import delta_chunk_scan_for
 from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for
+from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
 
@@ -68,6 +69,7 @@ def chunked_rule(
     g: torch.Tensor,  # [..., num_tokens]: log decay, <= 0
     beta: torch.Tensor,  # [..., num_tokens]
     state: torch.Tensor,  # [..., k_dim, v_dim]: the state before the first token
+    precision: str = "ieee",  # the scan's dots (delta_chunk_scan): "tf32" for a 16-bit model
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (o [..., num_tokens, v_dim], the final state)
     """The recurrence over tokens, CHUNK at a time, for each of the leading dims
     (sequences, heads). Within a chunk, with G_i the decay summed up to token i, the
@@ -98,7 +100,7 @@ def chunked_rule(
     # Chunk after chunk, each from the state the last one left.
     terms = (writes, reads, q_decayed, scores, k_to_end, chunk_decay, state)
     flat = [t.reshape(-1, *t.shape[len(lead) :]) for t in terms]  # leading dims as one
-    out, state = delta_chunk_scan_for(q.device)(*flat)
+    out, state = delta_chunk_scan_for(q.device)(*flat, precision)
     return out.view(*lead, -1, v.shape[-1])[..., :n, :], state.view(*lead, *state.shape[1:])
 
 
@@ -237,7 +239,10 @@ class GatedDeltaNet(RecurrentLayer):
         pad = ~valid[:, None, :]  # [seqs, 1, length]
         g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
         state = self.rule_state[slots] * keep[:, None, None, None]
-        o, state = chunked_rule(q, k, v, g, beta, state)  # o: [seqs, heads, length, v_dim]
+        precision = dot_precision(mixed.dtype)
+        o, state = chunked_rule(
+            q, k, v, g, beta, state, precision
+        )  # o: [seqs, heads, length, v_dim]
         self.rule_state.index_copy_(0, slots, state)
         out[rows[valid]] = o.transpose(1, 2)[valid]
 
