@@ -178,8 +178,8 @@ class EngineConfig:
     def recurrent_model(self) -> None:
         """A model with recurrent layers (engine/models/layers.py's RecurrentLayer): a
         sequence's state is built token by token, so no prefix is taken from the cache
-        and no step is rolled back (speculative decoding); steps with prompts run their
-        sequences one by one, eagerly (decode steps keep their graphs)."""
+        and no step is rolled back (speculative decoding); steps with prompts run
+        eagerly, their shape read to the host (decode steps keep their graphs)."""
         if self.num_speculative_tokens:
             raise ValueError(
                 "speculative decoding is not supported for models with recurrent layers "

@@ -291,7 +291,7 @@ class ModelRunner(StepInputs):
             prompts_only=inp.prompts_only,
             state_slots=inp.slot_indices,
         )
-        if self.state_layers and not inp.is_decode:  # eager: prompts run one by one
+        if self.state_layers and not inp.is_decode:  # an eager step's shape, on the host
             meta.spans = SequenceSpans.of(meta)
         if images is not None:
             return self.model(input_ids, inp.positions, meta, images)

@@ -1,13 +1,14 @@
-"""The gated delta rule (Gated DeltaNet): Qwen 3.5's linear attention, in torch.
+"""Gated DeltaNet: Qwen 3.5's linear attention layer, and its rule's chunked form.
 
 Each head keeps a state S [k_dim, v_dim] instead of a KV cache. Token t decays it by
 exp(g_t) <= 1, then writes the part of v_t the state does not already predict for k_t:
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-A decode row takes that step once (kernels/gated_delta.py). A prompt's tokens run chunk by chunk
-(`chunked_rule`): within a chunk the writes are solved for at once (the UT transform: a
-unit-triangular system over the chunk), so the scan is over chunks, not tokens.
+A decode row takes that step once (kernels/gated_delta.py). A prompt's tokens run chunk
+by chunk (`chunked_rule`): within a chunk the writes are solved for at once (the UT
+transform: a unit-triangular system over the chunk), so the scan is over chunks, not
+tokens (kernels/delta_chunk_scan.py).
 
 q, k and v come from a causal depthwise convolution over the last `kernel` tokens' input
 rows (`causal_conv`); a sequence's last kernel - 1 rows are its conv state. Both states
@@ -239,10 +240,8 @@ class GatedDeltaNet(RecurrentLayer):
         pad = ~valid[:, None, :]  # [seqs, 1, length]
         g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
         state = self.rule_state[slots] * keep[:, None, None, None]
-        precision = dot_precision(mixed.dtype)
-        o, state = chunked_rule(
-            q, k, v, g, beta, state, precision
-        )  # o: [seqs, heads, length, v_dim]
+        # o: [seqs, heads, length, v_dim]
+        o, state = chunked_rule(q, k, v, g, beta, state, dot_precision(mixed.dtype))
         self.rule_state.index_copy_(0, slots, state)
         out[rows[valid]] = o.transpose(1, 2)[valid]
 
