@@ -821,12 +821,14 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Gated DeltaNet layers around a gated attention layer (heads of 16, a quarter
     # rotated); value heads twice the key heads, a 4-row convolution.
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", QWEN3_5),
-    # The same layers over experts: 8, top-2, and a gated shared expert.
+    # The same layers over experts: 8, top-2, and a gated shared expert; attention biases
+    # (q_proj's interleaved with its gate's).
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
         QWEN3_5
         | dict(
+            attention_bias=True,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

@@ -63,7 +63,8 @@ class GatedAttention(LlamaAttention):
         query = Section(2 * heads * dim, tuple((2 * h * dim, (2 * h + 1) * dim) for h in mine))
         gate = Section(query.size, tuple(((2 * h + 1) * dim, (2 * h + 2) * dim) for h in mine))
         _, k, v = self.qkv_proj.sections
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [query, k, v, gate], bias=False)
+        bias = self.qkv_proj.bias is not None  # attention_bias: q_proj's interleaved alike
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [query, k, v, gate], bias)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
