@@ -52,7 +52,7 @@ class AttentionMetadata:
     # block-table row; a graph's padded rows the spare one).
     state_slots: torch.Tensor | None = None
     # The host's copy of the sequences' shape, on eager steps of models with recurrent
-    # layers (which run a step's prompts one by one): SequenceSpans.of.
+    # layers (which run a step's prompts padded together): SequenceSpans.of.
     spans: SequenceSpans | None = None
 
 
