@@ -186,13 +186,10 @@ class GatedDeltaNet(RecurrentLayer):
         mixed, z, b, a = self.in_proj(x).split(
             [sum(self.sizes[:3]), self.sizes[3], self.sizes[4], self.sizes[5]], dim=-1
         )
-        out = torch.empty(
-            len(x), self.num_v_heads, self.v_dim, device=x.device, dtype=torch.float32
-        )
         if meta.is_decode:  # one row a sequence, each at its slot (a graph's padding: the spare)
-            self.step_rows(mixed, a, b, meta.state_slots, meta.seq_lens > 1, out)
+            out = self.step_rows(mixed, a, b, meta.state_slots, meta.seq_lens > 1)
         else:
-            self.run_sequences(mixed, a, b, meta, out)
+            out = self.run_sequences(mixed, a, b, meta)
         normed = gated_rms_norm(out.to(x.dtype), z.view_as(out), self.norm_weight, self.eps)
         return self.out_proj(normed.view(len(x), -1))
 
@@ -203,39 +200,39 @@ class GatedDeltaNet(RecurrentLayer):
         b: torch.Tensor,
         slots: torch.Tensor,  # [rows] int64
         has_state: torch.Tensor,  # [rows] bool: False for a one-token prompt (zero states)
-        out: torch.Tensor,  # [rows, value heads, v_dim]: filled
-    ) -> None:
+    ) -> torch.Tensor:  # [rows, value heads, v_dim] fp32
         """One token per row: each row's states read at its slot and written back."""
         conv = self.conv_state[slots] * has_state[:, None, None]
         conved, conv = conv_step(mixed, conv, self.conv1d.weight)
         self.conv_state.index_copy_(0, slots, conv)
         step = gated_delta_step_for(mixed.device)
         args = (self.A_log, self.dt_bias, self.rule_state, slots, has_state, self.num_k_heads)
-        out[:] = step(conved.to(mixed.dtype), a, b, *args)
+        return step(conved.to(mixed.dtype), a, b, *args)
 
     def run_sequences(
-        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:  # fmt: skip
+        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [tokens, value heads, v_dim] fp32
         """A step with prompts (eager): the sequences that continue by one token as decode
         rows, the rest together, padded to the longest (padding neither decays nor writes)."""
         spans = meta.spans
+        shape = (len(mixed), self.num_v_heads, self.v_dim)
+        out = torch.empty(shape, dtype=torch.float32, device=mixed.device)
         if len(spans.single_rows):
             rows, slots = spans.single_rows, spans.single_slots
-            part = torch.empty(len(rows), *out.shape[1:], device=out.device, dtype=out.dtype)
             has_state = torch.ones(len(rows), dtype=torch.bool, device=out.device)
-            self.step_rows(mixed[rows], a[rows], b[rows], slots, has_state, part)
-            out[rows] = part
+            out[rows] = self.step_rows(mixed[rows], a[rows], b[rows], slots, has_state)
         if not len(spans.slots):
-            return
+            return out
         rows, valid, slots, keep = spans.rows, spans.valid, spans.slots, spans.has_state
         seqs, length = rows.shape
         conv = self.conv_state[slots] * keep[:, None, None]
         conved, conv = causal_conv(mixed[rows], conv, self.conv1d.weight, spans.lengths)
         self.conv_state.index_copy_(0, slots, conv)
-        inputs = self.rule_inputs(
-            conved.flatten(0, 1).to(mixed.dtype), a[rows.flatten()], b[rows.flatten()]
-        )
+        tokens = rows.flatten()
+        inputs = delta_rule_inputs(
+            conved.flatten(0, 1).to(mixed.dtype), a[tokens], b[tokens], self.A_log,
+            self.dt_bias, self.num_k_heads, self.k_dim,
+        )  # fmt: skip
         q, k, v, g, beta = (t.unflatten(0, (seqs, length)).transpose(1, 2) for t in inputs)
         pad = ~valid[:, None, :]  # [seqs, 1, length]
         g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
@@ -244,14 +241,7 @@ class GatedDeltaNet(RecurrentLayer):
         o, state = chunked_rule(q, k, v, g, beta, state, dot_precision(mixed.dtype))
         self.rule_state.index_copy_(0, slots, state)
         out[rows[valid]] = o.transpose(1, 2)[valid]
-
-    def rule_inputs(
-        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """q, k, v, g, beta for the rule [tokens, value heads, ...] (delta_rule_inputs)."""
-        return delta_rule_inputs(
-            conved, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.k_dim
-        )
+        return out
 
 
 def gated_rms_norm(
