@@ -175,6 +175,38 @@ def qwen3_5_27b():
     )
 
 
+def qwen3_next_80b_a3b():
+    """Qwen3-Next-80B-A3B: 48 layers, 2048 hidden, a gated attention layer (GQA 16/2, heads
+    of 256, a quarter rotated) after each three Gated DeltaNet layers (16 key heads and 32
+    value heads of 128); 512 experts of 512, top-10, and a shared expert of 512 on every
+    layer; ~80B parameters, ~3B active per token."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -270,6 +302,7 @@ CONFIGS = {
     "llama3-70b": llama3_70b,
     "llama4-scout": llama4_scout,
     "qwen3.5-27b": qwen3_5_27b,
+    "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -277,4 +310,4 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # Too large to write to disk and read back: saved as config + tokenizer + a random-weights
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
-ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b"}
+ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b", "qwen3-next-80b-a3b"}

@@ -124,7 +124,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("solar_open", "exaone_moe", "dots1", "arcee", "nemotron", "jais2")
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
-        drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe")
+        drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -141,7 +141,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
-                    elif kind.startswith("qwen3_5") and name.endswith(QWEN3_5_DRAWN):
+                    elif kind.startswith("qwen3_") and name.endswith(QWEN3_5_DRAWN):
                         param.normal_(0.0, 0.5)  # (1 + weight) norms and the gated norm's
                     elif kind.startswith("gemma4") and name.endswith(GEMMA4_DRAWN):
                         param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
@@ -831,6 +831,23 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             attention_bias=True,
             num_experts=8,
             num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
+    # Qwen3-Next: the same layers, the DeltaNet's projections fused by key head
+    # (in_proj_qkvz, in_proj_ba); experts without renormalization but on layer 1, a
+    # dense MLP (mlp_only_layers).
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        QWEN3_5
+        | dict(
+            attention_bias=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
         ),

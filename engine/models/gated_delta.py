@@ -1,4 +1,4 @@
-"""Gated DeltaNet: Qwen 3.5's linear attention layer, and its rule's chunked form.
+"""Gated DeltaNet (Qwen 3.5's and Qwen3-Next's linear attention) and its rule's chunked form.
 
 Each head keeps a state S [k_dim, v_dim] instead of a KV cache. Token t decays it by
 exp(g_t) <= 1, then writes the part of v_t the state does not already predict for k_t:
@@ -126,6 +126,16 @@ def head_rows(heads: Section, dim: int, offset: int = 0) -> Ranges:
     return tuple((offset + a * dim, offset + b * dim) for a, b in heads.ranges)
 
 
+def grouped_rows(heads: Section, stride: int, offset: int, width: int) -> Ranges:
+    """Rows `offset` to `offset + width` of each of this rank's `heads`' blocks of
+    `stride` rows: a tensor laid out head by head, several parts a head."""
+    return tuple(
+        (h * stride + offset, h * stride + offset + width)
+        for first, last in heads.ranges
+        for h in range(first, last)
+    )
+
+
 class GatedDeltaNet(RecurrentLayer):
     """Qwen 3.5's linear attention layer. One projection gives q, k, v (convolved), z (the
     output gate), b (beta's logit) and a (the decay's); each rank holds its share of the
@@ -148,9 +158,8 @@ class GatedDeltaNet(RecurrentLayer):
             Section(conv_dim, head_rows(k_heads, dk, hk * dk)),
             Section(conv_dim, head_rows(self.v_heads, dv, 2 * hk * dk)),
         ]
-        z = Section(hv * dv, head_rows(self.v_heads, dv))
         self.in_proj = ColumnParallelLinear(
-            config.hidden_size, [*qkv, z, self.v_heads, self.v_heads], bias=False
+            config.hidden_size, self.projection(k_heads, qkv), bias=False
         )
         self.sizes = [s.local_size for s in self.in_proj.sections]
         self.conv1d = DepthwiseConv(qkv, config.linear_conv_kernel_dim)
@@ -160,6 +169,12 @@ class GatedDeltaNet(RecurrentLayer):
         self.eps = config.rms_norm_eps
         self.out_proj = RowParallelLinear(hv * dv, config.hidden_size, bias=False, tp=tp)
         self.conv_state = self.rule_state = torch.empty(0)  # by slot: see RecurrentLayer
+
+    def projection(self, k_heads: Section, qkv: list[Section]) -> list[Section]:
+        """in_proj's sections q, k, v, z, b, a as the checkpoint holds them: Qwen 3.5's
+        in_proj_qkv (the conv's rows), in_proj_z, in_proj_b and in_proj_a."""
+        z = Section(self.v_heads.size * self.v_dim, head_rows(self.v_heads, self.v_dim))
+        return [*qkv, z, self.v_heads, self.v_heads]
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         channels, kernel = self.conv1d.weight.shape
@@ -254,3 +269,22 @@ def gated_rms_norm(
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GroupedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's layer: the same rule, its projections fused by key head. in_proj_qkvz
+    holds each key head's q, k, then its group's v and z rows; in_proj_ba its group's b,
+    then a. A rank's key heads read their blocks, in the order the plain layout has."""
+
+    def projection(self, k_heads: Section, qkv: list[Section]) -> list[Section]:
+        hk, group = k_heads.size, self.v_heads.size // k_heads.size
+        widths = [self.k_dim, self.k_dim, group * self.v_dim, group * self.v_dim]
+        block = sum(widths)  # a key head's rows of in_proj_qkvz
+        qkvz = [
+            Section(hk * block, grouped_rows(k_heads, block, sum(widths[:i]), width))
+            for i, width in enumerate(widths)
+        ]
+        ba = [
+            Section(hk * 2 * group, grouped_rows(k_heads, 2 * group, o, group)) for o in (0, group)
+        ]
+        return qkvz + ba

@@ -2,9 +2,10 @@
 layers by mlp_only_layers / decoder_sparse_step), Qwen2-MoE (the same routing, qkv bias,
 and a shared expert beside the routed ones, scaled by a sigmoid gate) and Mixtral
 (sliding window, renormalized top-k), and Qwen3-VL-MoE's language model (Qwen3-MoE,
-always renormalized). Attention is llama.py's; each sparse layer's MLP is a FusedMoE
-whose stacked expert weights are filled from HF's per-expert tensors at load, or from
-tensors that stack them already (Qwen3-VL-MoE's)."""
+always renormalized); Qwen3-Next's MLPs are Qwen2-MoE's (its layers: qwen3_5.py).
+Attention is llama.py's; each sparse layer's MLP is a FusedMoE whose stacked expert
+weights are filled from HF's per-expert tensors at load, or from tensors that stack
+them already (Qwen3-VL-MoE's)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config, layer: int) -> nn.Module:
         if config.model_type == "mixtral":
             sparse, renormalize = True, True
-        else:  # qwen3_moe, qwen2_moe
+        else:  # qwen3_moe, qwen2_moe, qwen3_next
             step = getattr(config, "decoder_sparse_step", 1)
             sparse = layer not in (config.mlp_only_layers or []) and (layer + 1) % step == 0
             # Qwen3-VL-MoE's transformers code renormalizes whatever the config says.
@@ -85,7 +86,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         if not sparse:
             return LlamaMLP(config, self.tp)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        if config.model_type == "qwen2_moe":
+        if config.model_type in ("qwen2_moe", "qwen3_next"):
             return SharedExpertMoE(config, inter, renormalize, self.tp)
         return FusedMoE(
             config.hidden_size,

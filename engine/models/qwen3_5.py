@@ -4,7 +4,11 @@ each head rotated, and an output gate: q_proj gives each head's query and then i
 (sigmoid, times the attention's output). Every RMSNorm but the DeltaNet's gated one
 scales by (1 + weight), folded in at load. The MoE model's every layer has Qwen2-MoE's
 experts with a gated shared expert, always renormalized. The multimodal checkpoints
-serve their language model (multimodal.py)."""
+serve their language model (multimodal.py).
+
+Qwen3-Next is the MoE model one release earlier: its DeltaNet projections are fused by
+key head (GroupedGatedDeltaNet), and its dense layers and top-k renormalization follow
+the config, as Qwen3-MoE's do."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.gated_delta import GatedDeltaNet
+from engine.models.gated_delta import GatedDeltaNet, GroupedGatedDeltaNet
 from engine.models.layers import AttentionMetadata
 from engine.models.llama import FUSED, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.moe import MoeForCausalLM, SharedExpertMoE
@@ -31,11 +35,14 @@ from engine.models.rope import rotary_of
 from kernels.fp8 import Fp8Rows
 
 # HF names -> ours: the DeltaNet sits where attention does; q_proj fills the query and the
-# gate sections of qkv_proj, in_proj_qkv the q, k and v sections of the DeltaNet's in_proj.
+# gate sections of qkv_proj, in_proj_qkv the q, k and v sections of the DeltaNet's in_proj
+# (Qwen3-Next's in_proj_qkvz and in_proj_ba all six).
 RENAMES = {".linear_attn.": ".self_attn.", ".self_attn.norm.weight": ".self_attn.norm_weight"}
 SPLIT = {
     "q_proj": ("q_proj", "q_gate"),
     "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
+    "in_proj_qkvz": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 QWEN3_5_FUSED = FUSED | {
     "q_gate": ("qkv_proj", 3),
@@ -79,6 +86,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     RECURRENT = True  # EngineConfig.recurrent_model
     FUSED: ClassVar[dict[str, tuple[str, int]]] = QWEN3_5_FUSED
     LORA_FUSED = None  # adapters on the DeltaNet's projections are not wired
+    DELTA_NET: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary = rotary_of(config)
@@ -90,7 +98,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 self.make_mlp(config, i),
                 self.tp,
                 self_attn=(
-                    GatedDeltaNet(config, self.tp)
+                    self.DELTA_NET(config, self.tp)
                     if kind == "linear_attention"
                     else GatedAttention(config, self.rotary, self.tp)
                 ),
@@ -120,3 +128,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM, MoeForCausalLM):
     def make_mlp(self, config, layer: int) -> nn.Module:
         return SharedExpertMoE(config, config.moe_intermediate_size, True, self.tp)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM, MoeForCausalLM):
+    """make_mlp is MoeForCausalLM's: experts with a shared expert except on
+    mlp_only_layers (and off decoder_sparse_step), renormalized by norm_topk_prob."""
+
+    DELTA_NET = GroupedGatedDeltaNet

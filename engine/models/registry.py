@@ -35,7 +35,11 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from engine.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 from engine.models.stablelm import StableLmForCausalLM
 
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
@@ -62,6 +66,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "jais2": Jais2ForCausalLM,
     "qwen3_5_text": Qwen3_5ForCausalLM,  # and qwen3_5's language model (TEXT_OF_MULTIMODAL)
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_moe": MoeForCausalLM,
     "qwen3_vl_moe_text": MoeForCausalLM,
     "qwen2_moe": MoeForCausalLM,
