@@ -207,6 +207,43 @@ def qwen3_next_80b_a3b():
     )
 
 
+def granite_4_0_h_small():
+    """Granite-4.0-H-Small's shape as we know its published config (no hub here to check
+    it against): 40 layers, 4096 hidden, attention (GQA 32/8, heads of 128, no position
+    encoding) at layers 5, 15, 25 and 35, Mamba-2 mixers elsewhere (128 heads of 64, a
+    128-wide state, one group); 72 experts of 768, top-10, beside a shared MLP of 8192;
+    ~35.5B parameters."""
+    from transformers import GraniteMoeHybridConfig
+
+    layers = 40
+    return GraniteMoeHybridConfig(
+        vocab_size=100352,
+        hidden_size=4096,
+        intermediate_size=768,
+        shared_intermediate_size=8192,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=72,
+        num_experts_per_tok=10,
+        layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(layers)],
+        mamba_n_heads=128,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        position_embedding_type="nope",
+        embedding_multiplier=12.0,
+        attention_multiplier=0.0078125,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -303,6 +340,7 @@ CONFIGS = {
     "llama4-scout": llama4_scout,
     "qwen3.5-27b": qwen3_5_27b,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
+    "granite-4.0-h-small": granite_4_0_h_small,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -311,3 +349,4 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
 ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b", "qwen3-next-80b-a3b"}
+ON_DEVICE |= {"granite-4.0-h-small"}

@@ -67,7 +67,7 @@ class Engine:
             )
         if is_encoder(hf_config):
             config.encoder_only()
-        if getattr(MODEL_TYPES[hf_config.model_type], "RECURRENT", False):
+        if getattr(MODEL_TYPES[hf_config.model_type], "recurrent", lambda _: False)(hf_config):
             config.recurrent_model()
         if config.pooling_type is None:
             config.pooling_type = pooling_type(model_dir, hf_config)

@@ -125,6 +125,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+        drawn += ("granitemoehybrid", "granitemoehybrid_dense")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -143,6 +144,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
                     elif kind.startswith("qwen3_") and name.endswith(QWEN3_5_DRAWN):
                         param.normal_(0.0, 0.5)  # (1 + weight) norms and the gated norm's
+                    elif kind.startswith("granitemoehybrid") and name.endswith(MAMBA2_DRAWN):
+                        param.normal_(0.0, 0.5)  # each head's own decay, step and skip
                     elif kind.startswith("gemma4") and name.endswith(GEMMA4_DRAWN):
                         param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
     else:
@@ -188,6 +191,27 @@ GEMMA4 = dict(
 )
 # Zeros and ones from transformers: drawn, so that each counts.
 QWEN3_5_DRAWN = ("norm.weight",)
+# Mamba-2's per-head parameters (transformers: A_log = log(1..heads), D and dt_bias ones)
+# and the norms (ones), drawn so that each head's and each dim's entry counts.
+MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
+# Granite 4.0-H: Mamba-2 mixers around an attention layer without position encoding;
+# 4 heads of 32 in one group (read whole by each tensor-parallel rank), a 16-wide state,
+# a conv bias; experts beside a shared MLP; Granite's four scalars.
+GRANITE_HYBRID = dict(
+    num_hidden_layers=3,
+    layer_types=["mamba", "attention", "mamba"],
+    mamba_n_heads=4,
+    mamba_d_head=32,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=48,
+    tie_word_embeddings=False,
+    **GRANITE_SCALARS,
+)
 # Ones from transformers: drawn, so that each counts (the router's scales, the MoE's).
 GEMMA4_DRAWN = ("norm.weight", "layer_scalar", "scale")
 # GLM-4.5's and dots.llm1's experts: a dense layer, then 8 experts in 2 groups, the best
@@ -833,6 +857,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
+        ),
+    ),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", GRANITE_HYBRID),
+    # The dense Granite 4.0 models (no experts: the shared MLP alone), here with rotary
+    # attention, projection biases and two groups (split across ranks).
+    "granitemoehybrid_dense": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        GRANITE_HYBRID
+        | dict(
+            num_local_experts=0,
+            position_embedding_type="rope",
+            mamba_proj_bias=True,
+            mamba_n_groups=2,
         ),
     ),
     # Qwen3-Next: the same layers, the DeltaNet's projections fused by key head

@@ -45,9 +45,11 @@ def causal_conv(
     state: torch.Tensor,  # [seqs, channels, kernel - 1]: the rows before them
     weight: torch.Tensor,  # [channels, kernel]
     lengths: torch.Tensor,  # [seqs] int64: each sequence's new rows
+    bias: torch.Tensor | None = None,  # [channels] (Mamba-2's)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [seqs, num_tokens, channels], new states)
     full = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=2)  # [seqs, ch, k - 1 + n]
-    out = F.conv1d(full, weight.to(full.dtype)[:, None], groups=weight.shape[0])
+    bias = None if bias is None else bias.to(full.dtype)
+    out = F.conv1d(full, weight.to(full.dtype)[:, None], bias, groups=weight.shape[0])
     # A sequence's new state: the kernel - 1 rows up to its last new one.
     last = lengths[:, None, None] + torch.arange(weight.shape[1] - 1, device=x.device)
     return F.silu(out).transpose(1, 2), full.gather(2, last.expand(*state.shape))
@@ -57,10 +59,12 @@ def conv_step(
     x: torch.Tensor,  # [rows, channels]: each row a sequence's one new row
     state: torch.Tensor,  # [rows, channels, kernel - 1]
     weight: torch.Tensor,  # [channels, kernel]
+    bias: torch.Tensor | None = None,  # [channels]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [rows, channels], the new states)
     full = torch.cat([state, x[:, :, None].to(state.dtype)], dim=2)  # [rows, channels, kernel]
     acc = torch.promote_types(full.dtype, torch.float32)  # summed in fp32 at least
-    return F.silu((full.to(acc) * weight.to(acc)).sum(-1)), full[:, :, 1:]
+    summed = (full.to(acc) * weight.to(acc)).sum(-1)
+    return F.silu(summed if bias is None else summed + bias.to(acc)), full[:, :, 1:]
 
 
 def chunked_rule(
@@ -106,18 +110,24 @@ def chunked_rule(
 
 
 class DepthwiseConv(nn.Module):
-    """The convolution's weights [channels, kernel]: this rank's rows of q, k and v, read
-    from the checkpoint's [channels, 1, kernel] by the same sections as the projection."""
+    """The convolution's weights [channels, kernel] (and bias, where it has one): this
+    rank's rows of q, k and v, read from the checkpoint's [channels, 1, kernel] by the
+    same sections as the projection."""
 
-    def __init__(self, sections: list[Section], kernel: int) -> None:
+    def __init__(self, sections: list[Section], kernel: int, bias: bool = False) -> None:
         super().__init__()
         self.sections = sections
-        self.weight = nn.Parameter(torch.empty(sum(s.local_size for s in sections), kernel))
+        channels = sum(s.local_size for s in sections)
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         size, kernel = self.sections[0].size, self.weight.shape[1]
         ranges = tuple(r for s in self.sections for r in s.ranges)
-        fill(self.weight.data, read(weight, [size, 1, kernel], ranges)[:, 0])
+        if leaf == "bias":
+            fill(self.bias.data, read(weight, [size], ranges))
+        else:
+            fill(self.weight.data, read(weight, [size, 1, kernel], ranges)[:, 0])
 
 
 def head_rows(heads: Section, dim: int, offset: int = 0) -> Ranges:

@@ -40,7 +40,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
         # multiplier goes into o_proj's and down_proj's weights (every rank's shard), so
         # the fused add + norm kernels take the outputs as they are.
         for layer in self.layers:
-            scale_rows_(layer.self_attn.o_proj, self.residual_multiplier)
+            mixer = layer.self_attn  # attention, or Granite 4.0-H's Mamba-2 mixer
+            out = mixer.out_proj if hasattr(mixer, "out_proj") else mixer.o_proj
+            scale_rows_(out, self.residual_multiplier)
             mlp = layer.mlp  # Granite MoE's experts hold their down projections in w2
             if getattr(mlp, "shared_mlp", None) is not None:  # beside them
                 scale_rows_(mlp.shared_mlp.down_proj, self.residual_multiplier)

@@ -138,9 +138,12 @@ def fill_rows(module: nn.Module, leaf: str, rows: slice, src: torch.Tensor) -> N
 
 
 def scale_rows_(linear: nn.Module, factor: float) -> None:
-    """linear's output rows times factor (its weight's, or its scales' once in e4m3)."""
+    """linear's output rows times factor (its weight's, or its scales' once in e4m3; and
+    its bias)."""
     fp8 = linear.weight.dtype == FP8_DTYPE
     (linear.weight_scale if fp8 else linear.weight).mul_(factor)
+    if getattr(linear, "bias", None) is not None:
+        linear.bias.mul_(factor)
 
 
 def permute_rows_(linear: nn.Module, rows: slice, order: torch.Tensor) -> None:

@@ -83,10 +83,13 @@ class GatedAttention(LlamaAttention):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    RECURRENT = True  # EngineConfig.recurrent_model
     FUSED: ClassVar[dict[str, tuple[str, int]]] = QWEN3_5_FUSED
     LORA_FUSED = None  # adapters on the DeltaNet's projections are not wired
     DELTA_NET: ClassVar[type[GatedDeltaNet]] = GatedDeltaNet
+
+    @staticmethod
+    def recurrent(config) -> bool:  # EngineConfig.recurrent_model
+        return True
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary = rotary_of(config)

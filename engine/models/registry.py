@@ -19,6 +19,7 @@ from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
+from engine.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from engine.models.granite_moe import (
     GraniteMoeForCausalLM,
     GraniteMoeSharedForCausalLM,
@@ -83,6 +84,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granitemoeshared": GraniteMoeSharedForCausalLM,
     "granite_swa": GraniteSWAForCausalLM,
     "granitemoe_swa": GraniteMoeSWAForCausalLM,
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,

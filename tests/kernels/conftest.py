@@ -48,6 +48,7 @@ JIT_MODULES = (
     "kernels.mla",
     "kernels.gated_delta",
     "kernels.delta_chunk_scan",
+    "kernels.mamba2_step",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -1,0 +1,230 @@
+"""Mamba-2's mixer (the state-space layers of IBM Granite 4.0-H), on the Gated DeltaNet's
+machinery (gated_delta.py): states by request slot, the same causal convolution, and the
+same scan over chunks.
+
+Each head h keeps a state S [d_state, head_dim]. With dt = softplus(dt_raw + dt_bias) and
+x, B, C from the convolution (B and C shared by the heads of a group), token t does
+
+    S <- exp(dt A_h) S + B_t (dt x_t)^T;   y_t = S^T C_t + D_h x_t
+
+which is the DeltaNet's rule without its delta term: keys B, values dt x, queries C,
+log decay dt A, nothing read back before a write. The output is normed with its gate,
+y silu(z), by groups of heads (`mamba_n_groups`), then projected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import SINGLE, TensorParallel
+from engine.models.gated_delta import CHUNK, DepthwiseConv, causal_conv, conv_step, head_rows
+from engine.models.layers import AttentionMetadata, RecurrentLayer
+from engine.models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Section,
+    WeightSlice,
+    read,
+    split,
+)
+from engine.models.weight_copy import fill
+from kernels.delta_chunk_scan import delta_chunk_scan_for
+from kernels.mamba2_step import mamba2_inputs, mamba2_step_for
+from kernels.paged_attention import dot_precision
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba-2 mixer's sizes and switches, under the config's names for them."""
+
+    heads: int
+    head_dim: int
+    state: int  # d_state: a head's keys and queries (B, C)
+    groups: int  # heads sharing one B and C, and one norm group
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    dt_limit: tuple[float, float]
+
+    @classmethod
+    def granite(cls, config) -> Mamba2Shape:
+        """Granite 4.0-H's (`mamba_*`)."""
+        limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        return cls(
+            config.mamba_n_heads,
+            config.mamba_d_head,
+            config.mamba_d_state,
+            config.mamba_n_groups,
+            config.mamba_d_conv,
+            config.mamba_conv_bias,
+            config.mamba_proj_bias,
+            (float(limit[0]), float(limit[1])),
+        )
+
+
+def chunked_linear_rule(
+    q: torch.Tensor,  # [..., num_tokens, k_dim] fp32
+    k: torch.Tensor,  # [..., num_tokens, k_dim]
+    v: torch.Tensor,  # [..., num_tokens, v_dim]
+    g: torch.Tensor,  # [..., num_tokens]: log decay, <= 0 (0 for padding, whose k, v are 0)
+    state: torch.Tensor,  # [..., k_dim, v_dim]: the state before the first token
+    precision: str = "ieee",
+) -> tuple[torch.Tensor, torch.Tensor]:  # (o [..., num_tokens, v_dim], the final state)
+    """S <- exp(g_t) S + k_t v_t^T; o_t = S^T q_t, CHUNK tokens at a time (Mamba-2's SSD
+    form), through the DeltaNet's scan: each chunk's writes are its values, and the
+    state before it takes nothing back (reads are zero)."""
+    *lead, n, _ = k.shape
+    pad = -n % CHUNK
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    chunks = (n + pad) // CHUNK
+    q, k, v = (t.view(*lead, chunks, CHUNK, -1) for t in (q, k, v))
+    decay = F.pad(g, (0, pad)).view(*lead, chunks, CHUNK).cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    scores = q @ k.transpose(-1, -2) * between
+    terms = (
+        v,
+        torch.zeros_like(k),
+        q * decay.exp()[..., None],
+        scores,
+        k * (decay[..., -1:] - decay).exp()[..., None],
+        decay[..., -1].exp(),
+        state,
+    )
+    flat = [t.reshape(-1, *t.shape[len(lead) :]) for t in terms]
+    out, state = delta_chunk_scan_for(q.device)(*flat, precision)
+    return out.view(*lead, -1, v.shape[-1])[..., :n, :], state.view(*lead, *state.shape[1:])
+
+
+class Mamba2Mixer(RecurrentLayer):
+    """in_proj gives z (the gate), x, B, C (convolved) and dt. Each rank holds a
+    contiguous share of the heads; groups split with them where they divide, and one
+    group (Granite 4.0-H's) is read whole by every rank, its norm summed across them."""
+
+    def __init__(self, config, shape: Mamba2Shape, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        h, p, n, g = shape.heads, shape.head_dim, shape.state, shape.groups
+        if h % g:
+            raise ValueError(f"{h} mamba heads are not a multiple of {g} groups")
+        if g % tp.size and g != 1:
+            raise ValueError(f"{g} mamba groups do not divide across {tp.size} ranks")
+        heads = split(h, tp, "mamba_n_heads")
+        groups = split(g, tp, "mamba_n_groups") if g % tp.size == 0 else Section(1, ((0, 1),))
+        inner, conv_dim = h * p, h * p + 2 * g * n
+        self.shape, self.tp = shape, tp
+        self.num_heads, self.num_groups = heads.local_size, groups.local_size
+        self.norm_shared = groups.local_size * tp.size != g  # one group over every rank
+        xbc = [
+            Section(conv_dim, head_rows(heads, p)),
+            Section(conv_dim, head_rows(groups, n, inner)),
+            Section(conv_dim, head_rows(groups, n, inner + g * n)),
+        ]
+        total = inner + conv_dim + h  # z, then x, B, C, then dt
+        proj = [Section(total, head_rows(heads, p))]
+        proj += [Section(total, tuple((a + inner, b + inner) for a, b in s.ranges)) for s in xbc]
+        proj.append(Section(total, head_rows(heads, 1, inner + conv_dim)))
+        self.in_proj = ColumnParallelLinear(config.hidden_size, proj, bias=shape.proj_bias)
+        self.sizes = [s.local_size for s in proj]
+        self.conv1d = DepthwiseConv(xbc, shape.conv_kernel, shape.conv_bias)
+        self.heads = heads
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm_weight = nn.Parameter(torch.empty(self.num_heads * p))
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(inner, config.hidden_size, shape.proj_bias, tp)
+        self.conv_state = self.ssm_state = torch.empty(0)  # by slot: see RecurrentLayer
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        channels, kernel = self.conv1d.weight.shape
+        shape = (self.num_heads, self.shape.state, self.shape.head_dim)
+        return {"conv_state": ((channels, kernel - 1), None), "ssm_state": (shape, torch.float32)}
+
+    def reorder_rotary_dims(self) -> None:
+        """No rotary: nothing to reorder (LlamaForCausalLM.load_weights asks each layer)."""
+
+    def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
+        """dt_bias, A_log, D (an entry a head) and the norm's weight (head_dim a head)."""
+        size = self.shape.head_dim if leaf == "norm_weight" else 1
+        rows = head_rows(self.heads, size)
+        fill(getattr(self, leaf).data, read(weight, [self.heads.size * size], rows))
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        z, xbc, dt = self.in_proj(x).split(
+            [self.sizes[0], sum(self.sizes[1:4]), self.sizes[4]], dim=-1
+        )
+        if meta.is_decode:
+            y = self.step_rows(xbc, dt, meta.state_slots, meta.seq_lens > 1)
+        else:
+            y = self.run_sequences(xbc, dt, meta)
+        return self.out_proj(self.gated_norm(y.to(x.dtype), z))
+
+    def step_rows(
+        self,
+        xbc: torch.Tensor,  # [rows, conv channels]
+        dt: torch.Tensor,  # [rows, heads]
+        slots: torch.Tensor,  # [rows] int64
+        has_state: torch.Tensor,  # [rows] bool: False for a one-token prompt (zero states)
+    ) -> torch.Tensor:  # [rows, heads, head_dim] fp32
+        """One token per row: each row's states read at its slot and written back."""
+        conv = self.conv_state[slots] * has_state[:, None, None]
+        conved, conv = conv_step(xbc, conv, self.conv1d.weight, self.conv1d.bias)
+        self.conv_state.index_copy_(0, slots, conv)
+        step = mamba2_step_for(xbc.device)
+        args = (self.A_log, self.dt_bias, self.D, self.ssm_state, slots, has_state)
+        return step(conved.to(xbc.dtype), dt, *args, self.shape.dt_limit)
+
+    def run_sequences(
+        self, xbc: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [tokens, heads, head_dim] fp32
+        """A step with prompts (eager): continuing sequences as decode rows, the rest
+        padded together to the longest (padding neither decays nor writes)."""
+        spans = meta.spans
+        shape = (len(xbc), self.num_heads, self.shape.head_dim)
+        out = torch.empty(shape, dtype=torch.float32, device=xbc.device)
+        if len(spans.single_rows):
+            rows, slots = spans.single_rows, spans.single_slots
+            has_state = torch.ones(len(rows), dtype=torch.bool, device=out.device)
+            out[rows] = self.step_rows(xbc[rows], dt[rows], slots, has_state)
+        if not len(spans.slots):
+            return out
+        rows, valid, slots, keep = spans.rows, spans.valid, spans.slots, spans.has_state
+        conv = self.conv_state[slots] * keep[:, None, None]
+        conved, conv = causal_conv(
+            xbc[rows], conv, self.conv1d.weight, spans.lengths, self.conv1d.bias
+        )
+        self.conv_state.index_copy_(0, slots, conv)
+        x, b, c, dt, log_decay = mamba2_inputs(  # [seqs, length, heads, ...], fp32
+            conved.to(xbc.dtype), dt[rows], self.A_log, self.dt_bias, self.shape.state,
+            self.shape.dt_limit, self.num_groups,
+        )  # fmt: skip
+        pad = ~valid[:, :, None]
+        dt, log_decay = dt.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+        v = dt[..., None] * x
+        q, k, v = (t.transpose(1, 2) for t in (c, b, v))  # [seqs, heads, length, ...]
+        state = self.ssm_state[slots] * keep[:, None, None, None]
+        o, state = chunked_linear_rule(
+            q, k, v, log_decay.transpose(1, 2), state, dot_precision(xbc.dtype)
+        )
+        self.ssm_state.index_copy_(0, slots, state)
+        o = o.transpose(1, 2) + self.D.float()[:, None] * x
+        out[rows[valid]] = o[valid]
+        return out
+
+    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it;
+        one group across ranks sums its squares across them."""
+        h = y.flatten(1).float() * F.silu(z.float())
+        if self.norm_shared:
+            squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            normed = h * torch.rsqrt(squares / (h.shape[-1] * self.tp.size) + self.eps)
+        else:
+            grouped = h.view(len(h), self.num_groups, -1)
+            normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm_weight * normed.view_as(h).to(y.dtype)

@@ -1,0 +1,174 @@
+"""One decode step of Mamba-2's rule (engine/models/mamba2.py) for every row at once, each
+row's state read and written in place at its slot.
+
+Each head's state S [d_state, head_dim] (fp32) decays by exp(dt A), takes B (dt x)^T and
+is read by C. In torch that is a gather of the rows' states, a few elementwise passes over
+them and a scatter back, and the states outweigh the weights a step reads (Granite
+4.0-H-Small: 36 layers of 128 heads of 128 x 64 fp32 is 151 MB a sequence). Here each
+program holds a slice of one row's head's state in registers: one read, one write; dt's
+softplus and clamp, and the D skip, in the same program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.pdl import launch_options, use_pdl, wait_previous
+
+
+def mamba2_inputs(
+    conved: torch.Tensor,  # [..., heads * head_dim + 2 * groups * d_state]: x, B, C
+    dt: torch.Tensor,  # [..., heads]: dt before its bias and softplus
+    a_log: torch.Tensor,  # [heads]
+    dt_bias: torch.Tensor,  # [heads]
+    d_state: int,
+    dt_limit: tuple[float, float],
+    groups: int,
+) -> tuple[torch.Tensor, ...]:
+    """x [..., heads, head_dim], B and C [..., heads, d_state] (each head its group's), fp32;
+    dt after its softplus and clamp, and the log decay dt A, [..., heads] fp32."""
+    heads = dt.shape[-1]
+    x, b, c = conved.float().split(
+        [conved.shape[-1] - 2 * groups * d_state] + [groups * d_state] * 2, dim=-1
+    )
+    b, c = (
+        t.unflatten(-1, (groups, d_state)).repeat_interleave(heads // groups, -2) for t in (b, c)
+    )
+    dt = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit)
+    return x.unflatten(-1, (heads, -1)), b, c, dt, dt * -a_log.float().exp()
+
+
+def mamba2_step_ref(
+    conved: torch.Tensor,  # [rows, heads * head_dim + 2 * groups * d_state]: x, B, C
+    dt: torch.Tensor,  # [rows, heads]: dt before its bias and softplus
+    a_log: torch.Tensor,  # [heads]
+    dt_bias: torch.Tensor,  # [heads]
+    d: torch.Tensor,  # [heads]: the skip's scale
+    state: torch.Tensor,  # [slots, heads, d_state, head_dim] fp32: updated in place
+    slots: torch.Tensor,  # [rows] int64: each row's state
+    has_state: torch.Tensor,  # [rows] bool: False starts the row from zeros
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:  # [rows, heads, head_dim] fp32
+    heads, n, p = state.shape[1:]
+    groups = (conved.shape[1] - heads * p) // (2 * n)
+    x, b, c, dt, log_decay = mamba2_inputs(conved, dt, a_log, dt_bias, n, dt_limit, groups)
+    s = state[slots] * has_state[:, None, None, None]
+    s = s * log_decay.exp()[..., None, None] + b[..., :, None] * (dt[..., None] * x)[..., None, :]
+    state.index_copy_(0, slots, s)
+    return (c[..., None, :] @ s).squeeze(-2) + d.float()[:, None] * x
+
+
+@triton.jit
+def _mamba2_step_kernel(
+    conved_ptr,
+    dt_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    d_ptr,
+    state_ptr,
+    slots_ptr,
+    has_state_ptr,
+    out_ptr,
+    stride_conved,
+    stride_dt,
+    num_heads,
+    b_offset,  # where B starts in a conved row (heads * HEAD_DIM)
+    c_offset,  # and C (B's plus groups * D_STATE)
+    dt_min,
+    dt_max,
+    PER_GROUP: tl.constexpr,  # heads that share a group's B and C
+    D_STATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program per (row, head, BLOCK_P of its head dims): the state's [D_STATE, BLOCK_P]
+    # slice in registers, B and C whole.
+    row, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + row)
+    keep = tl.load(has_state_ptr + row)
+    ns = tl.arange(0, D_STATE)
+    ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    state_at = state_ptr + (slot * num_heads + head) * D_STATE * HEAD_DIM
+    state_offs = ns[:, None] * HEAD_DIM + ps[None, :]
+    decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    skip = tl.load(d_ptr + head).to(tl.float32)
+    state = tl.load(state_at + state_offs) * (keep != 0).to(tl.float32)  # [D_STATE, BLOCK_P]
+    wait_previous(PDL)
+    group = head // PER_GROUP
+    row_at = conved_ptr + row * stride_conved
+    x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
+    b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
+    c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
+    # softplus(dt + dt_bias), as torch's: linear above 20; then the config's clamp.
+    t = tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias
+    dt = tl.where(t > 20.0, t, tl.log(1.0 + tl.exp(tl.minimum(t, 20.0))))
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
+    out = tl.sum(state * c[:, None], axis=0) + skip * x
+    tl.store(out_ptr + (row * num_heads + head) * HEAD_DIM + ps, out)
+    tl.store(state_at + state_offs, state)
+
+
+def mamba2_step(
+    conved: torch.Tensor,
+    dt: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:
+    """Triton version of `mamba2_step_ref` (the reference where d_state or head_dim is not
+    a power of two)."""
+    rows, heads = dt.shape
+    _, _, n, p = state.shape
+    if n & (n - 1) or p & (p - 1):
+        return mamba2_step_ref(conved, dt, a_log, dt_bias, d, state, slots, has_state, dt_limit)
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    assert conved.stride(1) == 1 and dt.stride(1) == 1
+    out = torch.empty(rows, heads, p, dtype=torch.float32, device=conved.device)
+    if rows == 0:
+        return out
+    groups = (conved.shape[1] - heads * p) // (2 * n)
+    block_p = min(p, 32)  # a [d_state, 32] fp32 tile, as the DeltaNet's step holds
+    pdl = use_pdl(conved.device)
+    _mamba2_step_kernel[(rows, heads, p // block_p)](
+        conved,
+        dt,
+        a_log,
+        dt_bias,
+        d,
+        state,
+        slots,
+        has_state,
+        out,
+        conved.stride(0),
+        dt.stride(0),
+        heads,
+        heads * p,
+        heads * p + groups * n,
+        dt_limit[0],
+        dt_limit[1],
+        PER_GROUP=heads // groups,
+        D_STATE=n,
+        HEAD_DIM=p,
+        BLOCK_P=block_p,
+        PDL=pdl,
+        num_warps=4,
+        **launch_options(pdl),
+    )
+    return out
+
+
+def mamba2_step_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The step the model uses on `device`: Triton on CUDA, the reference elsewhere."""
+    return mamba2_step if device.type == "cuda" else mamba2_step_ref
