@@ -54,7 +54,7 @@ from benchmarks.provenance import git_commit, write_result
 from benchmarks.shapes import CONFIGS as SHAPES
 from engine import LLM, SamplingParams
 from engine.models import experts
-from engine.models.layers import AttentionMetadata
+from engine.models.layers import AttentionMetadata, SequenceSpans
 from engine.models.quantization import Fp8Linear
 from kernels.fp8 import (
     Fp8Rows,
@@ -196,6 +196,9 @@ def last_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:  # [num_pro
             max_query_len=n,
             is_decode=False,
         )
+        if engine.runner.state_layers:  # recurrent layers: slot 0's states, started afresh
+            meta.state_slots = torch.zeros(1, dtype=torch.int64, device=device)
+            meta.spans = SequenceSpans.of(meta)
         input_ids = torch.tensor(ids, device=device)
         hidden = engine.model(input_ids, torch.arange(n, device=device), meta)
         rows.append(engine.model.compute_logits(hidden[-1:]).float().cpu())
