@@ -185,3 +185,14 @@ def test_fp8_latent_cache_mostly_agrees_with_bf16(tiny_family_dir, kind: str) ->
     fp8, agreement = _fp8_against_bf16(tiny_family_dir(kind), graphs=True)
     assert fp8.engine.runner.attn_layers[0].KV_TENSORS == 1
     assert agreement >= MIN_MOE_AGREEMENT, agreement
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "granitemoehybrid"])
+def test_fp8_recurrent_models_mostly_agree_with_bf16(tiny_family_dir, kind: str) -> None:
+    """FP8 projections out of the Gated DeltaNet and Mamba-2 mixers (their states stay
+    fp32), FP8 experts and cache; decode steps replayed from graphs."""
+    fp8, agreement = _fp8_against_bf16(tiny_family_dir(kind), graphs=True)
+    mixer = fp8.engine.model.layers[0].self_attn
+    assert isinstance(mixer.out_proj, Fp8Linear)
+    assert mixer.state_shapes()
+    assert agreement >= MIN_MOE_AGREEMENT, agreement
