@@ -11,7 +11,8 @@ transform: a unit-triangular system over the chunk), so the scan is over chunks,
 tokens (kernels/delta_chunk_scan.py).
 
 q, k and v come from a causal depthwise convolution over the last `kernel` tokens' input
-rows (`causal_conv`); a sequence's last kernel - 1 rows are its conv state. Both states
+rows (`causal_conv`; a decode row's step: kernels/conv_step.py); a sequence's last
+kernel - 1 rows are its conv state. Both states
 live by request slot (`RecurrentLayer`), in fp32 for the rule's state as transformers keeps it.
 """
 
@@ -33,8 +34,10 @@ from engine.models.parallel import (
     split,
 )
 from engine.models.weight_copy import fill
+from kernels.conv_step import conv_step_at_slots_for
 from kernels.delta_chunk_scan import delta_chunk_scan_for
 from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for
+from kernels.gated_norm import gated_rms_norm_for
 from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
@@ -53,18 +56,6 @@ def causal_conv(
     # A sequence's new state: the kernel - 1 rows up to its last new one.
     last = lengths[:, None, None] + torch.arange(weight.shape[1] - 1, device=x.device)
     return F.silu(out).transpose(1, 2), full.gather(2, last.expand(*state.shape))
-
-
-def conv_step(
-    x: torch.Tensor,  # [rows, channels]: each row a sequence's one new row
-    state: torch.Tensor,  # [rows, channels, kernel - 1]
-    weight: torch.Tensor,  # [channels, kernel]
-    bias: torch.Tensor | None = None,  # [channels]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [rows, channels], the new states)
-    full = torch.cat([state, x[:, :, None].to(state.dtype)], dim=2)  # [rows, channels, kernel]
-    acc = torch.promote_types(full.dtype, torch.float32)  # summed in fp32 at least
-    summed = (full.to(acc) * weight.to(acc)).sum(-1)
-    return F.silu(summed if bias is None else summed + bias.to(acc)), full[:, :, 1:]
 
 
 def chunked_rule(
@@ -215,8 +206,9 @@ class GatedDeltaNet(RecurrentLayer):
             out = self.step_rows(mixed, a, b, meta.state_slots, meta.seq_lens > 1)
         else:
             out = self.run_sequences(mixed, a, b, meta)
-        normed = gated_rms_norm(out.to(x.dtype), z.view_as(out), self.norm_weight, self.eps)
-        return self.out_proj(normed.view(len(x), -1))
+        norm = gated_rms_norm_for(x.device)  # over each head: normalized, then gated
+        normed = norm(out.to(x.dtype).flatten(1), z, self.norm_weight, self.eps, self.v_dim, True)
+        return self.out_proj(normed)
 
     def step_rows(
         self,
@@ -227,12 +219,11 @@ class GatedDeltaNet(RecurrentLayer):
         has_state: torch.Tensor,  # [rows] bool: False for a one-token prompt (zero states)
     ) -> torch.Tensor:  # [rows, value heads, v_dim] fp32
         """One token per row: each row's states read at its slot and written back."""
-        conv = self.conv_state[slots] * has_state[:, None, None]
-        conved, conv = conv_step(mixed, conv, self.conv1d.weight)
-        self.conv_state.index_copy_(0, slots, conv)
+        conv = conv_step_at_slots_for(mixed.device)
+        conved = conv(mixed, self.conv_state, slots, has_state, self.conv1d.weight, None)
         step = gated_delta_step_for(mixed.device)
         args = (self.A_log, self.dt_bias, self.rule_state, slots, has_state, self.num_k_heads)
-        return step(conved.to(mixed.dtype), a, b, *args)
+        return step(conved, a, b, *args)
 
     def run_sequences(
         self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata
@@ -267,18 +258,6 @@ class GatedDeltaNet(RecurrentLayer):
         self.rule_state.index_copy_(0, slots, state)
         out[rows[valid]] = o.transpose(1, 2)[valid]
         return out
-
-
-def gated_rms_norm(
-    x: torch.Tensor,  # [tokens, heads, dim] in the model dtype
-    gate: torch.Tensor,  # the same shape
-    weight: torch.Tensor,  # [dim]
-    eps: float,
-) -> torch.Tensor:
-    """weight * rms_norm(x) * silu(gate), as transformers' gated norm rounds it."""
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):

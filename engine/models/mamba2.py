@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.gated_delta import CHUNK, DepthwiseConv, causal_conv, conv_step, head_rows
+from engine.models.gated_delta import CHUNK, DepthwiseConv, causal_conv, head_rows
 from engine.models.layers import AttentionMetadata, RecurrentLayer
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -32,7 +32,9 @@ from engine.models.parallel import (
     split,
 )
 from engine.models.weight_copy import fill
+from kernels.conv_step import conv_step_at_slots_for
 from kernels.delta_chunk_scan import delta_chunk_scan_for
+from kernels.gated_norm import gated_rms_norm_for
 from kernels.mamba2_step import mamba2_inputs, mamba2_step_for
 from kernels.paged_attention import dot_precision
 
@@ -173,12 +175,11 @@ class Mamba2Mixer(RecurrentLayer):
         has_state: torch.Tensor,  # [rows] bool: False for a one-token prompt (zero states)
     ) -> torch.Tensor:  # [rows, heads, head_dim] fp32
         """One token per row: each row's states read at its slot and written back."""
-        conv = self.conv_state[slots] * has_state[:, None, None]
-        conved, conv = conv_step(xbc, conv, self.conv1d.weight, self.conv1d.bias)
-        self.conv_state.index_copy_(0, slots, conv)
+        conv = conv_step_at_slots_for(xbc.device)
+        conved = conv(xbc, self.conv_state, slots, has_state, self.conv1d.weight, self.conv1d.bias)
         step = mamba2_step_for(xbc.device)
         args = (self.A_log, self.dt_bias, self.D, self.ssm_state, slots, has_state)
-        return step(conved.to(xbc.dtype), dt, *args, self.shape.dt_limit)
+        return step(conved, dt, *args, self.shape.dt_limit)
 
     def run_sequences(
         self, xbc: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata
@@ -220,11 +221,11 @@ class Mamba2Mixer(RecurrentLayer):
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it;
         one group across ranks sums its squares across them."""
-        h = y.flatten(1).float() * F.silu(z.float())
-        if self.norm_shared:
-            squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
-            normed = h * torch.rsqrt(squares / (h.shape[-1] * self.tp.size) + self.eps)
-        else:
-            grouped = h.view(len(h), self.num_groups, -1)
-            normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm_weight * normed.view_as(h).to(y.dtype)
+        y = y.flatten(1)
+        if not self.norm_shared:
+            group = y.shape[1] // self.num_groups
+            return gated_rms_norm_for(y.device)(y, z, self.norm_weight, self.eps, group, False)
+        h = y.float() * F.silu(z.float())
+        squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
+        normed = h * torch.rsqrt(squares / (h.shape[-1] * self.tp.size) + self.eps)
+        return self.norm_weight * normed.to(y.dtype)

@@ -8,13 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.models.gated_delta import (
-    CHUNK,
-    causal_conv,
-    chunked_rule,
-    conv_step,
-)
+from engine.models.gated_delta import CHUNK, causal_conv, chunked_rule
 from engine.models.loader import load_tokenizer
+from kernels.conv_step import conv_step
 from kernels.gated_delta import l2_normalize, recurrent_step
 from tests.conftest import PROMPTS, hf_greedy
 

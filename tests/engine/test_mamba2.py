@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import TensorParallel
-from engine.models.gated_delta import CHUNK, causal_conv, conv_step
+from engine.models.gated_delta import CHUNK, causal_conv
 from engine.models.mamba2 import Mamba2Mixer, Mamba2Shape, chunked_linear_rule
+from kernels.conv_step import conv_step
 
 
 @pytest.mark.parametrize("tokens", [1, 5, CHUNK, 2 * CHUNK + 22])

@@ -49,6 +49,8 @@ JIT_MODULES = (
     "kernels.gated_delta",
     "kernels.delta_chunk_scan",
     "kernels.mamba2_step",
+    "kernels.conv_step",
+    "kernels.gated_norm",
 )
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
