@@ -244,6 +244,34 @@ def granite_4_0_h_small():
     )
 
 
+def nemotron_h_8b():
+    """Nemotron-H-8B's shape as we know its published config (no hub here to check it
+    against): 52 blocks by the pattern below (24 Mamba-2 mixers of 128 heads of 64, a
+    128-wide state in 8 groups; 4 attention blocks, GQA 32/8, no position encoding; 24
+    relu^2 MLPs of 21504), 4096 hidden, a 131072-token vocabulary."""
+    from transformers import NemotronHConfig
+
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    return NemotronHConfig(
+        vocab_size=131072,
+        hidden_size=4096,
+        intermediate_size=21504,
+        layers_block_type=[kinds[c] for c in pattern],
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        conv_kernel=4,
+        max_position_embeddings=8192,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -341,6 +369,7 @@ CONFIGS = {
     "qwen3.5-27b": qwen3_5_27b,
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "granite-4.0-h-small": granite_4_0_h_small,
+    "nemotron-h-8b": nemotron_h_8b,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -349,4 +378,4 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
 ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b", "qwen3-next-80b-a3b"}
-ON_DEVICE |= {"granite-4.0-h-small"}
+ON_DEVICE |= {"granite-4.0-h-small", "nemotron-h-8b"}

@@ -125,7 +125,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("helium", "apertus", "hunyuan_v1_dense", "hunyuan_v1_moe", "stablelm")
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
-        drawn += ("granitemoehybrid", "granitemoehybrid_dense")
+        drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -144,7 +144,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
                     elif kind.startswith("qwen3_") and name.endswith(QWEN3_5_DRAWN):
                         param.normal_(0.0, 0.5)  # (1 + weight) norms and the gated norm's
-                    elif kind.startswith("granitemoehybrid") and name.endswith(MAMBA2_DRAWN):
+                    elif kind.startswith(MAMBA2_FAMILIES) and name.endswith(MAMBA2_DRAWN):
                         param.normal_(0.0, 0.5)  # each head's own decay, step and skip
                     elif kind.startswith("gemma4") and name.endswith(GEMMA4_DRAWN):
                         param.normal_(1.0, 0.5)  # weights as they are (not 1 + weight)
@@ -194,6 +194,7 @@ QWEN3_5_DRAWN = ("norm.weight",)
 # Mamba-2's per-head parameters (transformers: A_log = log(1..heads), D and dt_bias ones)
 # and the norms (ones), drawn so that each head's and each dim's entry counts.
 MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
+MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h")
 # Granite 4.0-H: Mamba-2 mixers around an attention layer without position encoding;
 # 4 heads of 32 in one group (read whole by each tensor-parallel rank), a 16-wide state,
 # a conv bias; experts beside a shared MLP; Granite's four scalars.
@@ -871,6 +872,31 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             position_embedding_type="rope",
             mamba_proj_bias=True,
             mamba_n_groups=2,
+        ),
+    ),
+    # Nemotron-H: one normed mixer a block (Mamba-2, attention without position encoding,
+    # an ungated relu^2 MLP with biases); 4 heads of 32 in two groups; projection biases.
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            num_hidden_layers=5,
+            layers_block_type=[
+                "linear_attention",
+                "mlp",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+            ],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=32,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            use_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
         ),
     ),
     # Qwen3-Next: the same layers, the DeltaNet's projections fused by key head

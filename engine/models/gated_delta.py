@@ -184,9 +184,6 @@ class GatedDeltaNet(RecurrentLayer):
             "rule_state": ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
         }
 
-    def reorder_rotary_dims(self) -> None:
-        """No rotary: nothing to reorder (LlamaForCausalLM.load_weights asks each layer)."""
-
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         """dt_bias, A_log and the gated norm's weight (this rank's value heads' entries;
         the norm's are the same for every head)."""

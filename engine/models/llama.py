@@ -340,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
             sections = len(self.get_submodule(ours.rpartition(".")[0]).sections)
             if all(f"{ours}#{i}" in loaded for i in range(sections)):
                 loaded.add(ours)
-        for layer in self.layers:
-            layer.self_attn.reorder_rotary_dims()
+        for module in self.modules():  # each attention: rows in the kernels' rotary order
+            if module is not self and hasattr(module, "reorder_rotary_dims"):
+                module.reorder_rotary_dims()
         return loaded

@@ -51,6 +51,7 @@ class Mamba2Shape:
     conv_bias: bool
     proj_bias: bool
     dt_limit: tuple[float, float]
+    eps: float  # the gated norm's
 
     @classmethod
     def granite(cls, config) -> Mamba2Shape:
@@ -65,6 +66,22 @@ class Mamba2Shape:
             config.mamba_conv_bias,
             config.mamba_proj_bias,
             (float(limit[0]), float(limit[1])),
+            config.rms_norm_eps,
+        )
+
+    @classmethod
+    def nemotron_h(cls, config) -> Mamba2Shape:
+        """Nemotron-H's (its dt clamped from time_step_min up, as transformers clamps it)."""
+        return cls(
+            config.mamba_num_heads,
+            config.mamba_head_dim,
+            config.ssm_state_size,
+            config.n_groups,
+            config.conv_kernel,
+            config.use_conv_bias,
+            config.use_bias,
+            (float(config.time_step_min), float("inf")),
+            config.layer_norm_epsilon,
         )
 
 
@@ -137,7 +154,7 @@ class Mamba2Mixer(RecurrentLayer):
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm_weight = nn.Parameter(torch.empty(self.num_heads * p))
-        self.eps = config.rms_norm_eps
+        self.eps = shape.eps
         self.out_proj = RowParallelLinear(inner, config.hidden_size, shape.proj_bias, tp)
         self.conv_state = self.ssm_state = torch.empty(0)  # by slot: see RecurrentLayer
 
@@ -145,9 +162,6 @@ class Mamba2Mixer(RecurrentLayer):
         channels, kernel = self.conv1d.weight.shape
         shape = (self.num_heads, self.shape.state, self.shape.head_dim)
         return {"conv_state": ((channels, kernel - 1), None), "ssm_state": (shape, torch.float32)}
-
-    def reorder_rotary_dims(self) -> None:
-        """No rotary: nothing to reorder (LlamaForCausalLM.load_weights asks each layer)."""
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:
         """dt_bias, A_log, D (an entry a head) and the norm's weight (head_dim a head)."""

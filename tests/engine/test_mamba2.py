@@ -56,7 +56,7 @@ def test_convolution_bias_by_step_and_whole_as_transformers():
 
 def mixer_config(groups: int) -> tuple[SimpleNamespace, Mamba2Shape]:
     config = SimpleNamespace(hidden_size=32, rms_norm_eps=1e-6)
-    return config, Mamba2Shape(6, 8, 4, groups, 4, True, False, (0.0, float("inf")))
+    return config, Mamba2Shape(6, 8, 4, groups, 4, True, False, (0.0, float("inf")), 1e-6)
 
 
 def test_groups_that_do_not_split_across_ranks_are_refused():
@@ -85,3 +85,18 @@ def test_granite_4_is_recurrent_only_with_mixers():
     hybrid = GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["mamba", "attention"])
     dense = GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["attention", "attention"])
     assert model.recurrent(hybrid) and not model.recurrent(dense)
+
+
+def test_nemotron_h_refuses_what_it_does_not_serve():
+    """Nemotron 3's MoE blocks, and activations other than relu^2 and SiLU, by name."""
+    from transformers import NemotronHConfig
+
+    from engine.models.nemotron_h import NemotronHForCausalLM
+
+    moe = NemotronHConfig(layers_block_type=["linear_attention", "moe"])
+    with pytest.raises(ValueError, match=r"MoE blocks \(Nemotron 3\) are not supported"):
+        NemotronHForCausalLM.check_config(moe)
+    gelu = NemotronHConfig(layers_block_type=["linear_attention", "mlp"], mlp_hidden_act="gelu")
+    with pytest.raises(ValueError, match="unsupported mlp_hidden_act 'gelu'"):
+        NemotronHForCausalLM.check_config(gelu)
+    NemotronHForCausalLM.check_config(NemotronHConfig(layers_block_type=["full_attention", "mlp"]))
