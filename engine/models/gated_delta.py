@@ -63,31 +63,35 @@ def chunked_rule(
     k: torch.Tensor,  # [..., num_tokens, k_dim]: l2-normed
     v: torch.Tensor,  # [..., num_tokens, v_dim]
     g: torch.Tensor,  # [..., num_tokens]: log decay, <= 0
-    beta: torch.Tensor,  # [..., num_tokens]
+    beta: torch.Tensor | None,  # [..., num_tokens]; None: no delta term (Mamba-2's rule)
     state: torch.Tensor,  # [..., k_dim, v_dim]: the state before the first token
     precision: str = "ieee",  # the scan's dots (delta_chunk_scan): "tf32" for a 16-bit model
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (o [..., num_tokens, v_dim], the final state)
     """The recurrence over tokens, CHUNK at a time, for each of the leading dims
     (sequences, heads). Within a chunk, with G_i the decay summed up to token i, the
     writes u solve (I + A) u = beta (v - ...) where A[i, j] = beta_i exp(G_i - G_j) k_i . k_j
-    below the diagonal. A token with g = beta = 0 (padding) changes nothing."""
+    below the diagonal. A token with g = beta = 0 (padding) changes nothing. Without beta,
+    the rule is S <- exp(g) S + k v^T (Mamba-2's SSD form): the writes are the values and
+    the state before a chunk takes nothing back."""
     *lead, n, _ = k.shape
     pad = -n % CHUNK
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
     chunks = (n + pad) // CHUNK
     q, k, v = (t.view(*lead, chunks, CHUNK, -1) for t in (q, k, v))
-    decay = g.view(*lead, chunks, CHUNK).cumsum(-1)  # G_i
-    beta = beta.view(*lead, chunks, CHUNK, 1)
+    decay = F.pad(g, (0, pad)).view(*lead, chunks, CHUNK).cumsum(-1)  # G_i
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     # exp(G_i - G_j) for j <= i, else 0 (masked before exp: the difference may overflow).
     between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    system = (beta * k) @ k.transpose(-1, -2) * between  # its diagonal is ignored: unit
-    writes = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
-    # What the state before the chunk contributes to each write, through the same solve.
-    reads = torch.linalg.solve_triangular(
-        system, beta * k * decay.exp()[..., None], upper=False, unitriangular=True
-    )
+    if beta is None:
+        writes, reads = v, torch.zeros_like(k)
+    else:
+        beta = F.pad(beta, (0, pad)).view(*lead, chunks, CHUNK, 1)
+        system = (beta * k) @ k.transpose(-1, -2) * between  # its diagonal is ignored: unit
+        writes = torch.linalg.solve_triangular(system, beta * v, upper=False, unitriangular=True)
+        # What the state before the chunk contributes to each write, through the same solve.
+        reads = torch.linalg.solve_triangular(
+            system, beta * k * decay.exp()[..., None], upper=False, unitriangular=True
+        )
     scores = q @ k.transpose(-1, -2) * between  # within the chunk, causal
     q_decayed = q * decay.exp()[..., None]
     # Each key's decay from its token to the chunk's end, as the state carries it on.

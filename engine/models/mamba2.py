@@ -1,6 +1,6 @@
-"""Mamba-2's mixer (the state-space layers of IBM Granite 4.0-H), on the Gated DeltaNet's
-machinery (gated_delta.py): states by request slot, the same causal convolution, and the
-same scan over chunks.
+"""Mamba-2's mixer (the state-space layers of IBM Granite 4.0-H and NVIDIA Nemotron-H), on
+the Gated DeltaNet's machinery (gated_delta.py): states by request slot, the same causal
+convolution, and the same chunked form and scan over chunks.
 
 Each head h keeps a state S [d_state, head_dim]. With dt = softplus(dt_raw + dt_bias) and
 x, B, C from the convolution (B and C shared by the heads of a group), token t does
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.gated_delta import CHUNK, DepthwiseConv, causal_conv, head_rows
+from engine.models.gated_delta import DepthwiseConv, causal_conv, chunked_rule, head_rows
 from engine.models.layers import AttentionMetadata, RecurrentLayer
 from engine.models.parallel import (
     ColumnParallelLinear,
@@ -33,7 +33,6 @@ from engine.models.parallel import (
 )
 from engine.models.weight_copy import fill
 from kernels.conv_step import conv_step_at_slots_for
-from kernels.delta_chunk_scan import delta_chunk_scan_for
 from kernels.gated_norm import gated_rms_norm_for
 from kernels.mamba2_step import mamba2_inputs, mamba2_step_for
 from kernels.paged_attention import dot_precision
@@ -83,40 +82,6 @@ class Mamba2Shape:
             (float(config.time_step_min), float("inf")),
             config.layer_norm_epsilon,
         )
-
-
-def chunked_linear_rule(
-    q: torch.Tensor,  # [..., num_tokens, k_dim] fp32
-    k: torch.Tensor,  # [..., num_tokens, k_dim]
-    v: torch.Tensor,  # [..., num_tokens, v_dim]
-    g: torch.Tensor,  # [..., num_tokens]: log decay, <= 0 (0 for padding, whose k, v are 0)
-    state: torch.Tensor,  # [..., k_dim, v_dim]: the state before the first token
-    precision: str = "ieee",
-) -> tuple[torch.Tensor, torch.Tensor]:  # (o [..., num_tokens, v_dim], the final state)
-    """S <- exp(g_t) S + k_t v_t^T; o_t = S^T q_t, CHUNK tokens at a time (Mamba-2's SSD
-    form), through the DeltaNet's scan: each chunk's writes are its values, and the
-    state before it takes nothing back (reads are zero)."""
-    *lead, n, _ = k.shape
-    pad = -n % CHUNK
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    chunks = (n + pad) // CHUNK
-    q, k, v = (t.view(*lead, chunks, CHUNK, -1) for t in (q, k, v))
-    decay = F.pad(g, (0, pad)).view(*lead, chunks, CHUNK).cumsum(-1)
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    scores = q @ k.transpose(-1, -2) * between
-    terms = (
-        v,
-        torch.zeros_like(k),
-        q * decay.exp()[..., None],
-        scores,
-        k * (decay[..., -1:] - decay).exp()[..., None],
-        decay[..., -1].exp(),
-        state,
-    )
-    flat = [t.reshape(-1, *t.shape[len(lead) :]) for t in terms]
-    out, state = delta_chunk_scan_for(q.device)(*flat, precision)
-    return out.view(*lead, -1, v.shape[-1])[..., :n, :], state.view(*lead, *state.shape[1:])
 
 
 class Mamba2Mixer(RecurrentLayer):
@@ -224,8 +189,8 @@ class Mamba2Mixer(RecurrentLayer):
         v = dt[..., None] * x
         q, k, v = (t.transpose(1, 2) for t in (c, b, v))  # [seqs, heads, length, ...]
         state = self.ssm_state[slots] * keep[:, None, None, None]
-        o, state = chunked_linear_rule(
-            q, k, v, log_decay.transpose(1, 2), state, dot_precision(xbc.dtype)
+        o, state = chunked_rule(
+            q, k, v, log_decay.transpose(1, 2), None, state, dot_precision(xbc.dtype)
         )
         self.ssm_state.index_copy_(0, slots, state)
         o = o.transpose(1, 2) + self.D.float()[:, None] * x

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import TensorParallel
-from engine.models.gated_delta import CHUNK, causal_conv
-from engine.models.mamba2 import Mamba2Mixer, Mamba2Shape, chunked_linear_rule
+from engine.models.gated_delta import CHUNK, causal_conv, chunked_rule
+from engine.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from kernels.conv_step import conv_step
 
 
@@ -25,7 +25,7 @@ def test_chunks_equal_the_recurrence_token_by_token(tokens):
     v = torch.randn(heads, tokens, v_dim, **f64)
     g = -torch.rand(heads, tokens, **f64)
     state = torch.randn(heads, k_dim, v_dim, **f64)
-    out, final = chunked_linear_rule(q, k, v, g, state)
+    out, final = chunked_rule(q, k, v, g, None, state)
     s, want = state, []
     for t in range(tokens):
         s = s * g[:, t, None, None].exp() + k[:, t, :, None] * v[:, t, None, :]
