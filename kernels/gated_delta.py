@@ -84,6 +84,27 @@ def gated_delta_step_ref(
 
 
 @triton.jit
+def softplus(t):
+    """torch's softplus: linear above 20."""
+    return tl.where(t > 20.0, t, tl.log(1.0 + tl.exp(tl.minimum(t, 20.0))))
+
+
+@triton.jit
+def slot_state_slice(
+    state_ptr, slots_ptr, has_state_ptr, row, head, num_heads, block,
+    ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A row's head's state [ROWS, COLS] (fp32, at the row's slot), columns `block` *
+    BLOCK on: (the slice, zeros for a row without state; its pointers; its columns)."""
+    slot = tl.load(slots_ptr + row)
+    keep = (tl.load(has_state_ptr + row) != 0).to(tl.float32)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    at = state_ptr + (slot * num_heads + head) * ROWS * COLS
+    ptrs = at + tl.arange(0, ROWS)[:, None] * COLS + cols[None, :]
+    return tl.load(ptrs) * keep, ptrs, cols
+
+
+@triton.jit
 def _gated_delta_step_kernel(
     conved_ptr,
     a_ptr,
@@ -108,15 +129,12 @@ def _gated_delta_step_kernel(
     # One program per (row, value head, BLOCK_V of its value dims): the state's
     # [K_DIM, BLOCK_V] slice in registers, its q and k rows whole.
     row, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + row)
-    keep = tl.load(has_state_ptr + row)
     ks = tl.arange(0, K_DIM)
-    vs = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    state_at = state_ptr + (slot * num_v_heads + head) * K_DIM * V_DIM
-    state_offs = ks[:, None] * V_DIM + vs[None, :]
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
-    state = tl.load(state_at + state_offs) * (keep != 0).to(tl.float32)  # [K_DIM, BLOCK_V]
+    state, state_ptrs, vs = slot_state_slice(
+        state_ptr, slots_ptr, has_state_ptr, row, head, num_v_heads, vb, K_DIM, V_DIM, BLOCK_V
+    )
     wait_previous(PDL)
     key_head = head // REPEAT
     x = conved_ptr + row * stride_conved
@@ -127,16 +145,13 @@ def _gated_delta_step_kernel(
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     a = tl.load(a_ptr + row * stride_ab + head).to(tl.float32)
     b = tl.load(b_ptr + row * stride_ab + head).to(tl.float32)
-    # softplus(a + dt_bias), as torch's: linear above 20.
-    t = a + dt_bias
-    softplus = tl.where(t > 20.0, t, tl.log(1.0 + tl.exp(tl.minimum(t, 20.0))))
     beta = 1.0 / (1.0 + tl.exp(-b))
-    state = state * tl.exp(decay_log * softplus)
+    state = state * tl.exp(decay_log * softplus(a + dt_bias))
     predicted = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
     state = state + k[:, None] * ((v - predicted) * beta)[None, :]
     out = tl.sum(state * q[:, None], axis=0)
     tl.store(out_ptr + (row * num_v_heads + head) * V_DIM + vs, out)
-    tl.store(state_at + state_offs, state)
+    tl.store(state_ptrs, state)
 
 
 def gated_delta_step(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.gated_delta import slot_state_slice, softplus
 from kernels.pdl import launch_options, use_pdl, wait_previous
 
 
@@ -90,30 +91,25 @@ def _mamba2_step_kernel(
     # One program per (row, head, BLOCK_P of its head dims): the state's [D_STATE, BLOCK_P]
     # slice in registers, B and C whole.
     row, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + row)
-    keep = tl.load(has_state_ptr + row)
     ns = tl.arange(0, D_STATE)
-    ps = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    state_at = state_ptr + (slot * num_heads + head) * D_STATE * HEAD_DIM
-    state_offs = ns[:, None] * HEAD_DIM + ps[None, :]
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     skip = tl.load(d_ptr + head).to(tl.float32)
-    state = tl.load(state_at + state_offs) * (keep != 0).to(tl.float32)  # [D_STATE, BLOCK_P]
+    state, state_ptrs, ps = slot_state_slice(
+        state_ptr, slots_ptr, has_state_ptr, row, head, num_heads, pb, D_STATE, HEAD_DIM, BLOCK_P
+    )
     wait_previous(PDL)
     group = head // PER_GROUP
     row_at = conved_ptr + row * stride_conved
     x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
     b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
     c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
-    # softplus(dt + dt_bias), as torch's: linear above 20; then the config's clamp.
-    t = tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias
-    dt = tl.where(t > 20.0, t, tl.log(1.0 + tl.exp(tl.minimum(t, 20.0))))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    dt = softplus(tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)  # the config's clamp
     state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
     out = tl.sum(state * c[:, None], axis=0) + skip * x
     tl.store(out_ptr + (row * num_heads + head) * HEAD_DIM + ps, out)
-    tl.store(state_at + state_offs, state)
+    tl.store(state_ptrs, state)
 
 
 def mamba2_step(

@@ -14,20 +14,17 @@ from torch import nn
 
 from engine.models.granite_moe import GraniteMoeSharedForCausalLM
 from engine.models.llama import FUSED, LlamaDecoderLayer, LlamaMLP
-from engine.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from engine.models.mamba2 import IN_PROJ_FUSED, Mamba2Mixer, Mamba2Shape, split_in_proj
 from engine.models.parallel import WeightSlice
 from engine.models.rope import rotary_of
 
-# The mixer sits where attention does; in_proj's one tensor fills its five sections.
+# The mixer sits where attention does.
 MIXER_RENAMES = {".mamba.": ".self_attn.", ".self_attn.norm.weight": ".self_attn.norm_weight"}
-IN_PROJ = ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt")
 MIXER_LAYERS = ("mamba", "linear_attention")  # as published, as transformers 5 names them
 
 
 class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
-    FUSED: ClassVar[dict[str, tuple[str, int]]] = FUSED | {
-        name: ("in_proj", i) for i, name in enumerate(IN_PROJ)
-    }
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = FUSED | IN_PROJ_FUSED
     LORA_FUSED = None  # adapters on the mixers' projections are not wired
     DENSE_RENAMES: ClassVar[dict[str, str]] = {
         ".shared_mlp.input_linear.": ".mlp.gate_up_proj.",
@@ -71,11 +68,6 @@ class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
                     name = name.replace(old, new)
                 for old, new in MIXER_RENAMES.items():
                     name = name.replace(old, new)
-                module, _, leaf = name.rpartition(".")
-                if module.endswith(".self_attn.in_proj"):  # the mixer's: each section its rows
-                    owner = module.removesuffix("in_proj")
-                    yield from ((f"{owner}{part}.{leaf}", weight) for part in IN_PROJ)
-                else:
-                    yield name, weight
+                yield from split_in_proj(name, weight)
 
         return super().load_weights(ours())

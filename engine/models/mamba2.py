@@ -14,6 +14,7 @@ y silu(z), by groups of heads (`mamba_n_groups`), then projected.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,21 @@ from kernels.conv_step import conv_step_at_slots_for
 from kernels.gated_norm import gated_rms_norm_for
 from kernels.mamba2_step import mamba2_inputs, mamba2_step_for
 from kernels.paged_attention import dot_precision
+
+# A mixer's in_proj: one checkpoint tensor, five sections of ours (z, x, B, C, dt).
+IN_PROJ = ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt")
+IN_PROJ_FUSED = {name: ("in_proj", i) for i, name in enumerate(IN_PROJ)}  # a model's FUSED
+
+
+def split_in_proj(name: str, weight: WeightSlice) -> Iterator[tuple[str, WeightSlice]]:
+    """A mixer's in_proj tensor under each of its sections' names (each reads its own
+    rows); any other tensor as it is."""
+    module, _, leaf = name.rpartition(".")
+    if module.rpartition(".")[2] != "in_proj":
+        yield name, weight
+        return
+    owner = module.removesuffix("in_proj")
+    yield from ((f"{owner}{part}.{leaf}", weight) for part in IN_PROJ)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from torch import nn
 from engine.models.arcee import ArceeForCausalLM, UngatedMLP, relu_squared
 from engine.models.layers import AttentionMetadata, RMSNorm
 from engine.models.llama import LlamaAttention
-from engine.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from engine.models.mamba2 import IN_PROJ_FUSED, Mamba2Mixer, Mamba2Shape, split_in_proj
 from engine.models.parallel import WeightSlice
 
 RENAMES = {
@@ -24,7 +24,6 @@ RENAMES = {
     "model.norm_f.": "model.norm.",
     ".mixer.norm.weight": ".mixer.norm_weight",  # a Mamba-2 mixer's gated norm
 }
-IN_PROJ = ("in_proj_z", "in_proj_x", "in_proj_b", "in_proj_c", "in_proj_dt")
 
 
 class NemotronHBlock(nn.Module):
@@ -46,9 +45,7 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHForCausalLM(ArceeForCausalLM):
-    FUSED: ClassVar[dict[str, tuple[str, int]]] = ArceeForCausalLM.FUSED | {
-        name: ("in_proj", i) for i, name in enumerate(IN_PROJ)
-    }
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = ArceeForCausalLM.FUSED | IN_PROJ_FUSED
 
     @staticmethod
     def check_config(config) -> None:
@@ -86,11 +83,6 @@ class NemotronHForCausalLM(ArceeForCausalLM):
             for name, weight in weights:
                 for old, new in RENAMES.items():
                     name = name.replace(old, new)
-                module, _, leaf = name.rpartition(".")
-                if module.endswith(".mixer.in_proj"):  # a Mamba-2 mixer's: each section its rows
-                    owner = module.removesuffix("in_proj")
-                    yield from ((f"{owner}{part}.{leaf}", weight) for part in IN_PROJ)
-                else:
-                    yield name, weight
+                yield from split_in_proj(name, weight)
 
         return super().load_weights(ours())
