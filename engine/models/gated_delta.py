@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import AttentionMetadata, RecurrentLayer
+from engine.models.layers import AttentionMetadata, RecurrentLayer, SequenceSpans
 from engine.models.parallel import (
     ColumnParallelLinear,
     Ranges,
@@ -141,7 +141,49 @@ def grouped_rows(heads: Section, stride: int, offset: int, width: int) -> Ranges
     )
 
 
-class GatedDeltaNet(RecurrentLayer):
+class ConvRecurrentLayer(RecurrentLayer):
+    """A recurrent layer whose input passes the causal convolution first (the DeltaNet's,
+    Mamba-2's). A step with prompts (eager) runs the sequences that continue by one token
+    as decode rows (`step_rows`) and the rest padded together to the longest, convolved
+    here from their slots' windows, then through the layer's rule (`run_prompts`)."""
+
+    conv1d: DepthwiseConv
+    conv_state: torch.Tensor  # [slots, channels, kernel - 1]: by slot, see RecurrentLayer
+
+    def step_rows(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        """(x, the layer's other inputs, slots, has_state) -> [rows, heads, dim] fp32."""
+        raise NotImplementedError
+
+    def run_prompts(
+        self, conved: torch.Tensor, *inputs: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:
+        """Padded prompts: conved [seqs, longest, channels] and the other inputs [seqs,
+        longest, ...] -> [seqs, longest, heads, dim] fp32, each state updated at its slot."""
+        raise NotImplementedError
+
+    def run_sequences(
+        self, meta: AttentionMetadata, out_shape: tuple[int, int], x: torch.Tensor,
+        *inputs: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """[tokens, *out_shape] fp32: each token's output of the rule."""
+        spans = meta.spans
+        out = torch.empty((len(x), *out_shape), dtype=torch.float32, device=x.device)
+        if len(spans.single_rows):
+            rows = spans.single_rows
+            args = (*(t[rows] for t in inputs), spans.single_slots, spans.single_has_state)
+            out[rows] = self.step_rows(x[rows], *args)
+        if len(spans.slots):
+            rows, slots = spans.rows, spans.slots
+            conv = self.conv_state[slots] * spans.has_state[:, None, None]
+            bias = self.conv1d.bias
+            conved, conv = causal_conv(x[rows], conv, self.conv1d.weight, spans.lengths, bias)
+            self.conv_state.index_copy_(0, slots, conv)
+            o = self.run_prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
+            out[rows[spans.valid]] = o[spans.valid]
+        return out
+
+
+class GatedDeltaNet(ConvRecurrentLayer):
     """Qwen 3.5's linear attention layer. One projection gives q, k, v (convolved), z (the
     output gate), b (beta's logit) and a (the decay's); each rank holds its share of the
     key and value heads (a value head reads key head h // (value heads / key heads), so
@@ -206,7 +248,7 @@ class GatedDeltaNet(RecurrentLayer):
         if meta.is_decode:  # one row a sequence, each at its slot (a graph's padding: the spare)
             out = self.step_rows(mixed, a, b, meta.state_slots, meta.seq_lens > 1)
         else:
-            out = self.run_sequences(mixed, a, b, meta)
+            out = self.run_sequences(meta, (self.num_v_heads, self.v_dim), mixed, a, b)
         norm = gated_rms_norm_for(x.device)  # over each head: normalized, then gated
         normed = norm(out.to(x.dtype).flatten(1), z, self.norm_weight, self.eps, self.v_dim, True)
         return self.out_proj(normed)
@@ -226,39 +268,23 @@ class GatedDeltaNet(RecurrentLayer):
         args = (self.A_log, self.dt_bias, self.rule_state, slots, has_state, self.num_k_heads)
         return step(conved, a, b, *args)
 
-    def run_sequences(
-        self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [tokens, value heads, v_dim] fp32
-        """A step with prompts (eager): the sequences that continue by one token as decode
-        rows, the rest together, padded to the longest (padding neither decays nor writes)."""
-        spans = meta.spans
-        shape = (len(mixed), self.num_v_heads, self.v_dim)
-        out = torch.empty(shape, dtype=torch.float32, device=mixed.device)
-        if len(spans.single_rows):
-            rows, slots = spans.single_rows, spans.single_slots
-            has_state = torch.ones(len(rows), dtype=torch.bool, device=out.device)
-            out[rows] = self.step_rows(mixed[rows], a[rows], b[rows], slots, has_state)
-        if not len(spans.slots):
-            return out
-        rows, valid, slots, keep = spans.rows, spans.valid, spans.slots, spans.has_state
-        seqs, length = rows.shape
-        conv = self.conv_state[slots] * keep[:, None, None]
-        conved, conv = causal_conv(mixed[rows], conv, self.conv1d.weight, spans.lengths)
-        self.conv_state.index_copy_(0, slots, conv)
-        tokens = rows.flatten()
+    def run_prompts(
+        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:  # [seqs, longest, value heads, v_dim] fp32
+        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
+        seqs, length = spans.rows.shape
         inputs = delta_rule_inputs(
-            conved.flatten(0, 1).to(mixed.dtype), a[tokens], b[tokens], self.A_log,
-            self.dt_bias, self.num_k_heads, self.k_dim,
+            conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), self.A_log, self.dt_bias,
+            self.num_k_heads, self.k_dim,
         )  # fmt: skip
         q, k, v, g, beta = (t.unflatten(0, (seqs, length)).transpose(1, 2) for t in inputs)
-        pad = ~valid[:, None, :]  # [seqs, 1, length]
+        pad = ~spans.valid[:, None, :]  # [seqs, 1, length]
         g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
-        state = self.rule_state[slots] * keep[:, None, None, None]
+        state = self.rule_state[spans.slots] * spans.has_state[:, None, None, None]
         # o: [seqs, heads, length, v_dim]
-        o, state = chunked_rule(q, k, v, g, beta, state, dot_precision(mixed.dtype))
-        self.rule_state.index_copy_(0, slots, state)
-        out[rows[valid]] = o.transpose(1, 2)[valid]
-        return out
+        o, state = chunked_rule(q, k, v, g, beta, state, dot_precision(conved.dtype))
+        self.rule_state.index_copy_(0, spans.slots, state)
+        return o.transpose(1, 2)
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):

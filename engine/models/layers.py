@@ -64,6 +64,7 @@ class SequenceSpans:
 
     single_rows: torch.Tensor  # [singles] int64: a continuing sequence's token row
     single_slots: torch.Tensor  # [singles] int64
+    single_has_state: torch.Tensor  # [singles] bool, all True: the decode step's argument
     rows: torch.Tensor  # [seqs, longest] int64: each other sequence's token rows, then 0s
     valid: torch.Tensor  # [seqs, longest] bool: rows[i, j] is a token of sequence i
     lengths: torch.Tensor  # [seqs] int64: its new tokens
@@ -87,8 +88,8 @@ class SequenceSpans:
         valid = steps < length[:, None]
         rows = (column(starts, others)[:, None] + steps) * valid  # padding: row 0
         has_state = column(contexts, others) > 0
-        tensors = (column(starts, single), column(slots, single), rows, valid, length)
-        tensors += (column(slots, others), has_state)
+        tensors = (column(starts, single), column(slots, single), column(contexts, single) > 0)
+        tensors += (rows, valid, length, column(slots, others), has_state)
         return cls(*(t.to(meta.query_start_loc.device) for t in tensors))
 
 

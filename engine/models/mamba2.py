@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.gated_delta import DepthwiseConv, causal_conv, chunked_rule, head_rows
-from engine.models.layers import AttentionMetadata, RecurrentLayer
+from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv, chunked_rule, head_rows
+from engine.models.layers import AttentionMetadata, SequenceSpans
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -100,7 +100,7 @@ class Mamba2Shape:
         )
 
 
-class Mamba2Mixer(RecurrentLayer):
+class Mamba2Mixer(ConvRecurrentLayer):
     """in_proj gives z (the gate), x, B, C (convolved) and dt. Each rank holds a
     contiguous share of the heads; groups split with them where they divide, and one
     group (Granite 4.0-H's) is read whole by every rank, its norm summed across them."""
@@ -159,7 +159,7 @@ class Mamba2Mixer(RecurrentLayer):
         if meta.is_decode:
             y = self.step_rows(xbc, dt, meta.state_slots, meta.seq_lens > 1)
         else:
-            y = self.run_sequences(xbc, dt, meta)
+            y = self.run_sequences(meta, (self.num_heads, self.shape.head_dim), xbc, dt)
         return self.out_proj(self.gated_norm(y.to(x.dtype), z))
 
     def step_rows(
@@ -176,42 +176,24 @@ class Mamba2Mixer(RecurrentLayer):
         args = (self.A_log, self.dt_bias, self.D, self.ssm_state, slots, has_state)
         return step(conved, dt, *args, self.shape.dt_limit)
 
-    def run_sequences(
-        self, xbc: torch.Tensor, dt: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [tokens, heads, head_dim] fp32
-        """A step with prompts (eager): continuing sequences as decode rows, the rest
-        padded together to the longest (padding neither decays nor writes)."""
-        spans = meta.spans
-        shape = (len(xbc), self.num_heads, self.shape.head_dim)
-        out = torch.empty(shape, dtype=torch.float32, device=xbc.device)
-        if len(spans.single_rows):
-            rows, slots = spans.single_rows, spans.single_slots
-            has_state = torch.ones(len(rows), dtype=torch.bool, device=out.device)
-            out[rows] = self.step_rows(xbc[rows], dt[rows], slots, has_state)
-        if not len(spans.slots):
-            return out
-        rows, valid, slots, keep = spans.rows, spans.valid, spans.slots, spans.has_state
-        conv = self.conv_state[slots] * keep[:, None, None]
-        conved, conv = causal_conv(
-            xbc[rows], conv, self.conv1d.weight, spans.lengths, self.conv1d.bias
-        )
-        self.conv_state.index_copy_(0, slots, conv)
-        x, b, c, dt, log_decay = mamba2_inputs(  # [seqs, length, heads, ...], fp32
-            conved.to(xbc.dtype), dt[rows], self.A_log, self.dt_bias, self.shape.state,
-            self.shape.dt_limit, self.num_groups,
+    def run_prompts(
+        self, conved: torch.Tensor, dt: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:  # [seqs, longest, heads, head_dim] fp32
+        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
+        x, b, c, dt, log_decay = mamba2_inputs(  # [seqs, longest, heads, ...], fp32
+            conved, dt, self.A_log, self.dt_bias, self.shape.state, self.shape.dt_limit,
+            self.num_groups,
         )  # fmt: skip
-        pad = ~valid[:, :, None]
+        pad = ~spans.valid[:, :, None]
         dt, log_decay = dt.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
         v = dt[..., None] * x
-        q, k, v = (t.transpose(1, 2) for t in (c, b, v))  # [seqs, heads, length, ...]
-        state = self.ssm_state[slots] * keep[:, None, None, None]
+        q, k, v = (t.transpose(1, 2) for t in (c, b, v))  # [seqs, heads, longest, ...]
+        state = self.ssm_state[spans.slots] * spans.has_state[:, None, None, None]
         o, state = chunked_rule(
-            q, k, v, log_decay.transpose(1, 2), None, state, dot_precision(xbc.dtype)
+            q, k, v, log_decay.transpose(1, 2), None, state, dot_precision(conved.dtype)
         )
-        self.ssm_state.index_copy_(0, slots, state)
-        o = o.transpose(1, 2) + self.D.float()[:, None] * x
-        out[rows[valid]] = o[valid]
-        return out
+        self.ssm_state.index_copy_(0, spans.slots, state)
+        return o.transpose(1, 2) + self.D.float()[:, None] * x
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it;

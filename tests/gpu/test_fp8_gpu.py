@@ -194,5 +194,6 @@ def test_fp8_recurrent_models_mostly_agree_with_bf16(tiny_family_dir, kind: str)
     fp8, agreement = _fp8_against_bf16(tiny_family_dir(kind), graphs=True)
     mixer = fp8.engine.model.layers[0].self_attn
     assert isinstance(mixer.out_proj, Fp8Linear)
-    assert mixer.state_shapes()
+    # The rule's state (the DeltaNet's, Mamba-2's) is allocated in fp32 beside FP8 weights.
+    assert torch.float32 in {getattr(mixer, name).dtype for name in mixer.state_shapes()}
     assert agreement >= MIN_MOE_AGREEMENT, agreement
