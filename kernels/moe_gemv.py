@@ -20,10 +20,10 @@ import triton.language as tl
 from kernels.activation import ExpertAct, expert_act_args, moe_gated
 from kernels.paged_attention import dot_precision
 
-# Pairs up to which fused_moe takes this path (top-8 routing of one token; top-4 of two).
-MAX_PAIRS = 8
+# Pairs up to which fused_moe takes this path (top-10 routing of one token; top-8 of two).
+MAX_PAIRS = 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-MAX_COUNTERS = 1 << 14  # (pair, column tile) slots: MAX_PAIRS x 2048 tiles
+MAX_COUNTERS = 1 << 15  # (pair, column tile) slots: MAX_PAIRS x 2048 tiles
 
 
 def _counters(device: torch.device) -> torch.Tensor:

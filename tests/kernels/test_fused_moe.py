@@ -146,14 +146,16 @@ def test_gelu_tanh_experts_match_reference(num_tokens: int, rng: torch.Generator
     assert not torch.allclose(fused_moe_ref(*args), expected, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize(("num_tokens", "top_k", "num_splits"), [(1, 4, 1), (1, 4, 3), (2, 4, 2)])
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_splits"), [(1, 4, 1), (1, 4, 3), (2, 4, 2), (1, 10, 2)]
+)
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_decode_pairs_match_reference(
     num_tokens: int, top_k: int, num_splits: int, gpt_oss: bool, rng: torch.Generator, device
 ) -> None:
-    # Up to MAX_PAIRS pairs: each its own GEMV over K splits; the two tokens of the last
-    # case share an expert (1) and their other experts may coincide.
-    num_experts, hidden, inter = 6, 300, 72  # K of several 128-wide tiles, N off 64
+    # Up to MAX_PAIRS pairs: each its own GEMV over K splits; the two tokens of the third
+    # case share an expert (1) and their other experts may coincide; the last is top-10.
+    num_experts, hidden, inter = 12, 300, 72  # K of several 128-wide tiles, N off 64
     args = gated_experts(num_tokens, num_experts, hidden, inter, top_k, rng, device)
     biases, clamped = None, None
     if gpt_oss:
