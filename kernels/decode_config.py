@@ -42,28 +42,38 @@ def decode_config(
     head_dim: int = 128,
     kv_fp8: bool = False,
 ) -> DecodeConfig:
-    """Default launch config for a decode shape; the numbers are measured (docs/kernels.md)."""
-    # A grid of half a program per SM already streams K/V fast enough that a split's
-    # reduce costs more than it gains; a smaller one splits until it holds ~4 per SM.
+    """Default launch config for a decode shape; the numbers are measured (docs/kernels.md).
+
+    Each (sequence, kv head) program streams its keys alone, so a grid of few programs
+    leaves most SMs with one or none: the keys split until the grid holds about four
+    programs an SM (six for e4m3 caches, whose tiles cost more in conversions than in
+    bytes), by powers of two. A split is decided from shapes only, never from the
+    contexts, so a long-context step and a short one replay the same graph.
+    """
     programs, num_sms = num_seqs * num_kv_heads, num_sms_of(device)
-    unsplit = 2 * programs >= num_sms
-    # Longer tiles keep more bytes in flight: for small heads shared by a group of
-    # queries, and for one-byte (FP8) K/V when each program streams a whole sequence.
-    fp8_streams = kv_fp8 and unsplit
-    block_n = 128 if (head_dim <= 64 and group > 1) or fp8_streams else 64
-    max_tiles = triton.cdiv(max_blocks_per_seq * block_size, block_n)
-    num_splits = 1 if unsplit else triton.cdiv(4 * num_sms, programs)
     if head_dim >= 512:  # Gemma 4's global heads: tiles that fit shared memory in fp32
         max_tiles = triton.cdiv(max_blocks_per_seq * block_size, 32)
+        num_splits = 1 if 2 * programs >= num_sms else triton.cdiv(4 * num_sms, programs)
         return DecodeConfig(max(1, min(num_splits, max_tiles, 128)), 32, num_stages=2)
-    return DecodeConfig(
-        num_splits=max(1, min(num_splits, max_tiles, 128)),
-        block_n=block_n,
-        # An e4m3 tile costs its conversions more than its bytes: two warps a program
-        # and two stages let more programs share an SM (three stages measured slower).
-        num_warps=2 if fp8_streams else 4,
-        num_stages=2 if fp8_streams else 3,
-    )
+    per_sm = 6 if kv_fp8 else 4
+    num_splits = 1 << max(0, (per_sm * num_sms // programs).bit_length() - 1)
+    num_splits = min(num_splits, triton.cdiv(max_blocks_per_seq * block_size, 64), 64)
+    if kv_fp8:
+        # Two warps and two stages let more programs share an SM (an e4m3 tile is bound
+        # by its work, not its bytes); 128-token tiles keep more bytes in flight, except
+        # where the splits leave each program few tiles or crowd the SMs past ~4 each.
+        if num_splits == 1:
+            wide = head_dim <= 64  # small heads: a wider program per sequence paid
+            return DecodeConfig(1, 128, num_warps=4 if wide else 2, num_stages=3 if wide else 2)
+        few_tiles = num_splits > 8 or programs * num_splits > 4 * num_sms
+        return DecodeConfig(num_splits, 64 if few_tiles else 128, num_warps=2, num_stages=2)
+    if num_splits > 1:
+        return DecodeConfig(num_splits, 64, num_warps=2)
+    # Unsplit: 128-token tiles for small heads shared by a group of queries, and while
+    # the grid is under ~3 programs an SM; past that the smaller tile's buffers let more
+    # programs reside at once.
+    wide = (head_dim <= 64 and group > 1) or programs < 3 * num_sms
+    return DecodeConfig(1, 128 if wide else 64)
 
 
 def decode_workspace(

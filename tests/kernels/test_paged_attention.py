@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+from unittest.mock import patch
 
 import pytest
 import torch
 
 from kernels.attention_ref import paged_attention_decode_ref
-from kernels.decode_config import DecodeConfig, decode_workspace
+from kernels.decode_config import DecodeConfig, decode_config, decode_workspace
 from kernels.paged_attention import paged_attention_decode, paged_attention_decode_for
 from kernels.rotary import QKNorm, Rope, rotary
 from kernels.score_mods import softmax_with_sinks
@@ -154,18 +155,37 @@ def test_decode_stores_new_kv_then_attends(
         torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("num_sms", [1, 132])
 def test_decode_default_config_and_strided_query(
-    rng: torch.Generator, device: torch.device, paged_kv
+    num_sms: int, rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:
+    # On 132 SMs the six programs split as many ways as the table has 64-token tiles.
     context_lens = [70, 3, 129]
     k_cache, v_cache, block_table = paged_kv(context_lens, 2, 64, 16)
     # The query as a view into a fused QKV projection: [num_seqs, num_heads, head_dim].
     qkv = torch.randn(3, 8 + 2 * 2, 64, generator=rng).to(device)
     query = qkv[:, :8]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    result = paged_attention_decode(query, k_cache, v_cache, block_table, lens, 0.125)
+    with patch("kernels.decode_config.num_sms_of", lambda _: num_sms):
+        result = paged_attention_decode(query, k_cache, v_cache, block_table, lens, 0.125)
     expected = paged_attention_decode_ref(query, k_cache, v_cache, block_table, lens, 0.125)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(kv_fp8: bool) -> None:
+    # Llama-3-8B's heads on 132 SMs: a grid of fewer programs than a few an SM splits its
+    # keys by a power of two until it holds that many, never more.
+    per_sm = 6 if kv_fp8 else 4
+    with patch("kernels.decode_config.num_sms_of", lambda _: 132):
+        for num_seqs in (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256):
+            config = decode_config(num_seqs, 8, 512, 16, torch.device("cuda"), 4, 128, kv_fp8)
+            splits, grid = config.num_splits, num_seqs * 8 * config.num_splits
+            assert splits & (splits - 1) == 0 and splits <= 64
+            if splits == 1:
+                assert 2 * num_seqs * 8 > per_sm * 132
+            elif splits < 64:
+                assert grid <= per_sm * 132 < 2 * grid
 
 
 def test_decode_for_picks_reference_off_cuda() -> None:
