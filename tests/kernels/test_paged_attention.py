@@ -159,7 +159,7 @@ def test_decode_stores_new_kv_then_attends(
 def test_decode_default_config_and_strided_query(
     num_sms: int, rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:
-    # On 132 SMs the six programs split as many ways as the table has 64-token tiles.
+    # On 132 SMs the six programs split as many ways as the table has 64-token tiles (3).
     context_lens = [70, 3, 129]
     k_cache, v_cache, block_table = paged_kv(context_lens, 2, 64, 16)
     # The query as a view into a fused QKV projection: [num_seqs, num_heads, head_dim].
