@@ -8,6 +8,7 @@ Triton per-token quantizer and `_scaled_mm` are the CUDA path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,22 +83,29 @@ def fp8_linear_ref(
     )
 
 
+# Compiled, the cast to e4m3 rounds by itself (to nearest, ties to even, as torch's);
+# Triton's interpreter mis-rounds where the mantissa carries into the exponent, so there
+# the value is rounded on its bits first. Read at import, as Triton reads TRITON_INTERPRET
+# (the kernel tests reload this module under the interpreter).
+CAST_ROUNDS = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "0")
+
+
 @triton.jit
 def round_to_fp8(x):
-    """fp32 x clamped to +-448 and rounded (to nearest, ties to even) onto the e4m3 grid,
-    still in fp32, so the cast to e4m3 that follows is exact. The cast could round by
-    itself on the GPU, but Triton's interpreter mis-rounds when the mantissa carries into
-    the exponent; rounding here gives one answer on both."""
+    """fp32 x clamped to +-448 and rounded to nearest (ties to even) in e4m3: torch's
+    saturated cast (`quantize_fp8_ref`), on the GPU and in the interpreter alike."""
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # FP8_MAX
-    bits = x.to(tl.int32, bitcast=True)
-    # Normal e4m3 (|x| >= 2**-6): keep 3 mantissa bits of fp32's 23, ties to even; a
-    # carry moves into the exponent as it should.
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    # Subnormal e4m3: a fixed step of 2**-9; adding 1.5 * 2**14 rounds to it in fp32.
-    # The sign goes back as a bit: compiled, -(+0.0) came out as +0.0 for x = -0.0.
-    ax = tl.abs(x)
-    sub = ((ax + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)
-    return tl.where(ax < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+    if not CAST_ROUNDS:
+        bits = x.to(tl.int32, bitcast=True)
+        # Normal e4m3 (|x| >= 2**-6): keep 3 mantissa bits of fp32's 23, ties to even; a
+        # carry moves into the exponent as it should.
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        # Subnormal e4m3: a fixed step of 2**-9; adding 1.5 * 2**14 rounds to it in fp32.
+        # The sign goes back as a bit: -(+0.0) would come out as +0.0 for x = -0.0.
+        ax = tl.abs(x)
+        sub = ((ax + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -2147483648)
+        x = tl.where(ax < 0.015625, sub.to(tl.float32, bitcast=True), normal)
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -108,8 +116,8 @@ def row_scale(amax):
 
 @triton.jit
 def quantize_row(x):
-    """A whole row in fp32 (masked lanes 0) -> (its values on the e4m3 grid, in fp32,
-    and the row's scale): `quantize_per_token_ref` inside a kernel that holds the row."""
+    """A whole row in fp32 (masked lanes 0) -> (its values in e4m3, and the row's
+    scale): `quantize_per_token_ref` inside a kernel that holds the row."""
     scale = row_scale(tl.abs(x))
     return round_to_fp8(x / scale), scale
 

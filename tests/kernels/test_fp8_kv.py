@@ -54,6 +54,12 @@ def test_fp8_store_matches_reference(
     key = torch.randn(9, 2, 64, generator=rng) * 40
     value = torch.randn(9, 2, 64, generator=rng)
     key[0, 0, :4] = torch.tensor([1e4, -1e4, 447.9, -0.0])
+    # Ties and near-ties, normal and subnormal, that one rounding to nearest even gets
+    # right: 1.0625 + 2**-20 goes up, where rounding through fp16 first would tie it down.
+    sub = 2.0**-9  # e4m3's subnormal step
+    ties = [1.0625, 1.1875, 1.0625 + 2**-20, -1.9375, 15.5, 1.5 * sub, 2.5 * sub, 0.5 * sub]
+    ties += [0.5 * sub + 2**-20, -7.5 * sub, 432.0, 440.0]
+    key[1, 0, : len(ties)] = torch.tensor(ties) * k_scale
     slots = torch.randperm(5 * 16, generator=rng)[:9]
     slots[3] = -1
     want_k, want_v = k_cache.clone(), v_cache.clone()
