@@ -22,6 +22,9 @@ from kernels.norms import add_norm_ref
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.rounding import round_to
 
+# From this many tokens (a prefill's) the launch takes its narrow programs (`rotary`).
+MANY_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class QKNorm:
@@ -196,10 +199,14 @@ def rotary(
         return q, k
     num_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     block_half = triton.next_power_of_2(head_dim // 2)
-    # About 1K elements (both halves) per program, so that even one decode token's
-    # heads spread over several SMs.
+    # About 1K elements (both halves) per program on 4 warps, so that even one decode
+    # token's heads spread over several SMs; MANY_TOKENS fill the GPU with programs
+    # anyway, and there up to 8 heads on one warp measured faster.
+    many = num_tokens >= MANY_TOKENS
     block_heads = min(
-        triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, 512 // block_half)
+        triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        max(1, 512 // block_half),
+        8 if many else 1 << 30,
     )
     groups = triton.cdiv(num_heads, block_heads) + triton.cdiv(num_kv_heads, block_heads)
     pdl = use_pdl(q.device)
@@ -221,7 +228,7 @@ def rotary(
         BLOCK_HEADS=block_heads,
         BLOCK_HALF=block_half,
         PDL=pdl,
-        num_warps=4,
+        num_warps=1 if many else 4,
         # No multiply-add contraction: in fp32 an FMA would round x1*cos - x2*sin once
         # where the unfused ops round three times.
         enable_fp_fusion=False,

@@ -48,12 +48,15 @@ def run_both(device, qkv, positions, cos_sin, norm, num_heads, num_kv_heads):
     return (got_q.cpu(), got_k.cpu()), (want_q, want_k)
 
 
+@pytest.mark.parametrize("many_tokens", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), SHAPES)
 def test_rotary_matches_reference_bit_for_bit(
-    num_heads, num_kv_heads, head_dim, dtype, rng, device
+    num_heads, num_kv_heads, head_dim, dtype, many_tokens, rng, device, monkeypatch
 ):
     num_tokens = 5
+    if many_tokens:  # the prefill launch's narrower programs (at most 8 heads, 1 warp)
+        monkeypatch.setattr("kernels.rotary.MANY_TOKENS", num_tokens)
     qkv = qkv_output(rng, num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=rng)
     positions[0] = MAX_POSITIONS - 1
