@@ -41,23 +41,38 @@ def decode_config(
     group: int = 1,
     head_dim: int = 128,
     kv_fp8: bool = False,
+    window: int = 0,
 ) -> DecodeConfig:
     """Default launch config for a decode shape; the numbers are measured (docs/kernels.md).
 
     Each (sequence, kv head) program streams its keys alone, so a grid of few programs
     leaves most SMs with one or none: the keys split until the grid holds about four
     programs an SM (six for e4m3 caches, whose tiles cost more in conversions than in
-    bytes), by powers of two. A split is decided from shapes only, never from the
-    contexts, so a long-context step and a short one replay the same graph.
+    bytes; two for 256-wide heads, whose programs are twice the work), by powers of two.
+    A split is decided from shapes only, never from the contexts, so a long-context step
+    and a short one replay the same graph. `window` (> 0: a sliding window or attention
+    chunk) bounds the keys a query reads: each split gets two of its 64-token tiles or
+    more, as a window of a few tiles is read faster whole than split and merged.
     """
     programs, num_sms = num_seqs * num_kv_heads, num_sms_of(device)
     if head_dim >= 512:  # Gemma 4's global heads: tiles that fit shared memory in fp32
         max_tiles = triton.cdiv(max_blocks_per_seq * block_size, 32)
         num_splits = 1 if 2 * programs >= num_sms else triton.cdiv(4 * num_sms, programs)
         return DecodeConfig(max(1, min(num_splits, max_tiles, 128)), 32, num_stages=2)
-    per_sm = 6 if kv_fp8 else 4
+    wide_heads = head_dim > 128
+    per_sm = 2 if wide_heads else 6 if kv_fp8 else 4
     num_splits = 1 << max(0, (per_sm * num_sms // programs).bit_length() - 1)
     num_splits = min(num_splits, triton.cdiv(max_blocks_per_seq * block_size, 64), 64)
+    if window > 0:
+        num_splits = min(num_splits, max(1, window // 128))
+    if wide_heads:
+        # 64-token tiles on 4 warps or more, two stages: two warps spill a 256-wide tile
+        # (an e4m3 one takes 128 tokens on 4 warps, or 2 warps unsplit on a crowded grid).
+        if not kv_fp8:
+            return DecodeConfig(num_splits, 64, num_warps=4 if num_splits > 1 else 8, num_stages=2)
+        if num_splits == 1 and programs >= 3 * num_sms:
+            return DecodeConfig(1, 64, num_warps=2, num_stages=3)
+        return DecodeConfig(num_splits, 128, num_warps=4, num_stages=2)
     if kv_fp8:
         # Two warps and two stages let more programs share an SM (an e4m3 tile is bound
         # by its work, not its bytes); 128-token tiles keep more bytes in flight, except

@@ -276,6 +276,7 @@ def paged_attention_decode(
             num_heads // num_kv_heads,
             head_dim,
             k_cache.dtype == FP8_DTYPE,
+            min((w for w in (sliding_window, chunk) if w > 0), default=0),
         )
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)

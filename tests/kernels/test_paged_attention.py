@@ -155,15 +155,16 @@ def test_decode_stores_new_kv_then_attends(
         torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize(("num_sms", "head_dim"), [(1, 64), (132, 64), (132, 256)])
 def test_decode_default_config_and_strided_query(
-    num_sms: int, rng: torch.Generator, device: torch.device, paged_kv
+    num_sms: int, head_dim: int, rng: torch.Generator, device: torch.device, paged_kv
 ) -> None:
-    # On 132 SMs the six programs split as many ways as the table has 64-token tiles (3).
+    # On 132 SMs the six programs split as many ways as the table has 64-token tiles (3),
+    # on 2 warps, or on 4 for 256-wide heads.
     context_lens = [70, 3, 129]
-    k_cache, v_cache, block_table = paged_kv(context_lens, 2, 64, 16)
+    k_cache, v_cache, block_table = paged_kv(context_lens, 2, head_dim, 16)
     # The query as a view into a fused QKV projection: [num_seqs, num_heads, head_dim].
-    qkv = torch.randn(3, 8 + 2 * 2, 64, generator=rng).to(device)
+    qkv = torch.randn(3, 8 + 2 * 2, head_dim, generator=rng).to(device)
     query = qkv[:, :8]
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     with patch("kernels.decode_config.num_sms_of", lambda _: num_sms):
@@ -172,20 +173,30 @@ def test_decode_default_config_and_strided_query(
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_fp8", [False, True])
-def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(kv_fp8: bool) -> None:
-    # Llama-3-8B's heads on 132 SMs: a grid of fewer programs than a few an SM splits its
-    # keys by a power of two until it holds that many, never more.
-    per_sm = 6 if kv_fp8 else 4
+@pytest.mark.parametrize(
+    ("kv_fp8", "head_dim"), [(False, 128), (True, 128), (False, 256), (True, 256)]
+)
+def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(
+    kv_fp8: bool, head_dim: int
+) -> None:
+    # Llama-3-8B's heads (and Gemma's 256-wide ones) on 132 SMs: a grid of fewer programs
+    # than a few an SM splits its keys by a power of two until it holds that many, never
+    # more; a sliding window leaves each split two of its 64-token tiles or more.
+    per_sm = 2 if head_dim > 128 else 6 if kv_fp8 else 4
     with patch("kernels.decode_config.num_sms_of", lambda _: 132):
         for num_seqs in (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256):
-            config = decode_config(num_seqs, 8, 512, 16, torch.device("cuda"), 4, 128, kv_fp8)
+            config = decode_config(num_seqs, 8, 512, 16, torch.device("cuda"), 4, head_dim, kv_fp8)
             splits, grid = config.num_splits, num_seqs * 8 * config.num_splits
             assert splits & (splits - 1) == 0 and splits <= 64
             if splits == 1:
                 assert 2 * num_seqs * 8 > per_sm * 132
             elif splits < 64:
                 assert grid <= per_sm * 132 < 2 * grid
+            for window in (128, 1024):
+                windowed = decode_config(
+                    num_seqs, 8, 512, 16, torch.device("cuda"), 4, head_dim, kv_fp8, window
+                )
+                assert windowed.num_splits == min(splits, window // 128)
 
 
 def test_decode_for_picks_reference_off_cuda() -> None:
