@@ -66,8 +66,9 @@ def decode_config(
     if window > 0:
         num_splits = min(num_splits, max(1, window // 128))
     if wide_heads:
-        # 64-token tiles on 4 warps or more, two stages: two warps spill a 256-wide tile
-        # (an e4m3 one takes 128 tokens on 4 warps, or 2 warps unsplit on a crowded grid).
+        # Two warps spill a 256-wide tile of 128 tokens: bf16 takes 64-token tiles on 4
+        # warps or more and 2 stages; e4m3 128-token tiles on 4 warps and 2 stages, but
+        # 64-token tiles on 2 warps and 3 stages unsplit past ~3 programs an SM.
         if not kv_fp8:
             return DecodeConfig(num_splits, 64, num_warps=4 if num_splits > 1 else 8, num_stages=2)
         if num_splits == 1 and programs >= 3 * num_sms:
