@@ -272,6 +272,42 @@ def nemotron_h_8b():
     )
 
 
+def nemotron_3_nano():
+    """Nemotron 3 Nano 30B-A3B's shape as Megatron Bridge's provider gives it (no hub here
+    to check its config against): 52 blocks by the pattern below (23 Mamba-2 mixers of 64
+    heads of 64, a 128-wide state in 8 groups; 6 attention blocks, GQA 32/2, no position
+    encoding; 23 MoE blocks of 128 relu^2 experts of 1856, top-6, scaled by 2.5, beside a
+    shared one of 3712), 2688 hidden, a 131072-token vocabulary."""
+    from transformers import NemotronHConfig
+
+    pattern = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+    kinds = {"M": "linear_attention", "*": "full_attention", "E": "moe"}
+    return NemotronHConfig(
+        vocab_size=131072,
+        hidden_size=2688,
+        layers_block_type=[kinds[c] for c in pattern],
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        head_dim=128,
+        mamba_num_heads=64,
+        mamba_head_dim=64,
+        ssm_state_size=128,
+        n_groups=8,
+        conv_kernel=4,
+        n_routed_experts=128,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712,
+        routed_scaling_factor=2.5,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        max_position_embeddings=8192,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=False,
+    )
+
+
 def llama3(hidden: int, intermediate: int, layers: int, heads: int):
     """A Llama 3 shape: 128256-token vocabulary, GQA with 8 kv heads (head_dim 128), rope
     theta 500k, untied head. 8B: ~8.03B parameters."""
@@ -370,6 +406,7 @@ CONFIGS = {
     "qwen3-next-80b-a3b": qwen3_next_80b_a3b,
     "granite-4.0-h-small": granite_4_0_h_small,
     "nemotron-h-8b": nemotron_h_8b,
+    "nemotron-3-nano": nemotron_3_nano,
     "bert-base": bert_base,
     "bge-m3": bge_m3,
 }
@@ -378,4 +415,4 @@ ENCODERS = {"bert-base", "bge-m3"}  # saved as AutoModel (no LM head): they embe
 # marker, and filled with random values on the device at load (engine.models.loader).
 ON_DEVICE = {"qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v2-lite", "llama3-8b"}
 ON_DEVICE |= {"llama3-70b", "llama4-scout", "qwen3.5-27b", "qwen3-next-80b-a3b"}
-ON_DEVICE |= {"granite-4.0-h-small", "nemotron-h-8b"}
+ON_DEVICE |= {"granite-4.0-h-small", "nemotron-h-8b", "nemotron-3-nano"}

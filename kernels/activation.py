@@ -51,6 +51,7 @@ class ClampedSwiGLU:
     alpha: float
     limit: float
     CODE: ClassVar[int] = 1  # moe_gated's ACT
+    GATED: ClassVar[bool] = True  # w13 holds gate rows, then up rows
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
@@ -64,12 +65,27 @@ class GeluTanhGLU:
     alpha: ClassVar[float] = 1.0  # unused
     limit: ClassVar[float] = 0.0
     CODE: ClassVar[int] = 2
+    GATED: ClassVar[bool] = True
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.gelu(gate, approximate="tanh") * up
 
 
-ExpertAct = ClampedSwiGLU | GeluTanhGLU  # None: silu(gate) * up
+@dataclass(frozen=True)
+class Relu2:
+    """Nemotron 3's expert activation: relu(x)^2 of one projection, no gate (w13 holds
+    its rows alone, `inter` of them)."""
+
+    alpha: ClassVar[float] = 1.0  # unused
+    limit: ClassVar[float] = 0.0
+    CODE: ClassVar[int] = 3
+    GATED: ClassVar[bool] = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x).square()
+
+
+ExpertAct = ClampedSwiGLU | GeluTanhGLU | Relu2  # None: silu(gate) * up
 
 
 def expert_act_args(act: ExpertAct | None) -> tuple[float, float, int]:
@@ -77,6 +93,12 @@ def expert_act_args(act: ExpertAct | None) -> tuple[float, float, int]:
     its CODE, not its class: the kernel tests reload this module under the interpreter,
     after the models have taken its classes."""
     return (1.0, 0.0, 0) if act is None else (act.alpha, act.limit, act.CODE)
+
+
+def expert_gated(act: ExpertAct | None) -> bool:
+    """Whether the experts' first projection holds gate and up rows (2 * inter), or one
+    projection's (inter: Relu2's)."""
+    return act is None or act.GATED
 
 
 @triton.jit
@@ -92,8 +114,11 @@ def gelu_tanh(x):
 
 @triton.jit
 def moe_gated(gate, up, alpha, limit, ACT: tl.constexpr):
-    # The MoE kernels' gated activation on fp32 tiles, by ACT (expert_act_args): 0
-    # silu(gate) * up, 1 GPT-OSS's clamped SwiGLU, 2 gelu_tanh(gate) * up.
+    # The MoE kernels' activation on fp32 tiles, by ACT (expert_act_args): 0 silu(gate) *
+    # up, 1 GPT-OSS's clamped SwiGLU, 2 gelu_tanh(gate) * up, 3 relu(gate)^2 (no up).
+    if ACT == 3:
+        gate = tl.maximum(gate, 0.0)
+        return gate * gate
     if ACT == 1:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)

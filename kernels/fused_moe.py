@@ -1,13 +1,13 @@
-"""Mixture-of-experts MLP: top-k routing, then each token through its k experts' gated
-MLPs: SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU, with expert
-biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with
+"""Mixture-of-experts MLP: top-k routing, then each token through its k experts' MLPs:
+gated by SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU, or
+Nemotron 3's ungated relu^2, with expert biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with
 one scale per expert and output row, widened to the activations' dtype in registers
 (weight-only, as decode reads little else) and scaled once after the dot.
 
 The Triton path groups the (token, expert) pairs by expert (kernels/moe_align.py): the
 pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so
 every BLOCK_M-row tile belongs to one expert. Two launches of one grouped-GEMM kernel then
-do the work: gate/up with SiLU-and-mul fused into the epilogue, and down with the routing
+do the work: gate/up with the activation fused into the epilogue, and down with the routing
 weight fused. Every shape is a function of the token count, top-k and expert count only, and
 nothing is read back to the host, so a CUDA graph can capture the whole layer.
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import ExpertAct, expert_act_args, moe_gated
+from kernels.activation import ExpertAct, expert_act_args, expert_gated, moe_gated
 from kernels.fp8 import dequantize_fp8
 from kernels.moe_align import align_by_expert
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
@@ -44,7 +44,7 @@ def select_experts(
 @dataclass(frozen=True)
 class ExpertBiases:
     """Per-expert biases of both projections (GPT-OSS): b13 [num_experts, 2 * inter] (gate,
-    then up, as w13's rows), b2 [num_experts, hidden]."""
+    then up, as w13's rows; inter for ungated experts), b2 [num_experts, hidden]."""
 
     b13: torch.Tensor
     b2: torch.Tensor
@@ -61,7 +61,7 @@ class ExpertScales:
 
 def fused_moe_ref(
     x: torch.Tensor,  # [num_tokens, hidden]
-    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up (or inter rows)
     w2: torch.Tensor,  # [num_experts, hidden, inter]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int
@@ -69,7 +69,8 @@ def fused_moe_ref(
     act: ExpertAct | None = None,  # None: silu(gate) * up
     scales: ExpertScales | None = None,  # FP8 experts
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """sum_k weight[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]."""
+    """sum_k weight[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]; for
+    ungated experts (Relu2) down_e(act(up_e(x_t)))."""
     if scales is not None:
         w13 = dequantize_fp8(w13, scales.s13[..., None]).to(x.dtype)
         w2 = dequantize_fp8(w2, scales.s2[..., None]).to(x.dtype)
@@ -80,8 +81,12 @@ def fused_moe_ref(
         pairs = (flat_ids == expert).nonzero()[:, 0]  # this expert's (token, k) pairs
         tokens = token_of[pairs]
         b13, b2 = (None, None) if biases is None else (biases.b13[expert], biases.b2[expert])
-        gate, up = F.linear(x[tokens], w13[expert], b13).chunk(2, dim=-1)
-        h = F.silu(gate) * up if act is None else act(gate, up)
+        rows = F.linear(x[tokens], w13[expert], b13)
+        if not expert_gated(act):
+            h = act(rows)
+        else:
+            gate, up = rows.chunk(2, dim=-1)
+            h = F.silu(gate) * up if act is None else act(gate, up)
         y = F.linear(h, w2[expert], b2)
         weight = topk_weights.flatten()[pairs, None].to(x.dtype)
         out.index_add_(0, tokens, y * weight)
@@ -91,9 +96,9 @@ def fused_moe_ref(
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or (token, k) pairs (down)
-    w_ptr,  # [num_experts, N (x2 when GATED), K]
-    bias_ptr,  # BIAS: [num_experts, N (x2 when GATED)]
-    scale_ptr,  # SCALED: [num_experts, N (x2 when GATED)] fp32, w in e4m3
+    w_ptr,  # [num_experts, N (x2 when UP), K]
+    bias_ptr,  # BIAS: [num_experts, N (x2 when UP)]
+    scale_ptr,  # SCALED: [num_experts, N (x2 when UP)] fp32, w in e4m3
     out_ptr,  # [num_pairs, N], row = pair index
     topk_weights_ptr,  # [num_pairs] fp32
     sorted_ids_ptr,
@@ -111,7 +116,8 @@ def _grouped_gemm_kernel(
     alpha,  # ACT 1: the clamped SwiGLU's sigmoid gain
     limit,  # ACT 1: its clamp
     A_ROW_DIV: tl.constexpr,  # a's row of a pair: pair // A_ROW_DIV (top_k for x, 1 for pairs)
-    GATED: tl.constexpr,  # w holds gate rows then up rows; store act(gate) * up
+    GATED: tl.constexpr,  # the first projection: store its activation (moe_gated)
+    UP: tl.constexpr,  # GATED with a gated ACT: w holds gate rows then up rows
     ACT: tl.constexpr,  # GATED's activation (kernels/activation.py's moe_gated)
     BIAS: tl.constexpr,  # add the expert's bias row before the activation / the weight
     SCALED: tl.constexpr,  # FP8 w: widen it to a's dtype, scale the columns after the dot
@@ -148,7 +154,7 @@ def _grouped_gemm_kernel(
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if GATED:
+        if UP:
             w_up = tl.load(
                 w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
             )
@@ -156,12 +162,12 @@ def _grouped_gemm_kernel(
     if SCALED:
         scale_row = scale_ptr + expert * stride_se
         acc *= tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
-        if GATED:
+        if UP:
             acc_up *= tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
     if BIAS:
         bias_row = bias_ptr + expert * stride_be
         acc += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
+        if UP:
             up_bias = tl.load(bias_row + N + cols, mask=col_mask, other=0.0)
             acc_up += up_bias.to(tl.float32)[None, :]
     if GATED:
@@ -239,6 +245,7 @@ def _grouped_gemm(
         limit,
         A_ROW_DIV=a_row_div,
         GATED=gated,
+        UP=gated and expert_gated(act),
         ACT=act_code,
         BIAS=bias is not None,
         SCALED=scale is not None,
@@ -254,7 +261,7 @@ def _grouped_gemm(
 
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden], contiguous
-    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden], contiguous
+    w13: torch.Tensor,  # [num_experts, 2 * inter (inter: ungated), hidden], contiguous
     w2: torch.Tensor,  # [num_experts, hidden, inter], contiguous
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import ExpertAct, expert_act_args, moe_gated
+from kernels.activation import ExpertAct, expert_act_args, expert_gated, moe_gated
 from kernels.paged_attention import dot_precision
 
 # Pairs up to which fused_moe takes this path (top-10 routing of one token; top-8 of two).
@@ -37,13 +37,13 @@ def _counters(device: torch.device) -> torch.Tensor:
 @triton.jit
 def _pair_gemv_kernel(
     a_ptr,  # [rows, K]: tokens (gate/up) or pairs (down)
-    w_ptr,  # [num_experts, N (x2 when GATED), K]
-    bias_ptr,  # BIAS: [num_experts, N (x2 when GATED)]
-    scale_ptr,  # SCALED: [num_experts, N (x2 when GATED)] fp32, w in e4m3
+    w_ptr,  # [num_experts, N (x2 when UP), K]
+    bias_ptr,  # BIAS: [num_experts, N (x2 when UP)]
+    scale_ptr,  # SCALED: [num_experts, N (x2 when UP)] fp32, w in e4m3
     ids_ptr,  # [num_pairs] the pairs' experts
     topk_weights_ptr,  # [num_pairs] fp32
     out_ptr,  # [num_pairs, N]
-    partials_ptr,  # [NUM_SPLITS, num_pairs, N (x2 when GATED)] fp32
+    partials_ptr,  # [NUM_SPLITS, num_pairs, N (x2 when UP)] fp32
     counters_ptr,
     N,
     K,
@@ -59,7 +59,8 @@ def _pair_gemv_kernel(
     limit,
     A_ROW_DIV: tl.constexpr,
     TOP_K: tl.constexpr,  # pairs a program sums, weighted (down: a token's); else 1
-    GATED: tl.constexpr,  # w holds gate rows then up rows (only with TOP_K 1)
+    GATED: tl.constexpr,  # the first projection: store its activation (only with TOP_K 1)
+    UP: tl.constexpr,  # GATED with a gated ACT: w holds gate rows then up rows
     ACT: tl.constexpr,  # GATED's activation (kernels/activation.py's moe_gated)
     BIAS: tl.constexpr,
     SCALED: tl.constexpr,  # FP8 w: widened to a's dtype, each pair's columns scaled
@@ -101,13 +102,13 @@ def _pair_gemv_kernel(
             w_offs = cols[None, :] * stride_wn + ks[:, None]
             w = tl.load(w_base + w_offs, mask=w_mask, other=0.0).to(a.dtype)
             acc_j = tl.dot(a, w, acc_j, input_precision=DOT_PRECISION)
-            if GATED:
+            if UP:
                 w_up = tl.load(w_base + N * stride_wn + w_offs, mask=w_mask, other=0.0)
                 acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
         if SCALED:  # per column, so a K split's share may be scaled before the sum
             scale_row = scale_ptr + expert * stride_se
             acc_j *= tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
-            if GATED:  # (TOP_K is 1: acc_up is this pair's alone)
+            if UP:  # (TOP_K is 1: acc_up is this pair's alone)
                 acc_up *= tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
         if WEIGHTED:
             acc += acc_j * tl.load(topk_weights_ptr + pair)
@@ -118,7 +119,7 @@ def _pair_gemv_kernel(
     if NUM_SPLITS > 1:
         part = partials_ptr + split * stride_ps + row * stride_pp
         tl.store(part + cols, first, mask=col_mask)
-        if GATED:
+        if UP:
             tl.store(part + N + cols, first_up, mask=col_mask)
         # As in kernels/linear.py: the barrier orders every thread's partial stores before
         # the release of the atomic; the last arrival acquires them through it.
@@ -133,7 +134,7 @@ def _pair_gemv_kernel(
         for s in tl.static_range(NUM_SPLITS):  # in split order: deterministic
             part = partials_ptr + s * stride_ps + row * stride_pp
             first += tl.load(part + cols, mask=col_mask, other=0.0)
-            if GATED:
+            if UP:
                 first_up += tl.load(part + N + cols, mask=col_mask, other=0.0)
         tl.store(slot, 0)
     if BIAS:
@@ -144,7 +145,7 @@ def _pair_gemv_kernel(
             if WEIGHTED:
                 bias = bias * tl.load(topk_weights_ptr + pair)
             first += bias
-            if GATED:
+            if UP:
                 first_up += tl.load(bias_row + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
         first = moe_gated(first, first_up, alpha, limit, ACT)
@@ -166,9 +167,9 @@ def _num_splits(num_pairs: int, n_tiles: int, k: int, block_k: int, device: torc
 
 def pair_gemv(
     a: torch.Tensor,  # [rows, K]
-    w: torch.Tensor,  # [num_experts, N (x2 when gated), K]
+    w: torch.Tensor,  # [num_experts, N (x2 when gated by a gated act), K]
     bias: torch.Tensor | None,
-    scale: torch.Tensor | None,  # FP8 w: [num_experts, N (x2 when gated)] fp32
+    scale: torch.Tensor | None,  # FP8 w: [num_experts, N (x2 as w)] fp32
     out: torch.Tensor,  # [num_pairs, N]
     topk_ids: torch.Tensor,  # [num_pairs]
     topk_weights: torch.Tensor,  # [num_pairs] fp32
@@ -190,7 +191,8 @@ def pair_gemv(
         # e4m3 rows: twice the splits, each down to one K tile (a sweep on an H200:
         # 4-7% a layer; the GEMV stays latency bound, not at its halved floor).
         splits = min(16, max(1, k // block_k), 2 * splits)
-    width = 2 * n if gated else n
+    up = gated and expert_gated(act)
+    width = 2 * n if up else n
     alpha, limit, act_code = expert_act_args(act)
     partials = torch.empty(splits, num_rows, width, dtype=torch.float32, device=a.device)
     _pair_gemv_kernel[(num_rows, n_tiles, splits)](
@@ -218,6 +220,7 @@ def pair_gemv(
         A_ROW_DIV=a_row_div,
         TOP_K=top_k,
         GATED=gated,
+        UP=up,
         ACT=act_code,
         BIAS=bias is not None,
         SCALED=scale is not None,

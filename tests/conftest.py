@@ -126,6 +126,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -195,6 +196,27 @@ QWEN3_5_DRAWN = ("norm.weight",)
 # and the norms (ones), drawn so that each head's and each dim's entry counts.
 MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
 MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h")
+NEMOTRON_3 = dict(
+    num_hidden_layers=4,
+    layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+    head_dim=16,
+    mamba_num_heads=4,
+    mamba_head_dim=32,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    use_bias=True,
+    mlp_bias=True,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    tie_word_embeddings=False,
+)
 # Granite 4.0-H: Mamba-2 mixers around an attention layer without position encoding;
 # 4 heads of 32 in one group (read whole by each tensor-parallel rank), a 16-wide state,
 # a conv bias; experts beside a shared MLP; Granite's four scalars.
@@ -898,6 +920,16 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mlp_bias=True,
             tie_word_embeddings=False,
         ),
+    ),
+    # Nemotron 3: relu^2 experts without a gate (8, top-2) beside a shared one, routed in
+    # two groups of which one is kept, by sigmoid scores plus a correction bias (drawn),
+    # renormalized and scaled; projection biases.
+    "nemotron_h_moe": ("NemotronHConfig", "NemotronHForCausalLM", NEMOTRON_3),
+    # The same with the experts at a latent width, between two projections.
+    "nemotron_h_latent": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        NEMOTRON_3 | dict(moe_latent_size=32),
     ),
     # Qwen3-Next: the same layers, the DeltaNet's projections fused by key head
     # (in_proj_qkvz, in_proj_ba); experts without renormalization but on layer 1, a

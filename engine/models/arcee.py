@@ -53,13 +53,18 @@ class UngatedMLP(nn.Module):
     """up column-parallel, down row-parallel; biases where `mlp_bias`."""
 
     def __init__(
-        self, config, tp: TensorParallel, act: Callable[[torch.Tensor], torch.Tensor]
+        self,
+        config,
+        tp: TensorParallel,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        intermediate_size: int | None = None,  # None: the config's
     ) -> None:
         super().__init__()
-        inner = split(config.intermediate_size, tp, "intermediate_size")
+        size = intermediate_size or config.intermediate_size
+        inner = split(size, tp, "intermediate_size")
         bias = getattr(config, "mlp_bias", False)
         self.up_proj = ColumnParallelLinear(config.hidden_size, [inner], bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, tp)
         self.act_fn = act
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:

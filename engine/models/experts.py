@@ -9,7 +9,7 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.parallel import TensorSlice, WeightSlice, check_shape, read, split
 from engine.models.weight_copy import fill, fill_quantized
-from kernels.activation import ExpertAct
+from kernels.activation import ExpertAct, expert_gated
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.fused_moe import ExpertBiases, ExpertScales, fused_moe_for
 from kernels.moe_routing import select_experts_for
@@ -19,7 +19,8 @@ class FusedMoE(nn.Module):
     """Top-k routed gated experts, their weights stacked: w13 [num_experts, 2 * inter, hidden]
     (gate rows, then up rows) and w2 [num_experts, hidden, inter]. SiLU by default; GPT-OSS
     has biases on the router and both projections (b13, b2) and a ClampedSwiGLU, Gemma 4
-    a GeluTanhGLU (`act`).
+    a GeluTanhGLU (`act`); Nemotron 3's experts are ungated (Relu2: w13 holds inter rows,
+    the up projection's, section 0).
 
     Tensor-parallel: every expert's intermediate dim is split (w13 column-parallel, w2
     row-parallel), the router replicated; one all_reduce sums the ranks' outputs.
@@ -46,14 +47,15 @@ class FusedMoE(nn.Module):
         self.act = act
         self.inter = split(inter, tp, "moe_intermediate_size")  # this rank's share
         local = self.inter.local_size
+        rows = (2 if expert_gated(act) else 1) * local  # w13's: gate and up, or one
         self.gate = nn.Linear(hidden, num_experts, bias=bias)  # the router
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * local, hidden))
+        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
         self.b13 = self.b2 = None
         self.scales: ExpertScales | None = None
         self.load_dtype: torch.dtype | None = None  # quantize_at_load's
         if bias:
-            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * local))
+            self.b13 = nn.Parameter(torch.empty(num_experts, rows))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]

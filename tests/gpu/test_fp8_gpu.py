@@ -197,3 +197,12 @@ def test_fp8_recurrent_models_mostly_agree_with_bf16(tiny_family_dir, kind: str)
     # The rule's state (the DeltaNet's, Mamba-2's) is allocated in fp32 beside FP8 weights.
     assert torch.float32 in {getattr(mixer, name).dtype for name in mixer.state_shapes()}
     assert agreement >= MIN_MOE_AGREEMENT, agreement
+
+
+def test_fp8_ungated_experts_mostly_agree_with_bf16(tiny_family_dir) -> None:
+    """Nemotron 3's relu^2 experts in e4m3 (w13 holds their up rows alone), beside FP8
+    projections, Mamba-2 mixers and an FP8 cache; decode steps replayed from graphs."""
+    fp8, agreement = _fp8_against_bf16(tiny_family_dir("nemotron_h_moe"), graphs=True)
+    moe = fp8.engine.model.layers[1].mixer
+    assert moe.w13.dtype == FP8_DTYPE and moe.w13.shape[1] == moe.w2.shape[2]
+    assert agreement >= MIN_MOE_AGREEMENT, agreement

@@ -8,7 +8,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from kernels.activation import ClampedSwiGLU, GeluTanhGLU, expert_act_args
+from kernels.activation import ClampedSwiGLU, GeluTanhGLU, Relu2, expert_act_args
 from kernels.fp8 import quantize_per_channel
 from kernels.fused_moe import (
     ExpertBiases,
@@ -144,6 +144,32 @@ def test_gelu_tanh_experts_match_reference(num_tokens: int, rng: torch.Generator
         fused_moe(*args, None, GeluTanhGLU()), expected, rtol=1e-4, atol=1e-5
     )
     assert not torch.allclose(fused_moe_ref(*args), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("num_tokens", "num_splits"), [(1, 1), (1, 3), (37, None)])
+def test_ungated_relu2_experts_match_reference(
+    num_tokens: int, num_splits: int | None, fp8: bool, rng: torch.Generator, device
+) -> None:
+    # Nemotron 3's experts: relu(up)^2, no gate rows in w13 ([experts, inter, hidden]); the
+    # pairs' GEMVs over K splits and the grouped GEMMs, fp32 and e4m3 weights.
+    num_experts, hidden, inter, top_k = 6, 300, 72, 4
+    x, w13, w2, topk_weights, topk_ids = gated_experts(
+        num_tokens, num_experts, hidden, inter, top_k, rng, device
+    )
+    w1 = w13[:, :inter].contiguous()
+    scales = None
+    if fp8:
+        q1, s1 = quantize_experts(w1.cpu())
+        q2, s2 = quantize_experts(w2.cpu())
+        w1, w2 = q1.to(device), q2.to(device)
+        scales = ExpertScales(s1.to(device), (s2 * inter**-0.5).to(device))
+    args = (x, w1, w2, topk_weights, topk_ids)
+    expected = fused_moe_ref(*args, None, Relu2(), scales)
+    with patch("kernels.moe_gemv._num_splits", lambda *_: num_splits or 1):
+        result = fused_moe(*args, None, Relu2(), scales)
+    torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
+    assert expected.abs().max() > 0.1
 
 
 @pytest.mark.parametrize(
