@@ -126,7 +126,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
-        drawn += ("nemotron_h_moe", "nemotron_h_latent")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -195,7 +195,7 @@ QWEN3_5_DRAWN = ("norm.weight",)
 # Mamba-2's per-head parameters (transformers: A_log = log(1..heads), D and dt_bias ones)
 # and the norms (ones), drawn so that each head's and each dim's entry counts.
 MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
-MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h")
+MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h", "bamba")
 NEMOTRON_3 = dict(
     num_hidden_layers=4,
     layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
@@ -918,6 +918,22 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             conv_kernel=4,
             use_bias=True,
             mlp_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Bamba: Mamba-2 mixers (4 heads of 32 in two groups, a conv bias, projection biases)
+    # around an attention layer with half of each head rotated.
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_proj_bias=True,
             tie_word_embeddings=False,
         ),
     ),

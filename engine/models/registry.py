@@ -6,6 +6,7 @@ from torch import nn
 
 from engine.models.afmoe import AfmoeForCausalLM
 from engine.models.arcee import ApertusForCausalLM, ArceeForCausalLM
+from engine.models.bamba import BambaForCausalLM
 from engine.models.bert import BertModel
 from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, CohereForCausalLM
 from engine.models.deepseek import DeepseekForCausalLM
@@ -87,6 +88,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granite_swa": GraniteSWAForCausalLM,
     "granitemoe_swa": GraniteMoeSWAForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
+    "bamba": BambaForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,

@@ -1,0 +1,58 @@
+"""IBM Bamba (`bamba`), Granite 4.0-H's forerunner: Llama's layers, each with a SwiGLU MLP,
+whose attention (half of each head rotated) is a Mamba-2 mixer (mamba2.py) in every
+layer `attn_layer_indices` leaves out; none of Granite's scalars."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from functools import partial
+from typing import ClassVar
+
+from torch import nn
+
+from engine.models.granite_hybrid import MIXER_LAYERS, MIXER_RENAMES
+from engine.models.llama import FUSED, LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.mamba2 import IN_PROJ_FUSED, Mamba2Mixer, Mamba2Shape, split_in_proj
+from engine.models.parallel import WeightSlice
+from engine.models.rope import rotary_of
+
+RENAMES = {
+    ".feed_forward.": ".mlp.",
+    ".pre_ff_layernorm.": ".post_attention_layernorm.",
+    "model.final_layernorm.": "model.norm.",
+}
+
+
+class BambaForCausalLM(LlamaForCausalLM):
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = FUSED | IN_PROJ_FUSED
+    LORA_FUSED = None  # adapters on the mixers' projections are not wired
+
+    @staticmethod
+    def recurrent(config) -> bool:  # EngineConfig.recurrent_model
+        return any(kind in MIXER_LAYERS for kind in config.layer_types)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        self.rotary = rotary_of(config)
+        shape = Mamba2Shape.granite(config)  # Granite 4.0-H's `mamba_*` fields, as Bamba's
+        return [
+            LlamaDecoderLayer(
+                config,
+                self.rotary,
+                0,
+                self.make_mlp(config, i),
+                self.tp,
+                self.ATTENTION,
+                self_attn=Mamba2Mixer(config, shape, self.tp) if kind in MIXER_LAYERS else None,
+                norm=partial(self.make_norm, config),
+            )
+            for i, kind in enumerate(config.layer_types)
+        ]
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        def ours() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                for old, new in (RENAMES | MIXER_RENAMES).items():
+                    name = name.replace(old, new)
+                yield from split_in_proj(name, weight)
+
+        return super().load_weights(ours())
