@@ -126,7 +126,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
-        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "falcon_h1", "falcon_h1_ungated")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -195,7 +195,28 @@ QWEN3_5_DRAWN = ("norm.weight",)
 # Mamba-2's per-head parameters (transformers: A_log = log(1..heads), D and dt_bias ones)
 # and the norms (ones), drawn so that each head's and each dim's entry counts.
 MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
-MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h", "bamba")
+MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1")
+FALCON_H1 = dict(
+    mamba_d_ssm=128,
+    mamba_n_heads=4,
+    mamba_n_groups=2,
+    mamba_d_state=16,
+    mamba_d_conv=4,
+    mamba_rms_norm=True,
+    mamba_proj_bias=True,
+    mamba_norm_before_gate=True,
+    projectors_bias=True,
+    embedding_multiplier=2.0,
+    lm_head_multiplier=0.5,
+    mlp_multipliers=[0.7, 1.3],
+    key_multiplier=0.8,
+    attention_in_multiplier=0.9,
+    attention_out_multiplier=1.2,
+    ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 2.0],
+    ssm_in_multiplier=1.1,
+    ssm_out_multiplier=0.6,
+    tie_word_embeddings=False,
+)
 NEMOTRON_3 = dict(
     num_hidden_layers=4,
     layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
@@ -936,6 +957,15 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             mamba_proj_bias=True,
             tie_word_embeddings=False,
         ),
+    ),
+    # Falcon-H1: a mixer and attention side by side in every layer; every µP multiplier
+    # off 1; the mixer's norm before its gate, a bias on its out_proj.
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", FALCON_H1),
+    # The same with the mixer's plain y silu(z) (no norm: Falcon-H1's published configs).
+    "falcon_h1_ungated": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        FALCON_H1 | dict(mamba_rms_norm=False, projectors_bias=False),
     ),
     # Nemotron 3: relu^2 experts without a gate (8, top-2) beside a shared one, routed in
     # two groups of which one is kept, by sigmoid scores plus a correction bias (drawn),

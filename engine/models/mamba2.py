@@ -15,7 +15,7 @@ y silu(z), by groups of heads (`mamba_n_groups`), then projected.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,8 @@ class Mamba2Shape:
     proj_bias: bool
     dt_limit: tuple[float, float]
     eps: float  # the gated norm's
+    norm: str = "gated"  # rms_norm(y silu(z)); "first": rms_norm(y) silu(z); "none": y silu(z)
+    out_bias: bool | None = None  # out_proj's bias (None: proj_bias, as in_proj's)
 
     @classmethod
     def granite(cls, config) -> Mamba2Shape:
@@ -83,6 +85,14 @@ class Mamba2Shape:
             (float(limit[0]), float(limit[1])),
             config.rms_norm_eps,
         )
+
+    @classmethod
+    def falcon_h1(cls, config) -> Mamba2Shape:
+        """Falcon-H1's (`mamba_*`; its norm optional, before or after the gate; out_proj
+        biased by `projectors_bias`)."""
+        norm = "first" if config.mamba_norm_before_gate else "gated"
+        norm = norm if config.mamba_rms_norm else "none"
+        return replace(cls.granite(config), norm=norm, out_bias=config.projectors_bias)
 
     @classmethod
     def nemotron_h(cls, config) -> Mamba2Shape:
@@ -134,9 +144,11 @@ class Mamba2Mixer(ConvRecurrentLayer):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
-        self.norm_weight = nn.Parameter(torch.empty(self.num_heads * p))
+        if shape.norm != "none":
+            self.norm_weight = nn.Parameter(torch.empty(self.num_heads * p))
         self.eps = shape.eps
-        self.out_proj = RowParallelLinear(inner, config.hidden_size, shape.proj_bias, tp)
+        out_bias = shape.proj_bias if shape.out_bias is None else shape.out_bias
+        self.out_proj = RowParallelLinear(inner, config.hidden_size, out_bias, tp)
         self.conv_state = self.ssm_state = torch.empty(0)  # by slot: see RecurrentLayer
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
@@ -196,13 +208,18 @@ class Mamba2Mixer(ConvRecurrentLayer):
         return o.transpose(1, 2) + self.D.float()[:, None] * x
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it;
-        one group across ranks sums its squares across them."""
+        """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it
+        (or the shape's other `norm`); one group across ranks sums its squares across them."""
         y = y.flatten(1)
+        if self.shape.norm == "none":
+            return (y.float() * F.silu(z.float())).to(y.dtype)
+        first = self.shape.norm == "first"
         if not self.norm_shared:
             group = y.shape[1] // self.num_groups
-            return gated_rms_norm_for(y.device)(y, z, self.norm_weight, self.eps, group, False)
-        h = y.float() * F.silu(z.float())
+            return gated_rms_norm_for(y.device)(y, z, self.norm_weight, self.eps, group, first)
+        h = y.float() if first else y.float() * F.silu(z.float())
         squares = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
-        normed = h * torch.rsqrt(squares / (h.shape[-1] * self.tp.size) + self.eps)
-        return self.norm_weight * normed.to(y.dtype)
+        normed = (h * torch.rsqrt(squares / (h.shape[-1] * self.tp.size) + self.eps)).to(y.dtype)
+        if first:
+            return (self.norm_weight * normed * F.silu(z.float())).to(y.dtype)
+        return self.norm_weight * normed

@@ -12,6 +12,7 @@ from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, Cohe
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
+from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
@@ -89,6 +90,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "granitemoe_swa": GraniteMoeSWAForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "bamba": BambaForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
