@@ -1,5 +1,6 @@
 """One decode step of the recurrent layers' causal depthwise convolution (Gated DeltaNet's
-and Mamba-2's, engine/models/gated_delta.py) for every row at once: each row's last
+and Mamba-2's, then a SiLU; LFM2's short convolution, without; engine/models/gated_delta.py)
+for every row at once: each row's last
 kernel - 1 input rows read at its slot, its new row convolved with them, the window
 moved on in place.
 
@@ -25,11 +26,13 @@ def conv_step(
     state: torch.Tensor,  # [rows, channels, kernel - 1]
     weight: torch.Tensor,  # [channels, kernel]
     bias: torch.Tensor | None = None,  # [channels]
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [rows, channels], the new states)
     full = torch.cat([state, x[:, :, None].to(state.dtype)], dim=2)  # [rows, channels, kernel]
     acc = torch.promote_types(full.dtype, torch.float32)  # summed in fp32 at least
     summed = (full.to(acc) * weight.to(acc)).sum(-1)
-    return F.silu(summed if bias is None else summed + bias.to(acc)), full[:, :, 1:]
+    summed = summed if bias is None else summed + bias.to(acc)
+    return (F.silu(summed) if silu else summed), full[:, :, 1:]
 
 
 def conv_step_at_slots_ref(
@@ -39,8 +42,9 @@ def conv_step_at_slots_ref(
     has_state: torch.Tensor,  # [rows] bool: False starts the row from zeros
     weight: torch.Tensor,  # [channels, kernel]
     bias: torch.Tensor | None,
+    silu: bool = True,  # False: the convolution alone (LFM2's)
 ) -> torch.Tensor:  # silu(conv) [rows, channels] in x's dtype
-    conved, new = conv_step(x, states[slots] * has_state[:, None, None], weight, bias)
+    conved, new = conv_step(x, states[slots] * has_state[:, None, None], weight, bias, silu)
     states.index_copy_(0, slots, new)
     return conved.to(x.dtype)
 
@@ -59,6 +63,7 @@ def _conv_step_kernel(
     KERNEL: tl.constexpr,
     TAPS: tl.constexpr,  # KERNEL rounded up to a power of two
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -86,7 +91,7 @@ def _conv_step_kernel(
     acc = tl.sum(window * weight, axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cs, mask=live, other=0.0).to(tl.float32)
-    out = acc / (1.0 + tl.exp(-acc))
+    out = acc / (1.0 + tl.exp(-acc)) if SILU else acc
     tl.store(out_ptr + row * channels + cs, out.to(out_ptr.dtype.element_ty), mask=live)
     # The window moved on by one: stored row j takes window row j + 1.
     after = tl.load(
@@ -109,6 +114,7 @@ def conv_step_at_slots(
     has_state: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    silu: bool = True,
 ) -> torch.Tensor:
     """Triton version of `conv_step_at_slots_ref`."""
     rows, channels = x.shape
@@ -132,6 +138,7 @@ def conv_step_at_slots(
         KERNEL=kernel,
         TAPS=triton.next_power_of_2(kernel),
         HAS_BIAS=bias is not None,
+        SILU=silu,
         BLOCK_C=block_c,
         PDL=pdl,
         num_warps=4,

@@ -126,7 +126,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
-        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "falcon_h1", "falcon_h1_ungated")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2")
+        drawn += ("falcon_h1", "falcon_h1_ungated")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -141,6 +142,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(1.0, 0.5)  # after the rotation: each dim its own weight
                     elif kind == "afmoe" and name.endswith("expert_bias"):
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
+                    elif kind == "lfm2" and name.endswith(("norm.weight", "layernorm.weight")):
+                        param.normal_(1.0, 0.5)  # ones from transformers: drawn, each counts
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
                     elif kind.startswith("qwen3_") and name.endswith(QWEN3_5_DRAWN):
@@ -966,6 +969,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "FalconH1Config",
         "FalconH1ForCausalLM",
         FALCON_H1 | dict(mamba_rms_norm=False, projectors_bias=False),
+    ),
+    # LFM2: short convolutions (3 taps, biased) around an attention layer with per-head
+    # q/k norms; its MLP narrowed as transformers sizes it.
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_bias=True,
+            block_multiple_of=16,
+            block_ffn_dim_multiplier=1.5,
+            tie_word_embeddings=False,
+        ),
     ),
     # Nemotron 3: relu^2 experts without a gate (8, top-2) beside a shared one, routed in
     # two groups of which one is kept, by sigmoid scores plus a correction bias (drawn),

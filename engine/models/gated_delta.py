@@ -18,6 +18,8 @@ live by request slot (`RecurrentLayer`), in fp32 for the rule's state as transfo
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,13 +51,15 @@ def causal_conv(
     weight: torch.Tensor,  # [channels, kernel]
     lengths: torch.Tensor,  # [seqs] int64: each sequence's new rows
     bias: torch.Tensor | None = None,  # [channels] (Mamba-2's)
+    silu: bool = True,  # False: the convolution alone (LFM2's)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (silu(conv) [seqs, num_tokens, channels], new states)
     full = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=2)  # [seqs, ch, k - 1 + n]
     bias = None if bias is None else bias.to(full.dtype)
     out = F.conv1d(full, weight.to(full.dtype)[:, None], bias, groups=weight.shape[0])
     # A sequence's new state: the kernel - 1 rows up to its last new one.
     last = lengths[:, None, None] + torch.arange(weight.shape[1] - 1, device=x.device)
-    return F.silu(out).transpose(1, 2), full.gather(2, last.expand(*state.shape))
+    out = F.silu(out) if silu else out
+    return out.transpose(1, 2), full.gather(2, last.expand(*state.shape))
 
 
 def chunked_rule(
@@ -149,6 +153,7 @@ class ConvRecurrentLayer(RecurrentLayer):
 
     conv1d: DepthwiseConv
     conv_state: torch.Tensor  # [slots, channels, kernel - 1]: by slot, see RecurrentLayer
+    CONV_SILU: ClassVar[bool] = True  # a SiLU after the convolution (not LFM2's)
 
     def step_rows(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """(x, the layer's other inputs, slots, has_state) -> [rows, heads, dim] fp32."""
@@ -176,7 +181,8 @@ class ConvRecurrentLayer(RecurrentLayer):
             rows, slots = spans.rows, spans.slots
             conv = self.conv_state[slots] * spans.has_state[:, None, None]
             bias = self.conv1d.bias
-            conved, conv = causal_conv(x[rows], conv, self.conv1d.weight, spans.lengths, bias)
+            weight, silu = self.conv1d.weight, self.CONV_SILU
+            conved, conv = causal_conv(x[rows], conv, weight, spans.lengths, bias, silu)
             self.conv_state.index_copy_(0, slots, conv)
             o = self.run_prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
             out[rows[spans.valid]] = o[spans.valid]

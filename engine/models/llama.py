@@ -51,7 +51,7 @@ FUSED = {
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", "dots1")
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus", "afmoe")
-QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 SINK_MODELS = ("gpt_oss", "granite_swa", "granitemoe_swa")  # a sink logit per head
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
@@ -111,8 +111,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
         if config.model_type in QK_NORM_MODELS or getattr(config, "use_qk_norm", False):
-            self.q_norm = HeadNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = HeadNorm(head_dim, config.rms_norm_eps)
+            eps = getattr(config, "rms_norm_eps", None) or config.norm_eps  # LFM2's name
+            self.q_norm = HeadNorm(head_dim, eps)
+            self.k_norm = HeadNorm(head_dim, eps)
         self.rotary = rotary  # one cos/sin cache shared by the layers of a kind
         scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
         scale = getattr(config, "attention_multiplier", None) or scale  # Granite's
