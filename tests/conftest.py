@@ -126,7 +126,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
-        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe")
         drawn += ("falcon_h1", "falcon_h1_ungated")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
@@ -142,7 +142,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(1.0, 0.5)  # after the rotation: each dim its own weight
                     elif kind == "afmoe" and name.endswith("expert_bias"):
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
-                    elif kind == "lfm2" and name.endswith(("norm.weight", "layernorm.weight")):
+                    elif kind.startswith("lfm2") and name.endswith(("norm.weight", "expert_bias")):
                         param.normal_(1.0, 0.5)  # ones from transformers: drawn, each counts
                     elif kind == "nemotron" and name.endswith("norm.weight"):
                         param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
@@ -981,6 +981,23 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             conv_bias=True,
             block_multiple_of=16,
             block_ffn_dim_multiplier=1.5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # LFM2-MoE: the same layers, a dense MLP first, then 8 experts (top-2) chosen by
+    # sigmoids plus a bias (drawn), renormalized and scaled.
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_bias=True,
+            num_dense_layers=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            routed_scaling_factor=1.5,
             tie_word_embeddings=False,
         ),
     ),

@@ -26,6 +26,7 @@ def grouped_topk(
     renormalize: bool,
     scale: float,
     softmax: bool = False,  # the scores a softmax over the experts (Mistral 4), not sigmoids
+    eps: float = 1e-20,  # added to the chosen scores' sum when they are renormalized
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [num_tokens, top_k] fp32, ids
     scores = logits.float().softmax(-1) if softmax else logits.float().sigmoid()
     choice = scores if correction is None else scores + correction.float()
@@ -38,7 +39,7 @@ def grouped_topk(
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     return weights * scale, ids
 
 

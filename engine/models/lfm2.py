@@ -1,9 +1,11 @@
-"""Liquid AI LFM2 (`lfm2`): Llama-shaped layers whose attention (per-head q/k RMS norms)
-stands where `layer_types` says "full_attention"; elsewhere a short convolution: in_proj
-gives B, C and x, B x passes a causal depthwise convolution of `conv_L_cache` taps (no
-activation after it), and C times its output goes to out_proj. A conv layer's only state
-is its last conv_L_cache - 1 rows per sequence, kept as the recurrent layers keep theirs
-(gated_delta.py). A SwiGLU MLP after each layer, sized as transformers sizes it."""
+"""Liquid AI LFM2 (`lfm2`, `lfm2_moe`): Llama-shaped layers whose attention (per-head q/k
+RMS norms) stands where `layer_types` says "full_attention"; elsewhere a short
+convolution: in_proj gives B, C and x, B x passes a causal depthwise convolution of
+`conv_L_cache` taps (no activation after it), and C times its output goes to out_proj. A
+conv layer's only state is its last conv_L_cache - 1 rows per sequence, kept as the
+recurrent layers keep theirs (gated_delta.py). A SwiGLU MLP after each layer, sized as
+transformers sizes it; LFM2-MoE's after its first `num_dense_layers` are experts chosen
+by sigmoid scores plus a bias for the choice, renormalized and scaled."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.models.experts import FusedMoE
 from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv
+from engine.models.glm4_moe import grouped_topk
 from engine.models.layers import AttentionMetadata, RMSNorm, SequenceSpans
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,6 +43,8 @@ RENAMES = {
     ".feed_forward.w1.": ".mlp.gate_proj.",
     ".feed_forward.w3.": ".mlp.up_proj.",
     ".feed_forward.w2.": ".mlp.down_proj.",
+    ".feed_forward.": ".mlp.",  # LFM2-MoE's experts and router
+    ".mlp.expert_bias": ".mlp.gate.e_score_correction_bias",
     "model.embedding_norm.": "model.norm.",
 }
 
@@ -95,6 +102,26 @@ def mlp_size(config) -> int:
     return size
 
 
+class Lfm2MoE(FusedMoE):
+    """LFM2-MoE's experts: top-k of the router's sigmoids, chosen with a per-expert bias
+    added (`use_expert_bias`), renormalized (`norm_topk_prob`) and scaled."""
+
+    def __init__(self, config, tp: TensorParallel) -> None:
+        experts, top_k = config.num_experts, config.num_experts_per_tok
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        super().__init__(hidden, inter, experts, top_k, config.norm_topk_prob, tp)
+        if config.use_expert_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(experts))
+        self.scale = float(config.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, ids = grouped_topk(
+            self.gate(x), bias, self.top_k, 1, 1, self.renormalize, self.scale, eps=1e-6
+        )
+        return self.routed(x, weights, ids)
+
+
 class Lfm2ForCausalLM(LlamaForCausalLM):
     LORA_FUSED = None  # adapters on the conv layers' projections are not wired
 
@@ -112,14 +139,27 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
                 config,
                 self.rotary,
                 0,
-                LlamaMLP(config, self.tp, intermediate_size=mlp_size(config)),
+                self.make_mlp(config, i),
                 self.tp,
                 self.ATTENTION,
                 self_attn=ShortConv(config, self.tp) if kind == "conv" else None,
                 norm=partial(self.make_norm, config),
             )
-            for kind in config.layer_types
+            for i, kind in enumerate(config.layer_types)
         ]
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        return LlamaMLP(config, self.tp, intermediate_size=mlp_size(config))
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         return super().load_weights(renamed(weights, RENAMES))
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM, MoeForCausalLM):
+    """LFM2-MoE (`lfm2_moe`): its experts' tensors read as MoeForCausalLM reads Mixtral's
+    (w1, w3, w2 per expert)."""
+
+    def make_mlp(self, config, layer: int) -> nn.Module:
+        if layer < config.num_dense_layers:
+            return LlamaMLP(config, self.tp)
+        return Lfm2MoE(config, self.tp)

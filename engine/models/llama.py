@@ -51,7 +51,7 @@ FUSED = {
 
 QK_NORM_MODELS = ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "exaone_moe", "dots1")
 QK_NORM_MODELS += ("qwen3_vl_text", "qwen3_vl_moe_text", "apertus", "afmoe")
-QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2")
+QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "lfm2_moe")
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 SINK_MODELS = ("gpt_oss", "granite_swa", "granitemoe_swa")  # a sink logit per head
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.

@@ -29,7 +29,7 @@ from engine.models.granite_moe import (
 )
 from engine.models.helium import HeliumForCausalLM
 from engine.models.hunyuan import HunyuanForCausalLM, HunyuanMoeForCausalLM
-from engine.models.lfm2 import Lfm2ForCausalLM
+from engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.llama4 import Llama4ForCausalLM
 from engine.models.mimo_v2 import MiMoV2FlashForCausalLM
@@ -93,6 +93,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "bamba": BambaForCausalLM,
     "falcon_h1": FalconH1ForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
