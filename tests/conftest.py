@@ -126,7 +126,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("afmoe", "granite_swa", "granitemoe_swa", "phimoe", "gemma4", "gemma4_moe")
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
-        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe")
+        drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
         drawn += ("falcon_h1", "falcon_h1_ungated")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
@@ -144,8 +144,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
                         param.normal_(0.0, 0.5)  # the choice's bias, zeros from transformers
                     elif kind.startswith("lfm2") and name.endswith(("norm.weight", "expert_bias")):
                         param.normal_(1.0, 0.5)  # ones from transformers: drawn, each counts
-                    elif kind == "nemotron" and name.endswith("norm.weight"):
-                        param.normal_(0.0, 0.5)  # LayerNorm1P's: the scale is 1 + weight
+                    elif kind in ("nemotron", "gemma") and name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.5)  # the scale is 1 + weight (LayerNorm1P, Gemma)
                     elif kind.startswith("qwen3_") and name.endswith(QWEN3_5_DRAWN):
                         param.normal_(0.0, 0.5)  # (1 + weight) norms and the gated norm's
                     elif kind.startswith(MAMBA2_FAMILIES) and name.endswith(MAMBA2_DRAWN):
@@ -427,6 +427,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # Gemma 3's layout without q/k norms, one rope base, and the attention scores
     # soft-capped; the cap is small enough to bend this tiny model's scores (~0.1).
+    # Gemma (1): one kv head (the 2B's multi-query attention), heads of 16, GeGLU.
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, num_key_value_heads=1)),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",

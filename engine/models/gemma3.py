@@ -3,7 +3,8 @@ norms before and after each sublayer, GeGLU, query_pre_attn_scalar, interleaved
 sliding-window (local) and full (global) layers, and the final logit soft-cap where the
 config sets one. Gemma 3 adds per-head q/k norms and a rope base per layer kind; Gemma 2
 soft-caps the attention scores (attn_logit_softcapping, in the attention kernels).
-Attention and loading are llama.py's."""
+Gemma (1) is Llama's layers (norms before each sublayer only) with the scaled
+embeddings, (1 + weight) norms and GeGLU. Attention and loading are llama.py's."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def check_config(config) -> None:
         raise ValueError("unsupported use_bidirectional_attention=True")
     if getattr(config, "hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {config.hidden_activation!r}")
+    if config.model_type == "gemma" and config.hidden_act != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
@@ -128,3 +131,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                 yield name, weight
 
         return super().load_weights(folded())
+
+
+class GemmaForCausalLM(Gemma3ForCausalLM):
+    """Gemma (1): Llama's pre-norm layers with GeGLU; Gemma 2's embeddings, norms and head."""
+
+    def make_layers(self, config) -> list[nn.Module]:
+        self.rotary = rotary_of(config)
+        return [
+            LlamaDecoderLayer(config, self.rotary, 0, LlamaMLP(config, self.tp, act="gelu_tanh"))
+            for _ in range(config.num_hidden_layers)
+        ]

@@ -13,7 +13,7 @@ from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
-from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
@@ -81,6 +81,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "llama4_text": Llama4ForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     "mimo_v2_flash": MiMoV2FlashForCausalLM,
+    "gemma": GemmaForCausalLM,
     "gemma2": Gemma3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma4_text": Gemma4ForCausalLM,
