@@ -135,7 +135,8 @@ class ModelRunner(StepInputs):
             return self.config.num_kv_blocks
         budget = self._cache_budget()
         useful = self.max_num_seqs * self.max_blocks_per_seq  # more could never be used
-        num_blocks = min(int(budget // self.bytes_per_block()), useful)
+        per_block = self.bytes_per_block()  # 0: no attention layers (a Mamba-2 model)
+        num_blocks = useful if per_block == 0 else min(int(budget // per_block), useful)
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"only {num_blocks} KV blocks fit in memory, fewer than one max_model_len sequence "

@@ -127,7 +127,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
         drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
-        drawn += ("falcon_h1", "falcon_h1_ungated")
+        drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -198,7 +198,7 @@ QWEN3_5_DRAWN = ("norm.weight",)
 # Mamba-2's per-head parameters (transformers: A_log = log(1..heads), D and dt_bias ones)
 # and the norms (ones), drawn so that each head's and each dim's entry counts.
 MAMBA2_DRAWN = ("A_log", ".D", "dt_bias", "norm.weight")
-MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1")
+MAMBA2_FAMILIES = ("granitemoehybrid", "nemotron_h", "bamba", "falcon_h1", "mamba2")
 FALCON_H1 = dict(
     mamba_d_ssm=128,
     mamba_n_heads=4,
@@ -1000,6 +1000,22 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             routed_scaling_factor=1.5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Mamba-2 alone (Mamba-Codestral's layout): 4 heads of 32 in two groups, a conv bias,
+    # projection biases; no attention layer, so no KV cache.
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            num_heads=4,
+            head_dim=32,
+            state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            use_bias=True,
             tie_word_embeddings=False,
         ),
     ),

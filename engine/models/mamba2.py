@@ -95,6 +95,22 @@ class Mamba2Shape:
         return replace(cls.granite(config), norm=norm, out_bias=config.projectors_bias)
 
     @classmethod
+    def mamba2(cls, config) -> Mamba2Shape:
+        """A Mamba-2 language model's (`mamba2`: Mamba-Codestral)."""
+        limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        return cls(
+            config.num_heads,
+            config.head_dim,
+            config.state_size,
+            config.n_groups,
+            config.conv_kernel,
+            config.use_conv_bias,
+            config.use_bias,
+            (float(limit[0]), float(limit[1])),
+            config.layer_norm_epsilon,
+        )
+
+    @classmethod
     def nemotron_h(cls, config) -> Mamba2Shape:
         """Nemotron-H's (its dt clamped from time_step_min up, as transformers clamps it)."""
         return cls(

@@ -3,7 +3,8 @@ stack of blocks, each one RMS-normed mixer added to the residual stream: a Mamba
 (mamba2.py), attention without position encoding, an ungated relu^2 MLP, or (Nemotron 3)
 a mixture of ungated relu^2 experts routed as DeepSeek-V3's beside a shared one, by
 `layer_types` (the config's `hybrid_override_pattern`). The multi-token-prediction
-layers are not run."""
+layers are not run. A Mamba-2 language model (`mamba2`: Mamba-Codestral) is the same
+stack with a mixer in every block."""
 
 from __future__ import annotations
 
@@ -145,3 +146,24 @@ class NemotronHForCausalLM(ArceeForCausalLM):
         loaded = super().load_weights(ours())
         experts = self.config.n_routed_experts if "moe" in self.config.layer_types else 0
         return loaded | {name for name, count in filled.items() if count == experts}
+
+
+class Mamba2ForCausalLM(NemotronHForCausalLM):
+    """`mamba2`: a normed Mamba-2 mixer a block, nothing else. transformers keeps the
+    residual stream in fp32 (`residual_in_fp32`); here it is in the model dtype."""
+
+    @staticmethod
+    def check_config(config) -> None:
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+
+    @staticmethod
+    def recurrent(config) -> bool:
+        return True
+
+    def make_layers(self, config) -> list[nn.Module]:
+        shape = Mamba2Shape.mamba2(config)
+        return [
+            NemotronHBlock(self.make_norm(config), Mamba2Mixer(config, shape, self.tp), False)
+            for _ in range(config.num_hidden_layers)
+        ]

@@ -37,7 +37,7 @@ from engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
-from engine.models.nemotron_h import NemotronHForCausalLM
+from engine.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.qwen3_5 import (
@@ -69,6 +69,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "hunyuan_v1_moe": HunyuanMoeForCausalLM,
     "nemotron": NemotronForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "mamba2": Mamba2ForCausalLM,
     "jais2": Jais2ForCausalLM,
     "qwen3_5_text": Qwen3_5ForCausalLM,  # and qwen3_5's language model (TEXT_OF_MULTIMODAL)
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
