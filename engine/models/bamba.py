@@ -5,14 +5,13 @@ layer `attn_layer_indices` leaves out; none of Granite's scalars."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from functools import partial
 from typing import ClassVar
 
 from torch import nn
 
-from engine.models.granite_hybrid import MIXER_LAYERS, MIXER_RENAMES
-from engine.models.llama import FUSED, LlamaDecoderLayer, LlamaForCausalLM
-from engine.models.mamba2 import IN_PROJ_FUSED, Mamba2Mixer, Mamba2Shape, split_in_proj
+from engine.models.granite_hybrid import MIXER_LAYERS, MIXER_RENAMES, mixer_layers
+from engine.models.llama import FUSED, LlamaForCausalLM
+from engine.models.mamba2 import IN_PROJ_FUSED, split_in_proj
 from engine.models.parallel import WeightSlice
 from engine.models.rope import rotary_of
 
@@ -33,20 +32,7 @@ class BambaForCausalLM(LlamaForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         self.rotary = rotary_of(config)
-        shape = Mamba2Shape.granite(config)  # Granite 4.0-H's `mamba_*` fields, as Bamba's
-        return [
-            LlamaDecoderLayer(
-                config,
-                self.rotary,
-                0,
-                self.make_mlp(config, i),
-                self.tp,
-                self.ATTENTION,
-                self_attn=Mamba2Mixer(config, shape, self.tp) if kind in MIXER_LAYERS else None,
-                norm=partial(self.make_norm, config),
-            )
-            for i, kind in enumerate(config.layer_types)
-        ]
+        return mixer_layers(self, config, self.rotary)  # Bamba names them as Granite 4.0-H
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
         def ours() -> Iterator[tuple[str, WeightSlice]]:

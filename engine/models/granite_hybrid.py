@@ -13,14 +13,35 @@ from typing import ClassVar
 from torch import nn
 
 from engine.models.granite_moe import GraniteMoeSharedForCausalLM
-from engine.models.llama import FUSED, LlamaDecoderLayer, LlamaMLP
+from engine.models.llama import FUSED, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.mamba2 import IN_PROJ_FUSED, Mamba2Mixer, Mamba2Shape, split_in_proj
 from engine.models.parallel import WeightSlice
-from engine.models.rope import rotary_of
+from engine.models.rope import RotaryEmbedding, rotary_of
 
 # The mixer sits where attention does.
 MIXER_RENAMES = {".mamba.": ".self_attn.", ".self_attn.norm.weight": ".self_attn.norm_weight"}
 MIXER_LAYERS = ("mamba", "linear_attention")  # as published, as transformers 5 names them
+
+
+def mixer_layers(
+    model: LlamaForCausalLM, config, rotary: RotaryEmbedding | None
+) -> list[nn.Module]:
+    """Llama's decoder layers (the model's MLPs and norms) whose attention is a Mamba-2
+    mixer, Granite 4.0-H's, in the layers `layer_types` makes mixers."""
+    shape = Mamba2Shape.granite(config)
+    return [
+        LlamaDecoderLayer(
+            config,
+            rotary,
+            0,
+            model.make_mlp(config, i),
+            model.tp,
+            model.ATTENTION,
+            self_attn=Mamba2Mixer(config, shape, model.tp) if kind in MIXER_LAYERS else None,
+            norm=partial(model.make_norm, config),
+        )
+        for i, kind in enumerate(config.layer_types)
+    ]
 
 
 class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
@@ -39,20 +60,7 @@ class GraniteMoeHybridForCausalLM(GraniteMoeSharedForCausalLM):
 
     def make_layers(self, config) -> list[nn.Module]:
         rotary = rotary_of(config) if config.position_embedding_type == "rope" else None
-        shape = Mamba2Shape.granite(config)
-        return [
-            LlamaDecoderLayer(
-                config,
-                rotary,
-                0,
-                self.make_mlp(config, i),
-                self.tp,
-                self.ATTENTION,
-                self_attn=Mamba2Mixer(config, shape, self.tp) if kind in MIXER_LAYERS else None,
-                norm=partial(self.make_norm, config),
-            )
-            for i, kind in enumerate(config.layer_types)
-        ]
+        return mixer_layers(self, config, rotary)
 
     def make_mlp(self, config, layer: int) -> nn.Module:
         if config.num_local_experts:
