@@ -6,7 +6,7 @@ are folded into the weights as they load, so the layers run as they would withou
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -87,7 +87,13 @@ class FalconH1Layer(nn.Module):
         "post_attention_layernorm": "mlp.gate_up_proj",
     }
 
-    def __init__(self, config, rotary: RotaryEmbedding, make_norm, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config,
+        rotary: RotaryEmbedding,
+        make_norm: Callable[[], nn.Module],
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.input_layernorm = make_norm()
         self.mamba = Mamba2Mixer(config, Mamba2Shape.falcon_h1(config), tp)
