@@ -1,8 +1,7 @@
 """One decode step of the recurrent layers' causal depthwise convolution (Gated DeltaNet's
 and Mamba-2's, then a SiLU; LFM2's short convolution, without; engine/models/gated_delta.py)
-for every row at once: each row's last
-kernel - 1 input rows read at its slot, its new row convolved with them, the window
-moved on in place.
+for every row at once: each row's last kernel - 1 input rows read at its slot, its new
+row convolved with them, the window moved on in place.
 
 In torch that is a gather of the rows' conv states, a cat, a multiply, a sum, a SiLU and
 a scatter back: six launches a layer for a few kilobytes a row. Here one program takes

@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP: top-k routing, then each token through its k experts' MLPs:
 gated by SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU, or
-Nemotron 3's ungated relu^2, with expert biases where the model has them. Experts may be FP8 (`ExpertScales`): e4m3 weights with
-one scale per expert and output row, widened to the activations' dtype in registers
-(weight-only, as decode reads little else) and scaled once after the dot.
+Nemotron 3's ungated relu^2, with expert biases where the model has them. Experts may be
+FP8 (`ExpertScales`): e4m3 weights with one scale per expert and output row, widened to
+the activations' dtype in registers (weight-only, as decode reads little else) and
+scaled once after the dot.
 
 The Triton path groups the (token, expert) pairs by expert (kernels/moe_align.py): the
 pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so

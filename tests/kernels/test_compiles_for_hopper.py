@@ -122,8 +122,9 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 
 def compile_moe() -> None:
     """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
-    gate/up on FP8 experts, the per-pair GEMV's gate/up (bf16) and its down summing a
-    token's four pairs (FP8), the routing kernel, and the pairs' grouping by expert."""
+    gate/up on FP8 experts (and Nemotron 3's ungated one), the per-pair GEMV's gate/up
+    (bf16) and its down summing a token's four pairs (FP8), the routing kernel, and the
+    pairs' grouping by expert."""
     from kernels.fused_moe import _grouped_gemm_kernel
     from kernels.moe_align import _align_kernel
     from kernels.moe_gemv import _pair_gemv_kernel
@@ -133,14 +134,16 @@ def compile_moe() -> None:
     pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
     pointers |= {"counters_ptr": "*i32", "scale_ptr": "*fp32"}
     fp8 = pointers | {"w_ptr": "*fp8e4nv"}
-    constexprs = {"A_ROW_DIV": 4, "GATED": True, "ACT": 1, "BIAS": True, "SCALED": True}
-    constexprs |= {"MUL_WEIGHT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}
-    constexprs |= {"DOT_PRECISION": "tf32"}
-    signature = by_name(_grouped_gemm_kernel, constexprs, fp8, {"alpha", "limit"})
-    assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
+    for act in (1, 3):  # GPT-OSS's clamped SwiGLU; Nemotron 3's ungated relu^2 (no up rows)
+        constexprs = {"A_ROW_DIV": 4, "GATED": True, "UP": act != 3, "ACT": act}
+        constexprs |= {"BIAS": act == 1, "SCALED": True, "MUL_WEIGHT": False}
+        constexprs |= {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}
+        signature = by_name(_grouped_gemm_kernel, constexprs, fp8, {"alpha", "limit"})
+        assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
     for gated in (True, False):
         constexprs = {"A_ROW_DIV": 4 if gated else 1, "TOP_K": 1 if gated else 4}
-        constexprs |= {"GATED": gated, "ACT": int(gated), "BIAS": True, "WEIGHTED": not gated}
+        constexprs |= {"GATED": gated, "UP": gated, "ACT": int(gated), "BIAS": True}
+        constexprs |= {"WEIGHTED": not gated}
         constexprs |= {"SCALED": not gated, "BLOCK_N": 32, "BLOCK_K": 128, "NUM_SPLITS": 2}
         constexprs |= {"DOT_PRECISION": "tf32"}
         types = pointers if gated else fp8
