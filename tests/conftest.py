@@ -127,6 +127,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("mimo_v2_flash", "qwen3_5", "qwen3_5_moe", "qwen3_next")
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
         drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
+        drawn += ("glm",)
         drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
@@ -680,6 +681,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     ),
     # GLM-4 (0414): sandwich norms, q/k/v biases (o_proj none), interleaved pairs of the
     # first half of each head rotated, gate and up one tensor.
+    # GLM-4-9B: GLM-4's attention (q/k/v biases, half of each head rotated by pairs) in
+    # Llama's pre-norm layers.
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(head_dim=16, pad_token_id=0)),
     "glm4": (
         "Glm4Config",
         "Glm4ForCausalLM",

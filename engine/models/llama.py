@@ -55,7 +55,7 @@ QK_NORM_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "lfm2", "lf
 QKV_BIAS_MODELS = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")  # always, as Qwen2's
 SINK_MODELS = ("gpt_oss", "granite_swa", "granitemoe_swa")  # a sink logit per head
 # The Llama-shaped models whose transformers code applies a partial_rotary_factor.
-PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "nemotron", "stablelm")
+PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "glm", "minimax_m2", "nemotron", "stablelm")
 PARTIAL_ROTARY_MODELS += ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "bamba")
 
 

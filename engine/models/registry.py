@@ -15,7 +15,7 @@ from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
-from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
 from engine.models.gpt2 import GPT2ForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
@@ -103,6 +103,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,
     "cohere2_moe": Cohere2MoeForCausalLM,
+    "glm": GlmForCausalLM,
     "glm4": Glm4ForCausalLM,
     "ernie4_5": Ernie4_5ForCausalLM,
     "ernie4_5_moe": Ernie4_5MoeForCausalLM,
