@@ -221,6 +221,13 @@ FALCON_H1 = dict(
     ssm_out_multiplier=0.6,
     tie_word_embeddings=False,
 )
+# LFM2's layers: short convolutions (3 taps, biased) around one attention layer.
+LFM2 = dict(
+    num_hidden_layers=3,
+    layer_types=["conv", "full_attention", "conv"],
+    conv_bias=True,
+    tie_word_embeddings=False,
+)
 NEMOTRON_3 = dict(
     num_hidden_layers=4,
     layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
@@ -981,30 +988,20 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     "lfm2": (
         "Lfm2Config",
         "Lfm2ForCausalLM",
-        dict(
-            num_hidden_layers=3,
-            layer_types=["conv", "full_attention", "conv"],
-            conv_bias=True,
-            block_multiple_of=16,
-            block_ffn_dim_multiplier=1.5,
-            tie_word_embeddings=False,
-        ),
+        LFM2 | dict(block_multiple_of=16, block_ffn_dim_multiplier=1.5),
     ),
     # LFM2-MoE: the same layers, a dense MLP first, then 8 experts (top-2) chosen by
     # sigmoids plus a bias (drawn), renormalized and scaled.
     "lfm2_moe": (
         "Lfm2MoeConfig",
         "Lfm2MoeForCausalLM",
-        dict(
-            num_hidden_layers=3,
-            layer_types=["conv", "full_attention", "conv"],
-            conv_bias=True,
+        LFM2
+        | dict(
             num_dense_layers=1,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             routed_scaling_factor=1.5,
-            tie_word_embeddings=False,
         ),
     ),
     # Mamba-2 alone (Mamba-Codestral's layout): 4 heads of 32 in two groups, a conv bias,
