@@ -122,7 +122,7 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 
 def compile_moe() -> None:
     """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
-    gate/up on FP8 experts (and Nemotron 3's ungated one), the per-pair GEMV's gate/up
+    gate/up on FP8 experts (and Nemotron 3's ungated one on e4m3 dots), the per-pair GEMV's gate/up
     (bf16) and its down summing a token's four pairs (FP8), the routing kernel, and the
     pairs' grouping by expert."""
     from kernels.fused_moe import _grouped_gemm_kernel
@@ -133,13 +133,20 @@ def compile_moe() -> None:
     pointers = {"topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32"}
     pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
     pointers |= {"counters_ptr": "*i32", "scale_ptr": "*fp32"}
-    fp8 = pointers | {"w_ptr": "*fp8e4nv"}
-    for act in (1, 3):  # GPT-OSS's clamped SwiGLU; Nemotron 3's ungated relu^2 (no up rows)
+    fp8 = pointers | {"w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32"}
+    # GPT-OSS's clamped SwiGLU on widened e4m3 weights; Nemotron 3's ungated relu^2 (no
+    # up rows) on e4m3 dots, as prefill runs it.
+    for act, w8a8 in ((1, False), (3, True)):
         constexprs = {"A_ROW_DIV": 4, "GATED": True, "UP": act != 3, "ACT": act}
-        constexprs |= {"BIAS": act == 1, "SCALED": True, "MUL_WEIGHT": False}
-        constexprs |= {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32"}
-        signature = by_name(_grouped_gemm_kernel, constexprs, fp8, {"alpha", "limit"})
-        assert "cubin" in compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
+        constexprs |= {"BIAS": act == 1, "SCALED": True, "A_FP8": w8a8, "MUL_WEIGHT": False}
+        constexprs |= {"BLOCK_M": 64 if w8a8 else 16, "BLOCK_N": 64, "BLOCK_K": 64}
+        constexprs |= {"DOT_PRECISION": "tf32"}
+        types = fp8 | ({"a_ptr": "*fp8e4nv"} if w8a8 else {})
+        signature = by_name(_grouped_gemm_kernel, constexprs, types, {"alpha", "limit"})
+        asm = compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
+        if w8a8:  # e4m3 by e4m3 dots widen nothing
+            assert "wgmma.mma" in asm["ptx"] and ".e4m3x2" not in asm["ptx"]
+        assert "cubin" in asm
     for gated in (True, False):
         constexprs = {"A_ROW_DIV": 4 if gated else 1, "TOP_K": 1 if gated else 4}
         constexprs |= {"GATED": gated, "UP": gated, "ACT": int(gated), "BIAS": True}

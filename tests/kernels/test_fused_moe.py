@@ -11,6 +11,7 @@ import torch
 from kernels.activation import ClampedSwiGLU, GeluTanhGLU, Relu2, expert_act_args
 from kernels.fp8 import quantize_per_channel
 from kernels.fused_moe import (
+    W8A8_PAIRS_PER_EXPERT,
     ExpertBiases,
     ExpertScales,
     MoeConfig,
@@ -18,6 +19,7 @@ from kernels.fused_moe import (
     fused_moe_for,
     fused_moe_ref,
     select_experts,
+    takes_e4m3_dots,
 )
 from kernels.moe_align import align_by_expert, align_by_expert_ref
 from kernels.moe_gemv import MAX_PAIRS
@@ -165,7 +167,8 @@ def test_ungated_relu2_experts_match_reference(
         w1, w2 = q1.to(device), q2.to(device)
         scales = ExpertScales(s1.to(device), (s2 * inter**-0.5).to(device))
     args = (x, w1, w2, topk_weights, topk_ids)
-    expected = fused_moe_ref(*args, None, Relu2(), scales)
+    w8a8 = fp8 and takes_e4m3_dots(num_tokens * top_k, num_experts)
+    expected = fused_moe_ref(*args, None, Relu2(), scales, w8a8=w8a8)
     with patch("kernels.moe_gemv._num_splits", lambda *_: num_splits or 1):
         result = fused_moe(*args, None, Relu2(), scales)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
@@ -210,8 +213,8 @@ def test_fp8_experts_match_reference(
     num_tokens: int, gpt_oss: bool, rng: torch.Generator, device
 ) -> None:
     # e4m3 experts, scaled per (expert, row), through the per-pair GEMVs (up to 8 pairs:
-    # gate/up's K in two splits, down's in one) and the grouped GEMMs; with GPT-OSS's
-    # biases and clamp or without.
+    # gate/up's K in two splits, down's in one) and the grouped GEMMs (37 tokens: e4m3
+    # dots); with GPT-OSS's biases and clamp or without.
     num_experts, hidden, inter, top_k = 6, 300, 72, 4
     x = torch.randn(num_tokens, hidden, generator=rng)
     q13, s13 = quantize_experts(torch.randn(num_experts, 2 * inter, hidden, generator=rng))
@@ -226,16 +229,17 @@ def test_fp8_experts_match_reference(
         b13, b2 = torch.randn(num_experts, 2 * inter), torch.randn(num_experts, hidden)
         biases = ExpertBiases(b13.to(device), b2.to(device))
         clamped = ClampedSwiGLU(alpha=1.702, limit=1.0)
-    expected = fused_moe_ref(*args, biases, clamped, scales)
+    w8a8 = takes_e4m3_dots(num_tokens * top_k, num_experts)
+    expected = fused_moe_ref(*args, biases, clamped, scales, w8a8=w8a8)
     result = fused_moe(*args, biases, clamped, scales)
     torch.testing.assert_close(result, expected, rtol=1e-4, atol=1e-4)
     # The reference is the dequantized weights' MoE, and a scale off by one row is not.
     w13 = q13.float() * s13[..., None]
     w2 = q2.float() * s2[..., None]
     dense = [t.to(device) for t in (x, w13, w2, topk_weights, topk_ids)]
-    torch.testing.assert_close(expected, fused_moe_ref(*dense, biases, clamped))
+    torch.testing.assert_close(expected, fused_moe_ref(*dense, biases, clamped, w8a8=w8a8))
     shifted = ExpertScales(scales.s13.roll(1, dims=1), scales.s2)
-    assert not torch.allclose(fused_moe_ref(*args, biases, clamped, shifted), expected)
+    assert not torch.allclose(fused_moe_ref(*args, biases, clamped, shifted, w8a8=w8a8), expected)
 
 
 def test_an_activation_is_read_by_its_code_not_its_class() -> None:
@@ -290,3 +294,32 @@ def test_select_experts_top_k_softmax() -> None:
 
 def test_fused_moe_for_picks_reference_off_cuda() -> None:
     assert fused_moe_for(torch.device("cpu")) is fused_moe_ref
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fp8_experts_at_prefill_sizes_take_e4m3_dots(gated: bool, rng, device) -> None:
+    # Past W8A8_PAIRS_PER_EXPERT pairs an expert, x and each pair's h are quantized per
+    # row and the grouped GEMMs' dots run on e4m3: the reference with both rows rounded
+    # so, and not the weight-only one.
+    num_experts, hidden, inter, top_k = 4, 96, 80, 2
+    num_tokens = 2 * W8A8_PAIRS_PER_EXPERT * num_experts // top_k + 3
+    x = (
+        torch.randn(num_tokens, hidden, generator=rng)
+        * torch.linspace(0.1, 4.0, num_tokens)[:, None]
+    )
+    q13, s13 = quantize_experts(
+        torch.randn(num_experts, (2 if gated else 1) * inter, hidden, generator=rng)
+    )
+    q2, s2 = quantize_experts(torch.randn(num_experts, hidden, inter, generator=rng))
+    scales = ExpertScales((s13 * hidden**-0.5).to(device), (s2 * inter**-0.5).to(device))
+    topk_ids = uneven_topk_ids(num_tokens, top_k, num_experts, rng)
+    topk_weights = torch.rand(num_tokens, top_k, generator=rng)
+    args = [t.to(device) for t in (x, q13, q2, topk_weights, topk_ids)]
+    act = None if gated else Relu2()
+    expected = fused_moe_ref(*args, None, act, scales, w8a8=True)
+    result = fused_moe(*args, None, act, scales)
+    # An h value the kernel and the reference round 1 ulp apart may land on either side
+    # of an e4m3 tie: a few elements move by about a thousandth.
+    torch.testing.assert_close(result, expected, rtol=1e-3, atol=1e-3)
+    weight_only = fused_moe_ref(*args, None, act, scales)
+    assert (result - weight_only).abs().max() > 10 * (result - expected).abs().max()
