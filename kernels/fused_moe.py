@@ -3,9 +3,8 @@ gated by SiLU (Qwen3-MoE, Mixtral), GPT-OSS's clamped SwiGLU or Gemma 4's GeGLU,
 Nemotron 3's ungated relu^2, with expert biases where the model has them. Experts may be
 FP8 (`ExpertScales`): e4m3 weights with one scale per expert and output row, widened to
 the activations' dtype in registers (weight-only, as decode reads little else) and
-scaled once after the dot; where each expert's run fills tall row tiles (prefill), the
-rows are quantized per token too and the dots run on e4m3, as the dense FP8 projections'
-do (W8A8: a widened weight tile costs its conversions again for every row tile).
+scaled once after the dot, in the per-pair GEMVs; the grouped GEMMs quantize their rows
+per token too and take e4m3 dots (W8A8), as the dense FP8 projections do.
 
 The Triton path groups the (token, expert) pairs by expert (kernels/moe_align.py): the
 pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so
@@ -30,13 +29,6 @@ from kernels.fp8 import dequantize_fp8, quantize_per_token, quantize_per_token_r
 from kernels.moe_align import align_by_expert
 from kernels.moe_gemv import MAX_PAIRS, pair_gemv
 from kernels.paged_attention import dot_precision
-
-# FP8 experts take e4m3 dots (their rows quantized per token) from this many (token,
-# expert) pairs an expert on average: tall row tiles, each of which would widen the same
-# weight tiles again. Measured on an H200 over four MoE shapes at 64-8,192 tokens: up to
-# 1.8x faster than widening from ~32 pairs an expert (1,024 tokens and more: all four);
-# at 24 and fewer, the quantizer launches cost more than they save (DeepSeek-V2-Lite's).
-W8A8_PAIRS_PER_EXPERT = 32
 
 
 def select_experts(
@@ -297,12 +289,6 @@ def _grouped_gemm(
     )
 
 
-def takes_e4m3_dots(num_pairs: int, num_experts: int) -> bool:
-    """Whether FP8 experts run W8A8 at this many (token, expert) pairs (see
-    W8A8_PAIRS_PER_EXPERT); the per-pair GEMVs never do."""
-    return num_pairs > MAX_PAIRS and num_pairs >= W8A8_PAIRS_PER_EXPERT * num_experts
-
-
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden], contiguous
     w13: torch.Tensor,  # [num_experts, 2 * inter (inter: ungated), hidden], contiguous
@@ -333,7 +319,9 @@ def fused_moe(
     if config is None:
         config = moe_config(num_pairs, num_experts)
     aligned = align_by_expert(topk_ids, num_experts, config.block_m)
-    w8a8 = scales is not None and takes_e4m3_dots(num_pairs, num_experts)
+    # FP8 experts take e4m3 dots here, their rows quantized per token: a widened weight
+    # tile would cost its conversions again in every row tile of the expert's run.
+    w8a8 = scales is not None
     a, a_scale = quantize_per_token(x) if w8a8 else (x, None)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(a, w13, b13, s13, a_scale, h, weights, aligned, top_k, True, act, config)
