@@ -128,13 +128,14 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("granitemoehybrid", "granitemoehybrid_dense", "nemotron_h")
         drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
         drawn += ("glm",)
-        drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2")
+        drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2", "gptj", "gpt_bigcode")
+        drawn += ("gpt_bigcode_mha",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
                 for name, param in [*model.named_parameters(), *model.named_buffers()]:
-                    if name.endswith(("bias", "sinks")):
-                        param.normal_(0.0, 0.5)
+                    if name.endswith(("bias", "sinks")) and param.is_floating_point():
+                        param.normal_(0.0, 0.5)  # (GPT-BigCode's causal mask is a bool "bias")
                     elif kind == "minimax_m2" and name.endswith(("q_norm.weight", "k_norm.weight")):
                         param.normal_(1.0, 0.5)  # each dim its own weight, to follow a reorder
                     elif kind == "apertus" and name.endswith(("alpha_p", "alpha_n")):
@@ -535,6 +536,13 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # Phi (phi-2): one LayerNorm both sublayers read, half of each head rotated, GQA here
     # (phi-2 itself is multi-head), a biased LM head.
     "phi": ("PhiConfig", "PhiForCausalLM", dict(tie_word_embeddings=False)),
+    # GPT-J: one LayerNorm both sublayers read, half of each head rotated by interleaved
+    # pairs, an LM head with a bias (drawn), tanh GELU.
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(rotary_dim=8, tie_word_embeddings=False)),
+    # GPT-BigCode (StarCoder): GPT-2's blocks, nn.Linear, one k/v head (multi_query) or
+    # every head's k/v with c_attn's rows head by head.
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=False)),
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),

@@ -1,4 +1,6 @@
-"""GPT-2, reading and writing the paged KV cache."""
+"""GPT-2, reading and writing the paged KV cache; GPT-BigCode (`gpt_bigcode`: StarCoder,
+SantaCoder, WizardCoder): GPT-2's blocks with nn.Linear projections and, where
+`multi_query`, one k/v head that every q head reads."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from engine.models.layers import AttentionMetadata, LayerNorm, LMHead, PagedAtte
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    TensorSlice,
     Transposed,
     VocabParallelEmbedding,
     WeightSlice,
@@ -43,7 +46,9 @@ class GPT2Block(nn.Module):
         super().__init__()
         d, head_dim = config.n_embd, config.n_embd // config.n_head
         inner = config.n_inner or 4 * d
-        heads = head_shard(config.n_head, config.n_head, head_dim, tp)
+        num_kv_heads = 1 if getattr(config, "multi_query", False) else config.n_head
+        heads = head_shard(config.n_head, num_kv_heads, head_dim, tp)
+        self.qkv_sizes = [s.local_size for s in heads.sections]
         self.ln_1 = LayerNorm(d, config.layer_norm_epsilon)
         self.c_attn = ColumnParallelLinear(d, heads.sections, bias=True)
         self.attn = PagedAttention(heads.num_heads, heads.num_kv_heads, head_dim, head_dim**-0.5)
@@ -59,7 +64,7 @@ class GPT2Block(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the last sublayer's output, not yet added to the residual stream."""
         h, residual = self.ln_1(x, residual)
-        q, k, v = self.c_attn(h).chunk(3, dim=-1)
+        q, k, v = self.c_attn(h).split(self.qkv_sizes, dim=-1)
         h, residual = self.ln_2(self.c_proj(self.attn(q, k, v, meta)), residual)
         return self.mlp_proj(self.mlp_in(h)), residual
 
@@ -71,9 +76,24 @@ class GPT2Block(nn.Module):
         return self.act(self.c_fc(h))
 
 
+def heads_in_sections(weight: WeightSlice, heads: int) -> torch.Tensor:
+    """A fused qkv tensor's rows (or bias), [head 0's q, k, v, head 1's ...], as q, k, v
+    sections (GPT-NeoX's query_key_value, multi-head GPT-BigCode's c_attn)."""
+    shape = weight.get_shape()
+    tensor = weight[tuple(slice(None) for _ in shape)]
+    by_head = tensor.reshape(heads, 3, shape[0] // (3 * heads), *shape[1:])
+    return by_head.transpose(0, 1).reshape(shape)
+
+
 class GPT2ForCausalLM(nn.Module):
+    TRANSPOSED = TRANSPOSED  # GPT-2's Conv1D weights
+
     def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        if not config.scale_attn_weights or getattr(config, "scale_attn_by_inverse_layer_idx", 0):
+            raise ValueError("unsupported attention scale (scale_attn_weights=False or by layer)")
+        if config.activation_function not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation_function {config.activation_function!r}")
         self.config = config
         self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, tp)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # replicated
@@ -97,12 +117,16 @@ class GPT2ForCausalLM(nn.Module):
         """Read this rank's part of each HF tensor; returns our parameter names filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        # Multi-head GPT-BigCode's c_attn holds its rows head by head.
+        interleaved = self.config.model_type == "gpt_bigcode" and not self.config.multi_query
         for name, weight in weights:
             name = name.removeprefix("transformer.")
             if name.endswith(IGNORED):
                 continue
-            if name.endswith(TRANSPOSED):
+            if name.endswith(self.TRANSPOSED):
                 weight = Transposed(weight)
+            if name.endswith((".c_attn.weight", ".c_attn.bias")) and interleaved:
+                weight = TensorSlice(heads_in_sections(weight, self.config.n_head))
             ours = name.replace("mlp.c_proj", "mlp_proj").replace("attn.c_", "c_")
             ours = ours.replace("mlp.c_fc", "c_fc")
             if ours == "wte.weight":
@@ -115,3 +139,7 @@ class GPT2ForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} for GPT-2")
             loaded.add(ours)
         return loaded
+
+
+class GPTBigCodeForCausalLM(GPT2ForCausalLM):
+    TRANSPOSED = ()  # nn.Linear's [out, in]

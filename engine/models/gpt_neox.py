@@ -9,18 +9,21 @@ their outputs join it together:
   tensors, a partial rotary embedding, and an LM head with a bias.
 - StarCoder2 (`starcoder2`): the sequential layout with separate q/k/v tensors (GQA),
   biases where `use_bias`, the whole head rotated, a sliding window on every layer.
+- GPT-J (`gptj`): Phi's layer without attention biases, the rotation on interleaved
+  pairs (reordered at load) of each head's first rotary_dim dims.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.gpt2 import ACTIVATIONS
+from engine.models.gpt2 import ACTIVATIONS, heads_in_sections
 from engine.models.layers import AttentionMetadata, LayerNorm
 from engine.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM
 from engine.models.parallel import (
@@ -31,7 +34,7 @@ from engine.models.parallel import (
     load_weight,
     split,
 )
-from engine.models.rope import RotaryEmbedding, rotary_of
+from engine.models.rope import RotaryEmbedding, interleaved_dim_order, rotary_of
 from kernels.fp8 import Fp8Rows
 
 # HF module names (under gpt_neox.) -> ours.
@@ -52,8 +55,19 @@ PHI_RENAMES = {
     "mlp.fc2": "mlp.down",
 }
 STARCODER2_RENAMES = {"mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
+# GPT-J's (under transformer., its h. as layers.) -> ours.
+GPTJ_RENAMES = {
+    "wte.": "embed_tokens.",
+    "ln_1.": "input_layernorm.",
+    ".attn.": ".self_attn.",
+    "out_proj": "o_proj",
+    "mlp.fc_in": "mlp.up",
+    "mlp.fc_out": "mlp.down",
+    "ln_f.": "norm.",
+}
 QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+GPTJ_IGNORED = (".attn.bias", ".attn.masked_bias", "embed_positions")
 
 
 class NeoXMLP(nn.Module):
@@ -61,11 +75,11 @@ class NeoXMLP(nn.Module):
 
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        inner = split(config.intermediate_size, tp, "intermediate_size")
+        size = mlp_size(config)
         bias = getattr(config, "use_bias", True)  # StarCoder2's setting; the others' always
-        self.up = ColumnParallelLinear(config.hidden_size, [inner], bias=bias)
-        self.down = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.up = ColumnParallelLinear(config.hidden_size, [split(size, tp, "mlp size")], bias)
+        self.down = RowParallelLinear(size, config.hidden_size, bias, tp)
+        self.act = ACTIVATIONS[activation(config)]
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.down(self.act(self.up(x)))
@@ -120,12 +134,25 @@ class NeoXLayer(nn.Module):
 
 
 def layer_norm_eps(config) -> float:
+    if config.model_type == "gptj":
+        return config.layer_norm_epsilon
     return getattr(config, "layer_norm_eps", None) or config.norm_epsilon  # StarCoder2's name
 
 
+def mlp_size(config) -> int:
+    if config.model_type == "gptj":  # GPT-2's names
+        return config.n_inner or 4 * config.hidden_size
+    return config.intermediate_size
+
+
+def activation(config) -> str:
+    return config.activation_function if config.model_type == "gptj" else config.hidden_act
+
+
 def check_neox_config(config) -> None:
-    if config.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+    if activation(config) not in ACTIVATIONS:
+        field = "activation_function" if config.model_type == "gptj" else "hidden_act"
+        raise ValueError(f"unsupported {field} {activation(config)!r}")
 
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):
@@ -194,9 +221,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         shape = weight.get_shape()
         if shape[0] != 3 * hidden:
             raise ValueError(f"shape {tuple(shape)}, expected ({3 * hidden}, ...)")
-        tensor = weight[tuple(slice(None) for _ in shape)]
-        by_head = tensor.reshape(heads, 3, hidden // heads, *shape[1:])
-        return by_head.transpose(0, 1).reshape(shape)
+        return heads_in_sections(weight, heads)
 
 
 class PhiForCausalLM(GPTNeoXForCausalLM):
@@ -226,3 +251,33 @@ class Starcoder2ForCausalLM(GPTNeoXForCausalLM):
     def make_layer(self, config, tp: TensorParallel) -> NeoXLayer:
         window = config.sliding_window or 0
         return NeoXLayer(config, self.rotary, tp, False, self.attention(config), False, window)
+
+
+class GPTJForCausalLM(PhiForCausalLM):
+    """GPT-J (`gptj`): Phi's layer (one LayerNorm both sublayers read) without attention
+    biases, the rotation on interleaved pairs of the first rotary_dim dims of each head
+    (reordered at load, as GLM's), and its own checkpoint names."""
+
+    RENAMES = GPTJ_RENAMES
+
+    def attention(self, config) -> AttentionOptions:
+        return AttentionOptions(config.num_attention_heads, qkv_bias=False, o_bias=False)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        head_dim = config.hidden_size // config.num_attention_heads
+        rotary_dim = config.rotary_dim or head_dim
+        partial = {"rope_type": "default", "partial_rotary_factor": rotary_dim / head_dim}
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, 10000.0, partial)
+        self.rotary.dim_order = interleaved_dim_order(head_dim, rotary_dim)
+        return [self.make_layer(config, self.tp) for _ in range(config.num_hidden_layers)]
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        def renamed() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                if not name.endswith(GPTJ_IGNORED):
+                    yield (
+                        re.sub(r"^transformer\.(h\.)?", lambda m: m[1] and "layers.", name),
+                        weight,
+                    )
+
+        return super().load_weights(renamed())

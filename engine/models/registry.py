@@ -17,8 +17,13 @@ from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
 from engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from engine.models.glm4_moe import Dots1ForCausalLM, Glm4MoeForCausalLM
-from engine.models.gpt2 import GPT2ForCausalLM
-from engine.models.gpt_neox import GPTNeoXForCausalLM, PhiForCausalLM, Starcoder2ForCausalLM
+from engine.models.gpt2 import GPT2ForCausalLM, GPTBigCodeForCausalLM
+from engine.models.gpt_neox import (
+    GPTJForCausalLM,
+    GPTNeoXForCausalLM,
+    PhiForCausalLM,
+    Starcoder2ForCausalLM,
+)
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
 from engine.models.granite_hybrid import GraniteMoeHybridForCausalLM
@@ -50,6 +55,7 @@ from engine.models.stablelm import StableLmForCausalLM
 # Each is built as MODEL_TYPES[model_type](config, tp): the rank's shard of the model.
 MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt2": GPT2ForCausalLM,
+    "gpt_bigcode": GPTBigCodeForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
@@ -99,6 +105,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
+    "gptj": GPTJForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,

@@ -221,6 +221,8 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ("cohere2_moe", {"expert_selection_fn": "relu"}, "unsupported expert_selection_fn"),
         ("jais2", {"hidden_act": "silu"}, "unsupported hidden_act 'silu'"),
         ("gpt_neox", {"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
+        ("gptj", {"activation_function": "swish"}, "unsupported activation_function 'swish'"),
+        ("gpt_bigcode", {"scale_attn_weights": False}, "unsupported attention scale"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         (  # of the Llama-shaped families, only some rotate part of a head
             "mistral",
