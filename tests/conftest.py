@@ -129,7 +129,7 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
         drawn += ("glm",)
         drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2", "gptj", "gpt_bigcode")
-        drawn += ("gpt_bigcode_mha",)
+        drawn += ("gpt_bigcode_mha", "opt")
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -543,6 +543,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # every head's k/v with c_attn's rows head by head.
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True)),
     "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=False)),
+    # OPT: pre-norm layers without rotation, learned positions offset by 2, ReLU, tied head.
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, word_embed_proj_dim=64)),
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of
     # interleaved pairs, GQA, tied head times logit_scale.
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.5)),

@@ -11,12 +11,15 @@ their outputs join it together:
   biases where `use_bias`, the whole head rotated, a sliding window on every layer.
 - GPT-J (`gptj`): Phi's layer without attention biases, the rotation on interleaved
   pairs (reordered at load) of each head's first rotary_dim dims.
+- OPT (`opt`): the sequential layout without rotation, learned positions (offset by 2)
+  added to the embeddings, a ReLU MLP, biases where `enable_bias`, a tied head.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -67,19 +70,28 @@ GPTJ_RENAMES = {
 }
 QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+# OPT's (under model.decoder.) -> ours; its layers' final_layer_norm is read first.
+OPT_RENAMES = {
+    "self_attn_layer_norm": "input_layernorm",
+    ".final_layer_norm": ".post_attention_layernorm",
+    "final_layer_norm": "norm",
+    "out_proj": "o_proj",
+    "fc1": "mlp.up",
+    "fc2": "mlp.down",
+}
 GPTJ_IGNORED = (".attn.bias", ".attn.masked_bias", "embed_positions")
 
 
 class NeoXMLP(nn.Module):
-    """down(act(up(x))), with biases: up column-parallel, down row-parallel."""
+    """down(act(up(x))): up column-parallel, down row-parallel."""
 
     def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        size = mlp_size(config)
-        bias = getattr(config, "use_bias", True)  # StarCoder2's setting; the others' always
-        self.up = ColumnParallelLinear(config.hidden_size, [split(size, tp, "mlp size")], bias)
-        self.down = RowParallelLinear(size, config.hidden_size, bias, tp)
-        self.act = ACTIVATIONS[activation(config)]
+        shape = MlpShape.of(config)
+        inner = split(shape.size, tp, "mlp size")
+        self.up = ColumnParallelLinear(config.hidden_size, [inner], bias=shape.bias)
+        self.down = RowParallelLinear(shape.size, config.hidden_size, shape.bias, tp)
+        self.act = ACTIVATIONS[shape.act]
 
     def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return self.down(self.act(self.up(x)))
@@ -134,25 +146,37 @@ class NeoXLayer(nn.Module):
 
 
 def layer_norm_eps(config) -> float:
+    if config.model_type == "opt":
+        return 1e-5  # nn.LayerNorm's default, which OPT keeps
     if config.model_type == "gptj":
         return config.layer_norm_epsilon
     return getattr(config, "layer_norm_eps", None) or config.norm_epsilon  # StarCoder2's name
 
 
-def mlp_size(config) -> int:
-    if config.model_type == "gptj":  # GPT-2's names
-        return config.n_inner or 4 * config.hidden_size
-    return config.intermediate_size
+@dataclass(frozen=True)
+class MlpShape:
+    """The MLP's width, activation and biases, read from each family's names for them."""
 
+    size: int
+    act: str
+    bias: bool
 
-def activation(config) -> str:
-    return config.activation_function if config.model_type == "gptj" else config.hidden_act
+    @staticmethod
+    def of(config) -> MlpShape:
+        if config.model_type == "gptj":  # GPT-2's names
+            size = config.n_inner or 4 * config.hidden_size
+            return MlpShape(size, config.activation_function, True)
+        if config.model_type == "opt":
+            return MlpShape(config.ffn_dim, config.activation_function, config.enable_bias)
+        # StarCoder2's use_bias; the others always have biases.
+        bias = getattr(config, "use_bias", True)
+        return MlpShape(config.intermediate_size, config.hidden_act, bias)
 
 
 def check_neox_config(config) -> None:
-    if activation(config) not in ACTIVATIONS:
-        field = "activation_function" if config.model_type == "gptj" else "hidden_act"
-        raise ValueError(f"unsupported {field} {activation(config)!r}")
+    if (act := MlpShape.of(config).act) not in ACTIVATIONS:
+        field = "activation_function" if config.model_type in ("gptj", "opt") else "hidden_act"
+        raise ValueError(f"unsupported {field} {act!r}")
 
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):
@@ -279,5 +303,50 @@ class GPTJForCausalLM(PhiForCausalLM):
                         re.sub(r"^transformer\.(h\.)?", lambda m: m[1] and "layers.", name),
                         weight,
                     )
+
+        return super().load_weights(renamed())
+
+
+class OPTForCausalLM(GPTNeoXForCausalLM):
+    """OPT (`opt`): GPT-NeoX's sequential layers without rotation, GPT-2's learned positions."""
+
+    RENAMES = OPT_RENAMES
+    POSITION_OFFSET = 2  # OPT's table keeps two rows before position 0
+
+    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
+        if not config.do_layer_norm_before or config.word_embed_proj_dim != config.hidden_size:
+            raise ValueError("unsupported post-norm OPT (opt-350m's do_layer_norm_before=False)")
+        if config._remove_final_layer_norm or not config.layer_norm_elementwise_affine:
+            raise ValueError("unsupported OPT without its final or affine LayerNorms")
+        super().__init__(config, tp)
+        rows = config.max_position_embeddings + self.POSITION_OFFSET
+        self.embed_positions = nn.Embedding(rows, config.hidden_size)  # replicated
+
+    def attention(self, config) -> AttentionOptions:
+        bias = config.enable_bias
+        return AttentionOptions(config.num_attention_heads, qkv_bias=bias, o_bias=bias)
+
+    def make_layers(self, config) -> list[nn.Module]:
+        self.rotary = None
+        options = self.attention(config)
+        return [
+            NeoXLayer(config, None, self.tp, False, options)
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        # The first norm adds the two embeddings, as GPT-2's.
+        x = self.embed_tokens(input_ids)
+        residual = self.embed_positions(positions + self.POSITION_OFFSET)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm(x, residual)[0]
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        def renamed() -> Iterator[tuple[str, WeightSlice]]:
+            for name, weight in weights:
+                yield name.removeprefix("model.decoder."), weight
 
         return super().load_weights(renamed())

@@ -21,6 +21,7 @@ from engine.models.gpt2 import GPT2ForCausalLM, GPTBigCodeForCausalLM
 from engine.models.gpt_neox import (
     GPTJForCausalLM,
     GPTNeoXForCausalLM,
+    OPTForCausalLM,
     PhiForCausalLM,
     Starcoder2ForCausalLM,
 )
@@ -106,6 +107,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "phi": PhiForCausalLM,
     "gptj": GPTJForCausalLM,
+    "opt": OPTForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,

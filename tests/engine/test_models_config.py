@@ -223,6 +223,8 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ("gpt_neox", {"hidden_act": "swish"}, "unsupported hidden_act 'swish'"),
         ("gptj", {"activation_function": "swish"}, "unsupported activation_function 'swish'"),
         ("gpt_bigcode", {"scale_attn_weights": False}, "unsupported attention scale"),
+        ("opt", {"do_layer_norm_before": False}, "unsupported post-norm OPT"),
+        ("opt", {"_remove_final_layer_norm": True}, "unsupported OPT without"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         (  # of the Llama-shaped families, only some rotate part of a head
             "mistral",
