@@ -129,7 +129,8 @@ def _build(kind: str, path: Path, tokenizer) -> str:
         drawn += ("nemotron_h_moe", "nemotron_h_latent", "bamba", "lfm2", "lfm2_moe", "gemma")
         drawn += ("glm",)
         drawn += ("falcon_h1", "falcon_h1_ungated", "mamba2", "gptj", "gpt_bigcode")
-        drawn += ("gpt_bigcode_mha", "opt")
+        drawn += ("gpt_bigcode_mha", "opt", "falcon", "falcon_7b", "falcon2")
+        drawn += ("falcon_sequential",)
         if kind in drawn:
             # transformers starts biases (and sinks) at zero: drawn, they are tested.
             with torch.no_grad():
@@ -543,6 +544,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
     # every head's k/v with c_attn's rows head by head.
     "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=True)),
     "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(multi_query=False)),
+    # Falcon-40B/180B's layout (kv groups in query_key_value, a norm each sublayer),
+    # Falcon-7B's (multi-query, one norm) and Falcon2-11B's (kv groups, one norm).
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=True, num_kv_heads=2, bias=True, ffn_hidden_size=96),
+    ),
+    "falcon_7b": ("FalconConfig", "FalconForCausalLM", dict(multi_query=True, bias=True)),
+    "falcon_sequential": (  # every head's k/v, head by head; attention, then the MLP
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(multi_query=False, parallel_attn=False, bias=True),
+    ),
+    "falcon2": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
+    ),
     # OPT: pre-norm layers without rotation, learned positions offset by 2, ReLU, tied head.
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, word_embed_proj_dim=64)),
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of

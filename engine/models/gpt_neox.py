@@ -1,5 +1,5 @@
-"""Parallel-residual models, where attention and MLP read the same residual stream and
-their outputs join it together:
+"""GPT-NeoX-shaped models: LayerNorms and a plain MLP; attention and MLP in parallel
+(reading the same residual stream, their outputs joining it together) or in sequence:
 
 - GPT-NeoX (`gpt_neox`: Pythia, GPT-NeoX-20B, and the models trained on its code):
   Llama's attention with biases, a partial rotary embedding, and the q, k and v rows
@@ -11,14 +11,12 @@ their outputs join it together:
   biases where `use_bias`, the whole head rotated, a sliding window on every layer.
 - GPT-J (`gptj`): Phi's layer without attention biases, the rotation on interleaved
   pairs (reordered at load) of each head's first rotary_dim dims.
-- OPT (`opt`): the sequential layout without rotation, learned positions (offset by 2)
-  added to the embeddings, a ReLU MLP, biases where `enable_bias`, a tied head.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -70,15 +68,6 @@ GPTJ_RENAMES = {
 }
 QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
-# OPT's (under model.decoder.) -> ours; its layers' final_layer_norm is read first.
-OPT_RENAMES = {
-    "self_attn_layer_norm": "input_layernorm",
-    ".final_layer_norm": ".post_attention_layernorm",
-    "final_layer_norm": "norm",
-    "out_proj": "o_proj",
-    "fc1": "mlp.up",
-    "fc2": "mlp.down",
-}
 GPTJ_IGNORED = (".attn.bias", ".attn.masked_bias", "embed_positions")
 
 
@@ -148,7 +137,7 @@ class NeoXLayer(nn.Module):
 def layer_norm_eps(config) -> float:
     if config.model_type == "opt":
         return 1e-5  # nn.LayerNorm's default, which OPT keeps
-    if config.model_type == "gptj":
+    if config.model_type in ("gptj", "falcon"):
         return config.layer_norm_epsilon
     return getattr(config, "layer_norm_eps", None) or config.norm_epsilon  # StarCoder2's name
 
@@ -168,6 +157,8 @@ class MlpShape:
             return MlpShape(size, config.activation_function, True)
         if config.model_type == "opt":
             return MlpShape(config.ffn_dim, config.activation_function, config.enable_bias)
+        if config.model_type == "falcon":
+            return MlpShape(config.ffn_hidden_size, config.activation, config.bias)
         # StarCoder2's use_bias; the others always have biases.
         bias = getattr(config, "use_bias", True)
         return MlpShape(config.intermediate_size, config.hidden_act, bias)
@@ -175,7 +166,10 @@ class MlpShape:
 
 def check_neox_config(config) -> None:
     if (act := MlpShape.of(config).act) not in ACTIVATIONS:
-        field = "activation_function" if config.model_type in ("gptj", "opt") else "hidden_act"
+        field = {"gptj": "activation_function", "opt": "activation_function"}
+        field = field.get(
+            config.model_type, "activation" if config.model_type == "falcon" else "hidden_act"
+        )
         raise ValueError(f"unsupported {field} {act!r}")
 
 
@@ -296,57 +290,11 @@ class GPTJForCausalLM(PhiForCausalLM):
         return [self.make_layer(config, self.tp) for _ in range(config.num_hidden_layers)]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, WeightSlice]]:
-            for name, weight in weights:
-                if not name.endswith(GPTJ_IGNORED):
-                    yield (
-                        re.sub(r"^transformer\.(h\.)?", lambda m: m[1] and "layers.", name),
-                        weight,
-                    )
-
-        return super().load_weights(renamed())
+        named = ((from_transformer(n), w) for n, w in weights if not n.endswith(GPTJ_IGNORED))
+        return super().load_weights(named)
 
 
-class OPTForCausalLM(GPTNeoXForCausalLM):
-    """OPT (`opt`): GPT-NeoX's sequential layers without rotation, GPT-2's learned positions."""
-
-    RENAMES = OPT_RENAMES
-    POSITION_OFFSET = 2  # OPT's table keeps two rows before position 0
-
-    def __init__(self, config, tp: TensorParallel = SINGLE) -> None:
-        if not config.do_layer_norm_before or config.word_embed_proj_dim != config.hidden_size:
-            raise ValueError("unsupported post-norm OPT (opt-350m's do_layer_norm_before=False)")
-        if config._remove_final_layer_norm or not config.layer_norm_elementwise_affine:
-            raise ValueError("unsupported OPT without its final or affine LayerNorms")
-        super().__init__(config, tp)
-        rows = config.max_position_embeddings + self.POSITION_OFFSET
-        self.embed_positions = nn.Embedding(rows, config.hidden_size)  # replicated
-
-    def attention(self, config) -> AttentionOptions:
-        bias = config.enable_bias
-        return AttentionOptions(config.num_attention_heads, qkv_bias=bias, o_bias=bias)
-
-    def make_layers(self, config) -> list[nn.Module]:
-        self.rotary = None
-        options = self.attention(config)
-        return [
-            NeoXLayer(config, None, self.tp, False, options)
-            for _ in range(config.num_hidden_layers)
-        ]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        # The first norm adds the two embeddings, as GPT-2's.
-        x = self.embed_tokens(input_ids)
-        residual = self.embed_positions(positions + self.POSITION_OFFSET)
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        return self.norm(x, residual)[0]
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, WeightSlice]]:
-            for name, weight in weights:
-                yield name.removeprefix("model.decoder."), weight
-
-        return super().load_weights(renamed())
+def from_transformer(name: str) -> str:
+    """A GPT-2-style checkpoint name as the Llama-style ones: transformer.h.N. as
+    layers.N., the other transformer. names without it (GPT-J's, Falcon's)."""
+    return re.sub(r"^transformer\.(h\.)?", lambda m: m[1] and "layers.", name)

@@ -12,6 +12,7 @@ from engine.models.cohere import Cohere2ForCausalLM, Cohere2MoeForCausalLM, Cohe
 from engine.models.deepseek import DeepseekForCausalLM
 from engine.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM, ExaoneMoeForCausalLM
+from engine.models.falcon import FalconForCausalLM
 from engine.models.falcon_h1 import FalconH1ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM, GemmaForCausalLM
 from engine.models.gemma4 import Gemma4ForCausalLM
@@ -21,7 +22,6 @@ from engine.models.gpt2 import GPT2ForCausalLM, GPTBigCodeForCausalLM
 from engine.models.gpt_neox import (
     GPTJForCausalLM,
     GPTNeoXForCausalLM,
-    OPTForCausalLM,
     PhiForCausalLM,
     Starcoder2ForCausalLM,
 )
@@ -45,6 +45,7 @@ from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
+from engine.models.opt import OPTForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.qwen3_5 import (
     Qwen3_5ForCausalLM,
@@ -108,6 +109,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "phi": PhiForCausalLM,
     "gptj": GPTJForCausalLM,
     "opt": OPTForCausalLM,
+    "falcon": FalconForCausalLM,
     "starcoder2": Starcoder2ForCausalLM,
     "cohere": CohereForCausalLM,
     "cohere2": Cohere2ForCausalLM,

@@ -224,6 +224,8 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
         ("gptj", {"activation_function": "swish"}, "unsupported activation_function 'swish'"),
         ("gpt_bigcode", {"scale_attn_weights": False}, "unsupported attention scale"),
         ("opt", {"do_layer_norm_before": False}, "unsupported post-norm OPT"),
+        ("falcon", {"alibi": True}, "unsupported alibi=True"),
+        ("falcon", {"activation": "swish"}, "unsupported activation 'swish'"),
         ("opt", {"_remove_final_layer_norm": True}, "unsupported OPT without"),
         ("mistral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         (  # of the Llama-shaped families, only some rotate part of a head
