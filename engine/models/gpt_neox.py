@@ -69,6 +69,9 @@ GPTJ_RENAMES = {
 QKV = ("q_proj", "k_proj", "v_proj")
 IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
 GPTJ_IGNORED = (".attn.bias", ".attn.masked_bias", "embed_positions")
+# The config field naming the MLP's activation, where it is not hidden_act.
+ACTIVATION_FIELDS = {"gptj": "activation_function", "opt": "activation_function"}
+ACTIVATION_FIELDS["falcon"] = "activation"
 
 
 class NeoXMLP(nn.Module):
@@ -166,10 +169,7 @@ class MlpShape:
 
 def check_neox_config(config) -> None:
     if (act := MlpShape.of(config).act) not in ACTIVATIONS:
-        field = {"gptj": "activation_function", "opt": "activation_function"}
-        field = field.get(
-            config.model_type, "activation" if config.model_type == "falcon" else "hidden_act"
-        )
+        field = ACTIVATION_FIELDS.get(config.model_type, "hidden_act")
         raise ValueError(f"unsupported {field} {act!r}")
 
 
