@@ -562,6 +562,8 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict]] = {
         "FalconForCausalLM",
         dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),
     ),
+    # OLMo: Llama's layers, LayerNorms without weights, q/k/v clamped (clip_qkv biting).
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(clip_qkv=0.05)),
     # OPT: pre-norm layers without rotation, learned positions offset by 2, ReLU, tied head.
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=96, word_embed_proj_dim=64)),
     # Cohere (Command R, Aya): one bias-free LayerNorm both sublayers read, rotation of

@@ -1,4 +1,7 @@
-"""AllenAI's OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): Llama's attention
+"""AllenAI's OLMo (`olmo`: OLMo-1B/7B): Llama's layers with LayerNorms that have no
+weights, and q, k and v clamped to +-clip_qkv where set.
+
+OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): Llama's attention
 and MLP, with the norms moved. Each sublayer's output is RMS-normed before it joins the
 residual stream (no norm before a sublayer), and q and k are RMS-normed over their whole
 width, every head at once, before the rotation. Tensor-parallel ranks hold parts of that
@@ -10,18 +13,27 @@ softmax over its experts' top-k (renormalized where `norm_topk_prob`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.experts import FusedMoE
-from engine.models.layers import AttentionMetadata, RMSNorm, layer_sliding_windows
+from engine.models.layers import (
+    AddNorm,
+    AttentionMetadata,
+    LayerNorm,
+    RMSNorm,
+    layer_sliding_windows,
+)
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import Section, WeightSlice, head_shard, read
 from engine.models.rope import RotaryEmbedding, rotary_of
 from engine.models.weight_copy import fill
+from kernels.fp8 import Fp8Rows
 from kernels.norms import add_norm_for
 
 
@@ -113,6 +125,53 @@ class Olmo2ForCausalLM(LlamaForCausalLM):  # and OLMo 3
         return [
             Olmo2DecoderLayer(config, local if window else self.rotary, window, self.tp)
             for window in layer_sliding_windows(config)
+        ]
+
+
+class OlmoAttention(LlamaAttention):
+    """Llama's attention with q, k and v clamped to +-clip_qkv (where set)."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+        super().__init__(config, rotary, 0, tp)
+        self.clip_qkv = config.clip_qkv
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Rows, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, q, k, v, meta))
+
+
+class OlmoForCausalLM(LlamaForCausalLM):
+    def make_norm(self, config) -> nn.Module:
+        return LayerNorm(config.hidden_size, 1e-5, bias=False)  # its weight set to ones
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSlice]]) -> set[str]:
+        """The checkpoint's tensors, then every norm's weight ones: OLMo's LayerNorms
+        have none."""
+        loaded = super().load_weights(weights)
+        for name, module in self.named_modules():
+            if isinstance(module, AddNorm):
+                module.weight.data.fill_(1.0)
+                loaded.add(f"{name}.weight")
+        return loaded
+
+    def make_layers(self, config) -> list[nn.Module]:
+        self.rotary = rotary_of(config)
+        return [
+            LlamaDecoderLayer(
+                config,
+                self.rotary,
+                0,
+                self.make_mlp(config, i),
+                self.tp,
+                self_attn=OlmoAttention(config, self.rotary, self.tp),
+                norm=partial(self.make_norm, config),
+            )  # fmt: skip
+            for i in range(config.num_hidden_layers)
         ]
 
 

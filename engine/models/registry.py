@@ -44,7 +44,7 @@ from engine.models.modernbert import ModernBertModel
 from engine.models.moe import MoeForCausalLM
 from engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from engine.models.nemotron_h import Mamba2ForCausalLM, NemotronHForCausalLM
-from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM, OlmoeForCausalLM, OlmoForCausalLM
 from engine.models.opt import OPTForCausalLM
 from engine.models.phimoe import PhimoeForCausalLM
 from engine.models.qwen3_5 import (
@@ -128,6 +128,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "deepseek_v3": DeepseekForCausalLM,
     "glm4_moe_lite": DeepseekForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's layers
     "mistral4": DeepseekForCausalLM,  # DeepSeek-V3's layers, softmax routing, a q scale
+    "olmo": OlmoForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "olmo3": Olmo2ForCausalLM,
     "olmoe": OlmoeForCausalLM,
