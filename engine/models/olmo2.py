@@ -170,7 +170,7 @@ class OlmoForCausalLM(LlamaForCausalLM):
                 self.tp,
                 self_attn=OlmoAttention(config, self.rotary, self.tp),
                 norm=partial(self.make_norm, config),
-            )  # fmt: skip
+            )
             for i in range(config.num_hidden_layers)
         ]
 
