@@ -112,7 +112,7 @@ def _grouped_gemm_kernel(
     w_ptr,  # [num_experts, N (x2 when UP), K]
     bias_ptr,  # BIAS: [num_experts, N (x2 when UP)]
     scale_ptr,  # SCALED: [num_experts, N (x2 when UP)] fp32, w in e4m3
-    a_scale_ptr,  # A_FP8: [rows of a] fp32, a in e4m3
+    a_scale_ptr,  # SCALED: [rows of a] fp32, a in e4m3
     out_ptr,  # [num_pairs, N], row = pair index
     topk_weights_ptr,  # [num_pairs] fp32
     sorted_ids_ptr,
@@ -134,8 +134,7 @@ def _grouped_gemm_kernel(
     UP: tl.constexpr,  # GATED with a gated ACT: w holds gate rows then up rows
     ACT: tl.constexpr,  # GATED's activation (kernels/activation.py's moe_gated)
     BIAS: tl.constexpr,  # add the expert's bias row before the activation / the weight
-    SCALED: tl.constexpr,  # FP8 w: widen it to a's dtype, scale the columns after the dot
-    A_FP8: tl.constexpr,  # with SCALED, a in e4m3 too: e4m3 dots, its rows scaled after
+    SCALED: tl.constexpr,  # a and w in e4m3: e4m3 dots, then a's rows and w's columns scaled
     MUL_WEIGHT: tl.constexpr,  # scale each row by its routing weight
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,7 +167,7 @@ def _grouped_gemm_kernel(
         )  # [BLOCK_M, BLOCK_K]
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        if A_FP8:
+        if SCALED:
             # Each K tile's e4m3 product summed into acc in fp32: Hopper's e4m3 dots
             # accumulate in less than fp32 when chained along K (as split-K's sums are).
             acc += tl.dot(a, w)
@@ -178,15 +177,14 @@ def _grouped_gemm_kernel(
             w_up = tl.load(
                 w_base + (N + cols)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0
             )
-            if A_FP8:
+            if SCALED:
                 acc_up += tl.dot(a, w_up)
             else:
                 acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PRECISION)
-    if A_FP8:
+    if SCALED:
         a_scale = tl.load(a_scale_ptr + a_rows, mask=row_mask, other=0.0)[:, None]
         acc *= a_scale
         acc_up *= a_scale
-    if SCALED:
         scale_row = scale_ptr + expert * stride_se
         acc *= tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
         if UP:
@@ -236,7 +234,7 @@ def _grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,  # [num_experts, rows of w], contiguous
-    scale: torch.Tensor | None,  # FP8 w: [num_experts, rows of w] fp32, contiguous
+    scale: torch.Tensor | None,  # e4m3 w: [num_experts, rows of w] fp32, contiguous
     a_scale: torch.Tensor | None,  # e4m3 a (with scale): [rows of a] fp32, contiguous
     out: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -246,6 +244,7 @@ def _grouped_gemm(
     act: ExpertAct | None,
     config: MoeConfig,
 ) -> None:
+    assert (scale is None) == (a_scale is None), "e4m3 a and w together"
     alpha, limit, act_code = expert_act_args(act)
     sorted_ids, expert_ids, num_padded = aligned
     n = out.shape[1]
@@ -278,7 +277,6 @@ def _grouped_gemm(
         ACT=act_code,
         BIAS=bias is not None,
         SCALED=scale is not None,
-        A_FP8=a_scale is not None,
         MUL_WEIGHT=not gated,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -122,9 +122,9 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 
 def compile_moe() -> None:
     """GPT-OSS's MoE launches (expert biases, the clamped SwiGLU): the grouped GEMM's
-    gate/up on FP8 experts (and Nemotron 3's ungated one on e4m3 dots), the per-pair GEMV's gate/up
-    (bf16) and its down summing a token's four pairs (FP8), the routing kernel, and the
-    pairs' grouping by expert."""
+    gate/up on FP8 experts (e4m3 dots; and Nemotron 3's ungated one), the per-pair GEMV's
+    gate/up (bf16) and its down summing a token's four pairs (FP8), the routing kernel,
+    and the pairs' grouping by expert."""
     from kernels.fused_moe import _grouped_gemm_kernel
     from kernels.moe_align import _align_kernel
     from kernels.moe_gemv import _pair_gemv_kernel
@@ -134,17 +134,17 @@ def compile_moe() -> None:
     pointers |= {"num_padded_ptr": "*i32", "ids_ptr": "*i64", "partials_ptr": "*fp32"}
     pointers |= {"counters_ptr": "*i32", "scale_ptr": "*fp32"}
     fp8 = pointers | {"w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32"}
-    # GPT-OSS's clamped SwiGLU on widened e4m3 weights; Nemotron 3's ungated relu^2 (no
-    # up rows) on e4m3 dots, as prefill runs it.
-    for act, w8a8 in ((1, False), (3, True)):
+    # GPT-OSS's clamped SwiGLU at decode's 16-row tiles (mma.sync); Nemotron 3's ungated
+    # relu^2 (no up rows) at prefill's 64-row tiles (wgmma).
+    for act, block_m in ((1, 16), (3, 64)):
         constexprs = {"A_ROW_DIV": 4, "GATED": True, "UP": act != 3, "ACT": act}
-        constexprs |= {"BIAS": act == 1, "SCALED": True, "A_FP8": w8a8, "MUL_WEIGHT": False}
-        constexprs |= {"BLOCK_M": 64 if w8a8 else 16, "BLOCK_N": 64, "BLOCK_K": 64}
+        constexprs |= {"BIAS": act == 1, "SCALED": True, "MUL_WEIGHT": False}
+        constexprs |= {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
         constexprs |= {"DOT_PRECISION": "tf32"}
-        types = fp8 | ({"a_ptr": "*fp8e4nv"} if w8a8 else {})
+        types = fp8 | {"a_ptr": "*fp8e4nv"}
         signature = by_name(_grouped_gemm_kernel, constexprs, types, {"alpha", "limit"})
         asm = compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
-        if w8a8:  # e4m3 by e4m3 dots widen nothing
+        if block_m == 64:  # wgmma takes e4m3 as it is (16-row mma.sync tiles widen it)
             assert "wgmma.mma" in asm["ptx"] and ".e4m3x2" not in asm["ptx"]
         assert "cubin" in asm
     for gated in (True, False):
