@@ -35,7 +35,8 @@ class EngineConfig:
     # None: DEFAULT_MAX_NUM_BATCHED_TOKENS (an encoder's: ENCODER_MAX_NUM_BATCHED_TOKENS).
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own limit
-    enable_prefix_caching: bool = True
+    # None: on, except for a model with recurrent layers (see recurrent_model).
+    enable_prefix_caching: bool | None = None
     # "fcfs": requests in arrival order; "priority": by SamplingParams.priority (lower
     # first), then arrival, for admission and (the last of that order) preemption.
     scheduling_policy: str = "fcfs"
@@ -78,9 +79,15 @@ class EngineConfig:
     # Set by the engine for an encoder (engine/models/bert.py): see encoder_only().
     encoder: bool = field(default=False, init=False)
     budget_given: bool = field(default=False, init=False)  # max_num_batched_tokens was set
+    prefix_caching_given: bool = field(default=False, init=False)
+    # Snapshot rows of recurrent states for the prefix cache (engine/state_snapshots.py).
+    state_snapshots: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.budget_given = self.max_num_batched_tokens is not None
+        self.prefix_caching_given = self.enable_prefix_caching is not None
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = True
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -177,15 +184,19 @@ class EngineConfig:
 
     def recurrent_model(self) -> None:
         """A model with recurrent layers (engine/models/layers.py's RecurrentLayer): a
-        sequence's state is built token by token, so no prefix is taken from the cache
-        and no step is rolled back (speculative decoding); steps with prompts run
-        eagerly, their shape read to the host (decode steps keep their graphs)."""
+        sequence's state is built token by token, so no step is rolled back
+        (speculative decoding), and a cached prefix needs the state saved where it ends:
+        the prefix cache, only when asked for, keeps a snapshot row per sequence slot
+        (engine/state_snapshots.py). Steps with prompts run eagerly, their shape read to
+        the host (decode steps keep their graphs)."""
         if self.num_speculative_tokens:
             raise ValueError(
                 "speculative decoding is not supported for models with recurrent layers "
                 "(their state cannot take back rejected drafts)"
             )
-        self.enable_prefix_caching = False
+        if not self.prefix_caching_given:
+            self.enable_prefix_caching = False
+        self.state_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0
         self.prefill_graphs = False
 
     @property

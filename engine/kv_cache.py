@@ -37,6 +37,14 @@ def _chain(parent: bytes | None, tokens: bytes) -> bytes:
     return hashlib.sha256(b"B" + (parent or _NO_PARENT) + tokens).digest()
 
 
+def last_block_key(root: bytes | None, tokens: Sequence[int], block_size: int) -> bytes:
+    """The key of the last of tokens' blocks (whole blocks only), chained from root."""
+    raw, width, key = array("q", tokens).tobytes(), 8 * block_size, root
+    for at in range(0, len(raw), width):
+        key = _chain(key, raw[at : at + width])
+    return key
+
+
 def adapter_root(lora_index: int) -> bytes:
     """The root a LoRA adapter's blocks chain from: its KV is not the base model's."""
     return hashlib.sha256(b"L" + lora_index.to_bytes(8, "little")).digest()

@@ -165,25 +165,30 @@ class ModelRunner(StepInputs):
         return int(2 * (activations + logits)) + (512 << 20)
 
     def _allocate_states(self) -> None:
-        """Each recurrent layer's states: a row per request slot and the spare row a
-        graph's padded rows read and write (slot max_num_seqs)."""
+        """Each recurrent layer's states: a row per request slot, the spare row a graph's
+        padded rows read and write (slot max_num_seqs), then the prefix cache's
+        snapshot rows (engine/state_snapshots.py)."""
         if not self.state_layers:
             return
-        slots = self.max_num_seqs + 1
-        need = state_bytes(self.state_layers, slots, self.dtype)
+        snapshots = self.config.state_snapshots
+        rows = self.max_num_seqs + 1 + snapshots
+        need = state_bytes(self.state_layers, rows, self.dtype)
         budget = self._cache_budget()
         if need > budget:
+            also = f" and {snapshots} snapshots for the prefix cache" if snapshots else ""
             raise ValueError(
-                f"the recurrent states of max_num_seqs={self.max_num_seqs} sequences need "
-                f"{need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB left for "
-                "caches; lower max_num_seqs (or raise gpu_memory_utilization)"
+                f"the recurrent states of max_num_seqs={self.max_num_seqs} sequences{also} "
+                f"need {need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB left "
+                "for caches; lower max_num_seqs (or raise gpu_memory_utilization"
+                + (", or turn the prefix cache off)" if snapshots else ")")
             )
-        allocate_states(self.state_layers, slots, self.dtype, self.device)
+        allocate_states(self.state_layers, rows, self.dtype, self.device)
         logger.info(
-            "recurrent states: %d layers, %.2f GiB for %d sequences",
+            "recurrent states: %d layers, %.2f GiB for %d sequences and %d snapshots",
             len(self.state_layers),
             need / 2**30,
             self.max_num_seqs,
+            snapshots,
         )
 
     def _allocate_kv_cache(self) -> None:
@@ -222,7 +227,8 @@ class ModelRunner(StepInputs):
         pooling = pooling_rows(out, self.batch)  # a prompt's last token (maybe all that is left)
         # A prompt's image features in place of its placeholders' embeddings: eager.
         images = plan_images(out, self.batch)
-        eager = pooling is not None or images is not None
+        copies = out.state_copies  # copied around an eager forward
+        eager = pooling is not None or images is not None or copies is not None
         if out.is_decode_only and self.graphs.decode and not eager:
             return self.graphs.replay_decode(num_seqs)  # a bucket holds any batch
         per_token = self.per_token  # a verify step's tokens attend as sequences
@@ -238,6 +244,11 @@ class ModelRunner(StepInputs):
                 num_seqs = num_tokens
             # Only an eager step runs whole prompts apart: a graph is captured for one path.
             prompts_only = self.prompts_apart and self.prompts_only
+            restores = saves = 0
+            if copies is not None:
+                restores, saves = copies.num_restores, copies.num_saves
+                self.buf["state_source"][: restores + saves] = copies.source
+                self.buf["state_target"][: restores + saves] = copies.target
             inp = self.send(
                 num_tokens,
                 num_seqs,
@@ -246,6 +257,8 @@ class ModelRunner(StepInputs):
                 num_sampling,
                 per_token,
                 prompts_only,
+                restores,
+                saves,
             )
             if self.channel is not None:
                 rows = None if scoring is None else torch.from_numpy(scoring.rows).to(self.device)
@@ -258,6 +271,8 @@ class ModelRunner(StepInputs):
                     num_sampling=num_sampling,
                     per_token=int(per_token),
                     prompts_only=int(prompts_only),
+                    state_restores=restores,
+                    state_saves=saves,
                 )
                 self.channel.publish(header, rows, images)
             self.steps_by_path["eager"] += 1
@@ -294,9 +309,24 @@ class ModelRunner(StepInputs):
         )
         if self.state_layers and not inp.is_decode:  # an eager step's shape, on the host
             meta.spans = SequenceSpans.of(meta)
+        if inp.state_restores:  # states into slots, before they are read
+            self.copy_states(inp.state_source, inp.state_target, 0, inp.state_restores)
         if images is not None:
-            return self.model(input_ids, inp.positions, meta, images)
-        return self.model(input_ids, inp.positions, meta)
+            hidden = self.model(input_ids, inp.positions, meta, images)
+        else:
+            hidden = self.model(input_ids, inp.positions, meta)
+        if inp.state_saves:  # slots' states as this step leaves them, into snapshots
+            end = inp.state_restores + inp.state_saves
+            self.copy_states(inp.state_source, inp.state_target, inp.state_restores, end)
+        return hidden
+
+    def copy_states(self, source: torch.Tensor, target: torch.Tensor, lo: int, hi: int) -> None:
+        """Rows source[lo:hi] of every recurrent state into rows target[lo:hi]."""
+        source, target = source[lo:hi], target[lo:hi]
+        for layer in self.state_layers:
+            for name in layer.state_shapes():
+                state = getattr(layer, name)
+                state.index_copy_(0, target, state.index_select(0, source))
 
     def forward(self, inp: ModelInput, images: ImageRows | None = None) -> torch.Tensor:
         hidden = self.hidden_states(inp, images)

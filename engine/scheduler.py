@@ -34,6 +34,7 @@ from engine.images import keep_images_whole
 from engine.input_batch import CAPACITY, COMPUTED, KNOWN, LIMIT, NO_LIMIT, TOKENS, InputBatch
 from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
+from engine.state_snapshots import StateCopies, StateSnapshots
 
 
 @dataclass
@@ -59,6 +60,8 @@ class SchedulerOutput:
     # [num_seqs] int64: draft tokens each sequence verifies after its last sampled one
     # (engine/speculative.py); None: no sequence has any.
     num_drafts: np.ndarray | None = None
+    # Recurrent states copied between slots and snapshots (engine/state_snapshots.py).
+    state_copies: StateCopies | None = None
 
     def __post_init__(self) -> None:
         self.num_seqs = num_seqs = len(self.slots)
@@ -116,6 +119,11 @@ class Scheduler:
         self.every_row = np.ones(config.max_num_seqs, dtype=bool)
         self.every_row.flags.writeable = False
         self.block_shift, self.block_mask = block_table.block_shift, block_table.block_mask
+        self.snapshots = (
+            StateSnapshots(config.max_num_seqs + 1, config.state_snapshots, config.block_size)
+            if config.state_snapshots
+            else None
+        )
 
     @property
     def running(self) -> list[Request]:
@@ -157,6 +165,8 @@ class Scheduler:
                 new_counts = self.batch.counts[:, new_slots]
                 new_num = new_counts[TOKENS] - new_counts[COMPUTED]
                 new_num[-1] = min(new_num[-1], budget - num_scheduled - new_num[:-1].sum())
+                if self.snapshots is not None:  # as _admit cut them
+                    self.snapshots.cut(new_slots, new_counts[COMPUTED], new_num)
                 if self.batch.num_whole_images:  # as _admit cut it
                     keep_images_whole(self.batch, new_slots, new_counts[COMPUTED], new_num)
                 slots = np.concatenate([slots, new_slots])
@@ -172,6 +182,8 @@ class Scheduler:
                 whole = False
         self.batch.scheduled(slots, ends, num_scheduled)
         num_seqs = len(slots)
+        snapshots = self.snapshots
+        copies = None if snapshots is None else snapshots.step(slots, ends)
         known, num_drafts = counts[KNOWN], None
         if self.batch.num_draft_tokens:  # what the budget left of them
             num_drafts = np.maximum(ends - counts[TOKENS], 0)
@@ -193,6 +205,7 @@ class Scheduler:
             # Always a subsequence of the batch's slots, in order: all of them, if as many.
             self.batch.layout if num_seqs == len(self.batch) else None,
             num_drafts,
+            copies,
         )
 
     def _schedule_running(
@@ -210,6 +223,9 @@ class Scheduler:
         if batch.num_draft_tokens:  # and its drafts after them (engine/speculative.py)
             num_new += batch.num_drafts[slots]
             whole = False
+        snapshots = self.snapshots
+        if snapshots is not None and snapshots.pending and snapshots.cut(slots, computed, num_new):
+            whole = False  # prefill chunks that end at their save points
         if batch.headroom <= 0:  # the bound says nothing: measure it
             room = counts[LIMIT] - num_tokens
             batch.headroom = int(np.minimum.reduce(room, initial=NO_LIMIT))
@@ -295,8 +311,16 @@ class Scheduler:
             whole = self.whole_pooling and req.params.pooling
             fresh = req.num_computed_tokens == 0 and not req.scores_prompt and not whole
             cached = self.blocks.find_cached_prefix(req) if fresh else []
-            num_computed = len(cached) * self.blocks.block_size
+            bs, snapshots, save_points = self.blocks.block_size, self.snapshots, []
+            if snapshots is not None and fresh:  # from the last saved state on
+                found = len(cached)
+                cached = snapshots.usable(cached, self.blocks.block_hash)
+                self.blocks.prefix_hits -= (found - len(cached)) * bs
+                save_points = snapshots.save_points(req, len(cached) * bs, found * bs)
+            num_computed = len(cached) * bs
             todo = min(req.num_tokens - num_computed, budget)
+            if save_points:
+                todo = min(todo, save_points[0] - num_computed)
             images, cut = req.images, False
             if images is not None and images.run_starts is not None:  # runs stay whole
                 room = todo
@@ -315,6 +339,9 @@ class Scheduler:
                 req.metrics.first_scheduled_time = now
             self.block_table.clear_row(slot)
             self._update_blocks(req)
+            if snapshots is not None:
+                key = self.blocks.block_hash[cached[-1]] if cached else None
+                snapshots.admit(req, slot, key, save_points)
             admitted.append(req)
             budget -= todo
             if cut:
@@ -322,6 +349,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(compiling))
 
     def _preempt(self, req: Request) -> None:
+        if self.snapshots is not None:
+            self.snapshots.drop(req.slot)
         self.batch.remove(req)
         self.blocks.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -335,6 +364,8 @@ class Scheduler:
         status, req.status = req.status, RequestStatus.FINISHED
         if status is RequestStatus.RUNNING:
             self.blocks.free(req)  # registers what it filled: reads its row
+            if self.snapshots is not None:
+                self.snapshots.drop(req.slot)
             self.batch.remove(req)
         elif status is not RequestStatus.FINISHED:  # waiting or preempted
             self.waiting.remove(req)

@@ -46,6 +46,8 @@ class StepHeader:
     image_horizons: int = 0  # and their horizons (engine/images.py)
     image_positions: int = 0  # and their 3-D rotary positions
     image_deepstack: int = 0  # and this many layers' deepstack features
+    state_restores: int = 0  # recurrent-state copies around the forward (ModelInput's)
+    state_saves: int = 0
 
 
 HEADER_WORDS = len(fields(StepHeader))

@@ -33,6 +33,12 @@ class ModelInput:
     per_token: bool  # every token a decode row of its own (AttentionMetadata.per_token)
     prompts_only: bool  # no sequence has context before its new tokens
     lora_ids: torch.Tensor | None  # [num_tokens] each token's LoRA adapter, -1: none
+    # Recurrent-state rows copied around the forward (engine/state_snapshots.py): the
+    # first state_restores pairs before it, the next state_saves after it.
+    state_source: torch.Tensor | None = None
+    state_target: torch.Tensor | None = None
+    state_restores: int = 0
+    state_saves: int = 0
 
 
 class StepInputs:
@@ -78,6 +84,12 @@ class StepInputs:
                 # Block-table entries a graph writes (BlockTable.take_changes).
                 "table_index": (self.table_capacity, i64),
                 "table_value": (self.table_capacity, i32),
+                # A step's state copies: up to a restore and a save per sequence.
+                **(
+                    dict.fromkeys(("state_source", "state_target"), (2 * seqs, i64))
+                    if config.state_snapshots
+                    else {}
+                ),
             },
             device,
             device_only={"sampled_ids": (seqs, i64)},
@@ -226,8 +238,11 @@ class StepInputs:
         num_sampling: int | None = None,  # None: every sequence samples
         per_token: bool = False,  # num_seqs is then num_tokens
         prompts_only: bool = False,
+        state_restores: int = 0,
+        state_saves: int = 0,
     ) -> ModelInput:
         gpu = self.staged.gpu
+        copies = state_restores + state_saves
         return ModelInput(
             input_gather=gpu["input_gather"][:num_tokens],
             positions=gpu["positions"][:num_tokens],
@@ -243,6 +258,10 @@ class StepInputs:
             per_token=per_token,
             prompts_only=prompts_only,
             lora_ids=gpu["lora_ids"][:num_tokens] if self.lora else None,
+            state_source=gpu["state_source"][:copies] if copies else None,
+            state_target=gpu["state_target"][:copies] if copies else None,
+            state_restores=state_restores,
+            state_saves=state_saves,
         )
 
     def copy_staged(self) -> None:

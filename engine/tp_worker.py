@@ -99,6 +99,8 @@ def replay(runner: ModelRunner, step: ReceivedStep) -> None:
             header.num_sampling,
             bool(header.per_token),
             bool(header.prompts_only),
+            header.state_restores,
+            header.state_saves,
         )
         if score_rows is None:
             runner.forward(inp, step.images)

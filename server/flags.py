@@ -131,7 +131,21 @@ def add_engine_flags(e: Add, t: Add) -> None:
         help="most tokens in one step (default: 2048; an encoder's 32768)",
     )
     e("--max-model-len", type=int, help="context length (default: the model's)")
-    e("--no-prefix-caching", dest="enable_prefix_caching", help="turn the prefix cache off")
+    e(
+        "--enable-prefix-caching",
+        action="store_const",
+        const=True,
+        help="reuse cached prompt prefixes (the default, except for models with recurrent "
+        "layers, whose states are then saved at block boundaries too)",
+    )
+    e(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_const",
+        const=False,
+        help="turn the prefix cache off",
+    )
     e(
         "--scheduling-policy",
         choices=["fcfs", "priority"],

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: two ranks (gloo) give transformers' greedy output token
-for token (Llama with kv heads that split evenly and that do not), through chunked
-prefill, prefix-cache hits and preemption.
+for token (Llama with kv heads that split evenly and that do not; Qwen 3.5's recurrent
+layers), through chunked prefill, prefix-cache hits and preemption.
 
 One TP=2 LLM per checkpoint serves every test here (spawning a rank costs seconds
 on a small machine); its config makes every run chunk its prompts (a 16-token
@@ -28,6 +28,7 @@ CONFIG = dict(
     max_model_len=64,
     max_num_seqs=4,
     max_num_batched_tokens=16,
+    enable_prefix_caching=True,  # a recurrent model's too: its states' snapshots
 )
 
 
@@ -39,9 +40,12 @@ def token_ids(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
 
 
-# llama_kv3: 3 kv heads over 2 ranks, so a rank holds one kv head twice.
-@pytest.fixture(scope="module", params=["gpt2", "llama", "llama_kv3", "qwen2"])
-def model_dir(request) -> str:
+# llama_kv3: 3 kv heads over 2 ranks, so a rank holds one kv head twice. qwen3_5: Gated
+# DeltaNet layers, whose states each rank copies to and from snapshots as rank 0 says.
+@pytest.fixture(scope="module", params=["gpt2", "llama", "llama_kv3", "qwen2", "qwen3_5"])
+def model_dir(request, tiny_family_dir) -> str:
+    if request.param == "qwen3_5":
+        return tiny_family_dir(request.param)
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 

@@ -25,13 +25,53 @@ def test_families_match_transformers_on_cuda(tiny_family_dir, kind):
     assert_greedy_matches(model_dir, ids, generate(model_dir, PROMPTS, MAX_NEW), want)
     eager = generate(model_dir, PROMPTS, MAX_NEW, enforce_eager=True)
     assert_greedy_matches(model_dir, ids, eager, want)
-    # Chunked prefill (prefill graphs) and prefix-cache hits over 4-token blocks.
+    # Chunked prefill (prefill graphs) and prefix-cache hits over 4-token blocks (with
+    # recurrent layers, from their states' snapshots).
     shared = PROMPTS[3] + " " + PROMPTS[6]
     prompts = [shared + suffix for suffix in ("", " one", " two")] * 2
     ids = [tokenizer.encode(p) for p in prompts]
     want = [hf_greedy(model_dir, i, MAX_NEW) for i in ids]
-    chunked = generate(model_dir, prompts, MAX_NEW, block_size=4, max_num_batched_tokens=24)
+    chunked = generate(
+        model_dir,
+        prompts,
+        MAX_NEW,
+        block_size=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=True,
+    )
     assert_greedy_matches(model_dir, ids, chunked, want)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "granitemoehybrid", "lfm2", "mamba2"])
+def test_recurrent_prefixes_start_from_saved_states_on_cuda(tiny_family_dir, kind):
+    """A prompt again and its next turn, from the states saved at its last block
+    boundary; one prompt has a single token past it, so the step that restores its
+    state is a decode-shaped one (run eagerly around the copies, not by a graph)."""
+    from engine import LLM, SamplingParams
+
+    model_dir = tiny_family_dir(kind)
+    tokenizer = load_tokenizer(model_dir)
+    llm = LLM(
+        model_dir,
+        device="cuda",
+        dtype="float32",
+        block_size=4,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    long = tokenizer.encode(PROMPTS[5] + " " + PROMPTS[3])
+    for first in (long[:21], long[:23]):  # 1 and 3 tokens past the last boundary
+        (out,) = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+        turn = first + out.outputs[0].token_ids[:5] + long[-4:]
+        prompts, got, cached = [first, turn], [], []
+        for ids in prompts:
+            (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            got.append(out.outputs[0].token_ids)
+            cached.append(out.num_cached_tokens)
+        assert cached == [20, 20]
+        want = [hf_greedy(model_dir, ids, MAX_NEW) for ids in prompts]
+        assert_greedy_matches(model_dir, prompts, got, want)
 
 
 def test_fused_moe_in_a_cuda_graph_follows_new_routing():
