@@ -205,6 +205,143 @@ def gated_delta_step(
     return out
 
 
+def gated_delta_tokens_ref(
+    conved: torch.Tensor,  # [seqs, longest, conv channels]: each sequence's rows, then padding
+    a: torch.Tensor,  # [seqs, longest, value heads]
+    b: torch.Tensor,  # [seqs, longest, value heads]
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,  # [slots, value heads, k_dim, v_dim] fp32: updated in place
+    slots: torch.Tensor,  # [seqs] int64
+    has_state: torch.Tensor,  # [seqs] bool
+    lengths: torch.Tensor,  # [seqs] int64: each sequence's tokens (the rest is padding)
+    num_k_heads: int,
+) -> torch.Tensor:  # [seqs, longest, value heads, v_dim] fp32 (padding rows: unspecified)
+    """The rule over each sequence's tokens one at a time, from its slot's state."""
+    seqs, longest, _ = conved.shape
+    inputs = delta_rule_inputs(
+        conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), a_log, dt_bias,
+        num_k_heads, state.shape[2],
+    )  # fmt: skip
+    q, k, v, g, beta = (t.unflatten(0, (seqs, longest)) for t in inputs)
+    rows = state[slots] * has_state[:, None, None, None]
+    outs = []
+    for t in range(longest):
+        live = (t < lengths)[:, None]  # padding neither decays nor writes
+        step_g, step_beta = g[:, t] * live, beta[:, t] * live
+        out, rows = recurrent_step(q[:, t], k[:, t], v[:, t], step_g, step_beta, rows)
+        outs.append(out)
+    state.index_copy_(0, slots, rows)
+    return torch.stack(outs, dim=1)
+
+
+@triton.jit
+def _gated_delta_tokens_kernel(
+    conved_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slots_ptr,
+    has_state_ptr,
+    lengths_ptr,
+    out_ptr,
+    longest,
+    stride_conved,
+    stride_ab,
+    num_v_heads,
+    v_offset,
+    q_scale,
+    REPEAT: tl.constexpr,
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    # One program per (sequence, value head, BLOCK_V of its value dims), as the step's,
+    # walking the sequence's tokens with the state slice in registers throughout.
+    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ks = tl.arange(0, K_DIM)
+    decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    state, state_ptrs, vs = slot_state_slice(
+        state_ptr, slots_ptr, has_state_ptr, seq, head, num_v_heads, vb, K_DIM, V_DIM, BLOCK_V
+    )
+    key_head = head // REPEAT
+    length = tl.load(lengths_ptr + seq)
+    for t in range(length):
+        row = seq * longest + t
+        x = conved_ptr + row * stride_conved
+        q = tl.load(x + key_head * K_DIM + ks).to(tl.float32)
+        k = tl.load(x + (v_offset // 2) + key_head * K_DIM + ks).to(tl.float32)
+        v = tl.load(x + v_offset + head * V_DIM + vs).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        a = tl.load(a_ptr + row * stride_ab + head).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_ab + head).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        state = state * tl.exp(decay_log * softplus(a + dt_bias))
+        predicted = tl.sum(state * k[:, None], axis=0)
+        state = state + k[:, None] * ((v - predicted) * beta)[None, :]
+        out = tl.sum(state * q[:, None], axis=0)
+        tl.store(out_ptr + (row * num_v_heads + head) * V_DIM + vs, out)
+    tl.store(state_ptrs, state)
+
+
+def gated_delta_tokens(
+    conved: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    lengths: torch.Tensor,
+    num_k_heads: int,
+) -> torch.Tensor:
+    """Triton version of `gated_delta_tokens_ref`: one launch, where the chunked form
+    (engine/models/gated_delta.py) is some fifty torch ops a layer, for short prompts
+    (the reference where k_dim or v_dim is not a power of two)."""
+    seqs, longest, _ = conved.shape
+    num_v_heads = a.shape[-1]
+    _, _, k_dim, v_dim = state.shape
+    args = (conved, a, b, a_log, dt_bias, state, slots, has_state, lengths, num_k_heads)
+    if k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
+        return gated_delta_tokens_ref(*args)
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    conved, a, b = conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)
+    assert conved.stride(1) == 1 and a.stride() == b.stride() and a.stride(1) == 1
+    out = torch.empty(seqs, longest, num_v_heads, v_dim, dtype=torch.float32, device=a.device)
+    if seqs == 0:
+        return out
+    block_v = min(v_dim, 32)
+    _gated_delta_tokens_kernel[(seqs, num_v_heads, v_dim // block_v)](
+        conved,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        state,
+        slots,
+        has_state,
+        lengths,
+        out,
+        longest,
+        conved.stride(0),
+        a.stride(0),
+        num_v_heads,
+        2 * num_k_heads * k_dim,
+        k_dim**-0.5,
+        REPEAT=num_v_heads // num_k_heads,
+        K_DIM=k_dim,
+        V_DIM=v_dim,
+        BLOCK_V=block_v,
+        num_warps=4,
+    )
+    return out
+
+
 def gated_delta_step_for(device: torch.device) -> Callable[..., torch.Tensor]:
     """The step the model uses on `device`: Triton on CUDA, the reference elsewhere."""
     return gated_delta_step if device.type == "cuda" else gated_delta_step_ref

@@ -38,11 +38,16 @@ from engine.models.parallel import (
 from engine.models.weight_copy import fill
 from kernels.conv_step import conv_step_at_slots_for
 from kernels.delta_chunk_scan import delta_chunk_scan_for
-from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for
+from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for, gated_delta_tokens
 from kernels.gated_norm import gated_rms_norm_for
 from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
+# A step's prompts up to this long walk their tokens in one launch a layer on CUDA
+# (kernels/gated_delta.py's gated_delta_tokens) instead of the chunked form's some fifty
+# torch ops, which cost the host more than the device: the tail of a prompt cut at a
+# prefix-cache save point, a chat's next turn from a cached prefix, a short prompt.
+WALK_MAX_TOKENS = 64
 
 
 def causal_conv(
@@ -185,7 +190,7 @@ class ConvRecurrentLayer(RecurrentLayer):
             conved, conv = causal_conv(x[rows], conv, weight, spans.lengths, bias, silu)
             self.conv_state.index_copy_(0, slots, conv)
             o = self.run_prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
-            out[rows[spans.valid]] = o[spans.valid]
+            out[spans.valid_rows] = o.flatten(0, 1)[spans.valid_at]
         return out
 
 
@@ -277,8 +282,12 @@ class GatedDeltaNet(ConvRecurrentLayer):
     def run_prompts(
         self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: SequenceSpans
     ) -> torch.Tensor:  # [seqs, longest, value heads, v_dim] fp32
-        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
+        """The padded prompts through the chunked rule (padding neither decays nor writes),
+        or on CUDA, up to WALK_MAX_TOKENS long, token by token in one launch."""
         seqs, length = spans.rows.shape
+        if conved.is_cuda and length <= WALK_MAX_TOKENS:
+            args = (self.A_log, self.dt_bias, self.rule_state, spans.slots, spans.has_state)
+            return gated_delta_tokens(conved, a, b, *args, spans.lengths, self.num_k_heads)
         inputs = delta_rule_inputs(
             conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), self.A_log, self.dt_bias,
             self.num_k_heads, self.k_dim,

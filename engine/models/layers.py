@@ -67,6 +67,11 @@ class SequenceSpans:
     single_has_state: torch.Tensor  # [singles] bool, all True: the decode step's argument
     rows: torch.Tensor  # [seqs, longest] int64: each other sequence's token rows, then 0s
     valid: torch.Tensor  # [seqs, longest] bool: rows[i, j] is a token of sequence i
+    # [valid tokens] int64: the valid entries of `rows`, and where they sit in it
+    # flattened (so that padded outputs go back to their rows without a mask, whose
+    # indexing would read its count to the host: a wait on the device every layer).
+    valid_rows: torch.Tensor
+    valid_at: torch.Tensor
     lengths: torch.Tensor  # [seqs] int64: its new tokens
     slots: torch.Tensor  # [seqs] int64
     has_state: torch.Tensor  # [seqs] bool: it has context before (else it starts from zeros)
@@ -88,8 +93,10 @@ class SequenceSpans:
         valid = steps < length[:, None]
         rows = (column(starts, others)[:, None] + steps) * valid  # padding: row 0
         has_state = column(contexts, others) > 0
+        valid_at = valid.flatten().nonzero().flatten()
         tensors = (column(starts, single), column(slots, single), column(contexts, single) > 0)
-        tensors += (rows, valid, length, column(slots, others), has_state)
+        tensors += (rows, valid, rows.flatten()[valid_at], valid_at, length)
+        tensors += (column(slots, others), has_state)
         return cls(*(t.to(meta.query_start_loc.device) for t in tensors))
 
 

@@ -74,6 +74,25 @@ def test_recurrent_prefixes_start_from_saved_states_on_cuda(tiny_family_dir, kin
         assert_greedy_matches(model_dir, prompts, got, want)
 
 
+@pytest.mark.parametrize("walk_max_tokens", [0, 10**6])
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_delta_rule_prompts_chunked_or_walked_match_transformers(
+    tiny_family_dir, kind, walk_max_tokens, monkeypatch
+):
+    """Prompts of several chunks (and short ones beside them) through the chunked form
+    alone, then token by token alone (engine/models/gated_delta.py's WALK_MAX_TOKENS)."""
+    import engine.models.gated_delta as gated_delta
+
+    monkeypatch.setattr(gated_delta, "WALK_MAX_TOKENS", walk_max_tokens)
+    model_dir = tiny_family_dir(kind)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [" ".join(PROMPTS), PROMPTS[5], " ".join(PROMPTS[2:])]
+    ids = [tokenizer.encode(p) for p in prompts]
+    assert max(map(len, ids)) > 2 * gated_delta.CHUNK
+    want = [hf_greedy(model_dir, i, MAX_NEW) for i in ids]
+    assert_greedy_matches(model_dir, ids, generate(model_dir, prompts, MAX_NEW), want)
+
+
 def test_fused_moe_in_a_cuda_graph_follows_new_routing():
     """Captured once, replayed with other routing (an expert with every token, one with
     none): the replay matches the reference, so nothing was fixed at capture time."""

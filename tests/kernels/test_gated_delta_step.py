@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta import gated_delta_step, gated_delta_step_ref
+from kernels.gated_delta import (
+    gated_delta_step,
+    gated_delta_step_ref,
+    gated_delta_tokens,
+    gated_delta_tokens_ref,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,3 +42,61 @@ def test_step_matches_reference(num_k_heads, num_v_heads, k_dim, v_dim, dtype, d
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
     untouched = [s for s in range(slots_total) if s not in slots.tolist()]
     assert torch.equal(state[untouched], want_state[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_tokens_in_one_launch_match_reference(dtype, device, rng):
+    """Three sequences padded to the longest (one from zeros, one of a single token):
+    outputs at their tokens, and every slot's state after them."""
+    num_k_heads, num_v_heads, k_dim, v_dim = 2, 4, 16, 64
+    seqs, longest, slots_total = 3, 7, 6
+    channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=rng) * scale).to(device)
+
+    conved = randn(seqs, longest, channels).to(dtype)
+    a = randn(seqs, longest, num_v_heads).to(dtype)
+    b = randn(seqs, longest, num_v_heads).to(dtype)
+    a_log, dt_bias = randn(num_v_heads, scale=0.5), randn(num_v_heads).to(dtype)
+    state = randn(slots_total, num_v_heads, k_dim, v_dim)
+    slots = torch.tensor([4, 0, 3], device=device)
+    has_state = torch.tensor([True, False, True], device=device)
+    lengths = torch.tensor([7, 5, 1], device=device)
+    want_state = state.clone()
+    args = (a, b, a_log, dt_bias)
+    want = gated_delta_tokens_ref(conved, *args, want_state, slots, has_state, lengths, num_k_heads)
+    got = gated_delta_tokens(conved, *args, state, slots, has_state, lengths, num_k_heads)
+    for i, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])
+
+
+def test_the_token_walk_equals_the_chunked_rule(rng):
+    """The reference token by token against the engine's chunked form over a prompt of
+    two chunks and a shorter one padded beside it, from their slots' states."""
+    from engine.models.gated_delta import CHUNK, chunked_rule
+    from kernels.gated_delta import delta_rule_inputs
+
+    num_k_heads, num_v_heads, k_dim, v_dim = 1, 2, 8, 8
+    seqs, longest = 2, CHUNK + 9
+    channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+    f64 = dict(generator=rng, dtype=torch.float64)
+    conved, a, b = (torch.randn(seqs, longest, n, **f64) for n in (channels, 2, 2))
+    a_log, dt_bias = torch.randn(num_v_heads, **f64) * 0.5, torch.randn(num_v_heads, **f64)
+    state = torch.randn(3, num_v_heads, k_dim, v_dim, **f64)
+    slots, has_state = torch.tensor([2, 0]), torch.tensor([True, True])
+    lengths = torch.tensor([longest, 20])
+    walked_state = state.clone()
+    args = (a_log, dt_bias, walked_state, slots, has_state, lengths, num_k_heads)
+    walked = gated_delta_tokens_ref(conved, a, b, *args)
+    inputs = delta_rule_inputs(conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), a_log, dt_bias, num_k_heads, k_dim)  # fmt: skip
+    q, k, v, g, beta = (t.unflatten(0, (seqs, longest)).transpose(1, 2) for t in inputs)
+    pad = (torch.arange(longest) >= lengths[:, None])[:, None]
+    g, beta = g.masked_fill(pad, 0.0), beta.masked_fill(pad, 0.0)
+    o, final = chunked_rule(q, k, v, g, beta, state[slots])
+    o = o.transpose(1, 2)
+    for i, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(walked[i, :n], o[i, :n])
+    torch.testing.assert_close(walked_state[slots], final)
