@@ -310,7 +310,8 @@ def gated_delta_tokens(
     if k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
         return gated_delta_tokens_ref(*args)
     assert state.dtype == torch.float32 and state.is_contiguous()
-    conved, a, b = conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)
+    # The convolution's output is its transpose: channels apart by a sequence's length.
+    conved, a, b = conved.flatten(0, 1).contiguous(), a.flatten(0, 1), b.flatten(0, 1)
     assert conved.stride(1) == 1 and a.stride() == b.stride() and a.stride(1) == 1
     out = torch.empty(seqs, longest, num_v_heads, v_dim, dtype=torch.float32, device=a.device)
     if seqs == 0:

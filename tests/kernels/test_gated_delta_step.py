@@ -44,25 +44,27 @@ def test_step_matches_reference(num_k_heads, num_v_heads, k_dim, v_dim, dtype, d
     assert torch.equal(state[untouched], want_state[untouched])
 
 
+@pytest.mark.parametrize("seqs", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompts_tokens_in_one_launch_match_reference(dtype, device, rng):
-    """Three sequences padded to the longest (one from zeros, one of a single token):
-    outputs at their tokens, and every slot's state after them."""
+def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
+    """Three sequences padded to the longest (one from zeros, one of a single token), or
+    the first alone: outputs at their tokens, and every slot's state after them."""
     num_k_heads, num_v_heads, k_dim, v_dim = 2, 4, 16, 64
-    seqs, longest, slots_total = 3, 7, 6
+    longest, slots_total = 7, 6
     channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(device)
 
-    conved = randn(seqs, longest, channels).to(dtype)
+    # As the convolution leaves it: [seqs, channels, longest] transposed.
+    conved = randn(seqs, channels, longest).to(dtype).transpose(1, 2)
     a = randn(seqs, longest, num_v_heads).to(dtype)
     b = randn(seqs, longest, num_v_heads).to(dtype)
     a_log, dt_bias = randn(num_v_heads, scale=0.5), randn(num_v_heads).to(dtype)
     state = randn(slots_total, num_v_heads, k_dim, v_dim)
-    slots = torch.tensor([4, 0, 3], device=device)
-    has_state = torch.tensor([True, False, True], device=device)
-    lengths = torch.tensor([7, 5, 1], device=device)
+    slots = torch.tensor([4, 0, 3][:seqs], device=device)
+    has_state = torch.tensor([True, False, True][:seqs], device=device)
+    lengths = torch.tensor([7, 5, 1][:seqs], device=device)
     want_state = state.clone()
     args = (a, b, a_log, dt_bias)
     want = gated_delta_tokens_ref(conved, *args, want_state, slots, has_state, lengths, num_k_heads)
@@ -70,7 +72,7 @@ def test_a_prompts_tokens_in_one_launch_match_reference(dtype, device, rng):
     for i, n in enumerate(lengths.tolist()):
         torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
-    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])
+    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no sequence's slots
 
 
 def test_the_token_walk_equals_the_chunked_rule(rng):
