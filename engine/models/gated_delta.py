@@ -46,8 +46,10 @@ CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # A step's prompts up to this long walk their tokens in one launch a layer on CUDA
 # (kernels/gated_delta.py's gated_delta_tokens) instead of the chunked form's some fifty
 # torch ops, which cost the host more than the device: the tail of a prompt cut at a
-# prefix-cache save point, a chat's next turn from a cached prefix, a short prompt.
-WALK_MAX_TOKENS = 64
+# prefix-cache save point, a chat's next turn from a cached prefix, a short prompt. The
+# walk is serial in tokens: past ~512 the chunked form is faster
+# (benchmarks/results/gated-delta-walk-ab-h200.json).
+WALK_MAX_TOKENS = 512
 
 
 def causal_conv(
