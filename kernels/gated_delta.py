@@ -1,5 +1,6 @@
 """One decode step of the gated delta rule (Gated DeltaNet, engine/models/gated_delta.py)
-for every row at once, each row's state read and written in place at its slot.
+for every row at once, each row's state read and written in place at its slot; and a
+step's short prompts, each walking its tokens the same way (`gated_delta_tokens`).
 
 The step is a pass over each head's state S [k_dim, v_dim] (fp32): decay it, read what it
 predicts for the row's key, write the correction, read the output for its query. In torch

@@ -1,5 +1,6 @@
 """One decode step of Mamba-2's rule (engine/models/mamba2.py) for every row at once, each
-row's state read and written in place at its slot.
+row's state read and written in place at its slot; and a step's short prompts, each
+walking its tokens the same way (`mamba2_tokens`).
 
 Each head's state S [d_state, head_dim] (fp32) decays by exp(dt A), takes B (dt x)^T and
 is read by C. In torch that is a gather of the rows' states, a few elementwise passes over
@@ -161,6 +162,141 @@ def mamba2_step(
         PDL=pdl,
         num_warps=4,
         **launch_options(pdl),
+    )
+    return out
+
+
+def mamba2_tokens_ref(
+    conved: torch.Tensor,  # [seqs, longest, conv channels]: each sequence's rows, then padding
+    dt: torch.Tensor,  # [seqs, longest, heads]
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,  # [slots, heads, d_state, head_dim] fp32: updated in place
+    slots: torch.Tensor,  # [seqs] int64
+    has_state: torch.Tensor,  # [seqs] bool
+    lengths: torch.Tensor,  # [seqs] int64: each sequence's tokens (the rest is padding)
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:  # [seqs, longest, heads, head_dim] fp32 (padding rows: unspecified)
+    """The rule over each sequence's tokens one at a time, from its slot's state."""
+    heads, n, p = state.shape[1:]
+    groups = (conved.shape[-1] - heads * p) // (2 * n)
+    x, b, c, dt, log_decay = mamba2_inputs(conved, dt, a_log, dt_bias, n, dt_limit, groups)
+    s = state[slots] * has_state[:, None, None, None]
+    outs = []
+    for t in range(conved.shape[1]):
+        live = (t < lengths)[:, None]  # padding neither decays nor writes
+        step_dt, step_decay = dt[:, t] * live, log_decay[:, t] * live
+        write = b[:, t, :, :, None] * (step_dt[..., None] * x[:, t])[..., None, :]
+        s = s * step_decay.exp()[..., None, None] + write
+        outs.append((c[:, t, :, None, :] @ s).squeeze(-2) + d.float()[:, None] * x[:, t])
+    state.index_copy_(0, slots, s)
+    return torch.stack(outs, dim=1)
+
+
+@triton.jit
+def _mamba2_tokens_kernel(
+    conved_ptr,
+    dt_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    d_ptr,
+    state_ptr,
+    slots_ptr,
+    has_state_ptr,
+    lengths_ptr,
+    out_ptr,
+    longest,
+    stride_conved,
+    stride_dt,
+    num_heads,
+    b_offset,
+    c_offset,
+    dt_min,
+    dt_max,
+    PER_GROUP: tl.constexpr,
+    D_STATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    # One program per (sequence, head, BLOCK_P of its head dims), as the step's, walking
+    # the sequence's tokens with the state slice in registers throughout.
+    seq, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ns = tl.arange(0, D_STATE)
+    decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    skip = tl.load(d_ptr + head).to(tl.float32)
+    state, state_ptrs, ps = slot_state_slice(
+        state_ptr, slots_ptr, has_state_ptr, seq, head, num_heads, pb, D_STATE, HEAD_DIM, BLOCK_P
+    )
+    group = head // PER_GROUP
+    length = tl.load(lengths_ptr + seq)
+    for t in range(length):
+        row = seq * longest + t
+        row_at = conved_ptr + row * stride_conved
+        x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
+        b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
+        c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
+        dt = softplus(tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias)
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
+        out = tl.sum(state * c[:, None], axis=0) + skip * x
+        tl.store(out_ptr + (row * num_heads + head) * HEAD_DIM + ps, out)
+    tl.store(state_ptrs, state)
+
+
+def mamba2_tokens(
+    conved: torch.Tensor,
+    dt: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    d: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    lengths: torch.Tensor,
+    dt_limit: tuple[float, float],
+) -> torch.Tensor:
+    """Triton version of `mamba2_tokens_ref`: one launch for a step's short prompts (the
+    reference where d_state or head_dim is not a power of two)."""
+    seqs, longest, _ = conved.shape
+    heads = dt.shape[-1]
+    _, _, n, p = state.shape
+    args = (conved, dt, a_log, dt_bias, d, state, slots, has_state, lengths, dt_limit)
+    if n & (n - 1) or p & (p - 1):
+        return mamba2_tokens_ref(*args)
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    # The convolution's output is its transpose: channels apart by a sequence's length.
+    conved, dt = conved.flatten(0, 1).contiguous(), dt.flatten(0, 1).contiguous()
+    out = torch.empty(seqs, longest, heads, p, dtype=torch.float32, device=conved.device)
+    if seqs == 0:
+        return out
+    groups = (conved.shape[1] - heads * p) // (2 * n)
+    block_p = min(p, 32)
+    _mamba2_tokens_kernel[(seqs, heads, p // block_p)](
+        conved,
+        dt,
+        a_log,
+        dt_bias,
+        d,
+        state,
+        slots,
+        has_state,
+        lengths,
+        out,
+        longest,
+        conved.stride(0),
+        dt.stride(0),
+        heads,
+        heads * p,
+        heads * p + groups * n,
+        dt_limit[0],
+        dt_limit[1],
+        PER_GROUP=heads // groups,
+        D_STATE=n,
+        HEAD_DIM=p,
+        BLOCK_P=block_p,
+        num_warps=4,
     )
     return out
 

@@ -44,7 +44,7 @@ from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # A step's prompts up to this long walk their tokens in one launch a layer on CUDA
-# (kernels/gated_delta.py's gated_delta_tokens) instead of the chunked form's some fifty
+# (kernels/gated_delta.py's gated_delta_tokens; Mamba-2's mixers, mamba2_tokens) instead of the chunked form's some fifty
 # torch ops, which cost the host more than the device: the tail of a prompt cut at a
 # prefix-cache save point, a chat's next turn from a cached prefix, a short prompt. The
 # walk is serial in tokens: past ~512 the chunked form is faster

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
+from engine.models import gated_delta
 from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv, chunked_rule, head_rows
 from engine.models.layers import AttentionMetadata, SequenceSpans
 from engine.models.parallel import (
@@ -35,7 +36,7 @@ from engine.models.parallel import (
 from engine.models.weight_copy import fill
 from kernels.conv_step import conv_step_at_slots_for
 from kernels.gated_norm import gated_rms_norm_for
-from kernels.mamba2_step import mamba2_inputs, mamba2_step_for
+from kernels.mamba2_step import mamba2_inputs, mamba2_step_for, mamba2_tokens
 from kernels.paged_attention import dot_precision
 
 # A mixer's in_proj: one checkpoint tensor, five sections of ours (z, x, B, C, dt).
@@ -207,7 +208,13 @@ class Mamba2Mixer(ConvRecurrentLayer):
     def run_prompts(
         self, conved: torch.Tensor, dt: torch.Tensor, spans: SequenceSpans
     ) -> torch.Tensor:  # [seqs, longest, heads, head_dim] fp32
-        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
+        """The padded prompts through the chunked rule (padding neither decays nor writes),
+        or on CUDA, up to gated_delta.WALK_MAX_TOKENS long, token by token in one launch."""
+        if conved.is_cuda and spans.rows.shape[1] <= gated_delta.WALK_MAX_TOKENS:
+            args = (self.A_log, self.dt_bias, self.D, self.ssm_state, spans.slots)
+            return mamba2_tokens(
+                conved, dt, *args, spans.has_state, spans.lengths, self.shape.dt_limit
+            )
         x, b, c, dt, log_decay = mamba2_inputs(  # [seqs, longest, heads, ...], fp32
             conved, dt, self.A_log, self.dt_bias, self.shape.state, self.shape.dt_limit,
             self.num_groups,

@@ -75,8 +75,8 @@ def test_recurrent_prefixes_start_from_saved_states_on_cuda(tiny_family_dir, kin
 
 
 @pytest.mark.parametrize("walk_max_tokens", [0, 10**6])
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_delta_rule_prompts_chunked_or_walked_match_transformers(
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1"])
+def test_recurrent_prompts_chunked_or_walked_match_transformers(
     tiny_family_dir, kind, walk_max_tokens, monkeypatch
 ):
     """Prompts of several chunks (and short ones beside them) through the chunked form

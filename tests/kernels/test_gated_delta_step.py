@@ -1,6 +1,7 @@
-"""The gated delta rule's decode step (kernels/gated_delta.py) against its reference:
-outputs, and every slot's state after it (the rows' written in place, the rest as they
-were), including a row that starts from zeros."""
+"""The gated delta rule's decode step and prompt walk (kernels/gated_delta.py) against
+their references: outputs, and every slot's state after them (the rows' written in place,
+the rest as they were), including a row that starts from zeros; the walk's reference
+against the engine's chunked form."""
 
 from __future__ import annotations
 

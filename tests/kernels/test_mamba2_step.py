@@ -1,13 +1,14 @@
-"""Mamba-2's decode step (kernels/mamba2_step.py) against its reference: outputs, and
-every slot's state after it (the rows' written in place, the rest as they were),
-including a row that starts from zeros; groups of heads sharing B and C; dt clamped."""
+"""Mamba-2's decode step and prompt walk (kernels/mamba2_step.py) against their
+references: outputs, and every slot's state after them (the rows' written in place, the
+rest as they were), including a row that starts from zeros; groups of heads sharing B
+and C; dt clamped; the walk's reference against the engine's chunked form."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.mamba2_step import mamba2_step, mamba2_step_ref
+from kernels.mamba2_step import mamba2_step, mamba2_step_ref, mamba2_tokens, mamba2_tokens_ref
 
 
 @pytest.mark.parametrize(
@@ -41,3 +42,62 @@ def test_step_matches_reference(heads, groups, d_state, head_dim, dt_limit, dtyp
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
     untouched = [s for s in range(slots_total) if s not in slots.tolist()]
     assert torch.equal(state[untouched], want_state[untouched])
+
+
+@pytest.mark.parametrize("seqs", [3, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
+    """Three sequences padded to the longest (one from zeros, one of a single token), or
+    the first alone, with dt clamped: outputs at their tokens, every slot's state after."""
+    heads, groups, d_state, head_dim, dt_limit = 4, 2, 16, 64, (0.0, 0.5)
+    longest, slots_total = 7, 6
+    channels = heads * head_dim + 2 * groups * d_state
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=rng) * scale).to(device)
+
+    # As the convolution leaves it: [seqs, channels, longest] transposed.
+    conved = randn(seqs, channels, longest).to(dtype).transpose(1, 2)
+    dt = randn(seqs, longest, heads).to(dtype)
+    a_log, dt_bias, d = randn(heads, scale=0.5), randn(heads).to(dtype), randn(heads)
+    state = randn(slots_total, heads, d_state, head_dim)
+    slots = torch.tensor([4, 0, 3][:seqs], device=device)
+    has_state = torch.tensor([True, False, True][:seqs], device=device)
+    lengths = torch.tensor([7, 5, 1][:seqs], device=device)
+    want_state = state.clone()
+    args = (dt, a_log, dt_bias, d)
+    want = mamba2_tokens_ref(conved, *args, want_state, slots, has_state, lengths, dt_limit)
+    got = mamba2_tokens(conved, *args, state, slots, has_state, lengths, dt_limit)
+    for i, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no sequence's slots
+
+
+def test_the_token_walk_equals_the_chunked_rule(rng):
+    """The reference token by token against the engine's chunked form (Mamba-2's rule as
+    the DeltaNet's without its delta term) over two chunks and a shorter prompt."""
+    from engine.models.gated_delta import CHUNK, chunked_rule
+    from kernels.mamba2_step import mamba2_inputs
+
+    heads, groups, d_state, head_dim, dt_limit = 2, 1, 8, 4, (0.0, float("inf"))
+    seqs, longest = 2, CHUNK + 9
+    channels = heads * head_dim + 2 * groups * d_state
+    conved = torch.randn(seqs, longest, channels, generator=rng)
+    dt = torch.randn(seqs, longest, heads, generator=rng)
+    a_log, dt_bias, d = (torch.randn(heads, generator=rng) * 0.5 for _ in range(3))
+    state = torch.randn(3, heads, d_state, head_dim, generator=rng)
+    slots, has_state = torch.tensor([2, 0]), torch.tensor([True, True])
+    lengths = torch.tensor([longest, 20])
+    walked_state = state.clone()
+    args = (a_log, dt_bias, d, walked_state, slots, has_state, lengths, dt_limit)
+    walked = mamba2_tokens_ref(conved, dt, *args)
+    x, b, c, step, log_decay = mamba2_inputs(conved, dt, a_log, dt_bias, d_state, dt_limit, groups)
+    pad = (torch.arange(longest) >= lengths[:, None])[:, :, None]
+    step, log_decay = step.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
+    q, k, v = (t.transpose(1, 2) for t in (c, b, step[..., None] * x))
+    o, final = chunked_rule(q, k, v, log_decay.transpose(1, 2), None, state[slots])
+    o = o.transpose(1, 2) + d[:, None] * x
+    for i, n in enumerate(lengths.tolist()):  # fp32 (mamba2_inputs' dtype)
+        torch.testing.assert_close(walked[i, :n], o[i, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(walked_state[slots], final, rtol=1e-4, atol=1e-4)
