@@ -106,6 +106,27 @@ def slot_state_slice(
 
 
 @triton.jit
+def delta_rule_token(
+    state, x, a_at, b_at, head, vs, v_offset, q_scale, decay_log, dt_bias,
+    REPEAT: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
+):  # fmt: skip
+    """One token through a head's state slice [K_DIM, BLOCK_V] (x: its conved row; a_at,
+    b_at: its decay and beta logits): (the output slice, the new state)."""
+    ks = tl.arange(0, K_DIM)
+    key_head = head // REPEAT
+    q = tl.load(x + key_head * K_DIM + ks).to(tl.float32)
+    k = tl.load(x + (v_offset // 2) + key_head * K_DIM + ks).to(tl.float32)
+    v = tl.load(x + v_offset + head * V_DIM + vs).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_at).to(tl.float32)))
+    state = state * tl.exp(decay_log * softplus(tl.load(a_at).to(tl.float32) + dt_bias))
+    predicted = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
+    state = state + k[:, None] * ((v - predicted) * beta)[None, :]
+    return tl.sum(state * q[:, None], axis=0), state
+
+
+@triton.jit
 def _gated_delta_step_kernel(
     conved_ptr,
     a_ptr,
@@ -130,27 +151,17 @@ def _gated_delta_step_kernel(
     # One program per (row, value head, BLOCK_V of its value dims): the state's
     # [K_DIM, BLOCK_V] slice in registers, its q and k rows whole.
     row, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ks = tl.arange(0, K_DIM)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     state, state_ptrs, vs = slot_state_slice(
         state_ptr, slots_ptr, has_state_ptr, row, head, num_v_heads, vb, K_DIM, V_DIM, BLOCK_V
     )
     wait_previous(PDL)
-    key_head = head // REPEAT
-    x = conved_ptr + row * stride_conved
-    q = tl.load(x + key_head * K_DIM + ks).to(tl.float32)
-    k = tl.load(x + (v_offset // 2) + key_head * K_DIM + ks).to(tl.float32)
-    v = tl.load(x + v_offset + head * V_DIM + vs).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    a = tl.load(a_ptr + row * stride_ab + head).to(tl.float32)
-    b = tl.load(b_ptr + row * stride_ab + head).to(tl.float32)
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    state = state * tl.exp(decay_log * softplus(a + dt_bias))
-    predicted = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
-    state = state + k[:, None] * ((v - predicted) * beta)[None, :]
-    out = tl.sum(state * q[:, None], axis=0)
+    ab_at = row * stride_ab + head
+    out, state = delta_rule_token(
+        state, conved_ptr + row * stride_conved, a_ptr + ab_at, b_ptr + ab_at, head, vs,
+        v_offset, q_scale, decay_log, dt_bias, REPEAT, K_DIM, V_DIM,
+    )  # fmt: skip
     tl.store(out_ptr + (row * num_v_heads + head) * V_DIM + vs, out)
     tl.store(state_ptrs, state)
 
@@ -262,29 +273,18 @@ def _gated_delta_tokens_kernel(
     # One program per (sequence, value head, BLOCK_V of its value dims), as the step's,
     # walking the sequence's tokens with the state slice in registers throughout.
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ks = tl.arange(0, K_DIM)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     state, state_ptrs, vs = slot_state_slice(
         state_ptr, slots_ptr, has_state_ptr, seq, head, num_v_heads, vb, K_DIM, V_DIM, BLOCK_V
     )
-    key_head = head // REPEAT
-    length = tl.load(lengths_ptr + seq)
-    for t in range(length):
+    for t in range(tl.load(lengths_ptr + seq)):
         row = seq * longest + t
-        x = conved_ptr + row * stride_conved
-        q = tl.load(x + key_head * K_DIM + ks).to(tl.float32)
-        k = tl.load(x + (v_offset // 2) + key_head * K_DIM + ks).to(tl.float32)
-        v = tl.load(x + v_offset + head * V_DIM + vs).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        a = tl.load(a_ptr + row * stride_ab + head).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_ab + head).to(tl.float32)
-        beta = 1.0 / (1.0 + tl.exp(-b))
-        state = state * tl.exp(decay_log * softplus(a + dt_bias))
-        predicted = tl.sum(state * k[:, None], axis=0)
-        state = state + k[:, None] * ((v - predicted) * beta)[None, :]
-        out = tl.sum(state * q[:, None], axis=0)
+        ab_at = row * stride_ab + head
+        out, state = delta_rule_token(
+            state, conved_ptr + row * stride_conved, a_ptr + ab_at, b_ptr + ab_at, head, vs,
+            v_offset, q_scale, decay_log, dt_bias, REPEAT, K_DIM, V_DIM,
+        )  # fmt: skip
         tl.store(out_ptr + (row * num_v_heads + head) * V_DIM + vs, out)
     tl.store(state_ptrs, state)
 

@@ -66,6 +66,24 @@ def mamba2_step_ref(
 
 
 @triton.jit
+def mamba2_token(
+    state, row_at, dt_at, head, ps, b_offset, c_offset, dt_min, dt_max, decay_log, dt_bias,
+    skip, PER_GROUP: tl.constexpr, D_STATE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """One token through a head's state slice [D_STATE, BLOCK_P] (row_at: its conved row;
+    dt_at: its dt): (the output slice, the new state)."""
+    ns = tl.arange(0, D_STATE)
+    group = head // PER_GROUP
+    x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
+    b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
+    c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
+    dt = softplus(tl.load(dt_at).to(tl.float32) + dt_bias)
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)  # the config's clamp
+    state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
+    return tl.sum(state * c[:, None], axis=0) + skip * x, state
+
+
+@triton.jit
 def _mamba2_step_kernel(
     conved_ptr,
     dt_ptr,
@@ -92,7 +110,6 @@ def _mamba2_step_kernel(
     # One program per (row, head, BLOCK_P of its head dims): the state's [D_STATE, BLOCK_P]
     # slice in registers, B and C whole.
     row, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ns = tl.arange(0, D_STATE)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     skip = tl.load(d_ptr + head).to(tl.float32)
@@ -100,15 +117,11 @@ def _mamba2_step_kernel(
         state_ptr, slots_ptr, has_state_ptr, row, head, num_heads, pb, D_STATE, HEAD_DIM, BLOCK_P
     )
     wait_previous(PDL)
-    group = head // PER_GROUP
-    row_at = conved_ptr + row * stride_conved
-    x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
-    b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
-    c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
-    dt = softplus(tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias)
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)  # the config's clamp
-    state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
-    out = tl.sum(state * c[:, None], axis=0) + skip * x
+    out, state = mamba2_token(
+        state, conved_ptr + row * stride_conved, dt_ptr + row * stride_dt + head, head, ps,
+        b_offset, c_offset, dt_min, dt_max, decay_log, dt_bias, skip,
+        PER_GROUP, D_STATE, HEAD_DIM,
+    )  # fmt: skip
     tl.store(out_ptr + (row * num_heads + head) * HEAD_DIM + ps, out)
     tl.store(state_ptrs, state)
 
@@ -222,25 +235,19 @@ def _mamba2_tokens_kernel(
     # One program per (sequence, head, BLOCK_P of its head dims), as the step's, walking
     # the sequence's tokens with the state slice in registers throughout.
     seq, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    ns = tl.arange(0, D_STATE)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     skip = tl.load(d_ptr + head).to(tl.float32)
     state, state_ptrs, ps = slot_state_slice(
         state_ptr, slots_ptr, has_state_ptr, seq, head, num_heads, pb, D_STATE, HEAD_DIM, BLOCK_P
     )
-    group = head // PER_GROUP
-    length = tl.load(lengths_ptr + seq)
-    for t in range(length):
+    for t in range(tl.load(lengths_ptr + seq)):
         row = seq * longest + t
-        row_at = conved_ptr + row * stride_conved
-        x = tl.load(row_at + head * HEAD_DIM + ps).to(tl.float32)
-        b = tl.load(row_at + b_offset + group * D_STATE + ns).to(tl.float32)
-        c = tl.load(row_at + c_offset + group * D_STATE + ns).to(tl.float32)
-        dt = softplus(tl.load(dt_ptr + row * stride_dt + head).to(tl.float32) + dt_bias)
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        state = state * tl.exp(decay_log * dt) + b[:, None] * (dt * x)[None, :]
-        out = tl.sum(state * c[:, None], axis=0) + skip * x
+        out, state = mamba2_token(
+            state, conved_ptr + row * stride_conved, dt_ptr + row * stride_dt + head, head, ps,
+            b_offset, c_offset, dt_min, dt_max, decay_log, dt_bias, skip,
+            PER_GROUP, D_STATE, HEAD_DIM,
+        )  # fmt: skip
         tl.store(out_ptr + (row * num_heads + head) * HEAD_DIM + ps, out)
     tl.store(state_ptrs, state)
 

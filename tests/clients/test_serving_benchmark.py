@@ -5,10 +5,12 @@ import json
 import logging
 import threading
 from datetime import datetime, timedelta
+from unittest import mock
 
 import pytest
 
 from benchmarks import serving, serving_report
+from server import engine_loop
 from server.engine_loop import StatLog
 from tests.server.test_stat_log import FakeEngine
 
@@ -65,8 +67,8 @@ def stats_line(when: datetime, steps: int, waiting: int, idle: int) -> str:
     """A server.log line with StatLog's own message (so the parser follows its format);
     the host worked the rest of the second."""
     engine, log = FakeEngine(), StatLog(interval_s=0.0)
-    elapsed = 1.0
-    log._start -= elapsed
+    elapsed = 1.0  # exactly: the clock the line is logged at (a busy box adds to a real one)
+    clock = mock.patch.object(engine_loop.time, "monotonic", return_value=log._start + elapsed)
     engine.runner.steps_by_path["graph"] = steps * elapsed
     engine.runner.wait_s = waiting / 100 * elapsed
     log.idle(idle / 100 * elapsed)
@@ -78,7 +80,8 @@ def stats_line(when: datetime, steps: int, waiting: int, idle: int) -> str:
     level = logger.level
     logger.setLevel(logging.INFO)  # not `.level =`: that leaves isEnabledFor's cached answer
     try:
-        log.maybe_log(engine)
+        with clock:
+            log.maybe_log(engine)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

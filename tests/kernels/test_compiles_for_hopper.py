@@ -4,8 +4,8 @@ variable changing dtype across a constexpr branch, or a global that is not a con
 Here the variants that only the FP8 paths take (the quantizer, e4m3 dots, a norm and
 the gated activation quantizing their rows), the split-K epilogues adding LoRA deltas and keeping a shrink's row groups, the decode attention rotating q and K
 itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches and DeepSeek-V2's group-limited routing, MLA's latent store and attention (one row a sequence, split or
-not, storing the new rows itself, and query tiles), and the greedy-ids kernels (a global constant; with and without a bitmask,
-whole or picked by row from a table),
+not, storing the new rows itself, and query tiles), the greedy-ids kernels (a global constant; with and without a bitmask,
+whole or picked by row from a table), and the recurrent layers' decode steps and prompt walks,
 each compiled through to a cubin, in a child process: this one's kernels were
 re-decorated for the interpreter (conftest)."""
 
@@ -104,6 +104,8 @@ def compile_variants() -> None:
         ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs)["ptx"]
         assert "wgmma.mma" in ptx or "mma.sync" in ptx
         print(f"mla one_per_seq={one_per_seq} splits={splits} kv_fp8={kv_fp8} new={store_new}")
+    compile_recurrent()
+    print("recurrent steps and prompt walks")
 
 
 def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
@@ -118,6 +120,27 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
         else:
             signature[name] = "fp32" if name in floats else "i32"
     return signature
+
+
+def compile_recurrent() -> None:
+    """The DeltaNet's and Mamba-2's decode steps and prompt walks (a loop over a
+    sequence's tokens, its bound loaded, the state slice carried through a helper)."""
+    from kernels.gated_delta import _gated_delta_step_kernel, _gated_delta_tokens_kernel
+    from kernels.mamba2_step import _mamba2_step_kernel, _mamba2_tokens_kernel
+
+    pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "has_state_ptr": "*i1"}
+    pointers |= {"lengths_ptr": "*i64", "out_ptr": "*fp32", "a_log_ptr": "*fp32"}
+    pointers |= {"d_ptr": "*fp32"}
+    delta = {"REPEAT": 2, "K_DIM": 128, "V_DIM": 128, "BLOCK_V": 32}
+    mamba = {"PER_GROUP": 16, "D_STATE": 128, "HEAD_DIM": 64, "BLOCK_P": 32}
+    for kernel, constexprs, floats in (
+        (_gated_delta_step_kernel, delta | {"PDL": True}, {"q_scale"}),
+        (_gated_delta_tokens_kernel, delta, {"q_scale"}),
+        (_mamba2_step_kernel, mamba | {"PDL": True}, {"dt_min", "dt_max"}),
+        (_mamba2_tokens_kernel, mamba, {"dt_min", "dt_max"}),
+    ):
+        signature = by_name(kernel, constexprs, pointers, floats)
+        assert "cubin" in compile_for_hopper(kernel, signature, dict(constexprs))
 
 
 def compile_moe() -> None:
@@ -211,7 +234,7 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:17] == [
+    assert done.stdout.split("\n")[:18] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False",
@@ -229,4 +252,5 @@ def test_kernel_variants_compile_for_hopper() -> None:
         "mla one_per_seq=True splits=1 kv_fp8=True new=False",
         "mla one_per_seq=True splits=8 kv_fp8=False new=True",
         "mla one_per_seq=True splits=1 kv_fp8=True new=True",
+        "recurrent steps and prompt walks",
     ]
