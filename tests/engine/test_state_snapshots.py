@@ -152,3 +152,18 @@ def test_chunks_are_cut_at_save_points_and_saves_registered_after_admissions():
     snaps.admit(request(list(range(100, 112))), 0, key, [])
     copies = snaps.step(np.array([0]), np.array([9]))
     assert (copies.source, copies.target, copies.num_saves) == ([5], [0], 0)
+
+
+def test_saving_a_prompt_again_makes_its_snapshot_the_most_recent():
+    """Two rows: k1 then k2 saved; the same prompt as k1 saves again (no copy, a touch);
+    a third prompt's save then takes k2's row, not k1's."""
+    snaps = StateSnapshots(first_row=3, num_rows=2, block_size=BLOCK)
+    prompts = [list(range(9)), list(range(50, 59)), list(range(9)), list(range(80, 89))]
+    keys, rows = [], []
+    for slot, ids in enumerate(prompts):
+        snaps.admit(request(ids), slot % 2, None, [8])
+        copies = snaps.step(np.array([slot % 2]), np.array([8]))
+        rows.append(None if copies is None else copies.target[0])
+        keys.append(next(reversed(snaps.rows)))
+    assert rows == [3, 4, None, 4]  # the repeat copied nothing; the last took k2's row
+    assert keys[0] in snaps.rows and keys[1] not in snaps.rows and keys[3] in snaps.rows
