@@ -93,16 +93,21 @@ class StateSnapshots:
         """The request in `slot` leaves before its save points (preempted or finished)."""
         self.pending.pop(slot, None)
 
+    def _pending_at(self, slots: np.ndarray) -> list[tuple[int, int]]:
+        """(index in slots, slot) of the sequences with save points ahead (a few: those
+        prefilling), found in one array op rather than by a walk over the batch."""
+        at = np.flatnonzero(np.isin(slots, list(self.pending))).tolist()
+        return list(zip(at, slots[at].tolist()))
+
     def cut(self, slots: np.ndarray, computed: np.ndarray, num_new: np.ndarray) -> bool:
         """Cut the chunks of `slots` that would run past their next save points to end
         there (num_new in place); whether any was cut."""
         cut = False
-        for slot, points in self.pending.items():
-            for i in np.flatnonzero(slots == slot).tolist():  # at most one
-                room = points[0].position - int(computed[i])
-                if 0 < room < num_new[i]:
-                    num_new[i] = room
-                    cut = True
+        for i, slot in self._pending_at(slots):
+            room = self.pending[slot][0].position - int(computed[i])
+            if 0 < room < num_new[i]:
+                num_new[i] = room
+                cut = True
         return cut
 
     def step(self, slots: np.ndarray, ends: np.ndarray) -> StateCopies | None:
@@ -113,11 +118,7 @@ class StateSnapshots:
         saves: list[tuple[int, int]] = []
         pending = self.pending
         if pending:
-            reached = [
-                slot
-                for slot, end in zip(slots.tolist(), ends.tolist())
-                if slot in pending and pending[slot][0].position == end
-            ]
+            reached = [s for i, s in self._pending_at(slots) if pending[s][0].position == ends[i]]
             for slot in reached:
                 key = pending[slot].pop(0).key
                 if not pending[slot]:

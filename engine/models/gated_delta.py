@@ -44,12 +44,18 @@ from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # A step's prompts up to this long walk their tokens in one launch a layer on CUDA
-# (kernels/gated_delta.py's gated_delta_tokens; Mamba-2's mixers, mamba2_tokens) instead of the chunked form's some fifty
-# torch ops, which cost the host more than the device: the tail of a prompt cut at a
-# prefix-cache save point, a chat's next turn from a cached prefix, a short prompt. The
-# walk is serial in tokens: past ~512 the chunked form is faster
+# (ConvRecurrentLayer.walk_prompts) instead of the chunked form's some fifty torch ops,
+# which cost the host more than the device: the tail of a prompt cut at a prefix-cache
+# save point, a chat's next turn from a cached prefix, a short prompt. The walk is serial
+# in tokens: past ~512 the chunked form is faster
 # (benchmarks/results/gated-delta-walk-ab-h200.json).
 WALK_MAX_TOKENS = 512
+
+
+def walks(x: torch.Tensor, longest: int) -> bool:
+    """Whether a step's prompts, the longest `longest` tokens, walk (on CUDA only: the
+    kernels' interpreter is no faster than the chunked form on the CPU)."""
+    return x.is_cuda and longest <= WALK_MAX_TOKENS
 
 
 def causal_conv(
@@ -173,6 +179,13 @@ class ConvRecurrentLayer(RecurrentLayer):
         longest, ...] -> [seqs, longest, heads, dim] fp32, each state updated at its slot."""
         raise NotImplementedError
 
+    def walk_prompts(
+        self, conved: torch.Tensor, *inputs: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:
+        """run_prompts' result with each prompt's tokens walked in one launch (CUDA, short
+        prompts); a layer without such a kernel runs its prompts as run_prompts does."""
+        return self.run_prompts(conved, *inputs, spans=spans)
+
     def run_sequences(
         self, meta: AttentionMetadata, out_shape: tuple[int, int], x: torch.Tensor,
         *inputs: torch.Tensor,
@@ -191,7 +204,8 @@ class ConvRecurrentLayer(RecurrentLayer):
             weight, silu = self.conv1d.weight, self.CONV_SILU
             conved, conv = causal_conv(x[rows], conv, weight, spans.lengths, bias, silu)
             self.conv_state.index_copy_(0, slots, conv)
-            o = self.run_prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
+            prompts = self.walk_prompts if walks(x, rows.shape[1]) else self.run_prompts
+            o = prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
             out[spans.valid_rows] = o.flatten(0, 1)[spans.valid_at]
         return out
 
@@ -284,12 +298,8 @@ class GatedDeltaNet(ConvRecurrentLayer):
     def run_prompts(
         self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: SequenceSpans
     ) -> torch.Tensor:  # [seqs, longest, value heads, v_dim] fp32
-        """The padded prompts through the chunked rule (padding neither decays nor writes),
-        or on CUDA, up to WALK_MAX_TOKENS long, token by token in one launch."""
+        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
         seqs, length = spans.rows.shape
-        if conved.is_cuda and length <= WALK_MAX_TOKENS:
-            args = (self.A_log, self.dt_bias, self.rule_state, spans.slots, spans.has_state)
-            return gated_delta_tokens(conved, a, b, *args, spans.lengths, self.num_k_heads)
         inputs = delta_rule_inputs(
             conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), self.A_log, self.dt_bias,
             self.num_k_heads, self.k_dim,
@@ -302,6 +312,12 @@ class GatedDeltaNet(ConvRecurrentLayer):
         o, state = chunked_rule(q, k, v, g, beta, state, dot_precision(conved.dtype))
         self.rule_state.index_copy_(0, spans.slots, state)
         return o.transpose(1, 2)
+
+    def walk_prompts(
+        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:
+        args = (self.A_log, self.dt_bias, self.rule_state, spans.slots, spans.has_state)
+        return gated_delta_tokens(conved, a, b, *args, spans.lengths, self.num_k_heads)
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):

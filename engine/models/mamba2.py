@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models import gated_delta
 from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv, chunked_rule, head_rows
 from engine.models.layers import AttentionMetadata, SequenceSpans
 from engine.models.parallel import (
@@ -208,13 +207,7 @@ class Mamba2Mixer(ConvRecurrentLayer):
     def run_prompts(
         self, conved: torch.Tensor, dt: torch.Tensor, spans: SequenceSpans
     ) -> torch.Tensor:  # [seqs, longest, heads, head_dim] fp32
-        """The padded prompts through the chunked rule (padding neither decays nor writes),
-        or on CUDA, up to gated_delta.WALK_MAX_TOKENS long, token by token in one launch."""
-        if conved.is_cuda and spans.rows.shape[1] <= gated_delta.WALK_MAX_TOKENS:
-            args = (self.A_log, self.dt_bias, self.D, self.ssm_state, spans.slots)
-            return mamba2_tokens(
-                conved, dt, *args, spans.has_state, spans.lengths, self.shape.dt_limit
-            )
+        """The padded prompts through the chunked rule (padding neither decays nor writes)."""
         x, b, c, dt, log_decay = mamba2_inputs(  # [seqs, longest, heads, ...], fp32
             conved, dt, self.A_log, self.dt_bias, self.shape.state, self.shape.dt_limit,
             self.num_groups,
@@ -229,6 +222,12 @@ class Mamba2Mixer(ConvRecurrentLayer):
         )
         self.ssm_state.index_copy_(0, spans.slots, state)
         return o.transpose(1, 2) + self.D.float()[:, None] * x
+
+    def walk_prompts(
+        self, conved: torch.Tensor, dt: torch.Tensor, spans: SequenceSpans
+    ) -> torch.Tensor:
+        args = (self.A_log, self.dt_bias, self.D, self.ssm_state, spans.slots, spans.has_state)
+        return mamba2_tokens(conved, dt, *args, spans.lengths, self.shape.dt_limit)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it

@@ -96,3 +96,22 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     tokenizer = load_tokenizer(model_dir)
     want = [hf_greedy(model_dir, tokenizer.encode(p), 8) for p in prompts]
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+@pytest.mark.parametrize("kind", ["qwen3_5", "granitemoehybrid"])
+def test_recurrent_prompts_walked_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
+    """Every prompt step's DeltaNet or Mamba-2 layers through the walk kernels (as CUDA
+    runs prompts up to WALK_MAX_TOKENS), chunked by a 16-token budget and beside decodes:
+    transformers' tokens."""
+    import engine.models.gated_delta as gated_delta
+
+    monkeypatch.setattr(gated_delta, "walks", lambda x, longest: True)
+    model_dir = tiny_family_dir(kind)
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokenizer = load_tokenizer(model_dir)
+    want = [hf_greedy(model_dir, tokenizer.encode(p), 6) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
