@@ -187,8 +187,7 @@ class EngineConfig:
         sequence's state is built token by token, so no step is rolled back
         (speculative decoding), and a cached prefix needs the state saved where it ends:
         the prefix cache, only when asked for, keeps a snapshot row per sequence slot
-        (engine/state_snapshots.py). Steps with prompts run eagerly, their shape read to
-        the host (decode steps keep their graphs)."""
+        (engine/state_snapshots.py)."""
         if self.num_speculative_tokens:
             raise ValueError(
                 "speculative decoding is not supported for models with recurrent layers "
@@ -197,7 +196,6 @@ class EngineConfig:
         if not self.prefix_caching_given:
             self.enable_prefix_caching = False
         self.state_snapshots = self.max_num_seqs if self.enable_prefix_caching else 0
-        self.prefill_graphs = False
 
     @property
     def whole_pooling_prompts(self) -> bool:

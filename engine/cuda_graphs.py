@@ -17,7 +17,9 @@ Steps with prefill tokens replay a whole-forward graph too, captured per token
 bucket up to 2048 tokens, for as many sequences as the bucket has tokens (or
 max_num_seqs; a step has no more): the prefill attention's grid depends on
 those two counts only (kernels.prefill_attention), so padded tokens (slot -1)
-and empty padded sequences make any such step fit. Larger steps, and everything
+and empty padded sequences make any such step fit. A model with recurrent layers
+has buckets up to the tokens its prompts walk (ModelRunner.walk_limit), the
+walk's grid likewise a function of the counts. Larger steps, and everything
 under --enforce-eager, run eagerly.
 
 With tensor parallelism every rank captures the same graphs, the model's
@@ -70,8 +72,11 @@ class CudaGraphs:
                 ]
                 for i in range(runner.num_buffers)
             ]
-        if config.use_cuda_graphs and config.prefill_graphs:
-            _timed("prefill", "token counts", config.prefill_graph_sizes(), self._capture_prefill)
+        sizes = config.prefill_graph_sizes()
+        if runner.state_layers:  # only steps whose prompts walk are graph-safe
+            sizes = [s for s in sizes if s <= runner.walk_limit]
+        if config.use_cuda_graphs and config.prefill_graphs and sizes:
+            _timed("prefill", "token counts", sizes, self._capture_prefill)
         # By token bucket: the verify graphs, and the logits rows they all write.
         self.verify: dict[int, torch.cuda.CUDAGraph] = {}
         self.verify_logits: torch.Tensor | None = None

@@ -20,12 +20,14 @@ from engine.cuda_graphs import CudaGraphs
 from engine.distributed import SINGLE
 from engine.images import ImageRows, plan_images
 from engine.input_batch import InputBatch
+from engine.models import gated_delta
 from engine.models.layers import (
     AttentionMetadata,
     AttentionOps,
     PagedAttention,
     RecurrentLayer,
     SequenceSpans,
+    SequenceWalk,
     allocate_states,
     state_bytes,
 )
@@ -74,6 +76,8 @@ class ModelRunner(StepInputs):
 
         # Recurrent layers' states by request slot, before the KV cache takes what is left.
         self.state_layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
+        # Prompts up to this long walk their tokens (graph-safe); longer ones run chunked.
+        self.walk_limit = gated_delta.walk_limit(self.state_layers, self.device)
         self._allocate_states()
         self.num_blocks = self._num_kv_blocks()
         if membership is not None:  # every rank holds the same blocks: the fewest any fits
@@ -307,8 +311,11 @@ class ModelRunner(StepInputs):
             prompts_only=inp.prompts_only,
             state_slots=inp.slot_indices,
         )
-        if self.state_layers and not inp.is_decode:  # an eager step's shape, on the host
-            meta.spans = SequenceSpans.of(meta)
+        if self.state_layers and not inp.is_decode:
+            if inp.max_query_len <= self.walk_limit:  # device ops: a graph remakes it
+                meta.walk = SequenceWalk.of(meta, len(input_ids))
+            else:  # an eager step's shape, on the host
+                meta.spans = SequenceSpans.of(meta)
         if inp.state_restores:  # states into slots, before they are read
             self.copy_states(inp.state_source, inp.state_target, 0, inp.state_restores)
         if images is not None:

@@ -218,33 +218,30 @@ def gated_delta_step(
 
 
 def gated_delta_tokens_ref(
-    conved: torch.Tensor,  # [seqs, longest, conv channels]: each sequence's rows, then padding
-    a: torch.Tensor,  # [seqs, longest, value heads]
-    b: torch.Tensor,  # [seqs, longest, value heads]
+    conved: torch.Tensor,  # [tokens, conv channels]: the step's sequences' rows, end to end
+    a: torch.Tensor,  # [tokens, value heads]
+    b: torch.Tensor,  # [tokens, value heads]
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state: torch.Tensor,  # [slots, value heads, k_dim, v_dim] fp32: updated in place
+    starts: torch.Tensor,  # [seqs]: each sequence's first token
+    lengths: torch.Tensor,  # [seqs]: its tokens (0: none; its slot is left alone)
     slots: torch.Tensor,  # [seqs] int64
     has_state: torch.Tensor,  # [seqs] bool
-    lengths: torch.Tensor,  # [seqs] int64: each sequence's tokens (the rest is padding)
     num_k_heads: int,
-) -> torch.Tensor:  # [seqs, longest, value heads, v_dim] fp32 (padding rows: unspecified)
+) -> torch.Tensor:  # [tokens, value heads, v_dim] fp32 (zeros outside the sequences)
     """The rule over each sequence's tokens one at a time, from its slot's state."""
-    seqs, longest, _ = conved.shape
-    inputs = delta_rule_inputs(
-        conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), a_log, dt_bias,
-        num_k_heads, state.shape[2],
-    )  # fmt: skip
-    q, k, v, g, beta = (t.unflatten(0, (seqs, longest)) for t in inputs)
-    rows = state[slots] * has_state[:, None, None, None]
-    outs = []
-    for t in range(longest):
-        live = (t < lengths)[:, None]  # padding neither decays nor writes
-        step_g, step_beta = g[:, t] * live, beta[:, t] * live
-        out, rows = recurrent_step(q[:, t], k[:, t], v[:, t], step_g, step_beta, rows)
-        outs.append(out)
-    state.index_copy_(0, slots, rows)
-    return torch.stack(outs, dim=1)
+    q, k, v, g, beta = delta_rule_inputs(conved, a, b, a_log, dt_bias, num_k_heads, state.shape[2])
+    out = torch.zeros(*v.shape, dtype=state.dtype, device=v.device)  # fp32 in the engine
+    for seq, (start, n) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        if not n:
+            continue
+        rows = state[slots[seq : seq + 1]] * has_state[seq]
+        for t in range(start, start + n):
+            at = slice(t, t + 1)
+            out[at], rows = recurrent_step(q[at], k[at], v[at], g[at], beta[at], rows)
+        state[slots[seq : seq + 1]] = rows
+    return out
 
 
 @triton.jit
@@ -255,11 +252,11 @@ def _gated_delta_tokens_kernel(
     a_log_ptr,
     dt_bias_ptr,
     state_ptr,
+    starts_ptr,
+    lengths_ptr,
     slots_ptr,
     has_state_ptr,
-    lengths_ptr,
     out_ptr,
-    longest,
     stride_conved,
     stride_ab,
     num_v_heads,
@@ -273,13 +270,16 @@ def _gated_delta_tokens_kernel(
     # One program per (sequence, value head, BLOCK_V of its value dims), as the step's,
     # walking the sequence's tokens with the state slice in registers throughout.
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths_ptr + seq)
+    if length == 0:  # a graph's padded sequence: its slot (the spare) is left alone
+        return
+    start = tl.load(starts_ptr + seq)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     state, state_ptrs, vs = slot_state_slice(
         state_ptr, slots_ptr, has_state_ptr, seq, head, num_v_heads, vb, K_DIM, V_DIM, BLOCK_V
     )
-    for t in range(tl.load(lengths_ptr + seq)):
-        row = seq * longest + t
+    for row in range(start, start + length):
         ab_at = row * stride_ab + head
         out, state = delta_rule_token(
             state, conved_ptr + row * stride_conved, a_ptr + ab_at, b_ptr + ab_at, head, vs,
@@ -296,40 +296,35 @@ def gated_delta_tokens(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     state: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
-    lengths: torch.Tensor,
     num_k_heads: int,
 ) -> torch.Tensor:
     """Triton version of `gated_delta_tokens_ref`: one launch, where the chunked form
-    (engine/models/gated_delta.py) is some fifty torch ops a layer, for short prompts
-    (the reference where k_dim or v_dim is not a power of two)."""
-    seqs, longest, _ = conved.shape
+    (engine/models/gated_delta.py) is some fifty torch ops a layer and reads the prompts'
+    shape to the host. k_dim and v_dim must be powers of two (`walkable`)."""
     num_v_heads = a.shape[-1]
     _, _, k_dim, v_dim = state.shape
-    args = (conved, a, b, a_log, dt_bias, state, slots, has_state, lengths, num_k_heads)
-    if k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
-        return gated_delta_tokens_ref(*args)
-    assert state.dtype == torch.float32 and state.is_contiguous()
-    # The convolution's output is its transpose: channels apart by a sequence's length.
-    conved, a, b = conved.flatten(0, 1).contiguous(), a.flatten(0, 1), b.flatten(0, 1)
+    assert walkable(k_dim, v_dim) and state.dtype == torch.float32 and state.is_contiguous()
     assert conved.stride(1) == 1 and a.stride() == b.stride() and a.stride(1) == 1
-    out = torch.empty(seqs, longest, num_v_heads, v_dim, dtype=torch.float32, device=a.device)
-    if seqs == 0:
+    out = torch.zeros(len(conved), num_v_heads, v_dim, dtype=torch.float32, device=a.device)
+    if len(starts) == 0:
         return out
     block_v = min(v_dim, 32)
-    _gated_delta_tokens_kernel[(seqs, num_v_heads, v_dim // block_v)](
+    _gated_delta_tokens_kernel[(len(starts), num_v_heads, v_dim // block_v)](
         conved,
         a,
         b,
         a_log,
         dt_bias,
         state,
+        starts,
+        lengths,
         slots,
         has_state,
-        lengths,
         out,
-        longest,
         conved.stride(0),
         a.stride(0),
         num_v_heads,
@@ -342,6 +337,11 @@ def gated_delta_tokens(
         num_warps=4,
     )
     return out
+
+
+def walkable(*dims: int) -> bool:
+    """Whether the walk kernels take a state of these dims (powers of two)."""
+    return all(d > 0 and d & (d - 1) == 0 for d in dims)
 
 
 def gated_delta_step_for(device: torch.device) -> Callable[..., torch.Tensor]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.gated_delta import slot_state_slice, softplus
+from kernels.gated_delta import slot_state_slice, softplus, walkable
 from kernels.pdl import launch_options, use_pdl, wait_previous
 
 
@@ -180,31 +180,35 @@ def mamba2_step(
 
 
 def mamba2_tokens_ref(
-    conved: torch.Tensor,  # [seqs, longest, conv channels]: each sequence's rows, then padding
-    dt: torch.Tensor,  # [seqs, longest, heads]
+    conved: torch.Tensor,  # [tokens, conv channels]: the step's sequences' rows, end to end
+    dt: torch.Tensor,  # [tokens, heads]
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     d: torch.Tensor,
     state: torch.Tensor,  # [slots, heads, d_state, head_dim] fp32: updated in place
+    starts: torch.Tensor,  # [seqs]: each sequence's first token
+    lengths: torch.Tensor,  # [seqs]: its tokens (0: none; its slot is left alone)
     slots: torch.Tensor,  # [seqs] int64
     has_state: torch.Tensor,  # [seqs] bool
-    lengths: torch.Tensor,  # [seqs] int64: each sequence's tokens (the rest is padding)
     dt_limit: tuple[float, float],
-) -> torch.Tensor:  # [seqs, longest, heads, head_dim] fp32 (padding rows: unspecified)
+) -> torch.Tensor:  # [tokens, heads, head_dim] fp32 (zeros outside the sequences)
     """The rule over each sequence's tokens one at a time, from its slot's state."""
     heads, n, p = state.shape[1:]
     groups = (conved.shape[-1] - heads * p) // (2 * n)
     x, b, c, dt, log_decay = mamba2_inputs(conved, dt, a_log, dt_bias, n, dt_limit, groups)
-    s = state[slots] * has_state[:, None, None, None]
-    outs = []
-    for t in range(conved.shape[1]):
-        live = (t < lengths)[:, None]  # padding neither decays nor writes
-        step_dt, step_decay = dt[:, t] * live, log_decay[:, t] * live
-        write = b[:, t, :, :, None] * (step_dt[..., None] * x[:, t])[..., None, :]
-        s = s * step_decay.exp()[..., None, None] + write
-        outs.append((c[:, t, :, None, :] @ s).squeeze(-2) + d.float()[:, None] * x[:, t])
-    state.index_copy_(0, slots, s)
-    return torch.stack(outs, dim=1)
+    out = torch.zeros_like(x)
+    for seq, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+        if not length:
+            continue
+        s = state[slots[seq]] * has_state[seq]  # [heads, d_state, head_dim]
+        for t in range(start, start + length):
+            s = (
+                s * log_decay[t].exp()[:, None, None]
+                + b[t, :, :, None] * (dt[t, :, None] * x[t])[:, None, :]
+            )
+            out[t] = (c[t, :, None, :] @ s).squeeze(-2) + d.float()[:, None] * x[t]
+        state[slots[seq]] = s
+    return out
 
 
 @triton.jit
@@ -215,11 +219,11 @@ def _mamba2_tokens_kernel(
     dt_bias_ptr,
     d_ptr,
     state_ptr,
+    starts_ptr,
+    lengths_ptr,
     slots_ptr,
     has_state_ptr,
-    lengths_ptr,
     out_ptr,
-    longest,
     stride_conved,
     stride_dt,
     num_heads,
@@ -235,14 +239,17 @@ def _mamba2_tokens_kernel(
     # One program per (sequence, head, BLOCK_P of its head dims), as the step's, walking
     # the sequence's tokens with the state slice in registers throughout.
     seq, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(lengths_ptr + seq)
+    if length == 0:  # a graph's padded sequence: its slot (the spare) is left alone
+        return
+    start = tl.load(starts_ptr + seq)
     decay_log = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
     skip = tl.load(d_ptr + head).to(tl.float32)
     state, state_ptrs, ps = slot_state_slice(
         state_ptr, slots_ptr, has_state_ptr, seq, head, num_heads, pb, D_STATE, HEAD_DIM, BLOCK_P
     )
-    for t in range(tl.load(lengths_ptr + seq)):
-        row = seq * longest + t
+    for row in range(start, start + length):
         out, state = mamba2_token(
             state, conved_ptr + row * stride_conved, dt_ptr + row * stride_dt + head, head, ps,
             b_offset, c_offset, dt_min, dt_max, decay_log, dt_bias, skip,
@@ -259,39 +266,35 @@ def mamba2_tokens(
     dt_bias: torch.Tensor,
     d: torch.Tensor,
     state: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
-    lengths: torch.Tensor,
     dt_limit: tuple[float, float],
 ) -> torch.Tensor:
-    """Triton version of `mamba2_tokens_ref`: one launch for a step's short prompts (the
-    reference where d_state or head_dim is not a power of two)."""
-    seqs, longest, _ = conved.shape
+    """Triton version of `mamba2_tokens_ref`: one launch for a step's prompts. d_state
+    and head_dim must be powers of two (`walkable`)."""
     heads = dt.shape[-1]
     _, _, n, p = state.shape
-    args = (conved, dt, a_log, dt_bias, d, state, slots, has_state, lengths, dt_limit)
-    if n & (n - 1) or p & (p - 1):
-        return mamba2_tokens_ref(*args)
-    assert state.dtype == torch.float32 and state.is_contiguous()
-    # The convolution's output is its transpose: channels apart by a sequence's length.
-    conved, dt = conved.flatten(0, 1).contiguous(), dt.flatten(0, 1).contiguous()
-    out = torch.empty(seqs, longest, heads, p, dtype=torch.float32, device=conved.device)
-    if seqs == 0:
+    assert walkable(n, p) and state.dtype == torch.float32 and state.is_contiguous()
+    assert conved.stride(1) == 1 and dt.stride(1) == 1
+    out = torch.zeros(len(conved), heads, p, dtype=torch.float32, device=conved.device)
+    if len(starts) == 0:
         return out
     groups = (conved.shape[1] - heads * p) // (2 * n)
     block_p = min(p, 32)
-    _mamba2_tokens_kernel[(seqs, heads, p // block_p)](
+    _mamba2_tokens_kernel[(len(starts), heads, p // block_p)](
         conved,
         dt,
         a_log,
         dt_bias,
         d,
         state,
+        starts,
+        lengths,
         slots,
         has_state,
-        lengths,
         out,
-        longest,
         conved.stride(0),
         dt.stride(0),
         heads,

@@ -5,13 +5,14 @@ exp(g_t) <= 1, then writes the part of v_t the state does not already predict fo
 
     S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
 
-A decode row takes that step once (kernels/gated_delta.py). A prompt's tokens run chunk
-by chunk (`chunked_rule`): within a chunk the writes are solved for at once (the UT
-transform: a unit-triangular system over the chunk), so the scan is over chunks, not
-tokens (kernels/delta_chunk_scan.py).
+A decode row takes that step once (kernels/gated_delta.py); a short prompt walks its
+tokens through it in one launch (on CUDA). A long prompt's tokens run chunk by chunk
+(`chunked_rule`): within a chunk the writes are solved for at once (the UT transform: a
+unit-triangular system over the chunk), so the scan is over chunks, not tokens
+(kernels/delta_chunk_scan.py).
 
 q, k and v come from a causal depthwise convolution over the last `kernel` tokens' input
-rows (`causal_conv`; a decode row's step: kernels/conv_step.py); a sequence's last
+rows (kernels/conv_step.py; `causal_conv` for the chunked form); a sequence's last
 kernel - 1 rows are its conv state. Both states
 live by request slot (`RecurrentLayer`), in fp32 for the rule's state as transformers keeps it.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
-from engine.models.layers import AttentionMetadata, RecurrentLayer, SequenceSpans
+from engine.models.layers import AttentionMetadata, RecurrentLayer, SequenceSpans, SequenceWalk
 from engine.models.parallel import (
     ColumnParallelLinear,
     Ranges,
@@ -36,26 +37,32 @@ from engine.models.parallel import (
     split,
 )
 from engine.models.weight_copy import fill
-from kernels.conv_step import conv_step_at_slots_for
+from kernels.conv_step import conv_step_at_slots_for, conv_tokens_at_slots
 from kernels.delta_chunk_scan import delta_chunk_scan_for
-from kernels.gated_delta import delta_rule_inputs, gated_delta_step_for, gated_delta_tokens
+from kernels.gated_delta import (
+    delta_rule_inputs,
+    gated_delta_step_for,
+    gated_delta_tokens,
+    walkable,
+)
 from kernels.gated_norm import gated_rms_norm_for
 from kernels.paged_attention import dot_precision
 
 CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # A step's prompts up to this long walk their tokens in one launch a layer on CUDA
-# (ConvRecurrentLayer.walk_prompts) instead of the chunked form's some fifty torch ops,
-# which cost the host more than the device: the tail of a prompt cut at a prefix-cache
-# save point, a chat's next turn from a cached prefix, a short prompt. The walk is serial
-# in tokens: past ~512 the chunked form is faster
-# (benchmarks/results/gated-delta-walk-ab-h200.json).
+# (ConvRecurrentLayer.walk_tokens) instead of the chunked form's some fifty torch ops,
+# which cost the host more than the device and read the prompts' shape to the host: so
+# these steps also replay prefill graphs. The walk is serial in tokens: past ~512 the
+# chunked form is faster (benchmarks/results/gated-delta-walk-ab-h200.json).
 WALK_MAX_TOKENS = 512
 
 
-def walks(x: torch.Tensor, longest: int) -> bool:
-    """Whether a step's prompts, the longest `longest` tokens, walk (on CUDA only: the
-    kernels' interpreter is no faster than the chunked form on the CPU)."""
-    return x.is_cuda and longest <= WALK_MAX_TOKENS
+def walk_limit(layers: list[RecurrentLayer], device: torch.device) -> int:
+    """The longest prompt a step's recurrent layers walk rather than chunk: on CUDA where
+    every layer has the kernels (`walkable`), WALK_MAX_TOKENS; else 0 (the Triton
+    interpreter is no faster than the chunked form on the CPU)."""
+    walk = device.type == "cuda" and all(getattr(x, "walkable", False) for x in layers)
+    return WALK_MAX_TOKENS if walk else 0
 
 
 def causal_conv(
@@ -160,13 +167,21 @@ def grouped_rows(heads: Section, stride: int, offset: int, width: int) -> Ranges
 
 class ConvRecurrentLayer(RecurrentLayer):
     """A recurrent layer whose input passes the causal convolution first (the DeltaNet's,
-    Mamba-2's). A step with prompts (eager) runs the sequences that continue by one token
-    as decode rows (`step_rows`) and the rest padded together to the longest, convolved
-    here from their slots' windows, then through the layer's rule (`run_prompts`)."""
+    Mamba-2's). A step with prompts walks every sequence's tokens, end to end, through the
+    convolution's kernel and the rule's (`walk_tokens`), where the runner set
+    `meta.walk`; or (long prompts, or off CUDA) runs the sequences that continue by one
+    token as decode rows (`step_rows`) and the rest padded together to the longest,
+    convolved here from their slots' windows, then through the chunked rule
+    (`run_prompts`)."""
 
     conv1d: DepthwiseConv
     conv_state: torch.Tensor  # [slots, channels, kernel - 1]: by slot, see RecurrentLayer
     CONV_SILU: ClassVar[bool] = True  # a SiLU after the convolution (not LFM2's)
+
+    @property
+    def walkable(self) -> bool:
+        """Whether the walk kernels take this layer's states (walk_limit)."""
+        return True
 
     def step_rows(self, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         """(x, the layer's other inputs, slots, has_state) -> [rows, heads, dim] fp32."""
@@ -179,18 +194,24 @@ class ConvRecurrentLayer(RecurrentLayer):
         longest, ...] -> [seqs, longest, heads, dim] fp32, each state updated at its slot."""
         raise NotImplementedError
 
-    def walk_prompts(
-        self, conved: torch.Tensor, *inputs: torch.Tensor, spans: SequenceSpans
+    def walk_tokens(
+        self, conved: torch.Tensor, *inputs: torch.Tensor, walk: SequenceWalk
     ) -> torch.Tensor:
-        """run_prompts' result with each prompt's tokens walked in one launch (CUDA, short
-        prompts); a layer without such a kernel runs its prompts as run_prompts does."""
-        return self.run_prompts(conved, *inputs, spans=spans)
+        """The step's tokens end to end: conved [tokens, channels] and the other inputs
+        [tokens, ...] -> [tokens, heads, dim] fp32, each sequence's tokens walked in one
+        launch from its slot's state, updated there (CUDA, or Triton's interpreter)."""
+        raise NotImplementedError
 
     def run_sequences(
         self, meta: AttentionMetadata, out_shape: tuple[int, int], x: torch.Tensor,
         *inputs: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """[tokens, *out_shape] fp32: each token's output of the rule."""
+        weight, bias, silu = self.conv1d.weight, self.conv1d.bias, self.CONV_SILU
+        if (walk := meta.walk) is not None:
+            args = (walk.token_seqs, walk.starts, walk.lengths, walk.slots, walk.has_state)
+            conved = conv_tokens_at_slots(x, self.conv_state, *args, weight, bias, silu)
+            return self.walk_tokens(conved, *inputs, walk=walk)
         spans = meta.spans
         out = torch.empty((len(x), *out_shape), dtype=torch.float32, device=x.device)
         if len(spans.single_rows):
@@ -200,12 +221,9 @@ class ConvRecurrentLayer(RecurrentLayer):
         if len(spans.slots):
             rows, slots = spans.rows, spans.slots
             conv = self.conv_state[slots] * spans.has_state[:, None, None]
-            bias = self.conv1d.bias
-            weight, silu = self.conv1d.weight, self.CONV_SILU
             conved, conv = causal_conv(x[rows], conv, weight, spans.lengths, bias, silu)
             self.conv_state.index_copy_(0, slots, conv)
-            prompts = self.walk_prompts if walks(x, rows.shape[1]) else self.run_prompts
-            o = prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
+            o = self.run_prompts(conved.to(x.dtype), *(t[rows] for t in inputs), spans=spans)
             out[spans.valid_rows] = o.flatten(0, 1)[spans.valid_at]
         return out
 
@@ -313,11 +331,15 @@ class GatedDeltaNet(ConvRecurrentLayer):
         self.rule_state.index_copy_(0, spans.slots, state)
         return o.transpose(1, 2)
 
-    def walk_prompts(
-        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, spans: SequenceSpans
+    @property
+    def walkable(self) -> bool:
+        return walkable(self.k_dim, self.v_dim)
+
+    def walk_tokens(
+        self, conved: torch.Tensor, a: torch.Tensor, b: torch.Tensor, walk: SequenceWalk
     ) -> torch.Tensor:
-        args = (self.A_log, self.dt_bias, self.rule_state, spans.slots, spans.has_state)
-        return gated_delta_tokens(conved, a, b, *args, spans.lengths, self.num_k_heads)
+        args = (walk.starts, walk.lengths, walk.slots, walk.has_state, self.num_k_heads)
+        return gated_delta_tokens(conved, a, b, self.A_log, self.dt_bias, self.rule_state, *args)
 
 
 class GroupedGatedDeltaNet(GatedDeltaNet):

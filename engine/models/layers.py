@@ -51,9 +51,34 @@ class AttentionMetadata:
     # [num_seqs] int64: each sequence's row of the recurrent layers' states (its
     # block-table row; a graph's padded rows the spare one).
     state_slots: torch.Tensor | None = None
-    # The host's copy of the sequences' shape, on eager steps of models with recurrent
-    # layers (which run a step's prompts padded together): SequenceSpans.of.
+    # A step with prompts of a model with recurrent layers: its sequences as they walk
+    # their tokens (SequenceWalk.of, device tensors: graph steps too), or, for prompts
+    # past the walk's length and off CUDA, their shape on the host, to run them padded
+    # together (SequenceSpans.of; eager steps only).
+    walk: SequenceWalk | None = None
     spans: SequenceSpans | None = None
+
+
+@dataclass(frozen=True)
+class SequenceWalk:
+    """A step's sequences as the recurrent layers' walk kernels take them, their tokens end
+    to end: made by device ops alone, so a CUDA graph's replay remakes it. A graph's padded
+    sequences have no tokens; its padded tokens, past every sequence, the last one's."""
+
+    token_seqs: torch.Tensor  # [tokens] int64: each token's sequence
+    starts: torch.Tensor  # [seqs]: each sequence's first token
+    lengths: torch.Tensor  # [seqs]: its new tokens
+    slots: torch.Tensor  # [seqs] int64: its state row
+    has_state: torch.Tensor  # [seqs] bool: it has context before (else it starts from zeros)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, num_tokens: int) -> SequenceWalk:
+        bounds = meta.query_start_loc
+        starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+        tokens = torch.arange(num_tokens, dtype=bounds.dtype, device=bounds.device)
+        token_seqs = torch.searchsorted(bounds, tokens, right=True) - 1
+        token_seqs = token_seqs.clamp_(max=len(starts) - 1)
+        return cls(token_seqs, starts, lengths, meta.state_slots, meta.seq_lens > lengths)
 
 
 @dataclass(frozen=True)
@@ -104,8 +129,8 @@ class RecurrentLayer(nn.Module):
     """A layer that carries a state per sequence instead of a KV cache (Gated DeltaNet).
     The runner allocates each of `state_shapes` by request slot, with a spare row for a
     graph's padded rows, and sets them as attributes; a sequence whose context is empty
-    starts from zeros. Its states cannot be rebuilt from cached KV blocks, so a model
-    with such layers runs without the prefix cache (EngineConfig.recurrent_model)."""
+    starts from zeros. Its states cannot be rebuilt from cached KV blocks: the prefix
+    cache, when on, saves them at block boundaries (engine/state_snapshots.py)."""
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """name -> (one slot's shape, dtype; None: the model's)."""

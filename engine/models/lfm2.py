@@ -19,7 +19,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.experts import FusedMoE
 from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv
 from engine.models.glm4_moe import grouped_topk
-from engine.models.layers import AttentionMetadata, RMSNorm, SequenceSpans
+from engine.models.layers import AttentionMetadata, RMSNorm, SequenceSpans, SequenceWalk
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.models.moe import MoeForCausalLM
 from engine.models.parallel import (
@@ -88,6 +88,9 @@ class ShortConv(ConvRecurrentLayer):
 
     def run_prompts(self, conved: torch.Tensor, spans: SequenceSpans) -> torch.Tensor:
         return conved.float()[:, :, None]  # the convolution is the whole rule
+
+    def walk_tokens(self, conved: torch.Tensor, walk: SequenceWalk) -> torch.Tensor:
+        return conved.float()[:, None]
 
 
 def mlp_size(config) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.distributed import SINGLE, TensorParallel
 from engine.models.gated_delta import ConvRecurrentLayer, DepthwiseConv, chunked_rule, head_rows
-from engine.models.layers import AttentionMetadata, SequenceSpans
+from engine.models.layers import AttentionMetadata, SequenceSpans, SequenceWalk
 from engine.models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -34,6 +34,7 @@ from engine.models.parallel import (
 )
 from engine.models.weight_copy import fill
 from kernels.conv_step import conv_step_at_slots_for
+from kernels.gated_delta import walkable
 from kernels.gated_norm import gated_rms_norm_for
 from kernels.mamba2_step import mamba2_inputs, mamba2_step_for, mamba2_tokens
 from kernels.paged_attention import dot_precision
@@ -223,11 +224,15 @@ class Mamba2Mixer(ConvRecurrentLayer):
         self.ssm_state.index_copy_(0, spans.slots, state)
         return o.transpose(1, 2) + self.D.float()[:, None] * x
 
-    def walk_prompts(
-        self, conved: torch.Tensor, dt: torch.Tensor, spans: SequenceSpans
+    @property
+    def walkable(self) -> bool:
+        return walkable(self.shape.state, self.shape.head_dim)
+
+    def walk_tokens(
+        self, conved: torch.Tensor, dt: torch.Tensor, walk: SequenceWalk
     ) -> torch.Tensor:
-        args = (self.A_log, self.dt_bias, self.D, self.ssm_state, spans.slots, spans.has_state)
-        return mamba2_tokens(conved, dt, *args, spans.lengths, self.shape.dt_limit)
+        args = (self.A_log, self.dt_bias, self.D, self.ssm_state, walk.starts, walk.lengths)
+        return mamba2_tokens(conved, dt, *args, walk.slots, walk.has_state, self.shape.dt_limit)
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """weight * rms_norm(y silu(z)) over each group's heads, as transformers rounds it

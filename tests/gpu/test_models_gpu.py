@@ -74,13 +74,40 @@ def test_recurrent_prefixes_start_from_saved_states_on_cuda(tiny_family_dir, kin
         assert_greedy_matches(model_dir, prompts, got, want)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "granitemoehybrid", "lfm2"])
+def test_recurrent_steps_with_prompts_replay_prefill_graphs(tiny_family_dir, kind, monkeypatch):
+    """Prefill graphs up to the walk's length only: a 24-token budget puts the prompts'
+    chunks beside decodes in graph steps, two slots reused (their states from zeros), and
+    the outputs are transformers'. With the walk capped at 20 tokens, no 24-token graph."""
+    import engine.models.gated_delta as gated_delta
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setattr(gated_delta, "WALK_MAX_TOKENS", 32)
+    model_dir = tiny_family_dir(kind)
+    tokenizer = load_tokenizer(model_dir)
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=2, max_num_batched_tokens=24)
+    runner = llm.engine.runner
+    assert sorted(runner.graphs.prefill) == [16, 24]
+    prompts = [PROMPTS[i] * 2 for i in range(5)]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.steps_by_path["prefill graph"] > 0
+    ids = [tokenizer.encode(p) for p in prompts]
+    assert_greedy_matches(model_dir, ids, got, [hf_greedy(model_dir, i, MAX_NEW) for i in ids])
+    del llm, runner
+    monkeypatch.setattr(gated_delta, "WALK_MAX_TOKENS", 20)
+    llm = LLM(model_dir, device="cuda", max_num_seqs=2, max_num_batched_tokens=24)
+    assert sorted(llm.engine.runner.graphs.prefill) == [16]
+
+
 @pytest.mark.parametrize("walk_max_tokens", [0, 10**6])
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "granitemoehybrid", "falcon_h1"])
 def test_recurrent_prompts_chunked_or_walked_match_transformers(
     tiny_family_dir, kind, walk_max_tokens, monkeypatch
 ):
     """Prompts of several chunks (and short ones beside them) through the chunked form
-    alone, then token by token alone (engine/models/gated_delta.py's WALK_MAX_TOKENS)."""
+    alone (no prefill graph), then token by token alone, prefill graphs included
+    (engine/models/gated_delta.py's WALK_MAX_TOKENS)."""
     import engine.models.gated_delta as gated_delta
 
     monkeypatch.setattr(gated_delta, "WALK_MAX_TOKENS", walk_max_tokens)

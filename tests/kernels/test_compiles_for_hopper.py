@@ -124,20 +124,25 @@ def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozens
 
 def compile_recurrent() -> None:
     """The DeltaNet's and Mamba-2's decode steps and prompt walks (a loop over a
-    sequence's tokens, its bound loaded, the state slice carried through a helper)."""
+    sequence's tokens, its bounds loaded, the state slice carried through a helper), and
+    the convolution over a step's tokens and its states' update."""
+    from kernels.conv_step import _conv_states_kernel, _conv_tokens_kernel
     from kernels.gated_delta import _gated_delta_step_kernel, _gated_delta_tokens_kernel
     from kernels.mamba2_step import _mamba2_step_kernel, _mamba2_tokens_kernel
 
     pointers = {"state_ptr": "*fp32", "slots_ptr": "*i64", "has_state_ptr": "*i1"}
-    pointers |= {"lengths_ptr": "*i64", "out_ptr": "*fp32", "a_log_ptr": "*fp32"}
-    pointers |= {"d_ptr": "*fp32"}
+    pointers |= {"lengths_ptr": "*i32", "starts_ptr": "*i32", "out_ptr": "*fp32"}
+    pointers |= {"a_log_ptr": "*fp32", "d_ptr": "*fp32", "token_seqs_ptr": "*i64"}
     delta = {"REPEAT": 2, "K_DIM": 128, "V_DIM": 128, "BLOCK_V": 32}
     mamba = {"PER_GROUP": 16, "D_STATE": 128, "HEAD_DIM": 64, "BLOCK_P": 32}
+    conv = {"KERNEL": 4, "BLOCK_C": 128}
     for kernel, constexprs, floats in (
         (_gated_delta_step_kernel, delta | {"PDL": True}, {"q_scale"}),
         (_gated_delta_tokens_kernel, delta, {"q_scale"}),
         (_mamba2_step_kernel, mamba | {"PDL": True}, {"dt_min", "dt_max"}),
         (_mamba2_tokens_kernel, mamba, {"dt_min", "dt_max"}),
+        (_conv_tokens_kernel, conv | {"HAS_BIAS": True, "SILU": True, "BLOCK_T": 16}, set()),
+        (_conv_states_kernel, conv | {"TAPS": 4}, set()),
     ):
         signature = by_name(kernel, constexprs, pointers, floats)
         assert "cubin" in compile_for_hopper(kernel, signature, dict(constexprs))

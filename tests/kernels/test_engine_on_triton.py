@@ -101,14 +101,16 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize("kind", ["qwen3_5", "granitemoehybrid"])
 def test_recurrent_prompts_walked_on_triton_kernels(tiny_family_dir, monkeypatch, kind):
-    """Every prompt step's DeltaNet or Mamba-2 layers through the walk kernels (as CUDA
-    runs prompts up to WALK_MAX_TOKENS), chunked by a 16-token budget and beside decodes:
+    """Every prompt step's DeltaNet or Mamba-2 layers through the convolution and walk
+    kernels over the step's tokens end to end (as CUDA runs prompts up to
+    WALK_MAX_TOKENS, graphs included), chunked by a 16-token budget and beside decodes,
+    in two slots the later prompts reuse (from zeros, not the slot's last state):
     transformers' tokens."""
     import engine.models.gated_delta as gated_delta
 
-    monkeypatch.setattr(gated_delta, "walks", lambda x, longest: True)
+    monkeypatch.setattr(gated_delta, "walk_limit", lambda layers, device: 10**6)
     model_dir = tiny_family_dir(kind)
-    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
     prompts = PROMPTS[:4]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

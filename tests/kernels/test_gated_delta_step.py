@@ -48,32 +48,39 @@ def test_step_matches_reference(num_k_heads, num_v_heads, k_dim, v_dim, dtype, d
 @pytest.mark.parametrize("seqs", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
-    """Three sequences padded to the longest (one from zeros, one of a single token), or
-    the first alone: outputs at their tokens, and every slot's state after them."""
+    """Three sequences end to end (one from zeros, one of a single token), or the first
+    alone, then a graph's padding: two tokens past them and a sequence of none at the
+    spare slot. Outputs at their tokens, and every slot's state after them (the padded
+    sequence's left alone)."""
     num_k_heads, num_v_heads, k_dim, v_dim = 2, 4, 16, 64
-    longest, slots_total = 7, 6
+    slots_total = 6
+    lengths = torch.tensor([7, 5, 1][:seqs] + [0], device=device, dtype=torch.int32)
+    starts = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
+    tokens = int(lengths.sum()) + 2
     channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(device)
 
-    # As the convolution leaves it: [seqs, channels, longest] transposed.
-    conved = randn(seqs, channels, longest).to(dtype).transpose(1, 2)
-    a = randn(seqs, longest, num_v_heads).to(dtype)
-    b = randn(seqs, longest, num_v_heads).to(dtype)
+    # As the projection leaves them: column slices of its rows.
+    rows = randn(tokens, channels + 2 * num_v_heads + 3).to(dtype)
+    conved, a, b = (
+        rows[:, :channels],
+        rows[:, channels : channels + num_v_heads],
+        rows[:, -num_v_heads - 3 : -3],
+    )
     a_log, dt_bias = randn(num_v_heads, scale=0.5), randn(num_v_heads).to(dtype)
     state = randn(slots_total, num_v_heads, k_dim, v_dim)
-    slots = torch.tensor([4, 0, 3][:seqs], device=device)
-    has_state = torch.tensor([True, False, True][:seqs], device=device)
-    lengths = torch.tensor([7, 5, 1][:seqs], device=device)
+    slots = torch.tensor([4, 0, 3][:seqs] + [5], device=device)
+    has_state = torch.tensor([True, False, True][:seqs] + [False], device=device)
     want_state = state.clone()
-    args = (a, b, a_log, dt_bias)
-    want = gated_delta_tokens_ref(conved, *args, want_state, slots, has_state, lengths, num_k_heads)
-    got = gated_delta_tokens(conved, *args, state, slots, has_state, lengths, num_k_heads)
-    for i, n in enumerate(lengths.tolist()):
-        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+    args = (starts, lengths, slots, has_state, num_k_heads)
+    want = gated_delta_tokens_ref(conved, a, b, a_log, dt_bias, want_state, *args)
+    got = gated_delta_tokens(conved, a, b, a_log, dt_bias, state, *args)
+    real = int(lengths.sum())
+    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
-    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no sequence's slots
+    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no real sequence's slots
 
 
 def test_the_token_walk_equals_the_chunked_rule(rng):
@@ -92,8 +99,10 @@ def test_the_token_walk_equals_the_chunked_rule(rng):
     slots, has_state = torch.tensor([2, 0]), torch.tensor([True, True])
     lengths = torch.tensor([longest, 20])
     walked_state = state.clone()
-    args = (a_log, dt_bias, walked_state, slots, has_state, lengths, num_k_heads)
-    walked = gated_delta_tokens_ref(conved, a, b, *args)
+    starts = torch.tensor([0, longest])  # the padded rows laid end to end
+    args = (a_log, dt_bias, walked_state, starts, lengths, slots, has_state, num_k_heads)
+    flat = (t.flatten(0, 1) for t in (conved, a, b))
+    walked = gated_delta_tokens_ref(*flat, *args).unflatten(0, (seqs, longest))
     inputs = delta_rule_inputs(conved.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1), a_log, dt_bias, num_k_heads, k_dim)  # fmt: skip
     q, k, v, g, beta = (t.unflatten(0, (seqs, longest)).transpose(1, 2) for t in inputs)
     pad = (torch.arange(longest) >= lengths[:, None])[:, None]

@@ -47,31 +47,33 @@ def test_step_matches_reference(heads, groups, d_state, head_dim, dt_limit, dtyp
 @pytest.mark.parametrize("seqs", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
-    """Three sequences padded to the longest (one from zeros, one of a single token), or
-    the first alone, with dt clamped: outputs at their tokens, every slot's state after."""
+    """Three sequences end to end (one from zeros, one of a single token), or the first
+    alone, then a graph's padding (two tokens, a sequence of none at the spare slot), with
+    dt clamped: outputs at their tokens, every slot's state after (the padding's alone)."""
     heads, groups, d_state, head_dim, dt_limit = 4, 2, 16, 64, (0.0, 0.5)
-    longest, slots_total = 7, 6
+    slots_total = 6
+    lengths = torch.tensor([7, 5, 1][:seqs] + [0], device=device, dtype=torch.int32)
+    starts = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
+    tokens = int(lengths.sum()) + 2
     channels = heads * head_dim + 2 * groups * d_state
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(device)
 
-    # As the convolution leaves it: [seqs, channels, longest] transposed.
-    conved = randn(seqs, channels, longest).to(dtype).transpose(1, 2)
-    dt = randn(seqs, longest, heads).to(dtype)
+    rows = randn(tokens, channels + heads + 5).to(dtype)  # column slices, as projected
+    conved, dt = rows[:, :channels], rows[:, channels : channels + heads]
     a_log, dt_bias, d = randn(heads, scale=0.5), randn(heads).to(dtype), randn(heads)
     state = randn(slots_total, heads, d_state, head_dim)
-    slots = torch.tensor([4, 0, 3][:seqs], device=device)
-    has_state = torch.tensor([True, False, True][:seqs], device=device)
-    lengths = torch.tensor([7, 5, 1][:seqs], device=device)
+    slots = torch.tensor([4, 0, 3][:seqs] + [5], device=device)
+    has_state = torch.tensor([True, False, True][:seqs] + [False], device=device)
     want_state = state.clone()
-    args = (dt, a_log, dt_bias, d)
-    want = mamba2_tokens_ref(conved, *args, want_state, slots, has_state, lengths, dt_limit)
-    got = mamba2_tokens(conved, *args, state, slots, has_state, lengths, dt_limit)
-    for i, n in enumerate(lengths.tolist()):
-        torch.testing.assert_close(got[i, :n], want[i, :n], rtol=1e-4, atol=1e-4)
+    args = (starts, lengths, slots, has_state, dt_limit)
+    want = mamba2_tokens_ref(conved, dt, a_log, dt_bias, d, want_state, *args)
+    got = mamba2_tokens(conved, dt, a_log, dt_bias, d, state, *args)
+    real = int(lengths.sum())
+    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
-    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no sequence's slots
+    assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no real sequence's slots
 
 
 def test_the_token_walk_equals_the_chunked_rule(rng):
@@ -90,8 +92,10 @@ def test_the_token_walk_equals_the_chunked_rule(rng):
     slots, has_state = torch.tensor([2, 0]), torch.tensor([True, True])
     lengths = torch.tensor([longest, 20])
     walked_state = state.clone()
-    args = (a_log, dt_bias, d, walked_state, slots, has_state, lengths, dt_limit)
-    walked = mamba2_tokens_ref(conved, dt, *args)
+    starts = torch.tensor([0, longest])  # the padded rows laid end to end
+    args = (a_log, dt_bias, d, walked_state, starts, lengths, slots, has_state, dt_limit)
+    walked = mamba2_tokens_ref(conved.flatten(0, 1), dt.flatten(0, 1), *args)
+    walked = walked.unflatten(0, (seqs, longest))
     x, b, c, step, log_decay = mamba2_inputs(conved, dt, a_log, dt_bias, d_state, dt_limit, groups)
     pad = (torch.arange(longest) >= lengths[:, None])[:, :, None]
     step, log_decay = step.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
