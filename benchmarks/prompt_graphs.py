@@ -6,8 +6,9 @@ sequences already decoding (each of its steps then carries their decode rows too
     python -m benchmarks.prompt_graphs --model qwen3.5-27b --lengths 2 16 64 256 500 \
         --beside 16 --out benchmarks/results/prompt-graphs-qwen3.5-27b-h200.json
 
-Meant for models with recurrent layers, whose prompt steps replay graphs up to the
-length their prompts walk (ModelRunner.walk_limit); any model runs. Medians of
+Meant for models with recurrent layers, whose prompt steps replay graphs only up to
+ModelRunner.graph_limit tokens (their prompts walk, kernels in one launch a layer, up to
+walk_limit); any model runs. A length past the graphs' buckets runs eagerly both ways. Medians of
 `--repeats`, in ms from `add_request` to the step that brings the first token.
 """
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "prefill_graph_buckets": sorted(graphs.prefill),
         "walk_limit": engine.runner.walk_limit,
+        "graph_limit": engine.runner.graph_limit,
         "rows": rows,
     }
     write_result(args.out, result)

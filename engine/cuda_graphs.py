@@ -18,7 +18,7 @@ bucket up to 2048 tokens, for as many sequences as the bucket has tokens (or
 max_num_seqs; a step has no more): the prefill attention's grid depends on
 those two counts only (kernels.prefill_attention), so padded tokens (slot -1)
 and empty padded sequences make any such step fit. A model with recurrent layers
-has buckets up to the tokens its prompts walk (ModelRunner.walk_limit), the
+has buckets only as far as its prompts walk (ModelRunner.graph_limit), the
 walk's grid likewise a function of the counts. Larger steps, and everything
 under --enforce-eager, run eagerly.
 
@@ -73,8 +73,8 @@ class CudaGraphs:
                 for i in range(runner.num_buffers)
             ]
         sizes = config.prefill_graph_sizes()
-        if runner.state_layers:  # only steps whose prompts walk are graph-safe
-            sizes = [s for s in sizes if s <= runner.walk_limit]
+        if runner.state_layers:  # steps whose prompts walk, where a graph pays
+            sizes = [s for s in sizes if s <= runner.graph_limit]
         if config.use_cuda_graphs and config.prefill_graphs and sizes:
             _timed("prefill", "token counts", sizes, self._capture_prefill)
         # By token bucket: the verify graphs, and the logits rows they all write.

@@ -78,6 +78,7 @@ class ModelRunner(StepInputs):
         self.state_layers = [m for m in model.modules() if isinstance(m, RecurrentLayer)]
         # Prompts up to this long walk their tokens (graph-safe); longer ones run chunked.
         self.walk_limit = gated_delta.walk_limit(self.state_layers, self.device)
+        self.graph_limit = gated_delta.graph_limit(self.state_layers, self.device)
         self._allocate_states()
         self.num_blocks = self._num_kv_blocks()
         if membership is not None:  # every rank holds the same blocks: the fewest any fits

@@ -55,6 +55,15 @@ CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # these steps also replay prefill graphs. The walk is serial in tokens: past ~512 the
 # chunked form is faster (benchmarks/results/gated-delta-walk-ab-h200.json).
 WALK_MAX_TOKENS = 512
+# Steps of up to this many tokens with prompts replay prefill graphs (they must walk):
+# below it a graph saves most of a step's launches; past it the eager step was as fast
+# or faster, beside decodes or not (benchmarks/results/prompt-graphs-qwen3.5-27b-h200.json).
+GRAPH_MAX_TOKENS = 256
+
+
+def graph_limit(layers: list[RecurrentLayer], device: torch.device) -> int:
+    """The largest step with prompts that replays a prefill graph (0: none)."""
+    return min(walk_limit(layers, device), GRAPH_MAX_TOKENS)
 
 
 def walk_limit(layers: list[RecurrentLayer], device: torch.device) -> int:
