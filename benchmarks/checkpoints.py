@@ -69,6 +69,17 @@ def build_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float16) 
     return str(path)
 
 
+def model_dir(model: str, dtype: str) -> str:
+    """`model` if it is a directory, else a shape's random checkpoint (build_checkpoint)
+    under /tmp/pagoda-bench-<model>, built once."""
+    import tempfile
+
+    if Path(model).is_dir():
+        return model
+    path = Path(tempfile.gettempdir()) / f"pagoda-bench-{model}"
+    return build_checkpoint(model, path, getattr(torch, dtype))
+
+
 SHARD_BYTES = 4 << 30
 
 

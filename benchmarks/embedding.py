@@ -21,14 +21,13 @@ import functools
 import gc
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import provenance, write_result
 from engine import LLM
 
@@ -99,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 (H100/H200)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    model_dir = args.model
-    if not Path(model_dir).is_dir():
-        path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
-        model_dir = build_checkpoint(args.model, path, getattr(torch, args.dtype))
+    model_dir = checkpoint_dir(args.model, args.dtype)
     from transformers import AutoConfig
 
     rng = random.Random(0)

@@ -25,13 +25,12 @@ import gc
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     cases = [tuple(int(x) for x in case.split(":")) for case in args.cases]
-    model_dir = args.model
-    if not Path(model_dir).is_dir():
-        dtype = getattr(torch, args.dtype)
-        path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
-        model_dir = build_checkpoint(args.model, path, dtype)
+    model_dir = checkpoint_dir(args.model, args.dtype)
     longest = max(prefix + new for prefix, new in cases)
 
     def build(prefix_caching: bool) -> LLM:

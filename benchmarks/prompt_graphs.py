@@ -19,13 +19,12 @@ import itertools
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 from engine.engine import Engine
@@ -58,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    model_dir = args.model
-    if not Path(model_dir).is_dir():
-        path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
-        model_dir = build_checkpoint(args.model, path, getattr(torch, args.dtype))
+    model_dir = checkpoint_dir(args.model, args.dtype)
     llm = LLM(
         model_dir,
         dtype=args.dtype,

@@ -267,9 +267,11 @@ def _gated_delta_tokens_kernel(
     V_DIM: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # One program per (sequence, value head, BLOCK_V of its value dims), as the step's,
-    # walking the sequence's tokens with the state slice in registers throughout.
-    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program per (value head, BLOCK_V of its value dims, sequence), as the step's,
+    # walking the sequence's tokens with the state slice in registers throughout. The
+    # sequence is the grid's slowest axis: a graph's padded sequences, whose programs end
+    # at once, are launched after every real one, which then spread evenly over the SMs.
+    head, vb, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + seq)
     if length == 0:  # a graph's padded sequence: its slot (the spare) is left alone
         return
@@ -313,7 +315,7 @@ def gated_delta_tokens(
     if len(starts) == 0:
         return out
     block_v = min(v_dim, 32)
-    _gated_delta_tokens_kernel[(len(starts), num_v_heads, v_dim // block_v)](
+    _gated_delta_tokens_kernel[(num_v_heads, v_dim // block_v, len(starts))](
         conved,
         a,
         b,

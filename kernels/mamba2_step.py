@@ -236,9 +236,10 @@ def _mamba2_tokens_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    # One program per (sequence, head, BLOCK_P of its head dims), as the step's, walking
-    # the sequence's tokens with the state slice in registers throughout.
-    seq, head, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # One program per (head, BLOCK_P of its head dims, sequence), as the step's, walking
+    # the sequence's tokens with the state slice in registers throughout; the sequence
+    # the grid's slowest axis, as the DeltaNet's walk (kernels/gated_delta.py).
+    head, pb, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lengths_ptr + seq)
     if length == 0:  # a graph's padded sequence: its slot (the spare) is left alone
         return
@@ -283,7 +284,7 @@ def mamba2_tokens(
         return out
     groups = (conved.shape[1] - heads * p) // (2 * n)
     block_p = min(p, 32)
-    _mamba2_tokens_kernel[(len(starts), heads, p // block_p)](
+    _mamba2_tokens_kernel[(heads, p // block_p, len(starts))](
         conved,
         dt,
         a_log,

@@ -56,8 +56,8 @@ CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # chunked form is faster (benchmarks/results/gated-delta-walk-ab-h200.json).
 WALK_MAX_TOKENS = 512
 # Steps of up to this many tokens with prompts replay prefill graphs (they must walk):
-# below it a graph saves most of a step's launches; past it the eager step was as fast
-# or faster, beside decodes or not (benchmarks/results/prompt-graphs-qwen3.5-27b-h200.json).
+# below it a graph saves most of a step's launches; from it on the eager step was as
+# fast, beside decodes or not (benchmarks/results/prompt-graphs-qwen3.5-27b-h200.json).
 GRAPH_MAX_TOKENS = 256
 
 
