@@ -53,7 +53,7 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     # A step with prompts of a model with recurrent layers: its sequences as they walk
     # their tokens (SequenceWalk.of, device tensors: graph steps too), or, for prompts
-    # past the walk's length and off CUDA, their shape on the host, to run them padded
+    # past the walk's length or off CUDA, their shape on the host, to run them padded
     # together (SequenceSpans.of; eager steps only).
     walk: SequenceWalk | None = None
     spans: SequenceSpans | None = None
