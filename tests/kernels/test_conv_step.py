@@ -72,8 +72,8 @@ def test_a_steps_tokens_match_reference(channels, kernel, bias, silu, dtype, dev
     got = conv_tokens_at_slots(x, states, *args)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got[:9], want[:9], rtol=tol, atol=tol)
-    assert torch.equal(states, want_states)  # rows copied: exact
-    assert torch.equal(states[[1, 3, 5]], want_states[[1, 3, 5]])
+    # Rows copied: exact. The spare slot 5 too: its sequence of none writes no zeros.
+    assert torch.equal(states, want_states)
 
 
 def test_the_token_reference_equals_the_chunked_forms(rng):
