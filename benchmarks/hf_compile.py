@@ -18,13 +18,12 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import write_result
 
 
@@ -120,11 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    model_dir = args.model
-    if not Path(model_dir).is_dir():
-        model_dir = build_checkpoint(
-            args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
-        )
+    model_dir = checkpoint_dir(args.model, args.dtype)
     rng = random.Random(0)
     prompt = [rng.randrange(10000) for _ in range(args.input_len)]
     result = {

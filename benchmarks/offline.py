@@ -26,13 +26,13 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint, write_random_adapters
+from benchmarks.checkpoints import model_dir as checkpoint_dir
+from benchmarks.checkpoints import write_random_adapters
 from benchmarks.decode_step import profile_decode_step
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.provenance import provenance, write_result
@@ -221,11 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = args.dtype or ("float16" if args.model == "gpt2" else "bfloat16")
     dtype = getattr(torch, dtype_name)
 
-    model_dir = args.model
-    if not Path(model_dir).is_dir():
-        model_dir = build_checkpoint(
-            args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", dtype
-        )
+    model_dir = checkpoint_dir(args.model, dtype_name)
     one_prompt = args.workload == "seeds" and not args.input_len and args.num_requests > 1
     if one_prompt and routes_experts(model_dir):  # not a batch an MoE model ever sees
         p.error(

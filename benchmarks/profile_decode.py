@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint, write_random_adapters
+from benchmarks.checkpoints import model_dir as checkpoint_dir
+from benchmarks.checkpoints import write_random_adapters
 from benchmarks.decode_step import start_decoding
 from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="the whole table as JSON here")
     args = p.parse_args(argv)
     dtype = "float16" if args.model == "gpt2" else "bfloat16"
-    path = Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}"
-    model_dir = build_checkpoint(args.model, path, getattr(torch, dtype))
+    model_dir = checkpoint_dir(args.model, dtype)
     loras = write_random_adapters(model_dir, args.lora, args.lora_rank) if args.lora else None
     llm = LLM(
         model_dir,

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import git_commit, write_result
 from engine import LLM, SamplingParams
 
@@ -55,9 +55,7 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
 
 def run_one(args: argparse.Namespace, k: int, drafts: str, reference: Path) -> dict:
     dtype = "bfloat16"
-    model_dir = build_checkpoint(
-        args.model, Path(tempfile.gettempdir()) / f"pagoda-bench-{args.model}", torch.bfloat16
-    )
+    model_dir = checkpoint_dir(args.model, dtype)
     spec = dict(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=args.lookup_max)
     llm = LLM(
         model_dir,

@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.provenance import provenance, write_result
 from engine import LLM, SamplingParams
 from engine.structured import mask_worker
@@ -157,9 +156,7 @@ def run_model(name: str, args) -> dict:
     dtype = "float16" if name == "gpt2" else "bfloat16"
     if args.device == "cpu":
         dtype = "float32"
-    model_dir = build_checkpoint(
-        name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", getattr(torch, dtype)
-    )
+    model_dir = checkpoint_dir(name, dtype)
     llm = LLM(
         model_dir,
         device=args.device,

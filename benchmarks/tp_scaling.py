@@ -28,13 +28,12 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from benchmarks.checkpoints import build_checkpoint
+from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.offline import run_pagoda
 from benchmarks.provenance import provenance, write_result
@@ -258,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     plan += [("llama3-70b", n, True) for n in sizes(args.sizes_70b)]
     for name, tp, throughput in plan:
         ways = ["one-shot", "nccl"] if tp > 1 and args.compare_all_reduce else ["one-shot"]
-        model_dir = build_checkpoint(
-            name, Path(tempfile.gettempdir()) / f"pagoda-bench-{name}", torch.bfloat16
-        )
+        model_dir = checkpoint_dir(name, "bfloat16")
         config = CONFIGS[name]()
         per_call = all_reduce_us(tp, config.hidden_size) if tp > 1 else {}
         for way in ways:
