@@ -23,6 +23,16 @@ from kernels.rotary import rotary
 from tests.conftest import PROMPTS, hf_greedy
 
 
+def assert_greedy_as_transformers(llm: LLM, model_dir: str, max_tokens: int) -> None:
+    """PROMPTS[:4] (1, 20, 10 and 17 tokens) greedy through llm: transformers' tokens."""
+    prompts = PROMPTS[:4]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokenizer = load_tokenizer(model_dir)
+    want = [hf_greedy(model_dir, tokenizer.encode(p), max_tokens) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def use_fused_elementwise(monkeypatch) -> None:
     """The rotary (with q/k norms) and gated-activation kernels, as on CUDA."""
     monkeypatch.setattr(layers, "rotary_for", lambda device: rotary)
@@ -41,12 +51,7 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
     for layer in llm.engine.model.modules():
         if isinstance(layer, PagedAttention):
             layer.ops = ops
-    prompts = PROMPTS[:4]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokenizer = load_tokenizer(model_dir)
-    want = [hf_greedy(model_dir, tokenizer.encode(p), 5) for p in prompts]
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_greedy_as_transformers(llm, model_dir, 5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
@@ -90,12 +95,7 @@ def test_windowed_and_moe_models_on_triton_kernels(tiny_family_dir, monkeypatch,
     for layer in llm.engine.model.modules():
         if isinstance(layer, PagedAttention):
             layer.ops = ops
-    prompts = PROMPTS[:4]  # 1, 20, 10 and 17 tokens
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokenizer = load_tokenizer(model_dir)
-    want = [hf_greedy(model_dir, tokenizer.encode(p), 8) for p in prompts]
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_greedy_as_transformers(llm, model_dir, 8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
@@ -111,9 +111,4 @@ def test_recurrent_prompts_walked_on_triton_kernels(tiny_family_dir, monkeypatch
     monkeypatch.setattr(gated_delta, "walk_limit", lambda layers, device: 10**6)
     model_dir = tiny_family_dir(kind)
     llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
-    prompts = PROMPTS[:4]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokenizer = load_tokenizer(model_dir)
-    want = [hf_greedy(model_dir, tokenizer.encode(p), 6) for p in prompts]
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_greedy_as_transformers(llm, model_dir, 6)

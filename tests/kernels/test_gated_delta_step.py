@@ -14,6 +14,7 @@ from kernels.gated_delta import (
     gated_delta_tokens,
     gated_delta_tokens_ref,
 )
+from tests.kernels.conftest import WalkedSequences
 
 
 @pytest.mark.parametrize(
@@ -48,22 +49,18 @@ def test_step_matches_reference(num_k_heads, num_v_heads, k_dim, v_dim, dtype, d
 @pytest.mark.parametrize("seqs", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
-    """Three sequences end to end (one from zeros, one of a single token), or the first
-    alone, then a graph's padding: two tokens past them and a sequence of none at the
-    spare slot. Outputs at their tokens, and every slot's state after them (the padded
-    sequence's left alone)."""
+    """WalkedSequences' sequences and padding: outputs at their tokens, and every slot's
+    state after them (the padded sequence's left alone)."""
     num_k_heads, num_v_heads, k_dim, v_dim = 2, 4, 16, 64
     slots_total = 6
-    lengths = torch.tensor([7, 5, 1][:seqs] + [0], device=device, dtype=torch.int32)
-    starts = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
-    tokens = int(lengths.sum()) + 2
+    walk = WalkedSequences.of(seqs, device)
     channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(device)
 
     # As the projection leaves them: column slices of its rows.
-    rows = randn(tokens, channels + 2 * num_v_heads + 3).to(dtype)
+    rows = randn(walk.tokens, channels + 2 * num_v_heads + 3).to(dtype)
     conved, a, b = (
         rows[:, :channels],
         rows[:, channels : channels + num_v_heads],
@@ -71,14 +68,11 @@ def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng
     )
     a_log, dt_bias = randn(num_v_heads, scale=0.5), randn(num_v_heads).to(dtype)
     state = randn(slots_total, num_v_heads, k_dim, v_dim)
-    slots = torch.tensor([4, 0, 3][:seqs] + [5], device=device)
-    has_state = torch.tensor([True, False, True][:seqs] + [False], device=device)
     want_state = state.clone()
-    args = (starts, lengths, slots, has_state, num_k_heads)
+    args = (walk.starts, walk.lengths, walk.slots, walk.has_state, num_k_heads)
     want = gated_delta_tokens_ref(conved, a, b, a_log, dt_bias, want_state, *args)
     got = gated_delta_tokens(conved, a, b, a_log, dt_bias, state, *args)
-    real = int(lengths.sum())
-    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[: walk.real], want[: walk.real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
     assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no real sequence's slots
 

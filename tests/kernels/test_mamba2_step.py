@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels.mamba2_step import mamba2_step, mamba2_step_ref, mamba2_tokens, mamba2_tokens_ref
+from tests.kernels.conftest import WalkedSequences
 
 
 @pytest.mark.parametrize(
@@ -47,31 +48,25 @@ def test_step_matches_reference(heads, groups, d_state, head_dim, dt_limit, dtyp
 @pytest.mark.parametrize("seqs", [3, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompts_tokens_in_one_launch_match_reference(dtype, seqs, device, rng):
-    """Three sequences end to end (one from zeros, one of a single token), or the first
-    alone, then a graph's padding (two tokens, a sequence of none at the spare slot), with
-    dt clamped: outputs at their tokens, every slot's state after (the padding's alone)."""
+    """WalkedSequences' sequences and padding, with dt clamped: outputs at their tokens,
+    every slot's state after (the padding's alone)."""
     heads, groups, d_state, head_dim, dt_limit = 4, 2, 16, 64, (0.0, 0.5)
     slots_total = 6
-    lengths = torch.tensor([7, 5, 1][:seqs] + [0], device=device, dtype=torch.int32)
-    starts = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
-    tokens = int(lengths.sum()) + 2
+    walk = WalkedSequences.of(seqs, device)
     channels = heads * head_dim + 2 * groups * d_state
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=rng) * scale).to(device)
 
-    rows = randn(tokens, channels + heads + 5).to(dtype)  # column slices, as projected
+    rows = randn(walk.tokens, channels + heads + 5).to(dtype)  # column slices, as projected
     conved, dt = rows[:, :channels], rows[:, channels : channels + heads]
     a_log, dt_bias, d = randn(heads, scale=0.5), randn(heads).to(dtype), randn(heads)
     state = randn(slots_total, heads, d_state, head_dim)
-    slots = torch.tensor([4, 0, 3][:seqs] + [5], device=device)
-    has_state = torch.tensor([True, False, True][:seqs] + [False], device=device)
     want_state = state.clone()
-    args = (starts, lengths, slots, has_state, dt_limit)
+    args = (walk.starts, walk.lengths, walk.slots, walk.has_state, dt_limit)
     want = mamba2_tokens_ref(conved, dt, a_log, dt_bias, d, want_state, *args)
     got = mamba2_tokens(conved, dt, a_log, dt_bias, d, state, *args)
-    real = int(lengths.sum())
-    torch.testing.assert_close(got[:real], want[:real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[: walk.real], want[: walk.real], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
     assert torch.equal(state[[1, 2, 5]], want_state[[1, 2, 5]])  # no real sequence's slots
 
