@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.deepseek import MlaAttention, rope_pair_order
 from kernels.moe_routing import limited_topk
-from tests.conftest import PROMPTS
+from tests.reference import PROMPTS
 
 
 def test_group_limited_routing_is_transformers():

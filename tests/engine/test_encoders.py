@@ -17,7 +17,8 @@ from engine import LLM, SamplingParams
 from engine.classification import class_probabilities
 from engine.pooling import projector
 from server.engine_wire import EngineInfo
-from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
+from tests.reference import PROMPTS
+from tests.tiny_checkpoints import FAMILY_CONFIGS, TINY
 
 TEXTS = [*PROMPTS, "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 3]
 

@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.checks import out_of_vocab
 from engine.models.loader import ModelLoadError, load_model
-from tests.conftest import is_frozen
+from tests.introspection import is_frozen
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from engine.models.gated_delta import CHUNK, causal_conv, chunked_rule
 from engine.models.loader import load_tokenizer
 from kernels.conv_step import conv_step
 from kernels.gated_delta import l2_normalize, recurrent_step
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 
 def rule_inputs(heads: int, tokens: int, k_dim: int, v_dim: int, seed: int = 0):

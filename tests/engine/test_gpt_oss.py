@@ -15,7 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from engine import LLM, SamplingParams
 from engine.models.loader import ModelLoadError, load_config, load_model, load_tokenizer
 from engine.models.quantization import dequantize_mxfp4
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 CPU = torch.device("cpu")
 

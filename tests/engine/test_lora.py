@@ -11,7 +11,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import ModelLoadError, load_tokenizer
-from tests.conftest import PROMPTS, build_lora, peft_greedy
+from tests.reference import PROMPTS, peft_greedy
+from tests.tiny_checkpoints import build_lora
 
 MAX_NEW = 10
 # Prompts chunk (a 16-token budget) and fill 4-token blocks the prefix cache can share.

@@ -8,8 +8,9 @@ import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.models.lora import LoRAError
-from tests.conftest import PROMPTS, build_lora
 from tests.engine.test_lora import CONFIG, MAX_NEW, expected, generate, greedy
+from tests.reference import PROMPTS
+from tests.tiny_checkpoints import build_lora
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,7 @@ def test_yarn_serves_the_context_it_extends_to(tmp_path, tiny_family_dir):
     transformers' (which rotates any position)."""
     from engine import LLM, SamplingParams
     from engine.models.loader import load_tokenizer
-    from tests.conftest import PROMPTS, hf_greedy
+    from tests.reference import PROMPTS, hf_greedy
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
     model_dir = edited_copy(

@@ -10,7 +10,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
-from tests.conftest import FAMILY_CONFIGS, PROMPTS, hf_greedy
+from tests.reference import PROMPTS, assert_greedy_matches, hf_greedy
+from tests.tiny_checkpoints import FAMILY_CONFIGS
 
 MAX_NEW = 24
 
@@ -34,26 +35,33 @@ def outputs(llm: LLM, prompts: list[str]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
 
 
+def prompt_ids(family_dir: str, prompts: list[str]) -> list[list[int]]:
+    tokenizer = load_tokenizer(family_dir)
+    return [tokenizer.encode(p) for p in prompts]
+
+
 def test_single_requests_match_transformers(family_dir, expected):
     llm = LLM(family_dir, device="cpu")
-    for prompt, want in zip(PROMPTS[:2], expected[:2]):
-        assert outputs(llm, [prompt]) == [want]
+    ids = prompt_ids(family_dir, PROMPTS[:2])
+    for prompt, prompt_id, want in zip(PROMPTS[:2], ids, expected[:2]):
+        assert_greedy_matches(family_dir, [prompt_id], outputs(llm, [prompt]), [want])
 
 
 def test_batched_mixed_lengths_match_transformers(family_dir, expected):
     # 9 prompts of 1-38 tokens, each generating 24: every sequence passes every window.
-    assert outputs(LLM(family_dir, device="cpu"), PROMPTS) == expected
+    got = outputs(LLM(family_dir, device="cpu"), PROMPTS)
+    assert_greedy_matches(family_dir, prompt_ids(family_dir, PROMPTS), got, expected)
 
 
 def test_prefix_caching_and_chunked_prefill_match(family_dir):
     # Small blocks, so cached prefixes and prefill chunks (budget 11) start mid-window.
-    tokenizer = load_tokenizer(family_dir)
     shared = PROMPTS[3] + " " + PROMPTS[6]  # ~30 tokens: several 4-token blocks
     prompts = [shared + suffix for suffix in ("", " one", " two")] * 2
-    want = [hf_greedy(family_dir, tokenizer.encode(p), MAX_NEW) for p in prompts[:3]] * 2
+    ids = prompt_ids(family_dir, prompts)
+    want = [hf_greedy(family_dir, i, MAX_NEW) for i in ids[:3]] * 2
     llm = LLM(family_dir, device="cpu", block_size=4, max_num_seqs=2, max_num_batched_tokens=11)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_greedy_matches(family_dir, ids, [o.outputs[0].token_ids for o in outs], want)
     cached = sum(o.num_cached_tokens for o in outs)
     if llm.engine.config.enable_prefix_caching:
         assert cached > 0, "shared prefixes should hit the cache"

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.models.loader import ModelLoadError, checkpoint_dtype, load_config, load_tokenizer
-from tests.conftest import FAMILY_CONFIGS, PROMPTS, TINY
+from tests.reference import PROMPTS
+from tests.tiny_checkpoints import FAMILY_CONFIGS, TINY
 
 MAX_NEW = 16
 

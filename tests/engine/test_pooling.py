@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 
 def test_pooling_rows_among_generating_ones(tiny_llama_dir):

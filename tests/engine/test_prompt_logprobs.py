@@ -10,7 +10,7 @@ import torch
 import engine.prompt_logprobs
 from engine import LLM, SamplingParams
 from engine.request import TokenLogprob
-from tests.conftest import hf_greedy
+from tests.reference import hf_greedy
 
 K = 3
 ATOL = 1e-4

@@ -12,7 +12,7 @@ from engine.input_batch import InputBatch
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, _apply_top_k_top_p
 from engine.sampling_params import SamplingParams
-from tests.conftest import OpLog
+from tests.introspection import OpLog
 
 VOCAB = 32
 EOS = 31

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.bad_words import bad_words_token_ids
-from tests.conftest import hf_greedy
+from tests.reference import hf_greedy
 
 EMOJI_CJK = ["Emoji: 😀 🚀 🌸", "中文：你好，世界！", "日本語：こんにちは世界。", "café 🔥 中文"]
 

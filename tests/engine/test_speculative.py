@@ -12,8 +12,8 @@ from engine.config import EngineConfig
 from engine.models.loader import load_tokenizer
 from engine.request import Request
 from engine.speculative import ngram_draft
-from tests.conftest import PROMPTS, hf_greedy
 from tests.engine.test_sampler import EOS, VOCAB, BatchSampler
+from tests.reference import PROMPTS, hf_greedy
 
 MAX_NEW = 96
 SPEC = dict(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)

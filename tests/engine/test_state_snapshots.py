@@ -12,7 +12,7 @@ from engine.models.loader import load_tokenizer
 from engine.request import Request
 from engine.state_snapshots import StateSnapshots
 from server.cli import parse_configs
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 BLOCK = 4
 MAX_NEW = 6

@@ -18,7 +18,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.tp_group import host_rendezvous
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 MAX_NEW = 12
 CONFIG = dict(

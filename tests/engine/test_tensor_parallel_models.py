@@ -41,8 +41,9 @@ from engine.models.parallel import (
     head_shard,
     kv_heads_of_rank,
 )
-from tests.conftest import FAMILY_CONFIGS, OpLog
+from tests.introspection import OpLog
 from tests.ports import free_port
+from tests.tiny_checkpoints import FAMILY_CONFIGS
 
 PROMPT_IDS = [[5, 9, 200, 17, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 300], [450]]
 SHARDED_FAMILIES = list(FAMILY_CONFIGS)

@@ -16,9 +16,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.tp_group import Rendezvous
-from tests.conftest import PROMPTS
 from tests.engine.test_tensor_parallel import CONFIG, greedy
 from tests.ports import free_port
+from tests.reference import PROMPTS
 
 
 def _recording_rank(config: EngineConfig, rendezvous: Rendezvous, path: str) -> None:

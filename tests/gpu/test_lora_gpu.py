@@ -12,8 +12,8 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.models.quantization import Fp8Linear
 from kernels.fp8 import fp8_supported
-from tests.conftest import PROMPTS, peft_greedy
 from tests.gpu.conftest import GPU
+from tests.reference import PROMPTS, peft_greedy
 
 pytestmark = GPU
 NEW = 16

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import PROMPTS
 from tests.gpu.conftest import GPU
+from tests.reference import PROMPTS
 
 pytestmark = GPU
 

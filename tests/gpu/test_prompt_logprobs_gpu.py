@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy
 from tests.engine.test_prompt_logprobs import check, prompt_of, reference
 from tests.gpu.conftest import GPU
+from tests.reference import hf_greedy
 
 pytestmark = GPU
 

@@ -7,8 +7,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
-from tests.conftest import PROMPTS, hf_greedy
 from tests.gpu.conftest import GPU, CountedGraph, generate
+from tests.reference import PROMPTS, hf_greedy
 
 pytestmark = GPU
 

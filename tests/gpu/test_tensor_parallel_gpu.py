@@ -16,8 +16,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.one_shot import rendezvous_made
-from tests.conftest import PROMPTS, hf_greedy
 from tests.gpu.conftest import GPU
+from tests.reference import PROMPTS, hf_greedy
 
 pytestmark = [
     *GPU,

@@ -20,7 +20,7 @@ from kernels.kv_store import kv_store
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rotary import rotary
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 
 def assert_greedy_as_transformers(llm: LLM, model_dir: str, max_tokens: int) -> None:

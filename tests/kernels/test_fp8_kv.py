@@ -20,7 +20,7 @@ from kernels.kv_store import kv_store, kv_store_ref
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_config import prefill_config
-from tests.conftest import PROMPTS, hf_greedy
+from tests.reference import PROMPTS, hf_greedy
 
 # Scales: none (vLLM's default without checkpoint scales), and ones that matter, one of
 # them not a power of two.

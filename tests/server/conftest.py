@@ -150,7 +150,7 @@ def start_server(tiny_gpt2_dir) -> Iterator[Callable[..., LiveServer]]:
 
 @pytest.fixture(scope="session")
 def lora_server(tiny_llama_dir, tiny_lora_adapters) -> Iterator[LiveServer]:
-    """The tiny Llama with the two tiny LoRA adapters (tests/conftest.py), and a slot for
+    """The tiny Llama with the two tiny LoRA adapters (tests/conftest.py, built by tests/tiny_checkpoints.py), and a slot for
     a third to load while serving."""
     config = engine_config(
         tiny_llama_dir, lora_modules=tiny_lora_adapters, enable_lora=True, max_loras=3

@@ -12,7 +12,7 @@ import pytest
 from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
-from tests.conftest import is_frozen
+from tests.introspection import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 
 

@@ -14,7 +14,7 @@ import torch
 
 from server.app import create_app
 from server.config import ServerConfig
-from tests.conftest import PROMPTS
+from tests.reference import PROMPTS
 from tests.server.conftest import LiveServer, engine_config
 
 

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from server.app import create_app
 from server.config import ServerConfig
 from server.engine_loop import Add, EngineLoop
-from tests.conftest import is_frozen
+from tests.introspection import is_frozen
 from tests.server.conftest import LiveServer, engine_config
 from tests.server.test_concurrency import (
     assert_streams_match,

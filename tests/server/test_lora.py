@@ -20,8 +20,9 @@ from server.engine_process import spawn_engine
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from server.serving import Serving
-from tests.conftest import build_lora, peft_greedy
+from tests.reference import peft_greedy
 from tests.server.conftest import engine_config
+from tests.tiny_checkpoints import build_lora
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import hf_greedy
+from tests.reference import hf_greedy
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 

@@ -20,8 +20,8 @@ from benchmarks.api_cost import descendants
 from engine.models.loader import load_tokenizer
 from server.app import create_app
 from server.config import ServerConfig
-from tests.conftest import PROMPTS, hf_greedy
 from tests.ports import free_port
+from tests.reference import PROMPTS, hf_greedy
 from tests.server.conftest import ROOT, LiveServer, ServerProcess, engine_config
 
 MAX_NEW = 12
