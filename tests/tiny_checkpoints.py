@@ -44,6 +44,8 @@ def save_checkpoint(path: Path, model, tokenizer) -> str:
 
 
 def build_tiny(kind: str, path: Path, tokenizer) -> str:
+    """A tiny random checkpoint of `kind` (gpt2, llama, llama_kv3, qwen2 or a
+    FAMILY_CONFIGS kind) saved under path with the tokenizer; its path."""
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,

@@ -1,6 +1,7 @@
 """Qwen3 (with YaRN), Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Ministral, Gemma 2, Gemma 3, Phi-3,
 SmolLM3, Llama 4, StarCoder2, Granite, Granite MoE, OLMo, OLMo 2, OLMo 3, OLMoE, MiniMax-M2, GPT-OSS, GPT-NeoX (parallel and sequential residual), Phi, GPT-J, GPT-BigCode (MQA and MHA), OPT, Falcon (four layouts), Cohere, ERNIE 4.5 (dense and MoE), Seed-OSS, EXAONE 4, EXAONE MoE, GLM-4, GLM-4.5, Solar Open, GLM-4.7-Flash, DeepSeek-V2,
-DeepSeek-V3 and Qwen 3.5 (dense and MoE): greedy output token for token equal to transformers generate (fp32, CPU) on tiny
+DeepSeek-V3 and Qwen 3.5 (dense and MoE): greedy output token for token equal to transformers generate (fp32, CPU), or
+parting from it only where its two best logits are a rounding apart (NEAR_TIE), on tiny
 random checkpoints whose sliding windows (8-16 tokens) the prompts and generations cross
 several times."""
 
