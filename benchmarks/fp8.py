@@ -1,7 +1,7 @@
 """FP8 vs bf16 on one GPU, same run: a model shape with random weights (Llama-3-8B's, or
 an MoE's, whose experts go FP8 too).
 
-    python -m benchmarks.fp8 --out benchmarks/results/fp8-llama3-8b-h100.json
+    python -m benchmarks.fp8 --out benchmarks/results/fp8-llama3-8b-h200.json
     python -m benchmarks.fp8 --model qwen3-30b-a3b --configs bf16 fp8 --out ...
     python -m benchmarks.fp8 --model llama3-70b --configs fp8 --no-bf16 --out ...
 

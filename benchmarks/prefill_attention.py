@@ -1,6 +1,6 @@
 """Prefill attention on the GPU: Pagoda's paged kernel against PyTorch's SDPA.
 
-    python -m benchmarks.prefill_attention --out benchmarks/results/prefill-attention-h100.json
+    python -m benchmarks.prefill_attention --out benchmarks/results/prefill-attention-h200.json
 
 One prompt of each model's long-prompt shape, causal, bf16: Pagoda's Triton kernel reading
 K/V from the paged cache through a shuffled block table (as the engine does), against

@@ -53,7 +53,7 @@ CHUNK = 64  # tokens a chunk of the UT transform solves at once
 # (ConvRecurrentLayer.walk_tokens) instead of the chunked form's some fifty torch ops,
 # which cost the host more than the device and read the prompts' shape to the host: so
 # these steps also replay prefill graphs. The walk is serial in tokens: past ~512 the
-# chunked form is faster (benchmarks/results/gated-delta-walk-ab-h200.json).
+# chunked form is faster (gated-delta-walk-ab-h200.json, in git history).
 WALK_MAX_TOKENS = 512
 # Steps of up to this many tokens with prompts replay prefill graphs (they must walk):
 # below it a graph saves most of a step's launches; from it on the eager step was as
