@@ -2,11 +2,11 @@
 
 Decode-only steps replay a graph captured for the next bucket up in batch
 size; padded entries have context length 0 and slot -1, so they read and write
-nothing. Each decode graph copies its staging buffer in first (there is one
-graph per buffer), writes the block-table entries the step opened, and ends
-with every row's argmax in the device buffer the next step's inputs are
-gathered from, copied to the host: an all-greedy batch (the common case) then
-launches nothing after the replay.
+nothing. Each decode graph first reads in from its staging buffer the words a batch
+of its size uses (there is one graph per buffer; kernels/host_copy.py), writes the
+block-table entries the step opened, and ends with every row's argmax in the device
+buffer the next step's inputs are gathered from, written to the host too: an
+all-greedy batch (the common case) then launches nothing after the replay.
 
 Speculative verify steps (a sequence's last sampled token and its drafts, every
 token a logits row) replay a graph per token bucket in which each token attends as a
@@ -39,6 +39,7 @@ import torch
 
 from engine.step_channel import DECODE_GRAPH, PREFILL_GRAPH, VERIFY_GRAPH, StepHeader
 from kernels.argmax import greedy_ids
+from kernels.host_copy import Segments, copy_segments, copy_to_host
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -53,6 +54,7 @@ class CudaGraphs:
         # By bucket: one graph per staging buffer, each copying that buffer in; their logits.
         self.decode: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.decode_logits: dict[int, list[torch.Tensor]] = {}
+        self.decode_segments: dict[int, Segments] = {}  # what each bucket's graphs read in
         self.decode_bucket = config.cuda_graph_bucket_table()
         # By token bucket: (graph, its logits [min(bucket, max_num_seqs), vocab]).
         self.prefill: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -236,6 +238,11 @@ class CudaGraphs:
         pool = None
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
         sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
+        staged = runner.staged
+        words, host_words = (
+            staged.staged.view(torch.int64),
+            [h.view(torch.int64) for h in staged.hosts],
+        )
         for bucket in reversed(sizes):
             runner.buf["query_start_loc"][0] = 0
             self.pad_decode(0, bucket)
@@ -243,12 +250,16 @@ class CudaGraphs:
             runner.forward(inp)  # warm up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(runner.device)
             self.decode[bucket], self.decode_logits[bucket] = [], []
+            # Kept: the graphs read the ranges from this tensor on every replay.
+            segments = self.decode_segments[bucket] = Segments.of(
+                runner.decode_ranges(bucket), runner.device
+            )
             # Another rank's graphs copy nothing in or out: one per bucket does.
             for i in range(runner.num_buffers if self.driver else 1):
                 graph = torch.cuda.CUDAGraph()
                 with capturing(graph, pool, self.capture_stream):
                     if runner.channel is None:  # with several ranks, copied before the replay
-                        runner.staged.staged.copy_(runner.staged.hosts[i], non_blocking=True)
+                        copy_segments(words, host_words[i], segments)
                     table.index_copy_(0, index[:bucket], values[:bucket])
                     logits = runner.forward(inp)
                     # Greedy ids, where keep_sampled would put them: a batch that needs
@@ -256,7 +267,7 @@ class CudaGraphs:
                     # to the host again.
                     if self.driver:
                         greedy_ids(logits, sampled[:bucket])
-                        runner.sampled.hosts[i][:bucket].copy_(sampled[:bucket], non_blocking=True)
+                        copy_to_host(runner.sampled.hosts[i][:bucket], sampled[:bucket])
                 pool = graph.pool()
                 self.decode[bucket].append(graph)
                 self.decode_logits[bucket].append(logits)

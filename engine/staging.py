@@ -1,7 +1,9 @@
 """Host-to-device transport: pinned staging buffers, fences, and the sampled ids' way back.
 
 A step's metadata is written with numpy into a pinned host buffer and sent
-with one non-blocking copy; the sampled ids come back the same way. A pinned
+with one non-blocking copy; the sampled ids come back the same way. (A decode
+graph moves both with kernels instead, the words its batch size uses: see
+kernels/host_copy.py.) A pinned
 buffer is not rewritten before the copy that reads it has run: every buffer
 comes twice on CUDA (alternate steps use alternate copies), each followed by
 a Fence.
@@ -65,6 +67,17 @@ class StagedFields:
             self.offset[name] = start // dtype.itemsize
         self.np = self.nps[0]
         self.staged = self.device[:staged]
+        self.layout = layout
+
+    def word_ranges(self, lengths: dict[str, int]) -> list[tuple[int, int]]:
+        """(first word, words) of each named field's first `n` elements, in whole int64
+        words of the buffer (a field starts on a word and its padding ends on one)."""
+        ranges = []
+        for name, n in lengths.items():
+            start, size, dtype = self.layout[name]
+            assert n <= size
+            ranges.append((start // 8, -(-n * dtype.itemsize // 8)))
+        return ranges
 
     def send(self, copy: int = 0) -> None:
         if self.device is not self.hosts[0]:

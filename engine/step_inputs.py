@@ -216,6 +216,15 @@ class StepInputs:
             self.sampled_layout = out.layout if out.is_decode_only else None
         return max_query_len
 
+    def decode_ranges(self, bucket: int) -> list[tuple[int, int]]:
+        """The staged words a decode graph of `bucket` sequences reads: every field's
+        first `bucket` entries (one more query start), no state copies (run eagerly)."""
+        lengths = dict.fromkeys(self.staged.np, bucket)
+        lengths["query_start_loc"] = bucket + 1
+        for name in ("state_source", "state_target"):
+            lengths.pop(name, None)
+        return self.staged.word_ranges(lengths)
+
     def next_buffers(self) -> None:
         """Move to the other host buffers (the step's), once the last copy out of its
         staging buffer has run (two steps back: done long ago, as a rule)."""

@@ -30,6 +30,7 @@ JIT_MODULES = (
     "kernels.rounding",
     "kernels.pdl",
     "kernels.argmax",
+    "kernels.host_copy",
     "kernels.fp8",
     "kernels.kv_store",
     "kernels.decode_config",
