@@ -35,7 +35,7 @@ from benchmarks.checkpoints import model_dir as checkpoint_dir
 from benchmarks.checkpoints import write_random_adapters
 from benchmarks.decode_step import profile_decode_step
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
-from benchmarks.provenance import provenance, write_result
+from benchmarks.provenance import package_version, provenance, write_result
 from engine import LLM, SamplingParams
 
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_hf and args.workload == "seeds":
         result["transformers"] = run_hf(
             model_dir, dtype, prompts[0], args.num_requests, args.output_len
-        )
+        ) | {"version": package_version("transformers")}
         result["speedup_vs_transformers"] = (
             result["pagoda"]["tok_per_s"] / result["transformers"]["tok_per_s"]
         )

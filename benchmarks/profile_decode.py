@@ -9,7 +9,8 @@
 (benchmarks.offline's start_decoding), a few steps warm up, then `--steps` engine
 steps run under the profiler: the kernels inside CUDA graphs are recorded too.
 Per kernel name: microseconds and calls per step, and the step's kernel time
-against the device's span over those steps (the share of it the GPU was busy).
+against the device's span over those steps (the share of it the GPU was busy);
+where the device sat idle, by the kernels on either side of each idle stretch.
 On the CPU the rows are the host's ops instead, without a span.
 """
 
@@ -74,8 +75,37 @@ def kernel_table(
         span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
         table["span_us_per_step"] = span / steps
         table["busy"] = total * steps / span
+        table |= idle_gaps(kernels, steps)
     table["launches_per_step"] = sum(row["calls"] for row in rows)
     return table | {"rows": rows}
+
+
+def idle_gaps(kernels: list, steps: int, top: int = 12) -> dict:
+    """Where the device sat idle: each stretch with no kernel or copy running, per step,
+    summed by the pair around it (`last one to end -> next to start`). Under PDL kernels
+    overlap, so the kernel time can exceed the span; the idle time cannot."""
+    kernels = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps: dict[str, list[float]] = {}
+    last = kernels[0]
+    for event in kernels[1:]:
+        idle = event.time_range.start - last.time_range.end
+        if idle > 0:
+            gaps.setdefault(f"{short_name(last.name)} -> {short_name(event.name)}", []).append(idle)
+        if event.time_range.end > last.time_range.end:
+            last = event
+    pairs = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "idle_us_per_step": sum(sum(v) for v in gaps.values()) / steps,
+        "idle_gaps": [
+            {"between": k, "us_per_step": sum(v) / steps, "per_step": len(v) / steps}
+            for k, v in pairs
+        ],
+    }
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its template arguments and signature."""
+    return kernel.removeprefix("void ").split("(")[0].split("<")[0].strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     for row in result["rows"][: args.rows]:
         print(f"{row['us_per_step']:9.1f} us {row['calls']:6.1f}x  {row['name'][:100]}")
+    for gap in result.get("idle_gaps", [])[:5]:
+        print(f"{gap['us_per_step']:9.1f} us idle {gap['per_step']:5.1f}x  {gap['between'][:100]}")
     write_result(args.out, result)
     return 0
 
