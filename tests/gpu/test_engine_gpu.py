@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.bad_words import bad_words_token_ids
 from engine.models.loader import load_tokenizer
 from engine.scheduler import SchedulerOutput
-from tests.gpu.conftest import GPU, CountedGraph, generate
+from tests.gpu.on_cuda import GPU, CountedGraph, generate
 from tests.reference import PROMPTS, hf_greedy
 
 pytestmark = GPU

@@ -22,7 +22,7 @@ from kernels.fp8 import (
 )
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.reference import PROMPTS
 
 pytestmark = [

@@ -9,7 +9,7 @@ import torch
 from engine.models.rope import RotaryEmbedding
 from kernels.activation import act_and_mul, act_and_mul_ref
 from kernels.rotary import QKNorm, rotary, rotary_ref
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
 

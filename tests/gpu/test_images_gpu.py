@@ -12,7 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from tests.engine.test_images import image_inputs, reference, run, vlm, vlm_of  # noqa: F401
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
 

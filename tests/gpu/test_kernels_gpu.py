@@ -20,7 +20,7 @@ from kernels.linear import (
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_config import prefill_config
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
 

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.models.quantization import Fp8Linear
 from kernels.fp8 import fp8_supported
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.reference import PROMPTS, peft_greedy
 
 pytestmark = GPU

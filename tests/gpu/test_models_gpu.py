@@ -8,7 +8,7 @@ import torch
 
 from engine.models.loader import load_tokenizer
 from kernels.fused_moe import fused_moe, fused_moe_ref, select_experts
-from tests.gpu.conftest import GPU, generate
+from tests.gpu.on_cuda import GPU, generate
 from tests.reference import PROMPTS, assert_greedy_matches, hf_greedy
 from tests.tiny_checkpoints import FAMILY_CONFIGS
 

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from engine.distributed import TensorParallel
 from engine.one_shot import OneShotAllReduce, unblock_until_drained
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.ports import free_port
 
 pytestmark = [

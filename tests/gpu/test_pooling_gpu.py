@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.reference import PROMPTS
 
 pytestmark = GPU

@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.engine.test_prompt_logprobs import check, prompt_of, reference
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.reference import hf_greedy
 
 pytestmark = GPU

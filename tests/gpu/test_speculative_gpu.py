@@ -7,7 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
-from tests.gpu.conftest import GPU, CountedGraph, generate
+from tests.gpu.on_cuda import GPU, CountedGraph, generate
 from tests.reference import PROMPTS, hf_greedy
 
 pytestmark = GPU

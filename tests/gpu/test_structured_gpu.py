@@ -14,7 +14,7 @@ from engine.models.loader import load_tokenizer
 from engine.structured.spec import GrammarSpec
 from tests.engine.test_structured import REGEX, SCHEMA, Reference, masked_greedy
 from tests.engine.test_structured_batches import check_padding_masks
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
 

@@ -16,7 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.loader import load_tokenizer
 from engine.one_shot import rendezvous_made
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 from tests.reference import PROMPTS, hf_greedy
 
 pytestmark = [

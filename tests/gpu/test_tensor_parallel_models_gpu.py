@@ -15,7 +15,7 @@ from tests.engine.test_tensor_parallel_models import (
     prefill_and_decode,
     run_tensor_parallel,
 )
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = [
     *GPU,

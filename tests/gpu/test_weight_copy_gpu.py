@@ -8,7 +8,7 @@ import torch
 from engine.models import weight_copy
 from engine.models.loader import load_model
 from engine.models.weight_copy import fill, staged_copies
-from tests.gpu.conftest import GPU
+from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
 

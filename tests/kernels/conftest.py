@@ -17,43 +17,11 @@ import importlib
 import os
 import sys
 import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-# Modules holding jit functions, in dependency order (a module after those it imports from).
-JIT_MODULES = (
-    "triton.language.standard",
-    "triton.language.random",
-    "triton.language",
-    "kernels.rounding",
-    "kernels.pdl",
-    "kernels.argmax",
-    "kernels.host_copy",
-    "kernels.fp8",
-    "kernels.kv_store",
-    "kernels.decode_config",
-    "kernels.norms",
-    "kernels.rotary",
-    "kernels.score_mods",
-    "kernels.paged_attention",
-    "kernels.linear",
-    "kernels.prefill_config",
-    "kernels.prefill_attention",
-    "kernels.activation",
-    "kernels.moe_gemv",
-    "kernels.moe_align",
-    "kernels.fused_moe",
-    "kernels.moe_routing",
-    "kernels.mla_store",
-    "kernels.mla",
-    "kernels.gated_delta",
-    "kernels.delta_chunk_scan",
-    "kernels.mamba2_step",
-    "kernels.conv_step",
-    "kernels.gated_norm",
-)
+from tests.kernels.jit_modules import JIT_MODULES
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
@@ -71,30 +39,6 @@ def device() -> torch.device:
 def rng(request: pytest.FixtureRequest) -> torch.Generator:
     """A fresh, reproducible seed per test case (derived from its id)."""
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@dataclass(frozen=True)
-class WalkedSequences:
-    """The walk kernels' sequences in their tests: three end to end (7 tokens from a
-    state, 5 from zeros, 1 from a state), or the first alone, then a graph's padding:
-    two tokens past them and a sequence of none at the spare slot 5. Slots 1, 2 and 5
-    belong to no real sequence."""
-
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    slots: torch.Tensor
-    has_state: torch.Tensor
-    tokens: int  # rows, padding included
-    real: int  # rows of real sequences
-
-    @classmethod
-    def of(cls, seqs: int, device: torch.device) -> WalkedSequences:
-        lengths = torch.tensor([7, 5, 1][:seqs] + [0], device=device, dtype=torch.int32)
-        starts = (torch.cumsum(lengths, 0) - lengths).to(torch.int32)
-        slots = torch.tensor([4, 0, 3][:seqs] + [5], device=device)
-        has_state = torch.tensor([True, False, True][:seqs] + [False], device=device)
-        real = int(lengths.sum())
-        return cls(starts, lengths, slots, has_state, real + 2, real)
 
 
 def _paged_kv(

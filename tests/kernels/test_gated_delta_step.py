@@ -14,7 +14,7 @@ from kernels.gated_delta import (
     gated_delta_tokens,
     gated_delta_tokens_ref,
 )
-from tests.kernels.conftest import WalkedSequences
+from tests.kernels.walked_sequences import WalkedSequences
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.kernels.conftest import JIT_MODULES
+from tests.kernels.jit_modules import JIT_MODULES
 
 
 def test_every_module_with_jit_functions_is_reloaded():

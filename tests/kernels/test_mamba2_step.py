@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.mamba2_step import mamba2_step, mamba2_step_ref, mamba2_tokens, mamba2_tokens_ref
-from tests.kernels.conftest import WalkedSequences
+from tests.kernels.walked_sequences import WalkedSequences
 
 
 @pytest.mark.parametrize(

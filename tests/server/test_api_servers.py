@@ -33,7 +33,7 @@ from server.engine_process import Clients, spawn_engine
 from server.engine_wire import EngineInfo, WireReport
 from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
-from tests.server.conftest import MAX_MODEL_LEN, ServerProcess, engine_config
+from tests.server.live_server import MAX_MODEL_LEN, ServerProcess, engine_config
 from tests.server.test_concurrency import assert_streams_match, greedy_stream_bodies, stream_text
 
 

@@ -13,7 +13,7 @@ from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
 from tests.introspection import is_frozen
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 
 
 class FlakyEngine(Engine):

@@ -15,7 +15,7 @@ from engine import LLM
 from server.app import create_app
 from server.config import ServerConfig
 from tests.reference import PROMPTS
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 

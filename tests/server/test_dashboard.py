@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.server.browser import Browser, find_chromium
-from tests.server.conftest import MAX_MODEL_LEN, ROOT, ServerProcess
+from tests.server.live_server import MAX_MODEL_LEN, ROOT, ServerProcess
 
 ARTIFACTS = Path(os.environ.get("PAGODA_TEST_ARTIFACTS", ROOT / "build" / "test-artifacts"))
 KEY = "dashboard-key"

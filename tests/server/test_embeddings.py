@@ -14,7 +14,7 @@ from engine import LLM
 from engine.models.loader import load_tokenizer
 from server.app import create_app
 from server.config import ServerConfig
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 
 
 def reference(model_dir: str, ids: list[int], adapter: str | None = None) -> np.ndarray:

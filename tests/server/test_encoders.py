@@ -15,7 +15,7 @@ import torch
 from server.app import create_app
 from server.config import ServerConfig
 from tests.reference import PROMPTS
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 
 
 def serve(model_dir: str, **server: object) -> LiveServer:

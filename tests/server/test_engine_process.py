@@ -19,7 +19,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from server.engine_loop import Add, EngineLoop
 from tests.introspection import is_frozen
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 from tests.server.test_concurrency import (
     assert_streams_match,
     drop_after,

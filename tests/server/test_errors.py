@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.live_server import MAX_MODEL_LEN
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 LONG = " ".join(["hello"] * (MAX_MODEL_LEN + 10))

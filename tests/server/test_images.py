@@ -22,7 +22,7 @@ from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
 from tests.engine.test_multimodal_text import build
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 from tests.server.test_beam_search import beam_search_over
 
 TEMPLATE = (

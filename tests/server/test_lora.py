@@ -21,7 +21,7 @@ from server.errors import APIError
 from server.metrics import Metrics, MetricsShare
 from server.serving import Serving
 from tests.reference import peft_greedy
-from tests.server.conftest import engine_config
+from tests.server.live_server import engine_config
 from tests.tiny_checkpoints import build_lora
 
 

@@ -10,7 +10,7 @@ import pytest
 from engine.request import RequestMetrics, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from server.request_stream import RequestStream, coalesce
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.live_server import MAX_MODEL_LEN
 
 
 def out(

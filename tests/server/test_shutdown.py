@@ -10,7 +10,7 @@ import signal
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, ServerProcess
+from tests.server.live_server import MAX_MODEL_LEN, ServerProcess
 
 
 def start(model_dir: str, tmp_path, layout: list[str]) -> ServerProcess:

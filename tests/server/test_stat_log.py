@@ -12,7 +12,7 @@ from server import engine_loop
 from server.app import create_app
 from server.config import ServerConfig
 from server.engine_loop import StatLog
-from tests.server.conftest import LiveServer, engine_config
+from tests.server.live_server import LiveServer, engine_config
 
 
 class FakeEngine:

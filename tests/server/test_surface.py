@@ -11,7 +11,7 @@ import pytest
 
 from server.prompts import Prompts
 from server.protocol import ChatMessage, ChatTemplateOptions
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.live_server import MAX_MODEL_LEN
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 

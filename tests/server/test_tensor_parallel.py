@@ -22,7 +22,7 @@ from server.app import create_app
 from server.config import ServerConfig
 from tests.ports import free_port
 from tests.reference import PROMPTS, hf_greedy
-from tests.server.conftest import ROOT, LiveServer, ServerProcess, engine_config
+from tests.server.live_server import ROOT, LiveServer, ServerProcess, engine_config
 
 MAX_NEW = 12
 SMALL = dict(num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)

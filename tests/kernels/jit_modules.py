@@ -1,0 +1,35 @@
+"""The modules the kernel tests' conftest reloads for Triton's interpreter on a CPU-only
+machine (tests/kernels/conftest.py says why)."""
+
+# Modules holding jit functions, in dependency order (a module after those it imports from).
+JIT_MODULES = (
+    "triton.language.standard",
+    "triton.language.random",
+    "triton.language",
+    "kernels.rounding",
+    "kernels.pdl",
+    "kernels.argmax",
+    "kernels.host_copy",
+    "kernels.fp8",
+    "kernels.kv_store",
+    "kernels.decode_config",
+    "kernels.norms",
+    "kernels.rotary",
+    "kernels.score_mods",
+    "kernels.paged_attention",
+    "kernels.linear",
+    "kernels.prefill_config",
+    "kernels.prefill_attention",
+    "kernels.activation",
+    "kernels.moe_gemv",
+    "kernels.moe_align",
+    "kernels.fused_moe",
+    "kernels.moe_routing",
+    "kernels.mla_store",
+    "kernels.mla",
+    "kernels.gated_delta",
+    "kernels.delta_chunk_scan",
+    "kernels.mamba2_step",
+    "kernels.conv_step",
+    "kernels.gated_norm",
+)
