@@ -1,70 +1,39 @@
 """Chat requests with images (server/images.py) to a tiny LLaVA served with its processor:
 the answer equals transformers' generate on the processor's ids and pixel values, for
 a data URL and for an http URL of the same image, in the OpenAI SDK's shape; what is
-not an image it can read is a 400."""
+not an image it can read is a 400; a server's limits on images and where they come from."""
 
 from __future__ import annotations
 
-import base64
 import copy
-import http.server
 import io
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
-from engine.engine import Engine
 from server.app import create_app
 from server.config import ServerConfig
 from tests.engine.test_multimodal_text import build
 from tests.server.live_server import LiveServer, engine_config
 from tests.server.test_beam_search import beam_search_over
-
-TEMPLATE = (
-    "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
-    "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}"
-    "{{ p.text }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}assistant:"
+from tests.server.tiny_llava import (
+    MAX_NEW,
+    SLOW,
+    build_llava,
+    data_url,
+    expected,
+    image_part,
+    png,
+    serve_images,
 )
-MAX_NEW = 8
-SLOW = {"arrived": threading.Event(), "release": threading.Event()}
-
-
-def png(seed: int, size: tuple[int, int] = (40, 52)) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_url(blob: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(blob).decode()
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory, tokenizer):
-    """(checkpoint dir with its processor, transformers' model, its processor)."""
-    import transformers
-
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})  # the last id
-    path = tmp_path_factory.mktemp("llava-server")
-    model = build("llava", path, tokenizer)
-    model.generation_config.eos_token_id = None
-    crop = {"height": 32, "width": 32}
-    images = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size=crop)
-    processor = transformers.LlavaProcessor(
-        image_processor=images, tokenizer=tokenizer, patch_size=8, chat_template=TEMPLATE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-    )  # fmt: skip
-    processor.save_pretrained(path)
-    return path, model, processor
+    return build_llava(tmp_path_factory.mktemp("llava-server"), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -77,34 +46,8 @@ def server(llava) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """An http server of one PNG (/cat.png; /slow.png once SLOW["release"] is set; /to/HOST
-    redirects to it on HOST); its base URL."""
-    blob = png(1)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the base class's name)
-            if self.path.startswith("/to/"):  # a redirect to the host it names
-                port = self.server.server_address[1]
-                self.send_response(302)
-                self.send_header("Location", f"http://{self.path[4:]}:{port}/cat.png")
-                self.end_headers()
-                return
-            if self.path == "/slow.png":  # answered once the test releases it
-                SLOW["arrived"].set()
-                SLOW["release"].wait(60)
-            found = self.path in ("/cat.png", "/slow.png")
-            self.send_response(200 if found else 404)
-            self.send_header("Content-Type", "image/png")
-            self.end_headers()
-            self.wfile.write(blob if found else b"")
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with serve_images() as url:
+        yield url
 
 
 def chat(server: LiveServer, content: list | str, **extra) -> httpx.Response:
@@ -113,25 +56,6 @@ def chat(server: LiveServer, content: list | str, **extra) -> httpx.Response:
         "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body | extra, timeout=60)
-
-
-def expected(llava, text: str, blob: bytes) -> list[int]:
-    from PIL import Image
-
-    _, model, processor = llava
-    prompt = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}],
-        add_generation_prompt=True,
-    )
-    image = Image.open(io.BytesIO(blob)).convert("RGB")
-    inputs = processor(text=prompt, images=[image], return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def image_part(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
 
 
 def test_an_image_by_data_url_is_read_as_transformers_reads_it(server, llava):
@@ -262,6 +186,68 @@ def test_the_responses_api_takes_input_images(server):
     assert refused.status_code == 400 and "file_id is not served" in refused.text
 
 
+def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, tmp_path):
+    """--limit-mm-per-prompt, --allowed-media-domains (redirects checked too) and
+    --allowed-local-media-path (no way out of it by .. or a symlink)."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(png(1))
+    (tmp_path / "secret.png").write_bytes(png(2))
+    (media / "link.png").symlink_to(tmp_path / "secret.png")
+    config = ServerConfig(
+        shutdown_timeout=5.0, max_images_per_prompt=1,
+        allowed_media_domains=["127.0.0.1"], allowed_local_media_path=str(media),
+    )  # fmt: skip
+    live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
+    port = image_host.rsplit(":", 1)[1]
+    try:
+        one = [{"type": "text", "text": "look "}, image_part(data_url(png(1)))]
+        by_data = chat(live, one)
+        assert by_data.status_code == 200
+        refused = chat(live, [*one, image_part("http://127.0.0.1:9/never-fetched.png")])
+        assert refused.status_code == 400 and "at most 1" in refused.text
+
+        def answer(url: str) -> httpx.Response:
+            return chat(live, [one[0], image_part(url)])
+
+        same = by_data.json()["choices"][0]["token_ids"]
+        for url in (
+            f"{image_host}/cat.png",
+            f"file://{media}/cat.png",
+            f"file://{media}/./cat.png",
+        ):
+            response = answer(url)
+            assert response.status_code == 200, (url, response.text)
+            assert response.json()["choices"][0]["token_ids"] == same
+        for url, message in [
+            (f"http://localhost:{port}/cat.png", "may not be fetched from 'localhost'"),
+            (f"{image_host}/to/localhost", "may not be fetched from 'localhost'"),
+            (f"file://{media}/../secret.png", "read only under"),
+            (f"file://{media}/link.png", "read only under"),
+            (f"file://{media}/missing.png", "Could not read"),
+        ]:
+            response = answer(url)
+            assert response.status_code == 400, (url, response.text)
+            assert message in response.json()["error"]["message"], url
+    finally:
+        live.stop()
+
+
+def test_the_sdk_example_asks_about_an_image(server, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(7))
+    example = Path(__file__).resolve().parents[2] / "clients" / "examples" / "openai_sdk.py"
+    argv = [sys.executable, str(example), "--base-url", server.base_url + "/v1"]
+    argv += ["--max-tokens", "3", "--image", str(picture)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "chat with an image:" in proc.stdout
+
+
 QWEN_TEMPLATE = (
     "{% for m in messages %}{{ m.role }}: {% if m.content is string %}{{ m.content }}"
     "{% else %}{% for p in m.content %}{% if p.type == 'image' %}"
@@ -318,188 +304,3 @@ def test_qwen_vl_images_take_their_3d_positions(qwen):
             )  # fmt: skip
         assert response.json()["prompt_token_ids"] == ids[0].tolist()
         assert response.json()["choices"][0]["token_ids"] == out[0, ids.shape[1] :].tolist()
-
-
-def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):
-    """Two adds with images in one drain: one call of the tower, and each request runs
-    with its own image's features (its answer is transformers')."""
-    from engine.sampling_params import SamplingParams
-    from server.engine_loop import Add, EngineLoop
-    from server.images import ImageProcessor
-
-    path, model, _ = llava
-    loop = EngineLoop(engine_config(str(path)), Engine, lambda report: None)
-    engine = loop.build()
-    processor = ImageProcessor(str(path), "llava", engine.tokenizer)
-    prompts = [processor("look <image> here", [data_url(png(seed))]) for seed in (5, 6)]
-    calls = []
-    tower = engine.vision._tower
-    monkeypatch.setattr(engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch))
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    adds = [Add(f"r{i}", p.token_ids, params, 0.0, p.images) for i, p in enumerate(prompts)]
-    assert loop._drain(adds, {}, []) == ["r0", "r1"]
-    assert [len(batch) for batch in calls] == [2]
-    got: dict[str, list[int]] = {"r0": [], "r1": []}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
-    for rid, prompt in zip(("r0", "r1"), prompts, strict=True):
-        assert got[rid] == greedy_of(model, prompt)
-
-
-def greedy_of(model, prompt) -> list[int]:
-    """transformers' greedy answer to a prompt the server's ImageProcessor made."""
-    ids = torch.tensor([prompt.token_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids, pixel_values=prompt.images.pixel_values, attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    return out[0, ids.shape[1] :].tolist()
-
-
-def test_an_image_sent_again_is_not_encoded_again(llava, monkeypatch):
-    """The encoder cache: the same pixels in a later request (a chat's next turn, a
-    beam's request) reuse their features, and the answer is still transformers'; past
-    the cache's bytes the least recently used image is encoded again."""
-    from engine.sampling_params import SamplingParams
-    from server.images import ImageProcessor
-
-    path, model, _ = llava
-    engine = Engine(engine_config(str(path)))
-    processor = ImageProcessor(str(path), "llava", engine.tokenizer)
-    calls = []
-    tower = engine.vision._tower
-    monkeypatch.setattr(
-        engine.vision, "_tower", lambda batch: calls.append(len(batch)) or tower(batch)
-    )
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-
-    def answer(rid: str, text: str, seed: int) -> list[int]:
-        prompt = processor(text, [data_url(png(seed))])  # new ImageInputs every time
-        engine.add_request(rid, prompt.token_ids, params, images=prompt.images)
-        got = []
-        while engine.has_unfinished_requests():
-            got += [t for out in engine.step() for t in out.new_token_ids]
-        assert got == greedy_of(model, prompt)
-        return got
-
-    answer("a", "look <image> here", 5)
-    answer("b", "and now <image> again", 5)  # the same image, other text
-    assert calls == [1]
-    engine.vision.cache.capacity = engine.vision.cache.bytes  # room for one image's rows
-    answer("c", "look <image> here", 6)  # another image: the first one's rows go
-    answer("d", "look <image> here", 5)
-    assert calls == [1, 1, 1]
-
-
-def test_a_servers_limits_on_images_and_where_they_come_from(llava, image_host, tmp_path):
-    """--limit-mm-per-prompt, --allowed-media-domains (redirects checked too) and
-    --allowed-local-media-path (no way out of it by .. or a symlink)."""
-    media = tmp_path / "media"
-    media.mkdir()
-    (media / "cat.png").write_bytes(png(1))
-    (tmp_path / "secret.png").write_bytes(png(2))
-    (media / "link.png").symlink_to(tmp_path / "secret.png")
-    config = ServerConfig(
-        shutdown_timeout=5.0, max_images_per_prompt=1,
-        allowed_media_domains=["127.0.0.1"], allowed_local_media_path=str(media),
-    )  # fmt: skip
-    live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
-    port = image_host.rsplit(":", 1)[1]
-    try:
-        one = [{"type": "text", "text": "look "}, image_part(data_url(png(1)))]
-        by_data = chat(live, one)
-        assert by_data.status_code == 200
-        refused = chat(live, [*one, image_part("http://127.0.0.1:9/never-fetched.png")])
-        assert refused.status_code == 400 and "at most 1" in refused.text
-
-        def answer(url: str) -> httpx.Response:
-            return chat(live, [one[0], image_part(url)])
-
-        same = by_data.json()["choices"][0]["token_ids"]
-        for url in (
-            f"{image_host}/cat.png",
-            f"file://{media}/cat.png",
-            f"file://{media}/./cat.png",
-        ):
-            response = answer(url)
-            assert response.status_code == 200, (url, response.text)
-            assert response.json()["choices"][0]["token_ids"] == same
-        for url, message in [
-            (f"http://localhost:{port}/cat.png", "may not be fetched from 'localhost'"),
-            (f"{image_host}/to/localhost", "may not be fetched from 'localhost'"),
-            (f"file://{media}/../secret.png", "read only under"),
-            (f"file://{media}/link.png", "read only under"),
-            (f"file://{media}/missing.png", "Could not read"),
-        ]:
-            response = answer(url)
-            assert response.status_code == 400, (url, response.text)
-            assert message in response.json()["error"]["message"], url
-    finally:
-        live.stop()
-
-
-def test_llm_chat_reads_images_by_file_url_pil_data_and_http_url(
-    llava, tmp_path, monkeypatch, image_host
-):
-    """Offline, as vLLM's LLM.chat: each answer equals transformers'; the images of the
-    conversations added together go through the tower in one call."""
-    from PIL import Image
-
-    from engine import LLM, SamplingParams
-
-    blobs = [png(seed) for seed in (3, 4, 5, 1)]
-    picture = tmp_path / "picture.png"
-    picture.write_bytes(blobs[0])
-    parts = [
-        image_part(f"file://{picture}"),
-        {"type": "image_pil", "image_pil": Image.open(io.BytesIO(blobs[1]))},
-        image_part(data_url(blobs[2])),
-        image_part(f"{image_host}/cat.png"),  # png(1)
-    ]
-    text = "what is in the picture? "
-    conversations = [
-        [{"role": "user", "content": [{"type": "text", "text": text}, part]}] for part in parts
-    ]
-    llm = LLM(str(llava[0]), device="cpu", num_kv_blocks=256)
-    calls = []
-    tower = llm.engine.vision._tower
-    monkeypatch.setattr(
-        llm.engine.vision, "_tower", lambda batch: calls.append(batch) or tower(batch)
-    )
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.chat(conversations, params, use_tqdm=False)
-    for out, blob in zip(outs, blobs, strict=True):
-        assert out.outputs[0].token_ids == expected(llava, text, blob)
-    assert [len(batch) for batch in calls] == [4]
-
-    # vLLM's generate({"prompt": ..., "multi_modal_data": ...}): the template's text, its
-    # placeholder where the image goes.
-    prompt = llava[2].apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}]}],
-        add_generation_prompt=True,
-    )
-    image = {"image": Image.open(io.BytesIO(blobs[1]))}
-    (out,) = llm.generate({"prompt": prompt, "multi_modal_data": image}, params, use_tqdm=False)
-    assert out.outputs[0].token_ids == outs[1].outputs[0].token_ids
-    assert out.prompt == prompt and out.prompt_token_ids == outs[1].prompt_token_ids
-    with pytest.raises(ValueError, match="could not be processed"):
-        llm.generate({"prompt": "no placeholder", "multi_modal_data": image}, use_tqdm=False)
-    with pytest.raises(ValueError, match="beside a text prompt"):
-        llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": image}, use_tqdm=False)
-
-
-def test_the_sdk_example_asks_about_an_image(server, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    picture = tmp_path / "picture.png"
-    picture.write_bytes(png(7))
-    example = Path(__file__).resolve().parents[2] / "clients" / "examples" / "openai_sdk.py"
-    argv = [sys.executable, str(example), "--base-url", server.base_url + "/v1"]
-    argv += ["--max-tokens", "3", "--image", str(picture)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "chat with an image:" in proc.stdout
