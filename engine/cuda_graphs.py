@@ -51,7 +51,7 @@ class CudaGraphs:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         config = runner.config
-        # By bucket: one graph per staging buffer, each copying that buffer in; their logits.
+        # By bucket: one graph per staging buffer, each reading that buffer in; their logits.
         self.decode: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.decode_logits: dict[int, list[torch.Tensor]] = {}
         self.decode_segments: dict[int, Segments] = {}  # what each bucket's graphs read in
@@ -238,11 +238,8 @@ class CudaGraphs:
         pool = None
         gpu, table = runner.staged.gpu, runner.block_table.gpu.view(-1)
         sampled, index, values = gpu["sampled_ids"], gpu["table_index"], gpu["table_value"]
-        staged = runner.staged
-        words, host_words = (
-            staged.staged.view(torch.int64),
-            [h.view(torch.int64) for h in staged.hosts],
-        )
+        words = runner.staged.staged.view(torch.int64)
+        host_words = [host.view(torch.int64) for host in runner.staged.hosts]
         for bucket in reversed(sizes):
             runner.buf["query_start_loc"][0] = 0
             self.pad_decode(0, bucket)

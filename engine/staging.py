@@ -2,11 +2,10 @@
 
 A step's metadata is written with numpy into a pinned host buffer and sent
 with one non-blocking copy; the sampled ids come back the same way. (A decode
-graph moves both with kernels instead, the words its batch size uses: see
-kernels/host_copy.py.) A pinned
-buffer is not rewritten before the copy that reads it has run: every buffer
-comes twice on CUDA (alternate steps use alternate copies), each followed by
-a Fence.
+graph moves both by kernels instead, only the words its batch size uses:
+kernels/host_copy.py.) A pinned buffer is not rewritten before the copy that
+reads it has run: every buffer comes twice on CUDA (alternate steps use
+alternate copies), each followed by a Fence.
 """
 
 from __future__ import annotations
