@@ -1,4 +1,5 @@
-"""The server tests' shared servers (tests/server/live_server.py has what they are made of)."""
+"""The server tests' shared servers (tests/server/live_server.py has what they are made of),
+and the image tests' tiny LLaVA and image host (tests/server/tiny_llava.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from server.app import create_app
 from server.config import ServerConfig
 from tests.server.live_server import LiveServer, engine_config
+from tests.server.tiny_llava import build_llava, serve_images
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +71,16 @@ def oai(live: LiveServer) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def model_name(tiny_gpt2_dir) -> str:
     return tiny_gpt2_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, tokenizer):
+    """The image tests' tiny LLaVA (tests/server/tiny_llava.py), one per test module."""
+    return build_llava(tmp_path_factory.mktemp("llava"), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    """An http host of the image tests' PNGs (tiny_llava.serve_images): its base URL."""
+    with serve_images() as url:
+        yield url

@@ -22,18 +22,11 @@ from tests.server.test_beam_search import beam_search_over
 from tests.server.tiny_llava import (
     MAX_NEW,
     SLOW,
-    build_llava,
     data_url,
     expected,
     image_part,
     png,
-    serve_images,
 )
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory, tokenizer):
-    return build_llava(tmp_path_factory.mktemp("llava-server"), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +35,6 @@ def server(llava) -> Iterator[LiveServer]:
     live = LiveServer(create_app(engine_config(str(llava[0])), config), config).start()
     yield live
     live.stop()
-
-
-@pytest.fixture(scope="module")
-def image_host() -> Iterator[str]:
-    with serve_images() as url:
-        yield url
 
 
 def chat(server: LiveServer, content: list | str, **extra) -> httpx.Response:

@@ -6,7 +6,6 @@ transformers'."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,25 +13,12 @@ from engine.engine import Engine
 from tests.server.live_server import engine_config
 from tests.server.tiny_llava import (
     MAX_NEW,
-    build_llava,
     data_url,
     expected,
     greedy_of,
     image_part,
     png,
-    serve_images,
 )
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory, tokenizer):
-    return build_llava(tmp_path_factory.mktemp("llava-engine"), tokenizer)
-
-
-@pytest.fixture(scope="module")
-def image_host() -> Iterator[str]:
-    with serve_images() as url:
-        yield url
 
 
 def test_the_engine_loop_encodes_a_drains_images_together(llava, monkeypatch):

@@ -1,5 +1,6 @@
 """A tiny LLaVA with its processor, the images its tests send, and an http host of them:
-shared by the server's image tests (test_images.py) and the engine's (test_images_engine.py)."""
+shared by the server's image tests (test_images.py) and the engine's (test_images_engine.py)
+through the fixtures in tests/server/conftest.py."""
 
 from __future__ import annotations
 
