@@ -269,9 +269,10 @@ def splitk_workspace(
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
     projections). FP8 weights, whose dots run on e4m3 at every batch, take that config
-    at any row count, with K tiles of 256 one-byte values and one stage fewer when the
-    column tiles alone fill more than a wave (measured on Llama-3-8B's four projections
-    at m = 32 and 64, and at 1 and 16 on an H200)."""
+    at any row count, with K tiles of 256 one-byte values: 5 stages where the column
+    tiles leave SMs to the splits, 3 where they alone fill more than a wave (measured on
+    Llama-3-8B's four projections at m = 1, 16, 32 and 64, and in its decode step, on an
+    H200)."""
     short = n >= WIDE_N and 0 < k <= SHORT_K
     key = (n, device, fp8, short)
     if key not in _SHARED:
@@ -285,7 +286,7 @@ def splitk_workspace(
             tiles = triton.cdiv(n, block_n)
             splits = max(1, min(4, sms // tiles))
             if fp8:
-                stages = 3 if tiles > sms else 4
+                stages = 3 if tiles > sms else 5
                 rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
                 _SHARED[key] = SplitKWorkspace(n, device, config=rows)
             else:
