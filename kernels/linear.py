@@ -270,9 +270,9 @@ def splitk_workspace(
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
     projections). FP8 weights, whose dots run on e4m3 at every batch, take that config
     at any row count, with K tiles of 256 one-byte values: 5 stages where the column
-    tiles leave SMs to the splits, 3 where they alone fill more than a wave (measured on
-    Llama-3-8B's four projections at m = 1, 16, 32 and 64, and in its decode step, on an
-    H200)."""
+    tiles leave SMs to the splits, 3 where they alone fill more than a wave (the tiles
+    measured on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an
+    H200; the fifth stage at 16 and 64, and in its decode step at batch 1 and 64)."""
     short = n >= WIDE_N and 0 < k <= SHORT_K
     key = (n, device, fp8, short)
     if key not in _SHARED:
