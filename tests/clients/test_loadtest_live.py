@@ -1,49 +1,16 @@
 """The load test against the real Pagoda server (embedded demo model, CPU)."""
 
 import json
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 
 from clients import loadtest
-from tests.ports import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 120
-
-
-def wait_for_health(proc: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            )
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"no /health in {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+from tests.server.live_server import ServerProcess
 
 
 def test_loadtest_against_pagoda_server(tmp_path):
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", "256"],
-            cwd=ROOT,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    server = ServerProcess(["--max-model-len", "256"], tmp_path / "server.log")
+    base_url = server.base_url
     try:
-        wait_for_health(proc, base_url, log)
+        server.wait_ready()
         result_file = tmp_path / "result.json"
         rc = loadtest.main(
             [
@@ -64,9 +31,4 @@ def test_loadtest_against_pagoda_server(tmp_path):
         assert metrics["total_output_tokens"] == 8 * 16
         assert metrics["ttft"]["count"] == 8 and metrics["tpot"]["count"] == 8
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.close()
