@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, use_pdl, wait_previous
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
 # Floor on a row's absolute maximum, so an all-zero row gets a finite, nonzero scale.
@@ -132,8 +134,10 @@ def _per_token_quant_kernel(
     stride_qm,
     BLOCK_K: tl.constexpr,
     ONE_TILE: tl.constexpr,  # BLOCK_K >= K: the row is read once, into registers
+    PDL: tl.constexpr,
 ):
     # One program per token: the row's absolute maximum, then the row quantized by it.
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     if ONE_TILE:
@@ -172,6 +176,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     one_tile = triton.next_power_of_2(k) <= ONE_TILE_K
     block_k = triton.next_power_of_2(k) if one_tile else 2048
     warps = max(2, min(32, block_k // 1024)) if one_tile else 4
+    # With PDL, as the kernels around it in the decode step: launched as the one before
+    # it ends, and the GEMM after it starts its weight reads before it ends.
+    pdl = use_pdl(x.device)
     _per_token_quant_kernel[(num_tokens,)](
         x,
         q,
@@ -181,7 +188,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q.stride(0),
         BLOCK_K=block_k,
         ONE_TILE=one_tile,
+        PDL=pdl,
         num_warps=warps,
+        **launch_options(pdl),
     )
     return q, scale
 

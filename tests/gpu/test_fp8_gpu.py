@@ -56,7 +56,7 @@ def test_fp8_linear_close_to_bf16_and_to_its_reference(m: int, dtype: torch.dtyp
     assert _rel(out - bias, F.linear(x, w).float()) < 0.05
 
 
-@pytest.mark.parametrize("n", [6144, 28672])
+@pytest.mark.parametrize("n", [4096, 6144, 28672])
 @pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65])
 def test_fp8_linear_module_by_batch(m: int, n: int) -> None:
     """Fp8Linear's two paths, x quantized per token on both: e4m3 dots in split-K up to
