@@ -37,7 +37,7 @@ def compile_variants() -> None:
     for one_tile in (True, False):
         signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
         signature |= {"K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
-        constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile}
+        constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile, "PDL": True}
         assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs)
         print(f"quantizer one_tile={one_tile}")
     for fp8, lora, keep in ((True, False, False), (True, True, False), (False, True, False),
