@@ -37,6 +37,7 @@ from benchmarks.decode_step import profile_decode_step
 from benchmarks.floors import DecodeStep, copy_bandwidth, decode_floor_ms, decode_vs_floor
 from benchmarks.provenance import package_version, provenance, write_result
 from engine import LLM, SamplingParams
+from engine.config import offline_budget
 
 
 def workload(args, tokenizer) -> tuple[list[list[int]], list[int]]:
@@ -194,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="the prefill chunk; default: max(2048, max-model-len), one chunk per prompt",
+        help="tokens per step; default: the offline LLM's (engine/config.py's "
+        "offline_budget: 16,384 on a GPU of 70 GiB or more, as vLLM's and nano-vllm's), "
+        "or max-model-len if longer: one chunk per prompt",
     )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
@@ -232,12 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_model_len or max(
         2048 if args.workload == "nano-vllm" else 1024, args.input_len + args.output_len
     )
+    budget = args.max_num_batched_tokens or max(offline_budget(torch.device("cuda")), max_len)
     llm = LLM(
         model_dir,
         dtype=dtype_name,
         enable_prefix_caching=False,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, max_len),
+        max_num_batched_tokens=budget,
         max_model_len=max_len,
         enforce_eager=args.enforce_eager,
         lora_modules=loras,

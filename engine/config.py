@@ -217,6 +217,12 @@ class EngineConfig:
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
 
+    def offline_step_budget(self) -> None:
+        """The offline LLM's step budget, unless given (offline_budget). An encoder's
+        budget still overrides it."""
+        if not self.budget_given:
+            self.max_num_batched_tokens = offline_budget(self.torch_device)
+
     @property
     def torch_device(self) -> torch.device:
         import torch
@@ -266,3 +272,17 @@ class EngineConfig:
         top = min(self.max_num_batched_tokens, PREFILL_GRAPH_MAX_TOKENS)
         sizes = [s for s in (16, 32, 64, 128, 256) if s < top] + list(range(512, top, 256))
         return sizes + [top]
+
+
+def offline_budget(device: torch.device) -> int:
+    """The offline LLM's step budget on `device` (engine/llm.py), as vLLM's LLM class
+    sets it on a GPU: 16,384 tokens from 70 GiB of memory, 8,192 below. Offline, a step
+    is judged by throughput, not by how long it holds back other streams' next tokens:
+    larger steps run the prompts' GEMMs and attention in fewer, fuller launches, and
+    the decodes beside them are read fewer times. On the CPU the engine's default."""
+    if device.type != "cuda":
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    import torch
+
+    memory = torch.cuda.get_device_properties(device).total_memory
+    return 16384 if memory >= 70 * 2**30 else 8192

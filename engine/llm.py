@@ -78,7 +78,9 @@ PREFETCH_REQUESTS = 64
 
 class LLM:
     def __init__(self, model: str | None = None, **config) -> None:
-        self.engine = Engine(EngineConfig(model=model, **config))
+        engine_config = EngineConfig(model=model, **config)
+        engine_config.offline_step_budget()
+        self.engine = Engine(engine_config)
         self.tokenizer = self.engine.tokenizer
         self._prompts: Prompts | None = None  # chat()'s rendering, made on first use
         self._requested: list[str] = []  # adapters a LoRARequest loaded, least recent first

@@ -243,6 +243,27 @@ def test_prefill_graph_token_buckets_double_then_step_by_256_to_the_budget():
     assert EngineConfig(max_num_batched_tokens=8192).prefill_graph_sizes()[-1] == 2048
 
 
+def test_the_offline_budget_follows_the_gpu_memory_unless_given(monkeypatch):
+    memory = {"total_memory": 80 * 2**30}
+
+    def properties(device):
+        return type("Properties", (), memory)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    for given, total, budget in ((None, 80, 16384), (None, 24, 8192), (4096, 80, 4096)):
+        memory["total_memory"] = total * 2**30
+        config = EngineConfig(device="cuda", max_num_batched_tokens=given)
+        config.offline_step_budget()
+        assert config.max_num_batched_tokens == budget
+    config = EngineConfig(device="cpu")  # the engine's default: no launches to amortize
+    config.offline_step_budget()
+    assert config.max_num_batched_tokens == 2048
+    config = EngineConfig(device="cuda")
+    config.offline_step_budget()
+    config.encoder_only()  # an encoder's own default still wins
+    assert config.max_num_batched_tokens == 32768
+
+
 def test_only_requests_that_gained_blocks_are_grown():
     sched = setup(block_size=4)
     sched.add(req("a", 3))
