@@ -108,7 +108,7 @@ def _splitk_linear_kernel(
     stride_pm,
     lora_adapters,
     lora_group,
-    FP8: tl.constexpr,  # x and W in e4m3, X = q * x_scale[m], W = q * scale[n]: e4m3 dots
+    FP8: tl.constexpr,  # x and W in e4m3, X = q * x_scale[m], W = q * scale[n]
     HAS_BIAS: tl.constexpr,
     LORA: tl.constexpr,  # add each row's adapter delta (LoRADelta)
     LORA_BLOCK: tl.constexpr,  # >= lora_group, a power of two >= 16
@@ -268,7 +268,7 @@ def splitk_workspace(
     weight's, by SHORT_K). More rows (a down projection at
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
-    projections). FP8 weights, whose dots run on e4m3 at every batch, take that config
+    projections). FP8 weights take that config
     at any row count, with K tiles of 256 one-byte values: 5 stages where the column
     tiles leave SMs to the splits, 3 where they alone fill more than a wave (the tiles
     measured on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an
@@ -310,9 +310,11 @@ def splitk_linear(
 ) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
-    the weight per output channel: `fp8_linear_ref`'s product) and the dots run on e4m3
-    directly, the weights read at one byte each. (Upcasting e4m3 weights for x in the
-    model dtype instead costs more in conversions than quantizing x does.)"""
+    the weight per output channel: `fp8_linear_ref`'s product), the weights read at one
+    byte each. From 64 rows the dots run on e4m3 (wgmma); below, Triton widens both tiles
+    to fp16 in registers for mma.sync, as wgmma needs 64 rows of A (swapping the operands
+    to put the weight's rows there measured slower at batch 1). (Upcasting e4m3 weights
+    for x in the model dtype instead costs more in conversions than quantizing x does.)"""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
