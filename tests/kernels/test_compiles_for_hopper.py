@@ -7,7 +7,9 @@ itself (with GPT-OSS's sinks in one variant), GPT-OSS's MoE launches and DeepSee
 not, storing the new rows itself, and query tiles), the greedy-ids kernels (a global constant; with and without a bitmask,
 whole or picked by row from a table), and the recurrent layers' decode steps and prompt walks,
 each compiled through to a cubin, in a child process: this one's kernels were
-re-decorated for the interpreter (conftest)."""
+re-decorated for the interpreter (conftest). Compiled with the alignment hints a launch
+gives, the decode attention's and the split-K GEMM's tiles must stream in as 16-byte
+async copies (the PTX is read for it)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,31 @@ from triton.backends.compiler import GPUTarget
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_hopper(fn, signature: dict[str, str], constexprs: dict[str, object]) -> dict:
+def compile_for_hopper(
+    fn, signature: dict[str, str], constexprs: dict[str, object], aligned: set[str] | None = None
+) -> dict:
+    """`aligned`: the int arguments a launch passes as multiples of 16 (strides, widths).
+    Given, they and every pointer get the divisibility hint Triton's launcher adds for
+    such values, so the loads vectorize as they do on the GPU."""
     for name in constexprs:
         signature[name] = "constexpr"
-    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    attrs = None
+    if aligned is not None:
+        hinted = [n for n, kind in signature.items() if kind.startswith("*") or n in aligned]
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    source = triton.compiler.ASTSource(
+        fn=fn, signature=signature, constexprs=constexprs, attrs=attrs
+    )
     return triton.compile(source, target=HOPPER).asm
+
+
+def assert_tiles_stream(ptx: str) -> None:
+    """The tiles reach shared memory as 16-byte async copies, not one load a value: a
+    mask or offset the compiler cannot prove contiguous does that, 256 byte loads a
+    thread for an e4m3 128 x 128 tile. (A few halfword loads are the new token's rows.)"""
+    assert "cp.async.cg.shared.global" in ptx
+    assert ptx.count("ld.global.b8") + ptx.count("ld.global.u8") == 0
+    assert ptx.count("ld.global.b16") + ptx.count("ld.global.u16") < 16
 
 
 def compile_variants() -> None:
@@ -54,7 +76,10 @@ def compile_variants() -> None:
         constexprs |= {"KEEP_GROUP": keep}
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
         constexprs |= {"NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "PDL": True}
-        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs)["ptx"]
+        aligned = {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm"}
+        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, aligned)["ptx"]
+        if not lora:  # the adapters' rows are gathered by id, a value at a time
+            assert_tiles_stream(ptx)
         if fp8 and not lora:  # e4m3 by e4m3 dots (wgmma) widen nothing.
             assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
         print(f"split-K fp8={fp8} lora={lora} keep={keep}")
@@ -229,7 +254,9 @@ def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
     constexprs |= {"SOFT_CAP": False, "SINKS": kv_fp8}  # GPT-OSS's sinks in one variant
     constexprs |= {"DOT_PRECISION": "tf32", "PDL": True}
     signature = by_name(_decode_kernel, constexprs, pointers, floats | {"softcap"})
-    assert "cubin" in compile_for_hopper(_decode_kernel, signature, constexprs)
+    # Every stride but the block table's, whose width is the longest sequence's blocks.
+    strides = {name for name in signature if name.startswith("stride_")} - {"stride_bts"}
+    assert_tiles_stream(compile_for_hopper(_decode_kernel, signature, constexprs, strides)["ptx"])
 
 
 def test_kernel_variants_compile_for_hopper() -> None:
