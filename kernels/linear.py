@@ -311,10 +311,11 @@ def splitk_linear(
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
     the weight per output channel: `fp8_linear_ref`'s product), the weights read at one
-    byte each. From 64 rows the dots run on e4m3 (wgmma); below, Triton widens both tiles
-    to fp16 in registers for mma.sync, as wgmma needs 64 rows of A (swapping the operands
-    to put the weight's rows there measured slower at batch 1). (Upcasting e4m3 weights
-    for x in the model dtype instead costs more in conversions than quantizing x does.)"""
+    byte each. On tiles of 64 rows (33 to 64) the dots run on e4m3 (wgmma); on smaller
+    ones Triton widens both tiles to fp16 for mma.sync, as wgmma needs 64 rows of A
+    (swapping the operands to put the weight's rows there measured slower at batch 1).
+    (Upcasting e4m3 weights for x in the model dtype instead costs more in conversions
+    than quantizing x does.)"""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
