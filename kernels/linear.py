@@ -268,9 +268,9 @@ def splitk_workspace(
     weight's, by SHORT_K). More rows (a down projection at
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
-    projections). FP8 weights take that config
-    at any row count, with K tiles of 256 one-byte values: 5 stages where the column
-    tiles leave SMs to the splits, 3 where they alone fill more than a wave (the tiles
+    projections). FP8 weights take that config at any row count, with K tiles of 256
+    one-byte values: 5 stages where the column tiles leave SMs to the splits, 3 where
+    they alone fill more than a wave (the tiles
     measured on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an
     H200; the fifth stage at 16 and 64, and in its decode step at batch 1 and 64)."""
     short = n >= WIDE_N and 0 < k <= SHORT_K
