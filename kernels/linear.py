@@ -4,9 +4,12 @@ At decode batch sizes (M <= 64) a projection with K much larger than N has too f
 tiles to fill the GPU, so cuBLAS splits K and sums the splits in a second launch
 (`splitKreduce_kernel`). Here the splits are summed inside the same launch: the program
 that finishes a column tile's K splits last adds them up, so the reduce costs no launch.
-Its epilogue can also serve LoRA adapters (engine/models/lora.py): add each row's own
-adapter's delta (LoRADelta), or, for the shrink before it, keep only each row's
-adapter's columns (RowGroups).
+Or the splits are left for the next kernel to sum (SplitKPartials): every program stores
+its partial and exits, and the residual add after the projection (kernels/norms.py) reads
+the splits instead of one output, which takes the arrival counter and the last program's
+reduce off the step's path. Its epilogue can also serve LoRA adapters
+(engine/models/lora.py): add each row's own adapter's delta (LoRADelta), or, for the
+shrink before it, keep only each row's adapter's columns (RowGroups).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import triton.language as tl
 
 from kernels.paged_attention import dot_precision
 from kernels.pdl import launch_options, use_pdl, wait_previous
+from kernels.splits import SplitKPartials
 
 # Rows a workspace holds: the batch at which the kernel was measured to beat cuBLAS.
 SPLITK_MAX_M = 64
@@ -117,6 +121,7 @@ def _splitk_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DEFER: tl.constexpr,  # store each split's scaled product in partials_ptr, summed later
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -159,6 +164,18 @@ def _splitk_linear_kernel(
         acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
     mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if DEFER:
+        # SplitKPartials: scales and bias are linear in the sum, so each split applies
+        # them to its own product (the bias once, in split 0's).
+        if FP8:
+            acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            acc *= tl.load(x_scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=cols < tl.where(split == 0, N, 0), other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        part_offs = split * stride_ps + rows[:, None] * stride_pm + cols[None, :]
+        tl.store(partials_ptr + part_offs, acc, mask=mask)
+        return
     if NUM_SPLITS > 1:
         part_offs = rows[:, None] * stride_pm + cols[None, :]
         tl.store(partials_ptr + split * stride_ps + part_offs, acc, mask=mask)
@@ -268,12 +285,12 @@ def splitk_workspace(
     weight's, by SHORT_K). More rows (a down projection at
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
-    projections). FP8 weights take that config at any row count, with K tiles of 256
-    one-byte values: 5 stages where the column tiles leave SMs to the splits, 3 where
-    they alone fill more than a wave (the tiles
-    measured on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an
-    H200; the fifth stage at 16 and 64, and in its decode step at batch 1 and 64)."""
-    short = n >= WIDE_N and 0 < k <= SHORT_K
+    projections), except that a short K keeps 32-wide tiles. FP8 weights take that config
+    at any row count, with K tiles of 256 one-byte values: 5 stages where the column tiles
+    leave SMs to the splits, 3 where they alone fill more than a wave (the tiles measured
+    on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an H200; the
+    fifth stage at 16 and 64, and in its decode step at batch 1 and 64)."""
+    short = 0 < k <= SHORT_K
     key = (n, device, fp8, short)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -283,6 +300,10 @@ def splitk_workspace(
             _SHARED[key] = SplitKWorkspace(n, device, config=config)
         else:
             block_n = 64 if n >= 2048 else 32
+            if short and not fp8 and triton.cdiv(n, 32) <= sms:
+                # A split of a short K is a tile or two, less than the last program's
+                # reduce: twice the column tiles instead (GPT-2's qkv, in its step).
+                block_n = 32
             tiles = triton.cdiv(n, block_n)
             splits = max(1, min(4, sms // tiles))
             if fp8:
@@ -307,7 +328,8 @@ def splitk_linear(
     out_dtype: torch.dtype | None = None,  # with FP8: the model dtype
     lora: LoRADelta | None = None,  # adapters' deltas added in the epilogue
     keep: RowGroups | None = None,  # zero each row's columns outside its group
-) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype with FP8)
+    defer: bool = False,  # leave a split launch's splits unsummed (SplitKPartials)
+) -> torch.Tensor | SplitKPartials:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
     the weight per output channel: `fp8_linear_ref`'s product), the weights read at one
@@ -315,7 +337,8 @@ def splitk_linear(
     ones Triton widens both tiles to fp16 for mma.sync, as wgmma needs 64 rows of A
     (swapping the operands to put the weight's rows there measured slower at batch 1).
     (Upcasting e4m3 weights for x in the model dtype instead costs more in conversions
-    than quantizing x does.)"""
+    than quantizing x does.) With `defer`, a launch of several splits returns them
+    unsummed, for `add_norm` to sum (not with adapters' deltas or row groups)."""
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k and n == workspace.n and m <= workspace.max_m
     assert x.stride(1) == 1 and weight.stride(1) == 1
@@ -327,6 +350,9 @@ def splitk_linear(
     if m == 0:
         return out
     config, partials = workspace.config_for(m), workspace.partials
+    defer = defer and config.num_splits > 1 and lora is None and keep is None
+    if defer:  # its own buffer: the shared workspace's may be rewritten before the sum
+        partials = torch.empty(config.num_splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config.block_n), config.num_splits)
     pdl = use_pdl(x.device)
     if lora is not None:  # contiguous: the kernel computes their offsets from the shapes
@@ -365,13 +391,14 @@ def splitk_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         NUM_SPLITS=config.num_splits,
+        DEFER=defer,
         DOT_PRECISION=dot_precision(x.dtype),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
     )
-    return out
+    return SplitKPartials(partials, out.dtype) if defer else out
 
 
 def splitk_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -398,9 +425,12 @@ def splitk_max_rows(n: int, k: int, element_size: int) -> int:
     return SPLITK_MAX_M if k >= 2 * n or small else SMALL_M
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS."""
+def dense(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, defer: bool = False
+) -> torch.Tensor | SplitKPartials:
+    """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS. With
+    `defer` a split launch returns its splits unsummed (for `add_norm`)."""
     if x.dim() == 2 and splitk_pays(x, weight):
         workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
-        return splitk_linear(x, weight, bias, workspace)
+        return splitk_linear(x, weight, bias, workspace, defer=defer)
     return F.linear(x, weight, bias)

@@ -6,6 +6,8 @@ so they are fused, as vLLM fuses them. Rounding follows the unfused model:
 the sum is rounded to the activation dtype (as `x + residual` is) and the
 statistics are computed in fp32. A norm feeding an FP8 projection can also quantize
 its output per token (`Fp8Rows`), bit for bit what the quantizer launch would make of it.
+The sublayer's output may come as a split-K projection's unsummed splits
+(`SplitKPartials`): the sum, rounded as the projection would round it, is made here.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import triton.language as tl
 
 from kernels.fp8 import FP8_DTYPE, Fp8Rows, quantize_per_token_ref, quantize_row
 from kernels.pdl import launch_options, use_pdl, wait_previous
+from kernels.splits import SplitKPartials, summed
 
 
 def add_norm_ref(
-    x: torch.Tensor,  # [num_tokens, hidden]
+    x: torch.Tensor | SplitKPartials,  # [num_tokens, hidden]
     residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the residual stream
     weight: torch.Tensor,  # [hidden]
     bias: torch.Tensor | None,  # [hidden]; LayerNorm only
@@ -31,6 +34,7 @@ def add_norm_ref(
     fp8_out: bool = False,
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """(norm(x + residual), x + residual); with fp8_out the norm quantized per token."""
+    x = summed(x)
     if residual is not None:
         x = x + residual
     if rms:  # as HF Llama: normalize in fp32, cast back, then scale
@@ -57,6 +61,8 @@ def _add_norm_kernel(
     eps,
     stride_x,
     stride_residual,
+    stride_part,
+    PARTS: tl.constexpr,  # x is a projection's PARTS fp32 splits, stride_part apart, to sum
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RMS: tl.constexpr,
@@ -65,13 +71,17 @@ def _add_norm_kernel(
     PDL: tl.constexpr,
 ):
     # One program per token: the whole hidden vector in one tile.
-    dtype = x_ptr.dtype.element_ty
+    dtype = residual_out_ptr.dtype.element_ty  # the model's (x's, unless x is splits)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     wait_previous(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, PARTS):  # in split order, as the projection sums them
+        x += tl.load(x_ptr + part * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTS > 1:
+        x = x.to(dtype).to(tl.float32)  # the projection's output, rounded as it stores it
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x + residual.to(tl.float32)).to(dtype)
@@ -95,7 +105,7 @@ def _add_norm_kernel(
 
 
 def add_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | SplitKPartials,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -104,20 +114,26 @@ def add_norm(
     fp8_out: bool = False,
 ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """Triton version of `add_norm_ref` (rows with a contiguous last dim)."""
+    if residual is None:  # x is the residual stream, which must be a tensor
+        x = summed(x)
+    parts = x.partials if isinstance(x, SplitKPartials) else x.unsqueeze(0)
     num_tokens, hidden = x.shape
-    assert x.stride(1) == 1 and (residual is None or residual.stride(1) == 1)
-    out = torch.empty(num_tokens, hidden, dtype=FP8_DTYPE if fp8_out else x.dtype, device=x.device)
+    dtype = x.dtype
+    assert parts.stride(2) == 1 and (residual is None or residual.stride(1) == 1)
+    out = torch.empty(
+        num_tokens, hidden, dtype=FP8_DTYPE if fp8_out else dtype, device=parts.device
+    )
     # Without fp8_out the kernel never reads scale_ptr (FP8_OUT compiles it out).
-    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device) if fp8_out else out
-    residual_out = x if residual is None else torch.empty_like(x)
-    result = Fp8Rows(out, scale, x.dtype) if fp8_out else out
+    scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=parts.device) if fp8_out else out
+    residual_out = x if residual is None else torch.empty_like(out, dtype=dtype)
+    result = Fp8Rows(out, scale, dtype) if fp8_out else out
     if num_tokens == 0:
         return result, residual_out
     block = triton.next_power_of_2(hidden)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(parts.device)
     _add_norm_kernel[(num_tokens,)](
-        x,
-        x if residual is None else residual,
+        parts,
+        parts if residual is None else residual,
         weight,
         weight if bias is None else bias,
         out,
@@ -125,8 +141,10 @@ def add_norm(
         scale,
         hidden,
         eps,
-        x.stride(0),
+        parts.stride(1),
         0 if residual is None else residual.stride(0),
+        parts.stride(0),
+        PARTS=parts.shape[0],
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         RMS=rms,

@@ -16,6 +16,7 @@ from torch import nn
 from engine.distributed import SINGLE, TensorParallel
 from engine.images import ImageRows
 from engine.models.layers import (
+    AddNorm,
     AttentionMetadata,
     LMHead,
     PagedAttention,
@@ -37,6 +38,7 @@ from engine.models.rope import HeadNorm, RotaryEmbedding, rope_settings, rotary_
 from engine.models.weight_copy import fill
 from kernels.activation import act_and_mul_for
 from kernels.fp8 import Fp8Rows
+from kernels.splits import summed
 
 # HF projection -> (our fused parameter, section). q/k/v become one qkv_proj and gate/up
 # one gate_up_proj, so each layer runs two GEMMs fewer (Phi-3 ships them fused).
@@ -233,6 +235,19 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
         return self.mlp(h), residual
 
+    def sum_in_norms(self) -> None:
+        """Let o_proj and down_proj leave a split launch's splits unsummed for the residual
+        adds after them (`RowParallelLinear.sum_later`): this forward hands o_proj's output
+        to a norm alone, and the model's hands the MLP's to the next layer's or the last."""
+        if type(self).forward is not LlamaDecoderLayer.forward:
+            return
+        if type(self.self_attn) is LlamaAttention and isinstance(
+            self.self_attn.o_proj, RowParallelLinear
+        ):
+            self.self_attn.o_proj.sum_later = True
+        if type(self.mlp) is LlamaMLP and isinstance(self.mlp.down_proj, RowParallelLinear):
+            self.mlp.down_proj.sum_later = True
+
 
 class LlamaForCausalLM(nn.Module):
     check_config = staticmethod(check_config)
@@ -251,6 +266,16 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layers(config))
         self.norm = self.make_norm(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
+        norms = [self.norm]
+        for layer in self.layers:
+            norms += [getattr(layer, "input_layernorm", None)]
+            norms += [getattr(layer, "post_attention_layernorm", None)]
+        if type(self).forward is LlamaForCausalLM.forward and all(
+            isinstance(norm, AddNorm) for norm in norms
+        ):
+            for layer in self.layers:
+                if isinstance(layer, LlamaDecoderLayer):
+                    layer.sum_in_norms()
 
     HEAD_BIAS = False  # an LM head with a bias (Phi's)
     ATTENTION = AttentionOptions()  # a family's attention settings its config leaves out
@@ -302,6 +327,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, meta)
             if deepstack is not None and i < len(deepstack):  # Qwen3-VL's, at the image rows
+                x = summed(x)
                 x = x.index_put((images.rows,), deepstack[i].to(x.dtype), accumulate=True)
         return self.norm(x, residual)[0]
 

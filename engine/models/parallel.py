@@ -28,6 +28,7 @@ from engine.distributed import SINGLE, TensorParallel
 from engine.models.weight_copy import fill, fill_quantized
 from kernels.fp8 import FP8_DTYPE
 from kernels.linear import dense
+from kernels.splits import SplitKPartials
 
 if TYPE_CHECKING:
     from engine.models.lora import LoRALayer
@@ -264,10 +265,15 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
         self.full_in_features = in_features
         self.lora: LoRALayer | None = None  # partial deltas, summed with the product
+        # Set where a residual add alone takes the output: at one rank a split-K launch
+        # may then return its splits unsummed, for that add to sum (SplitKPartials).
+        self.sum_later = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | SplitKPartials:
         if self.lora is not None:
             return self.tp.all_reduce(self.lora(x, self.weight, self.bias))
+        if self.sum_later and self.tp.size == 1:
+            return dense(x, self.weight, self.bias, defer=True)
         return self.tp.all_reduce(dense(x, self.weight, self.bias))
 
     def load_shard(self, leaf: str, weight: WeightSlice, section: None) -> None:

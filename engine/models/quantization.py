@@ -32,6 +32,7 @@ from kernels.fp8 import (
     scaled_mm_fits,
 )
 from kernels.linear import SPLITK_MAX_M, LoRADelta, splitk_linear, splitk_workspace
+from kernels.splits import SplitKPartials
 
 # Linear layers quantized by `quantize_model`: exactly these types, so that a subclass
 # with a forward of its own is never silently replaced. A row-parallel layer's
@@ -54,6 +55,7 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.reduce = reduce
         self.lora: nn.Module | None = None  # LoRA adapters' deltas, in the model dtype
+        self.sum_later = False  # RowParallelLinear's: splits left for the residual add
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [N, K] e4m3, contiguous
         self.register_buffer("weight_scale", weight_scale)  # [N] fp32
@@ -69,23 +71,29 @@ class Fp8Linear(nn.Module):
         reduce = linear.tp if isinstance(linear, RowParallelLinear) else None
         fp8 = cls(weight.contiguous(), scale, bias, reduce)
         fp8.lora = getattr(linear, "lora", None)
+        fp8.sum_later = getattr(linear, "sum_later", False)
         return fp8
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor | SplitKPartials:
         """x: rows in the model dtype, or already quantized by the kernel before
         (`quantize_model` wires the norms and activations that do so)."""
+        defer = self.sum_later and (self.reduce is None or self.reduce.size == 1)
         # (Not isinstance(x, Fp8Rows): the kernel tests reload kernels/fp8.py, class and all.)
         if isinstance(x, torch.Tensor):
             rows = x.reshape(-1, x.shape[-1])
             quantized = Fp8Rows(*quantize_per_token_for(rows.device)(rows), rows.dtype)
             # An adapter's shrink reads x unquantized (its producer leaves it so).
             delta = None if self.lora is None else self.lora.delta(rows)
-            out = self.rows_forward(quantized, delta).view(*x.shape[:-1], self.out_features)
+            out = self.rows_forward(quantized, delta, defer)
+            if isinstance(out, torch.Tensor):
+                out = out.view(*x.shape[:-1], self.out_features)
         else:
-            out = self.rows_forward(x)
-        return out if self.reduce is None else self.reduce.all_reduce(out)
+            out = self.rows_forward(x, defer=defer)
+        return out if self.reduce is None or defer else self.reduce.all_reduce(out)
 
-    def rows_forward(self, x: Fp8Rows, lora: LoRADelta | None = None) -> torch.Tensor:
+    def rows_forward(
+        self, x: Fp8Rows, lora: LoRADelta | None = None, defer: bool = False
+    ) -> torch.Tensor | SplitKPartials:
         if x.q.is_cuda and x.q.shape[0] <= SPLITK_MAX_M:
             # Decode batches: the split-K kernel reads each weight's byte once, where
             # _scaled_mm's kernels for skinny products fall far short of that. Its dots
@@ -93,7 +101,15 @@ class Fp8Linear(nn.Module):
             # the model dtype, costs more in conversions than quantizing x does.
             workspace = splitk_workspace(self.out_features, x.q.device, fp8=True)
             return splitk_linear(
-                x.q, self.weight, self.bias, workspace, self.weight_scale, x.scale, x.dtype, lora
+                x.q,
+                self.weight,
+                self.bias,
+                workspace,
+                self.weight_scale,
+                x.scale,
+                x.dtype,
+                lora,
+                defer=defer,
             )
         out = fp8_rows_linear_for(x.q.device)(x, self.weight, self.weight_scale, self.bias)
         return out if lora is None else self.lora.add(lora, out)

@@ -17,9 +17,11 @@ from kernels.linear import (
     splitk_pays,
     splitk_workspace,
 )
+from kernels.norms import add_norm
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.prefill_config import prefill_config
+from kernels.splits import SplitKPartials
 from tests.gpu.on_cuda import GPU
 
 pytestmark = GPU
@@ -285,3 +287,53 @@ def test_a_wide_outputs_tiles_follow_its_k(m: int, k: int) -> None:
     got = dense(x, weight, None)
     torch.testing.assert_close(got.float(), linear_ref(x.float(), weight.float(), None),
                                **tolerance(torch.bfloat16))  # fmt: skip
+
+
+@pytest.mark.parametrize(("k", "n", "with_bias", "dtype"), DOWN_SHAPES)
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_splits_left_to_the_residual_add_in_cuda_graph(
+    m: int, k: int, n: int, with_bias: bool, dtype: torch.dtype
+) -> None:
+    """dense(defer=True) then add_norm, as o_proj and its residual add run in a decode
+    graph, twice per replay over one workspace: the norm sums the splits into what the
+    summed launch's output gives it, bit for bit, and the graph's later GEMMs of the same
+    width do not touch the splits it has yet to read."""
+    torch.manual_seed(m + k)
+    x = torch.randn(m, k, dtype=dtype, device="cuda")
+    weight = 0.02 * torch.randn(n, k, dtype=dtype, device="cuda")
+    bias = torch.randn(n, dtype=dtype, device="cuda") if with_bias else None
+    residual = torch.randn(m, n, dtype=dtype, device="cuda")
+    norm = torch.ones(n, dtype=dtype, device="cuda")
+
+    def step() -> list[torch.Tensor]:
+        splits = dense(x, weight, bias, defer=True)
+        summed = dense(x, weight, bias)  # the same width's workspace, before the sum
+        h, total = add_norm(splits, residual, norm, None, 1e-6, True)
+        want_h, want_total = add_norm(splitk_total(splits), residual, norm, None, 1e-6, True)
+        return [summed, h, total, want_h, want_total]
+
+    assert isinstance(dense(x, weight, bias, defer=True), SplitKPartials)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):
+        x.normal_()
+        graph.replay()
+        summed, h, total, want_h, want_total = outs
+        assert torch.equal(total, want_total) and torch.equal(h, want_h)
+        expected = linear_ref(x.float(), weight.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(total.float(), expected + residual.float(), **tolerance(dtype))
+        torch.testing.assert_close(summed.float(), expected, **tolerance(dtype))
+
+
+def splitk_total(splits: SplitKPartials) -> torch.Tensor:
+    """The splits summed in split order (as the norm sums them), in the output dtype."""
+    total = splits.partials[0].clone()
+    for part in splits.partials[1:]:
+        total += part
+    return total.to(splits.dtype)

@@ -62,8 +62,9 @@ def compile_variants() -> None:
         constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile, "PDL": True}
         assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs)
         print(f"quantizer one_tile={one_tile}")
-    for fp8, lora, keep in ((True, False, False), (True, True, False), (False, True, False),
-                            (False, False, True)):  # fmt: skip
+    for fp8, lora, keep, defer in ((True, False, False, False), (True, True, False, False),
+                                   (False, True, False, False), (False, False, True, False),
+                                   (True, False, False, True)):  # fmt: skip
         x = "*fp8e4nv" if fp8 else "*bf16"
         signature = {"x_ptr": x, "weight_ptr": x}
         signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
@@ -75,14 +76,16 @@ def compile_variants() -> None:
         constexprs = {"FP8": fp8, "HAS_BIAS": True, "LORA": lora, "LORA_BLOCK": 64}
         constexprs |= {"KEEP_GROUP": keep}
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
-        constexprs |= {"NUM_SPLITS": 2, "DOT_PRECISION": "tf32", "PDL": True}
+        constexprs |= {"NUM_SPLITS": 2, "DEFER": defer, "DOT_PRECISION": "tf32", "PDL": True}
         aligned = {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm"}
         ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, aligned)["ptx"]
         if not lora:  # the adapters' rows are gathered by id, a value at a time
             assert_tiles_stream(ptx)
             if fp8:  # e4m3 by e4m3 dots (wgmma) widen nothing.
                 assert "wgmma.mma" in ptx and ".e4m3x2" not in ptx
-        print(f"split-K fp8={fp8} lora={lora} keep={keep}")
+        if defer:  # the splits left unsummed: no arrival counter
+            assert "atom." not in ptx
+        print(f"split-K fp8={fp8} lora={lora} keep={keep} defer={defer}")
     compile_fp8_producers()
     print("norm and activation fp8_out")
     for kv_fp8, norm in ((False, False), (True, True)):
@@ -226,13 +229,16 @@ def compile_fp8_producers() -> None:
     from kernels.activation import _act_and_mul_kernel
     from kernels.norms import _add_norm_kernel
 
-    names = ("x_ptr", "residual_ptr", "weight_ptr", "bias_ptr", "residual_out_ptr")
-    signature = {name: "*bf16" for name in names}
-    signature |= {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_cols": "i32", "eps": "fp32"}
-    signature |= {"stride_x": "i32", "stride_residual": "i32"}
-    constexprs = {"HAS_RESIDUAL": True, "HAS_BIAS": False, "RMS": True, "FP8_OUT": True}
-    constexprs |= {"BLOCK": 4096, "PDL": True}
-    assert "cubin" in compile_for_hopper(_add_norm_kernel, signature, constexprs)
+    for parts in (1, 2):  # x a projection's output, or its two splits (fp32) to sum
+        names = ("residual_ptr", "weight_ptr", "bias_ptr", "residual_out_ptr")
+        signature = {"x_ptr": "*bf16" if parts == 1 else "*fp32"}
+        signature |= {name: "*bf16" for name in names}
+        signature |= {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "num_cols": "i32"}
+        signature |= {"eps": "fp32", "stride_x": "i32", "stride_residual": "i32"}
+        signature |= {"stride_part": "i32"}
+        constexprs = {"PARTS": parts, "HAS_RESIDUAL": True, "HAS_BIAS": False, "RMS": True}
+        constexprs |= {"FP8_OUT": True, "BLOCK": 4096, "PDL": True}
+        assert "cubin" in compile_for_hopper(_add_norm_kernel, signature, constexprs)
     signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     signature |= {"inter": "i32", "stride_x": "i32"}
     constexprs = {"GELU_TANH": False, "FP8_OUT": True, "BLOCK": 16384, "PDL": True}
@@ -266,13 +272,14 @@ def test_kernel_variants_compile_for_hopper() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:18] == [
+    assert done.stdout.split("\n")[:19] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
-        "split-K fp8=True lora=False keep=False",
-        "split-K fp8=True lora=True keep=False",
-        "split-K fp8=False lora=True keep=False",
-        "split-K fp8=False lora=False keep=True",
+        "split-K fp8=True lora=False keep=False defer=False",
+        "split-K fp8=True lora=True keep=False defer=False",
+        "split-K fp8=False lora=True keep=False defer=False",
+        "split-K fp8=False lora=False keep=True defer=False",
+        "split-K fp8=True lora=False keep=False defer=True",
         "norm and activation fp8_out",
         "decode rope kv_fp8=False norm=False",
         "decode rope kv_fp8=True norm=True",

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import engine.models.experts as experts
 import engine.models.layers as layers
 import engine.models.llama as llama
+import engine.models.parallel as parallel
 from engine import LLM, SamplingParams
 from engine.models.layers import AttentionOps, PagedAttention
 from engine.models.loader import load_tokenizer
 from kernels.activation import act_and_mul
 from kernels.kv_store import kv_store
+from kernels.linear import SPLITK_MAX_M, SplitKConfig, SplitKWorkspace, splitk_linear
+from kernels.norms import add_norm
 from kernels.paged_attention import paged_attention_decode
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rotary import rotary
+from kernels.splits import SplitKPartials
 from tests.reference import PROMPTS, hf_greedy
 
 
@@ -52,6 +57,36 @@ def test_engine_on_triton_kernels_matches_transformers(request, monkeypatch, mod
         if isinstance(layer, PagedAttention):
             layer.ops = ops
     assert_greedy_as_transformers(llm, model_dir, 5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_projections_leave_splits_to_the_norms_on_triton(request, monkeypatch, model):
+    """Every projection of up to 64 rows on the split-K kernel in two splits, as CUDA's
+    decode steps run them: o_proj's and down_proj's (GPT-2's c_proj and mlp_proj) left
+    unsummed (SplitKPartials) for the norm kernel after them to sum. Transformers' tokens,
+    and the norms did take splits."""
+    workspaces: dict[int, SplitKWorkspace] = {}
+    took_splits = []
+
+    def split_dense(x, weight, bias, defer=False):
+        if x.dim() != 2 or x.shape[0] > SPLITK_MAX_M:
+            return F.linear(x, weight, bias)
+        n = weight.shape[0]
+        config = SplitKConfig(num_splits=2, block_n=32, block_k=32)
+        workspace = workspaces.setdefault(n, SplitKWorkspace(n, x.device, config=config))
+        return splitk_linear(x.contiguous(), weight, bias, workspace, defer=defer)
+
+    def norm(x, *args):
+        took_splits.append(isinstance(x, SplitKPartials))
+        return add_norm(x, *args)
+
+    monkeypatch.setattr(parallel, "dense", split_dense)
+    monkeypatch.setattr(layers, "add_norm_for", lambda device: norm)
+    model_dir = request.getfixturevalue(f"tiny_{model}_dir")
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_batched_tokens=16)
+    assert_greedy_as_transformers(llm, model_dir, 4)
+    assert any(took_splits) and not all(took_splits)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")

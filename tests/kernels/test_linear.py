@@ -20,6 +20,7 @@ from kernels.linear import (
     splitk_max_rows,
     splitk_pays,
 )
+from kernels.splits import SplitKPartials
 
 # K = 300 is no multiple of block_k * num_splits (each split ends on a partial tile) and
 # N = 72 no multiple of block_n; small tiles keep the interpreter quick.
@@ -205,3 +206,38 @@ def test_splitk_linear_keeps_each_rows_column_group(m, rng, device):
     on = RowGroups(ids.to(device), 12)
     got = splitk_linear(x.to(device), weight.to(device), None, workspace, keep=on)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("m", "num_splits"), [(1, 3), (6, 2), (40, 1)])
+def test_splitk_linear_leaves_splits_for_the_residual_add(m, num_splits, fp8, rng, device):
+    """defer: a launch of several splits stores each split's product, scales applied and
+    the bias in split 0's, and returns them unsummed; their sum is the summed launch's
+    output. One split is summed already: a tensor. The shared workspace is untouched."""
+    from kernels.fp8 import quantize_per_channel, quantize_per_token_ref
+
+    x = torch.randn(m, K, generator=rng).to(torch.float16)
+    weight = (0.1 * torch.randn(N, K, generator=rng)).to(torch.float16)
+    bias = torch.randn(N, generator=rng).to(torch.float16)
+    scales = ()
+    if fp8:
+        (x, x_scale), (weight, w_scale) = quantize_per_token_ref(x), quantize_per_channel(weight)
+        scales = (w_scale.to(device), x_scale.to(device), torch.float16)
+    config = SplitKConfig(num_splits=num_splits, block_n=32, block_k=32)
+    workspace = poisoned_workspace(N, config, device)
+    on = [t.to(device) for t in (x, weight, bias)]
+    want = splitk_linear(*on, workspace, *scales)
+    workspace.partials.fill_(float("nan"))
+    got = splitk_linear(*on, workspace, *scales, defer=True)
+    assert workspace.partials.isnan().all() and not workspace.counters.any()
+    if num_splits == 1:
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want)
+        return
+    assert isinstance(got, SplitKPartials) and got.shape == (m, N)
+    assert got.partials.shape == (num_splits, m, N) and got.dtype == torch.float16
+    torch.testing.assert_close(got.total(), want, rtol=1e-3, atol=1e-3)
+    # A LoRA delta is added once, by the last split: those launches sum as before.
+    delta = LoRADelta(torch.ones(m, 16, device=device), torch.zeros(16, N, device=device),
+                      torch.zeros(m, dtype=torch.int64, device=device), 16)  # fmt: skip
+    if not fp8:
+        assert isinstance(splitk_linear(*on, workspace, lora=delta, defer=True), torch.Tensor)

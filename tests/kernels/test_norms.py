@@ -7,6 +7,7 @@ import torch
 
 from kernels.fp8 import quantize_per_token
 from kernels.norms import add_norm, add_norm_for, add_norm_ref
+from kernels.splits import SplitKPartials
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -62,3 +63,29 @@ def test_add_norm_reads_strided_rows(rng, device):
 
 def test_add_norm_for_picks_reference_off_cuda():
     assert add_norm_for(torch.device("cpu")) is add_norm_ref
+
+
+@pytest.mark.parametrize("fp8_out", [False, True])
+@pytest.mark.parametrize("rms", [False, True])
+def test_add_norm_sums_a_projections_splits(rms, fp8_out, rng, device):
+    """x as a split-K projection's three unsummed splits (SplitKPartials): summed in split
+    order and rounded to the model dtype, as the projection's own launch would store
+    them, then added and normalized: the same sum and norm as from that output.
+    (fp16: the interpreter rounds to bf16 by truncation.)"""
+    hidden, dtype = 96, torch.float16
+    parts = torch.randn(3, 5, hidden, generator=rng).to(device)
+    x = SplitKPartials(parts, dtype)
+    residual = torch.randn(5, hidden, generator=rng).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=rng)).to(dtype).to(device)
+    bias = None if rms else (0.1 * torch.randn(hidden, generator=rng)).to(dtype).to(device)
+    output = (parts[0] + parts[1] + parts[2]).to(dtype)
+    want, want_sum = add_norm(output, residual, weight, bias, 1e-5, rms, fp8_out)
+    got, got_sum = add_norm(x, residual, weight, bias, 1e-5, rms, fp8_out)
+    assert got_sum.dtype == dtype and torch.equal(got_sum, want_sum)
+    if fp8_out:
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+    else:
+        assert torch.equal(got, want)
+    _, ref_sum = add_norm_ref(x, residual, weight, bias, 1e-5, rms)
+    torch.testing.assert_close(ref_sum, want_sum, atol=2e-3, rtol=2e-3)
