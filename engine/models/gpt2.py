@@ -100,10 +100,10 @@ class GPT2ForCausalLM(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, tp) for _ in range(config.n_layer))
         self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
         self.lm_head = LMHead(config.vocab_size, config.n_embd, tp=tp)
-        if type(self).forward is GPT2ForCausalLM.forward:
+        stock = (type(block).forward is GPT2Block.forward for block in self.h)
+        if type(self).forward is GPT2ForCausalLM.forward and all(stock):
             for block in self.h:  # each output goes to a norm alone (RowParallelLinear)
-                if type(block).forward is GPT2Block.forward:
-                    block.c_proj.sum_later = block.mlp_proj.sum_later = True
+                block.c_proj.sum_later = block.mlp_proj.sum_later = True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -235,12 +235,19 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(self.self_attn(positions, h, meta), residual)
         return self.mlp(h), residual
 
+    def sums_in_norms(self) -> bool:
+        """Whether this forward hands its sublayers' outputs to its norms alone."""
+        return (
+            type(self).forward is LlamaDecoderLayer.forward
+            and isinstance(self.input_layernorm, AddNorm)
+            and isinstance(self.post_attention_layernorm, AddNorm)
+        )
+
     def sum_in_norms(self) -> None:
         """Let o_proj and down_proj leave a split launch's splits unsummed for the residual
         adds after them (`RowParallelLinear.sum_later`): this forward hands o_proj's output
-        to a norm alone, and the model's hands the MLP's to the next layer's or the last."""
-        if type(self).forward is not LlamaDecoderLayer.forward:
-            return
+        to a norm alone, and the model's hands the MLP's to the next layer's or the last
+        (every layer `sums_in_norms`)."""
         if type(self.self_attn) is LlamaAttention and isinstance(
             self.self_attn.o_proj, RowParallelLinear
         ):
@@ -266,16 +273,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.make_layers(config))
         self.norm = self.make_norm(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp, bias=self.HEAD_BIAS)
-        norms = [self.norm]
-        for layer in self.layers:
-            norms += [getattr(layer, "input_layernorm", None)]
-            norms += [getattr(layer, "post_attention_layernorm", None)]
-        if type(self).forward is LlamaForCausalLM.forward and all(
-            isinstance(norm, AddNorm) for norm in norms
-        ):
+        if (
+            type(self).forward is LlamaForCausalLM.forward
+            and isinstance(self.norm, AddNorm)
+            and all(isinstance(layer, LlamaDecoderLayer) and layer.sums_in_norms()
+                    for layer in self.layers)
+        ):  # fmt: skip
             for layer in self.layers:
-                if isinstance(layer, LlamaDecoderLayer):
-                    layer.sum_in_norms()
+                layer.sum_in_norms()
 
     HEAD_BIAS = False  # an LM head with a bias (Phi's)
     ATTENTION = AttentionOptions()  # a family's attention settings its config leaves out

@@ -89,6 +89,16 @@ def test_projections_leave_splits_to_the_norms_on_triton(request, monkeypatch, m
     assert any(took_splits) and not all(took_splits)
 
 
+def test_splits_are_left_only_where_every_layer_sums_in_its_norms(tiny_family_dir):
+    """Gemma 3's layers add their sublayers' outputs after post-norms of their own, so no
+    projection of it may leave splits; Mixtral's attention may (its experts are no
+    LlamaMLP)."""
+    for kind, want in (("gemma3", set()), ("mixtral", {"o_proj"})):
+        model = LLM(tiny_family_dir(kind), device="cpu").engine.model
+        left = {n.split(".")[-1] for n, m in model.named_modules() if getattr(m, "sum_later", 0)}
+        assert left == want, kind
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
 @pytest.mark.parametrize(
     "kind",
