@@ -17,28 +17,7 @@ import os
 import subprocess
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-
-HOPPER = GPUTarget("cuda", 90, 32)
-
-
-def compile_for_hopper(
-    fn, signature: dict[str, str], constexprs: dict[str, object], aligned: set[str] | None = None
-) -> dict:
-    """`aligned`: the int arguments a launch passes as multiples of 16 (strides, widths).
-    Given, they and every pointer get the divisibility hint Triton's launcher adds for
-    such values, so the loads vectorize as they do on the GPU."""
-    for name in constexprs:
-        signature[name] = "constexpr"
-    attrs = None
-    if aligned is not None:
-        hinted = [n for n, kind in signature.items() if kind.startswith("*") or n in aligned]
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in hinted}
-    source = triton.compiler.ASTSource(
-        fn=fn, signature=signature, constexprs=constexprs, attrs=attrs
-    )
-    return triton.compile(source, target=HOPPER).asm
+from benchmarks.hopper_compile import by_name, compile_for_hopper
 
 
 def assert_tiles_stream(ptx: str) -> None:
@@ -60,7 +39,7 @@ def compile_variants() -> None:
         signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
         signature |= {"K": "i32", "stride_xm": "i32", "stride_qm": "i32"}
         constexprs = {"BLOCK_K": 4096 if one_tile else 2048, "ONE_TILE": one_tile, "PDL": True}
-        assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs)
+        assert "cubin" in compile_for_hopper(_per_token_quant_kernel, signature, constexprs).asm
         print(f"quantizer one_tile={one_tile}")
     for fp8, lora, keep, defer in ((True, False, False, False), (True, True, False, False),
                                    (False, True, False, False), (False, False, True, False),
@@ -78,7 +57,7 @@ def compile_variants() -> None:
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
         constexprs |= {"NUM_SPLITS": 2, "DEFER": defer, "DOT_PRECISION": "tf32", "PDL": True}
         aligned = {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm"}
-        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, aligned)["ptx"]
+        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, aligned).asm["ptx"]
         if not lora:  # the adapters' rows are gathered by id, a value at a time
             assert_tiles_stream(ptx)
             if fp8:  # e4m3 by e4m3 dots (wgmma) widen nothing.
@@ -129,25 +108,11 @@ def compile_variants() -> None:
         pointers |= {"cache_ptr": "*fp8e4nv" if kv_fp8 else "*bf16", "cos_sin_ptr": "*fp32"}
         pointers |= {"positions_ptr": "*i64", "slot_mapping_ptr": "*i64"}
         signature = by_name(_mla_attention_kernel, constexprs, pointers, floats)
-        ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs)["ptx"]
+        ptx = compile_for_hopper(_mla_attention_kernel, signature, constexprs).asm["ptx"]
         assert "wgmma.mma" in ptx or "mma.sync" in ptx
         print(f"mla one_per_seq={one_per_seq} splits={splits} kv_fp8={kv_fp8} new={store_new}")
     compile_recurrent()
     print("recurrent steps and prompt walks")
-
-
-def by_name(kernel, constexprs: dict, pointers: dict, floats: set[str] = frozenset()) -> dict:
-    """A signature for every argument of kernel not in constexprs: pointers (by name,
-    else bf16), fp32 scalars, else i32."""
-    signature = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            continue
-        if name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    return signature
 
 
 def compile_recurrent() -> None:
@@ -173,7 +138,7 @@ def compile_recurrent() -> None:
         (_conv_states_kernel, conv | {"TAPS": 4}, set()),
     ):
         signature = by_name(kernel, constexprs, pointers, floats)
-        assert "cubin" in compile_for_hopper(kernel, signature, dict(constexprs))
+        assert "cubin" in compile_for_hopper(kernel, signature, dict(constexprs)).asm
 
 
 def compile_moe() -> None:
@@ -199,7 +164,7 @@ def compile_moe() -> None:
         constexprs |= {"DOT_PRECISION": "tf32"}
         types = fp8 | {"a_ptr": "*fp8e4nv"}
         signature = by_name(_grouped_gemm_kernel, constexprs, types, {"alpha", "limit"})
-        asm = compile_for_hopper(_grouped_gemm_kernel, signature, constexprs)
+        asm = compile_for_hopper(_grouped_gemm_kernel, signature, constexprs).asm
         if block_m == 64:  # wgmma takes e4m3 as it is (16-row mma.sync tiles widen it)
             assert "wgmma.mma" in asm["ptx"] and ".e4m3x2" not in asm["ptx"]
         assert "cubin" in asm
@@ -211,17 +176,17 @@ def compile_moe() -> None:
         constexprs |= {"DOT_PRECISION": "tf32"}
         types = pointers if gated else fp8
         signature = by_name(_pair_gemv_kernel, constexprs, types, {"alpha", "limit"})
-        assert "cubin" in compile_for_hopper(_pair_gemv_kernel, signature, constexprs)
+        assert "cubin" in compile_for_hopper(_pair_gemv_kernel, signature, constexprs).asm
     for groups in (1, 8):  # Qwen3-MoE's and gpt-oss's; DeepSeek-V2's group-limited
         constexprs = {"TOP_K": 6, "TOP_K_P2": 8, "RENORMALIZE": groups == 1, "BLOCK_E": 256}
         constexprs |= {"NUM_GROUPS": groups, "TOPK_GROUPS": 3}
         signature = by_name(
             _topk_softmax_kernel, constexprs, {"weights_ptr": "*fp32", "ids_ptr": "*i64"}, {"scale"}
         )
-        assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs)
+        assert "cubin" in compile_for_hopper(_topk_softmax_kernel, signature, constexprs).asm
     constexprs = {"PAIRS_P2": 512, "FILL": 1024, "PDL": True}
     signature = by_name(_align_kernel, constexprs, pointers)
-    assert "cubin" in compile_for_hopper(_align_kernel, signature, constexprs)
+    assert "cubin" in compile_for_hopper(_align_kernel, signature, constexprs).asm
 
 
 def compile_fp8_producers() -> None:
@@ -238,11 +203,11 @@ def compile_fp8_producers() -> None:
         signature |= {"stride_part": "i32"}
         constexprs = {"PARTS": parts, "HAS_RESIDUAL": True, "HAS_BIAS": False, "RMS": True}
         constexprs |= {"FP8_OUT": True, "BLOCK": 4096, "PDL": True}
-        assert "cubin" in compile_for_hopper(_add_norm_kernel, signature, constexprs)
+        assert "cubin" in compile_for_hopper(_add_norm_kernel, signature, constexprs).asm
     signature = {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     signature |= {"inter": "i32", "stride_x": "i32"}
     constexprs = {"GELU_TANH": False, "FP8_OUT": True, "BLOCK": 16384, "PDL": True}
-    assert "cubin" in compile_for_hopper(_act_and_mul_kernel, signature, constexprs)
+    assert "cubin" in compile_for_hopper(_act_and_mul_kernel, signature, constexprs).asm
 
 
 def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
@@ -262,7 +227,9 @@ def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
     signature = by_name(_decode_kernel, constexprs, pointers, floats | {"softcap"})
     # Every stride but the block table's, whose width is the longest sequence's blocks.
     strides = {name for name in signature if name.startswith("stride_")} - {"stride_bts"}
-    assert_tiles_stream(compile_for_hopper(_decode_kernel, signature, constexprs, strides)["ptx"])
+    assert_tiles_stream(
+        compile_for_hopper(_decode_kernel, signature, constexprs, strides).asm["ptx"]
+    )
 
 
 def test_kernel_variants_compile_for_hopper() -> None:
