@@ -97,9 +97,11 @@ def rows_for(model: str, batches: list[int], kv_fp8: bool) -> list[dict]:
             {"batch": batch, "config": asdict(config), **asdict(fp), "programs_per_sm": per_sm}
             | {"programs": programs, "waves": round(programs / (per_sm * H100_SMS), 2)}
         )
+        cache = " e4m3" if kv_fp8 else ""
         print(
-            f"{model}{' e4m3' if kv_fp8 else ''} batch {batch}: splits {config.num_splits}, {config.block_n}-token tiles, "
-            f"{config.num_warps} warps, {config.num_stages} stages: {fp.registers} registers, "
+            f"{model}{cache} batch {batch}: splits {config.num_splits}, "
+            f"{config.block_n}-token tiles, {config.num_warps} warps, {config.num_stages} stages: "
+            f"{fp.registers} registers, "
             f"{fp.local_bytes} B local, {fp.shared_bytes} B shared -> {per_sm} programs an SM; "
             f"{programs} programs, {rows[-1]['waves']} waves",
             flush=True,
