@@ -25,10 +25,11 @@ import triton
 from benchmarks.hopper_compile import Footprint, by_name, compile_for_hopper, footprint
 from benchmarks.provenance import provenance, write_result
 from benchmarks.shapes import CONFIGS
+from engine.config import EngineConfig
 from kernels.decode_config import DecodeConfig, decode_config
 
 H100_SMS = 132
-BLOCK_SIZE = 16  # the engine's KV block
+BLOCK_SIZE = EngineConfig.block_size  # the engine's default KV block
 MAX_MODEL_LEN = 8192  # the block table's width: max_model_len's blocks
 
 
@@ -38,6 +39,10 @@ class Heads:
     num_kv_heads: int
     head_dim: int
     rope: bool  # rotary applied by the attention kernel (every model here but GPT-2)
+
+    @property
+    def group(self) -> int:  # query heads a kv head serves
+        return self.num_heads // self.num_kv_heads
 
 
 def heads_of(model: str) -> Heads:
@@ -54,7 +59,7 @@ def compile_decode(heads: Heads, config: DecodeConfig, kv_fp8: bool, dtype: str)
     K/V itself, rotating q and K where the model has rotary embeddings."""
     from kernels.paged_attention import _decode_kernel
 
-    group = heads.num_heads // heads.num_kv_heads
+    group = heads.group
     cache = "*fp8e4nv" if kv_fp8 else f"*{dtype}"
     pointers = {"k_cache_ptr": cache, "v_cache_ptr": cache, "block_table_ptr": "*i32"}
     pointers |= {"context_lens_ptr": "*i32", "slot_mapping_ptr": "*i64", "positions_ptr": "*i64"}
@@ -80,13 +85,12 @@ def compile_decode(heads: Heads, config: DecodeConfig, kv_fp8: bool, dtype: str)
 def rows_for(model: str, batches: list[int], kv_fp8: bool) -> list[dict]:
     heads = heads_of(model)
     dtype = "fp16" if model == "gpt2" else "bf16"
-    group = heads.num_heads // heads.num_kv_heads
     rows, compiled = [], {}
     for batch in batches:
         with patch("kernels.decode_config.num_sms_of", lambda _: H100_SMS):
             config = decode_config(
                 batch, heads.num_kv_heads, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE,
-                torch.device("cuda"), group, heads.head_dim, kv_fp8,
+                torch.device("cuda"), heads.group, heads.head_dim, kv_fp8,
             )  # fmt: skip
         if config not in compiled:
             compiled[config] = compile_decode(heads, config, kv_fp8, dtype)

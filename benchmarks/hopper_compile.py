@@ -88,8 +88,8 @@ def footprint(kernel: triton.compiler.CompiledKernel) -> Footprint:
     ]
     names_offset = sections[names_index][4]
     values = {}
-    for name_offset, *_, offset, size, _, _, _, _ in sections:
-        start = names_offset + name_offset
+    for section in sections:  # ELF64 Shdr: name, type, flags, addr, offset, size, ...
+        start, offset, size = names_offset + section[0], section[4], section[5]
         if cubin[start : cubin.index(b"\0", start)] != b".nv.info":
             continue
         info = cubin[offset : offset + size]

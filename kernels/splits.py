@@ -28,7 +28,10 @@ class SplitKPartials:
         return self.partials.device
 
     def total(self) -> torch.Tensor:  # [M, N]: the output, summed in split order
-        return self.partials.sum(0).to(self.dtype)
+        out = self.partials[0].clone()
+        for part in self.partials[1:]:  # as add_norm sums them (sum(0) fixes no order)
+            out += part
+        return out.to(self.dtype)
 
 
 def summed(x: torch.Tensor | SplitKPartials) -> torch.Tensor:
