@@ -42,8 +42,9 @@ SHORT_K = 1024
 # Weights up to this size take the kernel up to SPLITK_MAX_M rows whatever their shape:
 # their GEMMs are launch and ramp more than bytes, and this kernel, launched with PDL,
 # reads its first weights while the kernel before it ends (GPT-2's projections, at most
-# 4.7 MB, gained at batch 64; Llama-3-8B's, 33 MB and more, lost a little to cuBLAS).
-SMALL_WEIGHT_BYTES = 16 << 20
+# 4.7 MB, gained at batch 64, and so did Llama-3-8B's qkv and o, 48 and 32 MiB, in its
+# step, though slower than cuBLAS alone; its 224 MiB gate_up stays with cuBLAS).
+SMALL_WEIGHT_BYTES = 64 << 20
 
 
 def linear_ref(
@@ -285,7 +286,8 @@ def splitk_workspace(
     weight's, by SHORT_K). More rows (a down projection at
     batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
     a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
-    projections), except that a short K keeps 32-wide tiles. FP8 weights take that config
+    projections; the fifth stage on Llama-3-8B's in its step), except that a short K keeps
+    32-wide tiles. FP8 weights take that config
     at any row count, with K tiles of 256 one-byte values: 5 stages where the column tiles
     leave SMs to the splits, 3 where they alone fill more than a wave (the tiles measured
     on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an H200; the
@@ -313,7 +315,10 @@ def splitk_workspace(
             else:
                 small_tiles = triton.cdiv(n, SplitKConfig.block_n)
                 config = SplitKConfig(num_splits=max(1, min(4, -(-4 * sms // small_tiles))))
-                rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=4)
+                # 5 stages of 64-row tiles take 160 KB of shared memory: Hopper's SMs hold
+                # them (228 KB), an A100's (164 KB) not with room to spare.
+                stages = 5 if torch.cuda.get_device_capability(device) >= (9, 0) else 4
+                rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=stages)
                 _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
     return _SHARED[key]
 

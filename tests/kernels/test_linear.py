@@ -132,7 +132,9 @@ def test_splitk_linear_with_fp8_x_and_weights_is_fp8_linear_ref(m, num_splits, r
     [
         (768, 768, 64),  # GPT-2's o projection: small weights
         (2304, 768, 64),  # GPT-2's qkv
-        (4096, 4096, 16),  # Llama-3-8B's o: 32 MB in fp16/bf16
+        (4096, 4096, 64),  # Llama-3-8B's o: 32 MiB in fp16/bf16
+        (6144, 4096, 64),  # Llama-3-8B's qkv: 48 MiB
+        (8192, 8192, 16),  # Llama-3-70B's o: 128 MiB
         (28672, 4096, 16),  # Llama-3-8B's gate_up
         (4096, 14336, 64),  # Llama-3-8B's down: K >= 2N
         (50257, 64, 16),  # a small vocabulary-wide LM head keeps its own tiles' limit
