@@ -276,50 +276,56 @@ class SplitKWorkspace:
 _SHARED: dict[tuple[int, torch.device, bool, bool], SplitKWorkspace] = {}
 
 
+def splitk_configs(
+    n: int, k: int, fp8: bool, sms: int, hopper: bool
+) -> tuple[SplitKConfig, SplitKConfig]:
+    """The launch configs of an N-column output, K deep, up to SMALL_M rows and past
+    them, on a GPU of `sms` SMs. Up to SMALL_M rows of 16-bit weights its K splits fill
+    about four waves of the SMs with column tiles (wide outputs need none; their tiles
+    follow K by SHORT_K). More rows (a down projection at batch 64) make each tile a real
+    GEMM: about one wave, wider tiles for wide outputs and a deeper pipeline (measured at
+    m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down projections; the fifth stage on
+    Llama-3-8B's in its step), except that a short K keeps 32-wide tiles. FP8 weights
+    take that config at any row count, with K tiles of 256 one-byte values: 5 stages
+    where the column tiles leave SMs to the splits, 3 where they alone fill more than a
+    wave (the tiles measured on Llama-3-8B's four projections at m = 32 and 64, and at 1
+    and 16 on an H200; the fifth stage at 16 and 64, and in its decode step at batch 1
+    and 64)."""
+    short = 0 < k <= SHORT_K
+    if n >= WIDE_N:
+        block_n, block_k = (128, 128) if short else (64, 256)
+        config = SplitKConfig(1, block_n, block_k, num_stages=4)
+        return config, config
+    block_n = 64 if n >= 2048 else 32
+    if short and not fp8 and triton.cdiv(n, 32) <= sms:
+        # A split of a short K is a tile or two, less than the last program's reduce:
+        # twice the column tiles instead (GPT-2's qkv, in its step).
+        block_n = 32
+    tiles = triton.cdiv(n, block_n)
+    splits = max(1, min(4, sms // tiles))
+    if fp8:
+        rows = SplitKConfig(splits, block_n, block_k=256, num_stages=3 if tiles > sms else 5)
+        return rows, rows
+    small_tiles = triton.cdiv(n, SplitKConfig.block_n)
+    config = SplitKConfig(num_splits=max(1, min(4, -(-4 * sms // small_tiles))))
+    # 5 stages of 64-row tiles take 192 KB of shared memory (4 take 160): a Hopper program
+    # may take 227 KB, an A100's 163.
+    rows = SplitKConfig(splits, block_n, num_stages=5 if hopper else 4)
+    return config, rows
+
+
 def splitk_workspace(
     n: int, device: torch.device, fp8: bool = False, k: int = 0
 ) -> SplitKWorkspace:
-    """One workspace per output width (and weight dtype), shared by every layer of that
-    width: launches on one stream run one after another, and each leaves the counters at
-    zero. Up to SMALL_M rows of 16-bit weights its K splits fill about four waves of the
-    GPU's SMs with column tiles (wide outputs need none; their tiles follow k, the
-    weight's, by SHORT_K). More rows (a down projection at
-    batch 64) make each tile a real GEMM: about one wave, wider tiles for wide outputs and
-    a deeper pipeline (measured at m = 64 on Llama-3-8B's and Qwen2.5-0.5B's down
-    projections; the fifth stage on Llama-3-8B's in its step), except that a short K keeps
-    32-wide tiles. FP8 weights take that config
-    at any row count, with K tiles of 256 one-byte values: 5 stages where the column tiles
-    leave SMs to the splits, 3 where they alone fill more than a wave (the tiles measured
-    on Llama-3-8B's four projections at m = 32 and 64, and at 1 and 16 on an H200; the
-    fifth stage at 16 and 64, and in its decode step at batch 1 and 64)."""
-    short = 0 < k <= SHORT_K
-    key = (n, device, fp8, short)
+    """One workspace per output width (and weight dtype, and K short or not:
+    `splitk_configs`), shared by every layer of that width: launches on one stream run
+    one after another, and each leaves the counters at zero."""
+    key = (n, device, fp8, 0 < k <= SHORT_K)
     if key not in _SHARED:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if n >= WIDE_N:
-            block_n, block_k = (128, 128) if short else (64, 256)
-            config = SplitKConfig(1, block_n, block_k, num_stages=4)
-            _SHARED[key] = SplitKWorkspace(n, device, config=config)
-        else:
-            block_n = 64 if n >= 2048 else 32
-            if short and not fp8 and triton.cdiv(n, 32) <= sms:
-                # A split of a short K is a tile or two, less than the last program's
-                # reduce: twice the column tiles instead (GPT-2's qkv, in its step).
-                block_n = 32
-            tiles = triton.cdiv(n, block_n)
-            splits = max(1, min(4, sms // tiles))
-            if fp8:
-                stages = 3 if tiles > sms else 5
-                rows = SplitKConfig(splits, block_n, block_k=256, num_stages=stages)
-                _SHARED[key] = SplitKWorkspace(n, device, config=rows)
-            else:
-                small_tiles = triton.cdiv(n, SplitKConfig.block_n)
-                config = SplitKConfig(num_splits=max(1, min(4, -(-4 * sms // small_tiles))))
-                # 5 stages of 64-row tiles take 160 KB of shared memory: Hopper's SMs hold
-                # them (228 KB), an A100's (164 KB) not with room to spare.
-                stages = 5 if torch.cuda.get_device_capability(device) >= (9, 0) else 4
-                rows = SplitKConfig(num_splits=splits, block_n=block_n, num_stages=stages)
-                _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        config, rows = splitk_configs(n, k, fp8, sms, hopper)
+        _SHARED[key] = SplitKWorkspace(n, device, config=config, rows_config=rows)
     return _SHARED[key]
 
 

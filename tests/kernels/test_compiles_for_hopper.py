@@ -29,6 +29,21 @@ def assert_tiles_stream(ptx: str) -> None:
     assert ptx.count("ld.global.b16") + ptx.count("ld.global.u16") < 16
 
 
+# The split-K GEMM's int arguments a launch passes as multiples of 16.
+SPLITK_ALIGNED = {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm"}
+
+
+def splitk_signature(fp8: bool) -> dict[str, str]:
+    """The split-K GEMM's arguments, x and the weight in e4m3 or bf16."""
+    x = "*fp8e4nv" if fp8 else "*bf16"
+    signature = {"x_ptr": x, "weight_ptr": x}
+    signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
+    signature |= {"out_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+    signature |= {"lora_shrink_ptr": "*bf16", "lora_b_ptr": "*bf16", "lora_ids_ptr": "*i64"}
+    names = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm")
+    return signature | {name: "i32" for name in (*names, "lora_adapters", "lora_group")}
+
+
 def compile_variants() -> None:
     """Run in the child: print one line per variant compiled."""
     from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
@@ -44,20 +59,13 @@ def compile_variants() -> None:
     for fp8, lora, keep, defer in ((True, False, False, False), (True, True, False, False),
                                    (False, True, False, False), (False, False, True, False),
                                    (True, False, False, True)):  # fmt: skip
-        x = "*fp8e4nv" if fp8 else "*bf16"
-        signature = {"x_ptr": x, "weight_ptr": x}
-        signature |= {"scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "bias_ptr": "*bf16"}
-        signature |= {"out_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
-        signature |= {"lora_shrink_ptr": "*bf16", "lora_b_ptr": "*bf16", "lora_ids_ptr": "*i64"}
-        names = ("M", "N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm")
-        names += ("lora_adapters", "lora_group")
-        signature |= {name: "i32" for name in names}
+        signature = splitk_signature(fp8)
         constexprs = {"FP8": fp8, "HAS_BIAS": True, "LORA": lora, "LORA_BLOCK": 64}
         constexprs |= {"KEEP_GROUP": keep}
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
         constexprs |= {"NUM_SPLITS": 2, "DEFER": defer, "DOT_PRECISION": "tf32", "PDL": True}
-        aligned = {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_ps", "stride_pm"}
-        ptx = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, aligned).asm["ptx"]
+        kernel = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, SPLITK_ALIGNED)
+        ptx = kernel.asm["ptx"]
         if not lora:  # the adapters' rows are gathered by id, a value at a time
             assert_tiles_stream(ptx)
             if fp8:  # e4m3 by e4m3 dots (wgmma) widen nothing.
@@ -232,14 +240,20 @@ def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
     )
 
 
-def test_kernel_variants_compile_for_hopper() -> None:
+def compiled_in_child(code: str) -> str:
+    """Run Python `code` in a child process and return what it printed: this process's
+    kernels were re-decorated for the interpreter (conftest), the child's compile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.kernels.test_compiles_for_hopper import compile_variants; compile_variants()"
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:19] == [
+    return done.stdout
+
+
+def test_kernel_variants_compile_for_hopper() -> None:
+    code = "from tests.kernels.test_compiles_for_hopper import compile_variants; compile_variants()"
+    assert compiled_in_child(code).split("\n")[:19] == [
         "quantizer one_tile=True",
         "quantizer one_tile=False",
         "split-K fp8=True lora=False keep=False defer=False",
