@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 HOPPER = GPUTarget("cuda", 90, 32)
 SM90_REGISTERS = 65536  # a Hopper SM's register file, 32-bit registers
 SM90_SHARED = 228 * 1024  # its shared memory; each resident program also holds 1 KB
+SM90_SHARED_PER_PROGRAM = 227 * 1024  # the most one program may take of it
 
 
 def compile_for_hopper(
