@@ -9,7 +9,9 @@ its partial and exits, and the residual add after the projection (kernels/norms.
 the splits instead of one output, which takes the arrival counter and the last program's
 reduce off the step's path. Its epilogue can also serve LoRA adapters
 (engine/models/lora.py): add each row's own adapter's delta (LoRADelta), or, for the
-shrink before it, keep only each row's adapter's columns (RowGroups).
+shrink before it, keep only each row's adapter's columns (RowGroups); and apply GPT-2's
+tanh GELU after the bias, as cuBLASLt's GELU epilogue does (one rounding, of the
+activation).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import gelu_tanh
 from kernels.paged_attention import dot_precision
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.splits import SplitKPartials
@@ -118,6 +121,7 @@ def _splitk_linear_kernel(
     LORA: tl.constexpr,  # add each row's adapter delta (LoRADelta)
     LORA_BLOCK: tl.constexpr,  # >= lora_group, a power of two >= 16
     KEEP_GROUP: tl.constexpr,  # row m keeps columns [ids[m], ids[m] + 1) * lora_group only
+    GELU_TANH: tl.constexpr,  # the output is gelu_tanh(x @ W^T + bias)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -223,6 +227,8 @@ def _splitk_linear_kernel(
                 acc += tl.dot(shrink.to(lora_b.dtype), lora_b, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if GELU_TANH:
+        acc = gelu_tanh(acc)
     if KEEP_GROUP:  # a LoRA shrink: each row keeps its own adapter's columns
         ids = tl.load(lora_ids_ptr + rows, mask=rows < M, other=-1)
         acc = tl.where((cols[None, :] // lora_group) == ids[:, None], acc, 0.0)
@@ -340,6 +346,7 @@ def splitk_linear(
     lora: LoRADelta | None = None,  # adapters' deltas added in the epilogue
     keep: RowGroups | None = None,  # zero each row's columns outside its group
     defer: bool = False,  # leave a split launch's splits unsummed (SplitKPartials)
+    gelu: bool = False,  # tanh GELU after the bias (gelu_tanh_linear_ref)
 ) -> torch.Tensor | SplitKPartials:  # [M, N] in x's dtype (out_dtype with FP8)
     """Triton version of `linear_ref` for M <= workspace.max_m; one launch, no host sync.
     With weight_scale and x_scale, x and the weight are e4m3 (x quantized per token,
@@ -361,7 +368,7 @@ def splitk_linear(
     if m == 0:
         return out
     config, partials = workspace.config_for(m), workspace.partials
-    defer = defer and config.num_splits > 1 and lora is None and keep is None
+    defer = defer and config.num_splits > 1 and lora is None and keep is None and not gelu
     if defer:  # its own buffer: the shared workspace's may be rewritten before the sum
         partials = torch.empty(config.num_splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config.block_n), config.num_splits)
@@ -398,6 +405,7 @@ def splitk_linear(
         LORA=lora is not None,
         LORA_BLOCK=16 if lora is None else max(16, triton.next_power_of_2(lora.group)),
         KEEP_GROUP=keep is not None,
+        GELU_TANH=gelu,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -445,3 +453,18 @@ def dense(
         workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
         return splitk_linear(x, weight, bias, workspace, defer=defer)
     return F.linear(x, weight, bias)
+
+
+def gelu_tanh_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh GELU of x @ weight^T + bias, rounded once (cuBLASLt's GELU epilogue)."""
+    y = F.linear(x.float(), weight.float(), bias.float())
+    return F.gelu(y, approximate="tanh").to(x.dtype)
+
+
+def dense_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh GELU of x @ weight^T + bias in one launch on CUDA: the split-K kernel where it
+    pays, else cuBLASLt's GELU epilogue."""
+    if x.dim() == 2 and splitk_pays(x, weight):
+        workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
+        return splitk_linear(x, weight, bias, workspace, gelu=True)
+    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)

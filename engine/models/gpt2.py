@@ -26,6 +26,7 @@ from engine.models.parallel import (
     split,
 )
 from kernels.fp8 import Fp8Rows
+from kernels.linear import dense_gelu_tanh
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are read transposed into nn.Linear's [out, in].
@@ -70,9 +71,9 @@ class GPT2Block(nn.Module):
 
     def mlp_in(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.tanh_gelu and isinstance(self.c_fc, nn.Linear) and h.is_cuda:  # not FP8
-            # cuBLASLt's GELU epilogue is the tanh form: GEMM, bias and GELU in one
-            # kernel (on CPU the same call computes erf GELU, hence CUDA only).
-            return torch._addmm_activation(self.c_fc.bias, h, self.c_fc.weight.t(), use_gelu=True)
+            # GEMM, bias and GELU in one kernel (cuBLASLt's epilogue is the tanh form; on
+            # CPU the same call computes erf GELU, hence CUDA only).
+            return dense_gelu_tanh(h, self.c_fc.weight, self.c_fc.bias)
         return self.act(self.c_fc(h))
 
 

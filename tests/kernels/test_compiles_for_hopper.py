@@ -61,7 +61,7 @@ def compile_variants() -> None:
                                    (True, False, False, True)):  # fmt: skip
         signature = splitk_signature(fp8)
         constexprs = {"FP8": fp8, "HAS_BIAS": True, "LORA": lora, "LORA_BLOCK": 64}
-        constexprs |= {"KEEP_GROUP": keep}
+        constexprs |= {"KEEP_GROUP": keep, "GELU_TANH": False}
         constexprs |= {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256 if fp8 else 128}
         constexprs |= {"NUM_SPLITS": 2, "DEFER": defer, "DOT_PRECISION": "tf32", "PDL": True}
         kernel = compile_for_hopper(_splitk_linear_kernel, signature, constexprs, SPLITK_ALIGNED)
@@ -227,7 +227,7 @@ def compile_decode_with_rope(kv_fp8: bool, norm: bool) -> None:
     pointers |= {"cos_sin_ptr": "*fp32", "split_out_ptr": "*fp32", "split_lse_ptr": "*fp32"}
     pointers["v_cache_ptr"] = pointers["k_cache_ptr"]
     floats = {"qk_scale", "out_scale", "k_scale_inv", "v_scale_inv", "norm_eps"}
-    constexprs = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "HEAD_DIM_P2": 128}
+    constexprs = {"GROUP": 4, "GROUP_PAD": 16, "PACK": 1, "HEAD_DIM": 128, "HEAD_DIM_P2": 128}
     constexprs |= {"BLOCK_SIZE": 16, "BLOCK_N": 64, "IS_SPLIT": True, "STORE_NEW": True}
     constexprs |= {"KV_FP8": kv_fp8, "ROPE": True, "ROPE_NORM": norm}
     constexprs |= {"SOFT_CAP": False, "SINKS": kv_fp8}  # GPT-OSS's sinks in one variant

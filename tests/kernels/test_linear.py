@@ -13,6 +13,7 @@ from kernels.linear import (
     SplitKConfig,
     SplitKWorkspace,
     dense,
+    gelu_tanh_linear_ref,
     keep_groups_ref,
     linear_ref,
     lora_delta_ref,
@@ -53,6 +54,31 @@ def test_splitk_linear_matches_reference_fp32(m, with_bias, num_splits, rng, dev
     assert not workspace.counters.any()
     again = splitk_linear(*on, workspace)
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("m", [1, 16])
+def test_splitk_linear_gelu_epilogue_is_one_rounding_of_gelu(m, num_splits, rng, device):
+    # GPT-2's c_fc: tanh GELU after the bias, of the summed splits (not of each split),
+    # rounded once: the fp16 result equals the fp32 reference's rounding up to the order
+    # of the sums. The pre-activations span [-4, 4], where tanh GELU bends.
+    x = torch.randn(m, K, generator=rng).half()
+    weight = (0.12 * torch.randn(N, K, generator=rng)).half()
+    bias = torch.randn(N, generator=rng).half()
+    want = gelu_tanh_linear_ref(x, weight, bias)
+    workspace = poisoned_workspace(N, SplitKConfig(num_splits, block_n=32, block_k=32), device)
+    on = [t.to(device) for t in (x, weight, bias)]
+    got = splitk_linear(*on, workspace, gelu=True)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=2e-3)
+    plain = splitk_linear(*on, workspace)  # the same launch without it is the linear alone
+    torch.testing.assert_close(
+        plain.cpu(),
+        linear_ref(x.float(), weight.float(), bias.float()).half(),
+        rtol=2e-3,
+        atol=2e-3,
+    )
+    assert not torch.allclose(got.cpu().float(), plain.cpu().float(), atol=0.1)
 
 
 @pytest.mark.parametrize("m", [5, 64])

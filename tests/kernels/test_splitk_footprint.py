@@ -45,7 +45,8 @@ def compile_rows_launches() -> None:
             config = splitk_configs(n, k, fp8, sms=132, hopper=True)[1]
             signature = splitk_signature(fp8)
             constexprs = {"FP8": fp8, "HAS_BIAS": False, "LORA": False, "LORA_BLOCK": 16}
-            constexprs |= {"KEEP_GROUP": False, "BLOCK_M": 64, "BLOCK_N": config.block_n}
+            constexprs |= {"KEEP_GROUP": False, "GELU_TANH": False, "BLOCK_M": 64}
+            constexprs |= {"BLOCK_N": config.block_n}
             constexprs |= {"BLOCK_K": config.block_k, "NUM_SPLITS": config.num_splits}
             constexprs |= {"DEFER": False, "DOT_PRECISION": "tf32", "PDL": True}
             options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
