@@ -27,6 +27,7 @@ from benchmarks.provenance import provenance, write_result
 from benchmarks.shapes import CONFIGS
 from engine.config import EngineConfig
 from kernels.decode_config import DecodeConfig, decode_config
+from kernels.paged_attention import head_pack
 
 H100_SMS = 132
 BLOCK_SIZE = EngineConfig.block_size  # the engine's default KV block
@@ -44,6 +45,10 @@ class Heads:
     def group(self) -> int:  # query heads a kv head serves
         return self.num_heads // self.num_kv_heads
 
+    def pack(self, batch: int) -> int:  # kv heads a program reads (MHA's small heads)
+        crowded = batch * self.num_kv_heads >= 8 * H100_SMS
+        return head_pack(self.group, self.head_dim, self.num_kv_heads, self.rope, crowded)
+
 
 def heads_of(model: str) -> Heads:
     config = CONFIGS[model]()
@@ -54,7 +59,9 @@ def heads_of(model: str) -> Heads:
     return Heads(num_heads, num_kv_heads, head_dim, rope=config.model_type != "gpt2")
 
 
-def compile_decode(heads: Heads, config: DecodeConfig, kv_fp8: bool, dtype: str) -> Footprint:
+def compile_decode(
+    heads: Heads, pack: int, config: DecodeConfig, kv_fp8: bool, dtype: str
+) -> Footprint:
     """The decode kernel as the engine launches it for these heads: storing the new
     K/V itself, rotating q and K where the model has rotary embeddings."""
     from kernels.paged_attention import _decode_kernel
@@ -68,7 +75,8 @@ def compile_decode(heads: Heads, config: DecodeConfig, kv_fp8: bool, dtype: str)
     for name in ("query_ptr", "new_k_ptr", "new_v_ptr", "out_ptr", "q_norm_ptr", "k_norm_ptr"):
         pointers[name] = f"*{dtype}"
     floats = {"qk_scale", "out_scale", "k_scale_inv", "v_scale_inv", "norm_eps", "softcap"}
-    constexprs = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group))}
+    constexprs = {"GROUP": group, "GROUP_PAD": max(16, triton.next_power_of_2(group * pack))}
+    constexprs |= {"PACK": pack}
     constexprs |= {"HEAD_DIM": heads.head_dim}
     constexprs |= {"HEAD_DIM_P2": triton.next_power_of_2(heads.head_dim)}
     constexprs |= {"BLOCK_SIZE": BLOCK_SIZE, "BLOCK_N": config.block_n}
@@ -87,15 +95,16 @@ def rows_for(model: str, batches: list[int], kv_fp8: bool) -> list[dict]:
     dtype = "fp16" if model == "gpt2" else "bf16"
     rows, compiled = [], {}
     for batch in batches:
+        pack = heads.pack(batch)
         with patch("kernels.decode_config.num_sms_of", lambda _: H100_SMS):
             config = decode_config(
-                batch, heads.num_kv_heads, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE,
-                torch.device("cuda"), heads.group, heads.head_dim, kv_fp8,
+                batch, heads.num_kv_heads // pack, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE,
+                torch.device("cuda"), heads.group * pack, heads.head_dim * pack, kv_fp8,
             )  # fmt: skip
-        if config not in compiled:
-            compiled[config] = compile_decode(heads, config, kv_fp8, dtype)
-        fp = compiled[config]
-        programs = batch * heads.num_kv_heads * config.num_splits
+        if (pack, config) not in compiled:
+            compiled[pack, config] = compile_decode(heads, pack, config, kv_fp8, dtype)
+        fp = compiled[pack, config]
+        programs = batch * heads.num_kv_heads // pack * config.num_splits
         per_sm = fp.programs_per_sm()
         rows.append(
             {"batch": batch, "config": asdict(config), **asdict(fp), "programs_per_sm": per_sm}

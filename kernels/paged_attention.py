@@ -19,7 +19,13 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ref import paged_attention_decode_ref
-from kernels.decode_config import DecodeConfig, decode_config, decode_workspace, merge_splits
+from kernels.decode_config import (
+    DecodeConfig,
+    decode_config,
+    decode_workspace,
+    merge_splits,
+    num_sms_of,
+)
 from kernels.fp8 import FP8_DTYPE, round_to_fp8
 from kernels.pdl import launch_options, use_pdl, wait_previous
 from kernels.rotary import Rope, rope_cos_sin, rope_load
@@ -81,6 +87,7 @@ def _decode_kernel(
     stride_lh,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    PACK: tl.constexpr,  # kv heads a program reads, for one query head each (GROUP == 1)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -97,15 +104,24 @@ def _decode_kernel(
 ):
     # One program per (sequence, kv head, split): the whole query-head group of the kv head
     # shares each K/V tile it loads. The group is padded to GROUP_PAD >= 16 rows for tl.dot.
+    # With PACK > 1 (multi-head attention: a query head per kv head) a program reads PACK
+    # adjacent kv heads as one row of PACK * HEAD_DIM (the cache is contiguous), and query
+    # row r holds head r's query in its own HEAD_DIM columns, zeros elsewhere: its scores
+    # are head r's alone, and of its output row only those columns are head r's.
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) * PACK  # the first of the program's kv heads
     split = tl.program_id(2)
     group_rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * GROUP + group_rows
-    head_mask = group_rows < GROUP
-    dims = tl.arange(0, HEAD_DIM_P2)
-    dim_mask = dims < HEAD_DIM
-    q_mask = head_mask[:, None] & dim_mask[None, :]
+    head_mask = group_rows < GROUP * PACK
+    dims = tl.arange(0, PACK * HEAD_DIM_P2)  # with PACK > 1 HEAD_DIM is a power of two
+    dim_mask = dims < PACK * HEAD_DIM
+    if PACK > 1:
+        head_dims = dims % HEAD_DIM  # a column's dim within its head, row dims // HEAD_DIM's
+        q_mask = (dims // HEAD_DIM)[None, :] == group_rows[:, None]
+    else:
+        head_dims = dims
+        q_mask = head_mask[:, None] & dim_mask[None, :]
     q_heads = query_ptr + seq * stride_qs + heads[:, None] * stride_qh
 
     # The step's metadata (contexts, slots, positions: written before the forward's first
@@ -136,7 +152,7 @@ def _decode_kernel(
     if ROPE:
         q = rope_load(q_heads, dims, q_mask, q_norm_ptr, cos, sin, norm_eps, ROPE_NORM, HEAD_DIM)
     else:
-        q = tl.load(q_heads + dims[None, :], mask=q_mask)
+        q = tl.load(q_heads + head_dims[None, :], mask=q_mask, other=0.0)
     if KV_FP8 and q.dtype == tl.bfloat16:
         # The tiles' dots in fp16: e4m3 -> fp16 is one conversion per pair of values, e4m3
         # -> bf16 several, enough to make an FP8 tile cost about what a bf16 one does.
@@ -152,9 +168,13 @@ def _decode_kernel(
         if (slot >= 0) & (split == owner):
             new_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_co
             new_offs += kv_head * stride_ch + dims
-            new_k_row = new_k_ptr + seq * stride_nks + kv_head * stride_nkh
+            if PACK > 1:
+                new_heads = kv_head + dims // HEAD_DIM
+            else:
+                new_heads = kv_head
+            new_k_row = new_k_ptr + seq * stride_nks + new_heads * stride_nkh
             new_v = tl.load(
-                new_v_ptr + seq * stride_nvs + kv_head * stride_nvh + dims, mask=dim_mask
+                new_v_ptr + seq * stride_nvs + new_heads * stride_nvh + head_dims, mask=dim_mask
             )
             if ROPE:
                 k_head = new_k_row + tl.zeros([1, 1], tl.int32)  # one head: [1, D] out
@@ -164,7 +184,7 @@ def _decode_kernel(
                 )  # fmt: skip
                 new_k = tl.reshape(new_k, (HEAD_DIM_P2,))
             else:
-                new_k = tl.load(new_k_row + dims, mask=dim_mask)
+                new_k = tl.load(new_k_row + head_dims, mask=dim_mask)
             if KV_FP8:
                 new_k = round_to_fp8(new_k.to(tl.float32) * k_scale_inv)
                 new_v = round_to_fp8(new_v.to(tl.float32) * v_scale_inv)
@@ -174,7 +194,7 @@ def _decode_kernel(
         # (bar.sync, which orders global memory within the CTA) makes the stores visible.
         tl.debug_barrier()
 
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_P2], tl.float32)
+    acc = tl.zeros([GROUP_PAD, PACK * HEAD_DIM_P2], tl.float32)
     head_offs = kv_head * stride_ch + dims[None, :]
     for tile in range(tile_start, tile_end):
         tokens = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,15 +229,29 @@ def _decode_kernel(
     if KV_FP8:
         result = result * out_scale
     if not IS_SPLIT:
-        out_offs = seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+        out_offs = seq * stride_os + heads[:, None] * stride_oh + head_dims[None, :]
         tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         split_offs = (
-            seq * stride_ss + heads[:, None] * stride_sh + split * stride_sp + dims[None, :]
+            seq * stride_ss + heads[:, None] * stride_sh + split * stride_sp + head_dims[None, :]
         )
         tl.store(split_out_ptr + split_offs, result, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(split_lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=head_mask)
+
+
+def head_pack(group: int, head_dim: int, num_kv_heads: int, rope: bool, crowded: bool) -> int:
+    """Kv heads one decode program reads: for multi-head attention with heads of 64 dims
+    or fewer (GPT-2's), enough adjacent heads for rows of 128 values, once the grid is
+    crowded (a program per head would make 8 or more an SM): fewer, longer programs then
+    stream their rows closer to copy bandwidth. A sparser grid keeps its programs, which
+    halved would leave SMs short of work. Not with rotary embeddings (rotated per head)."""
+    if not crowded or group > 1 or rope or head_dim > 64 or head_dim & (head_dim - 1):
+        return 1
+    pack = 128 // head_dim
+    while num_kv_heads % pack:
+        pack //= 2
+    return pack
 
 
 def paged_attention_decode(
@@ -266,15 +300,18 @@ def paged_attention_decode(
         q_norm, k_norm = (query, query) if norm is None else (norm.q_weight, norm.k_weight)
     else:  # placeholders again (ROPE=False)
         norm, positions, cos_sin, q_norm, k_norm = None, context_lens, query, query, query
-    if config is None:
+    group = num_heads // num_kv_heads
+    crowded = num_seqs * num_kv_heads >= 8 * num_sms_of(query.device)
+    pack = head_pack(group, head_dim, num_kv_heads, rope is not None, crowded)
+    if config is None:  # a pack's program reads as one kv head of pack * head_dim would
         config = decode_config(
             num_seqs,
-            num_kv_heads,
+            num_kv_heads // pack,
             block_table.shape[1],
             block_size,
             query.device,
-            num_heads // num_kv_heads,
-            head_dim,
+            group * pack,
+            head_dim * pack,
             k_cache.dtype == FP8_DTYPE,
             min((w for w in (sliding_window, chunk) if w > 0), default=0),
         )
@@ -283,13 +320,12 @@ def paged_attention_decode(
     if workspace is None:
         workspace = decode_workspace(num_seqs, num_heads, head_dim, config.num_splits, query.device)
     split_out, split_lse = workspace
-    group = num_heads // num_kv_heads
     head_dim_p2 = triton.next_power_of_2(head_dim)
     kv_fp8 = k_cache.dtype == FP8_DTYPE
     if not kv_fp8:
         k_scale = v_scale = 1.0
     pdl = use_pdl(query.device)
-    _decode_kernel[(num_seqs, num_kv_heads, config.num_splits)](
+    _decode_kernel[(num_seqs, num_kv_heads // pack, config.num_splits)](
         query,
         k_cache,
         v_cache,
@@ -334,7 +370,8 @@ def paged_attention_decode(
         split_lse.stride(0),
         split_lse.stride(1),
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(16, triton.next_power_of_2(group * pack)),
+        PACK=pack,
         HEAD_DIM=head_dim,
         HEAD_DIM_P2=head_dim_p2,
         BLOCK_SIZE=block_size,

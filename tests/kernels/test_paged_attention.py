@@ -10,17 +10,19 @@ import torch
 
 from kernels.attention_ref import paged_attention_decode_ref
 from kernels.decode_config import DecodeConfig, decode_config, decode_workspace
-from kernels.paged_attention import paged_attention_decode, paged_attention_decode_for
+from kernels.paged_attention import head_pack, paged_attention_decode, paged_attention_decode_for
 from kernels.rotary import QKNorm, Rope, rotary
 from kernels.score_mods import softmax_with_sinks
 from tests.kernels.test_rotary import cos_sin_cache
 
-# (num_heads, num_kv_heads, head_dim, block_size, num_splits): GPT-2, GQA groups of 4 and 7,
-# a non-power-of-2 head_dim, both block sizes, with and without split-KV (the interpreter is
+# (num_heads, num_kv_heads, head_dim, block_size, num_splits): GPT-2 (two heads a program),
+# six heads of 32 (two a program, as six do not pack by four), GQA groups of 4 and 7, a
+# non-power-of-2 head_dim, both block sizes, with and without split-KV (the interpreter is
 # slow, so a covering subset rather than the full product).
 CASES = [
     (12, 12, 64, 16, 1),
     (12, 12, 64, 32, 3),
+    (6, 6, 32, 16, 2),
     (8, 2, 32, 32, 1),
     (8, 2, 64, 16, 3),
     (8, 2, 80, 32, 3),
@@ -197,6 +199,17 @@ def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(
                     num_seqs, 8, 512, 16, torch.device("cuda"), 4, head_dim, kv_fp8, window
                 )
                 assert windowed.num_splits == min(splits, window // 128)
+
+
+def test_multi_head_programs_read_rows_of_128_values() -> None:
+    assert head_pack(1, 64, 12, False, True) == 2  # GPT-2
+    assert head_pack(1, 64, 12, False, False) == 1  # a grid of under 8 programs an SM
+    assert head_pack(1, 32, 6, False, True) == 2 and head_pack(1, 32, 8, False, True) == 4
+    assert head_pack(1, 16, 12, False, True) == 4  # eight would not divide twelve heads
+    # Query groups share their kv head's rows already; rotary rotates each head alone;
+    # 128-dim heads are rows of 128 already, and 80 dims do not tile by powers of two.
+    for group, head_dim, rope in ((4, 64, False), (1, 64, True), (1, 128, False), (1, 80, False)):
+        assert head_pack(group, head_dim, 8, rope, True) == 1
 
 
 def test_decode_for_picks_reference_off_cuda() -> None:
