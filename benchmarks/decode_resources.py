@@ -46,7 +46,7 @@ class Heads:
         return self.num_heads // self.num_kv_heads
 
     def pack(self, batch: int) -> int:  # kv heads a program reads (MHA's small heads)
-        crowded = batch * self.num_kv_heads >= 8 * H100_SMS
+        crowded = batch * self.num_kv_heads >= 16 * H100_SMS
         return head_pack(self.group, self.head_dim, self.num_kv_heads, self.rope, crowded)
 
 

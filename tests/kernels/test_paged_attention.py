@@ -203,7 +203,7 @@ def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(
 
 def test_multi_head_programs_read_rows_of_128_values() -> None:
     assert head_pack(1, 64, 12, False, True) == 2  # GPT-2
-    assert head_pack(1, 64, 12, False, False) == 1  # a grid of under 8 programs an SM
+    assert head_pack(1, 64, 12, False, False) == 1  # a grid of under 16 programs an SM
     assert head_pack(1, 32, 6, False, True) == 2 and head_pack(1, 32, 8, False, True) == 4
     assert head_pack(1, 16, 12, False, True) == 4  # eight would not divide twelve heads
     # Query groups share their kv head's rows already; rotary rotates each head alone;
