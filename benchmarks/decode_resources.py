@@ -46,8 +46,7 @@ class Heads:
         return self.num_heads // self.num_kv_heads
 
     def pack(self, batch: int) -> int:  # kv heads a program reads (MHA's small heads)
-        crowded = batch * self.num_kv_heads >= 16 * H100_SMS
-        return head_pack(self.group, self.head_dim, self.num_kv_heads, self.rope, crowded)
+        return head_pack(batch, self.num_kv_heads, self.group, self.head_dim, self.rope, H100_SMS)
 
 
 def heads_of(model: str) -> Heads:

@@ -445,13 +445,21 @@ def splitk_max_rows(n: int, k: int, element_size: int) -> int:
 
 
 def dense(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, defer: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    defer: bool = False,
+    gelu: bool = False,
 ) -> torch.Tensor | SplitKPartials:
     """x @ weight^T + bias, through the split-K kernel where it pays, else cuBLAS. With
-    `defer` a split launch returns its splits unsummed (for `add_norm`)."""
+    `defer` a split launch returns its splits unsummed (for `add_norm`). With `gelu` (CUDA
+    only, a bias given) the tanh GELU of it in the same launch, rounded once: the
+    kernel's epilogue, else cuBLASLt's (`gelu_tanh_linear_ref`)."""
     if x.dim() == 2 and splitk_pays(x, weight):
         workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
-        return splitk_linear(x, weight, bias, workspace, defer=defer)
+        return splitk_linear(x, weight, bias, workspace, defer=defer, gelu=gelu)
+    if gelu:
+        return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
     return F.linear(x, weight, bias)
 
 
@@ -459,12 +467,3 @@ def gelu_tanh_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """tanh GELU of x @ weight^T + bias, rounded once (cuBLASLt's GELU epilogue)."""
     y = F.linear(x.float(), weight.float(), bias.float())
     return F.gelu(y, approximate="tanh").to(x.dtype)
-
-
-def dense_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """tanh GELU of x @ weight^T + bias in one launch on CUDA: the split-K kernel where it
-    pays, else cuBLASLt's GELU epilogue."""
-    if x.dim() == 2 and splitk_pays(x, weight):
-        workspace = splitk_workspace(weight.shape[0], x.device, k=weight.shape[1])
-        return splitk_linear(x, weight, bias, workspace, gelu=True)
-    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)

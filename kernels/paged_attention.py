@@ -240,7 +240,9 @@ def _decode_kernel(
         tl.store(split_lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=head_mask)
 
 
-def head_pack(group: int, head_dim: int, num_kv_heads: int, rope: bool, crowded: bool) -> int:
+def head_pack(
+    num_seqs: int, num_kv_heads: int, group: int, head_dim: int, rope: bool, num_sms: int
+) -> int:
     """Kv heads one decode program reads: for multi-head attention with heads of 64 dims
     or fewer (GPT-2's), enough adjacent heads for rows of 128 values, once the grid is
     crowded (a program per head would make 16 or more an SM): fewer, longer programs then
@@ -248,6 +250,7 @@ def head_pack(group: int, head_dim: int, num_kv_heads: int, rope: bool, crowded:
     were faster at 256 sequences (23 programs an SM unpacked) and slower at 128 (12) and
     64 (6), where the halved grid leaves SMs short of work. Not with rotary embeddings
     (each head rotated alone)."""
+    crowded = num_seqs * num_kv_heads >= 16 * num_sms
     if not crowded or group > 1 or rope or head_dim > 64 or head_dim & (head_dim - 1):
         return 1
     pack = 128 // head_dim
@@ -303,8 +306,9 @@ def paged_attention_decode(
     else:  # placeholders again (ROPE=False)
         norm, positions, cos_sin, q_norm, k_norm = None, context_lens, query, query, query
     group = num_heads // num_kv_heads
-    crowded = num_seqs * num_kv_heads >= 16 * num_sms_of(query.device)
-    pack = head_pack(group, head_dim, num_kv_heads, rope is not None, crowded)
+    pack = head_pack(
+        num_seqs, num_kv_heads, group, head_dim, rope is not None, num_sms_of(query.device)
+    )
     if config is None:  # a pack's program reads as one kv head of pack * head_dim would
         config = decode_config(
             num_seqs,

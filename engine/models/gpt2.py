@@ -26,7 +26,7 @@ from engine.models.parallel import (
     split,
 )
 from kernels.fp8 import Fp8Rows
-from kernels.linear import dense_gelu_tanh
+from kernels.linear import dense
 
 # HF name suffix -> ours. HF stores GPT-2's projections as Conv1D ([in, out]),
 # so those weights are read transposed into nn.Linear's [out, in].
@@ -73,7 +73,7 @@ class GPT2Block(nn.Module):
         if self.tanh_gelu and isinstance(self.c_fc, nn.Linear) and h.is_cuda:  # not FP8
             # GEMM, bias and GELU in one kernel (cuBLASLt's epilogue is the tanh form; on
             # CPU the same call computes erf GELU, hence CUDA only).
-            return dense_gelu_tanh(h, self.c_fc.weight, self.c_fc.bias)
+            return dense(h, self.c_fc.weight, self.c_fc.bias, gelu=True)
         return self.act(self.c_fc(h))
 
 

@@ -202,14 +202,15 @@ def test_decode_config_splits_small_grids_to_a_few_programs_an_sm(
 
 
 def test_multi_head_programs_read_rows_of_128_values() -> None:
-    assert head_pack(1, 64, 12, False, True) == 2  # GPT-2
-    assert head_pack(1, 64, 12, False, False) == 1  # a grid of under 16 programs an SM
-    assert head_pack(1, 32, 6, False, True) == 2 and head_pack(1, 32, 8, False, True) == 4
-    assert head_pack(1, 16, 12, False, True) == 4  # eight would not divide twelve heads
+    # 256 of GPT-2's sequences on 132 SMs: 23 programs an SM a head each; 128 make 12.
+    assert head_pack(256, 12, 1, 64, False, 132) == 2
+    assert head_pack(128, 12, 1, 64, False, 132) == 1  # under 16 programs an SM
+    assert head_pack(64, 6, 1, 32, False, 1) == 2 and head_pack(64, 8, 1, 32, False, 1) == 4
+    assert head_pack(64, 12, 1, 16, False, 1) == 4  # eight would not divide twelve heads
     # Query groups share their kv head's rows already; rotary rotates each head alone;
     # 128-dim heads are rows of 128 already, and 80 dims do not tile by powers of two.
     for group, head_dim, rope in ((4, 64, False), (1, 64, True), (1, 128, False), (1, 80, False)):
-        assert head_pack(group, head_dim, 8, rope, True) == 1
+        assert head_pack(64, 8, group, head_dim, rope, 1) == 1
 
 
 def test_decode_for_picks_reference_off_cuda() -> None:
